@@ -1,0 +1,39 @@
+"""megatron_fcp: Flexible Context Parallelism for Megatron-LM.
+
+Public API (stable):
+
+* :func:`fcp_attention` — exact CP attention for one CP group driven by a :class:`~megatron_fcp.plan.Plan`.
+* :func:`apply_fcp` / :func:`revert_fcp` — patch Megatron's core attention (and undo it exactly).
+* :class:`FCPConfig` — the one configuration object (also the source of the ``--fcp-*`` flags).
+* :mod:`megatron_fcp.plan` — plans as data (``Plan``, ``ring_plan``, ``all_to_all_plan``, ``verify``).
+
+Attributes are imported lazily so that ``import megatron_fcp`` never imports megatron-core or
+``torch.distributed`` machinery the caller does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "fcp_attention": ("megatron_fcp.attention.function", "fcp_attention"),
+    "apply_fcp": ("megatron_fcp.patches.megatron", "apply_fcp"),
+    "revert_fcp": ("megatron_fcp.patches.megatron", "revert_fcp"),
+    "fcp_patched": ("megatron_fcp.patches.megatron", "fcp_patched"),
+    "FCPConfig": ("megatron_fcp.config", "FCPConfig"),
+    "plan": ("megatron_fcp.plan", None),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'megatron_fcp' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
