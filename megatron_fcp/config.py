@@ -1,0 +1,171 @@
+"""FCPConfig: the one configuration object of megatron_fcp.
+
+Every field carries a docstring (the string literal right below it); :func:`field_docs` reads them
+so that ``--help`` of the generated ``--fcp-*`` flags (see :mod:`megatron_fcp.patches.args`) and
+``docs/megatron.md`` say the same thing as this file. ``__post_init__`` validates each value and
+its errors name the flag (and YAML key) to change. YAML maps 1:1 onto the fields::
+
+    fcp:
+      enabled: true
+      graph: hierarchical
+      topology: dgx-h100:2
+      block_tokens: 4096
+      overlap: true
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import textwrap
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
+from typing import Any, Mapping
+
+__all__ = ["FCPConfig", "GRAPHS", "field_docs", "flag_of", "load_yaml"]
+
+#: Graph builders a user may ask for (``auto`` lets the planner choose from the topology).
+GRAPHS: tuple[str, ...] = ("auto", "ring", "full", "hierarchical", "leader", "spanning", "balanced")
+
+_PRESET_SPEC = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*(:[0-9]+)?$")
+
+
+def _is_file_spec(spec: str) -> bool:
+    return spec.endswith((".yaml", ".yml")) or os.sep in spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class FCPConfig:
+    """Flexible Context Parallelism settings (CLI flags, YAML ``fcp:`` section, Python)."""
+
+    enabled: bool = field(default=False, metadata={"flag": "--fcp"})
+    """Replace Megatron's context-parallel attention with FCP's graph-scheduled attention."""
+
+    graph: str = field(default="auto", metadata={"choices": GRAPHS})
+    """Communication graph the KV blocks travel on: auto (chosen from the topology), ring, full,
+    hierarchical (rail-striped across nodes, fan-out inside), leader (one uplink per node),
+    spanning (max-bandwidth tree), balanced."""
+
+    topology: str = field(default="auto", metadata={"metavar": "SPEC"})
+    """Machine topology: auto (ranks per node from LOCAL_WORLD_SIZE), PRESET[:NODES] (dgx-a100,
+    dgx-h100, pcie-box, single-uplink; e.g. dgx-h100:2) or a topology FILE.yaml."""
+
+    block_tokens: int = 0
+    """Tokens per KV block; a zigzag chunk is cut into chunk_len/block_tokens blocks so transfers
+    overlap with compute (4K-8K is a good start on GPUs). 0 keeps one block per chunk."""
+
+    overlap: bool = True
+    """Overlap block transfers with attention compute (off: communicate, then compute)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"--fcp (fcp.enabled) must be true or false, got {self.enabled!r}")
+        if self.graph not in GRAPHS:
+            raise ValueError(
+                f"unknown FCP graph {self.graph!r}: set --fcp-graph (fcp.graph) to one of "
+                + ", ".join(GRAPHS)
+            )
+        if not isinstance(self.topology, str) or not self.topology:
+            raise ValueError("--fcp-topology (fcp.topology) must be auto, PRESET[:NODES] or FILE.yaml")
+        if self.topology != "auto":
+            if _is_file_spec(self.topology):
+                if not os.path.isfile(self.topology):
+                    raise ValueError(
+                        f"topology file not found: {self.topology!r}; fix --fcp-topology "
+                        "(fcp.topology) or use a preset such as dgx-h100:2"
+                    )
+            elif not _PRESET_SPEC.match(self.topology):
+                raise ValueError(
+                    f"--fcp-topology (fcp.topology) {self.topology!r} is not auto, PRESET[:NODES] "
+                    "(e.g. dgx-h100:2) or a .yaml file"
+                )
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens < 0:
+            raise ValueError(
+                f"--fcp-block-tokens (fcp.block_tokens) must be an integer >= 0, got {self.block_tokens!r}"
+            )
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"--fcp-overlap (fcp.overlap) must be true or false, got {self.overlap!r}")
+
+    # ---- derived -----------------------------------------------------------------------------
+    def parts_per_chunk(self, chunk_tokens: int) -> int:
+        """Blocks per zigzag chunk of ``chunk_tokens`` tokens (``seq_len / (2*cp)``)."""
+        if self.block_tokens == 0 or self.block_tokens >= chunk_tokens:
+            return 1
+        if chunk_tokens % self.block_tokens:
+            raise ValueError(
+                f"--fcp-block-tokens {self.block_tokens} must divide the zigzag chunk length "
+                f"{chunk_tokens} (= seq_length / (2 * context_parallel_size))"
+            )
+        return chunk_tokens // self.block_tokens
+
+    # ---- dict / YAML -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "FCPConfig":
+        """Build from a mapping of field names (the YAML ``fcp:`` section); unknown keys fail."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) in the fcp config: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "FCPConfig":
+        """Load the ``fcp:`` section of a YAML file (or the whole file if it has none)."""
+        data = load_yaml(path)
+        return cls.from_dict(data.get("fcp", data) if isinstance(data, dict) else data)
+
+    def to_yaml(self) -> str:
+        import yaml  # noqa: PLC0415
+
+        return yaml.safe_dump({"fcp": self.to_dict()}, sort_keys=False)
+
+    def replace(self, **changes: Any) -> "FCPConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML mapping; errors name the file."""
+    import yaml  # noqa: PLC0415
+
+    if not os.path.isfile(path):
+        raise ValueError(f"config file not found: {path!r}")
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a YAML mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of field ``name`` (``block_tokens`` -> ``--fcp-block-tokens``)."""
+    for f in fields(FCPConfig):
+        if f.name == name:
+            return f.metadata.get("flag", "--fcp-" + name.replace("_", "-"))
+    raise KeyError(name)
+
+
+@lru_cache(maxsize=None)
+def field_docs(cls: type = FCPConfig) -> dict[str, str]:
+    """``{field: docstring}`` from the string literal that follows each field in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
