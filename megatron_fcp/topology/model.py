@@ -1,0 +1,769 @@
+"""Cluster topology: ranks, nodes, links and the shared resources a message crosses.
+
+Pure data (frozen dataclasses) plus routing; no ``torch`` imports.
+
+Note [Topology model]
+---------------------
+A cluster is ``nodes`` machines that share one :class:`NodeLayout` (a small undirected device graph)
+and a non-blocking network fabric between the machines' NICs. A layout's vertices are GPUs
+(``gpu0`` .. ``gpu{g-1}``, one per local rank), NICs (named in ``nics``) and any other names, which
+are switches (an NVSwitch plane, a PCIe switch, a CPU root complex ...). Every :class:`Link`
+joins two vertices and has a ``kind``, a bandwidth *per direction* (bytes/s) and a latency (s).
+
+Routing (cached per layout, so 1,024-rank clusters route in microseconds per pair):
+
+* same node: the cheapest path between the two GPU vertices, where cost is
+  ``latency + REF_BYTES / bandwidth`` summed over links; only switch vertices may be transit
+  (never another GPU or a NIC);
+* different nodes: source GPU -> its NIC (``gpu_nic``, default: the nearest NIC), the NIC's
+  egress wire, the destination NIC's ingress wire, that NIC -> destination GPU.
+
+A message therefore traverses a tuple of :class:`Resource` objects, each one *direction* of one
+link or of one NIC wire, named ``n{node}:{u}>{v}`` (``n0:gpu3>nvswitch``) or ``n{node}:{nic}>net``
+/ ``n{node}:net>{nic}``. Messages that share a resource share its bandwidth; the simulator models
+contention on exactly these names. Examples (``dgx-h100``, rail-aligned, one NIC per GPU)::
+
+    n0 gpu3 -> n0 gpu5 : n0:gpu3>nvswitch, n0:nvswitch>gpu5
+    n0 gpu3 -> n1 gpu3 : n0:gpu3>nic3, n0:nic3>net, n1:net>nic3, n1:nic3>gpu3
+
+and on ``single-uplink`` every GPU of a node shares ``n{k}:nic0>net``.
+
+Ranks are global ranks ``0..world-1``; ``rank_map[r] = (node, local_rank)``. The default follows
+torchrun: ``node = r // gpus_per_node``, ``local_rank = r % gpus_per_node``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+__all__ = [
+    "LINK_KINDS",
+    "REF_BYTES",
+    "TopologyError",
+    "Link",
+    "Nic",
+    "Resource",
+    "Route",
+    "NodeLayout",
+    "Topology",
+    "PRESETS",
+    "preset",
+    "load_topology",
+    "parse_bandwidth",
+    "parse_latency",
+    "GB",
+]
+
+LINK_KINDS = ("nvlink", "nvswitch", "pcie", "ib", "ethernet", "loopback")
+"""Valid ``kind`` values of links and NICs."""
+
+GB = 1e9
+REF_BYTES = 4 * 2**20
+"""Message size used to rank paths: cost = latency + REF_BYTES / bandwidth (a 4 MiB KV block)."""
+
+
+class TopologyError(ValueError):
+    """A topology description is invalid; the message names the offending field."""
+
+
+# ---- unit parsing ----------------------------------------------------------------------------
+
+_BW_UNITS = {
+    "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,          # bytes
+    "bit/s": 0.125, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8,   # bits
+    "gbps": 1e9 / 8, "mbps": 1e6 / 8,
+}
+_LAT_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def _parse_quantity(value: Any, units: Mapping[str, float], field_name: str) -> float:
+    if isinstance(value, bool):
+        raise TopologyError(f"{field_name}: expected a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-zµ/]*)\s*", value)
+        if m:
+            try:
+                number = float(m.group(1))
+            except ValueError:
+                number = None
+            unit = m.group(2)
+            if number is not None:
+                if not unit:
+                    return number
+                # "GB/s" is bytes, "Gb/s" is bits: keep case for the b/B distinction.
+                key = unit.lower()
+                if unit.endswith("b/s") and not unit.endswith("B/s") and key not in ("b/s",):
+                    key = key[:-3] + "bit/s"
+                if key in units:
+                    return number * units[key]
+        raise TopologyError(
+            f"{field_name}: cannot parse {value!r}; use a number or units like "
+            + ", ".join(sorted({u for u in units if '/' in u or u in _LAT_UNITS})[:6])
+        )
+    raise TopologyError(f"{field_name}: expected a number or a string with units, got {value!r}")
+
+
+def parse_bandwidth(value: Any, field_name: str = "bandwidth") -> float:
+    """Bytes/s from a number or a string (``"450GB/s"``, ``"200Gb/s"`` = bits, ``"25e9"``); must be > 0."""
+    bw = _parse_quantity(value, _BW_UNITS, field_name)
+    if not (bw > 0) or math.isinf(bw):
+        raise TopologyError(f"{field_name}: bandwidth must be a finite number > 0 bytes/s, got {value!r}")
+    return bw
+
+
+def parse_latency(value: Any, field_name: str = "latency") -> float:
+    """Seconds from a number or a string (``"2us"``, ``"1e-6"``); must be >= 0."""
+    lat = _parse_quantity(value, _LAT_UNITS, field_name)
+    if not (lat >= 0) or math.isinf(lat):
+        raise TopologyError(f"{field_name}: latency must be a finite number >= 0 seconds, got {value!r}")
+    return lat
+
+
+def _check_kind(kind: str, field_name: str) -> str:
+    if kind not in LINK_KINDS:
+        raise TopologyError(f"{field_name}: unknown link kind {kind!r}; expected one of {', '.join(LINK_KINDS)}")
+    return kind
+
+
+# ---- building blocks -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """An undirected link between vertices ``a`` and ``b`` of a node layout.
+
+    ``bandwidth`` is bytes/s in *each* direction (the two directions are separate resources);
+    ``latency`` is seconds per traversal.
+    """
+
+    a: str
+    b: str
+    kind: str
+    bandwidth: float
+    latency: float = 1e-6
+
+    def __post_init__(self) -> None:
+        where = f"link {self.a}-{self.b}"
+        _check_kind(self.kind, f"{where}.kind")
+        object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth, f"{where}.bandwidth"))
+        object.__setattr__(self, "latency", parse_latency(self.latency, f"{where}.latency"))
+        if self.a == self.b:
+            raise TopologyError(f"{where}: a link must join two different vertices")
+
+
+@dataclass(frozen=True)
+class Nic:
+    """A network adapter: vertex ``name`` of the layout plus its wire to the fabric.
+
+    ``bandwidth`` is the wire's bytes/s per direction (egress and ingress are separate resources).
+    """
+
+    name: str
+    kind: str = "ib"
+    bandwidth: float = 50 * GB
+    latency: float = 2e-6
+
+    def __post_init__(self) -> None:
+        where = f"nic {self.name}"
+        _check_kind(self.kind, f"{where}.kind")
+        object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth, f"{where}.bandwidth"))
+        object.__setattr__(self, "latency", parse_latency(self.latency, f"{where}.latency"))
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One direction of a link or NIC wire: the unit of contention. ``name`` is unique per topology."""
+
+    name: str
+    kind: str
+    bandwidth: float
+    latency: float
+    node: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """The resources a message from ``src`` to ``dst`` traverses, in order."""
+
+    src: int
+    dst: int
+    resources: tuple[Resource, ...]
+
+    @property
+    def latency(self) -> float:
+        return sum(r.latency for r in self.resources)
+
+    @property
+    def bandwidth(self) -> float:
+        """Bottleneck bandwidth (bytes/s) of an otherwise idle route."""
+        return min((r.bandwidth for r in self.resources), default=math.inf)
+
+    @property
+    def kind(self) -> str:
+        """Kind of the bottleneck resource (``loopback`` for an empty route)."""
+        if not self.resources:
+            return "loopback"
+        return min(self.resources, key=lambda r: r.bandwidth).kind
+
+    def time(self, nbytes: float) -> float:
+        """Alpha-beta time of one ``nbytes`` message on an idle route (cut-through)."""
+        return self.latency + nbytes / self.bandwidth
+
+    @property
+    def cost(self) -> float:
+        """Ranking cost used by graph builders: time of one ``REF_BYTES`` message."""
+        return self.time(REF_BYTES)
+
+
+def _gpu(i: int) -> str:
+    return f"gpu{i}"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """One machine: ``gpus`` GPU vertices ``gpu0..``, NICs, links; see Note [Topology model].
+
+    ``gpu_nic[i]`` is the index into ``nics`` that local rank ``i`` uses for inter-node traffic;
+    empty means "the nearest NIC" (cheapest path, lowest index on ties).
+    """
+
+    gpus: int
+    links: tuple[Link, ...]
+    nics: tuple[Nic, ...] = ()
+    gpu_nic: tuple[int, ...] = ()
+    name: str = ""
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "nics", tuple(self.nics))
+        object.__setattr__(self, "gpu_nic", tuple(int(i) for i in self.gpu_nic))
+        self._validate()
+        if not self.gpu_nic and self.nics:
+            object.__setattr__(self, "gpu_nic", tuple(self._nearest_nic(i) for i in range(self.gpus)))
+
+    # ---- validation -----------------------------------------------------------------------
+    def _validate(self) -> None:
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise TopologyError(f"node.gpus: must be an integer >= 1, got {self.gpus!r}")
+        nic_names = [n.name for n in self.nics]
+        if len(set(nic_names)) != len(nic_names):
+            raise TopologyError(f"node.nics: NIC names repeat: {nic_names}")
+        gpu_names = {_gpu(i) for i in range(self.gpus)}
+        for n in nic_names:
+            if n in gpu_names or n.startswith("gpu"):
+                raise TopologyError(f"node.nics: NIC name {n!r} clashes with GPU vertex names gpu0..")
+        seen = set()
+        for ln in self.links:
+            for v in (ln.a, ln.b):
+                if v.startswith("gpu") and v not in gpu_names:
+                    raise TopologyError(
+                        f"node.links: link {ln.a}-{ln.b} names {v!r} but the node has gpus gpu0..gpu{self.gpus - 1}"
+                    )
+            key = frozenset((ln.a, ln.b))
+            if key in seen:
+                raise TopologyError(f"node.links: link {ln.a}-{ln.b} is listed twice")
+            seen.add(key)
+        linked = {v for ln in self.links for v in (ln.a, ln.b)}
+        for n in nic_names:
+            if n not in linked:
+                raise TopologyError(f"node.nics: NIC {n!r} is not attached by any link")
+        if self.gpu_nic:
+            if len(self.gpu_nic) != self.gpus:
+                raise TopologyError(
+                    f"node.gpu_nic: needs one NIC index per GPU ({self.gpus}), got {len(self.gpu_nic)}"
+                )
+            for i, k in enumerate(self.gpu_nic):
+                if not 0 <= k < len(self.nics):
+                    raise TopologyError(f"node.gpu_nic[{i}]: NIC index {k} out of range 0..{len(self.nics) - 1}")
+        for i in range(1, self.gpus):
+            if self._path(_gpu(0), _gpu(i)) is None:
+                raise TopologyError(f"node.links: gpu{i} is not connected to gpu0 (the node graph is disconnected)")
+        for i in range(self.gpus):
+            for k, nic in enumerate(self.nics):
+                if (not self.gpu_nic or self.gpu_nic[i] == k) and self._path(_gpu(i), nic.name) is None:
+                    raise TopologyError(f"node.links: gpu{i} cannot reach NIC {nic.name!r}")
+
+    # ---- routing --------------------------------------------------------------------------
+    def _adjacency(self) -> dict[str, list[Link]]:
+        adj = self._cache.get("adj")
+        if adj is None:
+            adj = {}
+            for ln in self.links:
+                adj.setdefault(ln.a, []).append(ln)
+                adj.setdefault(ln.b, []).append(ln)
+            self._cache["adj"] = adj
+        return adj
+
+    def _is_transit(self, v: str) -> bool:
+        return not v.startswith("gpu") and v not in {n.name for n in self.nics}
+
+    def _path(self, src: str, dst: str) -> tuple[tuple[str, str, Link], ...] | None:
+        """Cheapest vertex path ``src -> dst`` as directed hops ``(u, v, link)``; None if unreachable.
+
+        Dijkstra over the (tiny) node graph; only switch vertices are transit. Ties break on the
+        lexicographically smallest vertex sequence so routes are deterministic.
+        """
+        key = ("path", src, dst)
+        if key in self._cache:
+            return self._cache[key]
+        import heapq
+
+        adj = self._adjacency()
+        best: dict[str, tuple[float, tuple[str, ...]]] = {src: (0.0, (src,))}
+        heap = [(0.0, (src,), src, ())]
+        result = None
+        done = set()
+        while heap:
+            cost, seq, u, hops = heapq.heappop(heap)
+            if u in done:
+                continue
+            done.add(u)
+            if u == dst:
+                result = hops
+                break
+            if u != src and not self._is_transit(u):
+                continue
+            for ln in adj.get(u, ()):
+                v = ln.b if ln.a == u else ln.a
+                if v in done:
+                    continue
+                c = cost + ln.latency + REF_BYTES / ln.bandwidth
+                nseq = seq + (v,)
+                if v not in best or (c, nseq) < best[v]:
+                    best[v] = (c, nseq)
+                    heapq.heappush(heap, (c, nseq, v, hops + ((u, v, ln),)))
+        self._cache[key] = result
+        return result
+
+    def _nearest_nic(self, gpu: int) -> int:
+        def cost(k: int) -> float:
+            p = self._path(_gpu(gpu), self.nics[k].name)
+            return math.inf if p is None else sum(h[2].latency + REF_BYTES / h[2].bandwidth for h in p)
+
+        return min(range(len(self.nics)), key=lambda k: (cost(k), k))
+
+    def gpu_path(self, a: int, b: int) -> tuple[tuple[str, str, Link], ...]:
+        """Directed hops from local GPU ``a`` to local GPU ``b`` (empty when ``a == b``)."""
+        if a == b:
+            return ()
+        return self._path(_gpu(a), _gpu(b))
+
+    def nic_path(self, gpu: int, inbound: bool = False) -> tuple[tuple[str, str, Link], ...]:
+        """Directed hops GPU -> its NIC (or NIC -> GPU when ``inbound``)."""
+        nic = self.nics[self.gpu_nic[gpu]].name
+        return self._path(nic, _gpu(gpu)) if inbound else self._path(_gpu(gpu), nic)
+
+    # ---- presentation ---------------------------------------------------------------------
+    def vertices(self) -> list[str]:
+        names = [_gpu(i) for i in range(self.gpus)]
+        for ln in self.links:
+            for v in (ln.a, ln.b):
+                if v not in names:
+                    names.append(v)
+        return names
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"gpus": self.gpus}
+        if self.name:
+            d["name"] = self.name
+        d["links"] = [
+            {"a": ln.a, "b": ln.b, "kind": ln.kind, "bandwidth": ln.bandwidth, "latency": ln.latency}
+            for ln in self.links
+        ]
+        d["nics"] = [{"name": n.name, "kind": n.kind, "bandwidth": n.bandwidth, "latency": n.latency} for n in self.nics]
+        if self.nics:
+            d["gpu_nic"] = list(self.gpu_nic)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "node") -> "NodeLayout":
+        if not isinstance(d, Mapping):
+            raise TopologyError(f"{where}: expected a mapping with gpus/links/nics, got {type(d).__name__}")
+        unknown = set(d) - {"gpus", "links", "nics", "gpu_nic", "name"}
+        if unknown:
+            raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}; expected gpus, links, nics, gpu_nic, name")
+        if "gpus" not in d:
+            raise TopologyError(f"{where}.gpus: missing (number of GPUs per node)")
+        gpus = d["gpus"]
+        if not isinstance(gpus, int) or isinstance(gpus, bool):
+            raise TopologyError(f"{where}.gpus: must be an integer, got {gpus!r}")
+        links = []
+        raw_links = d.get("links") or []
+        if not isinstance(raw_links, list):
+            raise TopologyError(f"{where}.links: expected a list")
+        for i, ln in enumerate(raw_links):
+            if not isinstance(ln, Mapping):
+                raise TopologyError(f"{where}.links[{i}]: expected a mapping with a, b, kind, bandwidth")
+            for req in ("a", "b", "kind", "bandwidth"):
+                if req not in ln:
+                    raise TopologyError(f"{where}.links[{i}].{req}: missing")
+            extra = set(ln) - {"a", "b", "kind", "bandwidth", "latency"}
+            if extra:
+                raise TopologyError(f"{where}.links[{i}]: unknown field(s) {sorted(extra)}")
+            try:
+                links.append(Link(str(ln["a"]), str(ln["b"]), ln["kind"], ln["bandwidth"], ln.get("latency", 1e-6)))
+            except TopologyError as e:
+                raise TopologyError(f"{where}.links[{i}]: {e}") from None
+        nics = []
+        raw_nics = d.get("nics") or []
+        if not isinstance(raw_nics, list):
+            raise TopologyError(f"{where}.nics: expected a list")
+        for i, n in enumerate(raw_nics):
+            if not isinstance(n, Mapping) or "name" not in n:
+                raise TopologyError(f"{where}.nics[{i}].name: missing")
+            extra = set(n) - {"name", "kind", "bandwidth", "latency"}
+            if extra:
+                raise TopologyError(f"{where}.nics[{i}]: unknown field(s) {sorted(extra)}")
+            try:
+                nics.append(Nic(str(n["name"]), n.get("kind", "ib"), n.get("bandwidth", 50 * GB), n.get("latency", 2e-6)))
+            except TopologyError as e:
+                raise TopologyError(f"{where}.nics[{i}]: {e}") from None
+        gpu_nic = d.get("gpu_nic") or ()
+        if not isinstance(gpu_nic, (list, tuple)) or not all(isinstance(k, int) for k in gpu_nic):
+            raise TopologyError(f"{where}.gpu_nic: expected a list of NIC indices, got {gpu_nic!r}")
+        return cls(gpus, tuple(links), tuple(nics), tuple(gpu_nic), str(d.get("name", "")))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A cluster: ``nodes`` copies of ``layout``, a non-blocking fabric, and a rank map.
+
+    ``rank_map[r] = (node, local_rank)`` for global rank ``r``; default torchrun order. Use
+    :meth:`route` for the resources between two ranks (cached).
+    """
+
+    name: str
+    layout: NodeLayout
+    nodes: int = 1
+    rank_map: tuple[tuple[int, int], ...] = ()
+    fabric_latency: float = 1e-6
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
+            raise TopologyError(f"nodes: must be an integer >= 1, got {self.nodes!r}")
+        object.__setattr__(self, "fabric_latency", parse_latency(self.fabric_latency, "fabric_latency"))
+        g = self.layout.gpus
+        if not self.rank_map:
+            object.__setattr__(self, "rank_map", tuple((r // g, r % g) for r in range(self.nodes * g)))
+        else:
+            rm = []
+            for r, entry in enumerate(self.rank_map):
+                if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                    raise TopologyError(f"rank_map[{r}]: expected [node, local_rank], got {entry!r}")
+                node, local = int(entry[0]), int(entry[1])
+                if not 0 <= node < self.nodes:
+                    raise TopologyError(f"rank_map[{r}]: node {node} out of range 0..{self.nodes - 1}")
+                if not 0 <= local < g:
+                    raise TopologyError(f"rank_map[{r}]: local_rank {local} out of range 0..{g - 1}")
+                rm.append((node, local))
+            if len(set(rm)) != len(rm):
+                dup = next(x for x in rm if rm.count(x) > 1)
+                raise TopologyError(f"rank_map: two ranks map to the same GPU (node {dup[0]}, local_rank {dup[1]})")
+            object.__setattr__(self, "rank_map", tuple(rm))
+        if self.nodes > 1 and any(n != self.rank_map[0][0] for n, _ in self.rank_map) and not self.layout.nics:
+            raise TopologyError("node.nics: ranks span several nodes but the node layout has no NIC")
+
+    # ---- ranks ----------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return len(self.rank_map)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.layout.gpus
+
+    def check_rank(self, r: int, field_name: str = "rank") -> int:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world:
+            raise TopologyError(f"{field_name}: rank {r!r} is not in the topology (world size {self.world})")
+        return r
+
+    def node_of(self, r: int) -> int:
+        return self.rank_map[r][0]
+
+    def local_rank_of(self, r: int) -> int:
+        return self.rank_map[r][1]
+
+    def ranks_of_node(self, node: int) -> tuple[int, ...]:
+        return tuple(r for r, (n, _) in enumerate(self.rank_map) if n == node)
+
+    def nic_of(self, r: int) -> int | None:
+        """Index (into ``layout.nics``) of the NIC rank ``r`` uses, or None if the node has none."""
+        return self.layout.gpu_nic[self.local_rank_of(r)] if self.layout.nics else None
+
+    # ---- resources and routes -------------------------------------------------------------
+    def _resource(self, node: int, u: str, v: str, kind: str, bw: float, lat: float) -> Resource:
+        name = f"n{node}:{u}>{v}"
+        res = self._cache.get(name)
+        if res is None:
+            res = Resource(name, kind, bw, lat, node)
+            self._cache[name] = res
+        return res
+
+    def _hops(self, node: int, hops) -> tuple[Resource, ...]:
+        return tuple(self._resource(node, u, v, ln.kind, ln.bandwidth, ln.latency) for u, v, ln in hops)
+
+    def route(self, src: int, dst: int) -> Route:
+        """Resources crossed by a message ``src -> dst`` (global ranks); see Note [Topology model]."""
+        key = (src, dst)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        self.check_rank(src, "src")
+        self.check_rank(dst, "dst")
+        (ns, ls), (nd, ld) = self.rank_map[src], self.rank_map[dst]
+        if ns == nd:
+            res = self._hops(ns, self.layout.gpu_path(ls, ld))
+        else:
+            lay = self.layout
+            nic_s, nic_d = lay.nics[lay.gpu_nic[ls]], lay.nics[lay.gpu_nic[ld]]
+            res = (
+                self._hops(ns, lay.nic_path(ls))
+                + (self._resource(ns, nic_s.name, "net", nic_s.kind, nic_s.bandwidth, nic_s.latency + self.fabric_latency),
+                   self._resource(nd, "net", nic_d.name, nic_d.kind, nic_d.bandwidth, nic_d.latency))
+                + self._hops(nd, lay.nic_path(ld, inbound=True))
+            )
+        route = Route(src, dst, res)
+        self._cache[key] = route
+        return route
+
+    def resources(self) -> list[Resource]:
+        """Every resource of the cluster (both directions of each link and NIC wire)."""
+        out = []
+        for node in range(self.nodes):
+            for ln in self.layout.links:
+                out.append(self._resource(node, ln.a, ln.b, ln.kind, ln.bandwidth, ln.latency))
+                out.append(self._resource(node, ln.b, ln.a, ln.kind, ln.bandwidth, ln.latency))
+            for nic in self.layout.nics:
+                out.append(self._resource(node, nic.name, "net", nic.kind, nic.bandwidth, nic.latency + self.fabric_latency))
+                out.append(self._resource(node, "net", nic.name, nic.kind, nic.bandwidth, nic.latency))
+        return out
+
+    def gpu_ingress_bandwidth(self, r: int) -> float:
+        """Max-flow (bytes/s) into rank ``r``'s GPU from every other GPU of its node and every NIC wire.
+
+        This is the ``B_gpu`` of the lower bound: no schedule can deliver data to the GPU faster.
+        """
+        local = self.local_rank_of(r)
+        key = ("ingress", local)
+        if key not in self._cache:
+            import networkx as nx
+
+            g = nx.DiGraph()
+            for ln in self.layout.links:
+                g.add_edge(ln.a, ln.b, capacity=ln.bandwidth)
+                g.add_edge(ln.b, ln.a, capacity=ln.bandwidth)
+            for i in range(self.layout.gpus):
+                if i != local:
+                    g.add_edge("__src__", _gpu(i))  # infinite capacity
+            if self.nodes > 1:
+                for nic in self.layout.nics:
+                    g.add_edge("__src__", nic.name, capacity=nic.bandwidth)
+            sink = _gpu(local)
+            # a NIC only emits what its wire delivers: drop edges into NICs (no bypass of the wire)
+            nic_names = {n.name for n in self.layout.nics}
+            for u, v in list(g.edges):
+                if v in nic_names and u != "__src__":
+                    g.remove_edge(u, v)
+            if "__src__" not in g or sink not in g:
+                self._cache[key] = 0.0
+            else:
+                self._cache[key] = float(nx.maximum_flow_value(g, "__src__", sink))
+        return self._cache[key]
+
+    def node_ingress_bandwidth(self, node: int = 0) -> float:
+        """Sum of the node's NIC ingress wires (bytes/s): the ``B_out`` of the lower bound."""
+        return sum(n.bandwidth for n in self.layout.nics)
+
+    # ---- presentation / IO ----------------------------------------------------------------
+    def summary(self) -> str:
+        """Human-readable description: nodes, GPUs, links by kind, NICs, rank map shape."""
+        lay = self.layout
+        kinds: dict[str, list[float]] = {}
+        for ln in lay.links:
+            kinds.setdefault(ln.kind, []).append(ln.bandwidth)
+        lines = [
+            f"topology {self.name!r}: {self.nodes} node(s) x {lay.gpus} GPU(s) = {self.world} ranks",
+            "  links per node: " + ", ".join(
+                f"{len(v)} {k} ({_fmt_bw(min(v))}" + (f"..{_fmt_bw(max(v))}" if max(v) != min(v) else "") + "/dir)"
+                for k, v in sorted(kinds.items())
+            ),
+        ]
+        if lay.nics:
+            nic_bw = sum(n.bandwidth for n in lay.nics)
+            lines.append(
+                f"  NICs per node: {len(lay.nics)} ({', '.join(sorted({n.kind for n in lay.nics}))}, "
+                f"{_fmt_bw(nic_bw)}/dir total); gpu->nic {list(lay.gpu_nic)}"
+            )
+        if self.world:
+            lines.append(
+                f"  per-GPU ingress {_fmt_bw(self.gpu_ingress_bandwidth(0))}, per-node inter-node ingress "
+                f"{_fmt_bw(self.node_ingress_bandwidth())}"
+            )
+        default = tuple((r // lay.gpus, r % lay.gpus) for r in range(self.nodes * lay.gpus))
+        lines.append("  rank map: " + ("torchrun default (node = rank // gpus)" if self.rank_map == default
+                                       else ", ".join(f"{r}:n{n}.{l}" for r, (n, l) in enumerate(self.rank_map))))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"name": self.name, "nodes": self.nodes, "node": self.layout.to_dict()}
+        default = tuple((r // self.layout.gpus, r % self.layout.gpus) for r in range(self.nodes * self.layout.gpus))
+        if self.rank_map != default:
+            d["rank_map"] = [list(x) for x in self.rank_map]
+        d["fabric_latency"] = self.fabric_latency
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Topology":
+        if not isinstance(d, Mapping):
+            raise TopologyError(f"topology: expected a mapping at the top level, got {type(d).__name__}")
+        unknown = set(d) - {"name", "nodes", "node", "rank_map", "fabric_latency"}
+        if unknown:
+            raise TopologyError(f"topology: unknown field(s) {sorted(unknown)}; expected name, nodes, node, rank_map, fabric_latency")
+        if "node" not in d:
+            raise TopologyError("node: missing (the per-node layout: gpus, links, nics)")
+        layout = NodeLayout.from_dict(d["node"])
+        nodes = d.get("nodes", 1)
+        if not isinstance(nodes, int) or isinstance(nodes, bool):
+            raise TopologyError(f"nodes: must be an integer, got {nodes!r}")
+        rank_map = d.get("rank_map") or ()
+        if not isinstance(rank_map, (list, tuple)):
+            raise TopologyError("rank_map: expected a list of [node, local_rank] pairs")
+        for r, entry in enumerate(rank_map):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in entry
+            ):
+                raise TopologyError(f"rank_map[{r}]: expected [node, local_rank] integers, got {entry!r}")
+        return cls(str(d.get("name", "custom")), layout, nodes, tuple(tuple(e) for e in rank_map),
+                   d.get("fabric_latency", 1e-6))
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """YAML text of :meth:`to_dict`; also written to ``path`` when given."""
+        import yaml
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_yaml(cls, text_or_path: str | Path) -> "Topology":
+        """Parse YAML text or a file path; errors name the field (and the file)."""
+        import yaml
+
+        src = "<yaml>"
+        text = str(text_or_path)
+        if isinstance(text_or_path, Path) or ("\n" not in text and Path(text).suffix in (".yaml", ".yml")):
+            p = Path(text_or_path)
+            if not p.exists():
+                raise TopologyError(f"topology file {p}: not found")
+            src, text = str(p), p.read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise TopologyError(f"{src}: malformed YAML: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except TopologyError as e:
+            raise TopologyError(f"{src}: {e}") from None
+
+    def with_rank_map(self, rank_map: Iterable[tuple[int, int]]) -> "Topology":
+        """Same cluster, explicit ``rank_map`` (e.g. from hostnames gathered at run time)."""
+        return Topology(self.name, self.layout, self.nodes, tuple(tuple(x) for x in rank_map), self.fabric_latency)
+
+
+def _fmt_bw(bw: float) -> str:
+    return f"{bw / GB:g} GB/s"
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+
+def _nvswitch_node(gpus: int, nvlink_bw: float, nic_bw: float, nic_kind: str, pcie_bw: float, name: str) -> NodeLayout:
+    """DGX-style: every GPU on one NVSwitch plane; NIC ``i`` next to GPU ``i`` (rail-aligned)."""
+    links = [Link(_gpu(i), "nvswitch", "nvswitch", nvlink_bw, 1e-6) for i in range(gpus)]
+    nics = []
+    for i in range(gpus):
+        links.append(Link(_gpu(i), f"nic{i}", "pcie", pcie_bw, 1e-6))
+        nics.append(Nic(f"nic{i}", nic_kind, nic_bw, 2e-6))
+    return NodeLayout(gpus, tuple(links), tuple(nics), tuple(range(gpus)), name)
+
+
+def _dgx_a100(nodes: int = 1) -> Topology:
+    """DGX A100: 8 GPUs, NVSwitch (NVLink3 300 GB/s/dir), 8x HDR 200 Gb/s (25 GB/s) NICs, rail-aligned."""
+    return Topology("dgx-a100", _nvswitch_node(8, 300 * GB, 25 * GB, "ib", 32 * GB, "dgx-a100"), nodes)
+
+
+def _dgx_h100(nodes: int = 1) -> Topology:
+    """DGX H100: 8 GPUs, NVSwitch (NVLink4 450 GB/s/dir), 8x NDR 400 Gb/s (50 GB/s) NICs, rail-aligned."""
+    return Topology("dgx-h100", _nvswitch_node(8, 450 * GB, 50 * GB, "ib", 64 * GB, "dgx-h100"), nodes)
+
+
+def _pcie_box(nodes: int = 1) -> Topology:
+    """PCIe server: 8 GPUs, pairs behind 4 PCIe4 switches (x16 ~25 GB/s), switches under one root
+    complex (x16 uplinks), one 100 Gb/s (12.5 GB/s) Ethernet NIC on the root complex."""
+    links = []
+    for i in range(8):
+        links.append(Link(_gpu(i), f"pcisw{i // 2}", "pcie", 25 * GB, 1e-6))
+    for s in range(4):
+        links.append(Link(f"pcisw{s}", "cpu", "pcie", 25 * GB, 1e-6))
+    links.append(Link("cpu", "nic0", "pcie", 25 * GB, 1e-6))
+    layout = NodeLayout(8, tuple(links), (Nic("nic0", "ethernet", 12.5 * GB, 5e-6),), (), "pcie-box")
+    return Topology("pcie-box", layout, nodes)
+
+
+def _single_uplink(nodes: int = 2) -> Topology:
+    """n nodes of 8 NVSwitch GPUs (300 GB/s/dir) sharing ONE 200 Gb/s (25 GB/s) NIC per node."""
+    links = [Link(_gpu(i), "nvswitch", "nvswitch", 300 * GB, 1e-6) for i in range(8)]
+    links += [Link(_gpu(i), "pcie", "pcie", 32 * GB, 1e-6) for i in range(8)]
+    links.append(Link("pcie", "nic0", "pcie", 32 * GB, 1e-6))
+    layout = NodeLayout(8, tuple(links), (Nic("nic0", "ib", 25 * GB, 2e-6),), (), "single-uplink")
+    return Topology("single-uplink", layout, nodes)
+
+
+PRESETS: dict[str, Callable[[int], Topology]] = {
+    "dgx-a100": _dgx_a100,
+    "dgx-h100": _dgx_h100,
+    "pcie-box": _pcie_box,
+    "single-uplink": _single_uplink,
+}
+"""Preset name -> ``factory(nodes) -> Topology``."""
+
+
+def preset(name: str, nodes: int = 1) -> Topology:
+    """A preset cluster with ``nodes`` nodes (see :data:`PRESETS`)."""
+    if name not in PRESETS:
+        raise TopologyError(f"topology: unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give a YAML path")
+    if not isinstance(nodes, int) or nodes < 1:
+        raise TopologyError(f"nodes: must be an integer >= 1, got {nodes!r}")
+    topo = PRESETS[name](nodes)
+    return Topology(f"{name}:{nodes}", topo.layout, nodes, (), topo.fabric_latency)
+
+
+def load_topology(spec: "str | Path | Topology") -> Topology:
+    """``"PRESET"``/``"PRESET:NODES"`` (``"dgx-h100:2"``), a YAML file path, or a Topology (returned)."""
+    if isinstance(spec, Topology):
+        return spec
+    text = str(spec)
+    if isinstance(spec, Path) or text.endswith((".yaml", ".yml")) or "/" in text:
+        return Topology.from_yaml(Path(text))
+    name, _, count = text.partition(":")
+    if name not in PRESETS:
+        raise TopologyError(
+            f"topology: {text!r} is neither a preset ({', '.join(PRESETS)}, as PRESET:NODES) nor a .yaml path"
+        )
+    if count:
+        try:
+            nodes = int(count)
+        except ValueError:
+            raise TopologyError(f"topology: node count in {text!r} must be an integer (e.g. dgx-h100:2)") from None
+    else:
+        nodes = 1
+    return preset(name, nodes)
