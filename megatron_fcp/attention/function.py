@@ -1,0 +1,421 @@
+"""``fcp_attention``: exact context-parallel attention that executes a communication :class:`Plan`.
+
+Each CP rank holds its zigzag shard of Q, K, V (``[s_local, b, h, d]``, see
+:mod:`megatron_fcp.attention.layout`). Its KV is cut into blocks (``Plan.parts_per_chunk`` per
+zigzag chunk); the plan says, round by round, which rank sends which block to whom. Every rank
+folds each block it *needs* (``Plan.needs``) into a running ``(out, lse)``; blocks a plan only
+routes through a rank (a ring delivers everything everywhere) are relayed, never computed on.
+
+Note [Forward pipeline]
+-----------------------
+A block travels as one tensor ``[2, blk, b, h_kv, d]`` (K and V stacked) in the input dtype::
+
+    post(round 0)
+    compute local blocks                     # overlaps round 0
+    for k in rounds:
+        wait(round k)                        # blocks received in round k are now here
+        post(round k+1)                      # may forward blocks received in round k
+        compute needed blocks of round k     # overlaps round k+1
+
+Blocks are merged in *plan order* (local blocks, then each round's receives in plan order), never
+in arrival order, so a fixed plan gives bitwise identical results run after run; different plans
+agree within rounding (the merge is order independent up to rounding).
+
+Note [Backward pipeline]
+------------------------
+Like flash-attn, the backward recomputes each block's scores from the saved ``q, k, v`` (the local
+shard), the final FP32 ``out`` and ``lse``, and the received KV blocks this rank computed on
+(saved in forward: ``needed blocks x 2*blk*b*h_kv*d`` elements of the input dtype per rank, the
+same memory a ring keeps in flight; re-fetching them instead is a later optimisation). dQ stays
+local. dK/dV of a block flow back along the plan reversed: rounds run last to first and every
+transfer is flipped, so the receiver of a block returns its partial ``[2, blk, b, h_kv, d]`` dKV
+(FP32, or FP64 for FP64 inputs) to the rank it got the block from. A relay first adds its own
+contribution and what its own children returned (children receive the block in later forward
+rounds, i.e. return it in earlier backward rounds), so every link carries one tensor per block.
+A rank that neither needs the block nor has children returns zeros (the plan lists the transfer;
+a ring does exactly this). The owner adds all returns into its local dK/dV::
+
+    compute blocks received in round R-1;  post(reverse round R-1)
+    for k = R-1 .. 0:
+        compute blocks received in round k-1 (local blocks when k == 0)   # overlaps round k
+        wait(reverse round k);  add returned partials
+        post(reverse round k-1)                                          # its dKV are complete
+
+All validation happens before the first post; errors are ``ValueError`` naming the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_fcp.attention.kernels import (
+    attention_delta,
+    block_attention_backward,
+    block_attention_forward,
+    compute_dtype_for,
+)
+from megatron_fcp.attention.layout import block_local_slice, block_positions, zigzag_positions
+from megatron_fcp.attention.merge import LseAccumulator
+from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
+from megatron_fcp.plan import Block, Plan, Transfer, all_to_all_plan, blocks_of, ring_plan
+
+__all__ = [
+    "fcp_attention",
+    "fcp_attention_with_lse",
+    "FCPStats",
+    "resolve_plan",
+    "PLAN_BUILDERS",
+    "measure_comm_only",
+]
+
+PlanLike = Union[str, Plan]
+
+#: Built-in plans by name: ``builder(ranks, causal=..., parts_per_chunk=...) -> Plan``.
+PLAN_BUILDERS: dict[str, Callable[..., Plan]] = {"ring": ring_plan, "all-to-all": all_to_all_plan}
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class FCPStats:
+    """Times (seconds, host clock) and bytes of one ``fcp_attention`` call on this rank.
+
+    ``*_compute_s``: block kernels + merges; ``*_wait_s``: time blocked waiting for transfers
+    (the communication that compute did not hide); ``*_total_s``: the whole pass. ``comm_only_s``
+    is filled by :func:`measure_comm_only` (the plan's transfers with no compute at all). On CUDA
+    the host clock only sees launches unless the caller synchronises.
+    """
+
+    forward_total_s: float = 0.0
+    forward_compute_s: float = 0.0
+    forward_wait_s: float = 0.0
+    backward_total_s: float = 0.0
+    backward_compute_s: float = 0.0
+    backward_wait_s: float = 0.0
+    forward_bytes_sent: int = 0
+    backward_bytes_sent: int = 0
+    comm_only_s: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (before any communication)
+# ---------------------------------------------------------------------------------------------
+def resolve_plan(plan: PlanLike, group_ranks: tuple[int, ...], causal: bool) -> Plan:
+    """A :class:`Plan` for this group: build a named plan, or check a given one against the group."""
+    if isinstance(plan, str):
+        if plan not in PLAN_BUILDERS:
+            raise ValueError(f"unknown plan {plan!r}; use one of {sorted(PLAN_BUILDERS)} or pass a Plan")
+        return PLAN_BUILDERS[plan](group_ranks, causal=causal, parts_per_chunk=1)
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a name {sorted(PLAN_BUILDERS)} or a megatron_fcp.plan.Plan, "
+                         f"got {type(plan).__name__}")
+    if tuple(plan.ranks) != group_ranks:
+        raise ValueError(
+            f"plan ranks {list(plan.ranks)} are not the CP group's ranks {list(group_ranks)} (in CP order); "
+            f"build the plan from dist.get_process_group_ranks(cp_group)"
+        )
+    if plan.causal != causal:
+        raise ValueError(f"plan was built with causal={plan.causal} but attention runs with causal={causal}; "
+                         f"rebuild the plan with causal={causal} (need sets differ)")
+    return plan.verify()
+
+
+def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale):
+    """Check everything this rank can check locally; return (plan, rank, scale)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [s_local, b, heads, head_dim], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {[str(d) for d in _DTYPES]}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [s_local, b, h_kv, d]")
+    s_local, b, h, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (s_local, b, d):
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on s_local, batch and "
+                         f"head_dim (self-attention over the same local tokens)")
+    h_kv = k.shape[2]
+    if h_kv < 1 or h % h_kv != 0:
+        raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); "
+                         f"fix num_query_groups")
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("torch.distributed is not initialised; call dist.init_process_group first")
+    if cp_group is None:
+        raise ValueError("cp_group is required (e.g. parallel_state.get_context_parallel_group())")
+    group_ranks = tuple(dist.get_process_group_ranks(cp_group))
+    rank = dist.get_rank()
+    if rank not in group_ranks:
+        raise ValueError(f"this rank {rank} is not in cp_group {list(group_ranks)}; pass this rank's CP group")
+    plan = resolve_plan(plan, group_ranks, causal)
+    cp, ppc = plan.cp, plan.parts_per_chunk
+    if s_local % (2 * ppc) != 0:
+        raise ValueError(
+            f"local sequence length {s_local} (global {s_local * cp}) is not a multiple of "
+            f"2*parts_per_chunk = {2 * ppc}; pad the global sequence to a multiple of "
+            f"2*cp*parts_per_chunk = {2 * cp * ppc}"
+        )
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return plan, rank, scale
+
+
+# ---------------------------------------------------------------------------------------------
+# execution
+# ---------------------------------------------------------------------------------------------
+def _flip(t: Transfer) -> Transfer:
+    return Transfer(t.dst, t.src, t.block)
+
+
+class _Executor:
+    """Runs one plan for one rank: forward and backward pipelines (see the Notes above)."""
+
+    def __init__(self, plan: Plan, rank: int, transport: Transport, causal: bool, scale: float,
+                 s_local: int, stats: FCPStats | None) -> None:
+        self.plan, self.rank, self.transport = plan, rank, transport
+        self.causal, self.scale, self.s_local, self.stats = causal, scale, s_local, stats
+        self.ppc = plan.parts_per_chunk
+        self.needs = plan.needs(rank)
+        self.local_blocks = blocks_of(rank, self.ppc)
+        self.q_pos = zigzag_positions(s_local, plan.cp, plan.cp_index(rank))  # CPU int64 [s_local]
+        self.num_rounds = len(plan.rounds)
+        self._kpos: dict[Block, torch.Tensor] = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def k_pos(self, block: Block) -> torch.Tensor:
+        if block not in self._kpos:
+            self._kpos[block] = block_positions(block, self.plan.ranks, self.s_local, self.ppc)
+        return self._kpos[block]
+
+    def _sync(self, device) -> None:
+        if self.stats is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _wait(self, handle) -> float:
+        t0 = time.perf_counter()
+        self.transport.wait(handle)
+        return time.perf_counter() - t0
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Returns (out [s,b,h,d] compute dtype, lse [b,h,s] compute dtype, saved received blocks)."""
+        t_start = time.perf_counter()
+        compute_s = wait_s = 0.0
+        bytes_sent = 0
+        cd = compute_dtype_for(q.dtype)
+        qc = q.to(cd)
+        blk = self.s_local // (2 * self.ppc)
+        kv_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                  # [2, blk, b, h_kv, d]
+        have: dict[Block, torch.Tensor] = {}
+        for b in self.local_blocks:
+            sl = block_local_slice(b, self.s_local, self.ppc)
+            have[b] = torch.stack([k[sl], v[sl]])                               # [2, blk, b, h_kv, d]
+        acc = LseAccumulator()
+        kept: dict[Block, torch.Tensor] = {}
+
+        def compute(block: Block, kv: torch.Tensor) -> None:
+            nonlocal compute_s
+            t0 = time.perf_counter()
+            acc.add(*block_attention_forward(qc, kv[0], kv[1], self.q_pos, self.k_pos(block),
+                                             self.causal, self.scale))
+            self._sync(q.device)
+            compute_s += time.perf_counter() - t0
+
+        def post(r: int):
+            nonlocal bytes_sent
+            sends = [(t, have[t.block]) for t in self.plan.sends(self.rank, r)]
+            recvs = [(t, torch.empty(kv_shape, dtype=k.dtype, device=k.device))
+                     for t in self.plan.recvs(self.rank, r)]
+            bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
+            return self.transport.post(sends, recvs, round_index=r, phase="forward"), recvs
+
+        pending = post(0) if self.num_rounds else None
+        for b in self.local_blocks:
+            compute(b, have[b])
+        for r in range(self.num_rounds):
+            handle, recvs = pending
+            wait_s += self._wait(handle)
+            for t, buf in recvs:
+                have[t.block] = buf
+            pending = post(r + 1) if r + 1 < self.num_rounds else None
+            for t, buf in recvs:
+                if t.block in self.needs:
+                    compute(t.block, buf)
+                    kept[t.block] = buf
+        out, lse = acc.result()
+        if self.stats is not None:
+            self.stats.forward_total_s += time.perf_counter() - t_start
+            self.stats.forward_compute_s += compute_s
+            self.stats.forward_wait_s += wait_s
+            self.stats.forward_bytes_sent += bytes_sent
+        return out, lse, kept
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor]):
+        """Returns dq [s,b,h,d], dk, dv [s,b,h_kv,d] in q's dtype (see Note [Backward pipeline])."""
+        t_start = time.perf_counter()
+        compute_s = wait_s = 0.0
+        bytes_sent = 0
+        cd = compute_dtype_for(q.dtype)
+        qc, doc = q.to(cd), dout.to(cd)
+        delta = attention_delta(doc, out)                                        # [b, h, s]
+        dq = torch.zeros(q.shape, dtype=cd, device=q.device)                     # [s, b, h, d]
+        blk = self.s_local // (2 * self.ppc)
+        g_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                   # [2, blk, b, h_kv, d]
+        grads: dict[Block, torch.Tensor] = {}
+
+        def add_grad(block: Block, g: torch.Tensor) -> None:
+            grads[block] = g if block not in grads else grads[block].add_(g)
+
+        def compute(block: Block, kv: torch.Tensor) -> None:
+            nonlocal compute_s
+            t0 = time.perf_counter()
+            dq_b, dk_b, dv_b = block_attention_backward(
+                doc, qc, kv[0], kv[1], out, lse, self.q_pos, self.k_pos(block), self.causal,
+                self.scale, delta)
+            dq.add_(dq_b)
+            add_grad(block, torch.stack([dk_b, dv_b]))                           # [2, blk, b, h_kv, d]
+            self._sync(q.device)
+            compute_s += time.perf_counter() - t0
+
+        def compute_round(r: int) -> None:
+            for t in self.plan.recvs(self.rank, r):
+                if t.block in self.needs:
+                    compute(t.block, kept[t.block])
+
+        def compute_local() -> None:
+            for b in self.local_blocks:
+                sl = block_local_slice(b, self.s_local, self.ppc)
+                compute(b, torch.stack([k[sl], v[sl]]))
+
+        def post(r: int):
+            nonlocal bytes_sent
+            # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block
+            sends = [(_flip(t), grads[t.block] if t.block in grads
+                      else torch.zeros(g_shape, dtype=cd, device=q.device))
+                     for t in self.plan.recvs(self.rank, r)]
+            # forward t: me -> dst  ==> backward: dst -> me, its partial dKV of t.block
+            recvs = [(_flip(t), torch.empty(g_shape, dtype=cd, device=q.device))
+                     for t in self.plan.sends(self.rank, r)]
+            bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
+            return self.transport.post(sends, recvs, round_index=r, phase="backward"), recvs
+
+        R = self.num_rounds
+        if R == 0:
+            compute_local()
+        else:
+            compute_round(R - 1)
+            pending = post(R - 1)
+            for r in range(R - 1, -1, -1):
+                if r > 0:
+                    compute_round(r - 1)
+                else:
+                    compute_local()
+                handle, recvs = pending
+                wait_s += self._wait(handle)
+                for t, buf in recvs:
+                    add_grad(t.block, buf)
+                if r > 0:
+                    pending = post(r - 1)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [s, b, h_kv, d]
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        for b in self.local_blocks:
+            sl = block_local_slice(b, self.s_local, self.ppc)
+            dk[sl] = grads[b][0]
+            dv[sl] = grads[b][1]
+        if self.stats is not None:
+            self.stats.backward_total_s += time.perf_counter() - t_start
+            self.stats.backward_compute_s += compute_s
+            self.stats.backward_wait_s += wait_s
+            self.stats.backward_bytes_sent += bytes_sent
+        return dq.to(q.dtype), dk, dv
+
+
+class _FCPAttentionFunction(torch.autograd.Function):
+    """autograd wrapper: forward/backward delegate to an :class:`_Executor` built per call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, executor: _Executor):
+        out, lse, kept = executor.forward(q, k, v)
+        ctx.executor, ctx.kept, ctx.out_acc, ctx.lse = executor, kept, out, lse
+        ctx.save_for_backward(q, k, v)
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = ctx.executor.backward(dout, q, k, v, ctx.out_acc, ctx.lse, ctx.kept)
+        ctx.kept = ctx.out_acc = ctx.lse = None
+        return dq, dk, dv, None
+
+
+def fcp_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike = "ring",
+    causal: bool = True, softmax_scale: float | None = None, transport: Transport | None = None,
+    stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs) ``[b, h, s_local]``.
+
+    transport: override the default (gloo / NCCL by the group's backend), e.g. a CountingTransport.
+    stats: an :class:`FCPStats` to add this call's times and bytes to (forward now, backward later).
+    timeout_s: bound on each round's wait for the default transport.
+    """
+    plan_obj, rank, scale = _validate(q, k, v, cp_group, plan, causal, softmax_scale)
+    if transport is None:
+        transport = default_transport(cp_group, timeout_s)
+    executor = _Executor(plan_obj, rank, transport, causal, scale, q.shape[0], stats)
+    return _FCPAttentionFunction.apply(q, k, v, executor)
+
+
+def fcp_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike = "ring",
+    causal: bool = True, softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention over the whole CP group's sequence, for this rank's zigzag shard.
+
+    q: [s_local, b, h, d]; k, v: [s_local, b, h_kv, d] (h % h_kv == 0), Megatron's zigzag layout
+    (``get_batch_on_this_cp_rank``); all ranks pass the same shapes. plan: ``"ring"`` (Transformer
+    Engine's p2p ring), ``"all-to-all"``, or a :class:`~megatron_fcp.plan.Plan` over
+    ``dist.get_process_group_ranks(cp_group)`` with the same ``causal``. softmax_scale defaults
+    to ``1/sqrt(d)``. Returns out [s_local, b, h, d] in q's dtype; differentiable in q, k, v.
+    Raises ValueError (naming the fix) before any communication on bad input.
+    """
+    out, _ = fcp_attention_with_lse(q, k, v, cp_group=cp_group, plan=plan, causal=causal,
+                                    softmax_scale=softmax_scale)
+    return out
+
+
+def measure_comm_only(
+    plan: Plan, cp_group, kv_block_shape: tuple[int, ...], dtype: torch.dtype,
+    device: torch.device | str = "cpu", transport: Transport | None = None,
+) -> float:
+    """Seconds to run the plan's forward transfers with no compute (this rank's view).
+
+    kv_block_shape: ``(2, blk, b, h_kv, d)``. Rounds run back to back: post k, wait k, post k+1.
+    """
+    rank = dist.get_rank()
+    if transport is None:
+        transport = default_transport(cp_group)
+    have = {b: torch.zeros(kv_block_shape, dtype=dtype, device=device)
+            for b in blocks_of(rank, plan.parts_per_chunk)}
+    t0 = time.perf_counter()
+    for r in range(len(plan.rounds)):
+        recvs = [(t, torch.empty(kv_block_shape, dtype=dtype, device=device)) for t in plan.recvs(rank, r)]
+        sends = [(t, have[t.block]) for t in plan.sends(rank, r)]
+        transport.wait(transport.post(sends, recvs, round_index=r, phase="comm-only"))
+        have.update((t.block, buf) for t, buf in recvs)
+    return time.perf_counter() - t0

@@ -1,0 +1,248 @@
+"""Attention of a query shard against one KV block, returning ``(out, lse)``, and its backward.
+
+Pure torch math (CPU, and the same math on CUDA tensors; no fused GPU kernel is wired in yet).
+
+Shapes (Megatron's ``[s, b, h, d]`` convention):
+    q:    [n, b, h, d]        n query tokens, h query heads
+    k, v: [m, b, h_kv, d]     m key tokens of one block, h_kv KV heads, h % h_kv == 0 (GQA / MQA)
+    q_pos: int64 [n], k_pos: int64 [m]   global token positions (CPU tensors; used to classify tiles)
+    out:  [n, b, h, d]        softmax(q k^T * scale + mask) v over this block only
+    lse:  [b, h, n]           log-sum-exp of the masked, scaled scores over this block
+
+Precision: the *compute dtype* is float64 for float64 inputs and float32 otherwise (bf16/fp16/fp32
+inputs are upcast once per call). ``out`` and ``lse`` (and the backward's ``dq, dk, dv``) are
+returned in the compute dtype, never cast back, so partial results can be merged across blocks in
+FP32 (see :mod:`megatron_fcp.attention.merge`); the caller casts the final result.
+
+Mask: causal means key position <= query position; non-causal sees everything. A query row that
+sees no key of the block gets ``out = 0`` and ``lse = -inf`` (never NaN), which the merge treats as
+an empty contribution.
+
+Algorithm (flash-attention's, with tiles over query rows so the score tile stays bounded):
+    forward:  S = scale * Q K^T (+ mask);  m = rowmax S;  P = exp(S - m);  l = rowsum P
+              out = (P V) / l;  lse = m + log l
+    backward (from saved q, k, v, out, lse and the incoming dout, like flash-attn):
+              D = rowsum(dout * out);  P = exp(S - lse)
+              dV = P^T dO;  dP = dO V^T;  dS = P * (dP - D)
+              dQ = scale * dS K;  dK = scale * dS^T Q
+GQA without copying K/V: query head ``h`` uses KV head ``h // g`` (g = h / h_kv, the convention
+of ``repeat_interleave`` and flash-attn), so the g query heads of a KV head are stacked as extra
+rows: Q becomes [b, h_kv, g*T, d] and one matmul against [b, h_kv, d, m] serves the whole group;
+dK/dV come out summed over the group by the same matmul.
+
+Tiles: query rows are cut into tiles that never cross a jump in positions (the two zigzag chunks
+of a shard are separate runs). A tile whose earliest query precedes every key is *fully masked*
+and skipped (its rows stay 0 / -inf); a tile whose earliest query follows every key is *fully
+visible* and runs without building a mask; only diagonal tiles build the mask from positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+
+__all__ = [
+    "compute_dtype_for",
+    "block_attention_forward",
+    "block_attention_backward",
+    "attention_delta",
+    "reference_attention",
+]
+
+# Upper bound on elements of one score tile [b, h, T, m] (2^23 FP32 elements = 32 MiB).
+_TILE_ELEMS = 1 << 23
+
+_FULL, _PARTIAL, _MASKED = "full", "partial", "masked"
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _runs(pos: list[int]) -> list[tuple[int, int]]:
+    """Maximal index ranges [a, b) over which ``pos`` increases by exactly 1 per step."""
+    runs, start = [], 0
+    for i in range(1, len(pos)):
+        if pos[i] != pos[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    if pos:
+        runs.append((start, len(pos)))
+    return runs
+
+
+def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile: int
+           ) -> Iterator[tuple[int, int, str]]:
+    """Yield ``(start, stop, kind)`` query-row tiles with kind full / partial / masked."""
+    qp = q_pos.tolist()
+    if not causal:
+        for a, b in _runs(qp) if qp else []:
+            for t in range(a, b, rows_per_tile):
+                yield t, min(t + rows_per_tile, b), _FULL
+        return
+    kmin, kmax = (int(k_pos.min()), int(k_pos.max())) if k_pos.numel() else (0, -1)
+    for a, b in _runs(qp):
+        for t in range(a, b, rows_per_tile):
+            u = min(t + rows_per_tile, b)
+            lo, hi = qp[t], qp[u - 1]  # a run is increasing: lo = min, hi = max
+            if hi < kmin:
+                yield t, u, _MASKED
+            elif lo >= kmax:
+                yield t, u, _FULL
+            else:
+                yield t, u, _PARTIAL
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q [n,b,h,d] and k, v [m,b,h_kv,d]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    n, b, h, d = q.shape
+    _, bk, hk, dk = k.shape
+    if bk != b or dk != d or h % hk != 0:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} disagree on batch or head dim, "
+                         f"or h={h} is not a multiple of h_kv={hk}")
+    return n, b, h, hk, d
+
+
+def _rows_per_tile(b: int, h: int, m: int) -> int:
+    return max(1, _TILE_ELEMS // max(1, b * h * m))
+
+
+def _q_tile(qh: torch.Tensor, a: int, z: int) -> torch.Tensor:
+    """qh: [b, hk, g, n, d] -> rows a:z as [b, hk, g*T, d] (row = gi*T + t)."""
+    b, hk, g, _, d = qh.shape
+    return qh[:, :, :, a:z].reshape(b, hk, g * (z - a), d)
+
+
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, g: int, device) -> torch.Tensor:
+    """Visibility [g*T, m] (True = key visible) for a tile, repeated over the g stacked heads."""
+    vis = k_pos.to(device)[None, :] <= q_pos.to(device)[:, None]  # [T, m]
+    return vis.repeat(g, 1)
+
+
+def block_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d], lse [b,h,n])`` in the
+    compute dtype (see module docstring for shapes, mask and precision)."""
+    n, b, h, hk, d = _check_shapes(q, k, v)
+    m, g = k.shape[0], h // hk
+    cd = compute_dtype_for(q.dtype)
+    qh = (q.to(cd) * scale).permute(1, 2, 0, 3).reshape(b, hk, g, n, d)  # [b, hk, g, n, d]
+    kt = k.to(cd).permute(1, 2, 3, 0)                                     # [b, hk, d, m]
+    vh = v.to(cd).permute(1, 2, 0, 3)                                     # [b, hk, m, d]
+    out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
+    lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
+    for a, z, kind in _tiles(q_pos, k_pos, causal, _rows_per_tile(b, h, m)):
+        if kind == _MASKED:
+            continue
+        t = z - a
+        s = torch.matmul(_q_tile(qh, a, z), kt)                          # [b, hk, g*t, m]
+        if kind == _PARTIAL:
+            s.masked_fill_(~_mask(q_pos[a:z], k_pos, g, q.device), -math.inf)
+        mx = s.amax(dim=-1, keepdim=True)                                  # [b, hk, g*t, 1]
+        mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)       # rows with no key
+        p = s.sub_(mx).exp_()                                              # unnormalised P
+        l = p.sum(dim=-1, keepdim=True)                                    # [b, hk, g*t, 1]
+        o = torch.matmul(p, vh)                                            # [b, hk, g*t, d]
+        o = torch.where(l > 0, o / l, torch.zeros_like(o))
+        out[:, :, :, a:z] = o.view(b, hk, g, t, d)
+        lse[:, :, :, a:z] = (mx + torch.log(l)).view(b, hk, g, t)          # log 0 = -inf
+    return out.view(b, h, n, d).permute(2, 0, 1, 3), lse.view(b, h, n)
+
+
+def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dout * out): [n,b,h,d] x2 -> [b,h,n] in the compute dtype."""
+    cd = torch.promote_types(compute_dtype_for(dout.dtype), compute_dtype_for(out.dtype))
+    return (dout.to(cd) * out.to(cd)).sum(dim=-1).permute(1, 2, 0)
+
+
+def block_attention_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor,
+    q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of the gradients, given the *final* (all-block) ``out`` and ``lse``.
+
+    dout, out: [n,b,h,d]; lse: [b,h,n]; delta (optional, precomputed :func:`attention_delta`): [b,h,n].
+    Returns ``dq [n,b,h,d]`` (this block's contribution; sum over blocks gives dQ) and
+    ``dk, dv [m,b,h_kv,d]`` for this block, all in the compute dtype.
+    """
+    n, b, h, hk, d = _check_shapes(q, k, v)
+    m, g = k.shape[0], h // hk
+    cd = compute_dtype_for(q.dtype)
+    if delta is None:
+        delta = attention_delta(dout, out)
+    qh = q.to(cd).permute(1, 2, 0, 3).reshape(b, hk, g, n, d)            # [b, hk, g, n, d]
+    doh = dout.to(cd).permute(1, 2, 0, 3).reshape(b, hk, g, n, d)        # [b, hk, g, n, d]
+    lse_h = lse.to(cd).reshape(b, hk, g, n)
+    lse_h = torch.where(torch.isinf(lse_h), torch.zeros_like(lse_h), lse_h)  # empty rows -> P = 0
+    dl_h = delta.to(cd).reshape(b, hk, g, n)
+    kh = k.to(cd).permute(1, 2, 0, 3)                                     # [b, hk, m, d]
+    vh = v.to(cd).permute(1, 2, 0, 3)                                     # [b, hk, m, d]
+    dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
+    dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
+    dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
+    for a, z, kind in _tiles(q_pos, k_pos, causal, _rows_per_tile(b, h, m)):
+        if kind == _MASKED:
+            continue
+        t = z - a
+        qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
+        dot = _q_tile(doh, a, z)                                           # [b, hk, g*t, d]
+        s = torch.matmul(qt, kh.transpose(-1, -2)).mul_(scale)             # [b, hk, g*t, m]
+        if kind == _PARTIAL:
+            s.masked_fill_(~_mask(q_pos[a:z], k_pos, g, q.device), -math.inf)
+        p = s.sub_(lse_h[:, :, :, a:z].reshape(b, hk, g * t, 1)).exp_()   # P = exp(S - lse)
+        dv.add_(torch.matmul(p.transpose(-1, -2), dot))                    # [b, hk, m, d]
+        dp = torch.matmul(dot, vh.transpose(-1, -2))                       # [b, hk, g*t, m]
+        ds = dp.sub_(dl_h[:, :, :, a:z].reshape(b, hk, g * t, 1)).mul_(p)  # dS = P * (dP - D)
+        dq[:, :, :, a:z] = torch.matmul(ds, kh).mul_(scale).view(b, hk, g, t, d)
+        dk.add_(torch.matmul(ds.transpose(-1, -2), qt), alpha=scale)       # [b, hk, m, d]
+    return (dq.view(b, h, n, d).permute(2, 0, 1, 3),
+            dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3))
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+    dout: torch.Tensor | None = None, rows_per_tile: int = 1024,
+) -> dict[str, torch.Tensor]:
+    """Plain single-device attention with torch autograd, in the inputs' own dtype (no upcast).
+
+    Used as the FP64 reference (pass float64 tensors) and as "plain PyTorch attention in BF16"
+    (pass bf16 tensors) for the flash-attn tolerance rule. q: [s,b,h,d], k, v: [s,b,h_kv,d] over
+    the *global* sequence (positions 0..s-1). Independent of the kernels above: GQA by
+    ``repeat_interleave``, ``torch.softmax`` / ``torch.logsumexp``. Query rows are processed in
+    tiles (each row's output depends only on its own query, so per-tile autograd is exact and
+    memory stays bounded). Returns ``out [s,b,h,d]``, ``lse [b,h,s]`` and, if ``dout`` is given,
+    ``dq, dk, dv``.
+    """
+    s, b, h, d = q.shape
+    g = h // k.shape[2]
+    kf = k.detach().requires_grad_(dout is not None)
+    vf = v.detach().requires_grad_(dout is not None)
+    outs, lses, dqs = [], [], []
+    for a in range(0, s, rows_per_tile):
+        z = min(a + rows_per_tile, s)
+        qt = q[a:z].detach().requires_grad_(dout is not None)
+        kr = kf.repeat_interleave(g, dim=2).permute(1, 2, 0, 3)            # [b, h, s, d]
+        vr = vf.repeat_interleave(g, dim=2).permute(1, 2, 0, 3)            # [b, h, s, d]
+        sc = torch.matmul(qt.permute(1, 2, 0, 3), kr.transpose(-1, -2)) * scale  # [b, h, t, s]
+        if causal:
+            vis = torch.arange(s, device=q.device)[None, :] <= torch.arange(a, z, device=q.device)[:, None]
+            sc = sc.masked_fill(~vis, -math.inf)
+        o = torch.matmul(torch.softmax(sc, dim=-1), vr).permute(2, 0, 1, 3)  # [t, b, h, d]
+        lses.append(torch.logsumexp(sc, dim=-1).detach())
+        if dout is not None:
+            o.backward(dout[a:z])
+            dqs.append(qt.grad)
+        outs.append(o.detach())
+    res = {"out": torch.cat(outs), "lse": torch.cat(lses, dim=-1)}
+    if dout is not None:
+        res.update(dq=torch.cat(dqs), dk=kf.grad, dv=vf.grad)
+    return res

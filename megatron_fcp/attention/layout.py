@@ -1,0 +1,113 @@
+"""Megatron's zigzag context-parallel layout: split, unsplit, token positions, block positions.
+
+Megatron cuts a global sequence of ``s`` tokens into ``2*cp`` equal chunks and gives CP rank ``i``
+chunks ``i`` and ``2*cp-1-i`` (``megatron.core.utils.get_batch_on_this_cp_rank``), so each rank
+holds ``s_local = s / cp`` tokens: first its early chunk, then its late chunk. For cp = 2::
+
+    global chunk    0    1    2    3
+    CP rank         0    1    1    0
+    local shard     rank 0 = [chunk 0 | chunk 3],  rank 1 = [chunk 1 | chunk 2]
+
+A KV *block* (``megatron_fcp.plan.Block``) is one owner's chunk (0 early, 1 late), optionally cut
+into ``parts_per_chunk`` equal sub-blocks. This module maps blocks to token ranges of the owner's
+shard and to global token positions; the attention mask is built from global positions only
+(causal: key position <= query position), so it is correct whatever order blocks arrive in.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_fcp.plan import Block, zigzag_chunk_index
+
+__all__ = [
+    "zigzag_split",
+    "zigzag_unsplit",
+    "zigzag_positions",
+    "block_local_slice",
+    "block_positions",
+]
+
+
+def _check_divisible(length: int, cp: int, what: str) -> None:
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if length % (2 * cp) != 0:
+        raise ValueError(
+            f"{what} length {length} is not a multiple of 2*cp = {2 * cp}; pad the sequence to a "
+            f"multiple of {2 * cp} (Megatron's zigzag layout cuts it into 2*cp equal chunks)"
+        )
+
+
+def zigzag_split(x: torch.Tensor, cp: int, cp_index: int, seq_dim: int = 0) -> torch.Tensor:
+    """CP rank ``cp_index``'s shard of a global tensor: chunks ``cp_index`` and ``2*cp-1-cp_index``.
+
+    x: [..., s, ...] with the sequence at ``seq_dim``; returns [..., s/cp, ...] (a new contiguous
+    tensor), identical to ``get_batch_on_this_cp_rank`` for that rank.
+    """
+    if not 0 <= cp_index < cp:
+        raise ValueError(f"cp_index must be in [0, {cp}), got {cp_index}")
+    s = x.shape[seq_dim]
+    _check_divisible(s, cp, "sequence")
+    chunks = x.chunk(2 * cp, dim=seq_dim)  # 2*cp views of [..., s/(2cp), ...]
+    return torch.cat([chunks[cp_index], chunks[2 * cp - 1 - cp_index]], dim=seq_dim)
+
+
+def zigzag_unsplit(shards: Sequence[torch.Tensor], seq_dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`zigzag_split`: ``shards[i]`` is CP rank i's shard; returns the global tensor."""
+    cp = len(shards)
+    if cp < 1:
+        raise ValueError("zigzag_unsplit needs at least one shard")
+    ordered: list[torch.Tensor] = [None] * (2 * cp)  # type: ignore[list-item]
+    for i, shard in enumerate(shards):
+        if shard.shape[seq_dim] % 2 != 0:
+            raise ValueError(f"shard {i} has odd sequence length {shard.shape[seq_dim]}; not a zigzag shard")
+        early, late = shard.chunk(2, dim=seq_dim)
+        ordered[i], ordered[2 * cp - 1 - i] = early, late
+    return torch.cat(ordered, dim=seq_dim)
+
+
+def zigzag_positions(s_local: int, cp: int, cp_index: int, device=None) -> torch.Tensor:
+    """Global token positions (int64 [s_local]) of CP rank ``cp_index``'s shard, in shard order."""
+    if s_local % 2 != 0:
+        raise ValueError(f"local sequence length {s_local} must be even (two zigzag chunks)")
+    chunk = s_local // 2
+    starts = (zigzag_chunk_index(cp_index, 0, cp) * chunk, zigzag_chunk_index(cp_index, 1, cp) * chunk)
+    ar = torch.arange(chunk, dtype=torch.int64, device=device)
+    return torch.cat([ar + starts[0], ar + starts[1]])
+
+
+def _part_len(s_local: int, parts_per_chunk: int) -> int:
+    if s_local % (2 * parts_per_chunk) != 0:
+        raise ValueError(
+            f"local sequence length {s_local} cannot be cut into 2 chunks x {parts_per_chunk} parts; "
+            f"pad the global sequence to a multiple of 2*cp*parts_per_chunk"
+        )
+    return s_local // (2 * parts_per_chunk)
+
+
+def block_local_slice(block: Block, s_local: int, parts_per_chunk: int = 1) -> slice:
+    """Token range of ``block`` inside its owner's local shard (``[s_local]`` indexing)."""
+    n = _part_len(s_local, parts_per_chunk)
+    start = (block.chunk * parts_per_chunk + block.part) * n
+    return slice(start, start + n)
+
+
+def block_positions(
+    block: Block, ranks: Sequence[int], s_local: int, parts_per_chunk: int = 1, device=None
+) -> torch.Tensor:
+    """Global token positions (int64 [s_local / (2*parts_per_chunk)]) of ``block``.
+
+    ranks: the CP group's global ranks in CP order (``Plan.ranks``); the owner's index there is
+    its zigzag position.
+    """
+    ranks = tuple(ranks)
+    if block.owner not in ranks:
+        raise ValueError(f"{block} is owned by rank {block.owner}, which is not in the CP group {list(ranks)}")
+    n = _part_len(s_local, parts_per_chunk)
+    cp = len(ranks)
+    chunk_start = zigzag_chunk_index(ranks.index(block.owner), block.chunk, cp) * (s_local // 2)
+    start = chunk_start + block.part * n
+    return torch.arange(start, start + n, dtype=torch.int64, device=device)

@@ -1,0 +1,216 @@
+"""Transports: post one round of a plan's point-to-point transfers, then wait for it.
+
+The executor (:mod:`megatron_fcp.attention.function`) talks to a :class:`Transport` only::
+
+    handle = transport.post(round_sends, round_recvs, round_index=k, phase="forward")
+    ...                                   # compute while the round is in flight
+    transport.wait(handle)                # raises CommTimeout naming round / peer / block
+
+``round_sends`` / ``round_recvs`` are this rank's ``(Transfer, tensor)`` pairs of one round in plan
+order (a receive's tensor is the preallocated buffer). In the backward pass the executor hands
+over *flipped* transfers (``src``/``dst`` swapped), so every Transfer names the real sender and
+receiver of the bytes. Both ends derive their posts from the same plan, so the i-th send from A to
+B in a round matches the i-th receive on B from A.
+
+Implementations:
+* :class:`GlooTransport` — ordered ``irecv``/``isend``: all receives of the round are posted
+  *before* any send (gloo keeps one FIFO per pair; a receive posted after a bulk send serialises a
+  bidirectional exchange, measured at half the bandwidth each way). Waits are bounded.
+* :class:`NcclTransport` — ``batch_isend_irecv`` issued from a side stream after an event that
+  orders it behind the producer of the send buffers; ``wait`` makes the current stream wait for
+  the round. Gated on CUDA + NCCL; small and reviewed, not exercised on this CPU machine.
+* :class:`TransportWrapper` — the plug-in point for decorators: :class:`CountingTransport`
+  records every posted transfer for tests; delay- or fault-injecting transports subclass the same
+  wrapper and override ``post``/``wait``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_fcp.plan import Transfer
+
+__all__ = [
+    "CommTimeout",
+    "Handle",
+    "Transport",
+    "GlooTransport",
+    "NcclTransport",
+    "TransportWrapper",
+    "CountingTransport",
+    "Posted",
+    "default_transport",
+]
+
+Pairs = Sequence[tuple[Transfer, torch.Tensor]]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class CommTimeout(RuntimeError):
+    """A posted transfer did not complete in time; the message names phase, round, peer and block."""
+
+
+@dataclass
+class Handle:
+    """One posted round: the pending works in post order, with what each one moves."""
+
+    phase: str
+    round_index: int
+    works: list[tuple[str, Transfer, Any]] = field(default_factory=list)  # (kind, transfer, work)
+    keep_alive: list[torch.Tensor] = field(default_factory=list)         # buffers in flight
+    extra: Any = None                                                    # implementation data
+
+
+class Transport:
+    """Interface: ``post`` one round of sends/receives, ``wait`` for a posted round."""
+
+    def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
+        raise NotImplementedError
+
+    def wait(self, handle: Handle) -> None:
+        raise NotImplementedError
+
+
+def _describe(kind: str, t: Transfer) -> str:
+    return f"{'send to' if kind == 'send' else 'receive from'} rank {t.dst if kind == 'send' else t.src} of {t.block}"
+
+
+class GlooTransport(Transport):
+    """Ordered ``irecv``-then-``isend`` on a gloo process group, with bounded waits.
+
+    group: the CP process group (peers are global ranks, as in the plan).
+    timeout_s: how long ``wait`` waits for a whole round before raising :class:`CommTimeout`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.group = group
+        self.timeout_s = float(timeout_s)
+
+    def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
+        h = Handle(phase, round_index)
+        for t, buf in round_recvs:  # receives first: see the module docstring
+            h.works.append(("recv", t, dist.irecv(buf, src=t.src, group=self.group)))
+            h.keep_alive.append(buf)
+        for t, tensor in round_sends:
+            tensor = tensor.contiguous()
+            h.works.append(("send", t, dist.isend(tensor, dst=t.dst, group=self.group)))
+            h.keep_alive.append(tensor)
+        return h
+
+    def wait(self, handle: Handle) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for kind, t, work in handle.works:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                ok = work.wait(timeout=timedelta(seconds=left))
+            except RuntimeError as e:
+                raise CommTimeout(
+                    f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} did not complete "
+                    f"within {self.timeout_s:.0f} s ({e}); is that rank alive and running the same plan?"
+                ) from e
+            if ok is False:
+                raise CommTimeout(f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} failed")
+        handle.keep_alive.clear()
+
+
+class NcclTransport(Transport):
+    """``batch_isend_irecv`` on a side stream, ordered with CUDA events (CUDA + NCCL only).
+
+    post: record an event on the current (compute) stream, make the side stream wait for it (the
+    send buffers are ready), issue the batched P2P from the side stream, and mark every buffer
+    with ``record_stream`` so the caching allocator does not reuse it while NCCL still reads or
+    writes it. wait: ``work.wait()`` makes the *current* stream wait for the round on the device
+    (no host synchronisation); hangs are bounded by the process group's own NCCL timeout.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, stream: "torch.cuda.Stream | None" = None) -> None:
+        if not torch.cuda.is_available() or dist.get_backend(group) != "nccl":
+            raise ValueError("NcclTransport needs CUDA and an NCCL process group; use GlooTransport on CPU")
+        self.group = group
+        self.stream = stream if stream is not None else torch.cuda.Stream()
+
+    def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
+        h = Handle(phase, round_index)
+        ops = [dist.P2POp(dist.irecv, buf, peer=t.src, group=self.group) for t, buf in round_recvs]
+        ops += [dist.P2POp(dist.isend, x.contiguous(), peer=t.dst, group=self.group) for t, x in round_sends]
+        if not ops:
+            return h
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            works = dist.batch_isend_irecv(ops)
+        for op in ops:
+            op.tensor.record_stream(self.stream)
+            h.keep_alive.append(op.tensor)
+        pairs = [("recv", t) for t, _ in round_recvs] + [("send", t) for t, _ in round_sends]
+        # batch_isend_irecv may return one work for the whole batch: attach it to the first op.
+        for i, w in enumerate(works):
+            kind, t = pairs[min(i, len(pairs) - 1)]
+            h.works.append((kind, t, w))
+        return h
+
+    def wait(self, handle: Handle) -> None:
+        for _, _, work in handle.works:
+            work.wait()  # current stream waits on the NCCL stream
+        handle.keep_alive.clear()
+
+
+def default_transport(group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
+    """NCCL transport for an NCCL group on CUDA, otherwise the gloo transport."""
+    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+        return NcclTransport(group)
+    return GlooTransport(group, timeout_s)
+
+
+class TransportWrapper(Transport):
+    """Delegates to ``inner``; subclass to observe, delay or break transfers (tests, fault drills)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
+        return self.inner.post(round_sends, round_recvs, round_index=round_index, phase=phase)
+
+    def wait(self, handle: Handle) -> None:
+        self.inner.wait(handle)
+
+
+@dataclass(frozen=True)
+class Posted:
+    """One posted operation as :class:`CountingTransport` saw it."""
+
+    phase: str
+    round_index: int
+    kind: str  # "send" | "recv"
+    transfer: Transfer
+    nbytes: int
+    dtype: torch.dtype
+
+
+class CountingTransport(TransportWrapper):
+    """Records every posted send and receive (phase, round, transfer, bytes) before delegating."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        self.posted: list[Posted] = []
+        self.posts = 0  # number of post() calls, including empty rounds
+
+    def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
+        self.posts += 1
+        for kind, pairs in (("recv", round_recvs), ("send", round_sends)):
+            for t, x in pairs:
+                self.posted.append(Posted(phase, round_index, kind, t, x.numel() * x.element_size(), x.dtype))
+        return super().post(round_sends, round_recvs, round_index=round_index, phase=phase)
+
+    def transfers(self, phase: str, round_index: int, kind: str) -> tuple[Transfer, ...]:
+        """Posted transfers of one phase/round/kind in post order."""
+        return tuple(p.transfer for p in self.posted
+                     if p.phase == phase and p.round_index == round_index and p.kind == kind)
