@@ -3,7 +3,7 @@
 Everything here is pure (text in, data out) except :func:`gather_host_info`, which imports
 ``torch.distributed`` lazily and runs one ``all_gather_object``. Detection happens in two steps:
 
-1. A parser reads one node's description into a :class:`NodeLayout` - plain data: the link kind
+1. A parser reads one node's description into a :class:`DetectedNode` - plain data: the link kind
    between every pair of local GPUs and which NIC each GPU uses.
 2. :func:`layout_to_topology` replicates that layout over the nodes (the cluster is assumed
    homogeneous) and builds a :class:`~megatron_fcp.topology.model.Topology` through the model's
@@ -64,9 +64,10 @@ __all__ = [
     "DEFAULT_NVLINK_GBPS_PER_LINK",
     "DEFAULT_PCIE_GBPS",
     "DEFAULT_NIC_GBPS",
+    "DEFAULT_UNIFORM_INTRA_GBPS",
     "PairLink",
     "NicInfo",
-    "NodeLayout",
+    "DetectedNode",
     "HostGroups",
     "TopologyParseError",
     "parse_nvidia_smi_topo",
@@ -75,6 +76,7 @@ __all__ = [
     "group_ranks_by_host",
     "gather_host_info",
     "layout_to_topology",
+    "uniform_topology",
     "detect_topology",
 ]
 
@@ -167,21 +169,27 @@ class NicInfo:
 
 
 @dataclass(frozen=True)
-class NodeLayout:
+class DetectedNode:
     """One node as a parser saw it: GPUs ``0..num_gpus-1`` (local indices), pair links, NICs.
 
     ``pairs`` maps ``(i, j)`` with ``i < j`` to a :class:`PairLink`; ``gpu_nic[i]`` is the name of
-    the NIC GPU ``i`` uses (None when the node has no NIC); ``nvlink_gbps_per_link`` is None when
-    the source did not say which GPU generation it is.
+    the NIC GPU ``i`` uses (None when the node has no NIC); ``nvswitch_links[i]`` is the number of
+    NVLinks GPU ``i`` has into an NVSwitch fabric (0: none); ``pcie_paths`` maps a frozenset of
+    two device names (``gpu3``, ``mlx5_0``) to their PCIe path token wherever the source gives
+    one (nvidia-smi hides it behind ``NV#`` for NVLink pairs); ``nvlink_gbps_per_link`` is None
+    when the source did not say which GPU generation it is; ``pcie_gbps`` is the devices' PCIe
+    link speed per direction when the source gives it (NCCL XML ``link_speed`` x ``link_width``).
     """
 
     num_gpus: int
     pairs: Mapping[tuple[int, int], PairLink]
     nics: tuple[NicInfo, ...]
     gpu_nic: tuple[str | None, ...]
+    nvswitch_links: tuple[int, ...] = ()
+    pcie_paths: Mapping[frozenset, str] = field(default_factory=dict)
     nvlink_gbps_per_link: float | None = None
+    pcie_gbps: float | None = None
     source: str = ""
-    notes: tuple[str, ...] = field(default=())
 
     def link(self, i: int, j: int) -> PairLink:
         """The link between local GPUs ``i`` and ``j`` (order does not matter)."""
@@ -273,8 +281,8 @@ def _cell_token(raw: str, where: str) -> str:
 
 def parse_nvidia_smi_topo(
     text: str, *, source: str = "nvidia-smi topo -m", nvlink_gbps_per_link: float | None = None
-) -> NodeLayout:
-    """Parse the text of ``nvidia-smi topo -m`` into a :class:`NodeLayout`.
+) -> DetectedNode:
+    """Parse the text of ``nvidia-smi topo -m`` into a :class:`DetectedNode`.
 
     Algorithm: the first line that names ``GPU0`` is the header; its tokens up to ``CPU`` (the
     ``CPU Affinity`` column) are the device columns. Each following row until a blank line or
@@ -283,7 +291,7 @@ def parse_nvidia_smi_topo(
     ``X`` on the diagonal) and the GPU x NIC paths; ``NIC#`` columns are renamed through the
     "NIC Legend" when present. NV counts are classified nvlink/nvswitch and NICs placed as the
     module note describes. ``nvlink_gbps_per_link`` is kept as given (nvidia-smi does not name the
-    GPU generation; None means "use the default", see :meth:`NodeLayout.pair_bandwidth_gbps`).
+    GPU generation; None means "use the default", see :meth:`DetectedNode.pair_bandwidth_gbps`).
 
     Raises :class:`TopologyParseError` naming ``source``, the line number and the cell.
     """
@@ -358,6 +366,13 @@ def parse_nvidia_smi_topo(
                 pairs[(i, j)] = PairLink(PATH_KINDS[tok], 0, tok)
 
     nic_names = [legend.get(c, c) for c in nic_cols]
+    if len(set(nic_names)) != len(nic_names):
+        raise TopologyParseError(f"{source}: NIC legend gives duplicate names {nic_names}")
+    pcie_paths: dict[frozenset, str] = {}
+    for i in range(n_gpu):
+        for j in range(i + 1, n_gpu):
+            if mat[i][j] in PATH_KINDS:
+                pcie_paths[frozenset((f"gpu{i}", f"gpu{j}"))] = mat[i][j]
     gpu_nic_paths = []
     for i in range(n_gpu):
         line_no, cells = rows[gpu_cols[i]]
@@ -369,13 +384,42 @@ def parse_nvidia_smi_topo(
                     f"{source}: line {line_no} (GPU{i}) column {c}: GPU-NIC path {tok!r} must be a PCIe path"
                 )
             paths[name] = tok
+            pcie_paths[frozenset((f"gpu{i}", name))] = tok
         gpu_nic_paths.append(paths)
+    for c, name in zip(nic_cols, nic_names):
+        if c not in rows:
+            continue  # some drivers print no NIC rows; the GPU rows already place the NIC
+        line_no, cells = rows[c]
+        for m, other in enumerate(columns):
+            tok = cells[m]
+            if other == c:
+                if tok != "X":
+                    raise TopologyParseError(f"{source}: line {line_no} ({c}): diagonal cell is {tok!r}, expected X")
+                continue
+            if tok not in PATH_KINDS:
+                raise TopologyParseError(f"{source}: line {line_no} ({c}) column {other}: NIC path {tok!r} must be a PCIe path")
+            if other in gpu_cols:
+                key = frozenset((f"gpu{gpu_cols.index(other)}", name))
+                if pcie_paths[key] != tok:
+                    raise TopologyParseError(
+                        f"{source}: {other}/{c} disagree: line {rows[other][0]} says {pcie_paths[key]!r}, line {line_no} says {tok!r}"
+                    )
+            else:
+                pcie_paths[frozenset((name, legend.get(other, other)))] = tok
+
+    switched = [0] * n_gpu
+    for (i, j), c in nv_counts.items():
+        if nv_kind[(i, j)] == "nvswitch":
+            switched[i] = max(switched[i], c)
+            switched[j] = max(switched[j], c)
     nics, gpu_nic = _place_nics(gpu_nic_paths, nic_names, {})
-    return NodeLayout(
+    return DetectedNode(
         num_gpus=n_gpu,
         pairs=pairs,
         nics=nics,
         gpu_nic=gpu_nic,
+        nvswitch_links=tuple(switched),
+        pcie_paths=pcie_paths,
         nvlink_gbps_per_link=nvlink_gbps_per_link,
         source=source,
     )
@@ -431,8 +475,17 @@ def _pcie_path(a: Sequence[str], b: Sequence[str]) -> str:
     return "PIX" if below == 0 else "PXB"
 
 
-def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> NodeLayout:
-    """Parse NCCL's topology dump (``NCCL_TOPO_DUMP_FILE``) into a :class:`NodeLayout`.
+def _note_pcie_speed(el: ET.Element, speeds: dict[str, float]) -> None:
+    """Record a ``<pci>``'s link bandwidth per direction (GB/s): ``GT/s * width / 8 * 128/130``
+    (PCIe 3-5 line coding); silently skipped when NCCL wrote no or unknown attributes."""
+    m = re.match(r"\s*([0-9.]+)\s*GT/s", el.get("link_speed", ""))
+    width = el.get("link_width", "")
+    if m and width.isdigit() and int(width) > 0:
+        speeds[(el.get("busid") or "").lower()] = float(m.group(1)) * int(width) / 8 * 128 / 130
+
+
+def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> DetectedNode:
+    """Parse NCCL's topology dump (``NCCL_TOPO_DUMP_FILE``) into a :class:`DetectedNode`.
 
     Algorithm: walk ``<system><cpu><pci>...`` keeping each element's ancestor chain. A ``<gpu>``
     (its parent ``<pci>`` is the GPU; local index ``dev``) records its ``<nvlink target count
@@ -454,6 +507,7 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Node
 
     gpus: dict[int, dict] = {}
     nets: list[dict] = []
+    speeds: dict[str, float] = {}  # busid -> GB/s per direction of that device's PCIe link
     bus_to_dev: dict[str, int] = {}
 
     def walk(el: ET.Element, chain: list[str]) -> None:
@@ -462,6 +516,7 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Node
                 cid = child.get("numaid", str(len(chain)))
                 walk(child, [f"cpu{cid}@{id(child)}"])
             elif child.tag == "pci":
+                _note_pcie_speed(child, speeds)
                 busid = (child.get("busid") or "").lower()
                 if not busid:
                     raise TopologyParseError(f"{source}: <pci> under {chain[-1] if chain else 'system'} lacks attribute 'busid'")
@@ -543,13 +598,23 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Node
     if len(set(nic_names)) != len(nic_names):
         raise TopologyParseError(f"{source}: duplicate <net name> in {nic_names}")
     gpu_nic_paths = [{n["name"]: _pcie_path(gpus[d]["chain"], n["chain"]) for n in nets} for d in devs]
+    chains = {f"gpu{d}": gpus[d]["chain"] for d in devs}
+    chains.update({n["name"]: n["chain"] for n in nets})
+    names = list(chains)
+    pcie_paths = {
+        frozenset((a, b)): _pcie_path(chains[a], chains[b]) for k, a in enumerate(names) for b in names[k + 1 :]
+    }
     nics, gpu_nic = _place_nics(gpu_nic_paths, nic_names, {n["name"]: n["gbps"] for n in nets})
-    return NodeLayout(
+    dev_speeds = [speeds[c[-1]] for c in chains.values() if c[-1] in speeds]
+    return DetectedNode(
         num_gpus=n_gpu,
         pairs=pairs,
         nics=nics,
         gpu_nic=gpu_nic,
+        nvswitch_links=tuple(switch_links),
+        pcie_paths=pcie_paths,
         nvlink_gbps_per_link=per_link,
+        pcie_gbps=min(dev_speeds) if dev_speeds else None,
         source=source,
     )
 
@@ -707,3 +772,282 @@ def gather_host_info(group=None, *, hostname: str | None = None) -> HostGroups:
         local_ranks=lrs if any(x is not None for x in lrs) else None,
         local_world_sizes=lwss,
     )
+
+
+# --- DetectedNode -> Topology ----------------------------------------------------------------
+
+_TREE_LEVEL = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 2, "SYS": 3}
+_RDMA_PREFIXES = ("mlx", "ib", "hfi", "bnxt_re", "irdma", "efa", "qedr", "erdma")
+#: Latencies (s) of the links we create; NIC latency is the model's default.
+_NVLINK_LATENCY = 1e-6
+_PCIE_LATENCY = 1e-6
+_SYS_LATENCY = 2e-6
+
+
+def _nic_kind(name: str) -> str:
+    """``ib`` for RDMA device names (``mlx5_0``, ``ib0``, ``hfi1_0`` ...), else ``ethernet``."""
+    return "ib" if name.lower().startswith(_RDMA_PREFIXES) else "ethernet"
+
+
+def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], leaf_gbps: float) -> list:
+    """Rebuild a PCIe tree over ``devices`` from pairwise path tokens and return model Links.
+
+    Algorithm (the tokens form an ultrametric: PIX < PXB < PHB/NODE < SYS): for level 0 (PIX),
+    1 (PXB) and 2 (PHB/NODE) group devices by union-find over pairs at that level or closer.
+    Every PIX/PXB group of two or more devices that is not the same set as a group one level down
+    becomes a PCIe switch vertex ``pcisw#``; every level-2 group becomes a root complex ``cpu#``
+    (one per NUMA node/socket). Each device or vertex links to the smallest vertex strictly above
+    it. Root complexes are joined pairwise by an SMP link (SYS). Pairs with no token (NVLink pairs
+    in nvidia-smi) only meet where other tokens put them. Bandwidths per direction: links into a
+    switch ``leaf_gbps``; into a root complex ``DEFAULT_PCIE_GBPS['NODE']``; SMP
+    ``DEFAULT_PCIE_GBPS['SYS']`` - so the bottleneck between two GPUs is the table's value for
+    their token.
+    """
+    from megatron_fcp.topology.model import GB, Link
+
+    groups_by_level: list[list[frozenset]] = []
+    for level in range(3):
+        parent = {d: d for d in devices}
+
+        def find(x: str) -> str:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for pair, tok in paths.items():
+            a, b = tuple(pair)
+            if a in parent and b in parent and _TREE_LEVEL[tok] <= level:
+                parent[find(a)] = find(b)
+        members: dict[str, set] = {}
+        for d in devices:
+            members.setdefault(find(d), set()).add(d)
+        groups_by_level.append(sorted((frozenset(m) for m in members.values()), key=lambda g: devices.index(min(g, key=devices.index))))
+
+    vertices: list[tuple[int, frozenset, str]] = []  # (level, members, vertex name)
+    n_sw = 0
+    for level in (0, 1):
+        below = set(groups_by_level[level - 1]) if level else set()
+        for grp in groups_by_level[level]:
+            if len(grp) >= 2 and grp not in below:
+                vertices.append((level, grp, f"pcisw{n_sw}"))
+                n_sw += 1
+    roots = groups_by_level[2]
+    for k, grp in enumerate(roots):
+        vertices.append((2, grp, f"cpu{k}"))
+
+    def up(members: frozenset, level: int) -> tuple[int, str]:
+        """Smallest vertex strictly above (level > ``level``) containing ``members``."""
+        cands = [(lv, len(g), name) for lv, g, name in vertices if lv > level and members <= g]
+        lv, _, name = min(cands)
+        return lv, name
+
+    bw_into = {0: leaf_gbps, 1: leaf_gbps, 2: DEFAULT_PCIE_GBPS["NODE"]}
+    links = []
+    for d in devices:
+        lv, name = up(frozenset((d,)), -1)
+        links.append(Link(d, name, "pcie", bw_into[lv] * GB, _PCIE_LATENCY))
+    for level, grp, name in vertices:
+        if level == 2:
+            continue
+        lv, parent_name = up(grp, level)
+        links.append(Link(name, parent_name, "pcie", bw_into[lv] * GB, _PCIE_LATENCY))
+    for i in range(len(roots)):
+        for j in range(i + 1, len(roots)):
+            links.append(Link(f"cpu{i}", f"cpu{j}", "pcie", DEFAULT_PCIE_GBPS["SYS"] * GB, _SYS_LATENCY))
+    return links
+
+
+def layout_to_topology(
+    node: DetectedNode,
+    *,
+    nodes: int = 1,
+    hosts: HostGroups | None = None,
+    gpus: int | None = None,
+    nvlink_gbps_per_link: float | None = None,
+    nic_gbps: float | None = None,
+    name: str | None = None,
+):
+    """Build a :class:`~megatron_fcp.topology.model.Topology` of ``nodes`` copies of ``node``.
+
+    Vertices are ``gpu#`` (local GPU index = local rank, torchrun's convention), the NICs some GPU
+    uses (storage NICs are left out: they carry no GPU traffic), ``nvswitch`` when GPUs are
+    switched, and the PCIe switches / root complexes that :func:`_pcie_tree_links` rebuilds.
+    NVLink bandwidth = links x per-link speed (``nvlink_gbps_per_link`` overrides what the source
+    said; default :data:`DEFAULT_NVLINK_GBPS_PER_LINK`). NIC speed: ``nic_gbps`` when given, else
+    the source's, else :data:`DEFAULT_NIC_GBPS`. ``gpus`` keeps local GPUs ``0..gpus-1`` (fewer
+    ranks than GPUs per node). ``hosts`` (from hostnames) sets the node count and the rank map.
+    """
+    from megatron_fcp.topology.model import GB, Link, Nic, NodeLayout, Topology, TopologyError
+
+    g = node.num_gpus if gpus is None else gpus
+    if hosts is not None:
+        nodes = hosts.num_nodes
+        if gpus is not None and gpus != hosts.ranks_per_node:
+            raise ValueError(f"gpus={gpus} but the hostnames give {hosts.ranks_per_node} rank(s) per node")
+        g = hosts.ranks_per_node
+    if not 1 <= g <= node.num_gpus:
+        raise ValueError(
+            f"{node.source}: {g} ranks per node but the node has {node.num_gpus} GPU(s); "
+            f"describe the cluster with --topology FILE.yaml"
+        )
+    per_link = nvlink_gbps_per_link or node.nvlink_gbps_per_link or DEFAULT_NVLINK_GBPS_PER_LINK
+    gpu_names = [f"gpu{i}" for i in range(g)]
+    links = []
+    switched = [i for i in range(g) if node.nvswitch_links and node.nvswitch_links[i] > 0]
+    if len(switched) >= 2:
+        for i in switched:
+            links.append(Link(f"gpu{i}", "nvswitch", "nvswitch", node.nvswitch_links[i] * per_link * GB, _NVLINK_LATENCY))
+    for (i, j), pl in sorted(node.pairs.items()):
+        if j < g and pl.kind == "nvlink":
+            links.append(Link(f"gpu{i}", f"gpu{j}", "nvlink", pl.nvlinks * per_link * GB, _NVLINK_LATENCY))
+
+    used = []
+    for i in range(g):
+        nic = node.gpu_nic[i]
+        if nic is not None and nic not in used:
+            used.append(nic)
+    leaf = node.pcie_gbps or DEFAULT_PCIE_GBPS["PIX"]
+    links += _pcie_tree_links(gpu_names + used, node.pcie_paths, leaf)
+    nics = []
+    for nic_name in used:
+        info = node.nic(nic_name)
+        speed = nic_gbps or info.speed_gbps or DEFAULT_NIC_GBPS
+        nics.append(Nic(nic_name, _nic_kind(nic_name), speed * GB))
+    gpu_nic = tuple(used.index(node.gpu_nic[i]) for i in range(g)) if used else ()
+    layout = NodeLayout(g, tuple(links), tuple(nics), gpu_nic, name or node.source)
+    rank_map = ()
+    if hosts is not None:
+        rank_map = tuple((hosts.node_of(r), hosts.local_rank_of(r)) for r in range(hosts.world_size))
+    try:
+        return Topology(name or node.source, layout, nodes, rank_map)
+    except TopologyError as exc:
+        raise TopologyError(f"{node.source}: {exc}") from None
+
+
+# --- detect_topology -------------------------------------------------------------------------
+
+#: Hostnames-only fallback: GPUs on one NVSwitch at this many GB/s per direction (NVLink3, 12
+#: links) and one HDR NIC per GPU (:data:`DEFAULT_NIC_GBPS`), as on a DGX-A100.
+DEFAULT_UNIFORM_INTRA_GBPS = 300.0
+
+
+def _log_once(msg: str, _seen: set = set()) -> None:  # noqa: B006 - the set is the "once" memory
+    if msg not in _seen:
+        _seen.add(msg)
+        log.warning(msg)
+
+
+def uniform_topology(nodes: int, gpus_per_node: int, *, intra_gbps: float = DEFAULT_UNIFORM_INTRA_GBPS,
+                     nic_gbps: float = DEFAULT_NIC_GBPS, hosts: HostGroups | None = None):
+    """The hostnames-only assumption: ``nodes`` nodes of ``gpus_per_node`` GPUs on one NVSwitch
+    (``intra_gbps`` per direction) with one NIC per GPU (``nic_gbps``), rail-aligned."""
+    from megatron_fcp.topology.model import GB, Link, Nic, NodeLayout, Topology
+
+    links, nics = [], []
+    for i in range(gpus_per_node):
+        if gpus_per_node > 1:
+            links.append(Link(f"gpu{i}", "nvswitch", "nvswitch", intra_gbps * GB, _NVLINK_LATENCY))
+        links.append(Link(f"gpu{i}", f"nic{i}", "pcie", DEFAULT_PCIE_GBPS["PIX"] * GB, _PCIE_LATENCY))
+        nics.append(Nic(f"nic{i}", "ib", nic_gbps * GB))
+    layout = NodeLayout(gpus_per_node, tuple(links), tuple(nics), tuple(range(gpus_per_node)), "uniform")
+    rank_map = ()
+    if hosts is not None:
+        rank_map = tuple((hosts.node_of(r), hosts.local_rank_of(r)) for r in range(hosts.world_size))
+    return Topology(f"uniform:{nodes}", layout, nodes, rank_map)
+
+
+def _text_or_file(value: str | os.PathLike) -> tuple[str, str]:
+    """(text, source name): a path to a file is read; a string with a newline is the text itself."""
+    if isinstance(value, os.PathLike) or ("\n" not in str(value)):
+        path = os.fspath(value)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"topology input {path}: not found")
+        with open(path, encoding="utf-8") as fh:
+            return fh.read(), path
+    return str(value), "<text>"
+
+
+def detect_topology(
+    source: str | os.PathLike | None = None,
+    *,
+    nccl_xml: str | os.PathLike | None = None,
+    nvidia_smi: str | os.PathLike | None = None,
+    probe: bool = False,
+    hosts: HostGroups | Sequence[str] | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    nvlink_gbps_per_link: float | None = None,
+    nic_gbps: float | None = None,
+):
+    """Describe the cluster; the first source given wins (Note [Resolution order of detect_topology]).
+
+    ``source``: ``PRESET[:NODES]`` or a YAML path (:func:`~megatron_fcp.topology.model.load_topology`).
+    ``nccl_xml`` / ``nvidia_smi``: a file path or the text itself. ``probe``: run
+    ``nvidia-smi topo -m`` when no file is given. ``hosts``: a :class:`HostGroups` (from
+    :func:`gather_host_info`) or a hostname list, giving the node count and rank map; else
+    ``nodes`` (default 1). ``gpus_per_node``: ranks per node when no hostnames are given (a
+    detected layout keeps local GPUs ``0..gpus_per_node-1``; the uniform assumption uses that
+    many GPUs, default 1). Detected layouts are assumed identical on every node.
+    """
+    from megatron_fcp.topology.model import PRESETS, load_topology
+
+    if hosts is not None and not isinstance(hosts, HostGroups):
+        hosts = group_ranks_by_host(list(hosts))
+    if hosts is not None and nodes is not None and nodes != hosts.num_nodes:
+        raise ValueError(f"nodes={nodes} but the hostnames name {hosts.num_nodes} node(s) {list(hosts.hosts)}")
+    n_nodes = hosts.num_nodes if hosts is not None else (nodes or 1)
+    if hosts is not None and gpus_per_node is not None and gpus_per_node != hosts.ranks_per_node:
+        raise ValueError(f"gpus_per_node={gpus_per_node} but the hostnames give {hosts.ranks_per_node} rank(s) per node")
+
+    if source is not None:
+        spec = str(source)
+        if spec in PRESETS:  # bare preset name: take the node count from hosts/nodes
+            spec = f"{spec}:{n_nodes}"
+        topo = load_topology(spec)
+        if nodes is not None and topo.nodes != nodes:
+            raise ValueError(f"topology {topo.name!r} has {topo.nodes} node(s) but nodes={nodes} was asked for; "
+                             f"give the count once (PRESET:NODES)")
+        if hosts is not None:
+            if (topo.nodes, topo.gpus_per_node) != (hosts.num_nodes, hosts.ranks_per_node):
+                raise ValueError(
+                    f"topology {topo.name!r} has {topo.nodes} node(s) x {topo.gpus_per_node} GPU(s) but the process "
+                    f"group has {hosts.num_nodes} host(s) x {hosts.ranks_per_node} rank(s); fix the YAML/preset node count"
+                )
+            default = tuple((r // topo.gpus_per_node, r % topo.gpus_per_node) for r in range(topo.world))
+            if topo.rank_map == default and not hosts.contiguous:  # an explicit rank_map in YAML wins
+                topo = topo.with_rank_map((hosts.node_of(r), hosts.local_rank_of(r)) for r in range(hosts.world_size))
+        return topo
+
+    layout = None
+    if nccl_xml is not None:
+        text, name = _text_or_file(nccl_xml)
+        layout = parse_nccl_topo_xml(text, source=name)
+        label = f"nccl-xml:{os.path.basename(name)}"
+    elif nvidia_smi is not None:
+        text, name = _text_or_file(nvidia_smi)
+        layout = parse_nvidia_smi_topo(text, source=name)
+        label = f"nvidia-smi:{os.path.basename(name)}"
+    elif probe:
+        text = read_nvidia_smi_topo()
+        if text is not None:
+            layout = parse_nvidia_smi_topo(text, source="nvidia-smi topo -m")
+            label = "nvidia-smi:local"
+    if layout is not None:
+        if layout.nvlink_gbps_per_link is None and nvlink_gbps_per_link is None and any(layout.nvswitch_links + tuple(p.nvlinks for p in layout.pairs.values())):
+            _log_once(f"{layout.source}: GPU generation unknown; assuming {DEFAULT_NVLINK_GBPS_PER_LINK:g} GB/s per NVLink "
+                      f"and direction (NVLink2-4); pass nvlink_gbps_per_link to override")
+        if nic_gbps is None and any(n.speed_gbps is None for n in layout.nics if n.gpus):
+            _log_once(f"{layout.source}: NIC speed unknown; assuming {DEFAULT_NIC_GBPS:g} GB/s per direction (HDR 200 Gb/s)")
+        return layout_to_topology(layout, nodes=n_nodes, hosts=hosts, gpus=gpus_per_node, name=label,
+                                  nvlink_gbps_per_link=nvlink_gbps_per_link, nic_gbps=nic_gbps)
+
+    g = hosts.ranks_per_node if hosts is not None else (gpus_per_node or 1)
+    intra = DEFAULT_UNIFORM_INTRA_GBPS
+    nic = nic_gbps or DEFAULT_NIC_GBPS
+    _log_once(
+        f"no topology source (YAML/preset, NCCL XML, nvidia-smi): assuming {n_nodes} uniform node(s) x {g} GPU(s), "
+        f"NVSwitch {intra:g} GB/s and one {nic:g} GB/s NIC per GPU (per direction); "
+        f"pass --topology PRESET:NODES or a YAML file to describe the cluster"
+    )
+    return uniform_topology(n_nodes, g, intra_gbps=intra, nic_gbps=nic, hosts=hosts)

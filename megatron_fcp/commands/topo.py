@@ -1,0 +1,125 @@
+"""``megatron-fcp topo``: print a cluster topology (preset, YAML, nvidia-smi or NCCL XML) and
+optionally write it as YAML for editing.
+
+Sources follow :func:`megatron_fcp.topology.detect.detect_topology`'s order: ``--topology`` >
+``--from-nccl-xml`` > ``--from-nvidia-smi`` > ``nvidia-smi topo -m`` on this machine > a uniform
+assumption (logged). The printout shows the nodes and their ranks, the link kind and bottleneck
+bandwidth between every pair of local GPUs of node 0, and the NICs with the GPUs that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+NAME = "topo"
+HELP = "print a cluster topology (preset, YAML, nvidia-smi or NCCL XML) and optionally write YAML"
+
+_KIND_ABBREV = {"nvswitch": "NVS", "nvlink": "NV", "pcie": "PCIe", "ib": "IB", "ethernet": "Eth", "loopback": "X"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", metavar="PRESET:NODES|FILE.yaml",
+                   help="a preset (dgx-a100, dgx-h100, pcie-box, single-uplink) with a node count, or a YAML file; "
+                        "wins over every detected source")
+    p.add_argument("--from-nvidia-smi", metavar="FILE", help="text saved from `nvidia-smi topo -m` on one node")
+    p.add_argument("--from-nccl-xml", metavar="FILE",
+                   help="NCCL topology dump of one node (run once with NCCL_TOPO_DUMP_FILE=FILE)")
+    p.add_argument("--nodes", type=int, metavar="N",
+                   help="number of identical nodes for a detected layout (default 1; must match PRESET:NODES)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G",
+                   help="ranks per node: keep local GPUs 0..G-1 of a detected node (default: all), or the GPU "
+                        "count of the uniform assumption when nothing is detected (default 1)")
+    p.add_argument("--nvlink-gbps", type=float, metavar="GB/s",
+                   help="NVLink bandwidth per link and direction when the source cannot tell (default 25)")
+    p.add_argument("--nic-gbps", type=float, metavar="GB/s",
+                   help="NIC bandwidth per direction, overriding the source (default: the source's, else 25)")
+    p.add_argument("--yaml-out", metavar="FILE", help="write the topology as YAML (edit it, pass it back with --topology)")
+
+
+def _fmt_gbps(bw: float) -> str:
+    return f"{bw / 1e9:.4g}"
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(str(r) for r in ranks)
+
+
+def describe(topo) -> str:
+    """The full printout for a :class:`~megatron_fcp.topology.model.Topology` (also used by tests)."""
+    lay = topo.layout
+    lines = [topo.summary(), "", "nodes:"]
+    for n in range(topo.nodes):
+        lines.append(f"  node {n}: ranks {_ranks_text(topo.ranks_of_node(n))}")
+
+    node0 = topo.ranks_of_node(0)
+    by_local = {topo.local_rank_of(r): r for r in node0}
+    g = lay.gpus
+    lines += ["", "links between the GPUs of node 0 (bottleneck kind, GB/s per direction):"]
+    cells = [[""] * g for _ in range(g)]
+    for i in range(g):
+        for j in range(g):
+            if i == j:
+                cells[i][j] = "X"
+            elif i in by_local and j in by_local:
+                route = topo.route(by_local[i], by_local[j])
+                cells[i][j] = f"{_KIND_ABBREV.get(route.kind, route.kind)} {_fmt_gbps(route.bandwidth)}"
+            else:
+                cells[i][j] = "-"
+    width = max(6, max(len(c) for row in cells for c in row) + 2)
+    lines.append((" " * 7 + "".join(f"gpu{j}".ljust(width) for j in range(g))).rstrip())
+    for i in range(g):
+        lines.append(f"  gpu{i}".ljust(7) + "".join(c.ljust(width) for c in cells[i]).rstrip())
+    lines.append("  (NVS = through NVSwitch, NV = direct NVLink, PCIe = PCIe/host path)")
+
+    lines += ["", "NICs per node:"]
+    if not lay.nics:
+        lines.append("  none (single-node only)")
+    for k, nic in enumerate(lay.nics):
+        users = [i for i in range(g) if lay.gpu_nic[i] == k]
+        share = "shared uplink" if len(users) > 1 else "one GPU"
+        lines.append(
+            f"  {nic.name:<10} {nic.kind:<8} {_fmt_gbps(nic.bandwidth):>6} GB/s  gpus {users}  ({share})"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_fcp.topology.detect import TopologyParseError, detect_topology
+    from megatron_fcp.topology.model import TopologyError
+
+    logging.basicConfig(level=logging.WARNING, format="megatron-fcp topo: %(message)s")
+    given = [name for name, val in (("--topology", args.topology), ("--from-nccl-xml", args.from_nccl_xml),
+                                    ("--from-nvidia-smi", args.from_nvidia_smi)) if val]
+    try:
+        topo = detect_topology(
+            args.topology,
+            nccl_xml=args.from_nccl_xml,
+            nvidia_smi=args.from_nvidia_smi,
+            probe=not given,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            nvlink_gbps_per_link=args.nvlink_gbps,
+            nic_gbps=args.nic_gbps,
+        )
+    except (TopologyError, TopologyParseError, ValueError, FileNotFoundError) as exc:
+        print(f"megatron-fcp topo: error: {exc}", file=sys.stderr)
+        return 2
+    if given:
+        used = given[0]
+    elif topo.name.startswith("uniform"):
+        used = "uniform assumption (no nvidia-smi on this machine)"
+    else:
+        used = "`nvidia-smi topo -m` on this machine"
+    if len(given) > 1:
+        print(f"source: {used} (ignored: {', '.join(given[1:])}; see the resolution order in docs/topology.md)")
+    else:
+        print(f"source: {used}")
+    print(describe(topo))
+    if args.yaml_out:
+        topo.to_yaml(args.yaml_out)
+        print(f"\nwrote {args.yaml_out}")
+    return 0
