@@ -27,6 +27,7 @@ with Megatron's names override the YAML.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, fields
 from typing import Any, Mapping
 
@@ -110,7 +111,8 @@ def split_run_yaml(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
 def apply_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     """Make the YAML run config at ``path`` the parser's defaults; return its ``fcp:`` section.
 
-    Keys are the parser's ``dest`` names or flag spellings (``context_parallel_size`` or
+    A relative ``fcp.topology`` file is looked up beside the YAML file when it is not found
+    relative to the working directory. Keys are the parser's ``dest`` names or flag spellings (``context_parallel_size`` or
     ``context-parallel-size``). Unknown keys raise ``ValueError`` naming them, so a typo in the
     YAML cannot silently fall back to a default.
     """
@@ -127,5 +129,10 @@ def apply_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str,
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {', '.join(map(str, unknown))}")
     parser.set_defaults(**defaults)
+    topo = fcp.get("topology")
+    if isinstance(topo, str) and topo.endswith((".yaml", ".yml")) and not os.path.isabs(topo):
+        beside = os.path.join(os.path.dirname(os.path.abspath(path)), topo)
+        if not os.path.exists(topo) and os.path.exists(beside):
+            fcp = {**fcp, "topology": beside}  # relative to the run config, like an include
     FCPConfig.from_dict(fcp)  # validate now: errors name the key before anything starts
     return fcp

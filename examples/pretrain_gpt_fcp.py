@@ -1,0 +1,359 @@
+#!/usr/bin/env python
+"""Pretrain a megatron-core GPTModel with FCP context parallelism (CPU/gloo or GPU/NCCL).
+
+    torchrun --nproc-per-node 4 examples/pretrain_gpt_fcp.py \\
+        --config examples/configs/tiny_cpu_cp4.yaml --metrics-json /tmp/fcp.json
+
+The YAML run config sets Megatron's arguments (tp/cp sizes, sequence length, model sizes,
+iterations) and an ``fcp:`` section; flags with Megatron's names (``--context-parallel-size 2``)
+and the ``--fcp-*`` flags override it. Without CUDA the script runs on gloo with megatron-core's
+local spec and :mod:`megatron_fcp.patches.cpu`; with CUDA on NCCL with the Transformer Engine
+spec when TE is installed (``--transformer-impl`` chooses).
+
+What one step does (``global_batch = micro_batch x dp x microbatches``, as in Megatron):
+
+1. every rank draws the same synthetic global batch for the step (seeded by step), keeps its
+   data-parallel slice and cuts each sequence with Megatron's own ``get_batch_on_this_cp_rank``
+   (zigzag: CP rank r keeps chunks r and 2cp-1-r);
+2. forward + backward per micro batch; the loss is ``sum(token losses) / global tokens`` so that
+   summing gradients over the data-parallel x context-parallel group gives the global mean;
+3. gradients are all-reduced over that group, the global grad norm is taken over unique
+   parameters (TP shards summed over the TP group), clipped, and the optimizer steps.
+
+The synthetic sequences are arithmetic progressions ``(start + stride*t) mod vocab`` with a random
+stride per sequence: the next token is predictable only by attending to earlier tokens, so the
+loss falls only if context-parallel attention is right.
+
+``main()`` is the torchrun entry; :func:`run_worker` is the same run for an already initialised
+process group (``megatron_fcp.launch.run_gloo(run_worker, 4, argv)``), used by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_fcp.config import FCPConfig
+from megatron_fcp.patches.args import add_fcp_args, apply_yaml_defaults, fcp_config_from_args
+
+logger = logging.getLogger("pretrain_gpt_fcp")
+
+__all__ = ["build_parser", "parse_args", "validate_run", "train", "run_worker", "main"]
+
+
+# ---- arguments -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron's flag names for what this example uses, plus ``--fcp-*`` and ``--config``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML run config (flags override it)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=32)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None, help="GQA groups (default: MHA)")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=128)
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
+                   help="auto: transformer_engine on CUDA when installed, else local")
+    g.add_argument("--bf16", action="store_true", help="BF16 parameters and compute (GPU)")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("output")
+    g.add_argument("--metrics-json", metavar="PATH", help="rank 0 writes losses, grad norms, FCP info")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
+    add_fcp_args(p)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, FCPConfig]:
+    """Parse ``argv``: YAML (``--config``) first as defaults, then the flags given."""
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    yaml_fcp: dict[str, Any] = {}
+    if pre.config:
+        yaml_fcp = apply_yaml_defaults(parser, pre.config)
+    args = parser.parse_args(argv)
+    fcp = fcp_config_from_args(args, base=FCPConfig.from_dict(yaml_fcp))
+    return args, fcp
+
+
+def validate_run(args: argparse.Namespace, fcp: FCPConfig, world: int):
+    """Check the run before anything starts; return the :class:`MegatronLayout`.
+
+    Errors (``ValueError``) name the flag to change: cp (or tp/pp) not dividing the world, a
+    sequence not splittable into ``2*cp`` chunks, pipeline parallelism (not in this example),
+    FCP's topology missing or smaller than the world.
+    """
+    from megatron_fcp.setup_plan import MegatronLayout, resolve_topology  # noqa: PLC0415
+
+    layout = MegatronLayout(world=world, tp=args.tensor_model_parallel_size,
+                            pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
+    if layout.pp != 1:
+        raise ValueError("--pipeline-model-parallel-size must be 1 in this example")
+    if args.seq_length % (2 * layout.cp):
+        raise ValueError(f"--seq-length {args.seq_length} must be divisible by 2 x "
+                         f"--context-parallel-size = {2 * layout.cp}")
+    if args.num_attention_heads % layout.tp:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
+                         f"--tensor-model-parallel-size {layout.tp}")
+    global_batch = args.global_batch_size or args.micro_batch_size * layout.dp
+    if global_batch % (args.micro_batch_size * layout.dp):
+        raise ValueError(f"--global-batch-size {global_batch} must be a multiple of --micro-batch-size x "
+                         f"data-parallel size = {args.micro_batch_size * layout.dp}")
+    if fcp.enabled:
+        resolve_topology(fcp.topology, world)
+        if args.attention_dropout > 0:
+            raise ValueError("FCP needs --attention-dropout 0")
+    return layout
+
+
+# ---- pieces of a run ---------------------------------------------------------------------------------
+def _synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
+    """``[batch, seq+1]`` arithmetic progressions mod ``vocab`` (identical on every rank)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, 8, (batch, 1), generator=gen)
+    return (start + stride * torch.arange(seq + 1)[None, :]) % vocab
+
+
+def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        perform_initialization=True,
+    )
+
+
+def _layer_spec(impl: str):
+    from megatron.core.models.gpt import gpt_layer_specs as specs  # noqa: PLC0415
+
+    if impl == "auto":
+        impl = "local"
+        if torch.cuda.is_available():
+            try:
+                import transformer_engine  # noqa: F401, PLC0415
+
+                impl = "transformer_engine"
+            except ImportError:
+                pass
+    if impl == "transformer_engine":
+        return impl, specs.get_gpt_layer_with_transformer_engine_spec()
+    return impl, specs.get_gpt_layer_local_spec()
+
+
+def _grad_norm(model: torch.nn.Module, tp_group) -> float:
+    """Global L2 norm of gradients over unique parameters (TP shards summed over ``tp_group``)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: PLC0415
+
+    sq = torch.zeros(1, dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    dist.all_reduce(sq, group=tp_group)
+    return math.sqrt(float(sq))
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+def train(
+    args: argparse.Namespace,
+    fcp: FCPConfig,
+    *,
+    transport_factory: Callable[[Any], Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train on the initialised default process group; return the metrics (every rank).
+
+    ``transport_factory(group) -> Transport`` replaces FCP's transport (tests count transfers).
+    Leaves megatron-core as it found it: model-parallel state destroyed, FCP patches reverted.
+    """
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import tensor_parallel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: PLC0415
+    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
+
+    from megatron_fcp.patches.cpu import apply_cpu_shims  # noqa: PLC0415
+    from megatron_fcp.patches.megatron import apply_fcp, assert_model_uses_fcp, revert_fcp  # noqa: PLC0415
+    from megatron_fcp.setup_plan import setup_fcp  # noqa: PLC0415
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
+    layout = validate_run(args, fcp, world)
+    use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if not use_cuda:
+        apply_cpu_shims()
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=1,
+        context_parallel_size=layout.cp, create_gloo_process_groups=False,
+    )
+    try:
+        torch.manual_seed(args.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        info: dict[str, Any] = {"enabled": fcp.enabled, "cp": layout.cp, "tp": layout.tp, "dp": layout.dp,
+                                "graph": None, "topology": fcp.topology, "plan_ranks": None}
+        if fcp.enabled:
+            apply_fcp(fcp)
+            heads = args.num_attention_heads
+            runtime = setup_fcp(
+                fcp, seq_len=args.seq_length, heads=heads, kv_heads=args.num_query_groups or heads,
+                head_dim=args.hidden_size // heads, dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
+            )
+            runtime.transport_factory = transport_factory
+            if layout.cp > 1:
+                plan = runtime.plan(tuple(ps.get_context_parallel_global_ranks()), causal=True,
+                                    parts_per_chunk=runtime.parts_per_chunk(args.seq_length // layout.cp))
+                info.update(graph=plan.meta.get("graph", plan.name), topology=runtime.topology.name,
+                            plan_ranks=list(plan.ranks), rounds=len(plan.rounds),
+                            transfers=plan.num_transfers())
+                say(runtime.summary(0))
+        impl, spec = _layer_spec(args.transformer_impl)
+        model = GPTModel(
+            config=_transformer_config(args, dtype), transformer_layer_spec=spec,
+            vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length,
+            position_embedding_type=args.position_embedding_type,
+        ).to(device)
+        if fcp.enabled:
+            info["fcp_modules"] = assert_model_uses_fcp(model)
+        say(f"model: GPTModel {args.num_layers} layers, hidden {args.hidden_size}, "
+            f"{sum(p.numel() for p in model.parameters())} params/rank, spec {impl}, "
+            f"world {world} = tp {layout.tp} x cp {layout.cp} x dp {layout.dp}, device {device}")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        tp_group = ps.get_tensor_model_parallel_group()
+        dp_rank, dp = ps.get_data_parallel_rank(), layout.dp
+        mbs = args.micro_batch_size
+        global_batch = args.global_batch_size or mbs * dp
+        microbatches = global_batch // (mbs * dp)
+        tokens_per_step = global_batch * args.seq_length
+
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        bar = _progress(args.train_iters, rank == 0 and not args.no_progress)
+        t0 = time.perf_counter()
+        model.train()
+        for step in range(args.train_iters):
+            data = _synthetic_batch(step, global_batch, args.seq_length, args.vocab_size, args.seed)
+            mine = data.view(dp, microbatches, mbs, -1)[dp_rank]  # [microbatches, mbs, seq+1]
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros(1, dtype=torch.float64)
+            for m in range(microbatches):
+                seq = mine[m]
+                batch = {
+                    "tokens": seq[:, :-1].contiguous(),
+                    "labels": seq[:, 1:].contiguous(),
+                    "position_ids": torch.arange(args.seq_length)[None, :].expand(mbs, -1).contiguous(),
+                }
+                batch = get_batch_on_this_cp_rank(batch)  # zigzag: [mbs, seq/cp]
+                batch = {k: v.to(device) for k, v in batch.items()}
+                token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                loss = token_loss.float().sum() / tokens_per_step  # [mbs, seq/cp] -> scalar
+                loss.backward()
+                loss_sum += loss.detach().double().cpu()
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=dp_cp_group)
+            dist.all_reduce(loss_sum, group=dp_cp_group)
+            norm = _grad_norm(model, tp_group)
+            if args.clip_grad > 0 and norm > args.clip_grad:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(args.clip_grad / (norm + 1e-6))
+            optimizer.step()
+            losses.append(float(loss_sum))
+            grad_norms.append(norm)
+            if bar is not None:
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", gnorm=f"{norm:.3f}")
+                bar.update(1)
+            elif rank == 0 and log is None and args.no_progress:
+                say(f"step {step + 1:4d}/{args.train_iters}  loss {losses[-1]:.6f}  grad norm {norm:.4f}")
+        if bar is not None:
+            bar.close()
+        elapsed = time.perf_counter() - t0
+        say(f"done: {args.train_iters} steps in {elapsed:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        metrics = {"losses": losses, "grad_norms": grad_norms, "fcp": info, "seconds": elapsed}
+        if args.metrics_json and rank == 0:
+            with open(args.metrics_json, "w", encoding="utf-8") as fh:
+                json.dump(metrics, fh, indent=1)
+        return metrics
+    finally:
+        revert_fcp()
+        ps.destroy_model_parallel()
+
+
+def run_worker(rank: int, world: int, argv: Sequence[str]) -> dict[str, Any]:
+    """``run_gloo`` entry: parse ``argv`` and train on the already initialised group."""
+    del rank, world
+    warnings.filterwarnings("ignore", module="megatron")
+    args, fcp = parse_args(list(argv))
+    return train(args, fcp)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """torchrun entry: validate, initialise the default group (nccl on CUDA, gloo otherwise), train."""
+    warnings.filterwarnings("ignore", module="megatron")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args, fcp = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_run(args, fcp, world)  # clear errors before any process group exists
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "MASTER_ADDR" not in os.environ:  # plain `python pretrain_gpt_fcp.py`: one process
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend)
+    try:
+        return train(args, fcp)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

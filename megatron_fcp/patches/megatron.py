@@ -1,0 +1,439 @@
+"""Swap Megatron's context-parallel core attention for FCP: monkey patch or spec route.
+
+Two integration modes (as Liger-Kernel offers for its kernels):
+
+* **spec route** -- put :class:`FCPCoreAttention` in the ``core_attention`` slot of a layer spec::
+
+      spec = get_gpt_layer_local_spec()
+      spec.submodules.self_attention.submodules.core_attention = FCPCoreAttention
+
+* **patch route** -- :func:`apply_fcp` replaces the core attention class in the bindings that
+  megatron-core's GPT spec builders look up *when a spec is built*, so every spec built afterwards
+  (local or Transformer Engine) gets FCP for CP > 1:
+
+  =======================================================================  =====================
+  binding (megatron-core 0.14-0.19)                                         read by
+  =======================================================================  =====================
+  ``megatron.core.models.backends:DotProductAttention``                    ``LocalSpecProvider
+                                                                           .core_attention()``
+  ``megatron.core.extensions.transformer_engine_spec_provider:              ``TESpecProvider
+  TEDotProductAttention``                                                   .core_attention()``
+  ``megatron.core.models.gpt.gpt_layer_specs:DotProductAttention`` /        spec builders of
+  ``...:TEDotProductAttention`` (only where that module imports them)      releases that do
+  ``megatron.core.models.backends:TEDotProductAttention``                  ``InferenceSpecProvider``
+  =======================================================================  =====================
+
+  Each replacement is a subclass of :class:`FCPCoreAttention` whose constructor hands back the
+  *original* class's instance when the CP group has one rank, so cp = 1 runs exactly Megatron's
+  attention. The originals' ``forward`` are guarded while FCP is applied: an attention module
+  built *before* :func:`apply_fcp` with CP > 1 (it would silently run Transformer Engine's ring)
+  raises :class:`~megatron_fcp.setup_plan.FCPStateError` on its first call instead.
+
+All patches go through :data:`megatron_fcp.patches.REGISTRY` (group ``"megatron"``): idempotent by
+identity, exact revert, each patched path logged, ``ImportError`` naming the symbol and the
+installed megatron-core version when a required binding is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterator
+
+import torch
+
+from megatron_fcp.config import FCPConfig
+from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version
+from megatron_fcp.setup_plan import FCPStateError, current_runtime, reset_fcp, setup_fcp
+
+__all__ = [
+    "FCPCoreAttention",
+    "apply_fcp",
+    "revert_fcp",
+    "fcp_patched",
+    "is_fcp_applied",
+    "active_config",
+    "assert_model_uses_fcp",
+    "LOCAL_ATTENTION",
+    "TE_ATTENTION",
+]
+
+logger = logging.getLogger("megatron_fcp.patches")
+
+GROUP = "megatron"
+#: Where the originals are defined (required: their absence is a version error).
+LOCAL_ATTENTION = "megatron.core.transformer.dot_product_attention:DotProductAttention"
+TE_ATTENTION = "megatron.core.extensions.transformer_engine:TEDotProductAttention"
+
+#: Spec-time bindings of each original: (module, attribute, required).
+_SPEC_BINDINGS: dict[str, tuple[tuple[str, str, bool], ...]] = {
+    LOCAL_ATTENTION: (
+        ("megatron.core.models.backends", "DotProductAttention", True),
+        ("megatron.core.models.gpt.gpt_layer_specs", "DotProductAttention", False),
+    ),
+    TE_ATTENTION: (
+        ("megatron.core.extensions.transformer_engine_spec_provider", "TEDotProductAttention", False),
+        ("megatron.core.models.backends", "TEDotProductAttention", False),
+        ("megatron.core.models.gpt.gpt_layer_specs", "TEDotProductAttention", False),
+    ),
+}
+
+_STATE: dict[str, Any] = {"config": None}
+
+
+# ---- the core attention ----------------------------------------------------------------------------
+def _cp_group_from(pg_collection: Any) -> Any:
+    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+        return pg_collection.cp
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    return ps.get_context_parallel_group(check_initialized=False)
+
+
+def _tp_size_from(pg_collection: Any) -> int:
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp.size()
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def _group_size(group: Any) -> int:
+    return 1 if group is None else int(group.size())
+
+
+class FCPCoreAttention(torch.nn.Module):
+    """Drop-in for Megatron's ``core_attention`` slot running FCP's graph-scheduled CP attention.
+
+    Constructor: Megatron's keyword arguments (``config``, ``layer_number``, ``attn_mask_type``,
+    ``attention_type``, ``attention_dropout``, ``softmax_scale``, ``cp_comm_type``,
+    ``pg_collection``; ``model_comm_pgs`` of older releases is accepted as ``pg_collection``).
+    With CP > 1 the CP group's plan is settled here (:func:`setup_fcp` if not done yet).
+
+    forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+    packed_seq_params=None):
+        query ``[s, b, h, d]`` and key/value ``[s, b, h_kv, d]`` (local heads, this CP rank's
+        zigzag shard of the sequence); returns ``[s, b, h*d]``. Causal or unmasked; the causal
+        mask is implied by ``attn_mask_type`` (``attention_mask`` is then ignored, as Transformer
+        Engine does). CP = 1 computes plain local attention without communication.
+
+    Unsupported (raise ``NotImplementedError`` naming the option): attention bias, packed (THD)
+    sequences, padding/arbitrary masks, sliding windows, non-vanilla softmax, attention dropout
+    > 0 in training.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        model_comm_pgs: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        if unused:
+            logger.debug("FCPCoreAttention ignores constructor arguments %s", sorted(unused))
+        self.config = config
+        self.layer_number = max(1, int(layer_number))
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.cp_comm_type = cp_comm_type  # ignored: FCP replaces the CP communication altogether
+        pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
+        self.pg_collection = pg_collection
+        self.cp_group = _cp_group_from(pg_collection)
+        self.cp_size = _group_size(self.cp_group)
+        tp = _tp_size_from(pg_collection)
+        head_dim = k_channels or getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
+        self.hidden_size_per_attention_head = int(head_dim)
+        self.num_attention_heads_per_partition = config.num_attention_heads // tp
+        self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
+        self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP does not track it
+        self._check_config(config)
+        if self.cp_size > 1:
+            runtime = _ensure_runtime(config, head_dim=head_dim)
+            import torch.distributed as dist  # noqa: PLC0415
+
+            ranks = tuple(dist.get_process_group_ranks(self.cp_group))
+            runtime.groups.setdefault(ranks, self.cp_group)
+            self._settled_ranks = ranks
+
+    @staticmethod
+    def _check_config(config: Any) -> None:
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError("FCPCoreAttention: sliding-window attention (window_size) is not supported")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError(
+                f"FCPCoreAttention: softmax_type={config.softmax_type!r} is not supported (vanilla only)"
+            )
+
+    def _causal(self, attn_mask_type: Any) -> bool:
+        from megatron.core.transformer.enums import AttnMaskType  # noqa: PLC0415
+
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type == AttnMaskType.causal:
+            return True
+        if mask_type == AttnMaskType.no_mask:
+            return False
+        raise NotImplementedError(
+            f"FCPCoreAttention supports causal and no_mask attention, not {mask_type}; "
+            "padding masks come with the packed-sequence (THD) support"
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("FCPCoreAttention: attention_bias is not supported")
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "FCPCoreAttention: packed sequences (THD, packed_seq_params) are not supported yet"
+            )
+        if self.training and self.dropout_p > 0:
+            raise NotImplementedError(
+                f"FCPCoreAttention: attention dropout {self.dropout_p} in training is not supported; "
+                "set --attention-dropout 0"
+            )
+        del attention_mask  # causal/no_mask only: the mask type says everything
+        causal = self._causal(attn_mask_type)
+        s, b, h, d = query.shape  # [s, b, h, d]; key/value [s, b, h_kv, d]
+        if self.cp_size == 1:
+            out = _local_attention(query, key, value, causal=causal, scale=self.softmax_scale)
+        else:
+            from megatron_fcp.attention.function import fcp_attention_with_lse  # noqa: PLC0415
+
+            runtime = current_runtime()
+            if runtime is None:
+                raise FCPStateError("FCP runtime was reset after this model was built; rebuild the model")
+            plan = runtime.plan_for_group(self.cp_group, causal=causal, s_local=s)
+            out, _ = fcp_attention_with_lse(
+                query, key, value, cp_group=self.cp_group, plan=plan, causal=causal,
+                softmax_scale=self.softmax_scale, transport=_transport(runtime, self.cp_group),
+            )
+        return out.reshape(s, b, h * d)  # [s, b, h*d]
+
+
+def _transport(runtime: Any, group: Any) -> Any:
+    """The transport for one call: the runtime's factory (tests) or the backend default,
+    serialised when ``--no-fcp-overlap`` is set."""
+    from megatron_fcp.comm import default_transport  # noqa: PLC0415
+
+    factory = runtime.transport_factory
+    transport = factory(group) if factory is not None else default_transport(group)
+    return transport if runtime.config.overlap else _SerialTransport(transport)
+
+
+class _SerialTransport:
+    """Waits for each round as soon as it is posted: communication and compute never overlap."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def post(self, round_sends, round_recvs, *, round_index: int, phase: str = "forward"):
+        handle = self.inner.post(round_sends, round_recvs, round_index=round_index, phase=phase)
+        self.inner.wait(handle)
+        return handle
+
+    def wait(self, handle: Any) -> None:
+        del handle  # already complete
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+    """Single-rank attention, ``q [s, b, h, d]``, ``k/v [s, b, h_kv, d]`` -> ``[s, b, h, d]``."""
+    group = q.shape[2] // k.shape[2]
+    if group > 1:  # GQA: each KV head serves `group` query heads
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+    qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, h, s, d]
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    return out.permute(2, 0, 1, 3)  # [s, b, h, d]
+
+
+def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
+    """The settled runtime, settling it now (at model build, on every rank) if needed."""
+    runtime = current_runtime()
+    config = _STATE["config"] or FCPConfig(enabled=True)
+    if runtime is not None:
+        if _STATE["config"] is not None and runtime.config != _STATE["config"]:
+            raise FCPStateError(
+                f"FCP was settled with {runtime.config} but apply_fcp() was given {_STATE['config']}; "
+                "call setup_fcp() with the applied config before building the model"
+            )
+        return runtime
+    seq_len = _megatron_training_seq_length()
+    return setup_fcp(
+        config,
+        seq_len=seq_len,
+        heads=transformer_config.num_attention_heads,
+        kv_heads=transformer_config.num_query_groups or transformer_config.num_attention_heads,
+        head_dim=head_dim,
+        dtype_bytes=torch.tensor([], dtype=transformer_config.params_dtype).element_size(),
+    )
+
+
+def _megatron_training_seq_length() -> int | None:
+    """``--seq-length`` of a Megatron-LM run when ``megatron.training`` holds parsed args."""
+    try:
+        from megatron.training import get_args  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        return int(get_args().seq_length)
+    except (AssertionError, AttributeError, TypeError):
+        return None
+
+
+# ---- patch route -----------------------------------------------------------------------------------
+def _make_replacement(original: type) -> type:
+    """A subclass of FCPCoreAttention standing in for ``original`` (cp = 1 -> the original)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):  # noqa: N807
+        pg = kwargs.get("pg_collection", kwargs.get("model_comm_pgs"))
+        if _group_size(_cp_group_from(pg)) == 1:
+            return original(*args, **kwargs)  # not an instance of cls: __init__ is skipped
+        return torch.nn.Module.__new__(cls)
+
+    name = f"FCPCoreAttention_{original.__name__}"
+    return type(name, (FCPCoreAttention,), {"__new__": __new__, "__module__": __name__,
+                                              "__qualname__": name, "fcp_original": original})
+
+
+def _make_forward_guard(original_forward: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any):
+        cfg = getattr(self, "config", None)
+        if _STATE["config"] is not None and getattr(cfg, "context_parallel_size", 1) > 1:
+            raise FCPStateError(
+                f"{type(self).__name__} (layer {getattr(self, 'layer_number', '?')}) was built before "
+                "apply_fcp() and would run Megatron's own CP communication; build the model after "
+                "apply_fcp() (see docs/megatron.md, 'Order of setup')"
+            )
+        return original_forward(self, *args, **kwargs)
+
+    return forward
+
+
+def _original_classes() -> dict[str, type | None]:
+    """Resolve the attention classes; the local one is required, TE's optional at import."""
+    from megatron_fcp.patches import resolve_target  # noqa: PLC0415
+
+    found: dict[str, type | None] = {}
+    for target in (LOCAL_ATTENTION, TE_ATTENTION):
+        try:
+            owner, attr = resolve_target(target)
+            found[target] = getattr(owner, attr)
+        except PatchTargetError:
+            if target == LOCAL_ATTENTION:
+                raise
+            found[target] = None
+        if not isinstance(found[target], type):
+            # megatron-core binds a MagicMock when Transformer Engine is not installed: no TE spec
+            # can be built then, so there is nothing to patch.
+            if target == LOCAL_ATTENTION:
+                raise PatchTargetError(f"{target} is not a class in megatron-core {megatron_core_version()}")
+            logger.info("megatron_fcp: Transformer Engine not installed; %s left alone", target)
+            found[target] = None
+    return found
+
+
+def apply_fcp(config: FCPConfig | None = None) -> list[str]:
+    """Patch Megatron so specs built from now on use FCP attention for CP > 1.
+
+    Idempotent (a second call patches nothing and returns the same targets); ``config`` defaults
+    to ``FCPConfig(enabled=True)``. A disabled config patches nothing. The plan itself is settled
+    by :func:`~megatron_fcp.setup_plan.setup_fcp` (or automatically when the first FCP attention
+    module is built). Returns the patched targets.
+    """
+    config = config if config is not None else FCPConfig(enabled=True)
+    if not config.enabled:
+        logger.info("megatron_fcp: FCP disabled (--fcp not given); Megatron's attention unchanged")
+        return []
+    previous = _STATE["config"]
+    if previous is not None and previous != config:
+        raise FCPStateError(f"apply_fcp() already applied with {previous}; call revert_fcp() first")
+    check_megatron_version()
+    originals = _original_classes()
+    for target, original in originals.items():
+        if original is None:
+            continue
+        for module, attr, required in _SPEC_BINDINGS[target]:
+            spec_target = f"{module}:{attr}"
+            try:
+                from megatron_fcp.patches import resolve_target  # noqa: PLC0415
+
+                owner, name = resolve_target(spec_target)
+            except PatchTargetError:
+                if required:
+                    raise
+                continue
+            bound = getattr(owner, name)
+            if bound is not original and not getattr(bound, "__fcp_patched__", False):
+                continue  # that module binds something else under this name: not ours to touch
+            REGISTRY.install(spec_target, _make_replacement, group=GROUP)
+        REGISTRY.install(f"{target}.forward", _make_forward_guard, group=GROUP)
+    _STATE["config"] = config
+    return REGISTRY.targets(GROUP)
+
+
+def revert_fcp() -> list[str]:
+    """Undo :func:`apply_fcp` exactly and forget the settled plans; returns the restored targets."""
+    _STATE["config"] = None
+    reset_fcp()
+    return REGISTRY.revert(GROUP)
+
+
+def is_fcp_applied() -> bool:
+    return _STATE["config"] is not None
+
+
+def active_config() -> FCPConfig | None:
+    return _STATE["config"]
+
+
+@contextlib.contextmanager
+def fcp_patched(config: FCPConfig | None = None) -> Iterator[list[str]]:
+    """``with fcp_patched(cfg): build_model()`` -- patches inside, exact revert in ``finally``."""
+    already = is_fcp_applied()
+    targets = apply_fcp(config)
+    try:
+        yield targets
+    finally:
+        if not already:
+            revert_fcp()
+
+
+def assert_model_uses_fcp(model: torch.nn.Module) -> int:
+    """Raise :class:`FCPStateError` if a CP > 1 attention module of ``model`` is not FCP's.
+
+    Returns how many FCP attention modules the model has. Checks ``core_attention`` children by
+    the CP size they were built with, so cp = 1 models (Megatron's own attention) pass.
+    """
+    count = 0
+    for name, module in model.named_modules():
+        if not name.endswith("core_attention"):
+            continue
+        if isinstance(module, FCPCoreAttention):
+            count += module.cp_size > 1
+            continue
+        cfg = getattr(module, "config", None)
+        if getattr(cfg, "context_parallel_size", 1) > 1:
+            raise FCPStateError(
+                f"{name} is {type(module).__name__}, built without FCP (megatron-core "
+                f"{megatron_core_version()}); call apply_fcp() before building the model"
+            )
+    return count

@@ -1,0 +1,365 @@
+"""From Megatron's process groups to one verified FCP plan per CP group, settled before training.
+
+Note [Megatron's rank order and CP groups]
+------------------------------------------
+megatron-core lays ranks out in the order ``tp-cp-ep-dp-pp`` (``RankGenerator(order=
+"tp-cp-ep-dp-pp")``): TP varies fastest, then CP, then DP, then PP (EP folds into DP for
+attention). So global rank ``r = t + tp*(c + cp*(d + dp*p))`` and the CP group of ``(t, d, p)`` is
+strided by ``tp``. With world 8, tp 2, cp 2, dp 2::
+
+    global rank   0  1  2  3  4  5  6  7
+    tp rank       0  1  0  1  0  1  0  1
+    cp rank       0  0  1  1  0  0  1  1
+    dp rank       0  0  0  0  1  1  1  1
+    CP groups     {0,2} {1,3} {4,6} {5,7}      TP groups {0,1} {2,3} {4,5} {6,7}
+
+A CP group meets each TP group in at most one rank, so a verified plan (every endpoint inside the
+CP group) can never make a TP peer an endpoint; :func:`check_plan_against_layout` asserts it.
+
+Global ranks are topology ranks (torchrun puts ``LOCAL_WORLD_SIZE`` consecutive ranks on a
+node): a CP group of the example above on a 2-GPU-per-node topology has one rank per node, on a
+4-GPU-per-node topology both ranks share a node; the planner sees the real links either way.
+
+Settling
+--------
+:func:`setup_fcp` runs on every rank after ``parallel_state.initialize_model_parallel`` and
+before the model is built. It reads the layout from ``parallel_state``, validates it against the
+topology (clear errors before any communication), builds and verifies the plan of **every** CP
+group (pure, identical on all ranks, so any communicator a plan needs is created in the same
+order everywhere) and keeps them in a :class:`FCPRuntime`. The attention looks plans up by CP
+group; a group that was not settled (the groups were re-created after setup) raises
+:class:`FCPStateError` instead of running with a stale plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_fcp.config import FCPConfig
+from megatron_fcp.plan import Plan, PlanError
+
+__all__ = [
+    "FCPStateError",
+    "MegatronLayout",
+    "FCPRuntime",
+    "resolve_topology",
+    "build_group_plan",
+    "check_plan_against_layout",
+    "rank_map_table",
+    "setup_fcp",
+    "current_runtime",
+    "reset_fcp",
+]
+
+logger = logging.getLogger("megatron_fcp.setup")
+
+
+class FCPStateError(RuntimeError):
+    """FCP was set up in the wrong order (see docs/megatron.md, "Order of setup")."""
+
+
+# ---- layout --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MegatronLayout:
+    """World size and parallel sizes of a Megatron run (order ``tp-cp-ep-dp-pp``)."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name, flag in (("world", "world size"), ("tp", "--tensor-model-parallel-size"),
+                           ("pp", "--pipeline-model-parallel-size"), ("cp", "--context-parallel-size")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        model = self.tp * self.pp * self.cp
+        if self.world % model:
+            raise ValueError(
+                f"world size {self.world} is not divisible by tensor x pipeline x context parallel "
+                f"size = {self.tp} x {self.pp} x {self.cp} = {model}; change "
+                "--context-parallel-size (or --tensor-model-parallel-size / "
+                "--pipeline-model-parallel-size, or the number of processes)"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    def rank(self, t: int, c: int, d: int, p: int) -> int:
+        """Global rank of (tp, cp, dp, pp) coordinates; see the Note."""
+        return t + self.tp * (c + self.cp * (d + self.dp * p))
+
+    def cp_groups(self) -> list[tuple[int, ...]]:
+        """Every CP group's global ranks in CP-rank order, ordered by (pp, dp, tp)."""
+        return [
+            tuple(self.rank(t, c, d, p) for c in range(self.cp))
+            for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)
+        ]
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        return [
+            tuple(self.rank(t, c, d, p) for t in range(self.tp))
+            for p in range(self.pp) for d in range(self.dp) for c in range(self.cp)
+        ]
+
+    def cp_group_of(self, rank: int) -> tuple[int, ...]:
+        return next(g for g in self.cp_groups() if rank in g)
+
+    def tp_group_of(self, rank: int) -> tuple[int, ...]:
+        return next(g for g in self.tp_groups() if rank in g)
+
+    @classmethod
+    def parse(cls, text: str) -> "MegatronLayout":
+        """``"world=16,tp=2,pp=1,cp=8"`` (missing sizes default to 1)."""
+        values: dict[str, int] = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("world", "tp", "pp", "cp") or not re.fullmatch(r"\d+", value):
+                raise ValueError(f"--megatron-layout item {item!r}: expected world=N, tp=N, pp=N or cp=N")
+            values[key] = int(value)
+        if "world" not in values:
+            raise ValueError("--megatron-layout needs world=N")
+        return cls(**values)
+
+    @classmethod
+    def from_parallel_state(cls) -> "MegatronLayout":
+        """Read the layout of an initialised megatron-core ``parallel_state``."""
+        import torch.distributed as dist  # noqa: PLC0415
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+        if not ps.model_parallel_is_initialized():
+            raise FCPStateError(
+                "megatron parallel_state is not initialised: call "
+                "parallel_state.initialize_model_parallel(...) before setup_fcp()"
+            )
+        layout = cls(
+            world=dist.get_world_size(),
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            cp=ps.get_context_parallel_world_size(),
+        )
+        mine = tuple(ps.get_context_parallel_global_ranks())
+        expected = layout.cp_group_of(dist.get_rank())
+        if mine != expected:
+            raise FCPStateError(
+                f"parallel_state's CP group {list(mine)} differs from the tp-cp-ep-dp-pp layout's "
+                f"{list(expected)}; megatron_fcp supports Megatron's default rank order only"
+            )
+        return layout
+
+
+# ---- topology and plans ----------------------------------------------------------------------------
+def resolve_topology(spec: str, world: int):
+    """Load the topology named by ``spec`` (``--fcp-topology``) and check it covers ``world`` ranks.
+
+    ``auto``: :func:`megatron_fcp.topology.detect.detect_topology` from the ranks' hostnames
+    (collective: every rank must call it) or ``LOCAL_WORLD_SIZE`` before the group exists.
+    """
+    from megatron_fcp.topology.model import TopologyError, load_topology  # noqa: PLC0415
+
+    try:
+        if spec == "auto":
+            topology = _auto_topology(world)
+        else:
+            topology = load_topology(spec)
+    except TopologyError as exc:
+        raise ValueError(f"--fcp-topology {spec!r}: {exc}") from exc
+    if topology.world < world:
+        raise ValueError(
+            f"topology {topology.name!r} describes {topology.world} ranks but the job has {world}: "
+            "give --fcp-topology a cluster with at least as many GPUs (e.g. PRESET:NODES with more "
+            "nodes) or run fewer processes"
+        )
+    if topology.world > world:
+        logger.info("topology %s has %d ranks; this job uses the first %d", topology.name, topology.world, world)
+    return topology
+
+
+def _auto_topology(world: int):
+    """Detect: nodes from the hostnames of all ranks (one ``all_gather_object`` when the default
+    group exists, else ``LOCAL_WORLD_SIZE``), links from ``nvidia-smi topo -m`` when CUDA is up."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from megatron_fcp.topology import detect  # noqa: PLC0415
+
+    probe = torch.cuda.is_available()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
+        return detect.detect_topology(hosts=detect.gather_host_info(), probe=probe)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    if local < 1 or world % local:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
+    return detect.detect_topology(nodes=world // local, gpus_per_node=local, probe=probe)
+
+
+def build_group_plan(
+    config: FCPConfig,
+    topology: Any,
+    cp_ranks: tuple[int, ...],
+    *,
+    causal: bool = True,
+    parts_per_chunk: int = 1,
+    seq_len: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype_bytes: int = 2,
+) -> Plan:
+    """Build the plan of one CP group with the configured graph and verify it."""
+    from megatron_fcp.plan import build_plan  # noqa: PLC0415 - the planner
+
+    plan = build_plan(
+        topology, tuple(cp_ranks), config.graph, causal=causal, parts_per_chunk=parts_per_chunk,
+        seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+    )
+    if tuple(plan.ranks) != tuple(cp_ranks):
+        raise PlanError(f"planner returned ranks {list(plan.ranks)} for CP group {list(cp_ranks)}")
+    return plan.verify()
+
+
+def check_plan_against_layout(plan: Plan, layout: MegatronLayout) -> None:
+    """Raise :class:`PlanError` if a transfer leaves its CP group or joins two TP peers."""
+    group = set(plan.ranks)
+    for k, t in plan.transfers():
+        if t.src not in group or t.dst not in group:
+            raise PlanError(f"round {k}, transfer {t}: endpoint outside CP group {sorted(group)}")
+        if layout.tp > 1 and t.dst in layout.tp_group_of(t.src):
+            raise PlanError(f"round {k}, transfer {t}: {t.src} and {t.dst} are tensor-parallel peers")
+
+
+def rank_map_table(layout: MegatronLayout, topology: Any) -> str:
+    """Per CP group: CP rank -> global rank -> (node, local rank) on ``topology``."""
+    lines = [f"megatron layout world={layout.world} tp={layout.tp} pp={layout.pp} cp={layout.cp} "
+             f"dp={layout.dp} on {topology.name} ({topology.world} ranks)"]
+    for i, group in enumerate(layout.cp_groups()):
+        cells = [f"cp{c}=r{r}(n{topology.node_of(r)}.{topology.local_rank_of(r)})" for c, r in enumerate(group)]
+        nodes = sorted({topology.node_of(r) for r in group})
+        lines.append(f"  CP group {i}: " + " ".join(cells) + f"  nodes {nodes}")
+    return "\n".join(lines)
+
+
+# ---- runtime -------------------------------------------------------------------------------------
+@dataclass
+class FCPRuntime:
+    """What :func:`setup_fcp` settled: config, layout, topology and verified plans per CP group."""
+
+    config: FCPConfig
+    layout: MegatronLayout
+    topology: Any
+    seq_len: int | None
+    plan_args: dict = field(default_factory=dict)
+    plans: dict[tuple[tuple[int, ...], bool, int], Plan] = field(default_factory=dict)
+    groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> the group object
+    transport_factory: Any = None  # group -> Transport; None = the backend's default (tests count)
+
+    def parts_per_chunk(self, s_local: int) -> int:
+        """Sub-blocks per zigzag chunk for a local sequence of ``s_local`` tokens (2 chunks)."""
+        return self.config.parts_per_chunk(s_local // 2)
+
+    def plan(self, cp_ranks: tuple[int, ...], *, causal: bool, parts_per_chunk: int = 1) -> Plan:
+        """The settled plan; other (causal, parts) variants of a settled group are built once."""
+        key = (tuple(cp_ranks), bool(causal), int(parts_per_chunk))
+        if key not in self.plans:
+            if tuple(cp_ranks) not in {k[0] for k in self.plans}:
+                raise FCPStateError(
+                    f"no FCP plan was settled for CP group {list(cp_ranks)}: call setup_fcp() after "
+                    "initialize_model_parallel() and before building the model"
+                )
+            self.plans[key] = self._build(cp_ranks, causal, parts_per_chunk)
+            logger.info("built FCP plan variant %s on first use", key)
+        return self.plans[key]
+
+    def plan_for_group(self, group: Any, *, causal: bool, s_local: int) -> Plan:
+        """Plan of the live CP process group ``group`` (checked to be the settled one)."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        ranks = tuple(dist.get_process_group_ranks(group))
+        settled = self.groups.get(ranks)
+        if settled is not None and settled is not group:
+            raise FCPStateError(
+                f"CP group {list(ranks)} was re-created after setup_fcp(); the settled plan belongs "
+                "to the old communicator. Call setup_fcp() again and rebuild the model"
+            )
+        return self.plan(ranks, causal=causal, parts_per_chunk=self.parts_per_chunk(s_local))
+
+    def _build(self, cp_ranks: tuple[int, ...], causal: bool, parts: int) -> Plan:
+        plan = build_group_plan(self.config, self.topology, cp_ranks, causal=causal,
+                                parts_per_chunk=parts, seq_len=self.seq_len, **self.plan_args)
+        check_plan_against_layout(plan, self.layout)
+        return plan
+
+    def summary(self, rank: int | None = None) -> str:
+        """The graph chosen and the round table of ``rank``'s CP group (default: group 0)."""
+        groups = self.layout.cp_groups()
+        ranks = groups[0] if rank is None else self.layout.cp_group_of(rank)
+        plan = next(p for (r, c, _), p in self.plans.items() if r == ranks and c)
+        graph = plan.meta.get("graph", plan.name)
+        head = (f"FCP: graph={graph} (asked {self.config.graph}) topology={self.topology.name} "
+                f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}")
+        return head + "\n" + plan.round_table()
+
+
+_RUNTIME: FCPRuntime | None = None  # process-wide, like megatron's parallel_state
+
+
+def setup_fcp(
+    config: FCPConfig,
+    *,
+    seq_len: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype_bytes: int = 2,
+    layout: MegatronLayout | None = None,
+    groups: dict[tuple[int, ...], Any] | None = None,
+) -> FCPRuntime:
+    """Settle FCP for this process: validate, build + verify every CP group's causal plan.
+
+    Call on every rank after ``initialize_model_parallel`` and before building the model (the
+    defaults read ``parallel_state``; ``layout``/``groups`` let tests and tools pass their own).
+    Raises ``ValueError``/``PlanError`` naming the flag to change before any communication.
+    """
+    global _RUNTIME
+    if layout is None:
+        layout = MegatronLayout.from_parallel_state()
+        if groups is None:
+            groups = _live_cp_groups()
+    if seq_len is not None and seq_len % (2 * layout.cp):
+        raise ValueError(
+            f"--seq-length {seq_len} must be divisible by 2 x --context-parallel-size = {2 * layout.cp} "
+            "(Megatron's zigzag split)"
+        )
+    topology = resolve_topology(config.topology, layout.world)
+    runtime = FCPRuntime(
+        config, layout, topology, seq_len,
+        plan_args=dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
+        groups=dict(groups or {}),
+    )
+    parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
+    if layout.cp > 1:
+        for cp_ranks in layout.cp_groups():
+            runtime.plans[(cp_ranks, True, parts)] = runtime._build(cp_ranks, True, parts)
+    _RUNTIME = runtime
+    return runtime
+
+
+def _live_cp_groups() -> dict[tuple[int, ...], Any]:
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    return {tuple(ps.get_context_parallel_global_ranks()): ps.get_context_parallel_group()}
+
+
+def current_runtime() -> FCPRuntime | None:
+    return _RUNTIME
+
+
+def reset_fcp() -> None:
+    """Forget the settled runtime (e.g. after ``destroy_model_parallel``)."""
+    global _RUNTIME
+    _RUNTIME = None
