@@ -271,3 +271,222 @@ def test_group_bad_input(kwargs, pattern):
     hostnames = kwargs.pop("hostnames")
     with pytest.raises(ValueError, match=pattern):
         D.group_ranks_by_host(hostnames, **kwargs)
+
+
+# --- DetectedNode -> Topology ----------------------------------------------------------------
+
+
+def _res(route):
+    return [r.name for r in route.resources]
+
+
+def test_a100_topology_routes(a100):
+    topo = D.layout_to_topology(a100, nodes=2)
+    assert (topo.nodes, topo.gpus_per_node, topo.world) == (2, 8, 16)
+    r = topo.route(0, 5)
+    assert r.kind == "nvswitch" and r.bandwidth == pytest.approx(300e9)
+    assert _res(r) == ["n0:gpu0>nvswitch", "n0:nvswitch>gpu5"]
+    # rail-aligned: GPU1 leaves through mlx5_1 and enters node 1's GPU1 through mlx5_1
+    r = topo.route(1, 9)
+    assert "n0:mlx5_1>net" in _res(r) and "n1:net>mlx5_1" in _res(r)
+    assert r.bandwidth == pytest.approx(D.DEFAULT_NIC_GBPS * 1e9)
+    assert [n.name for n in topo.layout.nics] == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9"]
+    # explicit speeds override the defaults
+    fast = D.layout_to_topology(a100, nodes=2, nvlink_gbps_per_link=50.0, nic_gbps=50.0)
+    assert fast.route(0, 5).bandwidth == pytest.approx(600e9)
+    r = fast.route(1, 9)  # a 50 GB/s NIC behind a PCIe 4.0 x16 link: PCIe is the bottleneck
+    assert r.kind == "pcie" and r.bandwidth == pytest.approx(D.DEFAULT_PCIE_GBPS["PIX"] * 1e9)
+    assert {x.name: x.bandwidth for x in r.resources}["n0:mlx5_1>net"] == pytest.approx(50e9)
+    gen5 = D.layout_to_topology(a100, nodes=2, pcie_gbps=64.0, nic_gbps=50.0)
+    assert gen5.route(1, 9).kind == "ib" and gen5.route(1, 9).bandwidth == pytest.approx(50e9)
+
+
+def test_h100_xml_topology_matches_preset_shape(h100_xml):
+    from megatron_fcp.topology.model import load_topology
+
+    topo = D.layout_to_topology(h100_xml, nodes=2)
+    ref = load_topology("dgx-h100:2")
+    for a, b in [(0, 7), (2, 3), (3, 11), (8, 15)]:
+        got, want = topo.route(a, b), ref.route(a, b)
+        assert got.kind == want.kind and got.bandwidth == pytest.approx(want.bandwidth), (a, b)
+    assert topo.node_ingress_bandwidth() == pytest.approx(ref.node_ingress_bandwidth())  # 8 x 50 GB/s
+    # every GPU has its own NIC: no two ranks of a node share an egress wire
+    egress = {next(x for x in _res(topo.route(r, r + 8)) if x.endswith(">net")) for r in range(8)}
+    assert len(egress) == 8
+    # PCIe Gen5 x16 read from link_speed/link_width
+    assert h100_xml.pcie_gbps == pytest.approx(32 * 16 / 8 * 128 / 130)
+
+
+def test_pcie_server_topology_shared_uplink_and_tree(pcie):
+    topo = D.layout_to_topology(pcie, nodes=2)
+    bw = {p: topo.route(*p).bandwidth / 1e9 for p in [(0, 1), (0, 2), (0, 4), (6, 7)]}
+    assert bw == {(0, 1): D.DEFAULT_PCIE_GBPS["PIX"], (0, 2): D.DEFAULT_PCIE_GBPS["PXB"],
+                  (0, 4): D.DEFAULT_PCIE_GBPS["SYS"], (6, 7): D.DEFAULT_PCIE_GBPS["PIX"]}
+    # all eight GPUs leave the node through the one NIC: one shared egress resource
+    egress = {x for r in range(8) for x in _res(topo.route(r, 8 + (r + 1) % 8)) if x.endswith(">net")}
+    assert egress == {"n0:mlx5_0>net"}
+    # the two PIX pairs under one PXB switch share its uplink when they talk across (contention)
+    up02, up13 = set(_res(topo.route(0, 2))), set(_res(topo.route(1, 3)))
+    assert any(name.startswith("n0:pcisw") and ">pcisw" in name for name in up02 & up13)
+    # socket-1 GPUs reach the NIC across the SMP link
+    assert "n0:cpu1>cpu0" in _res(topo.route(5, 8))
+
+
+def test_layout_subset_of_gpus_and_errors(a100, pcie):
+    topo = D.layout_to_topology(a100, gpus=2)
+    assert topo.gpus_per_node == 2 and [n.name for n in topo.layout.nics] == ["mlx5_0", "mlx5_1"]
+    with pytest.raises(ValueError, match=r"9 ranks per node but the node has 8 GPU"):
+        D.layout_to_topology(a100, gpus=9)
+    lone = D.parse_nvidia_smi_topo("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \n", source="nonic.txt")
+    assert D.layout_to_topology(lone).route(0, 1).kind == "nvlink"
+    from megatron_fcp.topology.model import TopologyError
+
+    with pytest.raises(TopologyError, match=r"nonic.txt: .*no NIC"):
+        D.layout_to_topology(lone, nodes=2)
+
+
+def test_hostnames_set_rank_map(h100):
+    # round-robin launch: even ranks on host a, odd ranks on host b
+    hosts = D.group_ranks_by_host(["a", "b"] * 8, local_ranks=[r // 2 for r in range(16)])
+    topo = D.layout_to_topology(h100, hosts=hosts)
+    assert topo.nodes == 2 and topo.rank_map[:4] == ((0, 0), (1, 0), (0, 1), (1, 1))
+    assert topo.route(0, 2).kind == "nvswitch"  # same host
+    assert any(x.endswith(">net") for x in _res(topo.route(0, 1)))  # different hosts
+
+
+# --- detect_topology resolution order ---------------------------------------------------------
+
+
+def test_detect_resolution_order(tmp_path, caplog):
+    smi, xml = FIX / "nvidia_smi_topo_pcie_server.txt", FIX / "nccl_topo_dgx_h100.xml"
+    # 1. preset / YAML wins over every detected source
+    t = D.detect_topology("dgx-a100:2", nccl_xml=xml, nvidia_smi=smi)
+    assert t.name == "dgx-a100:2" and t.world == 16
+    yaml_path = tmp_path / "c.yaml"
+    D.detect_topology(nvidia_smi=smi, nodes=3).to_yaml(yaml_path)
+    t = D.detect_topology(str(yaml_path), nccl_xml=xml)
+    assert t.nodes == 3 and t.layout.nics[0].name == "mlx5_0"
+    # 2. NCCL XML over nvidia-smi
+    t = D.detect_topology(nccl_xml=xml, nvidia_smi=smi)
+    assert t.route(0, 1).kind == "nvswitch" and t.name == "nccl-xml:nccl_topo_dgx_h100.xml"
+    # 3. nvidia-smi (file path or the text itself)
+    t = D.detect_topology(nvidia_smi=smi.read_text())
+    assert t.route(0, 1).kind == "pcie" and len(t.layout.nics) == 1
+    # 4. nothing: uniform nodes from hostnames, logged once with the default speeds named
+    caplog.set_level("WARNING", logger=D.__name__)
+    D._log_once.cache_clear()
+    hosts = ["h0"] * 4 + ["h1"] * 4
+    t1 = D.detect_topology(hosts=hosts)
+    t2 = D.detect_topology(hosts=hosts)
+    assert (t1.nodes, t1.gpus_per_node) == (2, 4) and t2.world == 8
+    msgs = [r.getMessage() for r in caplog.records if "no topology source" in r.getMessage()]
+    assert len(msgs) == 1
+    assert f"NVSwitch {D.DEFAULT_UNIFORM_INTRA_GBPS:g} GB/s" in msgs[0] and f"{D.DEFAULT_NIC_GBPS:g} GB/s NIC per GPU" in msgs[0]
+    assert t1.route(0, 4).bandwidth == pytest.approx(D.DEFAULT_NIC_GBPS * 1e9)
+
+
+def test_detect_with_hosts_and_conflicts():
+    hosts = D.group_ranks_by_host(["b", "a"] * 8, local_ranks=[r // 2 for r in range(16)])
+    t = D.detect_topology("dgx-h100", hosts=hosts)  # bare preset: node count from the hostnames
+    assert t.nodes == 2 and t.rank_map[1] == (1, 0)
+    with pytest.raises(ValueError, match=r"has 1 node\(s\) x 8 GPU\(s\) but the process group has 2 host\(s\) x 8"):
+        D.detect_topology("dgx-h100:1", hosts=hosts)
+    with pytest.raises(ValueError, match=r"'dgx-h100:2' has 2 node\(s\) but nodes=4"):
+        D.detect_topology("dgx-h100:2", nodes=4)
+    with pytest.raises(ValueError, match=r"nodes=3 but the hostnames name 2 node"):
+        D.detect_topology(hosts=hosts, nodes=3)
+    with pytest.raises(FileNotFoundError, match=r"missing\.xml: not found"):
+        D.detect_topology(nccl_xml="missing.xml")
+
+
+# --- megatron-fcp topo -----------------------------------------------------------------------
+
+
+def _topo_cli(capsys, *argv):
+    from megatron_fcp.cli import main
+
+    rc = main(["topo", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--topology", "dgx-h100:2"], [r"2 node\(s\) x 8 GPU\(s\) = 16 ranks", r"node 1: ranks 8-15",
+                                        r"  gpu3 NVS 450 +NVS 450 +NVS 450 +X ", r"nic7 +ib +50 GB/s  gpus \[7\]  \(one GPU\)"]),
+        (["--topology", "single-uplink:2"], [r"nic0 .* gpus \[0, 1, 2, 3, 4, 5, 6, 7\]  \(shared uplink\)"]),
+        (["--from-nvidia-smi", str(FIX / "nvidia_smi_topo_pcie_server.txt"), "--nodes", "2"],
+         [r"  gpu0 X +PCIe 25 +PCIe 25 +PCIe 25 +PCIe 12", r"mlx5_0 .*25 GB/s  gpus \[0, 1, 2, 3, 4, 5, 6, 7\]  \(shared uplink\)"]),
+        (["--from-nvidia-smi", str(FIX / "nvidia_smi_topo_dgx_a100.txt")], [r"  gpu7 (NVS 300 +){7}X", r"mlx5_9 "]),
+        (["--from-nccl-xml", str(FIX / "nccl_topo_dgx_h100.xml"), "--nodes", "4"],
+         [r"4 node\(s\) x 8 GPU\(s\) = 32 ranks", r"mlx5_11 +ib +50 GB/s  gpus \[7\]"]),
+    ],
+)
+def test_topo_command_prints(capsys, argv, expect):
+    rc, out, _ = _topo_cli(capsys, *argv)
+    assert rc == 0
+    for pattern in expect:
+        assert re.search(pattern, out), (pattern, out)
+
+
+def test_topo_command_yaml_roundtrip(capsys, tmp_path):
+    from megatron_fcp.topology.model import load_topology
+
+    out_yaml = tmp_path / "pcie.yaml"
+    rc, out, _ = _topo_cli(capsys, "--from-nvidia-smi", str(FIX / "nvidia_smi_topo_pcie_server.txt"),
+                           "--nodes", "2", "--yaml-out", str(out_yaml))
+    assert rc == 0 and f"wrote {out_yaml}" in out
+    back = load_topology(str(out_yaml))
+    direct = D.detect_topology(nvidia_smi=FIX / "nvidia_smi_topo_pcie_server.txt", nodes=2)
+    for a in range(16):
+        for b in range(16):
+            ra, rb = back.route(a, b), direct.route(a, b)
+            assert _res(ra) == _res(rb) and ra.bandwidth == pytest.approx(rb.bandwidth)
+    rc, out2, _ = _topo_cli(capsys, "--topology", str(out_yaml))
+    assert rc == 0 and out2.split("\n", 1)[1] == out.split("\n", 1)[1].rsplit("\n\nwrote", 1)[0] + "\n"
+
+
+def test_topo_command_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text(_read("nvidia_smi_topo_dgx_h100.txt").replace("GPU3\tNV18\tNV18\tNV18\t X ", "GPU3\tNV18\tNV18\tNV8\t X ", 1))
+    rc, _, err = _topo_cli(capsys, "--from-nvidia-smi", str(bad))
+    assert rc == 2 and re.search(r"error: .*bad\.txt: GPU2/GPU3 disagree: line 4 says 'NV18', line 5 says 'NV8'", err)
+    rc, _, err = _topo_cli(capsys, "--topology", "dgx-z100:2")
+    assert rc == 2 and "'dgx-z100:2' is neither a preset" in err
+    rc, _, err = _topo_cli(capsys, "--topology", "dgx-h100:2", "--nodes", "3")
+    assert rc == 2 and "nodes=3" in err
+
+
+# --- gather_host_info over a real process group -------------------------------------------------
+
+
+def _gather_worker(rank: int, world: int) -> dict:
+    out = {}
+    for var in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(var, None)
+    hg = D.gather_host_info()
+    out["plain"] = (hg.num_nodes, hg.ranks)
+    # an emulated cluster names its nodes; LOCAL_RANK reversed on purpose
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    hg = D.gather_host_info(hostname=f"node{rank}")
+    out["named"] = (hg.hosts, hg.ranks)
+    # every rank claims LOCAL_WORLD_SIZE=1 while both share one hostname: same error everywhere
+    try:
+        D.gather_host_info(hostname="same")
+        out["mismatch"] = None
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+@pytest.mark.dist
+def test_gather_host_info_gloo():
+    from megatron_fcp.launch import run_gloo
+
+    res = run_gloo(_gather_worker, 2, timeout_s=120)
+    for r in res:
+        assert r["plain"] == (1, ((0, 1),))
+        assert r["named"] == (("node0", "node1"), ((0,), (1,)))
+        assert re.search(r"rank 0 on host 'same' has LOCAL_WORLD_SIZE=1 but 2 ranks", r["mismatch"])

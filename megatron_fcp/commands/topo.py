@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "count of the uniform assumption when nothing is detected (default 1)")
     p.add_argument("--nvlink-gbps", type=float, metavar="GB/s",
                    help="NVLink bandwidth per link and direction when the source cannot tell (default 25)")
+    p.add_argument("--pcie-gbps", type=float, metavar="GB/s",
+                   help="PCIe bandwidth per direction of GPU/NIC links when the source cannot tell (default 25, PCIe 4.0 x16)")
     p.add_argument("--nic-gbps", type=float, metavar="GB/s",
                    help="NIC bandwidth per direction, overriding the source (default: the source's, else 25)")
     p.add_argument("--yaml-out", metavar="FILE", help="write the topology as YAML (edit it, pass it back with --topology)")
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
             nvlink_gbps_per_link=args.nvlink_gbps,
+            pcie_gbps=args.pcie_gbps,
             nic_gbps=args.nic_gbps,
         )
     except (TopologyError, TopologyParseError, ValueError, FileNotFoundError) as exc:

@@ -48,6 +48,7 @@ GPUs on one NIC means they share one uplink.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -865,6 +866,7 @@ def layout_to_topology(
     hosts: HostGroups | None = None,
     gpus: int | None = None,
     nvlink_gbps_per_link: float | None = None,
+    pcie_gbps: float | None = None,
     nic_gbps: float | None = None,
     name: str | None = None,
 ):
@@ -874,8 +876,9 @@ def layout_to_topology(
     uses (storage NICs are left out: they carry no GPU traffic), ``nvswitch`` when GPUs are
     switched, and the PCIe switches / root complexes that :func:`_pcie_tree_links` rebuilds.
     NVLink bandwidth = links x per-link speed (``nvlink_gbps_per_link`` overrides what the source
-    said; default :data:`DEFAULT_NVLINK_GBPS_PER_LINK`). NIC speed: ``nic_gbps`` when given, else
-    the source's, else :data:`DEFAULT_NIC_GBPS`. ``gpus`` keeps local GPUs ``0..gpus-1`` (fewer
+    said; default :data:`DEFAULT_NVLINK_GBPS_PER_LINK`). PCIe device links (GPU/NIC to switch):
+    ``pcie_gbps``, else the source's, else ``DEFAULT_PCIE_GBPS['PIX']``. NIC speed: ``nic_gbps``,
+    else the source's, else :data:`DEFAULT_NIC_GBPS`. Explicit arguments win over the source. ``gpus`` keeps local GPUs ``0..gpus-1`` (fewer
     ranks than GPUs per node). ``hosts`` (from hostnames) sets the node count and the rank map.
     """
     from megatron_fcp.topology.model import GB, Link, Nic, NodeLayout, Topology, TopologyError
@@ -907,7 +910,7 @@ def layout_to_topology(
         nic = node.gpu_nic[i]
         if nic is not None and nic not in used:
             used.append(nic)
-    leaf = node.pcie_gbps or DEFAULT_PCIE_GBPS["PIX"]
+    leaf = pcie_gbps or node.pcie_gbps or DEFAULT_PCIE_GBPS["PIX"]
     links += _pcie_tree_links(gpu_names + used, node.pcie_paths, leaf)
     nics = []
     for nic_name in used:
@@ -932,10 +935,10 @@ def layout_to_topology(
 DEFAULT_UNIFORM_INTRA_GBPS = 300.0
 
 
-def _log_once(msg: str, _seen: set = set()) -> None:  # noqa: B006 - the set is the "once" memory
-    if msg not in _seen:
-        _seen.add(msg)
-        log.warning(msg)
+@functools.lru_cache(maxsize=None)
+def _log_once(msg: str) -> None:
+    """Log each distinct assumption once per process (the cache is the memory; tests clear it)."""
+    log.warning(msg)
 
 
 def uniform_topology(nodes: int, gpus_per_node: int, *, intra_gbps: float = DEFAULT_UNIFORM_INTRA_GBPS,
@@ -978,6 +981,7 @@ def detect_topology(
     nodes: int | None = None,
     gpus_per_node: int | None = None,
     nvlink_gbps_per_link: float | None = None,
+    pcie_gbps: float | None = None,
     nic_gbps: float | None = None,
 ):
     """Describe the cluster; the first source given wins (Note [Resolution order of detect_topology]).
@@ -1034,13 +1038,18 @@ def detect_topology(
             layout = parse_nvidia_smi_topo(text, source="nvidia-smi topo -m")
             label = "nvidia-smi:local"
     if layout is not None:
-        if layout.nvlink_gbps_per_link is None and nvlink_gbps_per_link is None and any(layout.nvswitch_links + tuple(p.nvlinks for p in layout.pairs.values())):
-            _log_once(f"{layout.source}: GPU generation unknown; assuming {DEFAULT_NVLINK_GBPS_PER_LINK:g} GB/s per NVLink "
-                      f"and direction (NVLink2-4); pass nvlink_gbps_per_link to override")
+        assumed = []
+        has_nvlink = any(layout.nvswitch_links) or any(p.nvlinks for p in layout.pairs.values())
+        if has_nvlink and layout.nvlink_gbps_per_link is None and nvlink_gbps_per_link is None:
+            assumed.append(f"{DEFAULT_NVLINK_GBPS_PER_LINK:g} GB/s per NVLink (GPU generation unknown; nvlink_gbps_per_link=)")
+        if layout.pcie_gbps is None and pcie_gbps is None:
+            assumed.append(f"PCIe {DEFAULT_PCIE_GBPS['PIX']:g} GB/s (4.0 x16; pcie_gbps=)")
         if nic_gbps is None and any(n.speed_gbps is None for n in layout.nics if n.gpus):
-            _log_once(f"{layout.source}: NIC speed unknown; assuming {DEFAULT_NIC_GBPS:g} GB/s per direction (HDR 200 Gb/s)")
+            assumed.append(f"NIC {DEFAULT_NIC_GBPS:g} GB/s (HDR 200 Gb/s; nic_gbps=)")
+        if assumed:
+            _log_once(f"{layout.source}: assuming " + ", ".join(assumed) + " per direction")
         return layout_to_topology(layout, nodes=n_nodes, hosts=hosts, gpus=gpus_per_node, name=label,
-                                  nvlink_gbps_per_link=nvlink_gbps_per_link, nic_gbps=nic_gbps)
+                                  nvlink_gbps_per_link=nvlink_gbps_per_link, pcie_gbps=pcie_gbps, nic_gbps=nic_gbps)
 
     g = hosts.ranks_per_node if hosts is not None else (gpus_per_node or 1)
     intra = DEFAULT_UNIFORM_INTRA_GBPS
