@@ -19,8 +19,9 @@ sees no key of the block gets ``out = 0`` and ``lse = -inf`` (never NaN), which 
 an empty contribution.
 
 Algorithm (flash-attention's, with tiles over query rows so the score tile stays bounded):
-    forward:  S = scale * Q K^T (+ mask);  m = rowmax S;  P = exp(S - m);  l = rowsum P
-              out = (P V) / l;  lse = m + log l
+    forward:  S = scale * Q K^T (+ mask);  m = rowmax S;  P = softmax(S) (torch's fused op)
+              out = P V;  lse = m + log(rowsum exp(S - m)) = m - log(rowmax P)
+              (the largest softmax entry is exp(0) / rowsum, so no second pass over S is needed)
     backward (from saved q, k, v, out, lse and the incoming dout, like flash-attn):
               D = rowsum(dout * out);  P = exp(S - lse)
               dV = P^T dO;  dP = dO V^T;  dS = P * (dP - D)
@@ -51,8 +52,11 @@ __all__ = [
     "reference_attention",
 ]
 
-# Upper bound on elements of one score tile [b, h, T, m] (2^23 FP32 elements = 32 MiB).
-_TILE_ELEMS = 1 << 23
+# Target elements of one score tile [b, h, T, m] (2^21 FP32 elements = 8 MiB), and a floor on its
+# rows: measured on CPU (one thread, d=64, 8 heads), tiles of 64-256 query rows against 1-2K keys
+# run the matmuls fastest; much larger tiles fall out of cache, much thinner ones starve the GEMM.
+_TILE_ELEMS = 1 << 21
+_MIN_TILE_ROWS = 64
 
 _FULL, _PARTIAL, _MASKED = "full", "partial", "masked"
 
@@ -109,7 +113,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[in
 
 
 def _rows_per_tile(b: int, h: int, m: int) -> int:
-    return max(1, _TILE_ELEMS // max(1, b * h * m))
+    return max(_MIN_TILE_ROWS, _TILE_ELEMS // max(1, b * h * m))
 
 
 def _q_tile(qh: torch.Tensor, a: int, z: int) -> torch.Tensor:
@@ -134,25 +138,29 @@ def block_attention_forward(
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
     qh = (q.to(cd) * scale).permute(1, 2, 0, 3).reshape(b, hk, g, n, d)  # [b, hk, g, n, d]
-    kt = k.to(cd).permute(1, 2, 3, 0)                                     # [b, hk, d, m]
-    vh = v.to(cd).permute(1, 2, 0, 3)                                     # [b, hk, m, d]
+    kh = k.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
+    vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
     for a, z, kind in _tiles(q_pos, k_pos, causal, _rows_per_tile(b, h, m)):
         if kind == _MASKED:
             continue
         t = z - a
-        s = torch.matmul(_q_tile(qh, a, z), kt)                          # [b, hk, g*t, m]
+        s = torch.matmul(_q_tile(qh, a, z), kh.transpose(-1, -2))         # [b, hk, g*t, m]
         if kind == _PARTIAL:
             s.masked_fill_(~_mask(q_pos[a:z], k_pos, g, q.device), -math.inf)
         mx = s.amax(dim=-1, keepdim=True)                                  # [b, hk, g*t, 1]
-        mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)       # rows with no key
-        p = s.sub_(mx).exp_()                                              # unnormalised P
-        l = p.sum(dim=-1, keepdim=True)                                    # [b, hk, g*t, 1]
-        o = torch.matmul(p, vh)                                            # [b, hk, g*t, d]
-        o = torch.where(l > 0, o / l, torch.zeros_like(o))
-        out[:, :, :, a:z] = o.view(b, hk, g, t, d)
-        lse[:, :, :, a:z] = (mx + torch.log(l)).view(b, hk, g, t)          # log 0 = -inf
+        p = torch.softmax(s, dim=-1)                                       # fused max/exp/sum/scale
+        del s
+        if kind == _PARTIAL:
+            empty = torch.isneginf(mx)                                     # rows seeing no key
+            p.masked_fill_(empty, 0.0)                                     # softmax gave NaN there
+        # softmax's largest entry is exp(0) / l = 1 / l, so lse = max + log l = max - log(max P)
+        lse_t = mx - torch.log(p.amax(dim=-1, keepdim=True))
+        if kind == _PARTIAL:
+            lse_t.masked_fill_(empty, -math.inf)
+        out[:, :, :, a:z] = torch.matmul(p, vh).view(b, hk, g, t, d)      # [b, hk, g*t, d]
+        lse[:, :, :, a:z] = lse_t.view(b, hk, g, t)
     return out.view(b, h, n, d).permute(2, 0, 1, 3), lse.view(b, h, n)
 
 
@@ -184,8 +192,8 @@ def block_attention_backward(
     lse_h = lse.to(cd).reshape(b, hk, g, n)
     lse_h = torch.where(torch.isinf(lse_h), torch.zeros_like(lse_h), lse_h)  # empty rows -> P = 0
     dl_h = delta.to(cd).reshape(b, hk, g, n)
-    kh = k.to(cd).permute(1, 2, 0, 3)                                     # [b, hk, m, d]
-    vh = v.to(cd).permute(1, 2, 0, 3)                                     # [b, hk, m, d]
+    kh = k.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
+    vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
     dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)

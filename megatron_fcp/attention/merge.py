@@ -31,13 +31,15 @@ import torch
 __all__ = ["merge_two", "LseAccumulator"]
 
 
-def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
-    mx = torch.maximum(lse_a, lse_b)                              # [b, h, n]
-    mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
-    wa = torch.exp(lse_a - mx)
+def _coefficients(lse_a: torch.Tensor, lse_b: torch.Tensor):
+    """``(lse, ca, cb)`` with out = ca * out_a + cb * out_b; all [b, h, n]. See the module docstring."""
+    mx = torch.maximum(lse_a, lse_b)
+    mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)  # both sides empty
+    wa = torch.exp(lse_a - mx)                                       # in [0, 1]
     wb = torch.exp(lse_b - mx)
-    w = wa + wb
-    return mx, wa, wb, w
+    w = wa + wb                                                      # in [1, 2], or 0 if empty
+    inv = torch.where(w > 0, 1.0 / w, torch.zeros_like(w))
+    return mx + torch.log(w), wa * inv, wb * inv
 
 
 def _as_out_weight(w: torch.Tensor) -> torch.Tensor:
@@ -45,24 +47,26 @@ def _as_out_weight(w: torch.Tensor) -> torch.Tensor:
     return w.permute(2, 0, 1).unsqueeze(-1)
 
 
+def _check(out_a, lse_a, out_b, lse_b) -> None:
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(f"cannot merge partial results of shapes {tuple(out_a.shape)}/{tuple(lse_a.shape)} "
+                         f"and {tuple(out_b.shape)}/{tuple(lse_b.shape)}")
+
+
 def merge_two(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial results (see module docstring); returns new ``(out, lse)``."""
-    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
-        raise ValueError(f"cannot merge partial results of shapes {tuple(out_a.shape)}/{tuple(lse_a.shape)} "
-                         f"and {tuple(out_b.shape)}/{tuple(lse_b.shape)}")
-    mx, wa, wb, w = _weights(lse_a, lse_b)
-    lse = mx + torch.log(w)
-    inv = torch.where(w > 0, 1.0 / w, torch.zeros_like(w))
-    out = (out_a * _as_out_weight(wa * inv)) + (out_b * _as_out_weight(wb * inv))
-    return out, lse
+    _check(out_a, lse_a, out_b, lse_b)
+    lse, ca, cb = _coefficients(lse_a, lse_b)
+    return out_a * _as_out_weight(ca) + out_b * _as_out_weight(cb), lse
 
 
 class LseAccumulator:
     """Running ``(out, lse)`` for one query shard; fold partial results in with :meth:`add`.
 
-    The first result is copied; later ones are merged with :func:`merge_two` in the order given.
+    The first result is copied; later ones are merged in place (``out = ca*out + cb*new``, two
+    passes over ``out``), with the same coefficients as :func:`merge_two`, in the order given.
     """
 
     def __init__(self) -> None:
@@ -72,8 +76,10 @@ class LseAccumulator:
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         if self.out is None:
             self.out, self.lse = out.clone(), lse.clone()
-        else:
-            self.out, self.lse = merge_two(self.out, self.lse, out, lse)
+            return
+        _check(self.out, self.lse, out, lse)
+        self.lse, ca, cb = _coefficients(self.lse, lse)
+        self.out.mul_(_as_out_weight(ca)).addcmul_(out, _as_out_weight(cb))
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out is None:
