@@ -123,6 +123,8 @@ def test_direct_nvlink_mesh_is_not_nvswitch():
         (lambda t: t.replace("GPU2\tNV18\tNV18\t X \tNV18\tNV18\tNV18\tNV18\tNV18\tNODE", "GPU2\tNV18\tNV18\t X \tNV18\tNV18\tNV18\tNV18\tNV18\tNV4", 1),
          r"line 4 \(GPU2\) column NIC0: GPU-NIC path 'NV4' must be a PCIe path"),
         (lambda t: "hello\nworld\n", r"no header line naming GPU0"),
+        (lambda t: t.replace("\nNIC0\tPIX\t", "\nNIC0\tNODE\t", 1), r"GPU0/NIC0 disagree: line 2 says 'PIX', line 10 says 'NODE'"),
+        (lambda t: t.replace("  NIC3: mlx5_3", "  NIC3: mlx5_0"), r"NIC legend gives duplicate names"),
     ],
 )
 def test_nvidia_smi_malformed_names_line_and_field(mutate, pattern):
@@ -199,6 +201,10 @@ def test_nccl_xml_direct_nvlink_and_pcie_paths():
     (nic,) = lay.nics
     assert nic.gpus == (0, 1, 2, 3) and nic.paths == ("PXB", "PXB", "PIX", "SYS")
     assert nic.speed_gbps == pytest.approx(12.5)
+    topo = D.layout_to_topology(lay, nodes=2)
+    assert topo.route(0, 1).kind == "nvlink" and topo.route(0, 1).bandwidth == pytest.approx(50e9)
+    assert "n0:cpu0>cpu1" in _res(topo.route(0, 3))  # no NVLink: PCIe up to the CPU, across sockets
+    assert topo.route(3, 7).bandwidth == pytest.approx(D.DEFAULT_PCIE_GBPS["SYS"] * 1e9)  # NIC across the SMP link
 
 
 @pytest.mark.parametrize(

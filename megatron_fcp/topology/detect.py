@@ -56,7 +56,7 @@ import shutil
 import subprocess
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 __all__ = [
     "PATH_KINDS",
@@ -801,8 +801,8 @@ def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], lea
     it. Root complexes are joined pairwise by an SMP link (SYS). Pairs with no token (NVLink pairs
     in nvidia-smi) only meet where other tokens put them. Bandwidths per direction: links into a
     switch ``leaf_gbps``; into a root complex ``DEFAULT_PCIE_GBPS['NODE']``; SMP
-    ``DEFAULT_PCIE_GBPS['SYS']`` - so the bottleneck between two GPUs is the table's value for
-    their token.
+    ``DEFAULT_PCIE_GBPS['SYS']`` (both capped at ``leaf_gbps``) - so with the default leaf speed
+    the bottleneck between two GPUs is the table's value for their token.
     """
     from megatron_fcp.topology.model import GB, Link
 
@@ -843,7 +843,8 @@ def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], lea
         lv, _, name = min(cands)
         return lv, name
 
-    bw_into = {0: leaf_gbps, 1: leaf_gbps, 2: DEFAULT_PCIE_GBPS["NODE"]}
+    bw_into = {0: leaf_gbps, 1: leaf_gbps, 2: min(leaf_gbps, DEFAULT_PCIE_GBPS["NODE"])}
+    smp_gbps = min(leaf_gbps, DEFAULT_PCIE_GBPS["SYS"])
     links = []
     for d in devices:
         lv, name = up(frozenset((d,)), -1)
@@ -855,7 +856,7 @@ def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], lea
         links.append(Link(name, parent_name, "pcie", bw_into[lv] * GB, _PCIE_LATENCY))
     for i in range(len(roots)):
         for j in range(i + 1, len(roots)):
-            links.append(Link(f"cpu{i}", f"cpu{j}", "pcie", DEFAULT_PCIE_GBPS["SYS"] * GB, _SYS_LATENCY))
+            links.append(Link(f"cpu{i}", f"cpu{j}", "pcie", smp_gbps * GB, _SYS_LATENCY))
     return links
 
 
