@@ -276,12 +276,29 @@ class FCPRuntime:
         return self.plans[key]
 
     def plan_for_group(self, group: Any, *, causal: bool, s_local: int) -> Plan:
-        """Plan of the live CP process group ``group`` (checked to be the settled one)."""
+        """Plan of the live CP process group ``group``.
+
+        Raises :class:`FCPStateError` when ``group`` was destroyed, or when Megatron's current CP
+        group over the same ranks is a different (re-created) communicator: a model built before
+        the groups changed must be rebuilt, never run on a stale plan or communicator.
+        """
         import torch.distributed as dist  # noqa: PLC0415
 
-        ranks = tuple(dist.get_process_group_ranks(group))
-        settled = self.groups.get(ranks)
-        if settled is not None and settled is not group:
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group))
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise FCPStateError(
+                "this attention's CP process group was destroyed (destroy_model_parallel?); the CP "
+                "groups were re-created after setup_fcp(): call setup_fcp() again and rebuild the model"
+            ) from exc
+        live = _megatron_cp_group()
+        if live is not None and live is not group and tuple(dist.get_process_group_ranks(live)) == ranks:
+            raise FCPStateError(
+                f"CP group {list(ranks)} was re-created after this model was built; call setup_fcp() "
+                "again and rebuild the model"
+            )
+        settled = self.groups.setdefault(ranks, group)  # first use registers a lazily settled group
+        if settled is not group:
             raise FCPStateError(
                 f"CP group {list(ranks)} was re-created after setup_fcp(); the settled plan belongs "
                 "to the old communicator. Call setup_fcp() again and rebuild the model"
@@ -347,6 +364,17 @@ def setup_fcp(
             runtime.plans[(cp_ranks, True, parts)] = runtime._build(cp_ranks, True, parts)
     _RUNTIME = runtime
     return runtime
+
+
+def _megatron_cp_group() -> Any:
+    """megatron-core's current CP group, or None when parallel_state is not initialised."""
+    try:
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+    except ImportError:
+        return None
+    if not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_context_parallel_group(check_initialized=False)
 
 
 def _live_cp_groups() -> dict[tuple[int, ...], Any]:

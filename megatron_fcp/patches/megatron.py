@@ -160,12 +160,7 @@ class FCPCoreAttention(torch.nn.Module):
         self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP does not track it
         self._check_config(config)
         if self.cp_size > 1:
-            runtime = _ensure_runtime(config, head_dim=head_dim)
-            import torch.distributed as dist  # noqa: PLC0415
-
-            ranks = tuple(dist.get_process_group_ranks(self.cp_group))
-            runtime.groups.setdefault(ranks, self.cp_group)
-            self._settled_ranks = ranks
+            _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
 
     @staticmethod
     def _check_config(config: Any) -> None:
