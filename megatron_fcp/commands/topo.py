@@ -89,6 +89,31 @@ def describe(topo) -> str:
     return "\n".join(lines)
 
 
+def describe_source(node) -> str:
+    """The detected node as the source reported it: nvidia-smi style tokens per GPU pair, and the
+    NIC each GPU uses with its PCIe path (``node`` is a :class:`~megatron_fcp.topology.detect.DetectedNode`)."""
+    mat = node.kind_matrix()
+    g = node.num_gpus
+    width = max(6, max(len(c) for row in mat for c in row) + 2)
+    lines = [f"as reported by {node.source} (PIX one PCIe switch, PXB several, PHB/NODE via the CPU, "
+             f"SYS across sockets, NV# bonded NVLinks):",
+             (" " * 7 + "".join(f"gpu{j}".ljust(width) for j in range(g))).rstrip()]
+    for i in range(g):
+        lines.append(f"  gpu{i}".ljust(7) + "".join(c.ljust(width) for c in mat[i]).rstrip())
+    kinds: dict[str, int] = {}
+    for pl in node.pairs.values():
+        kinds[pl.kind] = kinds.get(pl.kind, 0) + 1
+    lines.append("  pair kinds: " + ", ".join(f"{k} x{c}" for k, c in sorted(kinds.items())))
+    for nic in node.nics:
+        if nic.gpus:
+            via = ", ".join(f"gpu{gi} {p}" for gi, p in zip(nic.gpus, nic.paths))
+            lines.append(f"  {nic.name}: {via}")
+    unused = [n.name for n in node.nics if not n.gpus]
+    if unused:
+        lines.append(f"  not used by any GPU (left out): {', '.join(unused)}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_fcp.topology.detect import TopologyParseError, detect_topology
     from megatron_fcp.topology.model import TopologyError
@@ -122,6 +147,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"source: {used}")
     print(describe(topo))
+    if given and given[0] != "--topology":
+        from megatron_fcp.topology.detect import parse_nccl_topo_xml, parse_nvidia_smi_topo
+
+        path = args.from_nccl_xml or args.from_nvidia_smi
+        parse = parse_nccl_topo_xml if args.from_nccl_xml else parse_nvidia_smi_topo
+        with open(path, encoding="utf-8") as fh:
+            print("\n" + describe_source(parse(fh.read(), source=path)))
     if args.yaml_out:
         topo.to_yaml(args.yaml_out)
         print(f"\nwrote {args.yaml_out}")
