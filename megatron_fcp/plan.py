@@ -46,7 +46,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterable, Iterator
+
+import numpy as np
 
 __all__ = [
     "Block",
@@ -59,6 +62,7 @@ __all__ = [
     "ring_plan",
     "all_to_all_plan",
     "per_rank_counts",
+    "build_plan",
 ]
 
 
@@ -88,6 +92,23 @@ class Transfer:
 
     def __str__(self) -> str:
         return f"{self.src}->{self.dst}:{self.block}"
+
+
+_object_new = object.__new__
+
+
+def _make_transfer(src: int, dst: int, block: Block) -> Transfer:
+    """``Transfer(src, dst, block)`` without the frozen ``__init__``'s per-field ``object.__setattr__``.
+
+    Same object (equal, same hash) at under half the cost; the compiler builds ~1.5M of these for a
+    1,024-rank group.
+    """
+    t = _object_new(Transfer)
+    d = t.__dict__
+    d["src"] = src
+    d["dst"] = dst
+    d["block"] = block
+    return t
 
 
 def zigzag_chunk_index(cp_index: int, chunk: int, cp: int) -> int:
@@ -177,7 +198,7 @@ class Plan:
         return self.num_transfers() / self.parts_per_chunk
 
     # ---- verification -----------------------------------------------------------------------
-    def verify(self) -> "Plan":
+    def verify(self, max_sends: int | None = None, max_recvs: int | None = None) -> "Plan":
         """Prove the plan is executable and complete; raise :class:`PlanError` otherwise.
 
         Checks, without running anything:
@@ -185,13 +206,26 @@ class Plan:
         * every block in a transfer is a block of this group (owner in group, chunk/part in range);
         * causality: a rank sends a block only if it owns it or received it in an *earlier* round;
         * exactly once: no rank receives a block twice, and no owner receives its own block;
-        * completeness: every rank receives every block of its need set.
+        * completeness: every rank receives every block of its need set;
+        * port limits (when given): no rank posts more than ``max_sends`` sends or ``max_recvs``
+          receives in one round.
         Send/receive matching and deadlock freedom hold by construction of the round model: both
         sides derive their per-round posts from the same transfer list (sends and receives of a
         round are all posted before any is waited on), so each receive has exactly one matching
         send in the same round, and rounds only wait on transfers they themselves posted.
         Returns ``self`` so calls can be chained.
+
+        Algorithm: transfers become integer arrays (round, src, dst, block id) and every check is
+        a vectorised numpy pass; when one fails, the error reported is the one a sequential scan in
+        plan order would hit first (per-transfer checks of round k before round k's duplicate
+        check), with the same message as :meth:`_verify_reference` (the plain-Python
+        specification, kept for differential tests). 1.5M transfers verify in well under a second.
         """
+        _verify_fast(self, max_sends, max_recvs)
+        return self
+
+    def _verify_reference(self) -> "Plan":
+        """Sequential specification of :meth:`verify` (without port limits); slow, exact."""
         if len(set(self.ranks)) != len(self.ranks):
             raise PlanError(f"plan ranks repeat: {list(self.ranks)}")
         if self.parts_per_chunk < 1:
@@ -230,6 +264,15 @@ class Plan:
                     f"rank {r} never receives {first} (and {len(missing) - 1} more needed blocks)"
                 )
         return self
+
+    def backward_rounds(self) -> tuple[tuple[Transfer, ...], ...]:
+        """Rounds of the dK/dV reduction: forward rounds reversed, every transfer flipped.
+
+        In backward round ``k`` a rank sends its partial dK/dV of ``block`` to the rank it received
+        ``block`` from in forward round ``len(rounds)-1-k``, after adding the partials its own
+        children sent it in earlier backward rounds.
+        """
+        return tuple(tuple(Transfer(t.dst, t.src, t.block) for t in rnd) for rnd in reversed(self.rounds))
 
     # ---- presentation -----------------------------------------------------------------------
     def round_table(self) -> str:
@@ -296,3 +339,147 @@ def per_rank_counts(plan: Plan) -> dict[int, tuple[int, int]]:
         counts[t.src][0] += 1
         counts[t.dst][1] += 1
     return {r: (counts[r][0], counts[r][1]) for r in plan.ranks}
+
+
+def build_plan(
+    topology,
+    cp_ranks,
+    graph="auto",
+    *,
+    causal=True,
+    parts_per_chunk=1,
+    seq_len=None,
+    heads=None,
+    kv_heads=None,
+    head_dim=None,
+    dtype_bytes=2,
+) -> Plan:
+    """Verified plan for CP group ``cp_ranks`` on ``topology``; see :func:`megatron_fcp.planner.build_plan`."""
+    from megatron_fcp.planner import build_plan as _build_plan
+
+    return _build_plan(
+        topology, cp_ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk, seq_len=seq_len,
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+    )
+
+
+def _verify_fast(plan: Plan, max_sends: int | None, max_recvs: int | None) -> None:
+    """Vectorised :meth:`Plan.verify` (see its docstring for the ordering of reported errors)."""
+    ranks = plan.ranks
+    if len(set(ranks)) != len(ranks):
+        raise PlanError(f"plan ranks repeat: {list(ranks)}")
+    P = plan.parts_per_chunk
+    if P < 1:
+        raise PlanError(f"parts_per_chunk must be >= 1, got {P}")
+    for name, v in (("max_sends", max_sends), ("max_recvs", max_recvs)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise PlanError(f"{name}: must be None or an integer >= 1, got {v!r}")
+    cp = len(ranks)
+    nb = cp * 2 * P  # block id = (owner_index * 2 + chunk) * P + part
+    counts = [len(r) for r in plan.rounds]
+    flat = [t for rnd in plan.rounds for t in rnd]
+    T = len(flat)
+    try:
+        src_g = np.fromiter(map(attrgetter("src"), flat), dtype=np.int64, count=T)
+        dst_g = np.fromiter(map(attrgetter("dst"), flat), dtype=np.int64, count=T)
+        # blocks are mostly shared objects: read the fields of each distinct object once
+        blocks = list(map(attrgetter("block"), flat))
+        obj_ids = np.fromiter(map(id, blocks), dtype=np.int64, count=T)
+        _, first_of, inverse = np.unique(obj_ids, return_index=True, return_inverse=True)
+        uniq = [blocks[i] for i in first_of.tolist()]
+        own_g = np.fromiter(map(attrgetter("owner"), uniq), dtype=np.int64, count=len(uniq))[inverse]
+        chunk = np.fromiter(map(attrgetter("chunk"), uniq), dtype=np.int64, count=len(uniq))[inverse]
+        part = np.fromiter(map(attrgetter("part"), uniq), dtype=np.int64, count=len(uniq))[inverse]
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        plan._verify_reference()  # odd field types: let the specification report them
+        if max_sends is None and max_recvs is None:
+            return
+        raise PlanError("plan fields are not plain integers; cannot check port limits") from None
+    rnd = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+
+    ranks_arr = np.asarray(ranks, dtype=np.int64)
+    order = np.argsort(ranks_arr, kind="stable")
+    sorted_r = ranks_arr[order]
+
+    def to_index(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.searchsorted(sorted_r, g)
+        pos_c = np.minimum(pos, cp - 1)
+        ok = sorted_r[pos_c] == g
+        return np.where(ok, order[pos_c], -1), ok
+
+    src_i, src_ok = to_index(src_g)
+    dst_i, dst_ok = to_index(dst_g)
+    own_i, own_ok = to_index(own_g)
+    bad_outside = ~(src_ok & dst_ok)
+    bad_self = src_g == dst_g
+    bad_block = ~own_ok | ((chunk != 0) & (chunk != 1)) | (part < 0) | (part >= P)
+    structural = bad_outside | bad_self | bad_block
+    bid = np.where(structural, 0, (own_i * 2 + np.clip(chunk, 0, 1)) * P + np.clip(part, 0, P - 1))
+
+    # earliest arrival round of every (rank, block); transfers are in round order
+    key = np.where(structural, -1, dst_i * nb + bid)
+    valid = ~structural
+    arrival = np.full(cp * nb, np.iinfo(np.int64).max, dtype=np.int64)
+    vkeys = key[valid]
+    uniq, first = np.unique(vkeys, return_index=True)
+    arrival[uniq] = rnd[valid][first]
+    src_key = np.where(structural, 0, src_i * nb + bid)
+    has = (own_i == src_i) | (arrival[src_key] < rnd)
+    bad_early = valid & ~has
+    bad_owner = valid & (own_i == dst_i)
+    any_bad = structural | bad_early | bad_owner
+
+    # duplicates: a valid transfer that is not the first arrival of its (dst, block)
+    dup = np.zeros(T, dtype=bool)
+    vidx = np.nonzero(valid)[0]
+    dup[vidx] = True
+    dup[vidx[first]] = False
+
+    i1 = int(np.argmax(any_bad)) if any_bad.any() else None
+    i2 = int(np.argmax(dup)) if dup.any() else None
+    if i1 is not None and (i2 is None or rnd[i1] <= rnd[i2]):
+        t, k = flat[i1], int(rnd[i1])
+        where = f"round {k}, transfer {t}"
+        group = sorted(ranks)
+        if bad_outside[i1]:
+            outside = t.src if not src_ok[i1] else t.dst
+            raise PlanError(f"{where}: rank {outside} is outside the CP group {group}")
+        if bad_self[i1]:
+            raise PlanError(f"{where}: a rank sends to itself")
+        if bad_block[i1]:
+            raise PlanError(f"{where}: {t.block} is not a block of this group")
+        if bad_early[i1]:
+            raise PlanError(f"{where}: rank {t.src} forwards {t.block} before it has arrived there")
+        raise PlanError(f"{where}: {t.block} is sent back to its owner {t.dst}")
+    if i2 is not None:
+        t = flat[i2]
+        raise PlanError(f"round {int(rnd[i2])}: rank {t.dst} receives {t.block} more than once")
+
+    # completeness: need[j, b] (see Note [Zigzag blocks and causal need sets])
+    b_all = np.arange(nb)
+    b_owner = b_all // (2 * P)
+    b_chunk = (b_all // P) % 2
+    j = np.arange(cp)[:, None]
+    need = (b_owner[None, :] != j) & (~plan.causal | (b_chunk[None, :] == 0) | (b_owner[None, :] >= j))
+    have = (arrival < np.iinfo(np.int64).max).reshape(cp, nb)
+    missing = need & ~have
+    if missing.any():
+        jr = int(np.argmax(missing.any(axis=1)))
+        miss_b = np.nonzero(missing[jr])[0]
+        blocks_missing = sorted(Block(ranks[int(b) // (2 * P)], int(b) // P % 2, int(b) % P) for b in miss_b)
+        raise PlanError(
+            f"rank {ranks[jr]} never receives {blocks_missing[0]} (and {len(blocks_missing) - 1} more needed blocks)"
+        )
+
+    # port limits per (round, rank)
+    for limit, idx, what in ((max_sends, src_i, "sends"), (max_recvs, dst_i, "receives")):
+        if limit is None or T == 0:
+            continue
+        c = np.bincount(rnd * cp + idx, minlength=len(counts) * cp)
+        if c.max() > limit:
+            at = int(np.argmax(c > limit))
+            k, r = divmod(at, cp)
+            raise PlanError(
+                f"round {k}: rank {ranks[r]} posts {int(c[at])} {what}, over the port limit of {limit} "
+                f"(max_{'sends' if what == 'sends' else 'recvs'})"
+            )

@@ -1,0 +1,360 @@
+"""Plan compiler: CommGraph + causal need sets -> multicast trees -> rounds -> verified Plan.
+
+Pure (no torch). :func:`build_plan` is the one entry point the Megatron plugin calls; it is
+re-exported as ``megatron_fcp.plan.build_plan``.
+
+Note [Compiling a plan]
+-----------------------
+1. *Need sets.* Block ``(owner, chunk, part)`` goes to exactly the ranks of
+   :func:`megatron_fcp.plan.need_set` (causal: chunk 1 of CP rank i only to CP ranks < i).
+2. *Trees.* For each chunk the graph's builder gives a multicast tree from the owner to those
+   readers using only graph edges (``CommGraph.tree``). A vertex of the tree that is not a reader is
+   a relay the graph forces (e.g. a rail peer that forwards to its node); nothing else is sent.
+   All parts of a chunk share the chunk's tree.
+3. *Rounds.* Tree edge ``(u, v)`` at depth ``d`` (1 = leaves the owner) of part ``p`` is due in
+   round ``d - 1 + p`` when the graph pipelines parts (part p+1 crosses the slow link while part
+   p fans out), else ``d - 1``. With port limits (``max_sends`` / ``max_recvs`` per rank per
+   round) edges are list-scheduled: each edge, in order of due round and then of the longest path
+   below it, takes the first round >= due where both its ports are free; its children become due
+   one round later. Without limits every edge lands on its due round (ASAP).
+4. *Verify.* The plan is checked by :meth:`Plan.verify` (with the port limits) before return.
+
+The backward pass uses :meth:`Plan.backward_rounds` (rounds reversed, transfers flipped): the
+same trees reduce dK/dV towards each owner.
+
+Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non-causal)::
+
+    round 0: 0->1 0->2 | 1->0 1->3 | 2->3 2->0 | 3->2 3->1    (NVLink + one rail each)
+    round 1: 2->3:B(r0) 3->2:B(r1) 0->1:B(r2) 1->0:B(r3)       (fan-out of what crossed)
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from contextlib import contextmanager
+from typing import Sequence
+
+from megatron_fcp.plan import Block, Plan, PlanError, Transfer, _make_transfer
+from megatron_fcp.topology.graph import (
+    BUILDERS,
+    CommGraph,
+    GraphBuilder,
+    check_cp_ranks,
+    get_builder,
+)
+from megatron_fcp.topology.model import Topology, load_topology
+
+__all__ = ["compile_plan", "build_plan", "AUTO_CANDIDATES", "readers"]
+
+AUTO_CANDIDATES = ("ring", "full", "hierarchical", "leader", "spanning")
+"""Builders ``auto`` compiles and simulates (``balanced`` equals ``hierarchical`` for equal sizes)."""
+
+
+def readers(ranks: Sequence[int], owner_index: int, chunk: int, causal: bool) -> list[int]:
+    """Ranks that need chunk ``chunk`` of CP rank ``owner_index`` (see Note in plan.py), CP order."""
+    if causal and chunk == 1:
+        return list(ranks[:owner_index])
+    return [r for j, r in enumerate(ranks) if j != owner_index]
+
+
+@contextmanager
+def _gc_paused():
+    """Pause the cyclic GC while ~10^6 plan objects are created (none form cycles); without this,
+    generation sweeps over the growing plan cost more than creating it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def compile_plan(
+    cg: CommGraph,
+    causal: bool = True,
+    parts_per_chunk: int = 1,
+    *,
+    max_sends: int | None = None,
+    max_recvs: int | None = None,
+    verify: bool = True,
+    balance: bool = True,
+) -> Plan:
+    """Compile a CommGraph into a Plan; see Note [Compiling a plan]."""
+    with _gc_paused():
+        return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance)
+
+
+def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance) -> Plan:
+    if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
+        raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    for name, v in (("max_sends", max_sends), ("max_recvs", max_recvs)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise PlanError(f"{name}: must be None (unlimited) or an integer >= 1, got {v!r}")
+    ranks = cg.ranks
+    stagger = cg.pipeline_parts
+    check = len(ranks) <= CHECK_TREES_MAX_CP
+    P = parts_per_chunk
+    # (due_round, src, dst, block, subtree_height) per transfer, parents before children.
+    trees = []
+    for i, owner in enumerate(ranks):
+        for chunk in (0, 1):
+            dests = readers(ranks, i, chunk, causal)
+            if not dests:
+                continue
+            tree, depths = cg.tree_with_depths(owner, dests)
+            if check:
+                _check_tree(cg, owner, dests, tree)
+            trees.append((owner, chunk, tree, depths))
+
+    limited = max_sends is not None or max_recvs is not None
+    if limited:
+        plan_rounds = _list_schedule(trees, P, stagger, max_sends, max_recvs)
+    elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
+        plan_rounds = _balanced_waves(cg, trees, P)
+    else:
+        plan_rounds = _waves(trees, P, stagger)
+
+    plan = Plan(ranks, plan_rounds, causal, P, name=cg.name)
+    plan.meta.update(graph=cg.name, max_sends=max_sends, max_recvs=max_recvs, pipeline_parts=stagger)
+    if "kv_sizes" in cg.meta and cg.meta["kv_sizes"]:
+        plan.meta["kv_sizes"] = dict(cg.meta["kv_sizes"])
+    if verify:
+        plan.verify(max_sends=max_sends, max_recvs=max_recvs)
+    return plan
+
+
+CHECK_TREES_MAX_CP = 256
+"""Up to this CP size every multicast tree is checked against the graph (edges exist, parents
+first, all readers reached); larger groups rely on the builders' tests and on Plan.verify."""
+
+BALANCE_MAX_TRANSFERS = 200_000
+"""Above this many transfers the compiler keeps plain waves (leaf balancing is O(transfers x rounds))."""
+
+
+def _count(trees, P: int) -> int:
+    return P * sum(len(t[2]) for t in trees)
+
+
+def _waves(trees, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]:
+    """ASAP placement: edge at depth d of part p in round d-1 (+p when staggered)."""
+    rounds: dict[int, list[Transfer]] = {}
+    make = _make_transfer
+    for owner, chunk, tree, depths in trees:
+        for p in range(P):
+            b = Block(owner, chunk, p)
+            shift = p - 1 if stagger else -1
+            for (u, v), d in zip(tree, depths):
+                k = d + shift
+                rnd = rounds.get(k)
+                if rnd is None:
+                    rounds[k] = rnd = []
+                rnd.append(make(u, v, b))
+    n = max(rounds, default=-1) + 1
+    return tuple(tuple(rounds.get(k, ())) for k in range(n))
+
+
+def _balanced_waves(cg: CommGraph, trees, P: int) -> tuple[tuple[Transfer, ...], ...]:
+    """Waves, then leaf edges moved into rounds with spare capacity on their route's resources.
+
+    Edges into relays keep their wave round (the pipeline's backbone). A *leaf* edge (its
+    receiver forwards nothing) may run in any round from one after its sender got the block up to
+    the last wave round; leaf edges are placed latest-due first, each into the round whose
+    bottleneck time (max over resources of bytes / bandwidth) grows least, earliest on ties. On
+    rail-striped graphs this moves each owner's own NVLink sends into the rounds where NVLink
+    idles while the first sub-blocks cross the network.
+    """
+    topo = cg.topology
+    res_id: dict[str, int] = {}
+    bws: list[float] = []
+    route_cache: dict[tuple[int, int], list[int]] = {}
+
+    def route(u: int, v: int) -> list[int]:
+        ids = route_cache.get((u, v))
+        if ids is None:
+            ids = []
+            for r in topo.route(u, v).resources:
+                i = res_id.get(r.name)
+                if i is None:
+                    i = res_id[r.name] = len(bws)
+                    bws.append(r.bandwidth)
+                ids.append(i)
+            route_cache[(u, v)] = ids
+        return ids
+
+    weights = cg.meta.get("kv_sizes") or {}
+    rigid: list[tuple[int, int, int, Block]] = []
+    leaves: list[tuple[int, int, int, Block, float]] = []
+    last = 0
+    for owner, chunk, tree, depths in trees:
+        has_children = {u for u, _ in tree}
+        w = float(weights.get(owner, 1.0))
+        for (u, v), d in zip(tree, depths):
+            for p in range(P):
+                k = d - 1 + p
+                last = max(last, k)
+                b = Block(owner, chunk, p)
+                if v in has_children:
+                    rigid.append((k, u, v, b))
+                else:
+                    due = 0 if u == owner else k  # k = parent's round + 1
+                    leaves.append((due, u, v, b, w))
+    n = last + 1
+    load: list[dict[int, float]] = [dict() for _ in range(n)]
+    cur = [0.0] * n
+    rounds: list[list[Transfer]] = [[] for _ in range(n)]
+    for k, u, v, b in rigid:
+        w = float(weights.get(b.owner, 1.0))
+        lk = load[k]
+        for i in route(u, v):
+            x = lk.get(i, 0.0) + w
+            lk[i] = x
+            if x / bws[i] > cur[k]:
+                cur[k] = x / bws[i]
+        rounds[k].append(_make_transfer(u, v, b))
+    leaves.sort(key=lambda e: -e[0])
+    for due, u, v, b, w in leaves:
+        ids = route(u, v)
+        best_k, best_inc = due, None
+        for k in range(due, n):
+            lk = load[k]
+            t = cur[k]
+            for i in ids:
+                x = (lk.get(i, 0.0) + w) / bws[i]
+                if x > t:
+                    t = x
+            inc = t - cur[k]
+            if best_inc is None or inc < best_inc - 1e-15:
+                best_k, best_inc = k, inc
+                if inc <= 0:
+                    break
+        lk = load[best_k]
+        for i in ids:
+            x = lk.get(i, 0.0) + w
+            lk[i] = x
+            if x / bws[i] > cur[best_k]:
+                cur[best_k] = x / bws[i]
+        rounds[best_k].append(_make_transfer(u, v, b))
+    return tuple(tuple(r) for r in rounds)
+
+
+def _check_tree(cg: CommGraph, owner: int, dests: Sequence[int], tree) -> None:
+    graph = cg.graph
+    reached = {owner}
+    for u, v in tree:
+        if not graph.has_edge(u, v):
+            raise PlanError(f"graph {cg.name!r}: multicast tree of rank {owner} uses {u}->{v}, not an edge of the graph")
+        if u not in reached:
+            raise PlanError(f"graph {cg.name!r}: tree of rank {owner} forwards from {u} before reaching it")
+        if v in reached:
+            raise PlanError(f"graph {cg.name!r}: tree of rank {owner} reaches {v} twice")
+        reached.add(v)
+    missing = set(dests) - reached
+    if missing:
+        raise PlanError(f"graph {cg.name!r}: tree of rank {owner} misses reader(s) {sorted(missing)[:4]}")
+
+
+def _list_schedule(trees, P, stagger, max_sends, max_recvs) -> tuple[tuple[Transfer, ...], ...]:
+    """List scheduling under per-round port limits (step 3 of Note [Compiling a plan])."""
+    ms = max_sends if max_sends is not None else 1 << 30
+    mr = max_recvs if max_recvs is not None else 1 << 30
+    sends: dict[tuple[int, int], int] = {}
+    recvs: dict[tuple[int, int], int] = {}
+    rounds: dict[int, list[Transfer]] = {}
+    heap = []
+    seq = 0
+    children_of = []  # per tree: dict parent -> list of edge indices
+    heights = []
+    for t, (owner, chunk, tree, depths) in enumerate(trees):
+        ch: dict[int, list[int]] = {}
+        for e, (u, v) in enumerate(tree):
+            ch.setdefault(u, []).append(e)
+        children_of.append(ch)
+        h = {}
+        for e in range(len(tree) - 1, -1, -1):
+            v = tree[e][1]
+            h[e] = 1 + max((h[c] for c in ch.get(v, ())), default=0)
+        heights.append(h)
+        for p in range(P):
+            for e in ch.get(owner, ()):
+                heapq.heappush(heap, (p if stagger else 0, -h[e], seq, t, e, p))
+                seq += 1
+    while heap:
+        due, negh, _, t, e, p = heapq.heappop(heap)
+        owner, chunk, tree, _ = trees[t]
+        u, v = tree[e]
+        k = due
+        while sends.get((k, u), 0) >= ms or recvs.get((k, v), 0) >= mr:
+            k += 1
+        sends[(k, u)] = sends.get((k, u), 0) + 1
+        recvs[(k, v)] = recvs.get((k, v), 0) + 1
+        rounds.setdefault(k, []).append(Transfer(u, v, Block(owner, chunk, p)))
+        for c in children_of[t].get(v, ()):
+            heapq.heappush(heap, (k + 1, -heights[t][c], seq, t, c, p))
+            seq += 1
+    n = max(rounds, default=-1) + 1
+    return tuple(tuple(rounds.get(k, ())) for k in range(n))
+
+
+def _default_block_bytes(cp: int, seq_len, kv_heads, head_dim, dtype_bytes, parts_per_chunk) -> float:
+    from megatron_fcp.simulate import kv_block_bytes
+
+    return kv_block_bytes(seq_len or 131072, cp, kv_heads or 8, head_dim or 128, dtype_bytes, parts_per_chunk)
+
+
+def build_plan(
+    topology,
+    cp_ranks,
+    graph="auto",
+    *,
+    causal=True,
+    parts_per_chunk=1,
+    seq_len=None,
+    heads=None,
+    kv_heads=None,
+    head_dim=None,
+    dtype_bytes=2,
+) -> Plan:
+    """Verified plan for the CP group ``cp_ranks`` (global ranks, CP order) on ``topology``.
+
+    ``topology``: a Topology, ``"PRESET:NODES"`` or a YAML path. ``graph``: a builder name
+    (``ring``, ``full``, ``hierarchical``, ``leader``, ``spanning``, ``balanced``), a
+    :class:`GraphBuilder`, or ``"auto"``: compile every candidate in :data:`AUTO_CANDIDATES` and
+    keep the one with the least simulated time (:func:`megatron_fcp.simulate.pick_best`: overlapped
+    total, ties broken by communication, when ``seq_len``/``heads``/``head_dim`` are given; else
+    communication alone for a nominal 128K-token, 8 KV heads x 128 shape).
+    ``plan.meta["graph"]`` names the builder used; for auto, ``meta["auto_times"]`` holds the
+    predicted seconds of every candidate.
+    """
+    topo = load_topology(topology) if not isinstance(topology, Topology) else topology
+    ranks = check_cp_ranks(topo, cp_ranks)
+    if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
+        raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    if graph != "auto":
+        builder = get_builder(graph)
+        plan = compile_plan(builder.build(topo, ranks), causal, parts_per_chunk)
+        plan.meta["graph"] = builder.name
+        return plan
+
+    from megatron_fcp.simulate import AttentionShape, pick_best, simulate_plan
+
+    shape = AttentionShape(seq_len or 131072, heads or 32, kv_heads or heads or 8, head_dim or 128, dtype_bytes)
+    use_compute = seq_len is not None and heads is not None and head_dim is not None
+    candidates = []
+    for name in AUTO_CANDIDATES:
+        if len(ranks) == 1 and name != "ring":
+            continue
+        plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk)
+        plan.meta["graph"] = name
+        candidates.append((simulate_plan(plan, topo, shape, compute=use_compute), plan))
+    res, plan = pick_best(candidates, "total" if use_compute else "comm")
+    plan.meta.update(
+        auto_times={p.meta["graph"]: (r.total_s if use_compute else r.comm_s) for r, p in candidates},
+        auto_metric="total_s" if use_compute else "comm_s",
+    )
+    return plan
+
+
+# keep registry names importable from here for the CLI
+GRAPHS = tuple(BUILDERS)

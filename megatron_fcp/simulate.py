@@ -1,0 +1,637 @@
+"""Cost model: plans and baselines on a Topology, at the level of shared resources. Pure, no torch.
+
+Note [Cost model]
+-----------------
+*Communication* uses a **per-round bottleneck** alpha-beta model (not fluid max-min sharing):
+the messages of one round run concurrently; each message loads every resource on its route
+(:meth:`Topology.route`) with its bytes; the round lasts
+
+    max over resources R of  bytes(R) / bandwidth(R)   +   max route latency in the round
+                                                       +   round_overhead_s (default 0)
+
+and rounds run back to back (each rank waits for its transfers of a round before it posts the
+next; modelled as a barrier). The alpha of the alpha-beta model is the route latency, paid once
+per round; ``round_overhead_s`` adds a fixed launch/sync cost per round for sensitivity studies
+(5 us per round costs a 9-round plan about 4% at 128K tokens on 4 DGX-H100 nodes). Resources are shared fairly and fully used within a round
+(optimistic), a slow message holds its round back (pessimistic). The same model times FCP plans
+and the baselines, so their ratios compare like with like.
+
+*Compute* is forward block attention at ``flops`` FLOP/s: ``4 * pairs * heads * head_dim``
+FLOPs where ``pairs`` counts (query, key) token pairs the causal mask allows between the rank's
+zigzag query chunks and the block (exact integer count), plus ``kernel_overhead_s`` per block.
+
+*Overlap*: a rank computes its own blocks from t=0, then each received block in arrival order,
+starting no earlier than the end of the round it arrived in:
+``end = max(end, round_end[k]) + compute(block)``; the overlapped total is the latest rank's end
+(never less than the communication time).
+
+Baselines (forward pass, same model):
+
+* ``te-p2p``: Transformer Engine's zigzag ring, cp-1 communication rounds each carrying one
+  rank's whole KV pair (both chunks) to the next CP rank; cp compute steps of equal causal work
+  (2L^2 pairs for chunk length L), step i+1 computed after round i arrives.
+* ``te-a2a-p2p``: Ulysses all-to-all of Q, K, V inside each node (heads / g per rank), a ring of
+  nodes-1 rounds over rail peers carrying the node-sequence KV of heads/g heads, an all-to-all of
+  the output back. The all-to-alls are exposed (not overlapped).
+
+Lower bound for one layer's KV all-gather (DESIGN.md §3), S = global KV bytes, N CP ranks on n
+nodes: ``S * max((N-1)/(N*B_gpu), (n-1)/(n*B_out))`` with ``B_gpu`` the max-flow into a GPU
+(:meth:`Topology.gpu_ingress_bandwidth`) and ``B_out`` a node's NIC ingress. The causal variant
+replaces the byte counts by the need sets: the most any one rank needs, and the most any one node
+needs from outside (each block counted once per node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from megatron_fcp.plan import Plan, ring_plan
+from megatron_fcp.topology.graph import check_cp_ranks
+from megatron_fcp.topology.model import Topology, load_topology
+
+__all__ = [
+    "AttentionShape",
+    "ComputeModel",
+    "SimResult",
+    "kv_block_bytes",
+    "parse_tokens",
+    "causal_pairs",
+    "simulate_rounds",
+    "simulate_plan",
+    "simulate_te_p2p",
+    "simulate_te_a2a_p2p",
+    "lower_bound",
+    "compare",
+    "pick_best",
+    "DEFAULT_FLOPS",
+]
+
+DEFAULT_FLOPS = 400e12
+"""Sustained attention FLOP/s (about 40% of an H100's dense BF16 peak, flash-attention forward)."""
+
+
+def parse_tokens(value: "str | int") -> int:
+    """``"128k"`` -> 131072, ``"1m"`` -> 1048576, ``"4096"`` -> 4096."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        s = str(value).strip().lower()
+        mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1:], 1)
+        try:
+            n = int(float(s[:-1] if mult > 1 else s) * mult)
+        except ValueError:
+            raise ValueError(f"seq: cannot parse {value!r}; use e.g. 131072, 128k or 1m") from None
+    if n < 1:
+        raise ValueError(f"seq: must be >= 1 token, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention layer's sequence and head shape (``dtype_bytes`` per element)."""
+
+    seq_len: int
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "heads", "kv_heads", "head_dim", "dtype_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: {self.kv_heads} must divide heads ({self.heads})")
+
+    def kv_bytes(self, tokens: float) -> float:
+        return tokens * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def q_bytes(self, tokens: float) -> float:
+        return tokens * self.heads * self.head_dim * self.dtype_bytes
+
+
+def kv_block_bytes(seq_len: int, cp: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2,
+                   parts_per_chunk: int = 1) -> float:
+    """Bytes of one KV block (K and V of ``seq_len / (2*cp*parts)`` tokens)."""
+    return seq_len / (2 * cp * parts_per_chunk) * 2 * kv_heads * head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Attention compute speed: ``flops`` FLOP/s and a fixed ``kernel_overhead_s`` per block."""
+
+    flops: float = DEFAULT_FLOPS
+    kernel_overhead_s: float = 5e-6
+
+    def __post_init__(self) -> None:
+        if not self.flops > 0:
+            raise ValueError(f"flops: must be > 0, got {self.flops!r}")
+        if not self.kernel_overhead_s >= 0:
+            raise ValueError(f"kernel_overhead_s: must be >= 0, got {self.kernel_overhead_s!r}")
+
+    def time(self, pairs: "np.ndarray | float", shape: AttentionShape) -> "np.ndarray | float":
+        flop = 4.0 * np.asarray(pairs, dtype=np.float64) * shape.heads * shape.head_dim
+        return np.where(np.asarray(pairs) > 0, flop / self.flops + self.kernel_overhead_s, 0.0)
+
+
+@dataclass
+class SimResult:
+    """Outcome of simulating one schedule; see Note [Cost model]."""
+
+    name: str
+    comm_s: float
+    compute_s: float
+    total_s: float
+    bytes: float
+    rounds: int
+    resource_bytes: dict[str, float] = field(default_factory=dict)
+    resource_bandwidth: dict[str, float] = field(default_factory=dict)
+    timeline: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def utilisation(self) -> dict[str, float]:
+        """Per resource: busy fraction of the communication time (bytes / bandwidth / comm_s)."""
+        if self.comm_s <= 0:
+            return {k: 0.0 for k in self.resource_bytes}
+        return {k: b / self.resource_bandwidth[k] / self.comm_s for k, b in self.resource_bytes.items()}
+
+    @property
+    def inter_node_bytes(self) -> float:
+        return sum(b for k, b in self.resource_bytes.items() if k.endswith(">net"))
+
+    def to_dict(self, detail: bool = False) -> dict:
+        d: dict[str, Any] = {
+            "comm_s": self.comm_s,
+            "compute_s": self.compute_s,
+            "total_s": self.total_s,
+            "bytes": self.bytes,
+            "inter_node_bytes": self.inter_node_bytes,
+            "rounds": self.rounds,
+        }
+        d.update({k: v for k, v in self.meta.items() if isinstance(v, (int, float, str, bool)) or v is None})
+        if detail:
+            d["resource_bytes"] = dict(self.resource_bytes)
+            d["utilisation"] = self.utilisation
+            d["timeline"] = self.timeline
+        return d
+
+
+# ---- causal work ------------------------------------------------------------------------------
+
+
+def _ramp(n: np.ndarray) -> np.ndarray:
+    """sum_{x=1..n} x for n >= 0 (vectorised)."""
+    n = np.maximum(n, 0)
+    return n * (n + 1) // 2
+
+
+def causal_pairs(q0, q1, k0, k1, causal: bool = True) -> np.ndarray:
+    """Number of (q, k) token pairs with q in [q0, q1), k in [k0, k1) and (if causal) k <= q.
+
+    Exact integer count, vectorised over numpy arrays: for each q the count is
+    ``clamp(q - k0 + 1, 0, k1 - k0)``; summing the clamp is a difference of two ramps.
+    """
+    q0, q1, k0, k1 = (np.asarray(x, dtype=np.int64) for x in (q0, q1, k0, k1))
+    if not causal:
+        return np.maximum(q1 - q0, 0) * np.maximum(k1 - k0, 0)
+    L = np.maximum(k1 - k0, 0)
+    # f(q) = min(max(q - k0 + 1, 0), L); sum_{q=q0}^{q1-1} f(q) = F(q1-1) - F(q0-1), F(x)=sum_{q<=x} f
+    def F(x):
+        m = x - k0 + 1  # f values ramp 1..L then flat at L
+        ramp_part = _ramp(np.minimum(m, L))
+        flat = np.maximum(m - L, 0) * L
+        return ramp_part + flat
+
+    return np.where(q1 > q0, F(q1 - 1) - F(q0 - 1), 0)
+
+
+def _chunk_range(cp: int, cp_index: np.ndarray, chunk: np.ndarray, L: float):
+    g = np.where(chunk == 0, cp_index, 2 * cp - 1 - cp_index)
+    return g * L, (g + 1) * L
+
+
+def _block_pairs(cp: int, seq_len: int, P: int, q_index, owner_index, chunk, part, causal: bool) -> np.ndarray:
+    """Allowed pairs between rank ``q_index``'s two zigzag query chunks and block (owner, chunk, part)."""
+    L = seq_len // (2 * cp)
+    q_index, owner_index, chunk, part = (np.asarray(x, dtype=np.int64) for x in (q_index, owner_index, chunk, part))
+    g = np.where(chunk == 0, owner_index, 2 * cp - 1 - owner_index)
+    k0 = g * L + part * L // P
+    k1 = g * L + (part + 1) * L // P
+    total = np.zeros(np.broadcast(q_index, k0).shape, dtype=np.int64)
+    for qc in (0, 1):
+        gq = q_index if qc == 0 else 2 * cp - 1 - q_index
+        total = total + causal_pairs(gq * L, (gq + 1) * L, k0, k1, causal)
+    return total
+
+
+# ---- communication ------------------------------------------------------------------------------
+
+
+class _ResourceIndex:
+    """Dense ids for resources and cached route id arrays per (src, dst)."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.ids: dict[str, int] = {}
+        self.bw: list[float] = []
+        self.names: list[str] = []
+        self.routes: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
+
+    def route(self, s: int, d: int) -> tuple[np.ndarray, float]:
+        hit = self.routes.get((s, d))
+        if hit is None:
+            r = self.topo.route(s, d)
+            ids = []
+            for res in r.resources:
+                i = self.ids.get(res.name)
+                if i is None:
+                    i = self.ids[res.name] = len(self.names)
+                    self.names.append(res.name)
+                    self.bw.append(res.bandwidth)
+                ids.append(i)
+            hit = (np.asarray(ids, dtype=np.int64), r.latency)
+            self.routes[(s, d)] = hit
+        return hit
+
+
+def simulate_rounds(
+    topology: Topology,
+    rounds: Sequence[Sequence[tuple[int, int, float]]],
+    round_overhead_s: float = 0.0,
+    name: str = "rounds",
+) -> SimResult:
+    """Time rounds of ``(src, dst, bytes)`` messages; see Note [Cost model].
+
+    Returns a SimResult with ``comm_s`` (= ``total_s``; no compute), per-resource bytes and a
+    timeline with one entry per round: start, end, bottleneck resource and its busy time.
+    """
+    idx = _ResourceIndex(topology)
+    per_round_ids: list[np.ndarray] = []
+    per_round_bytes: list[np.ndarray] = []
+    lat: list[float] = []
+    total_bytes = 0.0
+    for msgs in rounds:
+        ids, wts, lmax = [], [], 0.0
+        for s, d, b in msgs:
+            if s == d or b <= 0:
+                continue
+            rid, l = idx.route(s, d)
+            ids.append(rid)
+            wts.append(np.full(len(rid), float(b)))
+            lmax = max(lmax, l)
+            total_bytes += b
+        per_round_ids.append(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64))
+        per_round_bytes.append(np.concatenate(wts) if wts else np.zeros(0))
+        lat.append(lmax)
+    return _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_overhead_s, name)
+
+
+def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_overhead_s, name) -> SimResult:
+    nres = len(idx.names)
+    bw = np.asarray(idx.bw, dtype=np.float64)
+    res_bytes = np.zeros(nres)
+    t = 0.0
+    timeline = []
+    for k, (ids, wts) in enumerate(zip(per_round_ids, per_round_bytes)):
+        if len(ids) == 0:
+            timeline.append({"round": k, "start_s": t, "end_s": t, "bottleneck": None, "busy": {}})
+            continue
+        load = np.bincount(ids, weights=wts, minlength=nres)
+        res_bytes += load
+        busy = load / bw
+        j = int(np.argmax(busy))
+        dur = float(busy[j]) + lat[k] + round_overhead_s
+        active = np.nonzero(load)[0]
+        timeline.append({
+            "round": k, "start_s": t, "end_s": t + dur, "bottleneck": idx.names[j],
+            "busy": {idx.names[i]: float(busy[i]) for i in active},
+        })
+        t += dur
+    used = np.nonzero(res_bytes)[0]
+    return SimResult(
+        name=name, comm_s=t, compute_s=0.0, total_s=t, bytes=total_bytes, rounds=len(per_round_ids),
+        resource_bytes={idx.names[i]: float(res_bytes[i]) for i in used},
+        resource_bandwidth={idx.names[i]: float(bw[i]) for i in used},
+        timeline=timeline,
+    )
+
+
+def _plan_arrays(plan: Plan):
+    """(round, src, dst, owner, chunk, part) integer arrays of every transfer, plan order."""
+    counts = [len(r) for r in plan.rounds]
+    flat = [t for r in plan.rounds for t in r]
+    T = len(flat)
+    rnd = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    src = np.fromiter((t.src for t in flat), dtype=np.int64, count=T)
+    dst = np.fromiter((t.dst for t in flat), dtype=np.int64, count=T)
+    owner = np.fromiter((t.block.owner for t in flat), dtype=np.int64, count=T)
+    chunk = np.fromiter((t.block.chunk for t in flat), dtype=np.int64, count=T)
+    part = np.fromiter((t.block.part for t in flat), dtype=np.int64, count=T)
+    return rnd, src, dst, owner, chunk, part
+
+
+def simulate_plan(
+    plan: Plan,
+    topology: "Topology | str",
+    shape: AttentionShape,
+    *,
+    compute: bool = True,
+    compute_model: ComputeModel | None = None,
+    round_overhead_s: float = 0.0,
+    name: str | None = None,
+) -> SimResult:
+    """Simulate a forward pass of ``plan`` (comm, compute, overlapped total); see Note [Cost model].
+
+    Block bytes follow ``shape`` (uniform), scaled per owner by ``plan.meta["kv_sizes"]`` when a
+    ``balanced`` plan carries relative KV sizes (mean 1).
+    """
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    cp, P = plan.cp, plan.parts_per_chunk
+    check_cp_ranks(topo, plan.ranks)
+    if shape.seq_len % (2 * cp):
+        raise ValueError(f"seq: {shape.seq_len} tokens must divide into 2*cp = {2 * cp} zigzag chunks")
+    blk = kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes, P)
+    rnd, src, dst, owner, chunk, part = _plan_arrays(plan)
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    weights = plan.meta.get("kv_sizes") or {}
+    if weights:
+        mean = sum(weights.get(r, 1.0) for r in plan.ranks) / cp
+        w_owner = np.array([weights.get(r, 1.0) / mean for r in plan.ranks])
+    else:
+        w_owner = np.ones(cp)
+    owner_i = np.fromiter((pos[o] for o in owner), dtype=np.int64, count=len(owner))
+    nbytes = blk * w_owner[owner_i]
+
+    # aggregate bytes per (round, src, dst), then load the routes
+    idx = _ResourceIndex(topo)
+    n_rounds = len(plan.rounds)
+    per_round_ids, per_round_bytes, lat = [], [], []
+    if len(rnd):
+        key = (rnd * cp + np.fromiter((pos[s] for s in src), np.int64, len(src))) * cp + \
+            np.fromiter((pos[d] for d in dst), np.int64, len(dst))
+        uk, inv = np.unique(key, return_inverse=True)
+        agg = np.bincount(inv, weights=nbytes)
+    else:
+        uk, agg = np.zeros(0, np.int64), np.zeros(0)
+    k_of = uk // (cp * cp)
+    starts = np.searchsorted(k_of, np.arange(n_rounds + 1))
+    for k in range(n_rounds):
+        ids, wts, lmax = [], [], 0.0
+        for e in range(starts[k], starts[k + 1]):
+            s_i, d_i = divmod(int(uk[e]) % (cp * cp), cp)
+            rid, l = idx.route(plan.ranks[s_i], plan.ranks[d_i])
+            ids.append(rid)
+            wts.append(np.full(len(rid), agg[e]))
+            lmax = max(lmax, l)
+        per_round_ids.append(np.concatenate(ids) if ids else np.zeros(0, np.int64))
+        per_round_bytes.append(np.concatenate(wts) if wts else np.zeros(0))
+        lat.append(lmax)
+    res = _finish_rounds(idx, per_round_ids, per_round_bytes, lat, float(nbytes.sum()), round_overhead_s,
+                         name or f"fcp-{plan.name}")
+    res.meta.update(graph=plan.meta.get("graph", plan.name), parts_per_chunk=P, transfers=int(len(rnd)))
+    if not compute:
+        return res
+
+    # compute: own blocks first, then received blocks (dst side) in arrival order
+    round_end = np.array([e["end_s"] for e in res.timeline] or [0.0])
+    q_i = np.fromiter((pos[d] for d in dst), np.int64, len(dst))
+    recv_t = cm.time(_block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.causal), shape)
+    recv_t = recv_t * w_owner[owner_i]
+    own_q = np.repeat(np.arange(cp), 2 * P)
+    own_c = np.tile(np.repeat([0, 1], P), cp)
+    own_p = np.tile(np.arange(P), 2 * cp)
+    own_t = cm.time(_block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.causal), shape)
+    own_t = own_t * w_owner[own_q]
+    local = np.bincount(own_q, weights=own_t, minlength=cp)
+    busy = local + np.bincount(q_i, weights=recv_t, minlength=cp)
+    order = np.lexsort((np.arange(len(q_i)), q_i))  # by rank, plan order within rank
+    ends = local.copy()
+    q_sorted, k_sorted, t_sorted = q_i[order], rnd[order], recv_t[order]
+    bounds = np.searchsorted(q_sorted, np.arange(cp + 1))
+    for r in range(cp):
+        e = ends[r]
+        for k, c in zip(k_sorted[bounds[r]:bounds[r + 1]].tolist(), t_sorted[bounds[r]:bounds[r + 1]].tolist()):
+            e = max(e, round_end[k]) + c
+        ends[r] = e
+    res.compute_s = float(busy.max())
+    res.total_s = float(max(ends.max(), res.comm_s))
+    return res
+
+
+def simulate_te_p2p(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    compute: bool = True,
+    compute_model: ComputeModel | None = None,
+    round_overhead_s: float = 0.0,
+) -> SimResult:
+    """Transformer Engine ``p2p`` (zigzag ring); see Note [Cost model]."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    cp = len(ranks)
+    pair_bytes = 2 * kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes)
+    rounds = [[(ranks[i], ranks[(i + 1) % cp], pair_bytes) for i in range(cp)] for _ in range(cp - 1)]
+    res = simulate_rounds(topo, rounds, round_overhead_s, name="te-p2p")
+    res.meta.update(graph="ring", steps=cp)
+    if not compute:
+        return res
+    L = shape.seq_len // (2 * cp)
+    step_pairs = 2 * L * L if causal else 4 * L * L
+    step = float(cm.time(step_pairs, shape))
+    t = step
+    for e in res.timeline:
+        t = max(t, e["end_s"]) + step
+    res.compute_s = step * cp
+    res.total_s = max(t, res.comm_s)
+    return res
+
+
+def simulate_te_a2a_p2p(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    compute: bool = True,
+    compute_model: ComputeModel | None = None,
+    round_overhead_s: float = 0.0,
+) -> SimResult:
+    """Transformer Engine ``a2a+p2p``: Ulysses inside nodes, ring across rail peers.
+
+    Raises ValueError when it does not apply: nodes hold different numbers of CP ranks, or heads
+    / kv_heads are not divisible by the ranks per node (TE's own requirement).
+    """
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    cp = len(ranks)
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(topo.node_of(r), []).append(r)
+    sizes = {len(g) for g in groups.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"te-a2a-p2p: nodes hold different numbers of CP ranks {sorted(sizes)}")
+    g = sizes.pop()
+    if shape.heads % g or shape.kv_heads % g:
+        raise ValueError(
+            f"te-a2a-p2p: heads ({shape.heads}) and kv_heads ({shape.kv_heads}) must divide by the "
+            f"{g} CP ranks per node"
+        )
+    nodes = list(groups)
+    n = len(nodes)
+    L2 = shape.seq_len / cp  # tokens per rank (two zigzag chunks)
+    a2a_in = [(a, b, (shape.q_bytes(L2) + shape.kv_bytes(L2)) / g) for m in groups.values() for a in m for b in m if a != b]
+    a2a_out = [(a, b, shape.q_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
+    ring_bytes = shape.kv_bytes(L2)  # node sequence (g*L2 tokens) of heads/g KV heads
+    ring = [[(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k], ring_bytes) for x in range(n) for k in range(g)]
+            for _ in range(n - 1)]
+    rounds = ([a2a_in] if g > 1 else []) + ring + ([a2a_out] if g > 1 else [])
+    res = simulate_rounds(topo, rounds, round_overhead_s, name="te-a2a-p2p")
+    res.meta.update(graph="a2a+ring", ranks_per_node=g, nodes=n)
+    if not compute:
+        return res
+    L = shape.seq_len // (2 * cp)
+    total_pairs = (2 * L * L if causal else 4 * L * L) * cp  # balanced: same work per rank as p2p
+    step = float(cm.time(total_pairs / n, shape))
+    dur = [e["end_s"] - e["start_s"] for e in res.timeline]
+    d_in, d_out = (dur[0], dur[-1]) if g > 1 else (0.0, 0.0)
+    ring_d = dur[1:-1] if g > 1 else dur
+    t = d_in + step  # attention starts after the exposed all-to-all
+    arrived = d_in
+    for d in ring_d:
+        arrived += d
+        t = max(t, arrived) + step
+    res.compute_s = step * n
+    res.total_s = max(t + d_out, res.comm_s)  # the output all-to-all is exposed too
+    return res
+
+
+def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
+                causal: bool = False) -> dict:
+    """Lower bound on one layer's KV exchange time; see Note [Cost model]. Returns a dict with
+    ``lower_bound_s`` and its ingredients (``S``, ``N``, ``n``, ``B_gpu``, ``B_out``)."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    N = len(ranks)
+    nodes = sorted({topo.node_of(r) for r in ranks})
+    n = len(nodes)
+    S = shape.kv_bytes(shape.seq_len)
+    chunk = S / (2 * N)
+    b_gpu = min(topo.gpu_ingress_bandwidth(r) if n > 1 else _intra_ingress(topo, r) for r in ranks)
+    b_out = min(topo.node_ingress_bandwidth(x) for x in nodes) if n > 1 else float("inf")
+    if not causal:
+        t = S * max((N - 1) / (N * b_gpu), (n - 1) / (n * b_out) if n > 1 else 0.0)
+        return {"lower_bound_s": t, "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out, "causal": False}
+    # need-set aware: rank j needs chunk0 of all others and chunk1 of CP ranks i > j
+    per_rank = max((N - 1) + (N - 1 - j) for j in range(N)) * chunk
+    t_gpu = per_rank / b_gpu
+    t_node = 0.0
+    if n > 1:
+        node_of = [topo.node_of(r) for r in ranks]
+        for x in nodes:
+            members = [j for j in range(N) if node_of[j] == x]
+            jmin = min(members)
+            outside = [i for i in range(N) if node_of[i] != x]
+            need = sum(1 + (1 if i > jmin else 0) for i in outside)  # chunk0 always, chunk1 if some j < i
+            t_node = max(t_node, need * chunk / topo.node_ingress_bandwidth(x))
+    return {"lower_bound_s": max(t_gpu, t_node), "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out,
+            "causal": True}
+
+
+def _intra_ingress(topo: Topology, r: int) -> float:
+    """Ingress max-flow into rank r's GPU from GPUs of its own node only."""
+    one = Topology(topo.name, topo.layout, 1, (), topo.fabric_latency)
+    return one.gpu_ingress_bandwidth(topo.local_rank_of(r))
+
+
+def pick_best(candidates: "Sequence[tuple[SimResult, Any]]", objective: str = "total"):
+    """Best ``(SimResult, x)`` pair: least ``comm_s`` for ``"comm"``; for ``"total"`` the least
+    ``comm_s`` among candidates whose ``total_s`` is within 0.1% of the least total (when compute
+    hides communication, prefer the plan that leaves the network idle soonest)."""
+    if objective == "comm":
+        return min(candidates, key=lambda c: c[0].comm_s)
+    t_min = min(c[0].total_s for c in candidates)
+    close = [c for c in candidates if c[0].total_s <= t_min * (1 + 1e-3)]
+    return min(close, key=lambda c: c[0].comm_s)
+
+
+def compare(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int] | None,
+    shape: AttentionShape,
+    *,
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    min_block_tokens: int = 256,
+    objective: str = "total",
+    round_overhead_s: float = 0.0,
+) -> dict:
+    """Side-by-side ``te-p2p`` / ``te-a2a-p2p`` / ``fcp`` for the CLI and benchmarks.
+
+    ``parts_per_chunk="auto"`` tries 1, 2, 4, 8, 16 sub-blocks per chunk (blocks no smaller than
+    ``min_block_tokens``); ``graph="auto"`` tries every builder. The fcp plan kept is the best by
+    ``objective`` (see :func:`pick_best`): ``"total"`` (overlapped time, ties within 0.1% broken
+    by communication time) or ``"comm"`` (communication time alone). Returns
+    ``{"lower_bound_s", "lower_bound", "schedules": {name: dict}, "results": {name: SimResult}}``;
+    an inapplicable baseline appears as ``{"error": reason}``.
+    """
+    from megatron_fcp.planner import build_plan
+
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
+    cp = len(ranks)
+    if shape.seq_len % (2 * cp):
+        raise ValueError(f"seq: {shape.seq_len} tokens must divide into 2*cp = {2 * cp} zigzag chunks")
+    cm = compute_model or ComputeModel()
+    lb = lower_bound(topo, ranks, shape, causal=causal)
+    results: dict[str, SimResult] = {}
+    schedules: dict[str, dict] = {}
+    results["te-p2p"] = simulate_te_p2p(topo, ranks, shape, causal=causal, compute_model=cm,
+                                        round_overhead_s=round_overhead_s)
+    try:
+        results["te-a2a-p2p"] = simulate_te_a2a_p2p(topo, ranks, shape, causal=causal, compute_model=cm,
+                                                    round_overhead_s=round_overhead_s)
+    except ValueError as e:
+        schedules["te-a2a-p2p"] = {"error": str(e)}
+    chunk_tokens = shape.seq_len // (2 * cp)
+    if parts_per_chunk == "auto":
+        choices = [p for p in (1, 2, 4, 8, 16) if p == 1 or chunk_tokens // p >= min_block_tokens]
+    else:
+        choices = [int(parts_per_chunk)]
+    if objective not in ("comm", "total"):
+        raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
+    candidates = []
+    for p in choices:
+        if chunk_tokens % p:
+            continue
+        plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=p,
+                          **({"seq_len": shape.seq_len, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                              "head_dim": shape.head_dim, "dtype_bytes": shape.dtype_bytes}
+                             if objective == "total" else {}))
+        r = simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s)
+        candidates.append((r, plan))
+    if not candidates:
+        raise ValueError(f"parts_per_chunk: {parts_per_chunk} does not divide the {chunk_tokens}-token chunks")
+    best = pick_best(candidates, objective)
+    results["fcp"], plan = best
+    results["fcp"].meta.update(graph=plan.meta["graph"], parts_per_chunk=plan.parts_per_chunk)
+    for k, r in results.items():
+        d = r.to_dict()
+        d["comm_vs_lower_bound"] = r.comm_s / lb["lower_bound_s"] if lb["lower_bound_s"] > 0 else 1.0
+        schedules[k] = d
+    order = ["te-p2p", "te-a2a-p2p", "fcp"]
+    return {"lower_bound_s": lb["lower_bound_s"], "lower_bound": lb,
+            "schedules": {k: schedules[k] for k in order if k in schedules},
+            "results": results, "plan": plan}

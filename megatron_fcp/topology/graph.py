@@ -1,0 +1,580 @@
+"""Communication graphs over one CP group, and the registry of strategies that build them.
+
+A :class:`CommGraph` is a directed graph (``networkx.DiGraph``) whose vertices are exactly the CP
+group's **global** ranks and whose edges are the point-to-point channels a plan may use, each with
+``cost`` (seconds for one ``REF_BYTES`` message on an idle route), ``bandwidth`` (bytes/s) and
+``kind`` (bottleneck link kind) taken from the :class:`~megatron_fcp.topology.model.Topology`.
+
+A builder is a strategy object (``name``, ``build(topology, cp_ranks) -> CommGraph``). Besides the
+edges it knows the *multicast tree* that carries one block from its owner to the ranks that need it
+inside its graph (``tree(cg, owner, dests)``), because the good tree is structural: on a
+rail-striped graph a block crosses to another node once, on its owner's rail, and fans out there.
+Graphs without a builder tree use a generic Steiner heuristic (:func:`steiner_tree`).
+
+Note [Rail striping]
+--------------------
+For a CP group spread over nodes, ``hierarchical`` lists the group's ranks per node by local rank
+and pairs position ``k`` of node A with position ``k mod |B|`` of node B (on DGX machines with the
+same local ranks per node this is "local rank i talks to local rank i": the same NIC rail). For two
+nodes of four ranks (global ranks 0..7, node 0 = 0..3)::
+
+    edges: full mesh inside each node (NVLink), and 0<->4, 1<->5, 2<->6, 3<->7 (one IB rail each)
+    block of rank 1, needed everywhere:
+        round 0: 1->0, 1->2, 1->3 (NVLink)   1->5 (rail 1)
+        round 1: 5->4, 5->6, 5->7 (NVLink fan-out on node 1)
+
+Every NIC then carries exactly its own GPU's blocks once per remote node; the ``leader`` graph
+instead funnels a whole node through one rank, which is only right when the node has one uplink.
+
+Megatron rank order (``tp-cp-ep-dp-pp``) makes CP peers strided by TP; :func:`megatron_cp_groups`
+reproduces ``parallel_state``'s CP groups so callers can pass real rank lists.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+import networkx as nx
+
+from megatron_fcp.topology.model import Topology, TopologyError
+
+__all__ = [
+    "CommGraph",
+    "GraphBuilder",
+    "RingGraph",
+    "FullGraph",
+    "HierarchicalGraph",
+    "LeaderGraph",
+    "SpanningGraph",
+    "BalancedGraph",
+    "BUILDERS",
+    "GRAPH_NAMES",
+    "get_builder",
+    "build_graph",
+    "steiner_tree",
+    "check_cp_ranks",
+    "megatron_cp_groups",
+]
+
+TreeEdges = list[tuple[int, int]]
+"""Multicast tree as ``(parent, child)`` edges, every parent listed before its children's edges."""
+
+
+@dataclass
+class CommGraph:
+    """A builder's graph over the CP group ``ranks`` (global ranks in CP order)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    graph: nx.DiGraph
+    topology: Topology | None = None
+    builder: "GraphBuilder | None" = None
+    pipeline_parts: bool = True
+    """Whether sub-blocks of one chunk are staggered over rounds (pipelining relays)."""
+    meta: dict = field(default_factory=dict)
+
+    def tree(self, owner: int, dests: Sequence[int]) -> TreeEdges:
+        """Multicast tree from ``owner`` to ``dests`` using only this graph's edges."""
+        if not dests:
+            return []
+        if self.builder is not None:
+            return self.builder.tree(self, owner, dests)
+        return steiner_tree(self.graph, owner, dests)
+
+    def tree_with_depths(self, owner: int, dests: Sequence[int]) -> tuple[TreeEdges, list[int]]:
+        """:meth:`tree` plus the depth (hops from the owner) of each edge's receiver."""
+        if not dests:
+            return [], []
+        if self.builder is not None:
+            return self.builder.tree_with_depths(self, owner, dests)
+        edges = steiner_tree(self.graph, owner, dests)
+        return edges, _depths_of(edges, owner)
+
+    def edge_list(self) -> list[tuple[int, int]]:
+        return sorted(self.graph.edges)
+
+    def check_connected(self) -> "CommGraph":
+        """Raise ValueError naming two ranks if some rank cannot reach another."""
+        if set(self.graph.nodes) != set(self.ranks):
+            extra = sorted(set(self.graph.nodes) - set(self.ranks))
+            missing = sorted(set(self.ranks) - set(self.graph.nodes))
+            raise ValueError(f"graph {self.name!r}: vertices must be the CP group; extra {extra}, missing {missing}")
+        if len(self.ranks) > 1 and not nx.is_strongly_connected(self.graph):
+            reach = nx.descendants(self.graph, self.ranks[0]) | {self.ranks[0]}
+            if len(reach) < len(self.ranks):
+                lost = min(set(self.ranks) - reach)
+                raise ValueError(f"graph {self.name!r} is disconnected: rank {self.ranks[0]} cannot reach rank {lost}")
+            for r in self.ranks:
+                if self.ranks[0] not in nx.descendants(self.graph, r):
+                    raise ValueError(f"graph {self.name!r} is disconnected: rank {r} cannot reach rank {self.ranks[0]}")
+        return self
+
+    def summary(self) -> str:
+        kinds: dict[str, int] = {}
+        for _, _, k in self.graph.edges(data="kind"):
+            kinds[k] = kinds.get(k, 0) + 1
+        out_deg = [d for _, d in self.graph.out_degree()]
+        return (
+            f"graph {self.name!r}: {len(self.ranks)} ranks, {self.graph.number_of_edges()} directed edges "
+            f"({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}), out-degree "
+            f"{min(out_deg, default=0)}..{max(out_deg, default=0)}"
+        )
+
+
+def check_cp_ranks(topology: Topology | None, cp_ranks: Iterable[int]) -> tuple[int, ...]:
+    """Validate a CP group: non-empty, distinct integers, all inside the topology."""
+    try:
+        ranks = tuple(cp_ranks)
+    except TypeError:
+        raise ValueError(f"cp_ranks: expected a list of global ranks, got {cp_ranks!r}") from None
+    if not ranks:
+        raise ValueError("cp_ranks: the CP group is empty")
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise ValueError(f"cp_ranks: rank {r!r} is not an integer")
+    if len(set(ranks)) != len(ranks):
+        dup = next(r for r in ranks if ranks.count(r) > 1)
+        raise ValueError(f"cp_ranks: rank {dup} appears twice in {list(ranks)}")
+    if topology is not None:
+        bad = [r for r in ranks if not 0 <= r < topology.world]
+        if bad:
+            raise TopologyError(
+                f"cp_ranks: rank {bad[0]} is missing from topology {topology.name!r} (world size {topology.world})"
+            )
+    return ranks
+
+
+def _edge_attrs(topo: Topology | None, a: int, b: int) -> dict:
+    """Edge attributes from the route; cached per (same node, local a, local b) since every node
+    shares one layout (a 1,024-rank rail graph has ~130K edges but ~130 distinct routes)."""
+    if topo is None:
+        return {"cost": 1.0, "bandwidth": 1.0, "kind": "loopback"}
+    (na, la), (nb, lb) = topo.rank_map[a], topo.rank_map[b]
+    key = ("edge-attrs", na == nb, la, lb)
+    attrs = topo._cache.get(key)
+    if attrs is None:
+        route = topo.route(a, b)
+        attrs = {"cost": route.cost, "bandwidth": route.bandwidth, "kind": route.kind}
+        topo._cache[key] = attrs
+    return attrs
+
+
+def _add_edge(g: nx.DiGraph, topo: Topology | None, a: int, b: int) -> None:
+    if a == b or g.has_edge(a, b):
+        return
+    g.add_edge(a, b, **_edge_attrs(topo, a, b))
+
+
+def _base_graph(ranks: Sequence[int]) -> nx.DiGraph:
+    g = nx.DiGraph()
+    g.add_nodes_from(ranks)
+    return g
+
+
+def _node_groups(topo: Topology, ranks: Sequence[int]) -> dict[int, list[int]]:
+    """CP ranks per node, each list sorted by local rank (the rail order)."""
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(topo.node_of(r), []).append(r)
+    for lst in groups.values():
+        lst.sort(key=topo.local_rank_of)
+    return groups
+
+
+class GraphBuilder:
+    """Strategy interface: ``build`` a CommGraph and give each block's multicast ``tree``."""
+
+    name = "base"
+    pipeline_parts = True
+
+    def build(self, topology: Topology, cp_ranks: Sequence[int]) -> CommGraph:
+        ranks = check_cp_ranks(topology, cp_ranks)
+        g = _base_graph(ranks)
+        meta = self._edges(topology, ranks, g)
+        cg = CommGraph(self.name, ranks, g, topology, self, self.pipeline_parts, meta or {})
+        return cg.check_connected()
+
+    def _edges(self, topo: Topology, ranks: tuple[int, ...], g: nx.DiGraph) -> dict | None:
+        raise NotImplementedError
+
+    def tree(self, cg: CommGraph, owner: int, dests: Sequence[int]) -> TreeEdges:
+        return steiner_tree(cg.graph, owner, dests)
+
+    def tree_with_depths(self, cg: CommGraph, owner: int, dests: Sequence[int]) -> tuple[TreeEdges, list[int]]:
+        """``(tree edges in BFS order, depth of each edge's receiver)``; builders may override."""
+        edges = self.tree(cg, owner, dests)
+        return edges, _depths_of(edges, owner)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class RingGraph(GraphBuilder):
+    """Megatron/TE ring: CP rank i -> CP rank i+1. A block travels the ring until its last reader."""
+
+    name = "ring"
+    pipeline_parts = False  # TE sends a rank's whole KV every step
+
+    def _edges(self, topo, ranks, g):
+        for i, r in enumerate(ranks):
+            _add_edge(g, topo, r, ranks[(i + 1) % len(ranks)])
+
+    def tree(self, cg, owner, dests):
+        ranks, cp = cg.ranks, len(cg.ranks)
+        i = ranks.index(owner)
+        want = set(dests)
+        last = max(((ranks.index(d) - i) % cp for d in want), default=0)
+        return [(ranks[(i + h) % cp], ranks[(i + h + 1) % cp]) for h in range(last)]
+
+
+class FullGraph(GraphBuilder):
+    """Every ordered pair is an edge; each block goes straight from its owner to every reader."""
+
+    name = "full"
+
+    def _edges(self, topo, ranks, g):
+        for a in ranks:
+            for b in ranks:
+                _add_edge(g, topo, a, b)
+
+    def tree(self, cg, owner, dests):
+        return [(owner, d) for d in dests]
+
+    def tree_with_depths(self, cg, owner, dests):
+        return [(owner, d) for d in dests], [1] * len(dests)
+
+
+class HierarchicalGraph(GraphBuilder):
+    """Rail-striped: full mesh inside a node, rail peers across nodes; see Note [Rail striping]."""
+
+    name = "hierarchical"
+
+    def _edges(self, topo, ranks, g):
+        groups = _node_groups(topo, ranks)
+        edges = [(a, b) for members in groups.values() for a in members for b in members if a != b]
+        pos = {r: k for members in groups.values() for k, r in enumerate(members)}
+        node_of = {r: topo.node_of(r) for r in ranks}
+        for a in ranks:
+            for node, members in groups.items():
+                if node != node_of[a]:
+                    edges.append((a, members[pos[a] % len(members)]))
+        g.add_edges_from((a, b, _edge_attrs(topo, a, b)) for a, b in edges)
+        return {"groups": groups, "pos": pos, "node_of": node_of}
+
+    def _peer(self, cg: CommGraph, rank: int, node: int) -> int:
+        members = cg.meta["groups"][node]
+        return members[cg.meta["pos"][rank] % len(members)]
+
+    def _exit(self, cg: CommGraph, owner: int) -> int:
+        """Rank of the owner's node whose rail carries the owner's blocks off the node."""
+        return owner
+
+    def tree(self, cg, owner, dests):
+        return self.tree_with_depths(cg, owner, dests)[0]
+
+    def tree_with_depths(self, cg, owner, dests):
+        """Owner -> readers on its node; exit rank -> rail peer per other node -> that node's readers.
+
+        Built directly in BFS order with depths, O(cp) per block (no graph search).
+        """
+        meta = cg.meta
+        groups, node_of = meta["groups"], meta["node_of"]
+        home = node_of[owner]
+        want = set(dests)
+        exit_rank = self._exit(cg, owner)
+        first: TreeEdges = []
+        second: TreeEdges = []
+        relays_needed = False
+        for node, members in groups.items():
+            if node == home:
+                first.extend((owner, d) for d in members if d in want and d != owner)
+                continue
+            readers = [d for d in members if d in want]
+            if not readers:
+                continue
+            relays_needed = True
+            relay = members[meta["pos"][exit_rank] % len(members)]
+            hop = (exit_rank, relay)
+            if exit_rank == owner:
+                first.append(hop)
+            else:
+                second.append(hop)
+            second.extend((relay, d) for d in readers if d != relay)
+        if not relays_needed or exit_rank == owner:
+            return first + second, [1] * len(first) + [2] * len(second)
+        # owner -> exit (NVLink) first; the exit's hops are one level deeper
+        if (owner, exit_rank) not in first:
+            first.append((owner, exit_rank))
+        edges = _parents_first(first + second, owner)
+        return edges, _depths_of(edges, owner)
+
+
+class BalancedGraph(HierarchicalGraph):
+    """Rail-striped, but each owner's blocks leave the node on the rail with the least KV load.
+
+    ``kv_sizes`` maps global rank -> relative KV size (uneven sequence lengths, e.g. packed THD
+    batches). Owners are assigned to exit rails of their node largest first (LPT), each to the
+    currently least-loaded rail (its own rail on ties), so no NIC carries much more than
+    ``total / rails`` bytes. With equal sizes this is exactly ``hierarchical``.
+    """
+
+    name = "balanced"
+
+    def __init__(self, kv_sizes: Mapping[int, float] | None = None):
+        self.kv_sizes = dict(kv_sizes or {})
+        for r, w in self.kv_sizes.items():
+            if not w >= 0:
+                raise ValueError(f"kv_sizes[{r}]: must be >= 0, got {w!r}")
+
+    def __repr__(self) -> str:
+        return f"BalancedGraph(kv_sizes={self.kv_sizes or None})"
+
+    def _edges(self, topo, ranks, g):
+        meta = super()._edges(topo, ranks, g)
+        exits: dict[int, int] = {}
+        for members in meta["groups"].values():
+            load = {r: 0.0 for r in members}
+            for o in sorted(members, key=lambda r: (-self.kv_sizes.get(r, 1.0), members.index(r))):
+                best = min(members, key=lambda r: (load[r], r != o, members.index(r)))
+                exits[o] = best
+                load[best] += self.kv_sizes.get(o, 1.0)
+        meta["exits"] = exits
+        meta["kv_sizes"] = dict(self.kv_sizes)
+        return meta
+
+    def _exit(self, cg, owner):
+        return cg.meta["exits"][owner]
+
+
+class LeaderGraph(GraphBuilder):
+    """One leader per node (its first CP rank): full mesh inside nodes, leaders fully connected.
+
+    A block leaves its node through the node's leader and enters each other node through that
+    node's leader. Right only where a node has one uplink (``single-uplink``, ``pcie-box``).
+    """
+
+    name = "leader"
+
+    def _edges(self, topo, ranks, g):
+        groups = {}
+        for r in ranks:
+            groups.setdefault(topo.node_of(r), []).append(r)  # CP order: leader = first CP rank
+        for members in groups.values():
+            for a in members:
+                for b in members:
+                    _add_edge(g, topo, a, b)
+        leaders = {n: m[0] for n, m in groups.items()}
+        for a in leaders.values():
+            for b in leaders.values():
+                _add_edge(g, topo, a, b)
+        return {"leaders": leaders}
+
+    def tree(self, cg, owner, dests):
+        topo = cg.topology
+        leaders = cg.meta["leaders"]
+        home = topo.node_of(owner)
+        by_node: dict[int, list[int]] = {}
+        for d in dests:
+            by_node.setdefault(topo.node_of(d), []).append(d)
+        edges: TreeEdges = [(owner, d) for d in by_node.pop(home, [])]
+        if not by_node:
+            return edges
+        out = leaders[home]
+        if out != owner and (owner, out) not in edges:
+            edges.append((owner, out))
+        for node in sorted(by_node):
+            lead = leaders[node]
+            edges.append((out, lead))
+            edges.extend((lead, d) for d in by_node[node] if d != lead)
+        return _parents_first(edges, owner)
+
+
+class SpanningGraph(GraphBuilder):
+    """Maximum-bandwidth spanning tree (both directions), for irregular PCIe / mixed machines.
+
+    Edge weight is the route cost (latency + REF_BYTES/bandwidth); Kruskal keeps the cheapest
+    edges, so GPU pairs behind one PCIe switch are joined directly, switches are bridged once and
+    nodes are joined by a single edge. Candidate edges: all pairs inside a node, and rail pairs
+    (see Note [Rail striping]) across nodes, which keeps 1,024-rank groups fast. A block follows the
+    unique tree paths from its owner, pruned to the branches that lead to readers.
+    """
+
+    name = "spanning"
+
+    def _edges(self, topo, ranks, g):
+        groups = _node_groups(topo, ranks)
+        cand = nx.Graph()
+        cand.add_nodes_from(ranks)
+        order = {r: i for i, r in enumerate(ranks)}
+        for members in groups.values():
+            for i, a in enumerate(members):
+                for b in members[i + 1:]:
+                    cand.add_edge(a, b, cost=max(topo.route(a, b).cost, topo.route(b, a).cost))
+        nodes = sorted(groups)
+        for x, na in enumerate(nodes):
+            for nb in nodes[x + 1:]:
+                A, B = groups[na], groups[nb]
+                for k in range(max(len(A), len(B))):
+                    a, b = A[k % len(A)], B[k % len(B)]
+                    if not cand.has_edge(a, b):
+                        cand.add_edge(a, b, cost=max(topo.route(a, b).cost, topo.route(b, a).cost))
+        # deterministic Kruskal: ties broken by CP order
+        mst = nx.Graph()
+        mst.add_nodes_from(ranks)
+        uf = nx.utils.UnionFind(ranks)
+        for a, b, c in sorted(cand.edges(data="cost"), key=lambda e: (e[2], min(order[e[0]], order[e[1]]),
+                                                                       max(order[e[0]], order[e[1]]))):
+            if uf[a] != uf[b]:
+                uf.union(a, b)
+                mst.add_edge(a, b)
+        for a, b in mst.edges:
+            _add_edge(g, topo, a, b)
+            _add_edge(g, topo, b, a)
+        return {"tree": mst}
+
+    def tree(self, cg, owner, dests):
+        return _prune_bfs(cg.meta["tree"], owner, dests)
+
+
+def _prune_bfs(adj_graph, owner: int, dests: Sequence[int]) -> TreeEdges:
+    """BFS tree of ``adj_graph`` from ``owner`` keeping only branches that reach a dest."""
+    parent = {owner: None}
+    order = [owner]
+    for u in order:
+        for v in sorted(adj_graph[u]):
+            if v not in parent:
+                parent[v] = u
+                order.append(v)
+    keep = set()
+    for d in dests:
+        if d not in parent:
+            raise ValueError(f"rank {d} is unreachable from rank {owner} in the graph")
+        while d is not None and d not in keep:
+            keep.add(d)
+            d = parent[d]
+    return [(parent[v], v) for v in order if v in keep and v != owner]
+
+
+def _depths_of(edges: TreeEdges, owner: int) -> list[int]:
+    depth = {owner: 0}
+    out = []
+    for u, v in edges:
+        d = depth[u] + 1
+        depth[v] = d
+        out.append(d)
+    return out
+
+
+def _parents_first(edges: TreeEdges, root: int) -> TreeEdges:
+    """Order tree edges so every parent's incoming edge precedes its outgoing ones (BFS order)."""
+    children: dict[int, list[int]] = {}
+    for a, b in edges:
+        children.setdefault(a, []).append(b)
+    out, frontier = [], [root]
+    while frontier:
+        nxt = []
+        for u in frontier:
+            for v in children.get(u, ()):
+                out.append((u, v))
+                nxt.append(v)
+        frontier = nxt
+    if len(out) != len(edges):
+        raise AssertionError(f"multicast edges do not form a tree rooted at {root}: {edges}")
+    return out
+
+
+def steiner_tree(graph: nx.DiGraph, owner: int, dests: Sequence[int], weight: str = "cost") -> TreeEdges:
+    """Shortest-path heuristic for a directed Steiner tree (Takahashi–Matsuyama).
+
+    Start from ``{owner}``; repeatedly run a multi-source Dijkstra from the current tree (tree
+    vertices at distance 0) and attach the nearest remaining dest by its shortest path. Relays
+    appear only where the graph has no direct edge. At most 2x the optimal tree cost.
+    """
+    in_tree = {owner}
+    remaining = set(dests) - in_tree
+    edges: TreeEdges = []
+    while remaining:
+        dist = {v: 0.0 for v in in_tree}
+        prev: dict[int, int] = {}
+        heap = [(0.0, v) for v in sorted(in_tree)]
+        heapq.heapify(heap)
+        found = None
+        done = set()
+        while heap:
+            d, u = heapq.heappop(heap)
+            if u in done:
+                continue
+            done.add(u)
+            if u in remaining:
+                found = u
+                break
+            for v in sorted(graph.successors(u)):
+                nd = d + graph[u][v].get(weight, 1.0)
+                if v not in in_tree and (v not in dist or nd < dist[v]):
+                    dist[v] = nd
+                    prev[v] = u
+                    heapq.heappush(heap, (nd, v))
+        if found is None:
+            raise ValueError(f"rank {min(remaining)} is unreachable from rank {owner} in the graph")
+        path = [found]
+        while path[-1] not in in_tree:
+            path.append(prev[path[-1]])
+        path.reverse()
+        for a, b in zip(path, path[1:]):
+            edges.append((a, b))
+            in_tree.add(b)
+            remaining.discard(b)
+    return _parents_first(edges, owner)
+
+
+BUILDERS: dict[str, Callable[[], GraphBuilder]] = {
+    "ring": RingGraph,
+    "full": FullGraph,
+    "hierarchical": HierarchicalGraph,
+    "leader": LeaderGraph,
+    "spanning": SpanningGraph,
+    "balanced": BalancedGraph,
+}
+"""Registry: graph name -> builder factory. ``auto`` (in :mod:`megatron_fcp.planner`) picks among these."""
+
+GRAPH_NAMES = (*BUILDERS, "auto")
+
+
+def get_builder(name: "str | GraphBuilder", **kwargs) -> GraphBuilder:
+    """Builder instance for ``name`` (kwargs go to its constructor, e.g. ``kv_sizes`` for balanced)."""
+    if isinstance(name, GraphBuilder):
+        return name
+    if name not in BUILDERS:
+        raise ValueError(f"graph: unknown builder {name!r}; choose one of {', '.join(GRAPH_NAMES)}")
+    return BUILDERS[name](**kwargs)
+
+
+def build_graph(topology: Topology, cp_ranks: Sequence[int], graph: "str | GraphBuilder" = "hierarchical") -> CommGraph:
+    """``get_builder(graph).build(topology, cp_ranks)``."""
+    if graph == "auto":
+        raise ValueError("graph: 'auto' chooses among plans; use megatron_fcp.plan.build_plan(..., graph='auto')")
+    return get_builder(graph).build(topology, cp_ranks)
+
+
+def megatron_cp_groups(world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> list[list[int]]:
+    """CP groups of Megatron's ``parallel_state`` for order ``tp-cp-ep-dp-pp``.
+
+    Rank ``r`` decomposes as ``r = tp_i + tp*(cp_i + cp*(dp_i + dp*pp_i))`` (``ep`` only splits
+    the data-parallel extent for MoE layers and does not change attention's CP groups); a CP group
+    fixes ``(tp_i, dp_i, pp_i)`` and varies ``cp_i``, so its members are strided by ``tp``.
+    Groups are listed as parallel_state creates them (by ``pp_i``, then ``dp_i``, then ``tp_i``).
+    """
+    for name, v in (("world", world), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world: {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    dp = world // (tp * pp * cp)
+    groups = []
+    for pp_i in range(pp):
+        for dp_i in range(dp):
+            for tp_i in range(tp):
+                groups.append([tp_i + tp * (cp_i + cp * (dp_i + dp * pp_i)) for cp_i in range(cp)])
+    return groups
