@@ -131,9 +131,11 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, g: int, device) -> torch.Ten
 def block_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
+    rows_per_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d], lse [b,h,n])`` in the
-    compute dtype (see module docstring for shapes, mask and precision)."""
+    compute dtype (see module docstring for shapes, mask and precision). ``rows_per_tile``
+    overrides the automatic query tile height (tests use tiny tiles)."""
     n, b, h, hk, d = _check_shapes(q, k, v)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
@@ -142,7 +144,7 @@ def block_attention_forward(
     vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
-    for a, z, kind in _tiles(q_pos, k_pos, causal, _rows_per_tile(b, h, m)):
+    for a, z, kind in _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m)):
         if kind == _MASKED:
             continue
         t = z - a
@@ -174,7 +176,7 @@ def block_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
-    delta: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None, rows_per_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the *final* (all-block) ``out`` and ``lse``.
 
@@ -197,7 +199,7 @@ def block_attention_backward(
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
     dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
-    for a, z, kind in _tiles(q_pos, k_pos, causal, _rows_per_tile(b, h, m)):
+    for a, z, kind in _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m)):
         if kind == _MASKED:
             continue
         t = z - a

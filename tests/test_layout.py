@@ -1,0 +1,91 @@
+"""Zigzag layout: identical to Megatron's get_batch_on_this_cp_rank; positions and block ranges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fcp.attention.layout import (
+    block_local_slice,
+    block_positions,
+    zigzag_positions,
+    zigzag_split,
+    zigzag_unsplit,
+)
+from megatron_fcp.plan import blocks_of
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_split_matches_megatron_get_batch_on_this_cp_rank(cp, monkeypatch):
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    s = 8 * cp
+    tokens = torch.arange(3 * s).view(3, s)                   # [b, s]: Megatron's batch has seq dim 1
+    hidden = torch.randn(3, s, 5)                             # [b, s, hidden]
+    for r in range(cp):
+        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=r: r)
+        batch = get_batch_on_this_cp_rank({"tokens": tokens.clone(), "hidden": hidden.clone()})
+        assert torch.equal(zigzag_split(tokens, cp, r, seq_dim=1), batch["tokens"])
+        assert torch.equal(zigzag_split(hidden, cp, r, seq_dim=1), batch["hidden"])
+
+
+@pytest.mark.parametrize("seq_dim", [0, 2])
+def test_unsplit_inverts_split(seq_dim):
+    cp = 4
+    x = torch.randn(24, 3, 5) if seq_dim == 0 else torch.randn(3, 5, 24)
+    shards = [zigzag_split(x, cp, r, seq_dim=seq_dim) for r in range(cp)]
+    assert all(sh.shape[seq_dim] == x.shape[seq_dim] // cp for sh in shards)
+    assert torch.equal(zigzag_unsplit(shards, seq_dim=seq_dim), x)
+
+
+def test_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
+    cp, chunk = 4, 3
+    pos = torch.arange(2 * cp * chunk)
+    for r in range(cp):
+        shard = zigzag_split(pos, cp, r)
+        assert shard[:chunk].tolist() == list(range(r * chunk, (r + 1) * chunk))
+        late = 2 * cp - 1 - r
+        assert shard[chunk:].tolist() == list(range(late * chunk, (late + 1) * chunk))
+
+
+@pytest.mark.parametrize("cp", [1, 3, 4])
+def test_positions_are_the_split_of_arange_and_partition_the_sequence(cp):
+    s = 2 * cp * 5
+    seen = []
+    for r in range(cp):
+        p = zigzag_positions(s // cp, cp, r)
+        assert p.dtype == torch.int64
+        assert torch.equal(p, zigzag_split(torch.arange(s), cp, r))
+        seen += p.tolist()
+    assert sorted(seen) == list(range(s))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_block_positions_and_slices_agree_with_the_owner_shard(parts):
+    ranks = (5, 2, 7)                       # global ranks in CP order; CP index = position here
+    cp, s_local = len(ranks), 2 * parts * 4
+    covered = []
+    for i, owner in enumerate(ranks):
+        shard_pos = zigzag_positions(s_local, cp, i)
+        for blk in blocks_of(owner, parts):
+            sl = block_local_slice(blk, s_local, parts)
+            bp = block_positions(blk, ranks, s_local, parts)
+            assert torch.equal(bp, shard_pos[sl])
+            covered += bp.tolist()
+    assert sorted(covered) == list(range(cp * s_local))
+
+
+def test_layout_errors_name_the_fix():
+    with pytest.raises(ValueError, match="multiple of 2\\*cp = 8"):
+        zigzag_split(torch.zeros(12), 4, 0)
+    with pytest.raises(ValueError, match="cp_index"):
+        zigzag_split(torch.zeros(16), 4, 4)
+    with pytest.raises(ValueError, match="even"):
+        zigzag_positions(5, 2, 0)
+    from megatron_fcp.plan import Block
+    with pytest.raises(ValueError, match="not in the CP group"):
+        block_positions(Block(9, 0), (0, 1), 4)
+    with pytest.raises(ValueError, match="parts_per_chunk"):
+        block_local_slice(Block(0, 0), 6, 2)
