@@ -403,6 +403,13 @@ def test_detect_with_hosts_and_conflicts():
         D.detect_topology(hosts=hosts, nodes=3)
     with pytest.raises(FileNotFoundError, match=r"missing\.xml: not found"):
         D.detect_topology(nccl_xml="missing.xml")
+    with pytest.raises(ValueError, match=r"nic_gbps=0: a bandwidth must be > 0"):
+        D.detect_topology(nvidia_smi=FIX / "nvidia_smi_topo_pcie_server.txt", nic_gbps=0)
+    with pytest.raises(ValueError, match=r"nvlink_gbps_per_link=-25.0: a bandwidth must be > 0"):
+        D.detect_topology(nvidia_smi=FIX / "nvidia_smi_topo_dgx_a100.txt", nvlink_gbps_per_link=-25.0)
+    sub = D.group_ranks_by_host(["x", "x", "y", "y"], ranks=[1, 3, 5, 7])
+    with pytest.raises(ValueError, match=r"hostnames cover ranks \[1, 3, 5, 7\], not 0..3.*default process group"):
+        D.detect_topology(hosts=sub)
 
 
 # --- megatron-fcp topo -----------------------------------------------------------------------

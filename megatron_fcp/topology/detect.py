@@ -18,8 +18,9 @@ The first source that is given wins::
     3. nvidia_smi=TEXT|PATH, or probe=True     -> parse_nvidia_smi_topo, replicated over the nodes
     4. nothing                                 -> uniform nodes, default link speeds (logged once)
 
-The node count comes from ``hostnames`` (grouped by :func:`group_ranks_by_host`) when given, else
-from ``nodes``, else 1.
+The node count and rank map come from ``hosts`` (a :class:`HostGroups` from
+:func:`gather_host_info`, or a hostname list) when given, else ``nodes`` (default 1) with the
+torchrun rank map. Speeds a source does not give are logged once with the value assumed.
 
 Note [Reading nvidia-smi topo -m]
 ---------------------------------
@@ -860,6 +861,23 @@ def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], lea
     return links
 
 
+def _rank_map(hosts: HostGroups) -> tuple[tuple[int, int], ...]:
+    """``rank_map[r] = (node, local_rank)`` for the Topology; ``hosts`` must cover ranks 0..W-1."""
+    everyone = sorted(r for rs in hosts.ranks for r in rs)
+    if everyone != list(range(hosts.world_size)):
+        raise ValueError(
+            f"hostnames cover ranks {everyone}, not 0..{hosts.world_size - 1}: a Topology describes the whole "
+            f"world, so gather the hostnames over the default process group"
+        )
+    return tuple((hosts.node_of(r), hosts.local_rank_of(r)) for r in range(hosts.world_size))
+
+
+def _check_speeds(**speeds: float | None) -> None:
+    for arg, value in speeds.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{arg}={value!r}: a bandwidth must be > 0 GB/s (leave it unset for the default)")
+
+
 def layout_to_topology(
     node: DetectedNode,
     *,
@@ -879,10 +897,13 @@ def layout_to_topology(
     NVLink bandwidth = links x per-link speed (``nvlink_gbps_per_link`` overrides what the source
     said; default :data:`DEFAULT_NVLINK_GBPS_PER_LINK`). PCIe device links (GPU/NIC to switch):
     ``pcie_gbps``, else the source's, else ``DEFAULT_PCIE_GBPS['PIX']``. NIC speed: ``nic_gbps``,
-    else the source's, else :data:`DEFAULT_NIC_GBPS`. Explicit arguments win over the source. ``gpus`` keeps local GPUs ``0..gpus-1`` (fewer
-    ranks than GPUs per node). ``hosts`` (from hostnames) sets the node count and the rank map.
+    else the source's, else :data:`DEFAULT_NIC_GBPS`. Explicit arguments win over the source.
+    ``gpus`` keeps local GPUs ``0..gpus-1`` (fewer ranks than GPUs per node). ``hosts`` (from
+    hostnames, covering the whole world) sets the node count and the rank map.
     """
     from megatron_fcp.topology.model import GB, Link, Nic, NodeLayout, Topology, TopologyError
+
+    _check_speeds(nvlink_gbps_per_link=nvlink_gbps_per_link, pcie_gbps=pcie_gbps, nic_gbps=nic_gbps)
 
     g = node.num_gpus if gpus is None else gpus
     if hosts is not None:
@@ -920,9 +941,7 @@ def layout_to_topology(
         nics.append(Nic(nic_name, _nic_kind(nic_name), speed * GB))
     gpu_nic = tuple(used.index(node.gpu_nic[i]) for i in range(g)) if used else ()
     layout = NodeLayout(g, tuple(links), tuple(nics), gpu_nic, name or node.source)
-    rank_map = ()
-    if hosts is not None:
-        rank_map = tuple((hosts.node_of(r), hosts.local_rank_of(r)) for r in range(hosts.world_size))
+    rank_map = _rank_map(hosts) if hosts is not None else ()
     try:
         return Topology(name or node.source, layout, nodes, rank_map)
     except TopologyError as exc:
@@ -955,9 +974,7 @@ def uniform_topology(nodes: int, gpus_per_node: int, *, intra_gbps: float = DEFA
         links.append(Link(f"gpu{i}", f"nic{i}", "pcie", DEFAULT_PCIE_GBPS["PIX"] * GB, _PCIE_LATENCY))
         nics.append(Nic(f"nic{i}", "ib", nic_gbps * GB))
     layout = NodeLayout(gpus_per_node, tuple(links), tuple(nics), tuple(range(gpus_per_node)), "uniform")
-    rank_map = ()
-    if hosts is not None:
-        rank_map = tuple((hosts.node_of(r), hosts.local_rank_of(r)) for r in range(hosts.world_size))
+    rank_map = _rank_map(hosts) if hosts is not None else ()
     return Topology(f"uniform:{nodes}", layout, nodes, rank_map)
 
 
@@ -997,6 +1014,7 @@ def detect_topology(
     """
     from megatron_fcp.topology.model import PRESETS, load_topology
 
+    _check_speeds(nvlink_gbps_per_link=nvlink_gbps_per_link, pcie_gbps=pcie_gbps, nic_gbps=nic_gbps)
     if hosts is not None and not isinstance(hosts, HostGroups):
         hosts = group_ranks_by_host(list(hosts))
     if hosts is not None and nodes is not None and nodes != hosts.num_nodes:
