@@ -508,3 +508,14 @@ def test_gather_host_info_gloo():
         assert r["plain"] == (1, ((0, 1),))
         assert r["named"] == (("node0", "node1"), ((0,), (1,)))
         assert re.search(r"rank 0 on host 'same' has LOCAL_WORLD_SIZE=1 but 2 ranks", r["mismatch"])
+
+
+def test_single_gpu_node_nic_across_sockets():
+    text = ("\tGPU0\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \tSYS\t0-63\t0\t\tN/A\n"
+            "NIC0\tSYS\t X \t\t\t\n\nLegend:\n\n  X    = Self\n\nNIC Legend:\n\n  NIC0: mlx5_0\n")
+    lay = D.parse_nvidia_smi_topo(text)
+    assert lay.num_gpus == 1 and lay.pairs == {} and lay.gpu_nic == ("mlx5_0",)
+    assert lay.nic("mlx5_0").paths == ("SYS",) and lay.nic("mlx5_0").direct_gpus == ()
+    topo = D.layout_to_topology(lay, nodes=2)
+    r = topo.route(0, 1)  # GPU -> CPU -> other socket -> NIC -> fabric -> ...
+    assert "n0:cpu0>cpu1" in _res(r) and r.bandwidth == pytest.approx(D.DEFAULT_PCIE_GBPS["SYS"] * 1e9)
