@@ -1,0 +1,203 @@
+"""``megatron-fcp simulate``: predicted time of TE p2p, TE a2a+p2p and FCP side by side.
+
+Examples::
+
+    megatron-fcp simulate dgx-h100:2 --seq 128k
+    megatron-fcp simulate dgx-h100:4 --seq 256k --heads 64 --kv-heads 8 --json
+    megatron-fcp simulate cluster.yaml --cp 8 --plot fcp.png
+
+The model is :mod:`megatron_fcp.simulate` (per-round bottleneck alpha-beta with contention on
+shared resources; see its Note [Cost model]). ``comm/LB`` is communication time over the lower
+bound (1.00 = optimal; TE a2a+p2p may go below 1 because Ulysses moves Q/O instead of all KV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_fcp.commands.plan import add_topology_arguments, resolve_ranks, resolve_topology
+
+NAME = "simulate"
+HELP = "predict comm / compute / overlapped time of te-p2p, te-a2a-p2p and FCP (and the lower bound)"
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_topology_arguments(p)
+    p.add_argument("--seq", default="128k", help="global sequence length in tokens, e.g. 131072, 128k, 1m (default 128k)")
+    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="KV element type (default bf16)")
+    p.add_argument("--parts", default="auto", help="sub-blocks per chunk for FCP: an integer or auto (default: best "
+                                                    "of 1,2,4,8,16 with blocks >= --min-block-tokens)")
+    p.add_argument("--min-block-tokens", type=int, default=256, help="smallest sub-block auto may choose (default 256)")
+    p.add_argument("--objective", choices=("comm", "total"), default="comm",
+                   help="what FCP's choice of graph and parts minimises (default comm; total = overlapped time, "
+                        "ties broken by comm)")
+    p.add_argument("--tflops", type=float, default=400.0, help="sustained attention TFLOP/s per GPU (default 400)")
+    p.add_argument("--round-overhead-us", type=float, default=0.0,
+                   help="fixed launch/sync cost per round in microseconds, on top of route latency (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw FCP's graph and per-resource timeline (needs matplotlib)")
+
+
+def _shape(args):
+    from megatron_fcp.simulate import AttentionShape, parse_tokens
+
+    return AttentionShape(parse_tokens(args.seq), args.heads, args.kv_heads, args.head_dim, DTYPE_BYTES[args.dtype])
+
+
+def _table(out: dict, shape, topo, ranks) -> str:
+    lb = out["lower_bound"]
+    lines = [
+        f"{topo.name}: cp={len(ranks)} over {lb['n']} node(s), seq={shape.seq_len} tokens, heads={shape.heads}, "
+        f"kv_heads={shape.kv_heads}, head_dim={shape.head_dim}, {shape.dtype_bytes} B/elem; "
+        f"KV per layer S={lb['S'] / 1e6:.1f} MB",
+        f"lower bound: {lb['lower_bound_s'] * 1e3:.3f} ms  (S*max((N-1)/(N*B_gpu), (n-1)/(n*B_out))"
+        f"{', causal need sets' if lb['causal'] else ''}; B_gpu={lb['B_gpu'] / 1e9:g} GB/s, "
+        f"B_out={lb['B_out'] / 1e9:g} GB/s)",
+        "",
+        f"{'schedule':<12}{'comm ms':>10}{'compute ms':>12}{'total ms':>10}{'GB moved':>10}{'inter GB':>10}"
+        f"{'comm/LB':>9}  plan",
+    ]
+    for name, d in out["schedules"].items():
+        if "error" in d:
+            lines.append(f"{name:<12}{'n/a':>10}  ({d['error']})")
+            continue
+        extra = ""
+        if name == "fcp":
+            extra = f"graph={d['graph']} parts={d['parts_per_chunk']} rounds={d['rounds']}"
+        else:
+            extra = f"{d.get('graph', '')} rounds={d['rounds']}"
+        lines.append(
+            f"{name:<12}{d['comm_s'] * 1e3:>10.3f}{d['compute_s'] * 1e3:>12.3f}{d['total_s'] * 1e3:>10.3f}"
+            f"{d['bytes'] / 1e9:>10.3f}{d['inter_node_bytes'] / 1e9:>10.3f}{d['comm_vs_lower_bound']:>9.2f}  {extra}"
+        )
+    s = out["schedules"]
+    if "fcp" in s and "te-p2p" in s and s["fcp"]["comm_s"] > 0:
+        lines.append("")
+        lines.append(f"fcp vs te-p2p: comm {s['te-p2p']['comm_s'] / s['fcp']['comm_s']:.2f}x faster, "
+                     f"{s['fcp']['bytes'] / s['te-p2p']['bytes']:.2f}x the bytes; total "
+                     f"{s['te-p2p']['total_s'] / s['fcp']['total_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(path: str, topo, plan, result, graph) -> None:
+    """Two panels: the CommGraph (ranks grouped by node, edges coloured by kind) and the busy time of
+    the most loaded resources per round (one bar per round and resource)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'megatron_fcp[plot]'") from None
+    import math
+
+    fig, (ax_g, ax_t) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [1, 1.5]})
+    nodes = sorted({topo.node_of(r) for r in plan.ranks})
+    pos = {}
+    for x, node in enumerate(nodes):
+        members = [r for r in plan.ranks if topo.node_of(r) == node]
+        cx, cy = math.cos(2 * math.pi * x / len(nodes)) * 3, math.sin(2 * math.pi * x / len(nodes)) * 3
+        if len(nodes) == 1:
+            cx = cy = 0.0
+        for i, r in enumerate(members):
+            a = 2 * math.pi * i / max(len(members), 1)
+            pos[r] = (cx + math.cos(a), cy + math.sin(a))
+    colours = {"nvswitch": "tab:green", "nvlink": "tab:green", "pcie": "tab:orange", "ib": "tab:blue",
+               "ethernet": "tab:purple", "loopback": "grey"}
+    for u, v, kind in graph.graph.edges(data="kind"):
+        (x0, y0), (x1, y1) = pos[u], pos[v]
+        ax_g.plot([x0, x1], [y0, y1], color=colours.get(kind, "black"), lw=0.6, alpha=0.5)
+    for r, (x, y) in pos.items():
+        ax_g.scatter([x], [y], s=120, color="white", edgecolor="black", zorder=3)
+        ax_g.annotate(str(r), (x, y), ha="center", va="center", fontsize=7, zorder=4)
+    for kind, c in colours.items():
+        if any(k == kind for _, _, k in graph.graph.edges(data="kind")):
+            ax_g.plot([], [], color=c, label=kind)
+    ax_g.legend(loc="lower center", fontsize=8, ncol=3, bbox_to_anchor=(0.5, -0.08))
+    ax_g.set_title(f"graph {graph.name!r}: {len(plan.ranks)} ranks on {len(nodes)} node(s)")
+    ax_g.set_axis_off()
+    top = sorted(result.resource_bytes, key=lambda k: -result.resource_bytes[k])[:24]
+    for y, name in enumerate(top):
+        for e in result.timeline:
+            busy = e["busy"].get(name)
+            if busy:
+                ax_t.barh(y, busy * 1e3, left=e["start_s"] * 1e3, height=0.7,
+                          color=colours.get(result_kind(name, topo), "grey"), edgecolor="black", lw=0.3)
+    for e in result.timeline:
+        ax_t.axvline(e["end_s"] * 1e3, color="black", lw=0.4, ls=":")
+    ax_t.set_yticks(range(len(top)), top, fontsize=6)
+    ax_t.invert_yaxis()
+    ax_t.set_xlabel("time (ms)")
+    ax_t.set_title(f"fcp: busy time of the {len(top)} most loaded resources per round (dotted: round ends)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def result_kind(resource_name: str, topo) -> str:
+    if ">net" in resource_name or "net>" in resource_name:
+        return topo.layout.nics[0].kind if topo.layout.nics else "ib"
+    local = resource_name.split(":", 1)[1]
+    u, _, v = local.partition(">")
+    for ln in topo.layout.links:
+        if {ln.a, ln.b} == {u, v}:
+            return ln.kind
+    return "loopback"
+
+
+def run(args) -> int:
+    from megatron_fcp.plan import PlanError
+    from megatron_fcp.simulate import ComputeModel, compare
+    from megatron_fcp.topology.graph import build_graph
+    from megatron_fcp.topology.model import TopologyError
+
+    try:
+        topo = resolve_topology(args)
+        ranks = resolve_ranks(args, topo)
+        shape = _shape(args)
+        if args.tflops <= 0:
+            raise ValueError(f"--tflops: must be > 0, got {args.tflops}")
+        if args.round_overhead_us < 0:
+            raise ValueError(f"--round-overhead-us: must be >= 0, got {args.round_overhead_us}")
+        parts = args.parts if args.parts == "auto" else _int_arg(args.parts, "--parts")
+        out = compare(topo, ranks, shape, graph=args.graph, parts_per_chunk=parts, causal=args.causal,
+                      compute_model=ComputeModel(flops=args.tflops * 1e12), min_block_tokens=args.min_block_tokens,
+                      objective=args.objective, round_overhead_s=args.round_overhead_us * 1e-6)
+        if args.plot:
+            plan = out["plan"]
+            plot(args.plot, topo, plan, out["results"]["fcp"], build_graph(topo, ranks, plan.meta["graph"]))
+        if args.json:
+            sched = {}
+            for name, d in out["schedules"].items():
+                if "error" in d:
+                    sched[name] = {"comm_s": None, "compute_s": None, "total_s": None, "bytes": None, **d}
+                else:
+                    sched[name] = d
+            print(json.dumps({"lower_bound_s": out["lower_bound_s"], "schedules": sched,
+                              "lower_bound": out["lower_bound"], "topology": topo.name, "cp_ranks": ranks,
+                              "seq_len": shape.seq_len}, indent=1))
+        else:
+            print(_table(out, shape, topo, ranks))
+            if args.plot:
+                print(f"plot written to {args.plot}")
+        return 0
+    except (ValueError, TopologyError, PlanError) as e:
+        print(f"megatron-fcp simulate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _int_arg(value: str, flag: str) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise ValueError(f"{flag}: expected an integer or auto, got {value!r}") from None
+    if v < 1:
+        raise ValueError(f"{flag}: must be >= 1, got {v}")
+    return v
