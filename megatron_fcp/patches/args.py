@@ -2,7 +2,7 @@
 
 Flags (one per field, help text = the field's docstring)::
 
-    --fcp                         enabled
+    --fcp/--no-fcp                enabled
     --fcp-graph {auto,ring,...}   graph
     --fcp-topology SPEC           topology
     --fcp-block-tokens N          block_tokens
@@ -63,11 +63,7 @@ def add_fcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         helptext = f"{docs.get(f.name, '')} (default: {default})"
         kwargs: dict[str, Any] = {"dest": dest_of(f.name), "default": None, "help": helptext}
         if f.type in ("bool", bool):
-            if f.name == "enabled":
-                kwargs["action"] = "store_const"
-                kwargs["const"] = True
-            else:
-                kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["action"] = argparse.BooleanOptionalAction  # --fcp/--no-fcp, --fcp-overlap/...
         else:
             kwargs["type"] = int if f.type in ("int", int) else str
             if "choices" in f.metadata:

@@ -1,0 +1,182 @@
+"""End to end: the example's tiny megatron-core GPTModel trained with FCP matches cp = 1.
+
+One 4-process gloo group runs three trainings of 20 steps on the same global batches (FP32):
+
+* cp = 1 (Megatron's own attention; world 4 = dp 4),
+* cp = 4 with FCP on the hierarchical graph of a 2 nodes x 2 ranks topology (dp 1),
+* tp = 2, cp = 2 with FCP, every transfer counted by a CountingTransport (dp 1).
+
+Losses must agree within 1e-5 relative per step and gradient norms likewise; no counted transfer
+may have a tensor-parallel peer (or a rank outside the CP group) at its other end. Bad run
+configs must fail with a clear error before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+TINY = os.path.join(EXAMPLES, "configs", "tiny_cpu_cp4.yaml")
+TOPO_2X2 = os.path.join(EXAMPLES, "configs", "topology_2x2.yaml")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+import pretrain_gpt_fcp as ex  # noqa: E402
+
+STEPS = 20
+COMMON = ["--config", TINY, "--no-progress", "--train-iters", str(STEPS),
+          "--micro-batch-size", "1", "--global-batch-size", "4", "--fcp-topology", TOPO_2X2]
+
+
+def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import pretrain_gpt_fcp as example
+
+    from megatron_fcp.comm import CountingTransport, default_transport
+
+    quiet = lambda msg: None  # noqa: E731
+    out = {}
+    out["cp1"] = example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]), log=quiet)
+    out["cp4"] = example.train(*example.parse_args(COMMON + ["--metrics-json", metrics_path]), log=quiet)
+    counters: list[CountingTransport] = []
+
+    def counting(group):
+        transport = CountingTransport(default_transport(group))
+        counters.append(transport)
+        return transport
+
+    args, fcp = example.parse_args(COMMON + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"])
+    out["tp2cp2"] = example.train(args, fcp, transport_factory=counting, log=quiet)
+    out["tp2cp2"]["posted"] = [(p.phase, p.kind, p.transfer.src, p.transfer.dst)
+                               for t in counters for p in t.posted]
+    out["tp2cp2"]["calls"] = len(counters)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from megatron_fcp.launch import run_gloo
+
+    metrics = str(tmp_path_factory.mktemp("e2e") / "metrics.json")
+    results = run_gloo(_e2e_worker, 4, metrics, timeout_s=420)
+    return results, metrics
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.dist
+def test_cp4_hierarchical_matches_cp1(runs):
+    results, _ = runs
+    ref, fcp = results[0]["cp1"], results[0]["cp4"]
+    assert fcp["fcp"]["graph"] == "hierarchical" and fcp["fcp"]["cp"] == 4
+    assert fcp["fcp"]["topology"] == "tiny-2x2" and fcp["fcp"]["fcp_modules"] == 2
+    assert ref["fcp"]["cp"] == 1 and not ref["fcp"]["enabled"]
+    assert len(fcp["losses"]) == len(ref["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(fcp["losses"], ref["losses"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
+    for step, (a, b) in enumerate(zip(fcp["grad_norms"], ref["grad_norms"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs cp=1 {b}"
+    assert ref["losses"][-1] < ref["losses"][0] - 0.2  # it does learn
+    # every rank saw the same reduced losses
+    assert all(r["cp4"]["losses"] == results[0]["cp4"]["losses"] for r in results)
+
+
+@pytest.mark.dist
+def test_tp2_cp2_matches_cp1(runs):
+    results, _ = runs
+    ref, both = results[0]["cp1"], results[0]["tp2cp2"]
+    assert (both["fcp"]["tp"], both["fcp"]["cp"]) == (2, 2)
+    for step, (a, b) in enumerate(zip(both["losses"], ref["losses"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
+    for step, (a, b) in enumerate(zip(both["grad_norms"], ref["grad_norms"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs cp=1 {b}"
+
+
+@pytest.mark.dist
+def test_no_cp_transfer_touches_a_tp_peer(runs):
+    from megatron_fcp.config import FCPConfig
+    from megatron_fcp.setup_plan import MegatronLayout, build_group_plan
+    from megatron_fcp.topology.model import load_topology
+
+    results, _ = runs
+    layout = MegatronLayout(world=4, tp=2, cp=2)
+    for rank, r in enumerate(results):
+        run = r["tp2cp2"]
+        posted = run["posted"]
+        cp_group, tp_group = layout.cp_group_of(rank), layout.tp_group_of(rank)
+        assert run["fcp"]["plan_ranks"] == list(cp_group)
+        # one transport per attention call: 2 layers x 4 micro batches (dp = 1) x 20 steps
+        assert run["calls"] == 2 * 4 * STEPS
+        assert posted, "no transfer was counted"
+        for phase, kind, src, dst in posted:
+            me, peer = (src, dst) if kind == "send" else (dst, src)
+            assert me == rank, (phase, kind, src, dst)
+            assert peer in cp_group and peer != rank
+            assert peer not in tp_group, f"rank {rank} {kind} with TP peer {peer} ({phase})"
+        # exactly the plan's transfers, every call: rebuild the plan the run settled
+        plan = build_group_plan(FCPConfig(enabled=True, graph="hierarchical"), load_topology(TOPO_2X2),
+                                cp_group, causal=True)
+        want_sends = sorted((t.src, t.dst) for _, t in plan.transfers() if t.src == rank) * run["calls"]
+        want_recvs = sorted((t.src, t.dst) for _, t in plan.transfers() if t.dst == rank) * run["calls"]
+        got = {k: sorted((s, d) for ph, kind, s, d in posted if ph == "forward" and kind == k)
+               for k in ("send", "recv")}
+        assert got["send"] == sorted(want_sends) and got["recv"] == sorted(want_recvs)
+        assert want_sends or want_recvs
+
+
+@pytest.mark.dist
+def test_metrics_json_written_by_rank0(runs):
+    results, path = runs
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    assert data["losses"] == results[0]["cp4"]["losses"]
+    assert data["grad_norms"] == results[0]["cp4"]["grad_norms"]
+    assert data["fcp"]["graph"] == "hierarchical" and data["fcp"]["cp"] == 4
+
+
+# ---- bad configs: clear errors before training starts ---------------------------------------------------
+def test_unknown_graph_name(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--config", TINY, "--fcp-graph", "mesh"])
+    assert "invalid choice: 'mesh'" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(TINY, encoding="utf-8").read().replace("graph: hierarchical", "graph: mesh"))
+    with pytest.raises(ValueError, match="unknown FCP graph 'mesh'.*--fcp-graph"):
+        ex.parse_args(["--config", str(bad)])
+
+
+def test_topology_file_not_found():
+    with pytest.raises(ValueError, match="topology file not found.*--fcp-topology"):
+        ex.parse_args(["--config", TINY, "--fcp-topology", "/nonexistent/cluster.yaml"])
+
+
+def test_cp_not_dividing_world():
+    args, fcp = ex.parse_args(["--config", TINY, "--context-parallel-size", "3"])
+    with pytest.raises(ValueError, match="world size 4 is not divisible.*--context-parallel-size"):
+        ex.validate_run(args, fcp, world=4)
+
+
+def test_topology_with_fewer_ranks_than_world():
+    args, fcp = ex.parse_args(["--config", TINY, "--fcp-topology", TOPO_2X2])
+    assert ex.validate_run(args, fcp, world=4).cp == 4
+    with pytest.raises(ValueError, match="describes 4 ranks but the job has 8"):
+        ex.validate_run(args, fcp, world=8)
+
+
+def test_main_fails_before_any_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="describes 4 ranks but the job has 8"):
+        ex.main(["--config", TINY])
+    assert not (dist.is_available() and dist.is_initialized())
