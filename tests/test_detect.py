@@ -519,3 +519,13 @@ def test_single_gpu_node_nic_across_sockets():
     topo = D.layout_to_topology(lay, nodes=2)
     r = topo.route(0, 1)  # GPU -> CPU -> other socket -> NIC -> fabric -> ...
     assert "n0:cpu0>cpu1" in _res(r) and r.bandwidth == pytest.approx(D.DEFAULT_PCIE_GBPS["SYS"] * 1e9)
+
+
+def test_topo_command_every_preset(capsys):
+    from megatron_fcp.topology.model import PRESETS
+
+    for name in PRESETS:
+        rc, out, err = _topo_cli(capsys, "--topology", f"{name}:2")
+        g = D.detect_topology(f"{name}:2").gpus_per_node
+        assert rc == 0, err
+        assert f"node 1: ranks {g}-{2 * g - 1}" in out and re.search(rf"  gpu{g - 1} .*X$", out, re.M), name
