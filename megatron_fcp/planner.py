@@ -103,7 +103,7 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance)
             dests = readers(ranks, i, chunk, causal)
             if not dests:
                 continue
-            tree, depths = cg.tree_with_depths(owner, dests)
+            tree, depths = cg.tree_with_depths(owner, dests, chunk)
             if check:
                 _check_tree(cg, owner, dests, tree)
             trees.append((owner, chunk, tree, depths))

@@ -75,20 +75,21 @@ class CommGraph:
     """Whether sub-blocks of one chunk are staggered over rounds (pipelining relays)."""
     meta: dict = field(default_factory=dict)
 
-    def tree(self, owner: int, dests: Sequence[int]) -> TreeEdges:
-        """Multicast tree from ``owner`` to ``dests`` using only this graph's edges."""
+    def tree(self, owner: int, dests: Sequence[int], chunk: int = 0) -> TreeEdges:
+        """Multicast tree from ``owner`` to ``dests`` (for the owner's zigzag ``chunk``) using only
+        this graph's edges."""
         if not dests:
             return []
         if self.builder is not None:
-            return self.builder.tree(self, owner, dests)
+            return self.builder.tree(self, owner, dests, chunk)
         return steiner_tree(self.graph, owner, dests)
 
-    def tree_with_depths(self, owner: int, dests: Sequence[int]) -> tuple[TreeEdges, list[int]]:
+    def tree_with_depths(self, owner: int, dests: Sequence[int], chunk: int = 0) -> tuple[TreeEdges, list[int]]:
         """:meth:`tree` plus the depth (hops from the owner) of each edge's receiver."""
         if not dests:
             return [], []
         if self.builder is not None:
-            return self.builder.tree_with_depths(self, owner, dests)
+            return self.builder.tree_with_depths(self, owner, dests, chunk)
         edges = steiner_tree(self.graph, owner, dests)
         return edges, _depths_of(edges, owner)
 
@@ -199,12 +200,13 @@ class GraphBuilder:
     def _edges(self, topo: Topology, ranks: tuple[int, ...], g: nx.DiGraph) -> dict | None:
         raise NotImplementedError
 
-    def tree(self, cg: CommGraph, owner: int, dests: Sequence[int]) -> TreeEdges:
+    def tree(self, cg: CommGraph, owner: int, dests: Sequence[int], chunk: int = 0) -> TreeEdges:
         return steiner_tree(cg.graph, owner, dests)
 
-    def tree_with_depths(self, cg: CommGraph, owner: int, dests: Sequence[int]) -> tuple[TreeEdges, list[int]]:
+    def tree_with_depths(self, cg: CommGraph, owner: int, dests: Sequence[int],
+                         chunk: int = 0) -> tuple[TreeEdges, list[int]]:
         """``(tree edges in BFS order, depth of each edge's receiver)``; builders may override."""
-        edges = self.tree(cg, owner, dests)
+        edges = self.tree(cg, owner, dests, chunk)
         return edges, _depths_of(edges, owner)
 
     def __repr__(self) -> str:
@@ -221,7 +223,7 @@ class RingGraph(GraphBuilder):
         for i, r in enumerate(ranks):
             _add_edge(g, topo, r, ranks[(i + 1) % len(ranks)])
 
-    def tree(self, cg, owner, dests):
+    def tree(self, cg, owner, dests, chunk=0):
         ranks, cp = cg.ranks, len(cg.ranks)
         i = ranks.index(owner)
         want = set(dests)
@@ -239,10 +241,10 @@ class FullGraph(GraphBuilder):
             for b in ranks:
                 _add_edge(g, topo, a, b)
 
-    def tree(self, cg, owner, dests):
+    def tree(self, cg, owner, dests, chunk=0):
         return [(owner, d) for d in dests]
 
-    def tree_with_depths(self, cg, owner, dests):
+    def tree_with_depths(self, cg, owner, dests, chunk=0):
         return [(owner, d) for d in dests], [1] * len(dests)
 
 
@@ -267,14 +269,14 @@ class HierarchicalGraph(GraphBuilder):
         members = cg.meta["groups"][node]
         return members[cg.meta["pos"][rank] % len(members)]
 
-    def _exit(self, cg: CommGraph, owner: int) -> int:
-        """Rank of the owner's node whose rail carries the owner's blocks off the node."""
+    def _exit(self, cg: CommGraph, owner: int, chunk: int) -> int:
+        """Rank of the owner's node whose rail carries the owner's ``chunk`` off the node."""
         return owner
 
-    def tree(self, cg, owner, dests):
-        return self.tree_with_depths(cg, owner, dests)[0]
+    def tree(self, cg, owner, dests, chunk=0):
+        return self.tree_with_depths(cg, owner, dests, chunk)[0]
 
-    def tree_with_depths(self, cg, owner, dests):
+    def tree_with_depths(self, cg, owner, dests, chunk=0):
         """Owner -> readers on its node; exit rank -> rail peer per other node -> that node's readers.
 
         Built directly in BFS order with depths, O(cp) per block (no graph search).
@@ -283,7 +285,7 @@ class HierarchicalGraph(GraphBuilder):
         groups, node_of = meta["groups"], meta["node_of"]
         home = node_of[owner]
         want = set(dests)
-        exit_rank = self._exit(cg, owner)
+        exit_rank = self._exit(cg, owner, chunk)
         first: TreeEdges = []
         second: TreeEdges = []
         relays_needed = False
@@ -315,9 +317,11 @@ class BalancedGraph(HierarchicalGraph):
     """Rail-striped, but each owner's blocks leave the node on the rail with the least KV load.
 
     ``kv_sizes`` maps global rank -> relative KV size (uneven sequence lengths, e.g. packed THD
-    batches). Owners are assigned to exit rails of their node largest first (LPT), each to the
-    currently least-loaded rail (its own rail on ties), so no NIC carries much more than
-    ``total / rails`` bytes. With equal sizes this is exactly ``hierarchical``.
+    batches). Every zigzag chunk starts on its owner's rail; then, while it lowers the busiest rail,
+    the largest chunk that fits moves from the busiest rail of a node to its least-loaded one (a
+    chunk leaving on another rail first crosses NVLink to that rail's GPU). No NIC then carries
+    much more than ``total / rails`` bytes, and with equal sizes nothing moves: exactly
+    ``hierarchical``.
     """
 
     name = "balanced"
@@ -333,19 +337,31 @@ class BalancedGraph(HierarchicalGraph):
 
     def _edges(self, topo, ranks, g):
         meta = super()._edges(topo, ranks, g)
-        exits: dict[int, int] = {}
+        exits: dict[tuple[int, int], int] = {}
         for members in meta["groups"].values():
-            load = {r: 0.0 for r in members}
-            for o in sorted(members, key=lambda r: (-self.kv_sizes.get(r, 1.0), members.index(r))):
-                best = min(members, key=lambda r: (load[r], r != o, members.index(r)))
-                exits[o] = best
-                load[best] += self.kv_sizes.get(o, 1.0)
+            w = {o: float(self.kv_sizes.get(o, 1.0)) for o in members}
+            on: dict[int, list[tuple[int, int]]] = {r: [(r, 0), (r, 1)] for r in members}
+            load = {r: 2 * w[r] for r in members}
+            while len(members) > 1:
+                hi = max(members, key=lambda r: (load[r], -members.index(r)))
+                lo = min(members, key=lambda r: (load[r], members.index(r)))
+                movable = [it for it in on[hi] if load[lo] + w[it[0]] < load[hi] - 1e-12]
+                if not movable:
+                    break
+                it = max(movable, key=lambda it: (w[it[0]], -members.index(it[0]), -it[1]))
+                on[hi].remove(it)
+                on[lo].append(it)
+                load[hi] -= w[it[0]]
+                load[lo] += w[it[0]]
+            for r, items in on.items():
+                for it in items:
+                    exits[it] = r
         meta["exits"] = exits
         meta["kv_sizes"] = dict(self.kv_sizes)
         return meta
 
-    def _exit(self, cg, owner):
-        return cg.meta["exits"][owner]
+    def _exit(self, cg, owner, chunk):
+        return cg.meta["exits"][(owner, chunk)]
 
 
 class LeaderGraph(GraphBuilder):
@@ -371,7 +387,7 @@ class LeaderGraph(GraphBuilder):
                 _add_edge(g, topo, a, b)
         return {"leaders": leaders}
 
-    def tree(self, cg, owner, dests):
+    def tree(self, cg, owner, dests, chunk=0):
         topo = cg.topology
         leaders = cg.meta["leaders"]
         home = topo.node_of(owner)
@@ -434,7 +450,7 @@ class SpanningGraph(GraphBuilder):
             _add_edge(g, topo, b, a)
         return {"tree": mst}
 
-    def tree(self, cg, owner, dests):
+    def tree(self, cg, owner, dests, chunk=0):
         return _prune_bfs(cg.meta["tree"], owner, dests)
 
 
