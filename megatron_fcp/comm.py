@@ -112,8 +112,9 @@ class GlooTransport(Transport):
                 ok = work.wait(timeout=timedelta(seconds=left))
             except RuntimeError as e:
                 raise CommTimeout(
-                    f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} did not complete "
-                    f"within {self.timeout_s:.0f} s ({e}); is that rank alive and running the same plan?"
+                    f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} failed or did not "
+                    f"complete within {self.timeout_s:g} s ({e}); is that rank alive and running the "
+                    f"same plan? (the group is unusable after this)"
                 ) from e
             if ok is False:
                 raise CommTimeout(f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} failed")

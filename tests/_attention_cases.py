@@ -1,0 +1,216 @@
+"""Worker side of tests/test_attention_dist.py: every sub-case runs inside one gloo world.
+
+One world of 4 processes hosts all cases: cp = 4 on the world group, and cp = 2 on two subgroups
+{0, 2} and {1, 3} running side by side (so CP ranks differ from global ranks, as with TP > 1).
+Each rank rebuilds the global tensors from the case's seed, computes the FP64 reference (and, for
+BF16, plain PyTorch attention in BF16) itself, runs fcp_attention on its zigzag shard and reports
+its local errors; the parent takes maxima over ranks and asserts.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class Case:
+    group: str            # "cp4" (world) or "cp2" (pairs {0,2} and {1,3})
+    plan: str             # "ring" | "all-to-all"
+    causal: bool
+    heads: tuple          # (h, h_kv)
+    dtype: str            # key of DTYPES
+    parts: int = 1        # parts_per_chunk (1: plan given by name, >1: Plan object)
+    extreme: bool = False  # logits spread over ~1e4 between blocks (softmax_scale = 1)
+    tokens_per_part: int = 4
+
+    @property
+    def name(self) -> str:
+        return (f"{self.group}-{self.plan}-{'causal' if self.causal else 'full'}-h{self.heads[0]}kv{self.heads[1]}"
+                f"-{self.dtype}" + (f"-p{self.parts}" if self.parts > 1 else "") + ("-extreme" if self.extreme else ""))
+
+
+def _inputs(case: Case, cp: int):
+    """Global q, k, v, dout [s, b, h(_kv), d] in the case dtype (same on every rank)."""
+    h, hk = case.heads
+    b, d = 2, 16
+    s = 2 * cp * case.parts * case.tokens_per_part
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))  # same on every rank
+    q = torch.randn(s, b, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(s, b, hk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(s, b, hk, d, generator=g, dtype=torch.float64)
+    do = torch.randn(s, b, h, d, generator=g, dtype=torch.float64)
+    if case.extreme:
+        # score = q.k with scale 1: component 0 adds 1e4 * c / (2cp - 1) for keys in global chunk c
+        chunk = s // (2 * cp)
+        q[..., 0] = 1.0
+        for c in range(2 * cp):
+            k[c * chunk:(c + 1) * chunk, :, :, 0] = 1e4 * c / (2 * cp - 1)
+    dt = DTYPES[case.dtype]
+    return [x.to(dt) for x in (q, k, v, do)]
+
+
+def _flip(t):
+    from megatron_fcp.plan import Transfer
+    return Transfer(t.dst, t.src, t.block)
+
+
+def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
+    """Compare what the transport saw with plan.sends/recvs per round, forward and backward."""
+    problems = []
+    expected_total = 0
+    for r in range(len(plan.rounds)):
+        want = {
+            ("forward", "send"): plan.sends(rank, r),
+            ("forward", "recv"): plan.recvs(rank, r),
+            ("backward", "send"): tuple(_flip(t) for t in plan.recvs(rank, r)),
+            ("backward", "recv"): tuple(_flip(t) for t in plan.sends(rank, r)),
+        }
+        for (phase, kind), expected in want.items():
+            got = transport.transfers(phase, r, kind)
+            expected_total += len(expected)
+            if got != expected:
+                problems.append(f"rank {rank} {phase} round {r} {kind}: got {got}, plan says {expected}")
+    if len(transport.posted) != expected_total:
+        problems.append(f"rank {rank}: {len(transport.posted)} ops posted, plan lists {expected_total}")
+    for p in transport.posted:
+        want_bytes = kv_bytes if p.phase == "forward" else grad_bytes
+        if p.nbytes != want_bytes:
+            problems.append(f"rank {rank}: {p} moves {p.nbytes} bytes, expected {want_bytes}")
+    return problems
+
+
+def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
+    from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
+    from megatron_fcp.attention.kernels import reference_attention
+    from megatron_fcp.attention.layout import zigzag_split
+    from megatron_fcp.comm import CountingTransport, GlooTransport
+    from megatron_fcp.plan import all_to_all_plan, ring_plan
+
+    cp, idx = len(group_ranks), group_ranks.index(rank)
+    q, k, v, do = _inputs(case, cp)
+    scale = 1.0 if case.extreme else None
+    ref_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ref = reference_attention(q.double(), k.double(), v.double(), causal=case.causal, scale=ref_scale,
+                              dout=do.double())
+    local = {n: zigzag_split(x, cp, idx, seq_dim=2 if n == "lse" else 0) for n, x in ref.items()}
+    res = {"rank": rank, "ref_max": {n: local[n].abs().max().item() for n in QUANTITIES}}
+    if case.dtype != "fp64" and case.dtype != "fp32":
+        base = reference_attention(q, k, v, causal=case.causal, scale=ref_scale, dout=do)
+        res["base_err"] = {n: (zigzag_split(base[n], cp, idx, seq_dim=2 if n == "lse" else 0).double()
+                               - local[n]).abs().max().item() for n in QUANTITIES}
+        dt = DTYPES[case.dtype]
+        res["atol"] = {n: 2 * ((local[n].to(dt) + 0.3 - 0.3) - local[n].to(dt)).abs().max().item()
+                       for n in QUANTITIES}
+    if case.parts > 1:
+        builder = ring_plan if case.plan == "ring" else all_to_all_plan
+        plan_arg = builder(group_ranks, causal=case.causal, parts_per_chunk=case.parts)
+    else:
+        plan_arg = case.plan
+    plan = resolve_plan(plan_arg, group_ranks, case.causal)
+
+    def run_once():
+        transport = CountingTransport(GlooTransport(group, timeout_s=60))
+        ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
+        out, lse = fcp_attention_with_lse(ql, kl, vl, cp_group=group, plan=plan_arg, causal=case.causal,
+                                          softmax_scale=scale, transport=transport)
+        out.backward(zigzag_split(do, cp, idx))
+        got = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+        return got, transport
+
+    got, transport = run_once()
+    res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
+    res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
+    res["err"] = {n: (got[n].double() - local[n]).abs().max().item() for n in QUANTITIES}
+    h, hk = case.heads
+    blk = q.shape[0] // cp // (2 * case.parts)
+    elems = 2 * blk * q.shape[1] * hk * q.shape[3]
+    grad_itemsize = 8 if case.dtype == "fp64" else 4
+    res["count_problems"] = count_problems(transport, plan, rank, elems * q.element_size(), elems * grad_itemsize)
+    if case.dtype in ("fp32", "bf16"):
+        again, _ = run_once()
+        res["bitwise_repeat"] = all(torch.equal(got[n], again[n]) for n in QUANTITIES)
+    return res
+
+
+def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
+    """Each bad call must raise ValueError naming the fix, before posting anything."""
+    from megatron_fcp.attention.function import fcp_attention_with_lse
+    from megatron_fcp.comm import CountingTransport, GlooTransport
+    from megatron_fcp.plan import ring_plan
+
+    def t(s=8, b=2, h=4, d=8, dtype=torch.float32, device="cpu"):
+        return torch.randn(s, b, h, d, dtype=dtype, device=device)
+
+    ranks = group_ranks
+    cases = {
+        "odd_seq": (dict(q=t(s=5), k=t(s=5, h=2), v=t(s=5, h=2)), {}, "multiple of 2\\*cp"),
+        "parts_do_not_divide": (dict(q=t(s=6), k=t(s=6), v=t(s=6)),
+                                dict(plan=ring_plan(ranks, True, parts_per_chunk=2)), "2\\*cp\\*parts_per_chunk"),
+        "heads": (dict(q=t(h=4), k=t(h=3), v=t(h=3)), {}, "multiple of KV heads"),
+        "dtype": (dict(q=t(), k=t(dtype=torch.float64), v=t()), {}, "dtypes differ"),
+        "device": (dict(q=t(), k=t(device="meta"), v=t()), {}, "different devices"),
+        "seq_shape": (dict(q=t(s=8), k=t(s=10), v=t(s=10)), {}, "must agree on s_local"),
+        "kv_shape": (dict(q=t(), k=t(h=2), v=t(h=4)), {}, "same shape"),
+        "plan_ranks": (dict(q=t(), k=t(), v=t()), dict(plan=ring_plan(tuple(reversed(ranks)))),
+                       "not the CP group's ranks"),
+        "plan_causal": (dict(q=t(), k=t(), v=t()), dict(plan=ring_plan(ranks, causal=False)), "causal=False"),
+        "plan_name": (dict(q=t(), k=t(), v=t()), dict(plan="tree"), "unknown plan"),
+        "no_group": (dict(q=t(), k=t(), v=t()), dict(cp_group=None), "cp_group is required"),
+        "not_4d": (dict(q=t()[0], k=t(), v=t()), {}, "4-D tensor"),
+    }
+    out = {}
+    for name, (tensors, kwargs, expect) in cases.items():
+        transport = CountingTransport(GlooTransport(group, timeout_s=10))
+        kw = dict(cp_group=group, plan="ring", causal=True, transport=transport)
+        kw.update(kwargs)
+        try:
+            fcp_attention_with_lse(tensors["q"], tensors["k"], tensors["v"], **kw)
+            out[name] = ("no error", transport.posts, expect)
+        except ValueError as e:
+            out[name] = (str(e), transport.posts, expect)
+    return out
+
+
+def _timeout_probe(rank: int) -> str | None:
+    """Rank 0 waits for a block rank 1 never sends: the bounded wait must raise, naming round,
+    peer and block. A gloo timeout breaks the pair (as an NCCL timeout breaks the communicator),
+    so this runs last and nothing communicates afterwards; rank 1 stays alive meanwhile."""
+    import time
+
+    from megatron_fcp.comm import CommTimeout, GlooTransport
+    from megatron_fcp.plan import Block, Transfer
+
+    if rank == 0:
+        transport = GlooTransport(dist.group.WORLD, timeout_s=0.5)
+        handle = transport.post([], [(Transfer(1, 0, Block(1, 0)), torch.zeros(4))], round_index=3)
+        try:
+            transport.wait(handle)
+            return "no timeout"
+        except CommTimeout as e:
+            return str(e)
+    if rank == 1:
+        time.sleep(2.0)
+    return None
+
+
+def worker(rank: int, world: int, cases: list) -> dict:
+    torch.manual_seed(1234 + rank)
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = {"cp4": (dist.group.WORLD, tuple(range(world))),
+              "cp2": (pairs[rank % 2], (0, 2) if rank % 2 == 0 else (1, 3))}
+    results = {}
+    for case in cases:
+        group, ranks = groups[case.group]
+        results[case.name] = _run_case(case, group, ranks, rank)
+    results["bad_inputs_cp4"] = _bad_inputs(*groups["cp4"], rank)
+    results["bad_inputs_cp2"] = _bad_inputs(*groups["cp2"], rank)
+    results["timeout"] = _timeout_probe(rank)
+    return results
