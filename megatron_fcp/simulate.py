@@ -29,7 +29,8 @@ Baselines (forward pass, same model):
 
 * ``te-p2p``: Transformer Engine's zigzag ring, cp-1 communication rounds each carrying one
   rank's whole KV pair (both chunks) to the next CP rank; cp compute steps of equal causal work
-  (2L^2 pairs for chunk length L), step i+1 computed after round i arrives.
+  (2L^2 pairs for chunk length L, plus the L diagonal pairs in step 0), step i+1 computed after
+  round i arrives.
 * ``te-a2a-p2p``: Ulysses all-to-all of Q, K, V inside each node (heads / g per rank), a ring of
   nodes-1 rounds over rail peers carrying the node-sequence KV of heads/g heads, an all-to-all of
   the output back. The all-to-alls are exposed (not overlapped).
@@ -448,10 +449,11 @@ def simulate_te_p2p(
     L = shape.seq_len // (2 * cp)
     step_pairs = 2 * L * L if causal else 4 * L * L
     step = float(cm.time(step_pairs, shape))
-    t = step
+    diag = float(cm.time(step_pairs + (L if causal else 0), shape))  # step 0 includes the diagonal
+    t = diag
     for e in res.timeline:
         t = max(t, e["end_s"]) + step
-    res.compute_s = step * cp
+    res.compute_s = diag + step * (cp - 1)
     res.total_s = max(t, res.comm_s)
     return res
 
@@ -501,7 +503,7 @@ def simulate_te_a2a_p2p(
     if not compute:
         return res
     L = shape.seq_len // (2 * cp)
-    total_pairs = (2 * L * L if causal else 4 * L * L) * cp  # balanced: same work per rank as p2p
+    total_pairs = (2 * L * L * cp + L) if causal else 4 * L * L * cp  # same work per rank as p2p
     step = float(cm.time(total_pairs / n, shape))
     dur = [e["end_s"] - e["start_s"] for e in res.timeline]
     d_in, d_out = (dur[0], dur[-1]) if g > 1 else (0.0, 0.0)
