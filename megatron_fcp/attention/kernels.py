@@ -229,7 +229,7 @@ def reference_attention(
     the *global* sequence (positions 0..s-1). Independent of the kernels above: GQA by
     ``repeat_interleave``, ``torch.softmax`` / ``torch.logsumexp``. Query rows are processed in
     tiles (each row's output depends only on its own query, so per-tile autograd is exact and
-    memory stays bounded). Returns ``out [s,b,h,d]``, ``lse [b,h,s]`` and, if ``dout`` is given,
+    memory stays bounded); with ``causal`` a tile only looks at keys up to its last query. Returns ``out [s,b,h,d]``, ``lse [b,h,s]`` and, if ``dout`` is given,
     ``dq, dk, dv``.
     """
     s, b, h, d = q.shape
@@ -240,11 +240,12 @@ def reference_attention(
     for a in range(0, s, rows_per_tile):
         z = min(a + rows_per_tile, s)
         qt = q[a:z].detach().requires_grad_(dout is not None)
-        kr = kf.repeat_interleave(g, dim=2).permute(1, 2, 0, 3)            # [b, h, s, d]
-        vr = vf.repeat_interleave(g, dim=2).permute(1, 2, 0, 3)            # [b, h, s, d]
-        sc = torch.matmul(qt.permute(1, 2, 0, 3), kr.transpose(-1, -2)) * scale  # [b, h, t, s]
+        sk = min(z, kf.shape[0]) if causal else kf.shape[0]                # later keys are masked
+        kr = kf[:sk].repeat_interleave(g, dim=2).permute(1, 2, 0, 3)       # [b, h, sk, d]
+        vr = vf[:sk].repeat_interleave(g, dim=2).permute(1, 2, 0, 3)       # [b, h, sk, d]
+        sc = torch.matmul(qt.permute(1, 2, 0, 3), kr.transpose(-1, -2)) * scale  # [b, h, t, sk]
         if causal:
-            vis = torch.arange(s, device=q.device)[None, :] <= torch.arange(a, z, device=q.device)[:, None]
+            vis = torch.arange(sk, device=q.device)[None, :] <= torch.arange(a, z, device=q.device)[:, None]
             sc = sc.masked_fill(~vis, -math.inf)
         o = torch.matmul(torch.softmax(sc, dim=-1), vr).permute(2, 0, 1, 3)  # [t, b, h, d]
         lses.append(torch.logsumexp(sc, dim=-1).detach())
