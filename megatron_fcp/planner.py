@@ -17,7 +17,9 @@ Note [Compiling a plan]
    round) edges are list-scheduled: each edge, in order of due round and then of the longest path
    below it, takes the first round >= due where both its ports are free; its children become due
    one round later. Without limits every edge lands on its due round (ASAP).
-4. *Verify.* The plan is checked by :meth:`Plan.verify` (with the port limits) before return.
+4. *Order.* Within a round, transfers on faster edges are listed first (ranks consume blocks in
+   plan order, so an NVLink block should not queue behind one still crossing the network).
+5. *Verify.* The plan is checked by :meth:`Plan.verify` (with the port limits) before return.
 
 The backward pass uses :meth:`Plan.backward_rounds` (rounds reversed, transfers flipped): the
 same trees reduce dK/dV towards each owner.
@@ -116,6 +118,8 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance)
     else:
         plan_rounds = _waves(trees, P, stagger)
 
+    if cg.graph is not None and sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
+        plan_rounds = _fast_links_first(cg, plan_rounds)
     plan = Plan(ranks, plan_rounds, causal, P, name=cg.name)
     plan.meta.update(graph=cg.name, max_sends=max_sends, max_recvs=max_recvs, pipeline_parts=stagger)
     if "kv_sizes" in cg.meta and cg.meta["kv_sizes"]:
@@ -237,6 +241,27 @@ def _balanced_waves(cg: CommGraph, trees, P: int) -> tuple[tuple[Transfer, ...],
                 cur[best_k] = x / bws[i]
         rounds[best_k].append(_make_transfer(u, v, b))
     return tuple(tuple(r) for r in rounds)
+
+
+def _fast_links_first(cg: CommGraph, rounds) -> tuple[tuple[Transfer, ...], ...]:
+    """Order each round's transfers by edge bandwidth, fastest first (stable).
+
+    Ranks consume received blocks in plan order (bitwise-reproducible accumulation), so a block
+    on NVLink listed after a block crossing the network would wait for it; listing fast edges
+    first lets compute start as soon as the first blocks land. Same-pair transfers keep their
+    relative order (same bandwidth), which is what send/receive matching relies on.
+    """
+    g = cg.graph
+    bw: dict[tuple[int, int], float] = {}
+
+    def key(t: Transfer) -> float:
+        e = (t.src, t.dst)
+        v = bw.get(e)
+        if v is None:
+            v = bw[e] = -float(g[t.src][t.dst].get("bandwidth", 0.0))
+        return v
+
+    return tuple(tuple(sorted(rnd, key=key)) for rnd in rounds)
 
 
 def _check_tree(cg: CommGraph, owner: int, dests: Sequence[int], tree) -> None:

@@ -20,10 +20,13 @@ and the baselines, so their ratios compare like with like.
 FLOPs where ``pairs`` counts (query, key) token pairs the causal mask allows between the rank's
 zigzag query chunks and the block (exact integer count), plus ``kernel_overhead_s`` per block.
 
-*Overlap*: a rank computes its own blocks from t=0, then each received block in arrival order,
-starting no earlier than the end of the round it arrived in:
-``end = max(end, round_end[k]) + compute(block)``; the overlapped total is the latest rank's end
-(never less than the communication time).
+*Overlap*: a rank computes its own blocks from t=0 (one kernel), then each received block in plan
+order, starting no earlier than its arrival: ``end = max(end, arrival) + compute(block)``. A
+message of round k arrives at ``start(k) + latency + max over its route of busy(R, k)`` (so a
+block on an idle NVLink lands before the round's NIC bottleneck drains). Blocks of one owner
+reaching a rank in the same round share one kernel launch (``kernel_overhead_s``), as TE computes
+one step's KV pair in one call. The overlapped total is the latest rank's end (never less than
+the communication time).
 
 Baselines (forward pass, same model):
 
@@ -292,7 +295,8 @@ def simulate_rounds(
     return _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_overhead_s, name)
 
 
-def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_overhead_s, name) -> SimResult:
+def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_overhead_s, name,
+                   busy_out: list | None = None) -> SimResult:
     nres = len(idx.names)
     bw = np.asarray(idx.bw, dtype=np.float64)
     res_bytes = np.zeros(nres)
@@ -301,10 +305,14 @@ def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_
     for k, (ids, wts) in enumerate(zip(per_round_ids, per_round_bytes)):
         if len(ids) == 0:
             timeline.append({"round": k, "start_s": t, "end_s": t, "bottleneck": None, "busy": {}})
+            if busy_out is not None:
+                busy_out.append(np.zeros(nres))
             continue
         load = np.bincount(ids, weights=wts, minlength=nres)
         res_bytes += load
         busy = load / bw
+        if busy_out is not None:
+            busy_out.append(busy)
         j = int(np.argmax(busy))
         dur = float(busy[j]) + lat[k] + round_overhead_s
         active = np.nonzero(load)[0]
@@ -382,6 +390,8 @@ def simulate_plan(
         uk, agg = np.zeros(0, np.int64), np.zeros(0)
     k_of = uk // (cp * cp)
     starts = np.searchsorted(k_of, np.arange(n_rounds + 1))
+    entry_route: list[np.ndarray] = []
+    entry_lat: list[float] = []
     for k in range(n_rounds):
         ids, wts, lmax = [], [], 0.0
         for e in range(starts[k], starts[k + 1]):
@@ -390,38 +400,53 @@ def simulate_plan(
             ids.append(rid)
             wts.append(np.full(len(rid), agg[e]))
             lmax = max(lmax, l)
+            entry_route.append(rid)
+            entry_lat.append(l)
         per_round_ids.append(np.concatenate(ids) if ids else np.zeros(0, np.int64))
         per_round_bytes.append(np.concatenate(wts) if wts else np.zeros(0))
         lat.append(lmax)
+    busy_k: list[np.ndarray] = []
     res = _finish_rounds(idx, per_round_ids, per_round_bytes, lat, float(nbytes.sum()), round_overhead_s,
-                         name or f"fcp-{plan.name}")
+                         name or f"fcp-{plan.name}", busy_k)
     res.meta.update(graph=plan.meta.get("graph", plan.name), parts_per_chunk=P, transfers=int(len(rnd)))
     if not compute:
         return res
 
-    # compute: own blocks first, then received blocks (dst side) in arrival order
-    round_end = np.array([e["end_s"] for e in res.timeline] or [0.0])
+    # arrival of each (round, src, dst) message group: round start + latency + its route's busiest
+    # resource in that round (messages on idle NVLink land before the round's NIC bottleneck ends)
+    starts_t = np.array([e["start_s"] for e in res.timeline])
+    finish = np.array([starts_t[k_of[e]] + entry_lat[e] + float(busy_k[k_of[e]][entry_route[e]].max())
+                       for e in range(len(uk))])
+    arrival = finish[inv] if len(rnd) else np.zeros(0)
+
+    # compute: own blocks first (one kernel), then received blocks in plan order, each no earlier
+    # than its arrival; blocks of one owner arriving at a rank in one round share one kernel
     q_i = np.fromiter((pos[d] for d in dst), np.int64, len(dst))
-    recv_t = cm.time(_block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.causal), shape)
-    recv_t = recv_t * w_owner[owner_i]
+    head_dim_flops = 4.0 * shape.heads * shape.head_dim / cm.flops
+    pairs = _block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.causal)
+    recv_t = pairs * head_dim_flops * w_owner[owner_i]
+    if len(rnd):
+        group = (q_i * cp + owner_i) * max(n_rounds, 1) + rnd
+        _, first = np.unique(group, return_index=True)
+        recv_t[first] += cm.kernel_overhead_s
     own_q = np.repeat(np.arange(cp), 2 * P)
     own_c = np.tile(np.repeat([0, 1], P), cp)
     own_p = np.tile(np.arange(P), 2 * cp)
-    own_t = cm.time(_block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.causal), shape)
-    own_t = own_t * w_owner[own_q]
-    local = np.bincount(own_q, weights=own_t, minlength=cp)
+    own_pairs = _block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.causal)
+    local = np.bincount(own_q, weights=own_pairs * head_dim_flops * w_owner[own_q], minlength=cp)
+    local += cm.kernel_overhead_s
     busy = local + np.bincount(q_i, weights=recv_t, minlength=cp)
     order = np.lexsort((np.arange(len(q_i)), q_i))  # by rank, plan order within rank
     ends = local.copy()
-    q_sorted, k_sorted, t_sorted = q_i[order], rnd[order], recv_t[order]
+    q_sorted, a_sorted, t_sorted = q_i[order], arrival[order], recv_t[order]
     bounds = np.searchsorted(q_sorted, np.arange(cp + 1))
     for r in range(cp):
         e = ends[r]
-        for k, c in zip(k_sorted[bounds[r]:bounds[r + 1]].tolist(), t_sorted[bounds[r]:bounds[r + 1]].tolist()):
-            e = max(e, round_end[k]) + c
+        for a, c in zip(a_sorted[bounds[r]:bounds[r + 1]].tolist(), t_sorted[bounds[r]:bounds[r + 1]].tolist()):
+            e = max(e, a) + c
         ends[r] = e
     res.compute_s = float(busy.max())
-    res.total_s = float(max(ends.max(), res.comm_s))
+    res.total_s = float(max(ends.max(), res.comm_s, res.compute_s))  # max(): float summation order
     return res
 
 
