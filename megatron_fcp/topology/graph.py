@@ -93,6 +93,15 @@ class CommGraph:
         edges = steiner_tree(self.graph, owner, dests)
         return edges, _depths_of(edges, owner)
 
+    def tree_runs(self, owner: int, dests: Sequence[int], chunk: int = 0):
+        """The tree as runs ``(depth, srcs, dsts)`` of equal depth, shallowest first."""
+        if not dests:
+            return []
+        if self.builder is not None:
+            return self.builder.tree_runs(self, owner, dests, chunk)
+        edges = steiner_tree(self.graph, owner, dests)
+        return _runs(edges, _depths_of(edges, owner))
+
     def edge_list(self) -> list[tuple[int, int]]:
         return sorted(self.graph.edges)
 
@@ -209,6 +218,10 @@ class GraphBuilder:
         edges = self.tree(cg, owner, dests, chunk)
         return edges, _depths_of(edges, owner)
 
+    def tree_runs(self, cg: CommGraph, owner: int, dests: Sequence[int], chunk: int = 0):
+        """``(depth, srcs, dsts)`` runs of the tree; builders may override to skip edge tuples."""
+        return _runs(*self.tree_with_depths(cg, owner, dests, chunk))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -247,6 +260,9 @@ class FullGraph(GraphBuilder):
     def tree_with_depths(self, cg, owner, dests, chunk=0):
         return [(owner, d) for d in dests], [1] * len(dests)
 
+    def tree_runs(self, cg, owner, dests, chunk=0):
+        return [(1, [owner] * len(dests), list(dests))]
+
 
 class HierarchicalGraph(GraphBuilder):
     """Rail-striped: full mesh inside a node, rail peers across nodes; see Note [Rail striping]."""
@@ -276,6 +292,35 @@ class HierarchicalGraph(GraphBuilder):
     def tree(self, cg, owner, dests, chunk=0):
         return self.tree_with_depths(cg, owner, dests, chunk)[0]
 
+    def tree_runs(self, cg, owner, dests, chunk=0):
+        """Same tree as :meth:`tree_with_depths`, as two runs built from whole member lists."""
+        if self._exit(cg, owner, chunk) != owner:
+            return super().tree_runs(cg, owner, dests, chunk)
+        meta = cg.meta
+        groups, node_of, pos = meta["groups"], meta["node_of"], meta["pos"]
+        home = node_of[owner]
+        everyone = len(dests) == len(cg.ranks) - 1
+        want = None if everyone else set(dests)
+        d1: list[int] = []
+        s2: list[int] = []
+        d2: list[int] = []
+        for node, members in groups.items():
+            if node == home:
+                d1.extend([d for d in members if d != owner and (everyone or d in want)])
+                continue
+            readers = members if everyone else [d for d in members if d in want]
+            if not readers:
+                continue
+            relay = members[pos[owner] % len(members)]
+            d1.append(relay)
+            rest = [d for d in readers if d != relay]
+            s2.extend([relay] * len(rest))
+            d2.extend(rest)
+        runs = [(1, [owner] * len(d1), d1)] if d1 else []
+        if d2:
+            runs.append((2, s2, d2))
+        return runs
+
     def tree_with_depths(self, cg, owner, dests, chunk=0):
         """Owner -> readers on its node; exit rank -> rail peer per other node -> that node's readers.
 
@@ -284,16 +329,17 @@ class HierarchicalGraph(GraphBuilder):
         meta = cg.meta
         groups, node_of = meta["groups"], meta["node_of"]
         home = node_of[owner]
-        want = set(dests)
+        everyone = len(dests) == len(cg.ranks) - 1  # chunk 0 / no mask: skip membership tests
+        want = None if everyone else set(dests)
         exit_rank = self._exit(cg, owner, chunk)
         first: TreeEdges = []
         second: TreeEdges = []
         relays_needed = False
         for node, members in groups.items():
             if node == home:
-                first.extend((owner, d) for d in members if d in want and d != owner)
+                first.extend([(owner, d) for d in members if d != owner and (everyone or d in want)])
                 continue
-            readers = [d for d in members if d in want]
+            readers = members if everyone else [d for d in members if d in want]
             if not readers:
                 continue
             relays_needed = True
@@ -303,7 +349,7 @@ class HierarchicalGraph(GraphBuilder):
                 first.append(hop)
             else:
                 second.append(hop)
-            second.extend((relay, d) for d in readers if d != relay)
+            second.extend([(relay, d) for d in readers if d != relay])
         if not relays_needed or exit_rank == owner:
             return first + second, [1] * len(first) + [2] * len(second)
         # owner -> exit (NVLink) first; the exit's hops are one level deeper
@@ -471,6 +517,17 @@ def _prune_bfs(adj_graph, owner: int, dests: Sequence[int]) -> TreeEdges:
             keep.add(d)
             d = parent[d]
     return [(parent[v], v) for v in order if v in keep and v != owner]
+
+
+def _runs(edges: TreeEdges, depths: list[int]):
+    runs = []
+    start = 0
+    for i in range(1, len(depths) + 1):
+        if i == len(depths) or depths[i] != depths[start]:
+            us, vs = zip(*edges[start:i])
+            runs.append((depths[start], us, vs))
+            start = i
+    return runs
 
 
 def _depths_of(edges: TreeEdges, owner: int) -> list[int]:
