@@ -43,8 +43,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.config import FCPConfig
-from megatron_fcp.patches.args import add_fcp_args, apply_yaml_defaults, fcp_config_from_args
+try:
+    import megatron_fcp  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_fcp.config import FCPConfig  # noqa: E402
+from megatron_fcp.patches.args import add_fcp_args, apply_yaml_defaults, fcp_config_from_args  # noqa: E402
 
 logger = logging.getLogger("pretrain_gpt_fcp")
 
@@ -71,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--vocab-size", type=int, default=128)
     g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
@@ -152,12 +162,15 @@ def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         perform_initialization=True,
     )
 
 
-def _layer_spec(impl: str):
+def _layer_spec(impl: str, normalization: str = "LayerNorm"):
     from megatron.core.models.gpt import gpt_layer_specs as specs  # noqa: PLC0415
 
     if impl == "auto":
@@ -171,7 +184,7 @@ def _layer_spec(impl: str):
                 pass
     if impl == "transformer_engine":
         return impl, specs.get_gpt_layer_with_transformer_engine_spec()
-    return impl, specs.get_gpt_layer_local_spec()
+    return impl, specs.get_gpt_layer_local_spec(normalization=normalization)
 
 
 def _grad_norm(model: torch.nn.Module, tp_group) -> float:
@@ -251,11 +264,12 @@ def train(
                             plan_ranks=list(plan.ranks), rounds=len(plan.rounds),
                             transfers=plan.num_transfers())
                 say(runtime.summary(0))
-        impl, spec = _layer_spec(args.transformer_impl)
+        impl, spec = _layer_spec(args.transformer_impl, args.normalization)
         model = GPTModel(
             config=_transformer_config(args, dtype), transformer_layer_spec=spec,
             vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length,
-            position_embedding_type=args.position_embedding_type,
+            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         ).to(device)
         if fcp.enabled:
             info["fcp_modules"] = assert_model_uses_fcp(model)

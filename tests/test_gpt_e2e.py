@@ -4,9 +4,11 @@ One 4-process gloo group runs three trainings of 20 steps on the same global bat
 
 * cp = 1 (Megatron's own attention; world 4 = dp 4),
 * cp = 4 with FCP on the hierarchical graph of a 2 nodes x 2 ranks topology (dp 1),
+* tp = 2, cp = 1 (Megatron's own attention and TP; dp 2) as the reference for TP rounding,
 * tp = 2, cp = 2 with FCP, every transfer counted by a CountingTransport (dp 1).
 
-Losses must agree within 1e-5 relative per step and gradient norms likewise; no counted transfer
+Losses must agree within 1e-5 relative per step and gradient norms likewise (see
+test_tp2_cp2_matches_cp1 for how TP's own rounding is separated from CP's); no counted transfer
 may have a tensor-parallel peer (or a rank outside the CP group) at its other end. Bad run
 configs must fail with a clear error before any process group exists.
 """
@@ -31,7 +33,8 @@ import pretrain_gpt_fcp as ex  # noqa: E402
 
 STEPS = 20
 COMMON = ["--config", TINY, "--no-progress", "--train-iters", str(STEPS),
-          "--micro-batch-size", "1", "--global-batch-size", "4", "--fcp-topology", TOPO_2X2]
+          "--micro-batch-size", "1", "--global-batch-size", "4", "--fcp-topology", TOPO_2X2,
+          "--num-query-groups", "2"]  # GQA: 4 query heads share 2 KV heads
 
 
 def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
@@ -48,6 +51,8 @@ def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
     out = {}
     out["cp1"] = example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]), log=quiet)
     out["cp4"] = example.train(*example.parse_args(COMMON + ["--metrics-json", metrics_path]), log=quiet)
+    out["tp2cp1"] = example.train(*example.parse_args(
+        COMMON + ["--no-fcp", "--context-parallel-size", "1", "--tensor-model-parallel-size", "2"]), log=quiet)
     counters: list[CountingTransport] = []
 
     def counting(group):
@@ -95,13 +100,18 @@ def test_cp4_hierarchical_matches_cp1(runs):
 
 @pytest.mark.dist
 def test_tp2_cp2_matches_cp1(runs):
+    """Losses match cp = 1 within 1e-5. Grad norms match Megatron's own tp = 2 at cp = 1 within
+    1e-5 (same TP reduction order; only CP differs). Against tp = 1, Megatron's TP itself moves
+    grad norms by ~1e-5 after a few AdamW steps (measured 9e-6 for tp2/cp1 vs tp1/cp1: AdamW turns
+    rounding in near-zero gradients into full-size updates), so that bound is 5e-5."""
     results, _ = runs
-    ref, both = results[0]["cp1"], results[0]["tp2cp2"]
-    assert (both["fcp"]["tp"], both["fcp"]["cp"]) == (2, 2)
+    ref, tp_ref, both = results[0]["cp1"], results[0]["tp2cp1"], results[0]["tp2cp2"]
+    assert (both["fcp"]["tp"], both["fcp"]["cp"]) == (2, 2) and (tp_ref["fcp"]["tp"], tp_ref["fcp"]["cp"]) == (2, 1)
     for step, (a, b) in enumerate(zip(both["losses"], ref["losses"])):
         assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
-    for step, (a, b) in enumerate(zip(both["grad_norms"], ref["grad_norms"])):
-        assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs cp=1 {b}"
+    for step, (a, b, c) in enumerate(zip(both["grad_norms"], tp_ref["grad_norms"], ref["grad_norms"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs tp=2,cp=1 {b}"
+        assert _rel(a, c) <= 5e-5, f"step {step}: grad norm {a} vs tp=1,cp=1 {c}"
 
 
 @pytest.mark.dist
