@@ -40,9 +40,7 @@ from typing import Sequence
 
 from megatron_fcp.plan import Block, Plan, PlanError, Transfer, _make_transfer
 from megatron_fcp.topology.graph import (
-    BUILDERS,
     CommGraph,
-    GraphBuilder,
     check_cp_ranks,
     get_builder,
 )
@@ -370,7 +368,7 @@ def build_plan(
 
     ``topology``: a Topology, ``"PRESET:NODES"`` or a YAML path. ``graph``: a builder name
     (``ring``, ``full``, ``hierarchical``, ``leader``, ``spanning``, ``balanced``), a
-    :class:`GraphBuilder`, or ``"auto"``: compile every candidate in :data:`AUTO_CANDIDATES` and
+    :class:`~megatron_fcp.topology.graph.GraphBuilder`, or ``"auto"``: compile every candidate in :data:`AUTO_CANDIDATES` and
     keep the one with the least simulated time (:func:`megatron_fcp.simulate.pick_best`: overlapped
     total, ties broken by communication, when ``seq_len``/``heads``/``head_dim`` are given; else
     communication alone for a nominal 128K-token, 8 KV heads x 128 shape).
@@ -405,6 +403,3 @@ def build_plan(
     )
     return plan
 
-
-# keep registry names importable from here for the CLI
-GRAPHS = tuple(BUILDERS)

@@ -52,7 +52,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from megatron_fcp.plan import Plan, ring_plan
+from megatron_fcp.plan import Plan
 from megatron_fcp.topology.graph import check_cp_ranks
 from megatron_fcp.topology.model import Topology, load_topology
 
