@@ -315,7 +315,10 @@ class FCPRuntime:
         """The graph chosen and the round table of ``rank``'s CP group (default: group 0)."""
         groups = self.layout.cp_groups()
         ranks = groups[0] if rank is None else self.layout.cp_group_of(rank)
-        plan = next(p for (r, c, _), p in self.plans.items() if r == ranks and c)
+        plan = next((p for (r, c, _), p in self.plans.items() if r == ranks and c), None)
+        if plan is None:
+            return (f"FCP: cp={self.layout.cp}: no CP communication (Megatron's own attention); "
+                    f"topology={self.topology.name}")
         graph = plan.meta.get("graph", plan.name)
         head = (f"FCP: graph={graph} (asked {self.config.graph}) topology={self.topology.name} "
                 f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}")

@@ -3,9 +3,11 @@
 One 4-process gloo group runs three trainings of 20 steps on the same global batches (FP32):
 
 * cp = 1 (Megatron's own attention; world 4 = dp 4),
-* cp = 4 with FCP on the hierarchical graph of a 2 nodes x 2 ranks topology (dp 1),
+* cp = 4 with FCP on the hierarchical graph of a 2 nodes x 2 ranks topology, communication not
+  overlapped (``--no-fcp-overlap``) (dp 1),
 * tp = 2, cp = 1 (Megatron's own attention and TP; dp 2) as the reference for TP rounding,
-* tp = 2, cp = 2 with FCP, every transfer counted by a CountingTransport (dp 1).
+* tp = 2, cp = 2 with FCP and 2 blocks per zigzag chunk (``--fcp-block-tokens``), every transfer
+  counted by a CountingTransport (dp 1).
 
 Losses must agree within 1e-5 relative per step and gradient norms likewise (see
 test_tp2_cp2_matches_cp1 for how TP's own rounding is separated from CP's); no counted transfer
@@ -32,6 +34,7 @@ if EXAMPLES not in sys.path:
 import pretrain_gpt_fcp as ex  # noqa: E402
 
 STEPS = 20
+BLOCK_TOKENS = 8  # tp2/cp2 run: 64 tokens / cp 2 = 2 zigzag chunks of 16 = 4 blocks of 8 per rank
 COMMON = ["--config", TINY, "--no-progress", "--train-iters", str(STEPS),
           "--micro-batch-size", "1", "--global-batch-size", "4", "--fcp-topology", TOPO_2X2,
           "--num-query-groups", "2"]  # GQA: 4 query heads share 2 KV heads
@@ -50,7 +53,8 @@ def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
     quiet = lambda msg: None  # noqa: E731
     out = {}
     out["cp1"] = example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]), log=quiet)
-    out["cp4"] = example.train(*example.parse_args(COMMON + ["--metrics-json", metrics_path]), log=quiet)
+    out["cp4"] = example.train(*example.parse_args(COMMON + ["--metrics-json", metrics_path, "--no-fcp-overlap"]),
+                               log=quiet)
     out["tp2cp1"] = example.train(*example.parse_args(
         COMMON + ["--no-fcp", "--context-parallel-size", "1", "--tensor-model-parallel-size", "2"]), log=quiet)
     counters: list[CountingTransport] = []
@@ -60,7 +64,8 @@ def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
         counters.append(transport)
         return transport
 
-    args, fcp = example.parse_args(COMMON + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"])
+    args, fcp = example.parse_args(COMMON + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                             "--fcp-block-tokens", str(BLOCK_TOKENS)])
     out["tp2cp2"] = example.train(args, fcp, transport_factory=counting, log=quiet)
     out["tp2cp2"]["posted"] = [(p.phase, p.kind, p.transfer.src, p.transfer.dst)
                                for t in counters for p in t.posted]
@@ -137,7 +142,8 @@ def test_no_cp_transfer_touches_a_tp_peer(runs):
             assert peer not in tp_group, f"rank {rank} {kind} with TP peer {peer} ({phase})"
         # exactly the plan's transfers, every call: rebuild the plan the run settled
         plan = build_group_plan(FCPConfig(enabled=True, graph="hierarchical"), load_topology(TOPO_2X2),
-                                cp_group, causal=True)
+                                cp_group, causal=True, parts_per_chunk=2)  # --fcp-block-tokens 8
+        assert run["fcp"]["transfers"] == plan.num_transfers()
         want_sends = sorted((t.src, t.dst) for _, t in plan.transfers() if t.src == rank) * run["calls"]
         want_recvs = sorted((t.src, t.dst) for _, t in plan.transfers() if t.dst == rank) * run["calls"]
         got = {k: sorted((s, d) for ph, kind, s, d in posted if ph == "forward" and kind == k)

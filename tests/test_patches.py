@@ -370,3 +370,74 @@ def test_order_of_setup_on_gloo():
         assert "Context parallelism is only supported by TEDotProductAttention" in r["local_cp2_without_fcp"]
         assert "re-created after" in r["stale_group"] and "rebuild the model" in r["stale_group"]
         assert r["loss_after"] == pytest.approx(r["loss_before"], rel=1e-6)  # same seed, same model
+
+
+# ---- plan setup from Megatron's layout (pure) ---------------------------------------------------------
+def test_layout_groups_follow_tp_cp_ep_dp_pp():
+    layout = MegatronLayout(world=8, tp=2, cp=2)
+    assert layout.dp == 2
+    assert layout.cp_groups() == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert layout.tp_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert MegatronLayout.parse("world=16,tp=2,pp=1,cp=8").cp_groups()[1] == (1, 3, 5, 7, 9, 11, 13, 15)
+    with_pp = MegatronLayout(world=8, tp=2, pp=2, cp=2)
+    assert with_pp.cp_groups() == [(0, 2), (1, 3), (4, 6), (5, 7)] and with_pp.dp == 1
+    for group in layout.cp_groups():  # a CP group meets every TP group in at most one rank
+        assert all(len(set(group) & set(tp)) <= 1 for tp in layout.tp_groups())
+
+
+@pytest.mark.parametrize("text, words", [
+    ("world=4,cp=3", "--context-parallel-size"),
+    ("world=8,tp=2,cp=3", "not divisible"),
+    ("tp=2,cp=2", "needs world=N"),
+    ("world=8,ep=2", "expected world=N"),
+])
+def test_layout_errors_name_the_flag(text, words):
+    with pytest.raises(ValueError, match=words):
+        MegatronLayout.parse(text)
+
+
+def test_setup_fcp_settles_every_group_and_prints_the_rank_map():
+    from megatron_fcp.setup_plan import rank_map_table, resolve_topology
+
+    layout = MegatronLayout(world=16, tp=2, cp=8)
+    cfg = FCPConfig(enabled=True, graph="hierarchical", topology="dgx-h100:2", block_tokens=1024)
+    rt = setup_fcp(cfg, seq_len=32768, heads=32, kv_heads=8, head_dim=128, layout=layout, groups={})
+    try:
+        assert sorted(k[0] for k in rt.plans) == sorted(layout.cp_groups())
+        assert all(k[1] is True and k[2] == 2 for k in rt.plans)  # 32768/8/2 = 2048 tokens = 2 blocks
+        assert all(p.ranks == k[0] for k, p in rt.plans.items())
+        assert "graph=hierarchical" in rt.summary(3) and "ranks=[1, 3, 5" in rt.summary(3)
+        with pytest.raises(FCPStateError, match="no FCP plan was settled for CP group"):
+            rt.plan((0, 1), causal=True)
+        table = rank_map_table(layout, resolve_topology("dgx-h100:2", 16))
+        assert "CP group 1: cp0=r1(n0.1)" in table and "cp4=r9(n1.1)" in table
+    finally:
+        from megatron_fcp.setup_plan import reset_fcp
+
+        reset_fcp()
+
+
+def test_plan_joining_tp_peers_is_rejected():
+    from megatron_fcp.plan import PlanError, ring_plan
+    from megatron_fcp.setup_plan import check_plan_against_layout
+
+    layout = MegatronLayout(world=4, tp=2, cp=2)
+    check_plan_against_layout(ring_plan((0, 2)), layout)  # a real CP group: fine
+    with pytest.raises(PlanError, match="tensor-parallel peers"):
+        check_plan_against_layout(ring_plan((0, 1)), layout)  # ranks 0 and 1 form a TP group
+
+
+@pytest.mark.parametrize("spec, world, words", [
+    ("examples/configs/topology_2x2.yaml", 8, "describes 4 ranks but the job has 8"),
+    ("dgx-x100:2", 8, "neither a preset"),
+    ("missing.yaml", 4, "not found"),
+])
+def test_resolve_topology_errors(spec, world, words):
+    import os
+
+    from megatron_fcp.setup_plan import resolve_topology
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, spec) if spec.startswith("examples/") else spec
+    with pytest.raises(ValueError, match=words):
+        resolve_topology(path, world)
