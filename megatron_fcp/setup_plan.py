@@ -256,7 +256,8 @@ class FCPRuntime:
     plan_args: dict = field(default_factory=dict)
     plans: dict[tuple[tuple[int, ...], bool, int], Plan] = field(default_factory=dict)
     groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> the group object
-    transport_factory: Any = None  # group -> Transport; None = the backend's default (tests count)
+    transport_factory: Any = None  # group -> Transport per call; None = the backend's default
+    transports: dict[int, Any] = field(default_factory=dict)  # id(group) -> default transport
 
     def parts_per_chunk(self, s_local: int) -> int:
         """Sub-blocks per zigzag chunk for a local sequence of ``s_local`` tokens (2 chunks)."""

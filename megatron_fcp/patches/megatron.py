@@ -175,8 +175,8 @@ class FCPCoreAttention(torch.nn.Module):
         from megatron.core.transformer.enums import AttnMaskType  # noqa: PLC0415
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type == AttnMaskType.causal:
-            return True
+        if mask_type in (AttnMaskType.causal, getattr(AttnMaskType, "causal_bottom_right", None)):
+            return True  # bottom-right == top-left causal for self-attention (sq == sk)
         if mask_type == AttnMaskType.no_mask:
             return False
         raise NotImplementedError(
@@ -225,12 +225,19 @@ class FCPCoreAttention(torch.nn.Module):
 
 
 def _transport(runtime: Any, group: Any) -> Any:
-    """The transport for one call: the runtime's factory (tests) or the backend default,
-    serialised when ``--no-fcp-overlap`` is set."""
+    """The transport for one call: ``runtime.transport_factory(group)`` when set (called per
+    attention call, e.g. a counting transport in tests), else the backend's default transport,
+    created once per CP group and kept (an NCCL transport owns a side stream); serialised when
+    ``--no-fcp-overlap`` is set."""
     from megatron_fcp.comm import default_transport  # noqa: PLC0415
 
     factory = runtime.transport_factory
-    transport = factory(group) if factory is not None else default_transport(group)
+    if factory is not None:
+        transport = factory(group)
+    else:
+        transport = runtime.transports.get(id(group))
+        if transport is None or transport.group is not group:
+            transport = runtime.transports[id(group)] = default_transport(group)
     return transport if runtime.config.overlap else _SerialTransport(transport)
 
 
