@@ -187,14 +187,14 @@ def _layer_spec(impl: str, normalization: str = "LayerNorm"):
     return impl, specs.get_gpt_layer_local_spec(normalization=normalization)
 
 
-def _grad_norm(model: torch.nn.Module, tp_group) -> float:
+def _grad_norm(model: torch.nn.Module, tp_group, device: torch.device) -> float:
     """Global L2 norm of gradients over unique parameters (TP shards summed over ``tp_group``)."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: PLC0415
 
-    sq = torch.zeros(1, dtype=torch.float64)
+    sq = torch.zeros(1, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     for p in model.parameters():
         if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+            sq += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(sq, group=tp_group)
     return math.sqrt(float(sq))
 
@@ -295,7 +295,7 @@ def train(
             data = _synthetic_batch(step, global_batch, args.seq_length, args.vocab_size, args.seed)
             mine = data.view(dp, microbatches, mbs, -1)[dp_rank]  # [microbatches, mbs, seq+1]
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros(1, dtype=torch.float64)
+            loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
             for m in range(microbatches):
                 seq = mine[m]
                 batch = {
@@ -308,12 +308,12 @@ def train(
                 token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
                 loss = token_loss.float().sum() / tokens_per_step  # [mbs, seq/cp] -> scalar
                 loss.backward()
-                loss_sum += loss.detach().double().cpu()
+                loss_sum += loss.detach().double()
             for p in model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=dp_cp_group)
             dist.all_reduce(loss_sum, group=dp_cp_group)
-            norm = _grad_norm(model, tp_group)
+            norm = _grad_norm(model, tp_group, device)
             if args.clip_grad > 0 and norm > args.clip_grad:
                 for p in model.parameters():
                     if p.grad is not None:
@@ -352,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """torchrun entry: validate, initialise the default group (nccl on CUDA, gloo otherwise), train."""
     warnings.filterwarnings("ignore", module="megatron")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if os.environ.get("RANK", "0") == "0":  # rank 0 logs each patched binding and settled plan
+        logging.getLogger("megatron_fcp").setLevel(logging.INFO)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args, fcp = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))

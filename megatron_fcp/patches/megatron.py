@@ -373,6 +373,7 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
     for target, original in originals.items():
         if original is None:
             continue
+        patched_any = False
         for module, attr, required in _SPEC_BINDINGS[target]:
             spec_target = f"{module}:{attr}"
             try:
@@ -387,6 +388,12 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
             if bound is not original and not getattr(bound, "__fcp_patched__", False):
                 continue  # that module binds something else under this name: not ours to touch
             REGISTRY.install(spec_target, _make_replacement, group=GROUP)
+            patched_any = True
+        if not patched_any:
+            logger.warning(
+                "megatron_fcp: no spec binding of %s found in megatron-core %s; specs keep Megatron's "
+                "attention there (its forward is guarded, so CP > 1 fails loudly). Use the spec route: "
+                "core_attention=FCPCoreAttention", target, megatron_core_version())
         REGISTRY.install(f"{target}.forward", _make_forward_guard, group=GROUP)
     _STATE["config"] = config
     return REGISTRY.targets(GROUP)
