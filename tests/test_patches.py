@@ -196,6 +196,19 @@ def test_missing_symbol_names_target_and_version(monkeypatch):
     assert not REGISTRY.targets("megatron")
 
 
+def test_failed_apply_leaves_nothing_patched(stub, monkeypatch):
+    from megatron_fcp.patches import megatron as pm
+
+    def broken(original):
+        raise RuntimeError("cannot build the guard")
+
+    monkeypatch.setattr(pm, "_make_forward_guard", broken)  # fails after the spec bindings
+    with pytest.raises(RuntimeError, match="cannot build the guard"):
+        pm.apply_fcp(FCPConfig(enabled=True))
+    assert stub.mods["megatron.core.models.backends"].DotProductAttention is stub.DotProductAttention
+    assert not REGISTRY.targets("megatron") and not pm.is_fcp_applied()
+
+
 def test_version_outside_supported_range(monkeypatch):
     from megatron_fcp.patches import megatron as pm
 

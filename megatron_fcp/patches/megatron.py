@@ -353,32 +353,17 @@ def _original_classes() -> dict[str, type | None]:
     return found
 
 
-def apply_fcp(config: FCPConfig | None = None) -> list[str]:
-    """Patch Megatron so specs built from now on use FCP attention for CP > 1.
+def _install_patches() -> None:
+    """Install the spec-binding replacements and the forward guards (see the module note)."""
+    from megatron_fcp.patches import resolve_target  # noqa: PLC0415
 
-    Idempotent (a second call patches nothing and returns the same targets); ``config`` defaults
-    to ``FCPConfig(enabled=True)``. A disabled config patches nothing. The plan itself is settled
-    by :func:`~megatron_fcp.setup_plan.setup_fcp` (or automatically when the first FCP attention
-    module is built). Returns the patched targets.
-    """
-    config = config if config is not None else FCPConfig(enabled=True)
-    if not config.enabled:
-        logger.info("megatron_fcp: FCP disabled (--fcp not given); Megatron's attention unchanged")
-        return []
-    previous = _STATE["config"]
-    if previous is not None and previous != config:
-        raise FCPStateError(f"apply_fcp() already applied with {previous}; call revert_fcp() first")
-    check_megatron_version()
-    originals = _original_classes()
-    for target, original in originals.items():
+    for target, original in _original_classes().items():
         if original is None:
             continue
         patched_any = False
         for module, attr, required in _SPEC_BINDINGS[target]:
             spec_target = f"{module}:{attr}"
             try:
-                from megatron_fcp.patches import resolve_target  # noqa: PLC0415
-
                 owner, name = resolve_target(spec_target)
             except PatchTargetError:
                 if required:
@@ -395,6 +380,30 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
                 "attention there (its forward is guarded, so CP > 1 fails loudly). Use the spec route: "
                 "core_attention=FCPCoreAttention", target, megatron_core_version())
         REGISTRY.install(f"{target}.forward", _make_forward_guard, group=GROUP)
+
+
+def apply_fcp(config: FCPConfig | None = None) -> list[str]:
+    """Patch Megatron so specs built from now on use FCP attention for CP > 1.
+
+    Idempotent (a second call patches nothing and returns the same targets); ``config`` defaults
+    to ``FCPConfig(enabled=True)``. A disabled config patches nothing. The plan itself is settled
+    by :func:`~megatron_fcp.setup_plan.setup_fcp` (or automatically when the first FCP attention
+    module is built). Returns the patched targets.
+    """
+    config = config if config is not None else FCPConfig(enabled=True)
+    if not config.enabled:
+        logger.info("megatron_fcp: FCP disabled (--fcp not given); Megatron's attention unchanged")
+        return []
+    previous = _STATE["config"]
+    if previous is not None and previous != config:
+        raise FCPStateError(f"apply_fcp() already applied with {previous}; call revert_fcp() first")
+    check_megatron_version()
+    try:
+        _install_patches()
+    except BaseException:
+        if previous is None:
+            REGISTRY.revert(GROUP)  # all or nothing: no half-patched megatron-core
+        raise
     _STATE["config"] = config
     return REGISTRY.targets(GROUP)
 
