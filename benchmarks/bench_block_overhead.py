@@ -29,7 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_fcp.attention.kernels import block_attention_backward, block_attention_forward, attention_delta
+from megatron_fcp.attention.kernels import (
+    attention_delta,
+    block_attention_backward,
+    block_attention_forward,
+    prepare_query,
+)
 from megatron_fcp.attention.merge import LseAccumulator
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -54,16 +59,20 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def _blockwise(q, k, v, dout, q_pos, k_pos, bounds, causal, scale, backward):
+    """What the FCP executor runs: query laid out once, one kernel call per block, LSE merge."""
+    hk = k.shape[2]
+    q_layout = prepare_query(q, hk, scale)
     acc = LseAccumulator()
     for a, z in bounds:
-        acc.add(*block_attention_forward(q, k[a:z], v[a:z], q_pos, k_pos[a:z], causal, scale))
+        acc.add(*block_attention_forward(q, k[a:z], v[a:z], q_pos, k_pos[a:z], causal, scale, q_layout=q_layout))
     out, lse = acc.result()
     if backward:
         delta = attention_delta(dout, out)
+        q_layout, do_layout = prepare_query(q, hk), prepare_query(dout, hk)
         dq = torch.zeros_like(out)
         for a, z in bounds:
             dq_b, _, _ = block_attention_backward(dout, q, k[a:z], v[a:z], out, lse, q_pos, k_pos[a:z],
-                                                  causal, scale, delta)
+                                                  causal, scale, delta, q_layout=q_layout, dout_layout=do_layout)
             dq += dq_b
     return out
 

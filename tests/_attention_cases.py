@@ -126,6 +126,13 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
         return got, transport
 
     got, transport = run_once()
+    if case.dtype == "fp64" and case.parts == 1:
+        # the public entry point (lazily exported by megatron_fcp) computes the same output
+        import megatron_fcp
+
+        public = megatron_fcp.fcp_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
+                                            plan=case.plan, causal=case.causal, softmax_scale=scale)
+        res["public_api_equal"] = bool(torch.equal(public, got["out"]))
     res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
     res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
     res["err"] = {n: (got[n].double() - local[n]).abs().max().item() for n in QUANTITIES}
@@ -212,5 +219,12 @@ def worker(rank: int, world: int, cases: list) -> dict:
         results[case.name] = _run_case(case, group, ranks, rank)
     results["bad_inputs_cp4"] = _bad_inputs(*groups["cp4"], rank)
     results["bad_inputs_cp2"] = _bad_inputs(*groups["cp2"], rank)
+    try:
+        from megatron_fcp.comm import NcclTransport
+
+        NcclTransport(dist.group.WORLD)
+        results["nccl_gate"] = "constructed on a gloo group"
+    except ValueError as e:
+        results["nccl_gate"] = str(e)
     results["timeout"] = _timeout_probe(rank)
     return results

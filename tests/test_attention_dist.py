@@ -86,6 +86,11 @@ def test_fixed_plan_is_bitwise_reproducible(results):
     assert repeated and all(ok for _, ok in repeated), [n for n, ok in repeated if not ok]
 
 
+def test_public_fcp_attention_matches_the_low_level_function(results):
+    checked = [r[c.name]["public_api_equal"] for c in CASES for r in results if "public_api_equal" in r[c.name]]
+    assert len(checked) == 16 * 4 and all(checked)  # 16 FP64 cases x 4 ranks
+
+
 @pytest.mark.parametrize("group", ["bad_inputs_cp4", "bad_inputs_cp2"])
 def test_bad_input_raises_before_any_communication(results, group):
     import re
@@ -99,3 +104,7 @@ def test_bounded_wait_names_round_peer_and_block(results):
     msg = results[0]["timeout"]
     assert msg is not None and "forward round 3" in msg and "rank 1" in msg and "B(r1,c0,p0)" in msg, msg
     assert results[1]["timeout"] is None
+
+
+def test_nccl_transport_refuses_a_gloo_group(results):
+    assert all("use GlooTransport" in r["nccl_gate"] for r in results), results[0]["nccl_gate"]

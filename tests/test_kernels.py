@@ -35,18 +35,20 @@ def _maxdiff(a, b):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("rows_per_tile", [None, 3])
-def test_single_block_matches_reference(causal, heads, rows_per_tile):
+@pytest.mark.parametrize("tiling", [(None, None), (3, 7), (5, 4)], ids=["auto", "t3k7", "t5k4"])
+def test_single_block_matches_reference(causal, heads, tiling):
+    rows_per_tile, key_chunk = tiling
     h, hk = heads
     s, scale = 20, 0.37
     q, k, v, do = _qkvd(s, 2, h, hk, 8)
     ref = reference_attention(q, k, v, causal=causal, scale=scale, dout=do, rows_per_tile=7)
     pos = torch.arange(s)
-    out, lse = block_attention_forward(q, k, v, pos, pos, causal, scale, rows_per_tile=rows_per_tile)
+    out, lse = block_attention_forward(q, k, v, pos, pos, causal, scale, rows_per_tile=rows_per_tile,
+                                       key_chunk=key_chunk)
     assert out.shape == q.shape and lse.shape == (2, h, s)
     assert _maxdiff(out, ref["out"]) < 1e-12 and _maxdiff(lse, ref["lse"]) < 1e-12
     dq, dk, dv = block_attention_backward(do, q, k, v, out, lse, pos, pos, causal, scale,
-                                          rows_per_tile=rows_per_tile)
+                                          rows_per_tile=rows_per_tile, key_chunk=key_chunk)
     assert dk.shape == k.shape and dv.shape == v.shape
     for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert _maxdiff(got, ref[name]) < 1e-12, name
@@ -72,14 +74,14 @@ def _blockwise(q, k, v, do, causal, scale, cp, parts, order_seed):
         acc = LseAccumulator()
         for blk in order:
             kb, vb, kp = kv_of[blk]
-            acc.add(*block_attention_forward(ql, kb, vb, qpos, kp, causal, scale, rows_per_tile=5))
+            acc.add(*block_attention_forward(ql, kb, vb, qpos, kp, causal, scale, rows_per_tile=5, key_chunk=2))
         out, lse = acc.result()
         delta = attention_delta(dol, out)
         dq = torch.zeros_like(ql)
         for blk in order:
             kb, vb, kp = kv_of[blk]
             dq_b, dk_b, dv_b = block_attention_backward(dol, ql, kb, vb, out, lse, qpos, kp, causal, scale,
-                                                        delta, rows_per_tile=5)
+                                                        delta, rows_per_tile=5, key_chunk=2)
             dq += dq_b
             glob = kp  # global positions of this block's keys
             dk[glob] += dk_b
@@ -123,6 +125,12 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
     assert torch.all(dq[:4] == 0)
 
 
+def test_position_lengths_must_match():
+    q, k, v, _ = _qkvd(4, 1, 2, 2, 4)
+    with pytest.raises(ValueError, match="positions"):
+        block_attention_forward(q, k, v, torch.arange(4), torch.arange(3), True, 1.0)
+
+
 def test_low_precision_inputs_accumulate_in_fp32():
     q, k, v, do = _qkvd(16, 1, 4, 2, 8, dtype=torch.bfloat16)
     pos = torch.arange(16)
@@ -158,6 +166,7 @@ def test_default_tiles_split_at_zigzag_runs_and_skip_masked_tiles():
     """Rank 0 of cp=2 against rank 1's late chunk: early queries fully masked, late ones see all."""
     cp, s_local = 2, 8
     q, k, v, do = _qkvd(s_local, 1, 2, 2, 4)
+    k, v = k[:4], v[:4]
     q_pos = zigzag_positions(s_local, cp, 0)     # [0..3, 12..15]
     k_pos = torch.arange(8, 12)                  # rank 1's late chunk (global chunk 2)
     out, lse = block_attention_forward(q, k, v, q_pos, k_pos, True, 0.5)

@@ -59,6 +59,7 @@ from megatron_fcp.attention.kernels import (
     block_attention_backward,
     block_attention_forward,
     compute_dtype_for,
+    prepare_query,
 )
 from megatron_fcp.attention.layout import block_local_slice, block_positions, zigzag_positions
 from megatron_fcp.attention.merge import LseAccumulator
@@ -215,8 +216,7 @@ class _Executor:
         t_start = time.perf_counter()
         compute_s = wait_s = 0.0
         bytes_sent = 0
-        cd = compute_dtype_for(q.dtype)
-        qc = q.to(cd)
+        q_layout = prepare_query(q, k.shape[2], self.scale)                     # [b, h_kv, g, s, d]
         blk = self.s_local // (2 * self.ppc)
         kv_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                  # [2, blk, b, h_kv, d]
         have: dict[Block, torch.Tensor] = {}
@@ -229,8 +229,8 @@ class _Executor:
         def compute(block: Block, kv: torch.Tensor) -> None:
             nonlocal compute_s
             t0 = time.perf_counter()
-            acc.add(*block_attention_forward(qc, kv[0], kv[1], self.q_pos, self.k_pos(block),
-                                             self.causal, self.scale))
+            acc.add(*block_attention_forward(q, kv[0], kv[1], self.q_pos, self.k_pos(block),
+                                             self.causal, self.scale, q_layout=q_layout))
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
 
@@ -270,8 +270,10 @@ class _Executor:
         compute_s = wait_s = 0.0
         bytes_sent = 0
         cd = compute_dtype_for(q.dtype)
-        qc, doc = q.to(cd), dout.to(cd)
+        doc = dout.to(cd)
         delta = attention_delta(doc, out)                                        # [b, h, s]
+        q_layout = prepare_query(q, k.shape[2])                                  # [b, h_kv, g, s, d]
+        dout_layout = prepare_query(doc, k.shape[2])
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)                     # [s, b, h, d]
         blk = self.s_local // (2 * self.ppc)
         g_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                   # [2, blk, b, h_kv, d]
@@ -284,8 +286,8 @@ class _Executor:
             nonlocal compute_s
             t0 = time.perf_counter()
             dq_b, dk_b, dv_b = block_attention_backward(
-                doc, qc, kv[0], kv[1], out, lse, self.q_pos, self.k_pos(block), self.causal,
-                self.scale, delta)
+                doc, q, kv[0], kv[1], out, lse, self.q_pos, self.k_pos(block), self.causal,
+                self.scale, delta, q_layout=q_layout, dout_layout=dout_layout)
             dq.add_(dq_b)
             add_grad(block, torch.stack([dk_b, dv_b]))                           # [2, blk, b, h_kv, d]
             self._sync(q.device)

@@ -32,9 +32,11 @@ rows: Q becomes [b, h_kv, g*T, d] and one matmul against [b, h_kv, d, m] serves 
 dK/dV come out summed over the group by the same matmul.
 
 Tiles: query rows are cut into tiles that never cross a jump in positions (the two zigzag chunks
-of a shard are separate runs). A tile whose earliest query precedes every key is *fully masked*
-and skipped (its rows stay 0 / -inf); a tile whose earliest query follows every key is *fully
-visible* and runs without building a mask; only diagonal tiles build the mask from positions.
+of a shard are separate runs), and a block's keys into chunks of at most ``_KEY_CHUNK``; inside
+a query tile the chunks are folded with the same online log-sum-exp merge as blocks are. A
+(tile, chunk) pair whose queries all precede the chunk's keys is *fully masked* and skipped (rows
+that see no chunk stay 0 / -inf); a pair whose earliest query follows every key is *fully
+visible* and runs without a mask; only diagonal pairs build the mask from positions.
 """
 
 from __future__ import annotations
@@ -44,11 +46,14 @@ from typing import Iterator
 
 import torch
 
+from megatron_fcp.attention.merge import merge_coefficients
+
 __all__ = [
     "compute_dtype_for",
     "block_attention_forward",
     "block_attention_backward",
     "attention_delta",
+    "prepare_query",
     "reference_attention",
 ]
 
@@ -57,6 +62,10 @@ __all__ = [
 # run the matmuls fastest; much larger tiles fall out of cache, much thinner ones starve the GEMM.
 _TILE_ELEMS = 1 << 21
 _MIN_TILE_ROWS = 64
+# Keys per chunk inside one block: longer blocks are processed chunk by chunk with an online
+# softmax inside each query tile (flash-attention's KV loop), so a 4K-token block runs as fast
+# per key as a 1K one and causal skipping works at chunk granularity.
+_KEY_CHUNK = 1024
 
 _FULL, _PARTIAL, _MASKED = "full", "partial", "masked"
 
@@ -78,29 +87,37 @@ def _runs(pos: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile: int
-           ) -> Iterator[tuple[int, int, str]]:
-    """Yield ``(start, stop, kind)`` query-row tiles with kind full / partial / masked."""
+def _classify(q_lo: int, q_hi: int, k_lo: int, k_hi: int, causal: bool) -> str:
+    """Kind of a (query tile, key chunk) pair from position ranges (query ranges are increasing runs)."""
+    if not causal or q_lo >= k_hi:
+        return _FULL
+    if q_hi < k_lo:
+        return _MASKED
+    return _PARTIAL
+
+
+def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile: int,
+           key_chunk: int) -> Iterator[tuple[int, int, list[tuple[int, int, str]]]]:
+    """Yield ``(a, z, chunks)``: query rows a:z and their key chunks ``(c0, c1, kind)`` with kind
+    full / partial (fully masked chunks are left out; a tile with no chunk left is not yielded)."""
     qp = q_pos.tolist()
-    if not causal:
-        for a, b in _runs(qp) if qp else []:
-            for t in range(a, b, rows_per_tile):
-                yield t, min(t + rows_per_tile, b), _FULL
-        return
-    kmin, kmax = (int(k_pos.min()), int(k_pos.max())) if k_pos.numel() else (0, -1)
-    for a, b in _runs(qp):
-        for t in range(a, b, rows_per_tile):
-            u = min(t + rows_per_tile, b)
-            lo, hi = qp[t], qp[u - 1]  # a run is increasing: lo = min, hi = max
-            if hi < kmin:
-                yield t, u, _MASKED
-            elif lo >= kmax:
-                yield t, u, _FULL
+    m = k_pos.numel()
+    bounds = [(c, min(c + key_chunk, m)) for c in range(0, m, key_chunk)]
+    ranges = [(int(k_pos[c0:c1].min()), int(k_pos[c0:c1].max())) for c0, c1 in bounds] if causal else []
+    for ra, rb in _runs(qp):
+        for a in range(ra, rb, rows_per_tile):
+            z = min(a + rows_per_tile, rb)
+            if causal:
+                kinds = [_classify(qp[a], qp[z - 1], lo, hi, True) for lo, hi in ranges]
             else:
-                yield t, u, _PARTIAL
+                kinds = [_FULL] * len(bounds)
+            chunks = [(c0, c1, kind) for (c0, c1), kind in zip(bounds, kinds) if kind != _MASKED]
+            if chunks:
+                yield a, z, chunks
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor) -> tuple[int, int, int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [n,b,h,d] and k, v [m,b,h_kv,d]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -109,17 +126,34 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[in
     if bk != b or dk != d or h % hk != 0:
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} disagree on batch or head dim, "
                          f"or h={h} is not a multiple of h_kv={hk}")
+    if q_pos.shape != (n,) or k_pos.shape != (k.shape[0],):
+        raise ValueError(f"positions must be 1-D with one entry per token: q_pos {tuple(q_pos.shape)} for {n} "
+                         f"queries, k_pos {tuple(k_pos.shape)} for {k.shape[0]} keys")
     return n, b, h, hk, d
 
 
 def _rows_per_tile(b: int, h: int, m: int) -> int:
-    return max(_MIN_TILE_ROWS, _TILE_ELEMS // max(1, b * h * m))
+    return max(_MIN_TILE_ROWS, _TILE_ELEMS // max(1, b * h * min(m, _KEY_CHUNK)))
 
 
 def _q_tile(qh: torch.Tensor, a: int, z: int) -> torch.Tensor:
     """qh: [b, hk, g, n, d] -> rows a:z as [b, hk, g*T, d] (row = gi*T + t)."""
     b, hk, g, _, d = qh.shape
     return qh[:, :, :, a:z].reshape(b, hk, g * (z - a), d)
+
+
+def prepare_query(q: torch.Tensor, h_kv: int, scale: float = 1.0) -> torch.Tensor:
+    """q [n, b, h, d] -> ``scale * q`` as [b, h_kv, g, n, d] in the compute dtype (a new tensor).
+
+    The kernels' internal query layout; pass it as ``q_layout=`` (forward: with the softmax
+    scale; backward: unscaled, and ``dout`` likewise as ``dout_layout=``) to reuse it across the
+    blocks of one shard instead of re-laying out the query for every block.
+    """
+    n, b, h, d = q.shape
+    x = q.to(compute_dtype_for(q.dtype))
+    if scale != 1.0:
+        x = x * scale
+    return x.permute(1, 2, 0, 3).reshape(b, h_kv, h // h_kv, n, d)
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, g: int, device) -> torch.Tensor:
@@ -131,38 +165,49 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, g: int, device) -> torch.Ten
 def block_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
-    rows_per_tile: int | None = None,
+    rows_per_tile: int | None = None, q_layout: torch.Tensor | None = None,
+    key_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d], lse [b,h,n])`` in the
     compute dtype (see module docstring for shapes, mask and precision). ``rows_per_tile``
-    overrides the automatic query tile height (tests use tiny tiles)."""
-    n, b, h, hk, d = _check_shapes(q, k, v)
+    and ``key_chunk`` override the automatic tile height and key chunk length (tests use tiny
+    ones); ``q_layout`` is an optional
+    ``prepare_query(q, h_kv, scale)`` reused across blocks."""
+    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
-    qh = (q.to(cd) * scale).permute(1, 2, 0, 3).reshape(b, hk, g, n, d)  # [b, hk, g, n, d]
+    qh = q_layout if q_layout is not None else prepare_query(q, hk, scale)  # [b, hk, g, n, d]
     kh = k.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
-    for a, z, kind in _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m)):
-        if kind == _MASKED:
-            continue
+    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK)
+    for a, z, chunks in tiles:
         t = z - a
-        s = torch.matmul(_q_tile(qh, a, z), kh.transpose(-1, -2))         # [b, hk, g*t, m]
-        if kind == _PARTIAL:
-            s.masked_fill_(~_mask(q_pos[a:z], k_pos, g, q.device), -math.inf)
-        mx = s.amax(dim=-1, keepdim=True)                                  # [b, hk, g*t, 1]
-        p = torch.softmax(s, dim=-1)                                       # fused max/exp/sum/scale
-        del s
-        if kind == _PARTIAL:
-            empty = torch.isneginf(mx)                                     # rows seeing no key
-            p.masked_fill_(empty, 0.0)                                     # softmax gave NaN there
-        # softmax's largest entry is exp(0) / l = 1 / l, so lse = max + log l = max - log(max P)
-        lse_t = mx - torch.log(p.amax(dim=-1, keepdim=True))
-        if kind == _PARTIAL:
-            lse_t.masked_fill_(empty, -math.inf)
-        out[:, :, :, a:z] = torch.matmul(p, vh).view(b, hk, g, t, d)      # [b, hk, g*t, d]
-        lse[:, :, :, a:z] = lse_t.view(b, hk, g, t)
+        qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
+        o_t = l_t = None
+        for c0, c1, kind in chunks:
+            s = torch.matmul(qt, kh[:, :, c0:c1].transpose(-1, -2))       # [b, hk, g*t, c]
+            if kind == _PARTIAL:
+                s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
+            mx = s.amax(dim=-1, keepdim=True)                              # [b, hk, g*t, 1]
+            p = torch.softmax(s, dim=-1)                                   # fused max/exp/sum/scale
+            del s
+            if kind == _PARTIAL:
+                empty = torch.isneginf(mx)                                 # rows seeing no key
+                p.masked_fill_(empty, 0.0)                                 # softmax gave NaN there
+            # softmax's largest entry is exp(0) / l, so lse = max + log l = max - log(max P)
+            l_c = mx - torch.log(p.amax(dim=-1, keepdim=True))
+            if kind == _PARTIAL:
+                l_c.masked_fill_(empty, -math.inf)
+            o_c = torch.matmul(p, vh[:, :, c0:c1])                         # [b, hk, g*t, d]
+            if o_t is None:
+                o_t, l_t = o_c, l_c
+            else:                                                          # online softmax
+                l_t, ca, cb = merge_coefficients(l_t, l_c)
+                o_t.mul_(ca).addcmul_(o_c, cb)
+        out[:, :, :, a:z] = o_t.view(b, hk, g, t, d)
+        lse[:, :, :, a:z] = l_t.view(b, hk, g, t)
     return out.view(b, h, n, d).permute(2, 0, 1, 3), lse.view(b, h, n)
 
 
@@ -177,20 +222,23 @@ def block_attention_backward(
     out: torch.Tensor, lse: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
     delta: torch.Tensor | None = None, rows_per_tile: int | None = None,
+    q_layout: torch.Tensor | None = None, dout_layout: torch.Tensor | None = None,
+    key_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the *final* (all-block) ``out`` and ``lse``.
 
     dout, out: [n,b,h,d]; lse: [b,h,n]; delta (optional, precomputed :func:`attention_delta`): [b,h,n].
     Returns ``dq [n,b,h,d]`` (this block's contribution; sum over blocks gives dQ) and
-    ``dk, dv [m,b,h_kv,d]`` for this block, all in the compute dtype.
+    ``dk, dv [m,b,h_kv,d]`` for this block, all in the compute dtype. ``q_layout`` /
+    ``dout_layout``: optional unscaled ``prepare_query(q, h_kv)`` / ``prepare_query(dout, h_kv)``.
     """
-    n, b, h, hk, d = _check_shapes(q, k, v)
+    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
     if delta is None:
         delta = attention_delta(dout, out)
-    qh = q.to(cd).permute(1, 2, 0, 3).reshape(b, hk, g, n, d)            # [b, hk, g, n, d]
-    doh = dout.to(cd).permute(1, 2, 0, 3).reshape(b, hk, g, n, d)        # [b, hk, g, n, d]
+    qh = q_layout if q_layout is not None else prepare_query(q, hk)            # [b, hk, g, n, d]
+    doh = dout_layout if dout_layout is not None else prepare_query(dout, hk)  # [b, hk, g, n, d]
     lse_h = lse.to(cd).reshape(b, hk, g, n)
     lse_h = torch.where(torch.isinf(lse_h), torch.zeros_like(lse_h), lse_h)  # empty rows -> P = 0
     dl_h = delta.to(cd).reshape(b, hk, g, n)
@@ -199,21 +247,26 @@ def block_attention_backward(
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
     dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
-    for a, z, kind in _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m)):
-        if kind == _MASKED:
-            continue
+    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK)
+    for a, z, chunks in tiles:
         t = z - a
         qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
         dot = _q_tile(doh, a, z)                                           # [b, hk, g*t, d]
-        s = torch.matmul(qt, kh.transpose(-1, -2)).mul_(scale)             # [b, hk, g*t, m]
-        if kind == _PARTIAL:
-            s.masked_fill_(~_mask(q_pos[a:z], k_pos, g, q.device), -math.inf)
-        p = s.sub_(lse_h[:, :, :, a:z].reshape(b, hk, g * t, 1)).exp_()   # P = exp(S - lse)
-        dv.add_(torch.matmul(p.transpose(-1, -2), dot))                    # [b, hk, m, d]
-        dp = torch.matmul(dot, vh.transpose(-1, -2))                       # [b, hk, g*t, m]
-        ds = dp.sub_(dl_h[:, :, :, a:z].reshape(b, hk, g * t, 1)).mul_(p)  # dS = P * (dP - D)
-        dq[:, :, :, a:z] = torch.matmul(ds, kh).mul_(scale).view(b, hk, g, t, d)
-        dk.add_(torch.matmul(ds.transpose(-1, -2), qt), alpha=scale)       # [b, hk, m, d]
+        lse_t = lse_h[:, :, :, a:z].reshape(b, hk, g * t, 1)
+        dl_t = dl_h[:, :, :, a:z].reshape(b, hk, g * t, 1)
+        dq_t = torch.zeros_like(qt)                                        # [b, hk, g*t, d]
+        for c0, c1, kind in chunks:
+            kc, vc = kh[:, :, c0:c1], vh[:, :, c0:c1]                      # [b, hk, c, d]
+            s = torch.matmul(qt, kc.transpose(-1, -2)).mul_(scale)         # [b, hk, g*t, c]
+            if kind == _PARTIAL:
+                s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
+            p = s.sub_(lse_t).exp_()                                       # P = exp(S - lse)
+            dv[:, :, c0:c1].add_(torch.matmul(p.transpose(-1, -2), dot))   # [b, hk, c, d]
+            dp = torch.matmul(dot, vc.transpose(-1, -2))                   # [b, hk, g*t, c]
+            ds = dp.sub_(dl_t).mul_(p)                                     # dS = P * (dP - D)
+            dq_t.add_(torch.matmul(ds, kc))
+            dk[:, :, c0:c1].add_(torch.matmul(ds.transpose(-1, -2), qt), alpha=scale)
+        dq[:, :, :, a:z] = dq_t.mul_(scale).view(b, hk, g, t, d)
     return (dq.view(b, h, n, d).permute(2, 0, 1, 3),
             dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3))
 

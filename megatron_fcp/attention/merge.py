@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_two", "LseAccumulator"]
+__all__ = ["merge_two", "merge_coefficients", "LseAccumulator"]
 
 
-def _coefficients(lse_a: torch.Tensor, lse_b: torch.Tensor):
-    """``(lse, ca, cb)`` with out = ca * out_a + cb * out_b; all [b, h, n]. See the module docstring."""
+def merge_coefficients(lse_a: torch.Tensor, lse_b: torch.Tensor):
+    """``(lse, ca, cb)`` with out = ca * out_a + cb * out_b, elementwise over lse's shape (any
+    layout, e.g. [b, h, n]); the kernels reuse it for their online softmax over key chunks."""
     mx = torch.maximum(lse_a, lse_b)
     mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)  # both sides empty
     wa = torch.exp(lse_a - mx)                                       # in [0, 1]
@@ -58,7 +59,7 @@ def merge_two(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial results (see module docstring); returns new ``(out, lse)``."""
     _check(out_a, lse_a, out_b, lse_b)
-    lse, ca, cb = _coefficients(lse_a, lse_b)
+    lse, ca, cb = merge_coefficients(lse_a, lse_b)
     return out_a * _as_out_weight(ca) + out_b * _as_out_weight(cb), lse
 
 
@@ -78,7 +79,7 @@ class LseAccumulator:
             self.out, self.lse = out.clone(), lse.clone()
             return
         _check(self.out, self.lse, out, lse)
-        self.lse, ca, cb = _coefficients(self.lse, lse)
+        self.lse, ca, cb = merge_coefficients(self.lse, lse)
         self.out.mul_(_as_out_weight(ca)).addcmul_(out, _as_out_weight(cb))
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
