@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -13,7 +11,13 @@ from megatron_fcp.attention.kernels import (
     block_attention_forward,
     reference_attention,
 )
-from megatron_fcp.attention.layout import block_local_slice, block_positions, zigzag_positions, zigzag_split
+from megatron_fcp.attention.layout import (
+    block_local_slice,
+    block_positions,
+    zigzag_positions,
+    zigzag_split,
+    zigzag_unsplit,
+)
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.plan import blocks_of
 
@@ -87,7 +91,6 @@ def _blockwise(q, k, v, do, causal, scale, cp, parts, order_seed):
             dk[glob] += dk_b
             dv[glob] += dv_b
         outs.append(out), lses.append(lse), dqs.append(dq)
-    from megatron_fcp.attention.layout import zigzag_unsplit
     return {"out": zigzag_unsplit(outs), "lse": zigzag_unsplit(lses, seq_dim=2), "dq": zigzag_unsplit(dqs),
             "dk": dk, "dv": dv}
 

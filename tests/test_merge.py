@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 
 from megatron_fcp.attention.kernels import block_attention_forward, reference_attention
@@ -98,7 +99,6 @@ def test_extreme_spread_fp32_stays_finite_and_picks_the_dominant_side():
 
 def test_shape_mismatch_raises():
     (oa, la), = _partials(1)
-    import pytest
     with pytest.raises(ValueError, match="cannot merge"):
         merge_two(oa, la, oa[:2], la[..., :2])
     with pytest.raises(ValueError, match="no partial result"):

@@ -103,15 +103,28 @@ def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile
     qp = q_pos.tolist()
     m = k_pos.numel()
     bounds = [(c, min(c + key_chunk, m)) for c in range(0, m, key_chunk)]
-    ranges = [(int(k_pos[c0:c1].min()), int(k_pos[c0:c1].max())) for c0, c1 in bounds] if causal else []
+    if causal:
+        kp = k_pos.tolist()
+        ranges = [(min(kp[c0:c1]), max(kp[c0:c1])) for c0, c1 in bounds]
+        is_run = [kp[c1 - 1] - kp[c0] == c1 - c0 - 1 and ranges[i] == (kp[c0], kp[c1 - 1])
+                  for i, (c0, c1) in enumerate(bounds)]
     for ra, rb in _runs(qp):
         for a in range(ra, rb, rows_per_tile):
             z = min(a + rows_per_tile, rb)
-            if causal:
-                kinds = [_classify(qp[a], qp[z - 1], lo, hi, True) for lo, hi in ranges]
-            else:
-                kinds = [_FULL] * len(bounds)
-            chunks = [(c0, c1, kind) for (c0, c1), kind in zip(bounds, kinds) if kind != _MASKED]
+            if not causal:
+                yield a, z, [(c0, c1, _FULL) for c0, c1 in bounds]
+                continue
+            chunks = []
+            for i, (c0, c1) in enumerate(bounds):
+                lo, hi = ranges[i]
+                kind = _classify(qp[a], qp[z - 1], lo, hi, True)
+                if kind == _PARTIAL and is_run[i]:
+                    # an increasing run of keys: those after the tile's last query are masked
+                    # for every row, so clip the chunk there
+                    c1 = c0 + max(0, min(c1 - c0, qp[z - 1] - lo + 1))
+                    kind = _classify(qp[a], qp[z - 1], lo, kp[c1 - 1], True)
+                if kind != _MASKED:
+                    chunks.append((c0, c1, kind))
             if chunks:
                 yield a, z, chunks
 
