@@ -133,6 +133,11 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
         public = megatron_fcp.fcp_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
                                             plan=case.plan, causal=case.causal, softmax_scale=scale)
         res["public_api_equal"] = bool(torch.equal(public, got["out"]))
+        with torch.no_grad():  # inference: same output, no blocks kept for a backward
+            ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
+            inf = megatron_fcp.fcp_attention(ql, kl, vl, cp_group=group, plan=case.plan, causal=case.causal,
+                                             softmax_scale=scale)
+        res["no_grad_equal"] = bool(torch.equal(inf, got["out"])) and inf.grad_fn is None
     res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
     res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
     res["err"] = {n: (got[n].double() - local[n]).abs().max().item() for n in QUANTITIES}

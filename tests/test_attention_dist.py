@@ -89,6 +89,8 @@ def test_fixed_plan_is_bitwise_reproducible(results):
 def test_public_fcp_attention_matches_the_low_level_function(results):
     checked = [r[c.name]["public_api_equal"] for c in CASES for r in results if "public_api_equal" in r[c.name]]
     assert len(checked) == 16 * 4 and all(checked)  # 16 FP64 cases x 4 ranks
+    inference = [r[c.name]["no_grad_equal"] for c in CASES for r in results if "no_grad_equal" in r[c.name]]
+    assert len(inference) == 16 * 4 and all(inference)
 
 
 @pytest.mark.parametrize("group", ["bad_inputs_cp4", "bad_inputs_cp2"])

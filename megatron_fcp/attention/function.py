@@ -211,8 +211,9 @@ class _Executor:
         return time.perf_counter() - t0
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Returns (out [s,b,h,d] compute dtype, lse [b,h,s] compute dtype, saved received blocks)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True):
+        """Returns (out [s,b,h,d] compute dtype, lse [b,h,s] compute dtype, received blocks kept
+        for backward; none when ``keep_blocks`` is False, e.g. no input needs a gradient)."""
         t_start = time.perf_counter()
         compute_s = wait_s = 0.0
         bytes_sent = 0
@@ -254,7 +255,8 @@ class _Executor:
             for t, buf in recvs:
                 if t.block in self.needs:
                     compute(t.block, buf)
-                    kept[t.block] = buf
+                    if keep_blocks:
+                        kept[t.block] = buf
         out, lse = acc.result()
         if self.stats is not None:
             self.stats.forward_total_s += time.perf_counter() - t_start
@@ -351,7 +353,7 @@ class _FCPAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, executor: _Executor):
-        out, lse, kept = executor.forward(q, k, v)
+        out, lse, kept = executor.forward(q, k, v, keep_blocks=any(ctx.needs_input_grad[:3]))
         ctx.executor, ctx.kept, ctx.out_acc, ctx.lse = executor, kept, out, lse
         ctx.save_for_backward(q, k, v)
         ctx.mark_non_differentiable(lse)
