@@ -134,8 +134,9 @@ def test_position_lengths_must_match():
         block_attention_forward(q, k, v, torch.arange(4), torch.arange(3), True, 1.0)
 
 
-def test_low_precision_inputs_accumulate_in_fp32():
-    q, k, v, do = _qkvd(16, 1, 4, 2, 8, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_accumulate_in_fp32(dtype):
+    q, k, v, do = _qkvd(16, 1, 4, 2, 8, dtype=dtype)
     pos = torch.arange(16)
     out, lse = block_attention_forward(q, k, v, pos, pos, True, 0.35)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
