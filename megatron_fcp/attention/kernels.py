@@ -182,10 +182,9 @@ def block_attention_forward(
     key_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d], lse [b,h,n])`` in the
-    compute dtype (see module docstring for shapes, mask and precision). ``rows_per_tile``
-    and ``key_chunk`` override the automatic tile height and key chunk length (tests use tiny
-    ones); ``q_layout`` is an optional
-    ``prepare_query(q, h_kv, scale)`` reused across blocks."""
+    compute dtype (see module docstring for shapes, mask and precision). ``rows_per_tile`` and
+    ``key_chunk`` override the automatic tile height and key chunk length (tests use tiny ones);
+    ``q_layout`` is an optional ``prepare_query(q, h_kv, scale)`` reused across blocks."""
     n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
