@@ -44,6 +44,7 @@ __all__ = [
     "NcclTransport",
     "TransportWrapper",
     "CountingTransport",
+    "SerialTransport",
     "Posted",
     "default_transport",
 ]
@@ -182,6 +183,22 @@ class TransportWrapper(Transport):
 
     def wait(self, handle: Handle) -> None:
         self.inner.wait(handle)
+
+
+class SerialTransport(TransportWrapper):
+    """Waits for each round as soon as it is posted: communication and compute never overlap.
+
+    What ``--no-fcp-overlap`` runs; the numerics are the same as with overlap (the executor merges
+    in plan order either way), only the timing changes.
+    """
+
+    def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
+        handle = self.inner.post(round_sends, round_recvs, round_index=round_index, phase=phase)
+        self.inner.wait(handle)
+        return handle
+
+    def wait(self, handle: Handle) -> None:
+        del handle  # already complete
 
 
 @dataclass(frozen=True)

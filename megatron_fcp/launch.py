@@ -9,6 +9,7 @@ within ``timeout_s`` is killed and reported instead of hanging the caller.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -34,7 +35,9 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Pickle here with plain pickle: torch tensors then travel as bytes. Through the queue's
+        # own pickler they would travel as shared-memory handles that die with this process.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         results.put((rank, False, traceback.format_exc()))
 
@@ -43,7 +46,8 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
 
     ``fn`` must be importable (module-level) since processes are started with ``spawn``. The
-    default process group is initialised before ``fn`` runs and destroyed after.
+    default process group is initialised before ``fn`` runs and destroyed after. Results may hold
+    tensors (they are copied back by value).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -68,7 +72,7 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
                         + ("; failures:\n" + "\n".join(failures) if failures else "")
                     ) from None
                 if ok:
-                    outputs[rank] = payload
+                    outputs[rank] = pickle.loads(payload)
                 else:
                     failures.append(f"--- rank {rank} ---\n{payload}")
                     break  # the others may now wait forever on the failed rank

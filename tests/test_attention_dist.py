@@ -81,7 +81,7 @@ def test_transfers_are_exactly_the_plans(results, case):
     assert not problems, "\n".join(problems[:5])
 
 
-def test_fixed_plan_is_bitwise_reproducible(results):
+def test_fixed_plan_is_bitwise_reproducible_with_and_without_overlap(results):
     repeated = [(c.name, r[c.name]["bitwise_repeat"]) for c in CASES for r in results if "bitwise_repeat" in r[c.name]]
     assert repeated and all(ok for _, ok in repeated), [n for n, ok in repeated if not ok]
 

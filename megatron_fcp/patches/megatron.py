@@ -229,7 +229,7 @@ def _transport(runtime: Any, group: Any) -> Any:
     attention call, e.g. a counting transport in tests), else the backend's default transport,
     created once per CP group and kept (an NCCL transport owns a side stream); serialised when
     ``--no-fcp-overlap`` is set."""
-    from megatron_fcp.comm import default_transport  # noqa: PLC0415
+    from megatron_fcp.comm import SerialTransport, default_transport  # noqa: PLC0415
 
     factory = runtime.transport_factory
     if factory is not None:
@@ -238,22 +238,7 @@ def _transport(runtime: Any, group: Any) -> Any:
         transport = runtime.transports.get(id(group))
         if transport is None or transport.group is not group:
             transport = runtime.transports[id(group)] = default_transport(group)
-    return transport if runtime.config.overlap else _SerialTransport(transport)
-
-
-class _SerialTransport:
-    """Waits for each round as soon as it is posted: communication and compute never overlap."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def post(self, round_sends, round_recvs, *, round_index: int, phase: str = "forward"):
-        handle = self.inner.post(round_sends, round_recvs, round_index=round_index, phase=phase)
-        self.inner.wait(handle)
-        return handle
-
-    def wait(self, handle: Any) -> None:
-        del handle  # already complete
+    return transport if runtime.config.overlap else SerialTransport(transport)
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
