@@ -341,26 +341,15 @@ def per_rank_counts(plan: Plan) -> dict[int, tuple[int, int]]:
     return {r: (counts[r][0], counts[r][1]) for r in plan.ranks}
 
 
-def build_plan(
-    topology,
-    cp_ranks,
-    graph="auto",
-    *,
-    causal=True,
-    parts_per_chunk=1,
-    seq_len=None,
-    heads=None,
-    kv_heads=None,
-    head_dim=None,
-    dtype_bytes=2,
-) -> Plan:
-    """Verified plan for CP group ``cp_ranks`` on ``topology``; see :func:`megatron_fcp.planner.build_plan`."""
-    from megatron_fcp.planner import build_plan as _build_plan
+def __getattr__(name: str):
+    """``build_plan`` and ``compile_plan`` live in :mod:`megatron_fcp.planner` (which imports this
+    module); they are re-exported here lazily so ``from megatron_fcp.plan import build_plan`` works
+    without a circular import."""
+    if name in ("build_plan", "compile_plan"):
+        from megatron_fcp import planner
 
-    return _build_plan(
-        topology, cp_ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk, seq_len=seq_len,
-        heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
-    )
+        return getattr(planner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _verify_fast(plan: Plan, max_sends: int | None, max_recvs: int | None) -> None:

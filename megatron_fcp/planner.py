@@ -43,6 +43,7 @@ from megatron_fcp.topology.graph import (
     CommGraph,
     check_cp_ranks,
     get_builder,
+    runs_of,
 )
 from megatron_fcp.topology.model import Topology, load_topology
 
@@ -146,18 +147,6 @@ BALANCE_MAX_TRANSFERS = 200_000
 
 def _count(trees, P: int) -> int:
     return P * sum(len(t[2]) for t in trees)
-
-
-def runs_of(tree, depths) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """Split a BFS-ordered tree (non-decreasing depths) into runs ``(depth, srcs, dsts)``."""
-    runs = []
-    start = 0
-    for i in range(1, len(depths) + 1):
-        if i == len(depths) or depths[i] != depths[start]:
-            us, vs = zip(*tree[start:i])
-            runs.append((depths[start], us, vs))
-            start = i
-    return runs
 
 
 def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]:

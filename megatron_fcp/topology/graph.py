@@ -100,7 +100,7 @@ class CommGraph:
         if self.builder is not None:
             return self.builder.tree_runs(self, owner, dests, chunk)
         edges = steiner_tree(self.graph, owner, dests)
-        return _runs(edges, _depths_of(edges, owner))
+        return runs_of(edges, _depths_of(edges, owner))
 
     def edge_list(self) -> list[tuple[int, int]]:
         return sorted(self.graph.edges)
@@ -220,7 +220,7 @@ class GraphBuilder:
 
     def tree_runs(self, cg: CommGraph, owner: int, dests: Sequence[int], chunk: int = 0):
         """``(depth, srcs, dsts)`` runs of the tree; builders may override to skip edge tuples."""
-        return _runs(*self.tree_with_depths(cg, owner, dests, chunk))
+        return runs_of(*self.tree_with_depths(cg, owner, dests, chunk))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -519,7 +519,8 @@ def _prune_bfs(adj_graph, owner: int, dests: Sequence[int]) -> TreeEdges:
     return [(parent[v], v) for v in order if v in keep and v != owner]
 
 
-def _runs(edges: TreeEdges, depths: list[int]):
+def runs_of(edges: TreeEdges, depths: list[int]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Split a BFS-ordered tree (non-decreasing depths) into runs ``(depth, srcs, dsts)``."""
     runs = []
     start = 0
     for i in range(1, len(depths) + 1):
