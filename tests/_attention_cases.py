@@ -30,11 +30,13 @@ class Case:
     parts: int = 1        # parts_per_chunk (1: plan given by name, >1: Plan object)
     extreme: bool = False  # logits spread over ~1e4 between blocks (softmax_scale = 1)
     tokens_per_part: int = 4
+    kernel: str = "math"  # block kernel (megatron_fcp.attention.kernels.BLOCK_KERNELS)
 
     @property
     def name(self) -> str:
         return (f"{self.group}-{self.plan}-{'causal' if self.causal else 'full'}-h{self.heads[0]}kv{self.heads[1]}"
-                f"-{self.dtype}" + (f"-p{self.parts}" if self.parts > 1 else "") + ("-extreme" if self.extreme else ""))
+                f"-{self.dtype}" + (f"-p{self.parts}" if self.parts > 1 else "") + ("-extreme" if self.extreme else "")
+                + (f"-{self.kernel}" if self.kernel != "math" else ""))
 
 
 def _inputs(case: Case, cp: int):
@@ -122,7 +124,7 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
         executed_by = SerialTransport(transport) if serial else transport
         ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
         out, lse = fcp_attention_with_lse(ql, kl, vl, cp_group=group, plan=plan_arg, causal=case.causal,
-                                          softmax_scale=scale, transport=executed_by)
+                                          softmax_scale=scale, transport=executed_by, kernel=case.kernel)
         out.backward(zigzag_split(do, cp, idx))
         got = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
         return got, transport
@@ -180,6 +182,9 @@ def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
         "plan_name": (dict(q=t(), k=t(), v=t()), dict(plan="tree"), "unknown plan"),
         "no_group": (dict(q=t(), k=t(), v=t()), dict(cp_group=None), "cp_group is required"),
         "not_4d": (dict(q=t()[0], k=t(), v=t()), {}, "4-D tensor"),
+        "kernel_name": (dict(q=t(), k=t(), v=t()), dict(kernel="flash"), "unknown block kernel 'flash'"),
+        "kernel_fp64": (dict(q=t(dtype=torch.float64), k=t(dtype=torch.float64), v=t(dtype=torch.float64)),
+                        dict(kernel="cpu-flash"), "float32 / bfloat16 only.*kernel='math'"),
     }
     out = {}
     for name, (tensors, kwargs, expect) in cases.items():

@@ -10,7 +10,8 @@ Tolerances (errors are max-abs over each rank's shard, maximum over ranks):
   BF16 case must also stay within 2^-6 * max(1, max|ref|) (a few BF16 ulps: what FP32
   accumulation followed by one rounding to BF16 gives), which a lost block or gradient breaks.
 Transfers are counted through a CountingTransport and must equal plan.sends/recvs per rank and
-round, forward and (flipped) backward.
+round, forward and (flipped) backward. A few cases run the "cpu-flash" block kernel (torch's fused
+CPU flash ops) under the same tolerances; the math kernel is the default everywhere else.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ CASES = [
 ] + [
     Case(group, plan, True, (4, 2), dtype, parts=2)
     for group in ("cp4", "cp2") for plan in ("ring", "all-to-all") for dtype in ("fp64", "fp32")
+] + [  # the fused CPU flash block kernel: diagonal, sub-block diagonal (parts=2), GQA, BF16, extreme
+    Case("cp4", "ring", True, (4, 2), "fp32", kernel="cpu-flash"),
+    Case("cp4", "all-to-all", True, (4, 2), "fp32", parts=2, kernel="cpu-flash"),
+    Case("cp2", "all-to-all", False, (4, 4), "fp32", kernel="cpu-flash"),
+    Case("cp2", "ring", True, (4, 2), "bf16", parts=2, kernel="cpu-flash"),
+    Case("cp4", "all-to-all", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
 ]
 
 

@@ -54,13 +54,7 @@ from typing import Callable, Union
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.attention.kernels import (
-    attention_delta,
-    block_attention_backward,
-    block_attention_forward,
-    compute_dtype_for,
-    prepare_query,
-)
+from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resolve_kernel
 from megatron_fcp.attention.layout import block_local_slice, block_positions, zigzag_positions
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
@@ -76,6 +70,7 @@ __all__ = [
 ]
 
 PlanLike = Union[str, Plan]
+KernelLike = Union[str, BlockKernel]
 
 #: Built-in plans by name: ``builder(ranks, causal=..., parts_per_chunk=...) -> Plan``.
 PLAN_BUILDERS: dict[str, Callable[..., Plan]] = {"ring": ring_plan, "all-to-all": all_to_all_plan}
@@ -130,8 +125,8 @@ def resolve_plan(plan: PlanLike, group_ranks: tuple[int, ...], causal: bool) -> 
     return plan.verify()
 
 
-def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale):
-    """Check everything this rank can check locally; return (plan, rank, scale)."""
+def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale, kernel: KernelLike = "math"):
+    """Check everything this rank can check locally; return (plan, rank, scale, kernel)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [s_local, b, heads, head_dim], got "
@@ -152,6 +147,7 @@ def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale):
     if h_kv < 1 or h % h_kv != 0:
         raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); "
                          f"fix num_query_groups")
+    kernel_obj = resolve_kernel(kernel, q.dtype, q.device)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -171,7 +167,7 @@ def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale):
             f"2*cp*parts_per_chunk = {2 * cp * ppc}"
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    return plan, rank, scale
+    return plan, rank, scale, kernel_obj
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +181,8 @@ class _Executor:
     """Runs one plan for one rank: forward and backward pipelines (see the Notes above)."""
 
     def __init__(self, plan: Plan, rank: int, transport: Transport, causal: bool, scale: float,
-                 s_local: int, stats: FCPStats | None) -> None:
-        self.plan, self.rank, self.transport = plan, rank, transport
+                 s_local: int, stats: FCPStats | None, kernel: BlockKernel) -> None:
+        self.plan, self.rank, self.transport, self.kernel = plan, rank, transport, kernel
         self.causal, self.scale, self.s_local, self.stats = causal, scale, s_local, stats
         self.ppc = plan.parts_per_chunk
         self.needs = plan.needs(rank)
@@ -217,7 +213,7 @@ class _Executor:
         t_start = time.perf_counter()
         compute_s = wait_s = 0.0
         bytes_sent = 0
-        q_layout = prepare_query(q, k.shape[2], self.scale)                     # [b, h_kv, g, s, d]
+        prep = self.kernel.prepare_forward(q, k.shape[2], self.scale)           # per-shard layouts
         blk = self.s_local // (2 * self.ppc)
         kv_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                  # [2, blk, b, h_kv, d]
         have: dict[Block, torch.Tensor] = {}
@@ -230,8 +226,8 @@ class _Executor:
         def compute(block: Block, kv: torch.Tensor) -> None:
             nonlocal compute_s
             t0 = time.perf_counter()
-            acc.add(*block_attention_forward(q, kv[0], kv[1], self.q_pos, self.k_pos(block),
-                                             self.causal, self.scale, q_layout=q_layout))
+            acc.add(*self.kernel.forward(q, kv[0], kv[1], self.q_pos, self.k_pos(block),
+                                         self.causal, self.scale, **prep))
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
 
@@ -273,9 +269,7 @@ class _Executor:
         bytes_sent = 0
         cd = compute_dtype_for(q.dtype)
         doc = dout.to(cd)
-        delta = attention_delta(doc, out)                                        # [b, h, s]
-        q_layout = prepare_query(q, k.shape[2])                                  # [b, h_kv, g, s, d]
-        dout_layout = prepare_query(doc, k.shape[2])
+        prep = self.kernel.prepare_backward(q, doc, out, k.shape[2])             # per-shard layouts
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)                     # [s, b, h, d]
         blk = self.s_local // (2 * self.ppc)
         g_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                   # [2, blk, b, h_kv, d]
@@ -287,9 +281,9 @@ class _Executor:
         def compute(block: Block, kv: torch.Tensor) -> None:
             nonlocal compute_s
             t0 = time.perf_counter()
-            dq_b, dk_b, dv_b = block_attention_backward(
+            dq_b, dk_b, dv_b = self.kernel.backward(
                 doc, q, kv[0], kv[1], out, lse, self.q_pos, self.k_pos(block), self.causal,
-                self.scale, delta, q_layout=q_layout, dout_layout=dout_layout)
+                self.scale, **prep)
             dq.add_(dq_b)
             add_grad(block, torch.stack([dk_b, dv_b]))                           # [2, blk, b, h_kv, d]
             self._sync(q.device)
@@ -370,24 +364,25 @@ class _FCPAttentionFunction(torch.autograd.Function):
 def fcp_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike = "ring",
     causal: bool = True, softmax_scale: float | None = None, transport: Transport | None = None,
-    stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "math",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs) ``[b, h, s_local]``.
 
     transport: override the default (gloo / NCCL by the group's backend), e.g. a CountingTransport.
     stats: an :class:`FCPStats` to add this call's times and bytes to (forward now, backward later).
     timeout_s: bound on each round's wait for the default transport.
+    kernel: the block kernel, see :func:`fcp_attention`.
     """
-    plan_obj, rank, scale = _validate(q, k, v, cp_group, plan, causal, softmax_scale)
+    plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel)
     if transport is None:
         transport = default_transport(cp_group, timeout_s)
-    executor = _Executor(plan_obj, rank, transport, causal, scale, q.shape[0], stats)
+    executor = _Executor(plan_obj, rank, transport, causal, scale, q.shape[0], stats, kernel_obj)
     return _FCPAttentionFunction.apply(q, k, v, executor)
 
 
 def fcp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike = "ring",
-    causal: bool = True, softmax_scale: float | None = None,
+    causal: bool = True, softmax_scale: float | None = None, kernel: KernelLike = "math",
 ) -> torch.Tensor:
     """Exact attention over the whole CP group's sequence, for this rank's zigzag shard.
 
@@ -395,11 +390,14 @@ def fcp_attention(
     (``get_batch_on_this_cp_rank``); all ranks pass the same shapes. plan: ``"ring"`` (Transformer
     Engine's p2p ring), ``"all-to-all"``, or a :class:`~megatron_fcp.plan.Plan` over
     ``dist.get_process_group_ranks(cp_group)`` with the same ``causal``. softmax_scale defaults
-    to ``1/sqrt(d)``. Returns out [s_local, b, h, d] in q's dtype; differentiable in q, k, v.
+    to ``1/sqrt(d)``. kernel: the block kernel, ``"math"`` (default: pure torch, any dtype incl.
+    FP64, any device) or ``"cpu-flash"`` (torch's fused CPU flash ops, FP32/BF16 CPU tensors;
+    see :data:`megatron_fcp.attention.kernels.BLOCK_KERNELS`) or a ``BlockKernel`` instance.
+    Returns out [s_local, b, h, d] in q's dtype; differentiable in q, k, v.
     Raises ValueError (naming the fix) before any communication on bad input.
     """
     out, _ = fcp_attention_with_lse(q, k, v, cp_group=cp_group, plan=plan, causal=causal,
-                                    softmax_scale=softmax_scale)
+                                    softmax_scale=softmax_scale, kernel=kernel)
     return out
 
 

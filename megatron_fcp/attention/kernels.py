@@ -37,6 +37,12 @@ a query tile the chunks are folded with the same online log-sum-exp merge as blo
 (tile, chunk) pair whose queries all precede the chunk's keys is *fully masked* and skipped (rows
 that see no chunk stay 0 / -inf); a pair whose earliest query follows every key is *fully
 visible* and runs without a mask; only diagonal pairs build the mask from positions.
+
+Block kernels as strategies: the functions above are the ``"math"`` kernel. :data:`BLOCK_KERNELS`
+maps a name to a :class:`BlockKernel` (``"math"``, the default, and ``"cpu-flash"``, torch's fused
+CPU flash-attention ops for FP32/BF16 CPU tensors); :func:`resolve_kernel` picks one and checks it
+can run the given dtype and device. Both honour the same contract (shapes, FP32 ``out``/``lse``,
+masks from global positions, fully masked rows 0 / -inf, GQA).
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ __all__ = [
     "attention_delta",
     "prepare_query",
     "reference_attention",
+    "BlockKernel",
+    "MathKernel",
+    "CpuFlashKernel",
+    "BLOCK_KERNELS",
+    "resolve_kernel",
 ]
 
 # Target elements of one score tile [b, h, T, m] (2^21 FP32 elements = 8 MiB), and a floor on its
@@ -322,3 +333,229 @@ def reference_attention(
     if dout is not None:
         res.update(dq=torch.cat(dqs), dk=kf.grad, dv=vf.grad)
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# block kernels as strategy objects
+# ---------------------------------------------------------------------------------------------
+class BlockKernel:
+    """One way to compute attention of a query shard against one KV block, and its backward.
+
+    Contract (every kernel): ``forward(q, k, v, q_pos, k_pos, causal, scale, **prep)`` returns
+    ``(out [n,b,h,d], lse [b,h,n])`` in the compute dtype (:func:`compute_dtype_for`); rows that see
+    no key of the block give out 0 and lse -inf. ``backward(dout, q, k, v, out, lse, q_pos, k_pos,
+    causal, scale, **prep)`` returns this block's ``dq [n,b,h,d]``, ``dk, dv [m,b,h_kv,d]`` in the
+    compute dtype, given the *final* (all-block) FP32 ``out`` and ``lse``. ``prepare_forward`` /
+    ``prepare_backward`` build per-shard keyword arguments reused across the blocks of one shard.
+    ``check(dtype, device)`` raises ValueError naming the fix when the kernel cannot run them.
+    """
+
+    name = ""
+
+    def check(self, dtype: torch.dtype, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def prepare_forward(self, q: torch.Tensor, h_kv: int, scale: float) -> dict:
+        return {}
+
+    def prepare_backward(self, q: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, h_kv: int) -> dict:
+        return {}
+
+    def forward(self, q, k, v, q_pos, k_pos, causal: bool, scale: float, **prep):
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal: bool, scale: float, **prep):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class MathKernel(BlockKernel):
+    """The default: :func:`block_attention_forward` / :func:`block_attention_backward` (pure torch
+    math, any float dtype and device, FP64 computed in FP64). The query (and in backward the
+    incoming gradient and ``D = rowsum(dout*out)``) is laid out once per shard."""
+
+    name = "math"
+
+    def check(self, dtype: torch.dtype, device: torch.device) -> None:
+        return None
+
+    def prepare_forward(self, q, h_kv, scale):
+        return {"q_layout": prepare_query(q, h_kv, scale)}                # [b, h_kv, g, n, d]
+
+    def prepare_backward(self, q, dout, out, h_kv):
+        return {"delta": attention_delta(dout, out),                       # [b, h, n]
+                "q_layout": prepare_query(q, h_kv), "dout_layout": prepare_query(dout, h_kv)}
+
+    def forward(self, q, k, v, q_pos, k_pos, causal, scale, **prep):
+        return block_attention_forward(q, k, v, q_pos, k_pos, causal, scale, **prep)
+
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, **prep):
+        return block_attention_backward(dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, **prep)
+
+
+_FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
+_CAUSAL, _MATH = "causal", "math"
+
+
+def _flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> list[tuple[int, int, str, int]]:
+    """Cut a (query shard, KV block) pair into pieces torch's fused CPU op can run.
+
+    Returns ``(a, z, kind, kc)``: query rows a:z against the block's first ``kc`` keys, kind
+    ``full`` (no mask), ``causal`` (top-left causal: rows a:z have positions klo..klo+kc-1, the
+    keys' own positions) or ``math`` (delegated to the math kernel with the whole block). Rows
+    whose queries precede every key are fully masked and left out. Non-causal: one full piece.
+    Causal with the block's keys an increasing run klo..khi, per increasing run of query rows:
+    rows before klo masked; rows in [klo, khi] ``causal`` if the run reaches back to klo (a query
+    chunk against its own block or a sub-block of it, parts_per_chunk > 1), else ``math`` (a run
+    starting inside the block: the op has no bottom-right causal); rows after khi ``full``.
+    Keys that are not one increasing run: the whole pair is delegated to ``math``.
+    """
+    n, m = q_pos.numel(), k_pos.numel()
+    if not causal:
+        return [(0, n, _FULL, m)]
+    kp, qp = k_pos.tolist(), q_pos.tolist()
+    klo, khi = kp[0], kp[-1]
+    if kp != list(range(klo, klo + m)):
+        return [(0, n, _MATH, m)]
+    pieces: list[tuple[int, int, str, int]] = []
+    for ra, rb in _runs(qp):
+        qlo = qp[ra]
+        a = ra + max(0, min(rb - ra, klo - qlo))            # first row with position >= klo
+        z = ra + max(0, min(rb - ra, khi - qlo + 1))        # first row with position > khi
+        if a < z:
+            if qp[a] == klo:
+                pieces.append((a, z, _CAUSAL, qp[z - 1] - klo + 1))
+            else:
+                pieces.append((a, z, _MATH, m))
+        if z < rb:
+            if pieces and pieces[-1][2] == _FULL and pieces[-1][1] == z:  # adjacent full rows: one call
+                pieces[-1] = (pieces[-1][0], rb, _FULL, m)
+            else:
+                pieces.append((z, rb, _FULL, m))
+    return pieces
+
+
+def _bhnd(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [b, h, s, d] view (the fused op takes strided inputs)."""
+    return x.permute(1, 2, 0, 3)
+
+
+class CpuFlashKernel(BlockKernel):
+    """torch's fused CPU flash-attention ops as block kernel (FP32 / BF16 CPU tensors only).
+
+    Forward: ``aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
+    scale=)`` -> ``(out, logsumexp)``; backward: ``..._for_cpu_backward(dout, q, k, v, out, lse,
+    0.0, is_causal, scale=)`` -> ``(dq, dk, dv)``, fed the *final* out and lse like flash-attn's
+    ring backward (the op recomputes ``P = exp(S - lse)`` and ``D = rowsum(dout*out)``). GQA is
+    native to the op (query head i uses KV head i // g). We use the op unmasked or with its
+    top-left ``is_causal`` only (no dense ``attn_mask``: an [n, m] tensor per pair), so each pair
+    is cut by :func:`_flash_pieces`: fully visible rows run unmasked, a query
+    chunk against its own (sub-)block runs top-left causal on a prefix of the keys, fully masked
+    rows are skipped (out 0, lse -inf) and anything else is **delegated to the math kernel** for
+    those rows, which keeps the numerics contract.
+
+    Numerics: the op runs in the compute dtype, FP32, also for BF16 inputs (upcast once per shard
+    for q, per block for k, v), so ``out``, ``lse``, ``dq, dk, dv`` are FP32 like the math
+    kernel's and FP32 matches FP64 within 1e-5 (tested). Running the op in BF16 instead would
+    round each block's out and gradients, and the final out from which the op's backward forms
+    ``D = rowsum(dout * out)``, to BF16; that breaks the cancellation in ``dQ = dS K`` when keys
+    share a large component (logits spread over 1e4: dq errors of ~100 vs max|dq| 8, measured),
+    and on this CPU (AVX-512 BF16, one thread) the BF16 op is no faster than the FP32 one.
+    """
+
+    name = "cpu-flash"
+    _DTYPES = (torch.float32, torch.bfloat16)
+
+    @staticmethod
+    def available() -> bool:
+        ops = torch.ops.aten
+        return hasattr(ops, _FLASH_OP) and hasattr(ops, _FLASH_OP + "_backward")
+
+    def check(self, dtype: torch.dtype, device: torch.device) -> None:
+        if not self.available():
+            raise ValueError(f"kernel 'cpu-flash' needs torch.ops.aten.{_FLASH_OP}(_backward), absent from "
+                             f"torch {torch.__version__}; use kernel='math'")
+        if dtype not in self._DTYPES:
+            raise ValueError(f"kernel 'cpu-flash' runs float32 / bfloat16 only, got {dtype}; "
+                             f"use kernel='math' (FP64 is computed in FP64 there)")
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"kernel 'cpu-flash' runs CPU tensors only, got device {device}; use kernel='math'")
+
+    def prepare_forward(self, q, h_kv, scale):
+        return {"q_c": q.to(compute_dtype_for(q.dtype))}                   # [n, b, h, d] FP32
+
+    def prepare_backward(self, q, dout, out, h_kv):
+        return {"q_c": q.to(compute_dtype_for(q.dtype))}                   # [n, b, h, d] FP32
+
+    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+        cd = compute_dtype_for(q.dtype)
+        q = q.to(cd) if q_c is None else q_c                                   # [n, b, h, d]
+        k, v = k.to(cd), v.to(cd)                                              # [m, b, hk, d]
+        op = getattr(torch.ops.aten, _FLASH_OP)
+        pieces = _flash_pieces(q_pos, k_pos, causal)
+        if len(pieces) == 1 and pieces[0][:3] == (0, n, _FULL):
+            o, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, False, scale=scale)  # [b,h,n,d], [b,h,n]
+            return o.permute(2, 0, 1, 3), lse
+        out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
+        lse = torch.full((b, h, n), -math.inf, dtype=cd, device=q.device)
+        for a, z, kind, kc in pieces:
+            if kind == _MATH:
+                o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale)
+                out[a:z], lse[:, :, a:z] = o_p, l_p
+                continue
+            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[:kc]), _bhnd(v[:kc]), 0.0, kind == _CAUSAL, scale=scale)
+            out[a:z] = o_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
+            lse[:, :, a:z] = l_p                                               # [b, h, t]
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+        m = k.shape[0]
+        cd = compute_dtype_for(q.dtype)
+        q = q.to(cd) if q_c is None else q_c                                       # [n, b, h, d]
+        k, v = k.to(cd), v.to(cd)                                                  # [m, b, hk, d]
+        dout, out, lse = dout.to(cd), out.to(cd), lse.to(cd)                       # [n,b,h,d] x2, [b,h,n]
+        op = getattr(torch.ops.aten, _FLASH_OP + "_backward")
+        pieces = _flash_pieces(q_pos, k_pos, causal)
+        if len(pieces) == 1 and pieces[0][:3] == (0, n, _FULL):
+            dq, dk, dv = op(_bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse, 0.0, False,
+                            scale=scale)                                            # [b,h,n,d], [b,hk,m,d] x2
+            return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
+        dq = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
+        dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
+        dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
+        for a, z, kind, kc in pieces:
+            if kind == _MATH:
+                dq_p, dk_p, dv_p = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z],
+                                                            q_pos[a:z], k_pos, causal, scale)
+                dq[a:z] = dq_p
+                dk.add_(dk_p)
+                dv.add_(dv_p)
+                continue
+            dq_p, dk_p, dv_p = op(_bhnd(dout[a:z]), _bhnd(q[a:z]), _bhnd(k[:kc]), _bhnd(v[:kc]),
+                                  _bhnd(out[a:z]), lse[:, :, a:z], 0.0, kind == _CAUSAL, scale=scale)
+            dq[a:z] = dq_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
+            dk[:kc].add_(dk_p.permute(2, 0, 1, 3))                             # [kc, b, hk, d]
+            dv[:kc].add_(dv_p.permute(2, 0, 1, 3))
+        return dq, dk, dv
+
+
+#: Block kernels by name; ``"math"`` is the default everywhere.
+BLOCK_KERNELS: dict[str, BlockKernel] = {k.name: k for k in (MathKernel(), CpuFlashKernel())}
+
+
+def resolve_kernel(kernel: "str | BlockKernel", dtype: torch.dtype, device) -> BlockKernel:
+    """The :class:`BlockKernel` for ``kernel`` (a name in :data:`BLOCK_KERNELS` or an instance),
+    checked against ``dtype`` / ``device``; ValueError naming the fix otherwise."""
+    if isinstance(kernel, BlockKernel):
+        obj = kernel
+    elif isinstance(kernel, str) and kernel in BLOCK_KERNELS:
+        obj = BLOCK_KERNELS[kernel]
+    else:
+        raise ValueError(f"unknown block kernel {kernel!r}; use one of {sorted(BLOCK_KERNELS)} "
+                         f"(default 'math') or a BlockKernel instance")
+    obj.check(dtype, torch.device(device))
+    return obj
