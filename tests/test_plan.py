@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import math
 import random
 import time
 from collections import Counter
+from itertools import chain
+from operator import attrgetter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,7 +28,7 @@ from megatron_fcp.plan import (
     ring_plan,
 )
 from megatron_fcp.planner import AUTO_CANDIDATES, compile_plan
-from megatron_fcp.topology.graph import BUILDERS, build_graph
+from megatron_fcp.topology.graph import BUILDERS, BalancedGraph, build_graph
 from megatron_fcp.topology.model import GB, PRESETS, Link, Nic, NodeLayout, Topology, load_topology
 
 CPS = (2, 3, 4, 8, 16, 64)
@@ -284,9 +288,89 @@ def test_fast_verify_matches_reference_on_builtin_plans(cp, causal, parts, seed)
             assert _outcome(bad.verify) == _outcome(bad._verify_reference)
 
 
+# ---- plans stay the same when the compiler gets faster ---------------------------------------------
+
+_FIELDS = attrgetter("src", "dst", "block.owner", "block.chunk", "block.part")
+
+
+def plan_digest(plan: Plan) -> str:
+    """SHA-256 (16 hex digits) of the plan's header and every round's transfers in plan order."""
+    h = hashlib.sha256(repr((plan.ranks, plan.causal, plan.parts_per_chunk, len(plan.rounds))).encode())
+    for rnd in plan.rounds:
+        cols = np.fromiter(chain.from_iterable(map(_FIELDS, rnd)), dtype=np.int64, count=5 * len(rnd))
+        h.update(len(rnd).to_bytes(8, "little") + cols.tobytes())
+    return h.hexdigest()[:16]
+
+
+_UNEVEN = {r: 1.0 + (r * 7 % 5) for r in range(640)}  # relative KV sizes for balanced-uneven
+
+# Recorded from the compiler at commit 8f2f16c, before the 1,024-rank speed work: the rounds and
+# the order of transfers inside each round must not change. (cp > 256 on dgx-h100:40 takes the
+# large-group path: runs straight into waves, no leaf balancing.) Update a digest only when a plan
+# is meant to change, and say so in the commit.
+PLAN_DIGESTS = {
+    ('dgx-h100:2', 'all', 'ring', True, 1): 'cff413d64bcd837f',
+    ('dgx-h100:2', 'all', 'ring', True, 2): '90596ce3ebb959d9',
+    ('dgx-h100:2', 'all', 'ring', False, 1): '3145d6c28c6353f5',
+    ('dgx-h100:2', 'all', 'ring', False, 2): '3fd6f62cfe6c7082',
+    ('dgx-h100:16', 'all', 'ring', True, 1): '0a38f5fe1cc38744',
+    ('dgx-h100:16', 'all', 'ring', False, 2): '1f9f28b639fcb409',
+    ('dgx-h100:2', 'all', 'full', True, 1): '9dde1546d12e08c0',
+    ('dgx-h100:2', 'all', 'full', True, 2): 'a81f679aa7fa67ae',
+    ('dgx-h100:2', 'all', 'full', False, 1): 'f86119ab391e8e2f',
+    ('dgx-h100:2', 'all', 'full', False, 2): '53ae586fa3f6e8c3',
+    ('dgx-h100:16', 'all', 'full', True, 1): '1d1aa66a76fe56fc',
+    ('dgx-h100:16', 'all', 'full', False, 2): '4a5818175c362063',
+    ('dgx-h100:2', 'all', 'hierarchical', True, 1): '7e3a59e0c9faa9af',
+    ('dgx-h100:2', 'all', 'hierarchical', True, 2): 'a31a0f27081702c3',
+    ('dgx-h100:2', 'all', 'hierarchical', False, 1): 'bf33d4a760a39255',
+    ('dgx-h100:2', 'all', 'hierarchical', False, 2): '22b18ce1e37bfdab',
+    ('dgx-h100:16', 'all', 'hierarchical', True, 1): '99080d5e6572336b',
+    ('dgx-h100:16', 'all', 'hierarchical', False, 2): '94ccf21a7b84eeca',
+    ('dgx-h100:2', 'all', 'leader', True, 1): '7b6c615e53b9056f',
+    ('dgx-h100:2', 'all', 'leader', True, 2): 'b6362b8f9ff7fa93',
+    ('dgx-h100:2', 'all', 'leader', False, 1): '51c2fa7b83b08d0e',
+    ('dgx-h100:2', 'all', 'leader', False, 2): '175a30cdcd79158c',
+    ('dgx-h100:16', 'all', 'leader', True, 1): 'dd1097ad695d88ca',
+    ('dgx-h100:16', 'all', 'leader', False, 2): 'b3fa30161a6a5dc2',
+    ('dgx-h100:2', 'all', 'balanced', True, 1): '7e3a59e0c9faa9af',
+    ('dgx-h100:2', 'all', 'balanced', True, 2): 'a31a0f27081702c3',
+    ('dgx-h100:2', 'all', 'balanced', False, 1): 'bf33d4a760a39255',
+    ('dgx-h100:2', 'all', 'balanced', False, 2): '22b18ce1e37bfdab',
+    ('dgx-h100:16', 'all', 'balanced', True, 1): '99080d5e6572336b',
+    ('dgx-h100:16', 'all', 'balanced', False, 2): '94ccf21a7b84eeca',
+    ('dgx-h100:2', 'all', 'spanning', True, 1): '69c1f76749f20a14',
+    ('dgx-h100:2', 'all', 'spanning', True, 2): '578cc3eb13a89ef3',
+    ('dgx-h100:2', 'all', 'spanning', False, 1): 'bd039c8194b1a75f',
+    ('dgx-h100:2', 'all', 'spanning', False, 2): '04f676c2fb50f2dc',
+    ('dgx-h100:16', 'all', 'spanning', True, 1): '0663c0978b55dd2d',
+    ('dgx-h100:16', 'all', 'spanning', False, 2): 'db827a71091b6b43',
+    ('dgx-h100:2', 'all', 'balanced-uneven', True, 2): '46c58b343ff9188f',
+    ('dgx-h100:2', 'all', 'balanced-uneven', False, 1): 'd5269db7c5fd1e0d',
+    ('dgx-h100:40', 'stride2', 'hierarchical', True, 2): '2c9113ab8de44aeb',
+    ('dgx-h100:40', 'stride2', 'balanced', False, 1): 'ab174e4c911661f6',
+    ('dgx-h100:40', 'stride2', 'balanced-uneven', True, 1): '4f2d1b5598fb200b',
+}
+DIGEST_1024 = "84ce4ab453524285"  # dgx-h100:128, range(1024), hierarchical, causal, 1 part
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_DIGESTS, key=repr), ids=repr)
+def test_compiled_plans_are_unchanged(case):
+    preset, group, graph, causal, parts = case
+    topo = load_topology(preset)
+    ranks = range(topo.world) if group == "all" else range(0, topo.world, 2)
+    builder = BalancedGraph({r: _UNEVEN[r] for r in ranks}) if graph == "balanced-uneven" else graph
+    plan = build_plan(topo, ranks, builder, causal=causal, parts_per_chunk=parts)
+    assert plan_digest(plan) == PLAN_DIGESTS[case]
+
+
 def test_1024_rank_compile_and_verify_time():
-    """Issue 3: compile + verify of a 1,024-rank plan (128 DGX-H100 nodes, cp = 1,024) under 2 s.
-    Asserted with 3x headroom: this machine's 2 cores are shared with other jobs."""
+    """Issue 3: compile + verify of a 1,024-rank plan (128 DGX-H100 nodes, cp = 1,024).
+
+    The issue's "under 2 s here" is measured by ``benchmarks/bench_planner.py`` (best and median
+    of 3, ~1 s on a 2-core machine); this test only guards against an order-of-magnitude
+    regression with a bound a busy 2-core CI box cannot miss, and checks the plan is unchanged.
+    """
     topo = load_topology("dgx-h100:128")
     gc.collect()
     t0 = time.perf_counter()
@@ -294,4 +378,5 @@ def test_1024_rank_compile_and_verify_time():
     elapsed = time.perf_counter() - t0
     print(f"1024-rank hierarchical compile+verify: {elapsed:.2f} s, {plan.num_transfers()} transfers")
     assert plan.num_transfers() == 1.5 * 1024 * 1023
+    assert plan_digest(plan) == DIGEST_1024
     assert elapsed < 6.0
