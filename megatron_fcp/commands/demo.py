@@ -10,6 +10,7 @@ ulps, what FP32 accumulation with one final rounding gives).
 
     megatron-fcp demo                              # cp=4, 4096 tokens, 8 heads / 2 KV heads, d=64
     megatron-fcp demo --plan all-to-all --dtype bf16
+    megatron-fcp demo --kernel cpu-flash           # torch's fused CPU flash ops as block kernel
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
     p.add_argument("--plan", choices=("ring", "all-to-all"), default="ring", help="communication plan (default ring)")
     p.add_argument("--dtype", choices=_DTYPES, default="fp32", help="input dtype (default fp32)")
+    p.add_argument("--kernel", default="math",
+                   help="block kernel: 'math' (default, pure torch, any dtype) or 'cpu-flash' (torch's fused "
+                        "CPU flash ops, fp32/bf16); see megatron_fcp.attention.kernels.BLOCK_KERNELS")
     p.add_argument("--no-causal", dest="causal", action="store_false", help="attend to every token (no causal mask)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the gloo group is killed")
@@ -64,7 +68,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     stats = FCPStats()
     dist.barrier()
     out, lse = fcp_attention_with_lse(ql, kl, vl, cp_group=group, plan=cfg["plan"], causal=cfg["causal"],
-                                      stats=stats)
+                                      stats=stats, kernel=cfg["kernel"])
     out.backward(zigzag_split(do, world, rank))
     plan = resolve_plan(cfg["plan"], tuple(range(world)), cfg["causal"])
     blk = ql.shape[0] // 2
@@ -80,7 +84,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_fcp.attention.kernels import reference_attention
+    from megatron_fcp.attention.kernels import reference_attention, resolve_kernel
     from megatron_fcp.attention.layout import zigzag_unsplit
     from megatron_fcp.launch import run_gloo
 
@@ -90,10 +94,16 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_heads < 1 or args.heads % args.kv_heads != 0:
         print(f"error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
         return 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[args.dtype]
+    try:  # a kernel that cannot run these inputs fails here, before any process starts
+        resolve_kernel(args.kernel, dtype, "cpu")
+    except ValueError as e:
+        print(f"error: --kernel: {e}")
+        return 2
     cfg = {k: getattr(args, k) for k in ("seq", "batch", "heads", "kv_heads", "head_dim", "plan", "dtype",
-                                          "causal", "seed")}
+                                          "causal", "seed", "kernel")}
     print(f"megatron-fcp demo: cp={args.cp} seq={args.seq} batch={args.batch} heads={args.heads}/{args.kv_heads} "
-          f"head_dim={args.head_dim} dtype={args.dtype} plan={args.plan} causal={args.causal}")
+          f"head_dim={args.head_dim} dtype={args.dtype} plan={args.plan} causal={args.causal} kernel={args.kernel}")
     t0 = time.perf_counter()
     results = run_gloo(_worker, args.cp, cfg, timeout_s=args.timeout)
     t_group = time.perf_counter() - t0
