@@ -24,10 +24,14 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Mapping
 
-__all__ = ["FCPConfig", "GRAPHS", "field_docs", "flag_of", "load_yaml"]
+__all__ = ["FCPConfig", "GRAPHS", "KERNELS", "field_docs", "flag_of", "load_yaml"]
 
 #: Graph builders a user may ask for (``auto`` lets the planner choose from the topology).
 GRAPHS: tuple[str, ...] = ("auto", "ring", "full", "hierarchical", "leader", "spanning", "balanced")
+
+#: Block kernels (the names of ``megatron_fcp.attention.kernels.BLOCK_KERNELS``, kept here so
+#: that config stays torch-free; a test checks the two agree).
+KERNELS: tuple[str, ...] = ("math", "cpu-flash")
 
 _PRESET_SPEC = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*(:[0-9]+)?$")
 
@@ -59,6 +63,10 @@ class FCPConfig:
     overlap: bool = True
     """Overlap block transfers with attention compute (off: communicate, then compute)."""
 
+    kernel: str = field(default="math", metadata={"choices": KERNELS})
+    """Block attention kernel: math (pure torch, any dtype and device; the default) or cpu-flash
+    (torch's fused CPU flash-attention ops; FP32/BF16 on CPU only, faster on CPU)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"--fcp (fcp.enabled) must be true or false, got {self.enabled!r}")
@@ -87,6 +95,10 @@ class FCPConfig:
             )
         if not isinstance(self.overlap, bool):
             raise ValueError(f"--fcp-overlap (fcp.overlap) must be true or false, got {self.overlap!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(
+                f"unknown block kernel {self.kernel!r}: set --fcp-kernel (fcp.kernel) to one of " + ", ".join(KERNELS)
+            )
 
     # ---- derived -----------------------------------------------------------------------------
     def parts_per_chunk(self, chunk_tokens: int) -> int:

@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from megatron_fcp.config import GRAPHS, FCPConfig, field_docs, flag_of
+from megatron_fcp.config import GRAPHS, KERNELS, FCPConfig, field_docs, flag_of
 from megatron_fcp.patches.args import (
     add_fcp_args,
     apply_yaml_defaults,
@@ -25,7 +25,14 @@ def _parser() -> argparse.ArgumentParser:
 def test_defaults_are_valid_and_disabled():
     cfg = FCPConfig()
     assert cfg.enabled is False and cfg.graph == "auto" and cfg.topology == "auto"
-    assert cfg.block_tokens == 0 and cfg.overlap is True
+    assert cfg.block_tokens == 0 and cfg.overlap is True and cfg.kernel == "math"
+
+
+def test_kernel_names_are_the_attention_registry():
+    from megatron_fcp.attention.kernels import BLOCK_KERNELS
+
+    assert set(KERNELS) == set(BLOCK_KERNELS)
+    assert all(FCPConfig(kernel=name).kernel == name for name in KERNELS)
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -43,6 +50,7 @@ def test_every_graph_name_is_accepted(graph):
         ({"block_tokens": True}, "--fcp-block-tokens", ">= 0"),
         ({"overlap": "yes"}, "--fcp-overlap", "true or false"),
         ({"enabled": 1}, "--fcp", "true or false"),
+        ({"kernel": "flash"}, "--fcp-kernel", "unknown block kernel 'flash'"),
     ],
 )
 def test_bad_values_name_the_flag(kwargs, flag, words):
@@ -97,6 +105,7 @@ def test_flags_are_generated_from_every_field_with_docstring_help():
     assert flag_of("enabled") == "--fcp" and flag_of("block_tokens") == "--fcp-block-tokens"
     assert "--no-fcp-overlap" in options and "--fcp-config" in options
     assert list(options["--fcp-graph"].choices) == list(GRAPHS)
+    assert list(options["--fcp-kernel"].choices) == list(KERNELS)
 
 
 def test_add_fcp_args_twice_is_a_noop():
@@ -108,10 +117,10 @@ def test_add_fcp_args_twice_is_a_noop():
 def test_flags_parse_into_config():
     args = _parser().parse_args(
         ["--fcp", "--fcp-graph", "spanning", "--fcp-topology", "pcie-box:2", "--fcp-block-tokens", "512",
-         "--no-fcp-overlap"]
+         "--no-fcp-overlap", "--fcp-kernel", "cpu-flash"]
     )
     assert fcp_config_from_args(args) == FCPConfig(
-        enabled=True, graph="spanning", topology="pcie-box:2", block_tokens=512, overlap=False
+        enabled=True, graph="spanning", topology="pcie-box:2", block_tokens=512, overlap=False, kernel="cpu-flash"
     )
     assert fcp_config_from_args(_parser().parse_args([])) == FCPConfig()
 

@@ -220,6 +220,7 @@ class FCPCoreAttention(torch.nn.Module):
             out, _ = fcp_attention_with_lse(
                 query, key, value, cp_group=self.cp_group, plan=plan, causal=causal,
                 softmax_scale=self.softmax_scale, transport=_transport(runtime, self.cp_group),
+                kernel=runtime.config.kernel,
             )
         return out.reshape(s, b, h * d)  # [s, b, h*d]
 
