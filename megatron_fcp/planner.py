@@ -35,10 +35,9 @@ from __future__ import annotations
 import gc
 import heapq
 from contextlib import contextmanager
-from itertools import repeat
 from typing import Sequence
 
-from megatron_fcp.plan import Block, Plan, PlanError, Transfer, _make_transfer
+from megatron_fcp.plan import Block, Plan, PlanError, Transfer, _make_transfer, _make_transfers
 from megatron_fcp.topology.graph import (
     CommGraph,
     check_cp_ranks,
@@ -57,7 +56,7 @@ def readers(ranks: Sequence[int], owner_index: int, chunk: int, causal: bool) ->
     """Ranks that need chunk ``chunk`` of CP rank ``owner_index`` (see Note in plan.py), CP order."""
     if causal and chunk == 1:
         return list(ranks[:owner_index])
-    return [r for j, r in enumerate(ranks) if j != owner_index]
+    return [*ranks[:owner_index], *ranks[owner_index + 1:]]
 
 
 @contextmanager
@@ -126,7 +125,7 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance)
         else:
             plan_rounds = _waves([(o, c, runs_of(t, d)) for o, c, t, d in trees], P, stagger)
 
-    if cg.graph is not None and sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
+    if sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
         plan_rounds = _fast_links_first(cg, plan_rounds)
     plan = Plan(ranks, plan_rounds, causal, P, name=cg.name)
     plan.meta.update(graph=cg.name, max_sends=max_sends, max_recvs=max_recvs, pipeline_parts=stagger)
@@ -152,11 +151,11 @@ def _count(trees, P: int) -> int:
 def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]:
     """ASAP placement: edge at depth d of part p in round d-1 (+p when staggered).
 
-    Each tree comes as runs of equal depth (:func:`runs_of`); a run is appended to its round in
-    one ``map`` (the 1,024-rank plan creates ~1.5M transfers here).
+    Each tree comes as runs of equal depth (:func:`runs_of`); a run is appended to its round as
+    one batch (:func:`~megatron_fcp.plan._make_transfers`; the 1,024-rank plan creates ~1.5M
+    transfers here).
     """
     rounds: dict[int, list[Transfer]] = {}
-    make = _make_transfer
     for owner, chunk, runs in tree_runs:
         for p in range(P):
             b = Block(owner, chunk, p)
@@ -166,7 +165,7 @@ def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]
                 rnd = rounds.get(k)
                 if rnd is None:
                     rounds[k] = rnd = []
-                rnd.extend(map(make, us, vs, repeat(b, len(us))))
+                rnd.extend(_make_transfers(us, vs, b))
     n = max(rounds, default=-1) + 1
     return tuple(tuple(rounds.get(k, ())) for k in range(n))
 

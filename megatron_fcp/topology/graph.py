@@ -33,10 +33,11 @@ reproduces ``parallel_state``'s CP groups so callers can pass real rank lists.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable, Iterable, Mapping, Sequence
 
 import networkx as nx
+import numpy as np
 
 from megatron_fcp.topology.model import Topology, TopologyError
 
@@ -62,18 +63,59 @@ TreeEdges = list[tuple[int, int]]
 """Multicast tree as ``(parent, child)`` edges, every parent listed before its children's edges."""
 
 
-@dataclass
 class CommGraph:
-    """A builder's graph over the CP group ``ranks`` (global ranks in CP order)."""
+    """A builder's graph over the CP group ``ranks`` (global ranks in CP order).
 
-    name: str
-    ranks: tuple[int, ...]
-    graph: nx.DiGraph
-    topology: Topology | None = None
-    builder: "GraphBuilder | None" = None
-    pipeline_parts: bool = True
-    """Whether sub-blocks of one chunk are staggered over rounds (pipelining relays)."""
-    meta: dict = field(default_factory=dict)
+    Builders hand over their edges as a list (``edges``, in insertion order, self-loops and
+    repeats dropped); the networkx graph (``graph``, edge attributes from the topology) is built
+    on first use, since compiling a plan only needs the builder's trees: a 1,024-rank rail graph
+    has ~137K edges that a plain compile never looks up. A CommGraph can also wrap a ready
+    ``nx.DiGraph``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ranks: tuple[int, ...],
+        graph: nx.DiGraph | None = None,
+        topology: Topology | None = None,
+        builder: "GraphBuilder | None" = None,
+        pipeline_parts: bool = True,
+        meta: dict | None = None,
+        *,
+        edges: Iterable[tuple[int, int]] | None = None,
+    ):
+        if (graph is None) == (edges is None):
+            raise ValueError(f"graph {name!r}: give exactly one of graph= (networkx) or edges= (a list)")
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.topology = topology
+        self.builder = builder
+        self.pipeline_parts = pipeline_parts
+        """Whether sub-blocks of one chunk are staggered over rounds (pipelining relays)."""
+        self.meta = meta if meta is not None else {}
+        self._graph = graph
+        self._edges = None if edges is None else list(dict.fromkeys((a, b) for a, b in edges if a != b))
+
+    @property
+    def edges(self) -> list[tuple[int, int]]:
+        """Directed edges ``(a, b)`` in insertion order."""
+        if self._edges is None:
+            self._edges = list(self._graph.edges)
+        return self._edges
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The networkx graph: vertices = ``ranks``, edges carry ``cost``, ``bandwidth``, ``kind``."""
+        if self._graph is None:
+            g = nx.DiGraph()
+            g.add_nodes_from(self.ranks)
+            g.add_edges_from((a, b, _edge_attrs(self.topology, a, b)) for a, b in self._edges)
+            self._graph = g
+        return self._graph
+
+    def __repr__(self) -> str:
+        return f"CommGraph({self.name!r}, cp={len(self.ranks)}, edges={len(self.edges)})"
 
     def tree(self, owner: int, dests: Sequence[int], chunk: int = 0) -> TreeEdges:
         """Multicast tree from ``owner`` to ``dests`` (for the owner's zigzag ``chunk``) using only
@@ -103,22 +145,36 @@ class CommGraph:
         return runs_of(edges, _depths_of(edges, owner))
 
     def edge_list(self) -> list[tuple[int, int]]:
-        return sorted(self.graph.edges)
+        return sorted(self.edges)
 
     def check_connected(self) -> "CommGraph":
-        """Raise ValueError naming two ranks if some rank cannot reach another."""
-        if set(self.graph.nodes) != set(self.ranks):
-            extra = sorted(set(self.graph.nodes) - set(self.ranks))
-            missing = sorted(set(self.ranks) - set(self.graph.nodes))
+        """Raise ValueError naming two ranks if some rank cannot reach another.
+
+        Algorithm: vertices must be exactly ``ranks``; then a breadth-first search from
+        ``ranks[0]`` along the edges and one against them (:func:`_unreached`) must reach every
+        rank (strong connectivity). Errors name the smallest rank ``ranks[0]`` cannot reach, else
+        the first rank in CP order that cannot reach ``ranks[0]``.
+        """
+        ranks, edges = self.ranks, self.edges
+        vertices = set(self._graph.nodes) if self._graph is not None else set(chain(ranks, chain.from_iterable(edges)))
+        if vertices != set(ranks):
+            extra = sorted(vertices - set(ranks))
+            missing = sorted(set(ranks) - vertices)
             raise ValueError(f"graph {self.name!r}: vertices must be the CP group; extra {extra}, missing {missing}")
-        if len(self.ranks) > 1 and not nx.is_strongly_connected(self.graph):
-            reach = nx.descendants(self.graph, self.ranks[0]) | {self.ranks[0]}
-            if len(reach) < len(self.ranks):
-                lost = min(set(self.ranks) - reach)
-                raise ValueError(f"graph {self.name!r} is disconnected: rank {self.ranks[0]} cannot reach rank {lost}")
-            for r in self.ranks:
-                if self.ranks[0] not in nx.descendants(self.graph, r):
-                    raise ValueError(f"graph {self.name!r} is disconnected: rank {r} cannot reach rank {self.ranks[0]}")
+        if len(ranks) < 2:
+            return self
+        r = np.asarray(ranks, dtype=np.int64)
+        order = np.argsort(r)
+        flat = np.fromiter(chain.from_iterable(edges), dtype=np.int64, count=2 * len(edges))
+        ends = order[np.searchsorted(r[order], flat)].reshape(-1, 2)  # CP index of both ends
+        lost = _unreached(len(ranks), ends[:, 0], ends[:, 1])
+        if lost.any():
+            first = min(ranks[i] for i in np.nonzero(lost)[0])
+            raise ValueError(f"graph {self.name!r} is disconnected: rank {ranks[0]} cannot reach rank {first}")
+        lost = _unreached(len(ranks), ends[:, 1], ends[:, 0])
+        if lost.any():
+            r = ranks[int(np.argmax(lost))]
+            raise ValueError(f"graph {self.name!r} is disconnected: rank {r} cannot reach rank {ranks[0]}")
         return self
 
     def summary(self) -> str:
@@ -156,6 +212,23 @@ def check_cp_ranks(topology: Topology | None, cp_ranks: Iterable[int]) -> tuple[
     return ranks
 
 
+def _unreached(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Mask of vertices ``0..n-1`` that vertex 0 cannot reach along edges ``src[i] -> dst[i]``.
+
+    Algorithm: breadth-first search by levels, each level one vectorised pass over all edges
+    (levels <= diameter: 2-3 for rail graphs, ``n`` for a ring).
+    """
+    reached = np.zeros(n, dtype=bool)
+    reached[0] = True
+    frontier = reached.copy()
+    while frontier.any():
+        nxt = np.zeros(n, dtype=bool)
+        nxt[dst[frontier[src]]] = True
+        frontier = nxt & ~reached
+        reached |= frontier
+    return ~reached
+
+
 def _edge_attrs(topo: Topology | None, a: int, b: int) -> dict:
     """Edge attributes from the route; cached per (same node, local a, local b) since every node
     shares one layout (a 1,024-rank rail graph has ~130K edges but ~130 distinct routes)."""
@@ -169,18 +242,6 @@ def _edge_attrs(topo: Topology | None, a: int, b: int) -> dict:
         attrs = {"cost": route.cost, "bandwidth": route.bandwidth, "kind": route.kind}
         topo._cache[key] = attrs
     return attrs
-
-
-def _add_edge(g: nx.DiGraph, topo: Topology | None, a: int, b: int) -> None:
-    if a == b or g.has_edge(a, b):
-        return
-    g.add_edge(a, b, **_edge_attrs(topo, a, b))
-
-
-def _base_graph(ranks: Sequence[int]) -> nx.DiGraph:
-    g = nx.DiGraph()
-    g.add_nodes_from(ranks)
-    return g
 
 
 def _node_groups(topo: Topology, ranks: Sequence[int]) -> dict[int, list[int]]:
@@ -201,12 +262,12 @@ class GraphBuilder:
 
     def build(self, topology: Topology, cp_ranks: Sequence[int]) -> CommGraph:
         ranks = check_cp_ranks(topology, cp_ranks)
-        g = _base_graph(ranks)
-        meta = self._edges(topology, ranks, g)
-        cg = CommGraph(self.name, ranks, g, topology, self, self.pipeline_parts, meta or {})
+        edges, meta = self._edges(topology, ranks)
+        cg = CommGraph(self.name, ranks, None, topology, self, self.pipeline_parts, meta, edges=edges)
         return cg.check_connected()
 
-    def _edges(self, topo: Topology, ranks: tuple[int, ...], g: nx.DiGraph) -> dict | None:
+    def _edges(self, topo: Topology, ranks: tuple[int, ...]) -> tuple[list[tuple[int, int]], dict]:
+        """``(directed edges in insertion order, meta)``; self-loops and repeats are dropped."""
         raise NotImplementedError
 
     def tree(self, cg: CommGraph, owner: int, dests: Sequence[int], chunk: int = 0) -> TreeEdges:
@@ -232,9 +293,8 @@ class RingGraph(GraphBuilder):
     name = "ring"
     pipeline_parts = False  # TE sends a rank's whole KV every step
 
-    def _edges(self, topo, ranks, g):
-        for i, r in enumerate(ranks):
-            _add_edge(g, topo, r, ranks[(i + 1) % len(ranks)])
+    def _edges(self, topo, ranks):
+        return [(r, ranks[(i + 1) % len(ranks)]) for i, r in enumerate(ranks)], {}
 
     def tree(self, cg, owner, dests, chunk=0):
         ranks, cp = cg.ranks, len(cg.ranks)
@@ -249,10 +309,8 @@ class FullGraph(GraphBuilder):
 
     name = "full"
 
-    def _edges(self, topo, ranks, g):
-        for a in ranks:
-            for b in ranks:
-                _add_edge(g, topo, a, b)
+    def _edges(self, topo, ranks):
+        return [(a, b) for a in ranks for b in ranks if a != b], {}
 
     def tree(self, cg, owner, dests, chunk=0):
         return [(owner, d) for d in dests]
@@ -264,12 +322,44 @@ class FullGraph(GraphBuilder):
         return [(1, [owner] * len(dests), list(dests))]
 
 
+class _RailLayout:
+    """A rail-striped CP group flattened node by node, as arrays for vectorised trees.
+
+    Flat order: nodes in ``groups`` order, each node's members in rail (local rank) order.
+    ``ranks[k]`` is the global rank at flat position ``k``, ``node[k]`` its node's position,
+    ``rail_pos[k]`` its rail position inside the node, ``starts`` each node's first flat
+    position, ``index`` global rank -> flat position. ``relay[p][k]`` is the flat position of the
+    member of ``k``'s node at rail position ``p mod node size`` (where a block leaving another
+    node on rail ``p`` enters ``k``'s node, see Note [Rail striping]); ``is_relay[p][k]`` says
+    whether ``k`` is that member.
+    """
+
+    def __init__(self, groups: Mapping[int, Sequence[int]]):
+        members = list(groups.values())
+        sizes = np.array([len(m) for m in members], dtype=np.int64)
+        self.ranks = np.array([r for m in members for r in m], dtype=np.int64)
+        n = len(self.ranks)
+        self.node = np.repeat(np.arange(len(members)), sizes)
+        self.starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        self.rail_pos = (np.arange(n) - self.starts[self.node]).tolist()
+        self.index = {r: k for k, r in enumerate(self.ranks.tolist())}
+        order = np.argsort(self.ranks)
+        self._sorted, self._sorted_pos = self.ranks[order], order
+        size_of, start_of = sizes[self.node], self.starts[self.node]
+        self.relay = [start_of + p % size_of for p in range(int(sizes.max()))]
+        self.is_relay = [relay == np.arange(n) for relay in self.relay]
+
+    def positions(self, ranks: Sequence[int]) -> np.ndarray:
+        """Flat positions of ``ranks`` (all members of the group)."""
+        return self._sorted_pos[np.searchsorted(self._sorted, np.asarray(ranks, dtype=np.int64))]
+
+
 class HierarchicalGraph(GraphBuilder):
     """Rail-striped: full mesh inside a node, rail peers across nodes; see Note [Rail striping]."""
 
     name = "hierarchical"
 
-    def _edges(self, topo, ranks, g):
+    def _edges(self, topo, ranks):
         groups = _node_groups(topo, ranks)
         edges = [(a, b) for members in groups.values() for a in members for b in members if a != b]
         pos = {r: k for members in groups.values() for k, r in enumerate(members)}
@@ -278,8 +368,7 @@ class HierarchicalGraph(GraphBuilder):
             for node, members in groups.items():
                 if node != node_of[a]:
                     edges.append((a, members[pos[a] % len(members)]))
-        g.add_edges_from((a, b, _edge_attrs(topo, a, b)) for a, b in edges)
-        return {"groups": groups, "pos": pos, "node_of": node_of}
+        return edges, {"groups": groups, "pos": pos, "node_of": node_of, "rails": _RailLayout(groups)}
 
     def _peer(self, cg: CommGraph, rank: int, node: int) -> int:
         members = cg.meta["groups"][node]
@@ -293,32 +382,34 @@ class HierarchicalGraph(GraphBuilder):
         return self.tree_with_depths(cg, owner, dests, chunk)[0]
 
     def tree_runs(self, cg, owner, dests, chunk=0):
-        """Same tree as :meth:`tree_with_depths`, as two runs built from whole member lists."""
+        """Same tree as :meth:`tree_with_depths`, as two runs, by masks over the flat layout.
+
+        Over the group flattened node by node (:class:`_RailLayout`), the first run's receivers
+        are, in flat order, the owner's node's readers and, on every other node holding a
+        reader, its relay (the member on the owner's rail); the second run is every other reader
+        off the owner's node, sent by its node's relay. O(cp) numpy work per block.
+        """
         if self._exit(cg, owner, chunk) != owner:
             return super().tree_runs(cg, owner, dests, chunk)
-        meta = cg.meta
-        groups, node_of, pos = meta["groups"], meta["node_of"], meta["pos"]
-        home = node_of[owner]
-        everyone = len(dests) == len(cg.ranks) - 1
-        want = None if everyone else set(dests)
-        d1: list[int] = []
-        s2: list[int] = []
-        d2: list[int] = []
-        for node, members in groups.items():
-            if node == home:
-                d1.extend([d for d in members if d != owner and (everyone or d in want)])
-                continue
-            readers = members if everyone else [d for d in members if d in want]
-            if not readers:
-                continue
-            relay = members[pos[owner] % len(members)]
-            d1.append(relay)
-            rest = [d for d in readers if d != relay]
-            s2.extend([relay] * len(rest))
-            d2.extend(rest)
+        lay: _RailLayout = cg.meta["rails"]
+        k = lay.index[owner]
+        n = len(lay.ranks)
+        if len(dests) == n - 1:  # chunk 0 / no mask: everyone but the owner reads
+            reader = np.ones(n, dtype=bool)
+            reader[k] = False
+        else:
+            reader = np.zeros(n, dtype=bool)
+            reader[lay.positions(dests)] = True
+        home = lay.node == lay.node[k]
+        rail = lay.rail_pos[k]
+        relay, is_relay = lay.relay[rail], lay.is_relay[rail]
+        node_reads = np.logical_or.reduceat(reader, lay.starts)[lay.node]
+        first = np.where(home, reader, is_relay & node_reads)
+        second = ~home & reader & ~is_relay
+        d1 = lay.ranks[first].tolist()
         runs = [(1, [owner] * len(d1), d1)] if d1 else []
-        if d2:
-            runs.append((2, s2, d2))
+        if second.any():
+            runs.append((2, lay.ranks[relay[second]].tolist(), lay.ranks[second].tolist()))
         return runs
 
     def tree_with_depths(self, cg, owner, dests, chunk=0):
@@ -381,8 +472,8 @@ class BalancedGraph(HierarchicalGraph):
     def __repr__(self) -> str:
         return f"BalancedGraph(kv_sizes={self.kv_sizes or None})"
 
-    def _edges(self, topo, ranks, g):
-        meta = super()._edges(topo, ranks, g)
+    def _edges(self, topo, ranks):
+        edges, meta = super()._edges(topo, ranks)
         exits: dict[tuple[int, int], int] = {}
         for members in meta["groups"].values():
             w = {o: float(self.kv_sizes.get(o, 1.0)) for o in members}
@@ -404,7 +495,7 @@ class BalancedGraph(HierarchicalGraph):
                     exits[it] = r
         meta["exits"] = exits
         meta["kv_sizes"] = dict(self.kv_sizes)
-        return meta
+        return edges, meta
 
     def _exit(self, cg, owner, chunk):
         return cg.meta["exits"][(owner, chunk)]
@@ -419,19 +510,14 @@ class LeaderGraph(GraphBuilder):
 
     name = "leader"
 
-    def _edges(self, topo, ranks, g):
+    def _edges(self, topo, ranks):
         groups = {}
         for r in ranks:
             groups.setdefault(topo.node_of(r), []).append(r)  # CP order: leader = first CP rank
-        for members in groups.values():
-            for a in members:
-                for b in members:
-                    _add_edge(g, topo, a, b)
+        edges = [(a, b) for members in groups.values() for a in members for b in members]
         leaders = {n: m[0] for n, m in groups.items()}
-        for a in leaders.values():
-            for b in leaders.values():
-                _add_edge(g, topo, a, b)
-        return {"leaders": leaders}
+        edges += [(a, b) for a in leaders.values() for b in leaders.values()]
+        return edges, {"leaders": leaders}
 
     def tree(self, cg, owner, dests, chunk=0):
         topo = cg.topology
@@ -465,7 +551,7 @@ class SpanningGraph(GraphBuilder):
 
     name = "spanning"
 
-    def _edges(self, topo, ranks, g):
+    def _edges(self, topo, ranks):
         groups = _node_groups(topo, ranks)
         cand = nx.Graph()
         cand.add_nodes_from(ranks)
@@ -491,10 +577,7 @@ class SpanningGraph(GraphBuilder):
             if uf[a] != uf[b]:
                 uf.union(a, b)
                 mst.add_edge(a, b)
-        for a, b in mst.edges:
-            _add_edge(g, topo, a, b)
-            _add_edge(g, topo, b, a)
-        return {"tree": mst}
+        return [e for a, b in mst.edges for e in ((a, b), (b, a))], {"tree": mst}
 
     def tree(self, cg, owner, dests, chunk=0):
         return _prune_bfs(cg.meta["tree"], owner, dests)
