@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
 
 import networkx as nx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_fcp.plan import build_plan
 from megatron_fcp.topology.graph import (
@@ -16,6 +19,7 @@ from megatron_fcp.topology.graph import (
     check_cp_ranks,
     get_builder,
     megatron_cp_groups,
+    runs_of,
     steiner_tree,
 )
 from megatron_fcp.topology.model import PRESETS, TopologyError, load_topology
@@ -120,6 +124,47 @@ def test_builders_and_errors():
     g.add_edges_from([(0, 1), (1, 0), (2, 3), (3, 2)])
     with pytest.raises(ValueError, match="disconnected"):
         CommGraph("islands", (0, 1, 2, 3), g).check_connected()
+
+
+def test_connectivity_errors_name_both_directions():
+    g = nx.DiGraph([(0, 1), (0, 2), (1, 2), (2, 1)])  # 0 reaches everyone, nobody reaches 0
+    with pytest.raises(ValueError, match="rank 1 cannot reach rank 0"):
+        CommGraph("one-way", (0, 1, 2), g).check_connected()
+    with pytest.raises(ValueError, match="rank 0 cannot reach rank 3"):
+        CommGraph("lost", (0, 1, 2, 3), None, edges=[(0, 1), (1, 0), (1, 2), (2, 1), (3, 0)]).check_connected()
+    with pytest.raises(ValueError, match="extra \\[7\\]"):
+        CommGraph("outside", (0, 1), None, edges=[(0, 1), (1, 0), (1, 7)]).check_connected()
+    with pytest.raises(ValueError, match="exactly one of"):
+        CommGraph("neither", (0, 1))
+
+
+def test_edge_list_graph_is_built_lazily_without_loops_or_repeats():
+    topo = load_topology("dgx-h100:1")
+    cg = CommGraph("list", (0, 1, 2), None, topo, edges=[(0, 1), (1, 1), (0, 1), (1, 2), (2, 0)])
+    assert cg.edges == [(0, 1), (1, 2), (2, 0)] and cg._graph is None
+    cg.check_connected()
+    assert cg._graph is None  # connectivity is checked on the edge list
+    assert list(cg.graph.edges) == cg.edges and set(cg.graph.nodes) == {0, 1, 2}
+    assert cg.graph[0][1]["kind"] == topo.route(0, 1).kind
+
+
+@settings(max_examples=40, deadline=None)
+@given(nodes=st.integers(1, 5), per_node=st.integers(1, 8), seed=st.integers(0, 10**6))
+def test_rail_tree_runs_match_tree_with_depths(nodes, per_node, seed):
+    """The vectorised runs of hierarchical/balanced trees equal the specification's runs."""
+    rng = random.Random(seed)
+    topo = load_topology(f"dgx-h100:{nodes}")
+    ranks = rng.sample(range(topo.world), max(2, min(topo.world, nodes * per_node)))
+    sizes = {r: rng.choice((1.0, 1.0, 3.0)) for r in ranks}
+    for builder in (get_builder("hierarchical"), BalancedGraph(sizes)):
+        cg = builder.build(topo, ranks)
+        for owner in ranks:
+            others = [r for r in ranks if r != owner]
+            for dests in (others, others[: rng.randint(1, len(others))], rng.sample(others, rng.randint(1, len(others)))):
+                for chunk in (0, 1):
+                    want = [(d, list(us), list(vs)) for d, us, vs in runs_of(*cg.tree_with_depths(owner, dests, chunk))]
+                    got = [(d, list(us), list(vs)) for d, us, vs in cg.tree_runs(owner, dests, chunk)]
+                    assert got == want, (builder, owner, dests, chunk)
 
 
 def test_steiner_tree_uses_graph_edges_and_reaches_every_dest():

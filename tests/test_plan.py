@@ -203,7 +203,9 @@ def _mutate(plan: Plan, rng: random.Random) -> Plan:
             if (items[j][1].dst, items[j][1].block) not in forwarded:  # a leaf moved earlier is still valid
                 items.pop(j)
     elif kind == "outside":
-        items[i] = (k, Transfer(t.src, max(plan.ranks) + 1 + rng.randrange(5), t.block))
+        gap = min(plan.ranks) + 1  # inside the ranks' span but (with strided ranks) not a member
+        outside = gap if gap not in plan.ranks and rng.random() < 0.5 else max(plan.ranks) + 1 + rng.randrange(5)
+        items[i] = (k, Transfer(t.src, outside, t.block))
     else:
         others = [r for r in plan.ranks if r not in (t.src, t.dst)]
         if not others:
@@ -277,15 +279,31 @@ def test_random_topologies_and_groups_give_verified_plans(topo, data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(cp=st.integers(1, 9), causal=st.booleans(), parts=st.integers(1, 3), seed=st.integers(0, 10**6))
-def test_fast_verify_matches_reference_on_builtin_plans(cp, causal, parts, seed):
-    ranks = list(range(100, 100 + cp))
+@given(cp=st.integers(1, 9), causal=st.booleans(), parts=st.integers(1, 3), seed=st.integers(0, 10**6),
+       stride=st.sampled_from([1, 3, 10**9]))
+def test_fast_verify_matches_reference_on_builtin_plans(cp, causal, parts, seed, stride):
+    """Strides: dense ranks (lookup table), gaps (TP-strided groups), sparse (binary search)."""
+    ranks = [100 + stride * i for i in range(cp)]
     random.Random(seed).shuffle(ranks)
     for plan in (ring_plan(ranks, causal, parts), all_to_all_plan(ranks, causal, parts)):
         assert _outcome(plan.verify) is None and _outcome(plan._verify_reference) is None
         if plan.num_transfers():
             bad = _mutate(plan, random.Random(seed))
             assert _outcome(bad.verify) == _outcome(bad._verify_reference)
+
+
+def test_batch_made_transfers_equal_constructed_ones():
+    from megatron_fcp.plan import _make_transfer, _make_transfers
+
+    b = Block(3, 1, 2)
+    batch = _make_transfers([0, 1, 2], (5, 6, 7), b)
+    assert batch == [Transfer(0, 5, b), Transfer(1, 6, b), Transfer(2, 7, b)]
+    assert [hash(t) for t in batch] == [hash(Transfer(s, d, b)) for s, d in ((0, 5), (1, 6), (2, 7))]
+    assert _make_transfer(4, 9, b) == Transfer(4, 9, b) and str(batch[0]) == "0->5:B(r3,c1,p2)"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch[0].src = 1
+    with pytest.raises(ValueError, match="3 sources but 2 destinations"):
+        _make_transfers([0, 1, 2], [5, 6], b)
 
 
 # ---- plans stay the same when the compiler gets faster ---------------------------------------------
