@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import math
 import random
-import time
 from collections import Counter
 from itertools import chain
 from operator import attrgetter
@@ -382,19 +380,13 @@ def test_compiled_plans_are_unchanged(case):
     assert plan_digest(plan) == PLAN_DIGESTS[case]
 
 
-def test_1024_rank_compile_and_verify_time():
-    """Issue 3: compile + verify of a 1,024-rank plan (128 DGX-H100 nodes, cp = 1,024).
-
-    The issue's "under 2 s here" is measured by ``benchmarks/bench_planner.py`` (best and median
-    of 3, ~1 s on a 2-core machine); this test only guards against an order-of-magnitude
-    regression with a bound a busy 2-core CI box cannot miss, and checks the plan is unchanged.
+def test_1024_rank_plan_compiles_verifies_and_is_unchanged():
+    """Issue 3: a 1,024-rank plan (128 DGX-H100 nodes, cp = 1,024) compiles, verifies, and is the
+    same plan as before the speed work (digest). Its time ("under 2 s here") is a performance claim
+    and lives in ``benchmarks/bench_planner.py`` (best and median of 3, ~1 s on a 2-core machine),
+    not in a test.
     """
     topo = load_topology("dgx-h100:128")
-    gc.collect()
-    t0 = time.perf_counter()
     plan = build_plan(topo, range(1024), "hierarchical")
-    elapsed = time.perf_counter() - t0
-    print(f"1024-rank hierarchical compile+verify: {elapsed:.2f} s, {plan.num_transfers()} transfers")
     assert plan.num_transfers() == 1.5 * 1024 * 1023
     assert plan_digest(plan) == DIGEST_1024
-    assert elapsed < 6.0
