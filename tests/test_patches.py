@@ -3,6 +3,7 @@ the order-of-setup errors on a real 2-process gloo group."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from types import SimpleNamespace
@@ -367,6 +368,21 @@ def _order_worker(rank: int, world: int) -> dict:
         setup_fcp(fcp, seq_len=32)
         model = gpt(cfg)
         out["loss_after"] = float(model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum())
+        # 6) the configured block kernel reaches the attention: cpu-flash trains the same model to
+        #    FP32 rounding, and refuses FP64 inputs (which only the kernel itself checks).
+        revert_fcp()
+        flash = dataclasses.replace(fcp, kernel="cpu-flash")
+        apply_fcp(flash)
+        setup_fcp(flash, seq_len=32)
+        model = gpt(cfg)
+        out["loss_flash"] = float(model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum())
+        attn = FCPCoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal)
+        q64 = torch.randn(16, 1, 4, 8, dtype=torch.float64)
+        try:
+            attn(q64, q64, q64, None)
+            out["flash_fp64"] = "ran"
+        except ValueError as e:
+            out["flash_fp64"] = str(e)
     finally:
         revert_fcp()
         ps.destroy_model_parallel()
@@ -383,6 +399,8 @@ def test_order_of_setup_on_gloo():
         assert "Context parallelism is only supported by TEDotProductAttention" in r["local_cp2_without_fcp"]
         assert "re-created after" in r["stale_group"] and "rebuild the model" in r["stale_group"]
         assert r["loss_after"] == pytest.approx(r["loss_before"], rel=1e-6)  # same seed, same model
+        assert r["loss_flash"] == pytest.approx(r["loss_before"], rel=1e-5)  # another kernel, FP32 rounding
+        assert "kernel='math'" in r["flash_fp64"], r["flash_fp64"]
 
 
 # ---- plan setup from Megatron's layout (pure) ---------------------------------------------------------
