@@ -44,7 +44,7 @@ its own children sent it (which arrive in later forward rounds, i.e. earlier bac
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import attrgetter
@@ -62,7 +62,6 @@ __all__ = [
     "need_set",
     "ring_plan",
     "all_to_all_plan",
-    "per_rank_counts",
     "build_plan",
 ]
 
@@ -346,15 +345,6 @@ def all_to_all_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: 
             rnd.extend(Transfer(src, dst, b) for b in blocks_of(src, parts_per_chunk) if b in needed)
         rounds.append(tuple(rnd))
     return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="all-to-all")
-
-
-def per_rank_counts(plan: Plan) -> dict[int, tuple[int, int]]:
-    """``{rank: (sends, receives)}`` over the whole plan (used by transport-counting tests)."""
-    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    for _, t in plan.transfers():
-        counts[t.src][0] += 1
-        counts[t.dst][1] += 1
-    return {r: (counts[r][0], counts[r][1]) for r in plan.ranks}
 
 
 def __getattr__(name: str):

@@ -317,7 +317,7 @@ def _list_schedule(trees, P, stagger, max_sends, max_recvs) -> tuple[tuple[Trans
                 heapq.heappush(heap, (p if stagger else 0, -h[e], seq, t, e, p))
                 seq += 1
     while heap:
-        due, negh, _, t, e, p = heapq.heappop(heap)
+        due, _, _, t, e, p = heapq.heappop(heap)
         owner, chunk, tree, _ = trees[t]
         u, v = tree[e]
         k = due
@@ -331,12 +331,6 @@ def _list_schedule(trees, P, stagger, max_sends, max_recvs) -> tuple[tuple[Trans
             seq += 1
     n = max(rounds, default=-1) + 1
     return tuple(tuple(rounds.get(k, ())) for k in range(n))
-
-
-def _default_block_bytes(cp: int, seq_len, kv_heads, head_dim, dtype_bytes, parts_per_chunk) -> float:
-    from megatron_fcp.simulate import kv_block_bytes
-
-    return kv_block_bytes(seq_len or 131072, cp, kv_heads or 8, head_dim or 128, dtype_bytes, parts_per_chunk)
 
 
 def build_plan(

@@ -214,11 +214,6 @@ def causal_pairs(q0, q1, k0, k1, causal: bool = True) -> np.ndarray:
     return np.where(q1 > q0, F(q1 - 1) - F(q0 - 1), 0)
 
 
-def _chunk_range(cp: int, cp_index: np.ndarray, chunk: np.ndarray, L: float):
-    g = np.where(chunk == 0, cp_index, 2 * cp - 1 - cp_index)
-    return g * L, (g + 1) * L
-
-
 def _block_pairs(cp: int, seq_len: int, P: int, q_index, owner_index, chunk, part, causal: bool) -> np.ndarray:
     """Allowed pairs between rank ``q_index``'s two zigzag query chunks and block (owner, chunk, part)."""
     L = seq_len // (2 * cp)

@@ -244,7 +244,6 @@ def topologies(draw):
         nics.append(Nic(f"nic{i}", draw(st.sampled_from(["ib", "ethernet"])), draw(bw)))
     layout = NodeLayout(gpus, tuple(links), tuple(nics))
     nodes = draw(st.integers(1, 3))
-    world = nodes * gpus
     rank_map = draw(st.permutations([(n, l) for n in range(nodes) for l in range(gpus)]))
     return Topology("random", layout, nodes, tuple(rank_map))
 

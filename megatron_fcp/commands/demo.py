@@ -56,7 +56,6 @@ def _inputs(cfg: dict):
 
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
-    import torch
     import torch.distributed as dist
 
     from megatron_fcp.attention.function import FCPStats, fcp_attention_with_lse, measure_comm_only, resolve_plan

@@ -370,10 +370,6 @@ class HierarchicalGraph(GraphBuilder):
                     edges.append((a, members[pos[a] % len(members)]))
         return edges, {"groups": groups, "pos": pos, "node_of": node_of, "rails": _RailLayout(groups)}
 
-    def _peer(self, cg: CommGraph, rank: int, node: int) -> int:
-        members = cg.meta["groups"][node]
-        return members[cg.meta["pos"][rank] % len(members)]
-
     def _exit(self, cg: CommGraph, owner: int, chunk: int) -> int:
         """Rank of the owner's node whose rail carries the owner's ``chunk`` off the node."""
         return owner
