@@ -34,11 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fcp.plan import build_plan, ring_plan  # noqa: E402
-from megatron_fcp.planner import compile_plan  # noqa: E402
-from megatron_fcp.simulate import AttentionShape, compare, simulate_plan  # noqa: E402
-from megatron_fcp.topology.graph import BUILDERS, build_graph  # noqa: E402
-from megatron_fcp.topology.model import load_topology  # noqa: E402
+from megatron_fcp.planning import build_plan, ring_plan  # noqa: E402
+from megatron_fcp.planning import compile_plan  # noqa: E402
+from megatron_fcp.planning import AttentionShape, compare, simulate_plan  # noqa: E402
+from megatron_fcp.planning import BUILDERS, build_graph  # noqa: E402
+from megatron_fcp.topology import load_topology  # noqa: E402
 
 SHAPE = AttentionShape(131072, heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
 HEADLINE = ("dgx-h100:2", "dgx-a100:2", "dgx-h100:4")
@@ -99,7 +99,7 @@ COMPILE_VERIFY_TARGET_S = 2.0
 """Issue 3: compiling and verifying a 1,024-rank plan takes under 2 s on the 2-core dev machine."""
 
 _FRESH = (
-    "import time; from megatron_fcp.plan import build_plan; from megatron_fcp.topology.model import load_topology; "
+    "import time; from megatron_fcp.planning import build_plan; from megatron_fcp.topology import load_topology; "
     "t = load_topology('dgx-h100:128'); t0 = time.perf_counter(); build_plan(t, range(1024), 'hierarchical'); "
     "print(time.perf_counter() - t0)"
 )
@@ -174,7 +174,7 @@ def main() -> int:
     result = {
         "shape": {"seq_len": SHAPE.seq_len, "heads": SHAPE.heads, "kv_heads": SHAPE.kv_heads,
                   "head_dim": SHAPE.head_dim, "dtype_bytes": SHAPE.dtype_bytes},
-        "model": "per-round bottleneck alpha-beta (megatron_fcp.simulate Note [Cost model]); 400 TFLOP/s compute",
+        "model": "per-round bottleneck alpha-beta (megatron_fcp.planning.cost Note [Cost model]); 400 TFLOP/s compute",
         "headline": headline("comm"),
         "headline_total": headline("total"),
         "single_node": single_node(args.quick),

@@ -37,13 +37,13 @@ def enable_fcp_from_megatron_args():
     """Patch Megatron's attention and settle the plans from Megatron-LM's parsed args.
 
     Idempotent: ``model_provider`` may run several times (virtual pipeline stages). Returns the
-    settled :class:`~megatron_fcp.setup_plan.FCPRuntime`, or None when ``--fcp`` is not given.
+    settled :class:`~megatron_fcp.patches.runtime.FCPRuntime`, or None when ``--fcp`` is not given.
     """
     from megatron.training import get_args, print_rank_0
 
     from megatron_fcp.patches.args import fcp_config_from_args
     from megatron_fcp.patches.megatron import apply_fcp
-    from megatron_fcp.setup_plan import current_runtime, setup_fcp
+    from megatron_fcp.patches.runtime import current_runtime, setup_fcp
 
     args = get_args()
     config = fcp_config_from_args(args)

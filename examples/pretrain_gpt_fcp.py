@@ -120,7 +120,8 @@ def validate_run(args: argparse.Namespace, fcp: FCPConfig, world: int):
     sequence not splittable into ``2*cp`` chunks, pipeline parallelism (not in this example),
     FCP's topology missing or smaller than the world.
     """
-    from megatron_fcp.setup_plan import MegatronLayout, resolve_topology  # noqa: PLC0415
+    from megatron_fcp.patches.runtime import resolve_topology  # noqa: PLC0415
+    from megatron_fcp.planning import MegatronLayout  # noqa: PLC0415
 
     layout = MegatronLayout(world=world, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
@@ -229,7 +230,7 @@ def train(
 
     from megatron_fcp.patches.cpu import apply_cpu_shims  # noqa: PLC0415
     from megatron_fcp.patches.megatron import apply_fcp, assert_model_uses_fcp, revert_fcp  # noqa: PLC0415
-    from megatron_fcp.setup_plan import setup_fcp  # noqa: PLC0415
+    from megatron_fcp.patches.runtime import setup_fcp  # noqa: PLC0415
 
     rank, world = dist.get_rank(), dist.get_world_size()
     say = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
@@ -260,7 +261,7 @@ def train(
             if layout.cp > 1:
                 plan = runtime.plan(tuple(ps.get_context_parallel_global_ranks()), causal=True,
                                     parts_per_chunk=runtime.parts_per_chunk(args.seq_length // layout.cp))
-                info.update(graph=plan.meta.get("graph", plan.name), topology=runtime.topology.name,
+                info.update(graph=plan.name, topology=runtime.topology.name,
                             plan_ranks=list(plan.ranks), rounds=len(plan.rounds),
                             transfers=plan.num_transfers())
                 say(runtime.summary(0))

@@ -2,11 +2,11 @@
 
 Public API (stable):
 
-* :func:`fcp_attention` — exact CP attention for one CP group driven by a :class:`~megatron_fcp.plan.Plan`.
+* :func:`fcp_attention` — exact CP attention for one CP group driven by a :class:`~megatron_fcp.planning.Plan`.
 * :func:`apply_fcp` / :func:`revert_fcp` — patch Megatron's core attention (and undo it exactly).
 * :class:`FCPConfig` — the one configuration object (also the source of the ``--fcp-*`` flags).
 * :func:`setup_fcp` — settle the CP plans from Megatron's process groups (before building the model).
-* :mod:`megatron_fcp.plan` — plans as data (``Plan``, ``ring_plan``, ``all_to_all_plan``, ``verify``).
+* :mod:`megatron_fcp.planning` — the pure planner: ``build_plan``, ``Plan`` (+ ``verify``), the cost model.
 
 Attributes are imported lazily so that ``import megatron_fcp`` never imports megatron-core or
 ``torch.distributed`` machinery the caller does not use.
@@ -24,8 +24,8 @@ _LAZY = {
     "revert_fcp": ("megatron_fcp.patches.megatron", "revert_fcp"),
     "fcp_patched": ("megatron_fcp.patches.megatron", "fcp_patched"),
     "FCPConfig": ("megatron_fcp.config", "FCPConfig"),
-    "setup_fcp": ("megatron_fcp.setup_plan", "setup_fcp"),
-    "plan": ("megatron_fcp.plan", None),
+    "setup_fcp": ("megatron_fcp.patches.runtime", "setup_fcp"),
+    "planning": ("megatron_fcp.planning", None),
 }
 
 __all__ = ["__version__", *_LAZY]

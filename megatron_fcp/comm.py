@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.plan import Transfer
+from megatron_fcp.planning.blocks import Transfer
 
 __all__ = [
     "CommTimeout",

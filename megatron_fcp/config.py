@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Mapping
 
-__all__ = ["FCPConfig", "GRAPHS", "KERNELS", "field_docs", "flag_of", "load_yaml"]
+from megatron_fcp.planning.builders import GRAPH_CHOICES
 
-#: Graph builders a user may ask for (``auto`` lets the planner choose from the topology).
-GRAPHS: tuple[str, ...] = ("auto", "ring", "full", "hierarchical", "leader", "spanning", "balanced")
+__all__ = ["FCPConfig", "KERNELS", "field_docs", "flag_of", "load_yaml"]
 
 #: Block kernels (the names of ``megatron_fcp.attention.kernels.BLOCK_KERNELS``, kept here so
 #: that config stays torch-free; a test checks the two agree).
@@ -47,10 +46,10 @@ class FCPConfig:
     enabled: bool = field(default=False, metadata={"flag": "--fcp"})
     """Replace Megatron's context-parallel attention with FCP's graph-scheduled attention."""
 
-    graph: str = field(default="auto", metadata={"choices": GRAPHS})
+    graph: str = field(default="auto", metadata={"choices": GRAPH_CHOICES})
     """Communication graph the KV blocks travel on: auto (chosen from the topology), ring, full,
     hierarchical (rail-striped across nodes, fan-out inside), leader (one uplink per node),
-    spanning (max-bandwidth tree), balanced."""
+    spanning (max-bandwidth tree)."""
 
     topology: str = field(default="auto", metadata={"metavar": "SPEC"})
     """Machine topology: auto (ranks per node from LOCAL_WORLD_SIZE), PRESET[:NODES] (dgx-a100,
@@ -70,10 +69,10 @@ class FCPConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"--fcp (fcp.enabled) must be true or false, got {self.enabled!r}")
-        if self.graph not in GRAPHS:
+        if self.graph not in GRAPH_CHOICES:
             raise ValueError(
                 f"unknown FCP graph {self.graph!r}: set --fcp-graph (fcp.graph) to one of "
-                + ", ".join(GRAPHS)
+                + ", ".join(GRAPH_CHOICES)
             )
         if not isinstance(self.topology, str) or not self.topology:
             raise ValueError("--fcp-topology (fcp.topology) must be auto, PRESET[:NODES] or FILE.yaml")

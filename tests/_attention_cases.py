@@ -23,7 +23,7 @@ QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 @dataclass(frozen=True)
 class Case:
     group: str            # "cp4" (world) or "cp2" (pairs {0,2} and {1,3})
-    plan: str             # "ring" | "all-to-all"
+    plan: str             # "ring" | "full"
     causal: bool
     heads: tuple          # (h, h_kv)
     dtype: str            # key of DTYPES
@@ -60,7 +60,7 @@ def _inputs(case: Case, cp: int):
 
 
 def _flip(t):
-    from megatron_fcp.plan import Transfer
+    from megatron_fcp.planning import Transfer
     return Transfer(t.dst, t.src, t.block)
 
 
@@ -94,7 +94,7 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_split
     from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
-    from megatron_fcp.plan import all_to_all_plan, ring_plan
+    from megatron_fcp.planning import full_plan, ring_plan
 
     cp, idx = len(group_ranks), group_ranks.index(rank)
     q, k, v, do = _inputs(case, cp)
@@ -112,7 +112,7 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
         res["atol"] = {n: 2 * ((local[n].to(dt) + 0.3 - 0.3) - local[n].to(dt)).abs().max().item()
                        for n in QUANTITIES}
     if case.parts > 1:
-        builder = ring_plan if case.plan == "ring" else all_to_all_plan
+        builder = ring_plan if case.plan == "ring" else full_plan
         plan_arg = builder(group_ranks, causal=case.causal, parts_per_chunk=case.parts)
     else:
         plan_arg = case.plan
@@ -161,7 +161,7 @@ def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
     """Each bad call must raise ValueError naming the fix, before posting anything."""
     from megatron_fcp.attention.function import fcp_attention_with_lse
     from megatron_fcp.comm import CountingTransport, GlooTransport
-    from megatron_fcp.plan import ring_plan
+    from megatron_fcp.planning import ring_plan
 
     def t(s=8, b=2, h=4, d=8, dtype=torch.float32, device="cpu"):
         return torch.randn(s, b, h, d, dtype=dtype, device=device)
@@ -206,7 +206,7 @@ def _timeout_probe(rank: int) -> str | None:
     import time
 
     from megatron_fcp.comm import CommTimeout, GlooTransport
-    from megatron_fcp.plan import Block, Transfer
+    from megatron_fcp.planning import Block, Transfer
 
     if rank == 0:
         transport = GlooTransport(dist.group.WORLD, timeout_s=0.5)

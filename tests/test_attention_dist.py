@@ -31,22 +31,22 @@ pytestmark = pytest.mark.dist
 CASES = [
     Case(group, plan, causal, heads, dtype)
     for group in ("cp4", "cp2")
-    for plan in ("ring", "all-to-all")
+    for plan in ("ring", "full")
     for causal in (True, False)
     for heads in ((4, 4), (4, 2))
     for dtype in ("fp64", "fp32", "bf16")
 ] + [
     Case(group, plan, causal, (4, 2), "bf16", extreme=True)
-    for group in ("cp4", "cp2") for plan in ("ring", "all-to-all") for causal in (True, False)
+    for group in ("cp4", "cp2") for plan in ("ring", "full") for causal in (True, False)
 ] + [
     Case(group, plan, True, (4, 2), dtype, parts=2)
-    for group in ("cp4", "cp2") for plan in ("ring", "all-to-all") for dtype in ("fp64", "fp32")
+    for group in ("cp4", "cp2") for plan in ("ring", "full") for dtype in ("fp64", "fp32")
 ] + [  # the fused CPU flash block kernel: diagonal, sub-block diagonal (parts=2), GQA, BF16, extreme
     Case("cp4", "ring", True, (4, 2), "fp32", kernel="cpu-flash"),
-    Case("cp4", "all-to-all", True, (4, 2), "fp32", parts=2, kernel="cpu-flash"),
-    Case("cp2", "all-to-all", False, (4, 4), "fp32", kernel="cpu-flash"),
+    Case("cp4", "full", True, (4, 2), "fp32", parts=2, kernel="cpu-flash"),
+    Case("cp2", "full", False, (4, 4), "fp32", kernel="cpu-flash"),
     Case("cp2", "ring", True, (4, 2), "bf16", parts=2, kernel="cpu-flash"),
-    Case("cp4", "all-to-all", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
+    Case("cp4", "full", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
 ]
 
 

@@ -8,7 +8,8 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from megatron_fcp.config import GRAPHS, KERNELS, FCPConfig, field_docs, flag_of
+from megatron_fcp.config import KERNELS, FCPConfig, field_docs, flag_of
+from megatron_fcp.planning import BUILDERS, GRAPH_CHOICES
 from megatron_fcp.patches.args import (
     add_fcp_args,
     apply_yaml_defaults,
@@ -35,9 +36,17 @@ def test_kernel_names_are_the_attention_registry():
     assert all(FCPConfig(kernel=name).kernel == name for name in KERNELS)
 
 
-@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("graph", GRAPH_CHOICES)
 def test_every_graph_name_is_accepted(graph):
     assert FCPConfig(graph=graph).graph == graph
+
+
+def test_graph_choices_come_from_the_builder_registry():
+    """One registry: the config, its flag and the CLI offer auto plus every builder that needs no KV
+    sizes; balanced (which needs sizes no runtime path supplies yet) is not offered by name."""
+    assert GRAPH_CHOICES == ("auto", *(n for n in BUILDERS if n != "balanced"))
+    with pytest.raises(ValueError, match="unknown FCP graph 'balanced'"):
+        FCPConfig(graph="balanced")
 
 
 @pytest.mark.parametrize(
@@ -104,7 +113,7 @@ def test_flags_are_generated_from_every_field_with_docstring_help():
         assert docs[f.name].split()[0] in action.help  # help text is the field docstring
     assert flag_of("enabled") == "--fcp" and flag_of("block_tokens") == "--fcp-block-tokens"
     assert "--no-fcp-overlap" in options and "--fcp-config" in options
-    assert list(options["--fcp-graph"].choices) == list(GRAPHS)
+    assert list(options["--fcp-graph"].choices) == list(GRAPH_CHOICES)
     assert list(options["--fcp-kernel"].choices) == list(KERNELS)
 
 

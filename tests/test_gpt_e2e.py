@@ -122,8 +122,9 @@ def test_tp2_cp2_matches_cp1(runs):
 @pytest.mark.dist
 def test_no_cp_transfer_touches_a_tp_peer(runs):
     from megatron_fcp.config import FCPConfig
-    from megatron_fcp.setup_plan import MegatronLayout, build_group_plan
-    from megatron_fcp.topology.model import load_topology
+    from megatron_fcp.patches.runtime import build_group_plan
+    from megatron_fcp.planning import MegatronLayout
+    from megatron_fcp.topology import load_topology
 
     results, _ = runs
     layout = MegatronLayout(world=4, tp=2, cp=2)

@@ -10,19 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_fcp.plan import build_plan
-from megatron_fcp.topology.graph import (
+from megatron_fcp.planning import build_plan
+from megatron_fcp.planning import (
     BUILDERS,
+    MegatronLayout,
     BalancedGraph,
     CommGraph,
     build_graph,
     check_cp_ranks,
     get_builder,
-    megatron_cp_groups,
     runs_of,
     steiner_tree,
 )
-from megatron_fcp.topology.model import PRESETS, TopologyError, load_topology
+from megatron_fcp.topology import PRESETS, TopologyError, load_topology
 
 CPS = (2, 3, 4, 8, 16, 64)
 
@@ -101,7 +101,7 @@ def test_balanced_spreads_uneven_kv_over_rails():
     sizes = {r: (8.0 if r in (0, 8) else 1.0) for r in range(16)}  # two long sequences
     hier = build_plan(topo, range(16), "hierarchical", causal=False)
     bal = build_plan(topo, range(16), BalancedGraph(sizes), causal=False)
-    assert bal.meta["graph"] == "balanced"
+    assert bal.name == "balanced" and bal.kv_sizes == tuple(sizes[r] for r in range(16))
     assert max(_rail_loads(bal, topo, sizes).values()) < max(_rail_loads(hier, topo, sizes).values())
     # equal sizes: identical to hierarchical
     same = build_plan(topo, range(16), BalancedGraph(), causal=False)
@@ -182,19 +182,22 @@ def test_steiner_tree_uses_graph_edges_and_reaches_every_dest():
 
 
 @pytest.mark.parametrize("world,tp,pp,cp", [(16, 2, 1, 8), (32, 2, 2, 4), (24, 3, 2, 2), (8, 1, 1, 8), (64, 4, 2, 2)])
-def test_megatron_cp_groups_match_rank_generator(world, tp, pp, cp):
+def test_megatron_layout_matches_rank_generator(world, tp, pp, cp):
+    """The one rank-layout source (MegatronLayout) against megatron-core's own RankGenerator."""
     ps = pytest.importorskip("megatron.core.parallel_state")
     dp = world // (tp * pp * cp)
-    expected = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("cp")
-    assert megatron_cp_groups(world, tp, pp, cp) == expected
+    gen = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    layout = MegatronLayout(world, tp, pp, cp)
+    assert [list(g) for g in layout.cp_groups()] == gen.get_ranks("cp")
+    assert sorted(map(list, layout.tp_groups())) == sorted(gen.get_ranks("tp"))
 
 
-def test_megatron_cp_groups_by_hand_and_errors():
-    assert megatron_cp_groups(16, tp=2, pp=1, cp=8) == [list(range(0, 16, 2)), list(range(1, 16, 2))]
-    with pytest.raises(ValueError, match="world: 16 is not divisible"):
-        megatron_cp_groups(16, tp=3, cp=2)
-    with pytest.raises(ValueError, match="tp"):
-        megatron_cp_groups(16, tp=0)
+def test_megatron_layout_by_hand_and_errors():
+    assert MegatronLayout(16, tp=2, pp=1, cp=8).cp_groups() == [tuple(range(0, 16, 2)), tuple(range(1, 16, 2))]
+    with pytest.raises(ValueError, match="world size 16 is not divisible"):
+        MegatronLayout(16, tp=3, cp=2)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size must be a positive integer"):
+        MegatronLayout(16, tp=0)
 
 
 @pytest.mark.parametrize("name", [*sorted(BUILDERS), "auto"])
@@ -202,7 +205,7 @@ def test_tp_safety_world16_tp2_cp8_two_nodes(name):
     """Megatron layout tp=2, cp=8 on two 8-GPU nodes: CP peers are strided by TP; no transfer may
     touch a rank of the other CP group (the TP partner)."""
     topo = load_topology("dgx-h100:2")
-    groups = megatron_cp_groups(16, tp=2, pp=1, cp=8)
+    groups = MegatronLayout(16, tp=2, pp=1, cp=8).cp_groups()
     for group in groups:
         plan = build_plan(topo, group, name)
         endpoints = {t.src for _, t in plan.transfers()} | {t.dst for _, t in plan.transfers()}

@@ -23,7 +23,7 @@ from megatron_fcp.attention.layout import (
     zigzag_unsplit,
 )
 from megatron_fcp.attention.merge import LseAccumulator
-from megatron_fcp.plan import blocks_of
+from megatron_fcp.planning import blocks_of
 
 F64 = torch.float64
 

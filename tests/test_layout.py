@@ -12,7 +12,7 @@ from megatron_fcp.attention.layout import (
     zigzag_split,
     zigzag_unsplit,
 )
-from megatron_fcp.plan import blocks_of
+from megatron_fcp.planning import blocks_of
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -84,7 +84,7 @@ def test_layout_errors_name_the_fix():
         zigzag_split(torch.zeros(16), 4, 4)
     with pytest.raises(ValueError, match="even"):
         zigzag_positions(5, 2, 0)
-    from megatron_fcp.plan import Block
+    from megatron_fcp.planning import Block
     with pytest.raises(ValueError, match="not in the CP group"):
         block_positions(Block(9, 0), (0, 1), 4)
     with pytest.raises(ValueError, match="parts_per_chunk"):

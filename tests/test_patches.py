@@ -13,7 +13,8 @@ import torch
 
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches import REGISTRY, PatchTargetError
-from megatron_fcp.setup_plan import FCPStateError, MegatronLayout, setup_fcp
+from megatron_fcp.patches.runtime import FCPStateError, setup_fcp
+from megatron_fcp.planning import MegatronLayout
 
 ORIGINAL_CALLED = "original called - patch failed"
 
@@ -428,7 +429,7 @@ def test_layout_errors_name_the_flag(text, words):
 
 
 def test_setup_fcp_settles_every_group_and_prints_the_rank_map():
-    from megatron_fcp.setup_plan import rank_map_table, resolve_topology
+    from megatron_fcp.patches.runtime import rank_map_table, resolve_topology
 
     layout = MegatronLayout(world=16, tp=2, cp=8)
     cfg = FCPConfig(enabled=True, graph="hierarchical", topology="dgx-h100:2", block_tokens=1024)
@@ -443,19 +444,39 @@ def test_setup_fcp_settles_every_group_and_prints_the_rank_map():
         table = rank_map_table(layout, resolve_topology("dgx-h100:2", 16))
         assert "CP group 1: cp0=r1(n0.1)" in table and "cp4=r9(n1.1)" in table
     finally:
-        from megatron_fcp.setup_plan import reset_fcp
+        from megatron_fcp.patches.runtime import reset_fcp
 
         reset_fcp()
 
 
-def test_plan_joining_tp_peers_is_rejected():
-    from megatron_fcp.plan import PlanError, ring_plan
-    from megatron_fcp.setup_plan import check_plan_against_layout
+def _tp_peer_transfers(plan, layout: MegatronLayout) -> list:
+    """Transfers of ``plan`` that leave its CP group or join two tensor-parallel peers."""
+    group = set(plan.ranks)
+    return [t for _, t in plan.transfers()
+            if t.src not in group or t.dst not in group or (layout.tp > 1 and t.dst in layout.tp_group_of(t.src))]
+
+
+def test_the_tp_peer_check_catches_a_plan_over_a_tp_group():
+    from megatron_fcp.planning import ring_plan
 
     layout = MegatronLayout(world=4, tp=2, cp=2)
-    check_plan_against_layout(ring_plan((0, 2)), layout)  # a real CP group: fine
-    with pytest.raises(PlanError, match="tensor-parallel peers"):
-        check_plan_against_layout(ring_plan((0, 1)), layout)  # ranks 0 and 1 form a TP group
+    assert _tp_peer_transfers(ring_plan((0, 2)), layout) == []  # a real CP group
+    assert len(_tp_peer_transfers(ring_plan((0, 1)), layout)) == 2  # ranks 0 and 1 form a TP group
+
+
+@pytest.mark.parametrize("graph", ["auto", "ring", "full", "hierarchical", "leader", "spanning"])
+def test_settled_plans_never_join_tp_peers(graph):
+    """Every plan setup_fcp settles for tp 2 x cp 8 on two DGX-H100 nodes stays inside its CP group."""
+    from megatron_fcp.patches.runtime import reset_fcp
+
+    layout = MegatronLayout(world=16, tp=2, cp=8)
+    try:
+        runtime = setup_fcp(FCPConfig(enabled=True, graph=graph, topology="dgx-h100:2"), layout=layout, groups={})
+        assert len(runtime.plans) == 2
+        for plan in runtime.plans.values():
+            assert plan.verified and _tp_peer_transfers(plan, layout) == []
+    finally:
+        reset_fcp()
 
 
 @pytest.mark.parametrize("spec, world, words", [
@@ -466,7 +487,7 @@ def test_plan_joining_tp_peers_is_rejected():
 def test_resolve_topology_errors(spec, world, words):
     import os
 
-    from megatron_fcp.setup_plan import resolve_topology
+    from megatron_fcp.patches.runtime import resolve_topology
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(root, spec) if spec.startswith("examples/") else spec

@@ -15,19 +15,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_fcp.plan import (
+from megatron_fcp.planning import (
     Block,
     Plan,
     PlanError,
     Transfer,
-    all_to_all_plan,
+    full_plan,
     build_plan,
     need_set,
     ring_plan,
 )
-from megatron_fcp.planner import AUTO_CANDIDATES, compile_plan
-from megatron_fcp.topology.graph import BUILDERS, BalancedGraph, build_graph
-from megatron_fcp.topology.model import GB, PRESETS, Link, Nic, NodeLayout, Topology, load_topology
+from megatron_fcp.planning import AUTO_CANDIDATES, compile_plan
+from megatron_fcp.planning.verify import verify_reference
+from megatron_fcp.planning import BUILDERS, BalancedGraph, build_graph
+from megatron_fcp.topology import GB, PRESETS, Link, Nic, NodeLayout, Topology, load_topology
 
 CPS = (2, 3, 4, 8, 16, 64)
 
@@ -49,7 +50,7 @@ def test_every_builder_preset_cp_compiles_and_verifies(preset):
         for name in sorted(BUILDERS):
             for causal in (True, False):
                 plan = build_plan(topo, ranks, name, causal=causal, parts_per_chunk=2 if cp <= 16 else 1)
-                assert plan.meta["graph"] == name
+                assert plan.name == name
                 assert endpoints(plan) <= set(ranks)
                 ring = ring_plan(ranks, causal, plan.parts_per_chunk)
                 if causal and cp > 1 and name != "ring":
@@ -64,10 +65,12 @@ def test_every_builder_preset_cp_compiles_and_verifies(preset):
 
 def test_auto_picks_a_candidate_and_records_times():
     plan = build_plan("dgx-h100:2", range(16))
-    assert plan.meta["graph"] in AUTO_CANDIDATES
-    assert set(plan.meta["auto_times"]) == set(AUTO_CANDIDATES)
-    assert plan.meta["graph"] == min(plan.meta["auto_times"], key=plan.meta["auto_times"].get)
-    assert plan.meta["graph"] == "hierarchical"  # rail striping wins across DGX nodes
+    times = dict(plan.auto.times)
+    assert plan.name in AUTO_CANDIDATES and plan.auto.metric == "comm_s"
+    assert set(times) == set(AUTO_CANDIDATES)
+    assert plan.name == min(times, key=times.get)
+    assert plan.name == "hierarchical"  # rail striping wins across DGX nodes
+    assert plan.verified
     one = build_plan("dgx-h100:1", [4])
     assert one.num_transfers() == 0 and one.rounds == ()
 
@@ -266,7 +269,7 @@ def test_random_topologies_and_groups_give_verified_plans(topo, data):
     rng = random.Random(data.draw(st.integers(0, 2**30)))
     for _ in range(3):
         bad = _mutate(plan, rng)
-        fast, ref = _outcome(bad.verify), _outcome(bad._verify_reference)
+        fast, ref = _outcome(bad.verify), _outcome(lambda: verify_reference(bad))
         assert fast == ref
         if Counter(t for _, t in bad.transfers()) != Counter(t for _, t in plan.transfers()) or \
                 [len(r) for r in bad.rounds] != [len(r) for r in plan.rounds]:
@@ -282,15 +285,15 @@ def test_fast_verify_matches_reference_on_builtin_plans(cp, causal, parts, seed,
     """Strides: dense ranks (lookup table), gaps (TP-strided groups), sparse (binary search)."""
     ranks = [100 + stride * i for i in range(cp)]
     random.Random(seed).shuffle(ranks)
-    for plan in (ring_plan(ranks, causal, parts), all_to_all_plan(ranks, causal, parts)):
-        assert _outcome(plan.verify) is None and _outcome(plan._verify_reference) is None
+    for plan in (ring_plan(ranks, causal, parts), full_plan(ranks, causal, parts)):
+        assert _outcome(plan.verify) is None and _outcome(lambda: verify_reference(plan)) is None
         if plan.num_transfers():
             bad = _mutate(plan, random.Random(seed))
-            assert _outcome(bad.verify) == _outcome(bad._verify_reference)
+            assert _outcome(bad.verify) == _outcome(lambda: verify_reference(bad))
 
 
 def test_batch_made_transfers_equal_constructed_ones():
-    from megatron_fcp.plan import _make_transfer, _make_transfers
+    from megatron_fcp.planning.blocks import make_transfer as _make_transfer, make_transfers as _make_transfers
 
     b = Block(3, 1, 2)
     batch = _make_transfers([0, 1, 2], (5, 6, 7), b)

@@ -8,12 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from megatron_fcp.plan import build_plan, ring_plan
-from megatron_fcp.simulate import (
+from megatron_fcp.planning import build_plan, ring_plan
+from megatron_fcp.planning import (
     AttentionShape,
     ComputeModel,
-    _block_pairs,
-    causal_pairs,
+        causal_pairs,
     compare,
     kv_block_bytes,
     lower_bound,
@@ -23,7 +22,8 @@ from megatron_fcp.simulate import (
     simulate_te_a2a_p2p,
     simulate_te_p2p,
 )
-from megatron_fcp.topology.model import GB, load_topology
+from megatron_fcp.planning.cost import _block_pairs
+from megatron_fcp.topology import GB, load_topology
 
 SHAPE_128K = AttentionShape(131072, heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
 
@@ -158,7 +158,22 @@ def test_bad_inputs():
         AttentionShape(1024, head_dim=0)
     with pytest.raises(ValueError, match="flops"):
         ComputeModel(flops=0)
-    with pytest.raises(ValueError, match="seq: 1000 tokens must divide"):
-        compare("dgx-h100:2", None, AttentionShape(1000))
     with pytest.raises(ValueError, match="objective"):
         compare("dgx-h100:1", None, SHAPE_128K, objective="fastest")
+
+
+def test_a_sequence_2cp_does_not_divide_is_padded_as_megatron_pads():
+    """1000 tokens at cp = 16 run as 1024 (the next multiple of 2*cp = 32) in every schedule, and the
+    result says so; the numbers are those of a 1024-token run."""
+    padded = compare("dgx-h100:2", None, AttentionShape(1000))
+    exact = compare("dgx-h100:2", None, AttentionShape(1024))
+    assert padded["seq_len"] == 1000 and padded["padded_seq_len"] == 1024
+    assert exact["seq_len"] == 1024 and exact["padded_seq_len"] is None
+    assert padded["lower_bound_s"] == exact["lower_bound_s"]
+    for name in ("te-p2p", "te-a2a-p2p", "fcp"):
+        for key in ("comm_s", "compute_s", "total_s", "bytes"):
+            assert padded["schedules"][name][key] == exact["schedules"][name][key], (name, key)
+    plan = build_plan("dgx-h100:2", range(16), "hierarchical")
+    res = simulate_plan(plan, "dgx-h100:2", AttentionShape(1000))
+    assert res.meta["padded_seq_len"] == 1024
+    assert "padded_seq_len" not in simulate_plan(plan, "dgx-h100:2", AttentionShape(1024)).meta

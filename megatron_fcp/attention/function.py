@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Callable, Union
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -58,22 +59,23 @@ from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resol
 from megatron_fcp.attention.layout import block_local_slice, block_positions, zigzag_positions
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
-from megatron_fcp.plan import Block, Plan, Transfer, all_to_all_plan, blocks_of, ring_plan
+from megatron_fcp.planning.blocks import Block, Transfer, blocks_of
+from megatron_fcp.planning.plan import SIMPLE_PLANS, Plan
 
 __all__ = [
     "fcp_attention",
     "fcp_attention_with_lse",
     "FCPStats",
     "resolve_plan",
-    "PLAN_BUILDERS",
+    "PLAN_ALIASES",
     "measure_comm_only",
 ]
 
 PlanLike = Union[str, Plan]
 KernelLike = Union[str, BlockKernel]
 
-#: Built-in plans by name: ``builder(ranks, causal=..., parts_per_chunk=...) -> Plan``.
-PLAN_BUILDERS: dict[str, Callable[..., Plan]] = {"ring": ring_plan, "all-to-all": all_to_all_plan}
+#: Old plan names still accepted (with a FutureWarning): name -> name in ``SIMPLE_PLANS``.
+PLAN_ALIASES = {"all-to-all": "full"}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -108,11 +110,15 @@ class FCPStats:
 def resolve_plan(plan: PlanLike, group_ranks: tuple[int, ...], causal: bool) -> Plan:
     """A :class:`Plan` for this group: build a named plan, or check a given one against the group."""
     if isinstance(plan, str):
-        if plan not in PLAN_BUILDERS:
-            raise ValueError(f"unknown plan {plan!r}; use one of {sorted(PLAN_BUILDERS)} or pass a Plan")
-        return PLAN_BUILDERS[plan](group_ranks, causal=causal, parts_per_chunk=1)
+        if plan in PLAN_ALIASES:
+            warnings.warn(f"plan {plan!r} is deprecated; use {PLAN_ALIASES[plan]!r} (the same schedule)",
+                          FutureWarning, stacklevel=3)
+            plan = PLAN_ALIASES[plan]
+        if plan not in SIMPLE_PLANS:
+            raise ValueError(f"unknown plan {plan!r}; use one of {sorted(SIMPLE_PLANS)} or pass a Plan")
+        return SIMPLE_PLANS[plan](group_ranks, causal=causal, parts_per_chunk=1).verify()
     if not isinstance(plan, Plan):
-        raise ValueError(f"plan must be a name {sorted(PLAN_BUILDERS)} or a megatron_fcp.plan.Plan, "
+        raise ValueError(f"plan must be a name {sorted(SIMPLE_PLANS)} or a megatron_fcp.planning.Plan, "
                          f"got {type(plan).__name__}")
     if tuple(plan.ranks) != group_ranks:
         raise ValueError(
@@ -122,7 +128,7 @@ def resolve_plan(plan: PlanLike, group_ranks: tuple[int, ...], causal: bool) -> 
     if plan.causal != causal:
         raise ValueError(f"plan was built with causal={plan.causal} but attention runs with causal={causal}; "
                          f"rebuild the plan with causal={causal} (need sets differ)")
-    return plan.verify()
+    return plan.verify()  # at once for a plan already verified (every plan build_plan returns)
 
 
 def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale, kernel: KernelLike = "math"):
@@ -388,7 +394,8 @@ def fcp_attention(
 
     q: [s_local, b, h, d]; k, v: [s_local, b, h_kv, d] (h % h_kv == 0), Megatron's zigzag layout
     (``get_batch_on_this_cp_rank``); all ranks pass the same shapes. plan: ``"ring"`` (Transformer
-    Engine's p2p ring), ``"all-to-all"``, or a :class:`~megatron_fcp.plan.Plan` over
+    Engine's p2p ring), ``"full"`` (each block straight to its readers), or a
+    :class:`~megatron_fcp.planning.Plan` over
     ``dist.get_process_group_ranks(cp_group)`` with the same ``causal``. softmax_scale defaults
     to ``1/sqrt(d)``. kernel: the block kernel, ``"math"`` (default: pure torch, any dtype incl.
     FP64, any device) or ``"cpu-flash"`` (torch's fused CPU flash ops, FP32/BF16 CPU tensors;

@@ -8,7 +8,7 @@ holds ``s_local = s / cp`` tokens: first its early chunk, then its late chunk. F
     CP rank         0    1    1    0
     local shard     rank 0 = [chunk 0 | chunk 3],  rank 1 = [chunk 1 | chunk 2]
 
-A KV *block* (``megatron_fcp.plan.Block``) is one owner's chunk (0 early, 1 late), optionally cut
+A KV *block* (``megatron_fcp.planning.Block``) is one owner's chunk (0 early, 1 late), optionally cut
 into ``parts_per_chunk`` equal sub-blocks. This module maps blocks to token ranges of the owner's
 shard and to global token positions; the attention mask is built from global positions only
 (causal: key position <= query position), so it is correct whatever order blocks arrive in.
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_fcp.plan import Block, zigzag_chunk_index
+from megatron_fcp.planning.blocks import Block, zigzag_chunk_index
 
 __all__ = [
     "zigzag_split",

@@ -9,7 +9,7 @@ max-abs error <= tol * max(1, max|ref|), tol = 1e-10 (fp64), 1e-5 (fp32), 2^-6 (
 ulps, what FP32 accumulation with one final rounding gives).
 
     megatron-fcp demo                              # cp=4, 4096 tokens, 8 heads / 2 KV heads, d=64
-    megatron-fcp demo --plan all-to-all --dtype bf16
+    megatron-fcp demo --plan full --dtype bf16
     megatron-fcp demo --kernel cpu-flash           # torch's fused CPU flash ops as block kernel
 """
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
+
+from megatron_fcp.planning import SIMPLE_PLANS
 
 NAME = "demo"
 HELP = "run FCP attention fwd+bwd on a local gloo CP group and check it against single-device attention"
@@ -34,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads, dividing --heads (default 2: GQA)")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
-    p.add_argument("--plan", choices=("ring", "all-to-all"), default="ring", help="communication plan (default ring)")
+    p.add_argument("--plan", choices=sorted(SIMPLE_PLANS), default="ring",
+                   help="communication plan: ring (TE's p2p ring, the default) or full (each block straight to its readers)")
     p.add_argument("--dtype", choices=_DTYPES, default="fp32", help="input dtype (default fp32)")
     p.add_argument("--kernel", default="math",
                    help="block kernel: 'math' (default, pure torch, any dtype) or 'cpu-flash' (torch's fused "

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_fcp.planning import GRAPH_CHOICES, MegatronLayout, PlanError, build_graph, build_plan
+from megatron_fcp.topology import TopologyError, load_topology
+
 NAME = "plan"
 HELP = "build and verify an FCP plan for a topology and CP group; print topology, graph and round table"
 
@@ -26,15 +29,13 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--cp", type=int, metavar="N", help="CP group = global ranks 0..N-1 (default: all ranks)")
     g.add_argument("--ranks", metavar="R0,R1,...", help="CP group as explicit global ranks in CP order")
-    p.add_argument("--graph", default="auto", help="graph builder: ring, full, hierarchical, leader, spanning, "
-                                                    "balanced or auto (default)")
+    p.add_argument("--graph", default="auto", choices=GRAPH_CHOICES,
+                   help="communication graph (default auto: the best of the others on the cost model)")
     p.add_argument("--no-causal", dest="causal", action="store_false",
                    help="no causal mask: every rank needs every block")
 
 
 def resolve_topology(args):
-    from megatron_fcp.topology.model import load_topology
-
     spec = args.topology_opt or args.topology
     if not spec:
         raise ValueError("topology: give PRESET:NODES (e.g. dgx-h100:2) or a YAML path")
@@ -52,23 +53,6 @@ def resolve_ranks(args, topo) -> list[int]:
     if cp < 1 or cp > topo.world:
         raise ValueError(f"--cp: must be between 1 and the topology's {topo.world} ranks, got {cp}")
     return list(range(cp))
-
-
-def parse_layout(text: str) -> dict[str, int]:
-    """``"world=16,tp=2,pp=1,cp=8"`` -> dict; unknown keys and non-integers name the field."""
-    out = {"tp": 1, "pp": 1}
-    for item in text.split(","):
-        key, sep, val = item.strip().partition("=")
-        if not sep or key not in ("world", "tp", "pp", "cp"):
-            raise ValueError(f"--megatron-layout: expected world=W,tp=T,pp=P,cp=C, got {item!r}")
-        try:
-            out[key] = int(val)
-        except ValueError:
-            raise ValueError(f"--megatron-layout: {key} must be an integer, got {val!r}") from None
-    for key in ("world", "cp"):
-        if key not in out:
-            raise ValueError(f"--megatron-layout: {key}= is required (e.g. world=16,tp=2,pp=1,cp=8)")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,13 +75,12 @@ def _round_lines(rounds, limit: int) -> list[str]:
 
 
 def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
-    meta = plan.meta
-    lines = [f"plan: graph {meta.get('graph', plan.name)!r}, cp={plan.cp}, causal={plan.causal}, "
+    lines = [f"plan: graph {plan.name!r}, cp={plan.cp}, causal={plan.causal}, "
              f"parts/chunk={plan.parts_per_chunk}, rounds={len(plan.rounds)}, transfers={plan.num_transfers()} "
              f"({plan.chunks_moved():g} chunks; ring moves {2 * plan.cp * (plan.cp - 1)}), verified"]
-    if "auto_times" in meta:
-        lines.append("  auto: predicted " + meta.get("auto_metric", "time") + ": " + ", ".join(
-            f"{k} {v * 1e3:.3f} ms" for k, v in sorted(meta["auto_times"].items(), key=lambda kv: kv[1])))
+    if plan.auto is not None:
+        lines.append("  auto: predicted " + plan.auto.metric + ": " + ", ".join(
+            f"{k} {v * 1e3:.3f} ms" for k, v in sorted(plan.auto.times, key=lambda kv: kv[1])))
     lines.append("  CP rank -> global rank (node.local): " + ", ".join(
         f"{i}:{r}(n{topo.node_of(r)}.{topo.local_rank_of(r)})" for i, r in enumerate(plan.ranks)))
     lines.extend(_round_lines(plan.rounds, limit))
@@ -108,19 +91,15 @@ def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
 
 
 def run(args) -> int:
-    from megatron_fcp.plan import PlanError, build_plan
-    from megatron_fcp.topology.graph import build_graph, megatron_cp_groups
-    from megatron_fcp.topology.model import TopologyError
-
     try:
         topo = resolve_topology(args)
         print(topo.summary())
         if args.megatron_layout:
-            lay = parse_layout(args.megatron_layout)
-            if lay["world"] != topo.world:
-                raise ValueError(f"--megatron-layout: world={lay['world']} but topology {topo.name!r} has "
+            layout = MegatronLayout.parse(args.megatron_layout)
+            if layout.world != topo.world:
+                raise ValueError(f"--megatron-layout: world={layout.world} but topology {topo.name!r} has "
                                  f"{topo.world} ranks")
-            groups = megatron_cp_groups(lay["world"], lay["tp"], lay["pp"], lay["cp"])
+            groups = [list(g) for g in layout.cp_groups()]
         else:
             groups = [resolve_ranks(args, topo)]
         for gi, ranks in enumerate(groups):
@@ -129,7 +108,7 @@ def run(args) -> int:
             if len(groups) > 1:
                 print(f"CP group {gi}/{len(groups)}: global ranks {ranks}")
             if plan.cp > 1:
-                print(build_graph(topo, ranks, plan.meta["graph"]).summary())
+                print(build_graph(topo, ranks, plan.name).summary())
             print("\n".join(_describe_plan(plan, topo, args.max_transfers, args.backward)))
         return 0
     except (ValueError, TopologyError, PlanError) as e:

@@ -6,7 +6,7 @@ Examples::
     megatron-fcp simulate dgx-h100:4 --seq 256k --heads 64 --kv-heads 8 --json
     megatron-fcp simulate cluster.yaml --cp 8 --plot fcp.png
 
-The model is :mod:`megatron_fcp.simulate` (per-round bottleneck alpha-beta with contention on
+The model is :mod:`megatron_fcp.planning.cost` (per-round bottleneck alpha-beta with contention on
 shared resources; see its Note [Cost model]). ``comm/LB`` is communication time over the lower
 bound (1.00 = optimal; TE a2a+p2p may go below 1 because Ulysses moves Q/O instead of all KV).
 """
@@ -18,6 +18,8 @@ import json
 import sys
 
 from megatron_fcp.commands.plan import add_topology_arguments, resolve_ranks, resolve_topology
+from megatron_fcp.planning import AttentionShape, ComputeModel, PlanError, build_graph, compare, parse_tokens
+from megatron_fcp.topology import TopologyError
 
 NAME = "simulate"
 HELP = "predict comm / compute / overlapped time of te-p2p, te-a2a-p2p and FCP (and the lower bound)"
@@ -46,8 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _shape(args):
-    from megatron_fcp.simulate import AttentionShape, parse_tokens
-
     return AttentionShape(parse_tokens(args.seq), args.heads, args.kv_heads, args.head_dim, DTYPE_BYTES[args.dtype])
 
 
@@ -57,6 +57,8 @@ def _table(out: dict, shape, topo, ranks) -> str:
         f"{topo.name}: cp={len(ranks)} over {lb['n']} node(s), seq={shape.seq_len} tokens, heads={shape.heads}, "
         f"kv_heads={shape.kv_heads}, head_dim={shape.head_dim}, {shape.dtype_bytes} B/elem; "
         f"KV per layer S={lb['S'] / 1e6:.1f} MB",
+        *([f"seq {shape.seq_len} is not a multiple of 2*cp = {2 * len(ranks)}: every schedule runs it padded "
+           f"to {out['padded_seq_len']} tokens, as Megatron pads"] if out["padded_seq_len"] else []),
         f"lower bound: {lb['lower_bound_s'] * 1e3:.3f} ms  (S*max((N-1)/(N*B_gpu), (n-1)/(n*B_out))"
         f"{', causal need sets' if lb['causal'] else ''}; B_gpu={lb['B_gpu'] / 1e9:g} GB/s, "
         f"B_out={lb['B_out'] / 1e9:g} GB/s)",
@@ -153,11 +155,6 @@ def result_kind(resource_name: str, topo) -> str:
 
 
 def run(args) -> int:
-    from megatron_fcp.plan import PlanError
-    from megatron_fcp.simulate import ComputeModel, compare
-    from megatron_fcp.topology.graph import build_graph
-    from megatron_fcp.topology.model import TopologyError
-
     try:
         topo = resolve_topology(args)
         ranks = resolve_ranks(args, topo)
@@ -172,7 +169,7 @@ def run(args) -> int:
                       objective=args.objective, round_overhead_s=args.round_overhead_us * 1e-6)
         if args.plot:
             plan = out["plan"]
-            plot(args.plot, topo, plan, out["results"]["fcp"], build_graph(topo, ranks, plan.meta["graph"]))
+            plot(args.plot, topo, plan, out["results"]["fcp"], build_graph(topo, ranks, plan.name))
         if args.json:
             sched = {}
             for name, d in out["schedules"].items():
@@ -182,7 +179,7 @@ def run(args) -> int:
                     sched[name] = d
             print(json.dumps({"lower_bound_s": out["lower_bound_s"], "schedules": sched,
                               "lower_bound": out["lower_bound"], "topology": topo.name, "cp_ranks": ranks,
-                              "seq_len": shape.seq_len}, indent=1))
+                              "seq_len": shape.seq_len, "padded_seq_len": out["padded_seq_len"]}, indent=1))
         else:
             print(_table(out, shape, topo, ranks))
             if args.plot:

@@ -27,7 +27,7 @@ Two integration modes (as Liger-Kernel offers for its kernels):
   *original* class's instance when the CP group has one rank, so cp = 1 runs exactly Megatron's
   attention. The originals' ``forward`` are guarded while FCP is applied: an attention module
   built *before* :func:`apply_fcp` with CP > 1 (it would silently run Transformer Engine's ring)
-  raises :class:`~megatron_fcp.setup_plan.FCPStateError` on its first call instead.
+  raises :class:`~megatron_fcp.patches.runtime.FCPStateError` on its first call instead.
 
 All patches go through :data:`megatron_fcp.patches.REGISTRY` (group ``"megatron"``): idempotent by
 identity, exact revert, each patched path logged, ``ImportError`` naming the symbol and the
@@ -45,7 +45,7 @@ import torch
 
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version
-from megatron_fcp.setup_plan import FCPStateError, current_runtime, reset_fcp, setup_fcp
+from megatron_fcp.patches.runtime import FCPStateError, current_runtime, reset_fcp, setup_fcp
 
 __all__ = [
     "FCPCoreAttention",
@@ -373,7 +373,7 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
 
     Idempotent (a second call patches nothing and returns the same targets); ``config`` defaults
     to ``FCPConfig(enabled=True)``. A disabled config patches nothing. The plan itself is settled
-    by :func:`~megatron_fcp.setup_plan.setup_fcp` (or automatically when the first FCP attention
+    by :func:`~megatron_fcp.patches.runtime.setup_fcp` (or automatically when the first FCP attention
     module is built). Returns the patched targets.
     """
     config = config if config is not None else FCPConfig(enabled=True)

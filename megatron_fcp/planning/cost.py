@@ -28,33 +28,23 @@ reaching a rank in the same round share one kernel launch (``kernel_overhead_s``
 one step's KV pair in one call. The overlapped total is the latest rank's end (never less than
 the communication time).
 
-Baselines (forward pass, same model):
+Baselines (Transformer Engine's schedules) and the lower bound are in
+:mod:`megatron_fcp.planning.baselines`; :mod:`megatron_fcp.planning.compare` sets them side by side.
 
-* ``te-p2p``: Transformer Engine's zigzag ring, cp-1 communication rounds each carrying one
-  rank's whole KV pair (both chunks) to the next CP rank; cp compute steps of equal causal work
-  (2L^2 pairs for chunk length L, plus the L diagonal pairs in step 0), step i+1 computed after
-  round i arrives.
-* ``te-a2a-p2p``: Ulysses all-to-all of Q, K, V inside each node (heads / g per rank), a ring of
-  nodes-1 rounds over rail peers carrying the node-sequence KV of heads/g heads, an all-to-all of
-  the output back. The all-to-alls are exposed (not overlapped).
-
-Lower bound for one layer's KV all-gather (DESIGN.md §3), S = global KV bytes, N CP ranks on n
-nodes: ``S * max((N-1)/(N*B_gpu), (n-1)/(n*B_out))`` with ``B_gpu`` the max-flow into a GPU
-(:meth:`Topology.gpu_ingress_bandwidth`) and ``B_out`` a node's NIC ingress. The causal variant
-replaces the byte counts by the need sets: the most any one rank needs, and the most any one node
-needs from outside (each block counted once per node).
+*Sequence lengths* that ``2*cp`` does not divide are padded up to the next multiple, as Megatron
+pads (:func:`zigzag_padded_len`); results say so (``meta["padded_seq_len"]``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 
-from megatron_fcp.plan import Plan
-from megatron_fcp.topology.graph import check_cp_ranks
-from megatron_fcp.topology.model import Topology, load_topology
+from megatron_fcp.planning.graph import check_cp_ranks
+from megatron_fcp.planning.plan import Plan
+from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
     "AttentionShape",
@@ -62,13 +52,11 @@ __all__ = [
     "SimResult",
     "kv_block_bytes",
     "parse_tokens",
+    "zigzag_padded_len",
+    "pad_for_zigzag",
     "causal_pairs",
     "simulate_rounds",
     "simulate_plan",
-    "simulate_te_p2p",
-    "simulate_te_a2a_p2p",
-    "lower_bound",
-    "compare",
     "pick_best",
     "DEFAULT_FLOPS",
 ]
@@ -122,6 +110,18 @@ def kv_block_bytes(seq_len: int, cp: int, kv_heads: int, head_dim: int, dtype_by
                    parts_per_chunk: int = 1) -> float:
     """Bytes of one KV block (K and V of ``seq_len / (2*cp*parts)`` tokens)."""
     return seq_len / (2 * cp * parts_per_chunk) * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def zigzag_padded_len(seq_len: int, cp: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``2*cp`` (Megatron pads a sequence this way so that
+    it splits into ``2*cp`` equal zigzag chunks)."""
+    return -(-seq_len // (2 * cp)) * (2 * cp)
+
+
+def pad_for_zigzag(shape: "AttentionShape", cp: int) -> "tuple[AttentionShape, bool]":
+    """``(shape with seq_len padded for cp, whether it was padded)``; see :func:`zigzag_padded_len`."""
+    padded = zigzag_padded_len(shape.seq_len, cp)
+    return (shape, False) if padded == shape.seq_len else (replace(shape, seq_len=padded), True)
 
 
 @dataclass(frozen=True)
@@ -351,22 +351,21 @@ def simulate_plan(
 ) -> SimResult:
     """Simulate a forward pass of ``plan`` (comm, compute, overlapped total); see Note [Cost model].
 
-    Block bytes follow ``shape`` (uniform), scaled per owner by ``plan.meta["kv_sizes"]`` when a
-    ``balanced`` plan carries relative KV sizes (mean 1).
+    Block bytes follow ``shape`` (uniform), scaled per owner by ``plan.kv_sizes`` when a
+    ``balanced`` plan carries relative KV sizes (normalised to mean 1). A sequence that ``2*cp``
+    does not divide is padded (:func:`pad_for_zigzag`).
     """
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     cp, P = plan.cp, plan.parts_per_chunk
     check_cp_ranks(topo, plan.ranks)
-    if shape.seq_len % (2 * cp):
-        raise ValueError(f"seq: {shape.seq_len} tokens must divide into 2*cp = {2 * cp} zigzag chunks")
+    shape, padded = pad_for_zigzag(shape, cp)
     blk = kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes, P)
     rnd, src, dst, owner, chunk, part = _plan_arrays(plan)
     pos = {r: i for i, r in enumerate(plan.ranks)}
-    weights = plan.meta.get("kv_sizes") or {}
-    if weights:
-        mean = sum(weights.get(r, 1.0) for r in plan.ranks) / cp
-        w_owner = np.array([weights.get(r, 1.0) / mean for r in plan.ranks])
+    if plan.kv_sizes:
+        mean = sum(plan.kv_sizes) / cp
+        w_owner = np.array([w / mean for w in plan.kv_sizes])
     else:
         w_owner = np.ones(cp)
     owner_i = np.fromiter((pos[o] for o in owner), dtype=np.int64, count=len(owner))
@@ -403,7 +402,9 @@ def simulate_plan(
     busy_k: list[np.ndarray] = []
     res = _finish_rounds(idx, per_round_ids, per_round_bytes, lat, float(nbytes.sum()), round_overhead_s,
                          name or f"fcp-{plan.name}", busy_k)
-    res.meta.update(graph=plan.meta.get("graph", plan.name), parts_per_chunk=P, transfers=int(len(rnd)))
+    res.meta.update(graph=plan.name, parts_per_chunk=P, transfers=int(len(rnd)))
+    if padded:
+        res.meta["padded_seq_len"] = shape.seq_len
     if not compute:
         return res
 
@@ -445,137 +446,6 @@ def simulate_plan(
     return res
 
 
-def simulate_te_p2p(
-    topology: "Topology | str",
-    cp_ranks: Sequence[int],
-    shape: AttentionShape,
-    *,
-    causal: bool = True,
-    compute: bool = True,
-    compute_model: ComputeModel | None = None,
-    round_overhead_s: float = 0.0,
-) -> SimResult:
-    """Transformer Engine ``p2p`` (zigzag ring); see Note [Cost model]."""
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
-    cm = compute_model or ComputeModel()
-    cp = len(ranks)
-    pair_bytes = 2 * kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes)
-    rounds = [[(ranks[i], ranks[(i + 1) % cp], pair_bytes) for i in range(cp)] for _ in range(cp - 1)]
-    res = simulate_rounds(topo, rounds, round_overhead_s, name="te-p2p")
-    res.meta.update(graph="ring", steps=cp)
-    if not compute:
-        return res
-    L = shape.seq_len // (2 * cp)
-    step_pairs = 2 * L * L if causal else 4 * L * L
-    step = float(cm.time(step_pairs, shape))
-    diag = float(cm.time(step_pairs + (L if causal else 0), shape))  # step 0 includes the diagonal
-    t = diag
-    for e in res.timeline:
-        t = max(t, e["end_s"]) + step
-    res.compute_s = diag + step * (cp - 1)
-    res.total_s = max(t, res.comm_s)
-    return res
-
-
-def simulate_te_a2a_p2p(
-    topology: "Topology | str",
-    cp_ranks: Sequence[int],
-    shape: AttentionShape,
-    *,
-    causal: bool = True,
-    compute: bool = True,
-    compute_model: ComputeModel | None = None,
-    round_overhead_s: float = 0.0,
-) -> SimResult:
-    """Transformer Engine ``a2a+p2p``: Ulysses inside nodes, ring across rail peers.
-
-    Raises ValueError when it does not apply: nodes hold different numbers of CP ranks, or heads
-    / kv_heads are not divisible by the ranks per node (TE's own requirement).
-    """
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
-    cm = compute_model or ComputeModel()
-    cp = len(ranks)
-    groups: dict[int, list[int]] = {}
-    for r in ranks:
-        groups.setdefault(topo.node_of(r), []).append(r)
-    sizes = {len(g) for g in groups.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"te-a2a-p2p: nodes hold different numbers of CP ranks {sorted(sizes)}")
-    g = sizes.pop()
-    if shape.heads % g or shape.kv_heads % g:
-        raise ValueError(
-            f"te-a2a-p2p: heads ({shape.heads}) and kv_heads ({shape.kv_heads}) must divide by the "
-            f"{g} CP ranks per node"
-        )
-    nodes = list(groups)
-    n = len(nodes)
-    L2 = shape.seq_len / cp  # tokens per rank (two zigzag chunks)
-    a2a_in = [(a, b, (shape.q_bytes(L2) + shape.kv_bytes(L2)) / g) for m in groups.values() for a in m for b in m if a != b]
-    a2a_out = [(a, b, shape.q_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
-    ring_bytes = shape.kv_bytes(L2)  # node sequence (g*L2 tokens) of heads/g KV heads
-    ring = [[(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k], ring_bytes) for x in range(n) for k in range(g)]
-            for _ in range(n - 1)]
-    rounds = ([a2a_in] if g > 1 else []) + ring + ([a2a_out] if g > 1 else [])
-    res = simulate_rounds(topo, rounds, round_overhead_s, name="te-a2a-p2p")
-    res.meta.update(graph="a2a+ring", ranks_per_node=g, nodes=n)
-    if not compute:
-        return res
-    L = shape.seq_len // (2 * cp)
-    total_pairs = (2 * L * L * cp + L) if causal else 4 * L * L * cp  # same work per rank as p2p
-    step = float(cm.time(total_pairs / n, shape))
-    dur = [e["end_s"] - e["start_s"] for e in res.timeline]
-    d_in, d_out = (dur[0], dur[-1]) if g > 1 else (0.0, 0.0)
-    ring_d = dur[1:-1] if g > 1 else dur
-    t = d_in + step  # attention starts after the exposed all-to-all
-    arrived = d_in
-    for d in ring_d:
-        arrived += d
-        t = max(t, arrived) + step
-    res.compute_s = step * n
-    res.total_s = max(t + d_out, res.comm_s)  # the output all-to-all is exposed too
-    return res
-
-
-def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
-                causal: bool = False) -> dict:
-    """Lower bound on one layer's KV exchange time; see Note [Cost model]. Returns a dict with
-    ``lower_bound_s`` and its ingredients (``S``, ``N``, ``n``, ``B_gpu``, ``B_out``)."""
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
-    N = len(ranks)
-    nodes = sorted({topo.node_of(r) for r in ranks})
-    n = len(nodes)
-    S = shape.kv_bytes(shape.seq_len)
-    chunk = S / (2 * N)
-    b_gpu = min(topo.gpu_ingress_bandwidth(r) if n > 1 else _intra_ingress(topo, r) for r in ranks)
-    b_out = min(topo.node_ingress_bandwidth(x) for x in nodes) if n > 1 else float("inf")
-    if not causal:
-        t = S * max((N - 1) / (N * b_gpu), (n - 1) / (n * b_out) if n > 1 else 0.0)
-        return {"lower_bound_s": t, "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out, "causal": False}
-    # need-set aware: rank j needs chunk0 of all others and chunk1 of CP ranks i > j
-    per_rank = max((N - 1) + (N - 1 - j) for j in range(N)) * chunk
-    t_gpu = per_rank / b_gpu
-    t_node = 0.0
-    if n > 1:
-        node_of = [topo.node_of(r) for r in ranks]
-        for x in nodes:
-            members = [j for j in range(N) if node_of[j] == x]
-            jmin = min(members)
-            outside = [i for i in range(N) if node_of[i] != x]
-            need = sum(1 + (1 if i > jmin else 0) for i in outside)  # chunk0 always, chunk1 if some j < i
-            t_node = max(t_node, need * chunk / topo.node_ingress_bandwidth(x))
-    return {"lower_bound_s": max(t_gpu, t_node), "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out,
-            "causal": True}
-
-
-def _intra_ingress(topo: Topology, r: int) -> float:
-    """Ingress max-flow into rank r's GPU from GPUs of its own node only."""
-    one = Topology(topo.name, topo.layout, 1, (), topo.fabric_latency)
-    return one.gpu_ingress_bandwidth(topo.local_rank_of(r))
-
-
 def pick_best(candidates: "Sequence[tuple[SimResult, Any]]", objective: str = "total"):
     """Best ``(SimResult, x)`` pair: least ``comm_s`` for ``"comm"``; for ``"total"`` the least
     ``comm_s`` among candidates whose ``total_s`` is within 0.1% of the least total (when compute
@@ -585,75 +455,3 @@ def pick_best(candidates: "Sequence[tuple[SimResult, Any]]", objective: str = "t
     t_min = min(c[0].total_s for c in candidates)
     close = [c for c in candidates if c[0].total_s <= t_min * (1 + 1e-3)]
     return min(close, key=lambda c: c[0].comm_s)
-
-
-def compare(
-    topology: "Topology | str",
-    cp_ranks: Sequence[int] | None,
-    shape: AttentionShape,
-    *,
-    graph: str = "auto",
-    parts_per_chunk: "int | str" = "auto",
-    causal: bool = True,
-    compute_model: ComputeModel | None = None,
-    min_block_tokens: int = 256,
-    objective: str = "total",
-    round_overhead_s: float = 0.0,
-) -> dict:
-    """Side-by-side ``te-p2p`` / ``te-a2a-p2p`` / ``fcp`` for the CLI and benchmarks.
-
-    ``parts_per_chunk="auto"`` tries 1, 2, 4, 8, 16 sub-blocks per chunk (blocks no smaller than
-    ``min_block_tokens``); ``graph="auto"`` tries every builder. The fcp plan kept is the best by
-    ``objective`` (see :func:`pick_best`): ``"total"`` (overlapped time, ties within 0.1% broken
-    by communication time) or ``"comm"`` (communication time alone). Returns
-    ``{"lower_bound_s", "lower_bound", "schedules": {name: dict}, "results": {name: SimResult}}``;
-    an inapplicable baseline appears as ``{"error": reason}``.
-    """
-    from megatron_fcp.planner import build_plan
-
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
-    cp = len(ranks)
-    if shape.seq_len % (2 * cp):
-        raise ValueError(f"seq: {shape.seq_len} tokens must divide into 2*cp = {2 * cp} zigzag chunks")
-    cm = compute_model or ComputeModel()
-    lb = lower_bound(topo, ranks, shape, causal=causal)
-    results: dict[str, SimResult] = {}
-    schedules: dict[str, dict] = {}
-    results["te-p2p"] = simulate_te_p2p(topo, ranks, shape, causal=causal, compute_model=cm,
-                                        round_overhead_s=round_overhead_s)
-    try:
-        results["te-a2a-p2p"] = simulate_te_a2a_p2p(topo, ranks, shape, causal=causal, compute_model=cm,
-                                                    round_overhead_s=round_overhead_s)
-    except ValueError as e:
-        schedules["te-a2a-p2p"] = {"error": str(e)}
-    chunk_tokens = shape.seq_len // (2 * cp)
-    if parts_per_chunk == "auto":
-        choices = [p for p in (1, 2, 4, 8, 16) if p == 1 or chunk_tokens // p >= min_block_tokens]
-    else:
-        choices = [int(parts_per_chunk)]
-    if objective not in ("comm", "total"):
-        raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
-    candidates = []
-    for p in choices:
-        if chunk_tokens % p:
-            continue
-        plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=p,
-                          **({"seq_len": shape.seq_len, "heads": shape.heads, "kv_heads": shape.kv_heads,
-                              "head_dim": shape.head_dim, "dtype_bytes": shape.dtype_bytes}
-                             if objective == "total" else {}))
-        r = simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s)
-        candidates.append((r, plan))
-    if not candidates:
-        raise ValueError(f"parts_per_chunk: {parts_per_chunk} does not divide the {chunk_tokens}-token chunks")
-    best = pick_best(candidates, objective)
-    results["fcp"], plan = best
-    results["fcp"].meta.update(graph=plan.meta["graph"], parts_per_chunk=plan.parts_per_chunk)
-    for k, r in results.items():
-        d = r.to_dict()
-        d["comm_vs_lower_bound"] = r.comm_s / lb["lower_bound_s"] if lb["lower_bound_s"] > 0 else 1.0
-        schedules[k] = d
-    order = ["te-p2p", "te-a2a-p2p", "fcp"]
-    return {"lower_bound_s": lb["lower_bound_s"], "lower_bound": lb,
-            "schedules": {k: schedules[k] for k in order if k in schedules},
-            "results": results, "plan": plan}

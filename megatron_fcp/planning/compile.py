@@ -1,12 +1,12 @@
 """Plan compiler: CommGraph + causal need sets -> multicast trees -> rounds -> verified Plan.
 
-Pure (no torch). :func:`build_plan` is the one entry point the Megatron plugin calls; it is
-re-exported as ``megatron_fcp.plan.build_plan``.
+Pure (no torch). :func:`megatron_fcp.planning.build.build_plan` (topology + graph name -> plan) is
+the entry point callers use; it calls :func:`compile_plan`.
 
 Note [Compiling a plan]
 -----------------------
 1. *Need sets.* Block ``(owner, chunk, part)`` goes to exactly the ranks of
-   :func:`megatron_fcp.plan.need_set` (causal: chunk 1 of CP rank i only to CP ranks < i).
+   :func:`megatron_fcp.planning.needs.readers` (causal: chunk 1 of CP rank i only to CP ranks < i).
 2. *Trees.* For each chunk the graph's builder gives a multicast tree from the owner to those
    readers using only graph edges (``CommGraph.tree``). A vertex of the tree that is not a reader is
    a relay the graph forces (e.g. a rail peer that forwards to its node); nothing else is sent.
@@ -37,26 +37,12 @@ import heapq
 from contextlib import contextmanager
 from typing import Sequence
 
-from megatron_fcp.plan import Block, Plan, PlanError, Transfer, _make_transfer, _make_transfers
-from megatron_fcp.topology.graph import (
-    CommGraph,
-    check_cp_ranks,
-    get_builder,
-    runs_of,
-)
-from megatron_fcp.topology.model import Topology, load_topology
+from megatron_fcp.planning.blocks import Block, PlanError, Transfer, make_transfer, make_transfers
+from megatron_fcp.planning.graph import CommGraph, runs_of
+from megatron_fcp.planning.needs import readers
+from megatron_fcp.planning.plan import Plan
 
-__all__ = ["compile_plan", "build_plan", "AUTO_CANDIDATES", "readers"]
-
-AUTO_CANDIDATES = ("ring", "full", "hierarchical", "leader", "spanning")
-"""Builders ``auto`` compiles and simulates (``balanced`` equals ``hierarchical`` for equal sizes)."""
-
-
-def readers(ranks: Sequence[int], owner_index: int, chunk: int, causal: bool) -> list[int]:
-    """Ranks that need chunk ``chunk`` of CP rank ``owner_index`` (see Note in plan.py), CP order."""
-    if causal and chunk == 1:
-        return list(ranks[:owner_index])
-    return [*ranks[:owner_index], *ranks[owner_index + 1:]]
+__all__ = ["compile_plan"]
 
 
 @contextmanager
@@ -127,10 +113,9 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance)
 
     if sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
         plan_rounds = _fast_links_first(cg, plan_rounds)
-    plan = Plan(ranks, plan_rounds, causal, P, name=cg.name)
-    plan.meta.update(graph=cg.name, max_sends=max_sends, max_recvs=max_recvs, pipeline_parts=stagger)
-    if "kv_sizes" in cg.meta and cg.meta["kv_sizes"]:
-        plan.meta["kv_sizes"] = dict(cg.meta["kv_sizes"])
+    sizes = cg.meta.get("kv_sizes")
+    plan = Plan(ranks, plan_rounds, causal, P, name=cg.name, max_sends=max_sends, max_recvs=max_recvs,
+                kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None)
     if verify:
         plan.verify(max_sends=max_sends, max_recvs=max_recvs)
     return plan
@@ -152,7 +137,7 @@ def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]
     """ASAP placement: edge at depth d of part p in round d-1 (+p when staggered).
 
     Each tree comes as runs of equal depth (:func:`runs_of`); a run is appended to its round as
-    one batch (:func:`~megatron_fcp.plan._make_transfers`; the 1,024-rank plan creates ~1.5M
+    one batch (:func:`~megatron_fcp.planning.blocks.make_transfers`; the 1,024-rank plan creates ~1.5M
     transfers here).
     """
     rounds: dict[int, list[Transfer]] = {}
@@ -165,7 +150,7 @@ def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]
                 rnd = rounds.get(k)
                 if rnd is None:
                     rounds[k] = rnd = []
-                rnd.extend(_make_transfers(us, vs, b))
+                rnd.extend(make_transfers(us, vs, b))
     n = max(rounds, default=-1) + 1
     return tuple(tuple(rounds.get(k, ())) for k in range(n))
 
@@ -227,7 +212,7 @@ def _balanced_waves(cg: CommGraph, trees, P: int) -> tuple[tuple[Transfer, ...],
             lk[i] = x
             if x / bws[i] > cur[k]:
                 cur[k] = x / bws[i]
-        rounds[k].append(_make_transfer(u, v, b))
+        rounds[k].append(make_transfer(u, v, b))
     leaves.sort(key=lambda e: -e[0])
     for due, u, v, b, w in leaves:
         ids = route(u, v)
@@ -250,7 +235,7 @@ def _balanced_waves(cg: CommGraph, trees, P: int) -> tuple[tuple[Transfer, ...],
             lk[i] = x
             if x / bws[i] > cur[best_k]:
                 cur[best_k] = x / bws[i]
-        rounds[best_k].append(_make_transfer(u, v, b))
+        rounds[best_k].append(make_transfer(u, v, b))
     return tuple(tuple(r) for r in rounds)
 
 
@@ -331,57 +316,3 @@ def _list_schedule(trees, P, stagger, max_sends, max_recvs) -> tuple[tuple[Trans
             seq += 1
     n = max(rounds, default=-1) + 1
     return tuple(tuple(rounds.get(k, ())) for k in range(n))
-
-
-def build_plan(
-    topology,
-    cp_ranks,
-    graph="auto",
-    *,
-    causal=True,
-    parts_per_chunk=1,
-    seq_len=None,
-    heads=None,
-    kv_heads=None,
-    head_dim=None,
-    dtype_bytes=2,
-) -> Plan:
-    """Verified plan for the CP group ``cp_ranks`` (global ranks, CP order) on ``topology``.
-
-    ``topology``: a Topology, ``"PRESET:NODES"`` or a YAML path. ``graph``: a builder name
-    (``ring``, ``full``, ``hierarchical``, ``leader``, ``spanning``, ``balanced``), a
-    :class:`~megatron_fcp.topology.graph.GraphBuilder`, or ``"auto"``: compile every candidate in :data:`AUTO_CANDIDATES` and
-    keep the one with the least simulated time (:func:`megatron_fcp.simulate.pick_best`: overlapped
-    total, ties broken by communication, when ``seq_len``/``heads``/``head_dim`` are given; else
-    communication alone for a nominal 128K-token, 8 KV heads x 128 shape).
-    ``plan.meta["graph"]`` names the builder used; for auto, ``meta["auto_times"]`` holds the
-    predicted seconds of every candidate.
-    """
-    topo = load_topology(topology) if not isinstance(topology, Topology) else topology
-    ranks = check_cp_ranks(topo, cp_ranks)
-    if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
-        raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
-    if graph != "auto":
-        builder = get_builder(graph)
-        plan = compile_plan(builder.build(topo, ranks), causal, parts_per_chunk)
-        plan.meta["graph"] = builder.name
-        return plan
-
-    from megatron_fcp.simulate import AttentionShape, pick_best, simulate_plan
-
-    shape = AttentionShape(seq_len or 131072, heads or 32, kv_heads or heads or 8, head_dim or 128, dtype_bytes)
-    use_compute = seq_len is not None and heads is not None and head_dim is not None
-    candidates = []
-    for name in AUTO_CANDIDATES:
-        if len(ranks) == 1 and name != "ring":
-            continue
-        plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk)
-        plan.meta["graph"] = name
-        candidates.append((simulate_plan(plan, topo, shape, compute=use_compute), plan))
-    res, plan = pick_best(candidates, "total" if use_compute else "comm")
-    plan.meta.update(
-        auto_times={p.meta["graph"]: (r.total_s if use_compute else r.comm_s) for r, p in candidates},
-        auto_metric="total_s" if use_compute else "comm_s",
-    )
-    return plan
-

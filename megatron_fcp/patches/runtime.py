@@ -1,24 +1,7 @@
 """From Megatron's process groups to one verified FCP plan per CP group, settled before training.
 
-Note [Megatron's rank order and CP groups]
-------------------------------------------
-megatron-core lays ranks out in the order ``tp-cp-ep-dp-pp`` (``RankGenerator(order=
-"tp-cp-ep-dp-pp")``): TP varies fastest, then CP, then DP, then PP (EP folds into DP for
-attention). So global rank ``r = t + tp*(c + cp*(d + dp*p))`` and the CP group of ``(t, d, p)`` is
-strided by ``tp``. With world 8, tp 2, cp 2, dp 2::
-
-    global rank   0  1  2  3  4  5  6  7
-    tp rank       0  1  0  1  0  1  0  1
-    cp rank       0  0  1  1  0  0  1  1
-    dp rank       0  0  0  0  1  1  1  1
-    CP groups     {0,2} {1,3} {4,6} {5,7}      TP groups {0,1} {2,3} {4,5} {6,7}
-
-A CP group meets each TP group in at most one rank, so a verified plan (every endpoint inside the
-CP group) can never make a TP peer an endpoint; :func:`check_plan_against_layout` asserts it.
-
-Global ranks are topology ranks (torchrun puts ``LOCAL_WORLD_SIZE`` consecutive ranks on a
-node): a CP group of the example above on a 2-GPU-per-node topology has one rank per node, on a
-4-GPU-per-node topology both ranks share a node; the planner sees the real links either way.
+Megatron's rank layout (``tp-cp-ep-dp-pp``) is :class:`megatron_fcp.planning.MegatronLayout`; see
+its Note [Megatron's rank order and CP groups].
 
 Settling
 --------
@@ -35,27 +18,30 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from megatron_fcp.config import FCPConfig
-from megatron_fcp.plan import Plan, PlanError
+from megatron_fcp.planning import MegatronLayout, Plan, PlanError, build_plan
+from megatron_fcp.topology import TopologyError, load_topology
+from megatron_fcp.topology import detect
 
 __all__ = [
     "FCPStateError",
-    "MegatronLayout",
+    "layout_from_parallel_state",
     "FCPRuntime",
     "resolve_topology",
     "build_group_plan",
-    "check_plan_against_layout",
     "rank_map_table",
     "setup_fcp",
     "current_runtime",
     "reset_fcp",
 ]
 
-logger = logging.getLogger("megatron_fcp.setup")
+logger = logging.getLogger("megatron_fcp.runtime")
 
 
 class FCPStateError(RuntimeError):
@@ -63,95 +49,29 @@ class FCPStateError(RuntimeError):
 
 
 # ---- layout --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MegatronLayout:
-    """World size and parallel sizes of a Megatron run (order ``tp-cp-ep-dp-pp``)."""
+def layout_from_parallel_state() -> MegatronLayout:
+    """The layout of an initialised megatron-core ``parallel_state`` (checked against its CP group)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
 
-    world: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-
-    def __post_init__(self) -> None:
-        for name, flag in (("world", "world size"), ("tp", "--tensor-model-parallel-size"),
-                           ("pp", "--pipeline-model-parallel-size"), ("cp", "--context-parallel-size")):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
-        model = self.tp * self.pp * self.cp
-        if self.world % model:
-            raise ValueError(
-                f"world size {self.world} is not divisible by tensor x pipeline x context parallel "
-                f"size = {self.tp} x {self.pp} x {self.cp} = {model}; change "
-                "--context-parallel-size (or --tensor-model-parallel-size / "
-                "--pipeline-model-parallel-size, or the number of processes)"
-            )
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
-
-    def rank(self, t: int, c: int, d: int, p: int) -> int:
-        """Global rank of (tp, cp, dp, pp) coordinates; see the Note."""
-        return t + self.tp * (c + self.cp * (d + self.dp * p))
-
-    def cp_groups(self) -> list[tuple[int, ...]]:
-        """Every CP group's global ranks in CP-rank order, ordered by (pp, dp, tp)."""
-        return [
-            tuple(self.rank(t, c, d, p) for c in range(self.cp))
-            for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)
-        ]
-
-    def tp_groups(self) -> list[tuple[int, ...]]:
-        return [
-            tuple(self.rank(t, c, d, p) for t in range(self.tp))
-            for p in range(self.pp) for d in range(self.dp) for c in range(self.cp)
-        ]
-
-    def cp_group_of(self, rank: int) -> tuple[int, ...]:
-        return next(g for g in self.cp_groups() if rank in g)
-
-    def tp_group_of(self, rank: int) -> tuple[int, ...]:
-        return next(g for g in self.tp_groups() if rank in g)
-
-    @classmethod
-    def parse(cls, text: str) -> "MegatronLayout":
-        """``"world=16,tp=2,pp=1,cp=8"`` (missing sizes default to 1)."""
-        values: dict[str, int] = {}
-        for item in filter(None, (x.strip() for x in text.split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or key not in ("world", "tp", "pp", "cp") or not re.fullmatch(r"\d+", value):
-                raise ValueError(f"--megatron-layout item {item!r}: expected world=N, tp=N, pp=N or cp=N")
-            values[key] = int(value)
-        if "world" not in values:
-            raise ValueError("--megatron-layout needs world=N")
-        return cls(**values)
-
-    @classmethod
-    def from_parallel_state(cls) -> "MegatronLayout":
-        """Read the layout of an initialised megatron-core ``parallel_state``."""
-        import torch.distributed as dist  # noqa: PLC0415
-        from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-        if not ps.model_parallel_is_initialized():
-            raise FCPStateError(
-                "megatron parallel_state is not initialised: call "
-                "parallel_state.initialize_model_parallel(...) before setup_fcp()"
-            )
-        layout = cls(
-            world=dist.get_world_size(),
-            tp=ps.get_tensor_model_parallel_world_size(),
-            pp=ps.get_pipeline_model_parallel_world_size(),
-            cp=ps.get_context_parallel_world_size(),
+    if not ps.model_parallel_is_initialized():
+        raise FCPStateError(
+            "megatron parallel_state is not initialised: call "
+            "parallel_state.initialize_model_parallel(...) before setup_fcp()"
         )
-        mine = tuple(ps.get_context_parallel_global_ranks())
-        expected = layout.cp_group_of(dist.get_rank())
-        if mine != expected:
-            raise FCPStateError(
-                f"parallel_state's CP group {list(mine)} differs from the tp-cp-ep-dp-pp layout's "
-                f"{list(expected)}; megatron_fcp supports Megatron's default rank order only"
-            )
-        return layout
+    layout = MegatronLayout(
+        world=dist.get_world_size(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+    )
+    mine = tuple(ps.get_context_parallel_global_ranks())
+    expected = layout.cp_group_of(dist.get_rank())
+    if mine != expected:
+        raise FCPStateError(
+            f"parallel_state's CP group {list(mine)} differs from the tp-cp-ep-dp-pp layout's "
+            f"{list(expected)}; megatron_fcp supports Megatron's default rank order only"
+        )
+    return layout
 
 
 # ---- topology and plans ----------------------------------------------------------------------------
@@ -161,8 +81,6 @@ def resolve_topology(spec: str, world: int):
     ``auto``: :func:`megatron_fcp.topology.detect.detect_topology` from the ranks' hostnames
     (collective: every rank must call it) or ``LOCAL_WORLD_SIZE`` before the group exists.
     """
-    from megatron_fcp.topology.model import TopologyError, load_topology  # noqa: PLC0415
-
     try:
         if spec == "auto":
             topology = _auto_topology(world)
@@ -184,11 +102,6 @@ def resolve_topology(spec: str, world: int):
 def _auto_topology(world: int):
     """Detect: nodes from the hostnames of all ranks (one ``all_gather_object`` when the default
     group exists, else ``LOCAL_WORLD_SIZE``), links from ``nvidia-smi topo -m`` when CUDA is up."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from megatron_fcp.topology import detect  # noqa: PLC0415
-
     probe = torch.cuda.is_available()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
         return detect.detect_topology(hosts=detect.gather_host_info(), probe=probe)
@@ -211,26 +124,14 @@ def build_group_plan(
     head_dim: int | None = None,
     dtype_bytes: int = 2,
 ) -> Plan:
-    """Build the plan of one CP group with the configured graph and verify it."""
-    from megatron_fcp.plan import build_plan  # noqa: PLC0415 - the planner
-
+    """Build the plan of one CP group with the configured graph (verified as it is built)."""
     plan = build_plan(
         topology, tuple(cp_ranks), config.graph, causal=causal, parts_per_chunk=parts_per_chunk,
         seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
     )
     if tuple(plan.ranks) != tuple(cp_ranks):
         raise PlanError(f"planner returned ranks {list(plan.ranks)} for CP group {list(cp_ranks)}")
-    return plan.verify()
-
-
-def check_plan_against_layout(plan: Plan, layout: MegatronLayout) -> None:
-    """Raise :class:`PlanError` if a transfer leaves its CP group or joins two TP peers."""
-    group = set(plan.ranks)
-    for k, t in plan.transfers():
-        if t.src not in group or t.dst not in group:
-            raise PlanError(f"round {k}, transfer {t}: endpoint outside CP group {sorted(group)}")
-        if layout.tp > 1 and t.dst in layout.tp_group_of(t.src):
-            raise PlanError(f"round {k}, transfer {t}: {t.src} and {t.dst} are tensor-parallel peers")
+    return plan
 
 
 def rank_map_table(layout: MegatronLayout, topology: Any) -> str:
@@ -283,8 +184,7 @@ class FCPRuntime:
         group over the same ranks is a different (re-created) communicator: a model built before
         the groups changed must be rebuilt, never run on a stale plan or communicator.
         """
-        import torch.distributed as dist  # noqa: PLC0415
-
+    
         try:
             ranks = tuple(dist.get_process_group_ranks(group))
         except (KeyError, RuntimeError, ValueError) as exc:
@@ -307,10 +207,8 @@ class FCPRuntime:
         return self.plan(ranks, causal=causal, parts_per_chunk=self.parts_per_chunk(s_local))
 
     def _build(self, cp_ranks: tuple[int, ...], causal: bool, parts: int) -> Plan:
-        plan = build_group_plan(self.config, self.topology, cp_ranks, causal=causal,
+        return build_group_plan(self.config, self.topology, cp_ranks, causal=causal,
                                 parts_per_chunk=parts, seq_len=self.seq_len, **self.plan_args)
-        check_plan_against_layout(plan, self.layout)
-        return plan
 
     def summary(self, rank: int | None = None) -> str:
         """The graph chosen and the round table of ``rank``'s CP group (default: group 0)."""
@@ -320,8 +218,7 @@ class FCPRuntime:
         if plan is None:
             return (f"FCP: cp={self.layout.cp}: no CP communication (Megatron's own attention); "
                     f"topology={self.topology.name}")
-        graph = plan.meta.get("graph", plan.name)
-        head = (f"FCP: graph={graph} (asked {self.config.graph}) topology={self.topology.name} "
+        head = (f"FCP: graph={plan.name} (asked {self.config.graph}) topology={self.topology.name} "
                 f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}")
         return head + "\n" + plan.round_table()
 
@@ -348,7 +245,7 @@ def setup_fcp(
     """
     global _RUNTIME
     if layout is None:
-        layout = MegatronLayout.from_parallel_state()
+        layout = layout_from_parallel_state()
         if groups is None:
             groups = _live_cp_groups()
     if seq_len is not None and seq_len % (2 * layout.cp):

@@ -1,15 +1,13 @@
-"""Communication graphs over one CP group, and the registry of strategies that build them.
-
-A :class:`CommGraph` is a directed graph (``networkx.DiGraph``) whose vertices are exactly the CP
-group's **global** ranks and whose edges are the point-to-point channels a plan may use, each with
-``cost`` (seconds for one ``REF_BYTES`` message on an idle route), ``bandwidth`` (bytes/s) and
-``kind`` (bottleneck link kind) taken from the :class:`~megatron_fcp.topology.model.Topology`.
+"""Graph builders: the strategies that connect one CP group, and the one registry of their names.
 
 A builder is a strategy object (``name``, ``build(topology, cp_ranks) -> CommGraph``). Besides the
 edges it knows the *multicast tree* that carries one block from its owner to the ranks that need it
 inside its graph (``tree(cg, owner, dests)``), because the good tree is structural: on a
 rail-striped graph a block crosses to another node once, on its owner's rail, and fans out there.
-Graphs without a builder tree use a generic Steiner heuristic (:func:`steiner_tree`).
+Builders without a tree of their own use :func:`~megatron_fcp.planning.graph.steiner_tree`.
+
+:data:`BUILDERS` is the registry. :data:`GRAPH_CHOICES` (what ``--fcp-graph``, ``FCPConfig.graph``
+and the CLI accept) and :data:`AUTO_CANDIDATES` (what ``auto`` compares) are derived from it.
 
 Note [Rail striping]
 --------------------
@@ -25,24 +23,28 @@ nodes of four ranks (global ranks 0..7, node 0 = 0..3)::
 
 Every NIC then carries exactly its own GPU's blocks once per remote node; the ``leader`` graph
 instead funnels a whole node through one rank, which is only right when the node has one uplink.
-
-Megatron rank order (``tp-cp-ep-dp-pp``) makes CP peers strided by TP; :func:`megatron_cp_groups`
-reproduces ``parallel_state``'s CP groups so callers can pass real rank lists.
 """
 
 from __future__ import annotations
 
-import heapq
-from itertools import chain
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import networkx as nx
 import numpy as np
 
-from megatron_fcp.topology.model import Topology, TopologyError
+from megatron_fcp.planning.graph import (
+    CommGraph,
+    TreeEdges,
+    check_cp_ranks,
+    depths_of,
+    parents_first,
+    prune_bfs,
+    runs_of,
+    steiner_tree,
+)
+from megatron_fcp.topology import Topology
 
 __all__ = [
-    "CommGraph",
     "GraphBuilder",
     "RingGraph",
     "FullGraph",
@@ -51,197 +53,11 @@ __all__ = [
     "SpanningGraph",
     "BalancedGraph",
     "BUILDERS",
-    "GRAPH_NAMES",
+    "GRAPH_CHOICES",
+    "AUTO_CANDIDATES",
     "get_builder",
     "build_graph",
-    "steiner_tree",
-    "check_cp_ranks",
-    "megatron_cp_groups",
 ]
-
-TreeEdges = list[tuple[int, int]]
-"""Multicast tree as ``(parent, child)`` edges, every parent listed before its children's edges."""
-
-
-class CommGraph:
-    """A builder's graph over the CP group ``ranks`` (global ranks in CP order).
-
-    Builders hand over their edges as a list (``edges``, in insertion order, self-loops and
-    repeats dropped); the networkx graph (``graph``, edge attributes from the topology) is built
-    on first use, since compiling a plan only needs the builder's trees: a 1,024-rank rail graph
-    has ~137K edges that a plain compile never looks up. A CommGraph can also wrap a ready
-    ``nx.DiGraph``.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        ranks: tuple[int, ...],
-        graph: nx.DiGraph | None = None,
-        topology: Topology | None = None,
-        builder: "GraphBuilder | None" = None,
-        pipeline_parts: bool = True,
-        meta: dict | None = None,
-        *,
-        edges: Iterable[tuple[int, int]] | None = None,
-    ):
-        if (graph is None) == (edges is None):
-            raise ValueError(f"graph {name!r}: give exactly one of graph= (networkx) or edges= (a list)")
-        self.name = name
-        self.ranks = tuple(ranks)
-        self.topology = topology
-        self.builder = builder
-        self.pipeline_parts = pipeline_parts
-        """Whether sub-blocks of one chunk are staggered over rounds (pipelining relays)."""
-        self.meta = meta if meta is not None else {}
-        self._graph = graph
-        self._edges = None if edges is None else list(dict.fromkeys((a, b) for a, b in edges if a != b))
-
-    @property
-    def edges(self) -> list[tuple[int, int]]:
-        """Directed edges ``(a, b)`` in insertion order."""
-        if self._edges is None:
-            self._edges = list(self._graph.edges)
-        return self._edges
-
-    @property
-    def graph(self) -> nx.DiGraph:
-        """The networkx graph: vertices = ``ranks``, edges carry ``cost``, ``bandwidth``, ``kind``."""
-        if self._graph is None:
-            g = nx.DiGraph()
-            g.add_nodes_from(self.ranks)
-            g.add_edges_from((a, b, _edge_attrs(self.topology, a, b)) for a, b in self._edges)
-            self._graph = g
-        return self._graph
-
-    def __repr__(self) -> str:
-        return f"CommGraph({self.name!r}, cp={len(self.ranks)}, edges={len(self.edges)})"
-
-    def tree(self, owner: int, dests: Sequence[int], chunk: int = 0) -> TreeEdges:
-        """Multicast tree from ``owner`` to ``dests`` (for the owner's zigzag ``chunk``) using only
-        this graph's edges."""
-        if not dests:
-            return []
-        if self.builder is not None:
-            return self.builder.tree(self, owner, dests, chunk)
-        return steiner_tree(self.graph, owner, dests)
-
-    def tree_with_depths(self, owner: int, dests: Sequence[int], chunk: int = 0) -> tuple[TreeEdges, list[int]]:
-        """:meth:`tree` plus the depth (hops from the owner) of each edge's receiver."""
-        if not dests:
-            return [], []
-        if self.builder is not None:
-            return self.builder.tree_with_depths(self, owner, dests, chunk)
-        edges = steiner_tree(self.graph, owner, dests)
-        return edges, _depths_of(edges, owner)
-
-    def tree_runs(self, owner: int, dests: Sequence[int], chunk: int = 0):
-        """The tree as runs ``(depth, srcs, dsts)`` of equal depth, shallowest first."""
-        if not dests:
-            return []
-        if self.builder is not None:
-            return self.builder.tree_runs(self, owner, dests, chunk)
-        edges = steiner_tree(self.graph, owner, dests)
-        return runs_of(edges, _depths_of(edges, owner))
-
-    def edge_list(self) -> list[tuple[int, int]]:
-        return sorted(self.edges)
-
-    def check_connected(self) -> "CommGraph":
-        """Raise ValueError naming two ranks if some rank cannot reach another.
-
-        Algorithm: vertices must be exactly ``ranks``; then a breadth-first search from
-        ``ranks[0]`` along the edges and one against them (:func:`_unreached`) must reach every
-        rank (strong connectivity). Errors name the smallest rank ``ranks[0]`` cannot reach, else
-        the first rank in CP order that cannot reach ``ranks[0]``.
-        """
-        ranks, edges = self.ranks, self.edges
-        vertices = set(self._graph.nodes) if self._graph is not None else set(chain(ranks, chain.from_iterable(edges)))
-        if vertices != set(ranks):
-            extra = sorted(vertices - set(ranks))
-            missing = sorted(set(ranks) - vertices)
-            raise ValueError(f"graph {self.name!r}: vertices must be the CP group; extra {extra}, missing {missing}")
-        if len(ranks) < 2:
-            return self
-        r = np.asarray(ranks, dtype=np.int64)
-        order = np.argsort(r)
-        flat = np.fromiter(chain.from_iterable(edges), dtype=np.int64, count=2 * len(edges))
-        ends = order[np.searchsorted(r[order], flat)].reshape(-1, 2)  # CP index of both ends
-        lost = _unreached(len(ranks), ends[:, 0], ends[:, 1])
-        if lost.any():
-            first = min(ranks[i] for i in np.nonzero(lost)[0])
-            raise ValueError(f"graph {self.name!r} is disconnected: rank {ranks[0]} cannot reach rank {first}")
-        lost = _unreached(len(ranks), ends[:, 1], ends[:, 0])
-        if lost.any():
-            r = ranks[int(np.argmax(lost))]
-            raise ValueError(f"graph {self.name!r} is disconnected: rank {r} cannot reach rank {ranks[0]}")
-        return self
-
-    def summary(self) -> str:
-        kinds: dict[str, int] = {}
-        for _, _, k in self.graph.edges(data="kind"):
-            kinds[k] = kinds.get(k, 0) + 1
-        out_deg = [d for _, d in self.graph.out_degree()]
-        return (
-            f"graph {self.name!r}: {len(self.ranks)} ranks, {self.graph.number_of_edges()} directed edges "
-            f"({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}), out-degree "
-            f"{min(out_deg, default=0)}..{max(out_deg, default=0)}"
-        )
-
-
-def check_cp_ranks(topology: Topology | None, cp_ranks: Iterable[int]) -> tuple[int, ...]:
-    """Validate a CP group: non-empty, distinct integers, all inside the topology."""
-    try:
-        ranks = tuple(cp_ranks)
-    except TypeError:
-        raise ValueError(f"cp_ranks: expected a list of global ranks, got {cp_ranks!r}") from None
-    if not ranks:
-        raise ValueError("cp_ranks: the CP group is empty")
-    for r in ranks:
-        if not isinstance(r, int) or isinstance(r, bool):
-            raise ValueError(f"cp_ranks: rank {r!r} is not an integer")
-    if len(set(ranks)) != len(ranks):
-        dup = next(r for r in ranks if ranks.count(r) > 1)
-        raise ValueError(f"cp_ranks: rank {dup} appears twice in {list(ranks)}")
-    if topology is not None:
-        bad = [r for r in ranks if not 0 <= r < topology.world]
-        if bad:
-            raise TopologyError(
-                f"cp_ranks: rank {bad[0]} is missing from topology {topology.name!r} (world size {topology.world})"
-            )
-    return ranks
-
-
-def _unreached(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """Mask of vertices ``0..n-1`` that vertex 0 cannot reach along edges ``src[i] -> dst[i]``.
-
-    Algorithm: breadth-first search by levels, each level one vectorised pass over all edges
-    (levels <= diameter: 2-3 for rail graphs, ``n`` for a ring).
-    """
-    reached = np.zeros(n, dtype=bool)
-    reached[0] = True
-    frontier = reached.copy()
-    while frontier.any():
-        nxt = np.zeros(n, dtype=bool)
-        nxt[dst[frontier[src]]] = True
-        frontier = nxt & ~reached
-        reached |= frontier
-    return ~reached
-
-
-def _edge_attrs(topo: Topology | None, a: int, b: int) -> dict:
-    """Edge attributes from the route; cached per (same node, local a, local b) since every node
-    shares one layout (a 1,024-rank rail graph has ~130K edges but ~130 distinct routes)."""
-    if topo is None:
-        return {"cost": 1.0, "bandwidth": 1.0, "kind": "loopback"}
-    (na, la), (nb, lb) = topo.rank_map[a], topo.rank_map[b]
-    key = ("edge-attrs", na == nb, la, lb)
-    attrs = topo._cache.get(key)
-    if attrs is None:
-        route = topo.route(a, b)
-        attrs = {"cost": route.cost, "bandwidth": route.bandwidth, "kind": route.kind}
-        topo._cache[key] = attrs
-    return attrs
 
 
 def _node_groups(topo: Topology, ranks: Sequence[int]) -> dict[int, list[int]]:
@@ -258,7 +74,8 @@ class GraphBuilder:
     """Strategy interface: ``build`` a CommGraph and give each block's multicast ``tree``."""
 
     name = "base"
-    pipeline_parts = True
+    pipeline_parts = True  # stagger a chunk's sub-blocks over rounds (relays pipeline them)
+    needs_kv_sizes = False  # True: meaningful only with per-rank KV sizes (not offered by name)
 
     def build(self, topology: Topology, cp_ranks: Sequence[int]) -> CommGraph:
         ranks = check_cp_ranks(topology, cp_ranks)
@@ -277,7 +94,7 @@ class GraphBuilder:
                          chunk: int = 0) -> tuple[TreeEdges, list[int]]:
         """``(tree edges in BFS order, depth of each edge's receiver)``; builders may override."""
         edges = self.tree(cg, owner, dests, chunk)
-        return edges, _depths_of(edges, owner)
+        return edges, depths_of(edges, owner)
 
     def tree_runs(self, cg: CommGraph, owner: int, dests: Sequence[int], chunk: int = 0):
         """``(depth, srcs, dsts)`` runs of the tree; builders may override to skip edge tuples."""
@@ -442,8 +259,8 @@ class HierarchicalGraph(GraphBuilder):
         # owner -> exit (NVLink) first; the exit's hops are one level deeper
         if (owner, exit_rank) not in first:
             first.append((owner, exit_rank))
-        edges = _parents_first(first + second, owner)
-        return edges, _depths_of(edges, owner)
+        edges = parents_first(first + second, owner)
+        return edges, depths_of(edges, owner)
 
 
 class BalancedGraph(HierarchicalGraph):
@@ -454,10 +271,12 @@ class BalancedGraph(HierarchicalGraph):
     the largest chunk that fits moves from the busiest rail of a node to its least-loaded one (a
     chunk leaving on another rail first crosses NVLink to that rail's GPU). No NIC then carries
     much more than ``total / rails`` bytes, and with equal sizes nothing moves: exactly
-    ``hierarchical``.
+    ``hierarchical``. No runtime path supplies KV sizes yet, so it is not offered by name
+    (``needs_kv_sizes``); build it with ``BalancedGraph(kv_sizes)`` in Python.
     """
 
     name = "balanced"
+    needs_kv_sizes = True
 
     def __init__(self, kv_sizes: Mapping[int, float] | None = None):
         self.kv_sizes = dict(kv_sizes or {})
@@ -532,7 +351,7 @@ class LeaderGraph(GraphBuilder):
             lead = leaders[node]
             edges.append((out, lead))
             edges.extend((lead, d) for d in by_node[node] if d != lead)
-        return _parents_first(edges, owner)
+        return parents_first(edges, owner)
 
 
 class SpanningGraph(GraphBuilder):
@@ -576,113 +395,10 @@ class SpanningGraph(GraphBuilder):
         return [e for a, b in mst.edges for e in ((a, b), (b, a))], {"tree": mst}
 
     def tree(self, cg, owner, dests, chunk=0):
-        return _prune_bfs(cg.meta["tree"], owner, dests)
+        return prune_bfs(cg.meta["tree"], owner, dests)
 
 
-def _prune_bfs(adj_graph, owner: int, dests: Sequence[int]) -> TreeEdges:
-    """BFS tree of ``adj_graph`` from ``owner`` keeping only branches that reach a dest."""
-    parent = {owner: None}
-    order = [owner]
-    for u in order:
-        for v in sorted(adj_graph[u]):
-            if v not in parent:
-                parent[v] = u
-                order.append(v)
-    keep = set()
-    for d in dests:
-        if d not in parent:
-            raise ValueError(f"rank {d} is unreachable from rank {owner} in the graph")
-        while d is not None and d not in keep:
-            keep.add(d)
-            d = parent[d]
-    return [(parent[v], v) for v in order if v in keep and v != owner]
-
-
-def runs_of(edges: TreeEdges, depths: list[int]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """Split a BFS-ordered tree (non-decreasing depths) into runs ``(depth, srcs, dsts)``."""
-    runs = []
-    start = 0
-    for i in range(1, len(depths) + 1):
-        if i == len(depths) or depths[i] != depths[start]:
-            us, vs = zip(*edges[start:i])
-            runs.append((depths[start], us, vs))
-            start = i
-    return runs
-
-
-def _depths_of(edges: TreeEdges, owner: int) -> list[int]:
-    depth = {owner: 0}
-    out = []
-    for u, v in edges:
-        d = depth[u] + 1
-        depth[v] = d
-        out.append(d)
-    return out
-
-
-def _parents_first(edges: TreeEdges, root: int) -> TreeEdges:
-    """Order tree edges so every parent's incoming edge precedes its outgoing ones (BFS order)."""
-    children: dict[int, list[int]] = {}
-    for a, b in edges:
-        children.setdefault(a, []).append(b)
-    out, frontier = [], [root]
-    while frontier:
-        nxt = []
-        for u in frontier:
-            for v in children.get(u, ()):
-                out.append((u, v))
-                nxt.append(v)
-        frontier = nxt
-    if len(out) != len(edges):
-        raise AssertionError(f"multicast edges do not form a tree rooted at {root}: {edges}")
-    return out
-
-
-def steiner_tree(graph: nx.DiGraph, owner: int, dests: Sequence[int], weight: str = "cost") -> TreeEdges:
-    """Shortest-path heuristic for a directed Steiner tree (Takahashi–Matsuyama).
-
-    Start from ``{owner}``; repeatedly run a multi-source Dijkstra from the current tree (tree
-    vertices at distance 0) and attach the nearest remaining dest by its shortest path. Relays
-    appear only where the graph has no direct edge. At most 2x the optimal tree cost.
-    """
-    in_tree = {owner}
-    remaining = set(dests) - in_tree
-    edges: TreeEdges = []
-    while remaining:
-        dist = {v: 0.0 for v in in_tree}
-        prev: dict[int, int] = {}
-        heap = [(0.0, v) for v in sorted(in_tree)]
-        heapq.heapify(heap)
-        found = None
-        done = set()
-        while heap:
-            d, u = heapq.heappop(heap)
-            if u in done:
-                continue
-            done.add(u)
-            if u in remaining:
-                found = u
-                break
-            for v in sorted(graph.successors(u)):
-                nd = d + graph[u][v].get(weight, 1.0)
-                if v not in in_tree and (v not in dist or nd < dist[v]):
-                    dist[v] = nd
-                    prev[v] = u
-                    heapq.heappush(heap, (nd, v))
-        if found is None:
-            raise ValueError(f"rank {min(remaining)} is unreachable from rank {owner} in the graph")
-        path = [found]
-        while path[-1] not in in_tree:
-            path.append(prev[path[-1]])
-        path.reverse()
-        for a, b in zip(path, path[1:]):
-            edges.append((a, b))
-            in_tree.add(b)
-            remaining.discard(b)
-    return _parents_first(edges, owner)
-
-
-BUILDERS: dict[str, Callable[[], GraphBuilder]] = {
+BUILDERS: dict[str, Callable[..., GraphBuilder]] = {
     "ring": RingGraph,
     "full": FullGraph,
     "hierarchical": HierarchicalGraph,
@@ -690,9 +406,13 @@ BUILDERS: dict[str, Callable[[], GraphBuilder]] = {
     "spanning": SpanningGraph,
     "balanced": BalancedGraph,
 }
-"""Registry: graph name -> builder factory. ``auto`` (in :mod:`megatron_fcp.planner`) picks among these."""
+"""The registry: graph name -> builder class. Everything else that names graphs derives from it."""
 
-GRAPH_NAMES = (*BUILDERS, "auto")
+AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, b in BUILDERS.items() if not b.needs_kv_sizes)
+"""Builders ``auto`` compiles and compares (a builder that needs KV sizes cannot run without them)."""
+
+GRAPH_CHOICES: tuple[str, ...] = ("auto", *AUTO_CANDIDATES)
+"""What a user may ask for by name (``--fcp-graph``, ``FCPConfig.graph``, the CLI's ``--graph``)."""
 
 
 def get_builder(name: "str | GraphBuilder", **kwargs) -> GraphBuilder:
@@ -700,34 +420,12 @@ def get_builder(name: "str | GraphBuilder", **kwargs) -> GraphBuilder:
     if isinstance(name, GraphBuilder):
         return name
     if name not in BUILDERS:
-        raise ValueError(f"graph: unknown builder {name!r}; choose one of {', '.join(GRAPH_NAMES)}")
+        raise ValueError(f"graph: unknown builder {name!r}; choose one of {', '.join(GRAPH_CHOICES)}")
     return BUILDERS[name](**kwargs)
 
 
 def build_graph(topology: Topology, cp_ranks: Sequence[int], graph: "str | GraphBuilder" = "hierarchical") -> CommGraph:
     """``get_builder(graph).build(topology, cp_ranks)``."""
     if graph == "auto":
-        raise ValueError("graph: 'auto' chooses among plans; use megatron_fcp.plan.build_plan(..., graph='auto')")
+        raise ValueError("graph: 'auto' chooses among plans; use megatron_fcp.planning.build_plan(..., graph='auto')")
     return get_builder(graph).build(topology, cp_ranks)
-
-
-def megatron_cp_groups(world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> list[list[int]]:
-    """CP groups of Megatron's ``parallel_state`` for order ``tp-cp-ep-dp-pp``.
-
-    Rank ``r`` decomposes as ``r = tp_i + tp*(cp_i + cp*(dp_i + dp*pp_i))`` (``ep`` only splits
-    the data-parallel extent for MoE layers and does not change attention's CP groups); a CP group
-    fixes ``(tp_i, dp_i, pp_i)`` and varies ``cp_i``, so its members are strided by ``tp``.
-    Groups are listed as parallel_state creates them (by ``pp_i``, then ``dp_i``, then ``tp_i``).
-    """
-    for name, v in (("world", world), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: must be a positive integer, got {v!r}")
-    if world % (tp * pp * cp):
-        raise ValueError(f"world: {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    dp = world // (tp * pp * cp)
-    groups = []
-    for pp_i in range(pp):
-        for dp_i in range(dp):
-            for tp_i in range(tp):
-                groups.append([tp_i + tp * (cp_i + cp * (dp_i + dp * pp_i)) for cp_i in range(cp)])
-    return groups

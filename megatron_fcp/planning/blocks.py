@@ -1,0 +1,87 @@
+"""The units a plan moves: KV blocks and point-to-point transfers. Pure data, no ``torch``.
+
+A *block* is one owner's zigzag chunk (``chunk`` 0 is the early chunk, 1 the late one), optionally
+cut into ``parts_per_chunk`` equal sub-blocks (``part``); see Note [Zigzag blocks and causal need
+sets] in :mod:`megatron_fcp.planning.needs`. A *transfer* sends one block between two global ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Sequence
+
+__all__ = ["PlanError", "Block", "Transfer", "blocks_of", "zigzag_chunk_index", "make_transfer", "make_transfers"]
+
+
+class PlanError(ValueError):
+    """A plan is malformed; the message names the block, rank and round at fault."""
+
+
+@dataclass(frozen=True, order=True)
+class Block:
+    """One KV block: ``owner``'s (global rank) zigzag ``chunk`` (0 early, 1 late), sub-block ``part``."""
+
+    owner: int
+    chunk: int
+    part: int = 0
+
+    def __str__(self) -> str:  # compact in error messages and round tables
+        return f"B(r{self.owner},c{self.chunk},p{self.part})"
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Transfer:
+    """Send ``block`` from global rank ``src`` to global rank ``dst``."""
+
+    src: int
+    dst: int
+    block: Block
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}:{self.block}"
+
+
+def blocks_of(owner: int, parts_per_chunk: int = 1) -> tuple[Block, ...]:
+    """All blocks owned by global rank ``owner``, in sequence order of its local shard."""
+    return tuple(Block(owner, c, p) for c in (0, 1) for p in range(parts_per_chunk))
+
+
+def zigzag_chunk_index(cp_index: int, chunk: int, cp: int) -> int:
+    """Global chunk index (of ``2*cp``) held by CP rank ``cp_index`` as its ``chunk`` (0 or 1)."""
+    if chunk not in (0, 1):
+        raise PlanError(f"chunk must be 0 or 1, got {chunk}")
+    return cp_index if chunk == 0 else 2 * cp - 1 - cp_index
+
+
+_object_new = object.__new__
+_SET_SRC = Transfer.__dict__["src"].__set__  # slot descriptors: bypass the frozen __setattr__
+_SET_DST = Transfer.__dict__["dst"].__set__
+_SET_BLOCK = Transfer.__dict__["block"].__set__
+
+
+def make_transfer(src: int, dst: int, block: Block) -> Transfer:
+    """``Transfer(src, dst, block)`` without the frozen ``__init__``'s ``object.__setattr__`` calls."""
+    t = _object_new(Transfer)
+    _SET_SRC(t, src)
+    _SET_DST(t, dst)
+    _SET_BLOCK(t, block)
+    return t
+
+
+def make_transfers(srcs: Sequence[int], dsts: Sequence[int], block: Block) -> list[Transfer]:
+    """``[Transfer(s, d, block) for s, d in zip(srcs, dsts)]`` (equal objects) at ~1/3 of the cost.
+
+    Algorithm: allocate the objects in one ``map``, then fill each slot with one ``map`` over its
+    slot descriptor (all loops run in C). The compiler builds ~1.5M transfers for a 1,024-rank
+    group this way.
+    """
+    n = len(srcs)
+    if len(dsts) != n:
+        raise ValueError(f"make_transfers: {n} sources but {len(dsts)} destinations")
+    out = list(map(_object_new, repeat(Transfer, n)))
+    deque(map(_SET_SRC, out, srcs), maxlen=0)  # deque(maxlen=0) only consumes the iterator
+    deque(map(_SET_DST, out, dsts), maxlen=0)
+    deque(map(_SET_BLOCK, out, repeat(block, n)), maxlen=0)
+    return out

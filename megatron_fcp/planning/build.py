@@ -1,0 +1,73 @@
+"""``build_plan``: a topology, a CP group and a graph name in, one verified Plan out. Pure, no torch.
+
+For a named graph the builder's CommGraph is compiled (:func:`~megatron_fcp.planning.compile.compile_plan`).
+For ``"auto"`` every builder of :data:`~megatron_fcp.planning.builders.AUTO_CANDIDATES` is compiled
+and timed on the cost model (:func:`~megatron_fcp.planning.cost.simulate_plan`), and the best is
+kept (:func:`~megatron_fcp.planning.cost.pick_best`). Auto works for every CP size and sequence
+length: a length that ``2*cp`` does not divide is padded as Megatron pads.
+"""
+
+from __future__ import annotations
+
+from megatron_fcp.planning.blocks import PlanError
+from megatron_fcp.planning.builders import AUTO_CANDIDATES, get_builder
+from megatron_fcp.planning.compile import compile_plan
+from megatron_fcp.planning.cost import AttentionShape, pick_best, simulate_plan
+from megatron_fcp.planning.graph import check_cp_ranks
+from megatron_fcp.planning.plan import AutoChoice, Plan
+from megatron_fcp.topology import Topology, load_topology
+
+__all__ = ["build_plan", "NOMINAL_SHAPE"]
+
+NOMINAL_SHAPE = AttentionShape(131072, 32, 8, 128, 2)
+"""The shape ``auto`` times candidates on when the caller gives none (128K tokens, GQA 32:8, d=128, bf16)."""
+
+
+def build_plan(
+    topology,
+    cp_ranks,
+    graph="auto",
+    *,
+    causal=True,
+    parts_per_chunk=1,
+    seq_len=None,
+    heads=None,
+    kv_heads=None,
+    head_dim=None,
+    dtype_bytes=2,
+    objective=None,
+) -> Plan:
+    """Verified plan for the CP group ``cp_ranks`` (global ranks, CP order) on ``topology``.
+
+    ``topology``: a Topology, ``"PRESET:NODES"`` or a YAML path. ``graph``: a name of
+    :data:`~megatron_fcp.planning.builders.BUILDERS`, a
+    :class:`~megatron_fcp.planning.builders.GraphBuilder`, or ``"auto"``: compile every candidate
+    and keep the one with the least predicted time by ``objective`` (``"total"``: overlapped time,
+    ties broken by communication; ``"comm"``: communication alone). Without ``objective`` auto uses
+    ``"total"`` when ``seq_len``, ``heads`` and ``head_dim`` are given, else ``"comm"``. Missing
+    shape fields come from :data:`NOMINAL_SHAPE`. ``plan.auto`` records every candidate's time.
+    """
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
+        raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    if graph != "auto":
+        return compile_plan(get_builder(graph).build(topo, ranks), causal, parts_per_chunk)
+
+    if objective is None:
+        objective = "total" if seq_len is not None and heads is not None and head_dim is not None else "comm"
+    if objective not in ("comm", "total"):
+        raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
+    n = NOMINAL_SHAPE
+    shape = AttentionShape(seq_len or n.seq_len, heads or n.heads, kv_heads or heads or n.kv_heads,
+                           head_dim or n.head_dim, dtype_bytes)
+    candidates = []
+    for name in AUTO_CANDIDATES:
+        if len(ranks) == 1 and name != "ring":
+            continue
+        plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk)
+        candidates.append((simulate_plan(plan, topo, shape, compute=objective == "total"), plan))
+    _, best = pick_best(candidates, objective)
+    metric = "total_s" if objective == "total" else "comm_s"
+    choice = AutoChoice(metric, tuple((p.name, getattr(r, metric)) for r, p in candidates))
+    return best.with_auto(choice)

@@ -1,0 +1,223 @@
+"""The plan contract: who sends which KV block to whom, in which round. Pure data, no ``torch``.
+
+This module is the contract between the planner (graph -> plan) and the attention engine
+(plan -> communication + compute). Everything here is plain frozen data so plans can be built,
+verified and compared in microseconds without processes. Blocks and need sets:
+:mod:`megatron_fcp.planning.blocks`, :mod:`megatron_fcp.planning.needs`.
+
+Rounds
+------
+A plan is a sequence of rounds. All transfers in a round run concurrently; a transfer's source
+must hold the block when the round starts (it owns it or received it in an earlier round). Ranks
+are **global** ranks; ``Plan.ranks`` lists the CP group's global ranks in CP-rank order. Two
+transfers of one round between the same pair are matched in plan order on both sides.
+
+The backward pass runs the same rounds reversed with every transfer flipped: each rank sends its
+partial dK/dV of a block back to the rank it received the block from, after adding the partials
+its own children sent it (which arrive in later forward rounds, i.e. earlier backward rounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Iterator
+
+from megatron_fcp.planning.blocks import Block, PlanError, Transfer, blocks_of
+from megatron_fcp.planning.needs import need_set
+from megatron_fcp.planning.verify import verify_plan
+
+__all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "SIMPLE_PLANS"]
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """How ``graph="auto"`` chose a plan: the predicted seconds of every candidate graph."""
+
+    metric: str  # "comm_s" (communication alone) or "total_s" (overlapped with compute)
+    times: tuple[tuple[str, float], ...]  # (graph name, predicted seconds), in candidate order
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule of KV block transfers inside one CP group; :meth:`verify` proves it.
+
+    ranks: the CP group's global ranks, index = CP rank (zigzag position).
+    rounds: per round, the transfers that run concurrently.
+    causal: whether need sets follow the causal mask (Note in :mod:`megatron_fcp.planning.needs`).
+    parts_per_chunk: sub-blocks per zigzag chunk (a chunk of L tokens is cut into equal parts).
+    name: the graph it was built on (``"ring"``, ``"full"``, ``"hierarchical"`` ...).
+    max_sends / max_recvs: per-rank, per-round port limits the rounds were packed under (None: none).
+    kv_sizes: relative KV size of each CP rank's blocks (CP order) when they differ (``balanced``);
+        None means equal sizes.
+    auto: for ``graph="auto"``, the candidates' predicted times.
+    """
+
+    ranks: tuple[int, ...]
+    rounds: tuple[tuple[Transfer, ...], ...]
+    causal: bool = True
+    parts_per_chunk: int = 1
+    name: str = "custom"
+    max_sends: int | None = None
+    max_recvs: int | None = None
+    kv_sizes: tuple[float, ...] | None = None
+    auto: AutoChoice | None = None
+    _verified_ports: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def cp(self) -> int:
+        return len(self.ranks)
+
+    def cp_index(self, rank: int) -> int:
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise PlanError(f"rank {rank} is not in the plan's CP group {list(self.ranks)}") from None
+
+    def blocks(self) -> tuple[Block, ...]:
+        return tuple(b for r in self.ranks for b in blocks_of(r, self.parts_per_chunk))
+
+    def needs(self, rank: int) -> frozenset[Block]:
+        """Blocks global ``rank`` must receive (:func:`~megatron_fcp.planning.needs.need_set`)."""
+        return need_set(self.ranks, rank, self.causal, self.parts_per_chunk)
+
+    def transfers(self) -> Iterator[tuple[int, Transfer]]:
+        """All ``(round, transfer)`` pairs in plan order."""
+        for k, rnd in enumerate(self.rounds):
+            for t in rnd:
+                yield k, t
+
+    def sends(self, rank: int, round_index: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.rounds[round_index] if t.src == rank)
+
+    def recvs(self, rank: int, round_index: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.rounds[round_index] if t.dst == rank)
+
+    def received_blocks(self, rank: int) -> tuple[Block, ...]:
+        """Blocks ``rank`` receives, in the order they arrive (plan order)."""
+        return tuple(t.block for _, t in self.transfers() if t.dst == rank)
+
+    def num_transfers(self) -> int:
+        return sum(len(r) for r in self.rounds)
+
+    def chunks_moved(self) -> float:
+        """Bytes moved in units of one zigzag chunk of KV."""
+        return self.num_transfers() / self.parts_per_chunk
+
+    # ---- verification -----------------------------------------------------------------------
+    def verify(self, max_sends: int | None = None, max_recvs: int | None = None) -> "Plan":
+        """Prove the plan is executable and complete; raise :class:`PlanError` otherwise.
+
+        Checks, without running anything:
+        * ``ranks`` are distinct; every endpoint is in the CP group; no self-sends;
+        * every block in a transfer is a block of this group (owner in group, chunk/part in range);
+        * causality: a rank sends a block only if it owns it or received it in an *earlier* round;
+        * exactly once: no rank receives a block twice, and no owner receives its own block;
+        * completeness: every rank receives every block of its need set;
+        * port limits (when given): no rank posts more than ``max_sends`` sends or ``max_recvs``
+          receives in one round.
+        Send/receive matching and deadlock freedom hold by construction of the round model: both
+        sides derive their per-round posts from the same transfer list (sends and receives of a
+        round are all posted before any is waited on), so each receive has exactly one matching
+        send in the same round, and rounds only wait on transfers they themselves posted.
+        Returns ``self`` so calls can be chained.
+
+        A plan is verified once: a verified plan carries that state (:attr:`verified`, with the
+        port limits it was checked against), and calling ``verify`` again with no stricter limits
+        returns at once, so executors can call it on every use. Algorithm and error order:
+        :mod:`megatron_fcp.planning.verify`.
+        """
+        if self._verified_ports is not None and _no_stricter(self._verified_ports, (max_sends, max_recvs)):
+            return self
+        verify_plan(self, max_sends, max_recvs)
+        object.__setattr__(self, "_verified_ports", (max_sends, max_recvs))  # a fact about frozen data
+        return self
+
+    def with_auto(self, auto: AutoChoice) -> "Plan":
+        """This plan with ``auto`` recorded; the rounds are the same, so it stays verified."""
+        out = replace(self, auto=auto)
+        object.__setattr__(out, "_verified_ports", self._verified_ports)
+        return out
+
+    @property
+    def verified(self) -> bool:
+        """Whether :meth:`verify` has proved this plan (it is frozen, so the proof stays valid)."""
+        return self._verified_ports is not None
+
+    def backward_rounds(self) -> tuple[tuple[Transfer, ...], ...]:
+        """Rounds of the dK/dV reduction: forward rounds reversed, every transfer flipped.
+
+        In backward round ``k`` a rank sends its partial dK/dV of ``block`` to the rank it received
+        ``block`` from in forward round ``len(rounds)-1-k``, after adding the partials its own
+        children sent it in earlier backward rounds.
+        """
+        return tuple(tuple(Transfer(t.dst, t.src, t.block) for t in rnd) for rnd in reversed(self.rounds))
+
+    # ---- presentation -----------------------------------------------------------------------
+    def round_table(self) -> str:
+        """One line per round: ``round k: src->dst:block, ...``."""
+        lines = [f"plan {self.name!r}: cp={self.cp} ranks={list(self.ranks)} causal={self.causal} "
+                 f"parts/chunk={self.parts_per_chunk} rounds={len(self.rounds)} transfers={self.num_transfers()}"]
+        for k, rnd in enumerate(self.rounds):
+            lines.append(f"  round {k}: " + ", ".join(str(t) for t in rnd))
+        return "\n".join(lines)
+
+
+def _check_ranks(ranks: Iterable[int]) -> tuple[int, ...]:
+    ranks = tuple(int(r) for r in ranks)
+    if len(ranks) < 1:
+        raise PlanError("a plan needs at least one rank")
+    if len(set(ranks)) != len(ranks):
+        raise PlanError(f"CP group ranks repeat: {list(ranks)}")
+    return ranks
+
+
+def ring_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1) -> Plan:
+    """Transformer Engine's p2p ring: ``cp-1`` rounds, each rank forwards what it received.
+
+    In round ``k`` CP rank ``i`` sends the KV pair of CP rank ``(i-k) mod cp`` (both chunks, as TE
+    does whatever the mask) to CP rank ``i+1``. Every rank ends up with every block; with causal
+    masking some arrive only to be passed on, exactly as in TE.
+    """
+    ranks = _check_ranks(ranks)
+    cp = len(ranks)
+    rounds = []
+    for k in range(cp - 1):
+        rnd = []
+        for i, src in enumerate(ranks):
+            owner = ranks[(i - k) % cp]
+            dst = ranks[(i + 1) % cp]
+            rnd.extend(Transfer(src, dst, b) for b in blocks_of(owner, parts_per_chunk))
+        rounds.append(tuple(rnd))
+    return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="ring")
+
+
+def full_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1) -> Plan:
+    """The ``full`` graph's direct schedule without a topology: each owner sends each block straight
+    to every rank that needs it.
+
+    Round ``k`` (``k = 1..cp-1``) pairs CP rank ``i`` with ``i+k`` so every rank sends to one peer
+    and receives from one peer per round, and blocks arrive progressively for overlap. (Compiled
+    on a topology, :class:`~megatron_fcp.planning.builders.FullGraph` sends the same transfers in
+    one round.)
+    """
+    ranks = _check_ranks(ranks)
+    cp = len(ranks)
+    rounds = []
+    for k in range(1, cp):
+        rnd = []
+        for i, src in enumerate(ranks):
+            dst = ranks[(i + k) % cp]
+            needed = need_set(ranks, dst, causal, parts_per_chunk)
+            rnd.extend(Transfer(src, dst, b) for b in blocks_of(src, parts_per_chunk) if b in needed)
+        rounds.append(tuple(rnd))
+    return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="full")
+
+
+SIMPLE_PLANS = {"ring": ring_plan, "full": full_plan}
+"""Plans built from the CP ranks alone (no topology), by name: what ``fcp_attention(plan=NAME)`` takes."""
+
+
+def _no_stricter(done: tuple, asked: tuple) -> bool:
+    """Whether port limits ``asked`` are implied by limits ``done`` already verified (None = no limit)."""
+    return all(a is None or (d is not None and d <= a) for d, a in zip(done, asked))

@@ -1,0 +1,55 @@
+"""Regression: graph "auto" (the default everywhere) works for every CP size, not only those whose
+2*cp divides 131,072, through build_plan, setup_fcp and both CLI commands."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from megatron_fcp.cli import main
+from megatron_fcp.config import FCPConfig
+from megatron_fcp.patches.runtime import reset_fcp, setup_fcp
+from megatron_fcp.planning import AUTO_CANDIDATES, MegatronLayout, build_plan, zigzag_padded_len
+from megatron_fcp.topology import PRESETS, load_topology
+
+CPS = (3, 5, 6, 12, 24)  # 2*cp does not divide 131072 for any of them
+
+def _preset(name: str, cp: int) -> str:
+    return f"{name}:{max(1, math.ceil(cp / load_topology(name).gpus_per_node))}"
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("cp", CPS)
+def test_auto_builds_a_verified_plan_for_any_cp(preset, cp):
+    assert 131072 % (2 * cp)
+    plan = build_plan(_preset(preset, cp), range(cp))
+    assert plan.verified and plan.cp == cp and plan.name in AUTO_CANDIDATES
+    assert plan.name == min(dict(plan.auto.times), key=dict(plan.auto.times).get)
+    # with a real shape whose length 2*cp does not divide either (Megatron would pad it)
+    shaped = build_plan(_preset(preset, cp), range(cp), seq_len=100_001, heads=32, kv_heads=8, head_dim=128)
+    assert shaped.verified and shaped.auto.metric == "total_s"
+
+@pytest.mark.parametrize("cp", CPS)
+def test_setup_fcp_with_the_default_config_settles_any_cp(cp):
+    layout = MegatronLayout(world=2 * cp, tp=2, cp=cp)
+    try:
+        runtime = setup_fcp(FCPConfig(enabled=True, topology=_preset("dgx-a100", 2 * cp)), layout=layout,
+                            groups={}, seq_len=2 * cp * 64, heads=8, kv_heads=2, head_dim=64)
+        assert runtime.config.graph == "auto"
+        assert {key[0] for key in runtime.plans} == set(layout.cp_groups())
+        assert all(plan.verified for plan in runtime.plans.values())
+    finally:
+        reset_fcp()
+
+@pytest.mark.parametrize("cp", CPS)
+def test_cli_plan_and_simulate_with_auto_for_any_cp(capsys, cp):
+    topo = _preset("dgx-a100", cp)
+    assert main(["plan", "--topology", topo, "--cp", str(cp)]) == 0
+    out = capsys.readouterr().out
+    assert f"cp={cp}" in out and "verified" in out and "auto: predicted comm_s" in out
+    assert main(["simulate", "--topology", topo, "--cp", str(cp), "--seq", "128k"]) == 0
+    out = capsys.readouterr().out
+    padded = zigzag_padded_len(131072, cp)
+    assert f"padded to {padded} tokens, as Megatron pads" in out
+    assert re.search(r"^fcp\s+\d", out, re.M)
