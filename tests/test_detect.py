@@ -308,7 +308,7 @@ def test_a100_topology_routes(a100):
 
 
 def test_h100_xml_topology_matches_preset_shape(h100_xml):
-    from megatron_fcp.topology.model import load_topology
+    from megatron_fcp.topology import load_topology
 
     topo = D.layout_to_topology(h100_xml, nodes=2)
     ref = load_topology("dgx-h100:2")
@@ -345,7 +345,7 @@ def test_layout_subset_of_gpus_and_errors(a100, pcie):
         D.layout_to_topology(a100, gpus=9)
     lone = D.parse_nvidia_smi_topo("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \n", source="nonic.txt")
     assert D.layout_to_topology(lone).route(0, 1).kind == "nvlink"
-    from megatron_fcp.topology.model import TopologyError
+    from megatron_fcp.topology import TopologyError
 
     with pytest.raises(TopologyError, match=r"nonic.txt: .*no NIC"):
         D.layout_to_topology(lone, nodes=2)
@@ -448,7 +448,7 @@ def test_topo_command_prints(capsys, argv, expect):
 
 
 def test_topo_command_yaml_roundtrip(capsys, tmp_path):
-    from megatron_fcp.topology.model import load_topology
+    from megatron_fcp.topology import load_topology
 
     out_yaml = tmp_path / "pcie.yaml"
     rc, out, _ = _topo_cli(capsys, "--from-nvidia-smi", str(FIX / "nvidia_smi_topo_pcie_server.txt"),
@@ -522,7 +522,7 @@ def test_single_gpu_node_nic_across_sockets():
 
 
 def test_topo_command_every_preset(capsys):
-    from megatron_fcp.topology.model import PRESETS
+    from megatron_fcp.topology import PRESETS
 
     for name in PRESETS:
         rc, out, err = _topo_cli(capsys, "--topology", f"{name}:2")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_fcp.topology.model import (
+from megatron_fcp.topology import (
     GB,
     LINK_KINDS,
     PRESETS,

@@ -116,7 +116,7 @@ def describe_source(node) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_fcp.topology.detect import TopologyParseError, detect_topology
-    from megatron_fcp.topology.model import TopologyError
+    from megatron_fcp.topology import TopologyError
 
     logging.basicConfig(level=logging.WARNING, format="megatron-fcp topo: %(message)s")
     given = [name for name, val in (("--topology", args.topology), ("--from-nccl-xml", args.from_nccl_xml),

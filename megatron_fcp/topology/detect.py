@@ -1012,7 +1012,7 @@ def detect_topology(
     detected layout keeps local GPUs ``0..gpus_per_node-1``; the uniform assumption uses that
     many GPUs, default 1). Detected layouts are assumed identical on every node.
     """
-    from megatron_fcp.topology.model import PRESETS, load_topology
+    from megatron_fcp.topology.presets import PRESETS, load_topology
 
     _check_speeds(nvlink_gbps_per_link=nvlink_gbps_per_link, pcie_gbps=pcie_gbps, nic_gbps=nic_gbps)
     if hosts is not None and not isinstance(hosts, HostGroups):
