@@ -37,25 +37,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from megatron_fcp.topology.errors import TopologyError
 from megatron_fcp.topology.units import GB, parse_bandwidth, parse_latency
 
-__all__ = [
-    "LINK_KINDS",
-    "REF_BYTES",
-    "TopologyError",
-    "Link",
-    "Nic",
-    "Resource",
-    "Route",
-    "NodeLayout",
-    "Topology",
-    "parse_bandwidth",
-    "parse_latency",
-    "GB",
-]
+__all__ = ["LINK_KINDS", "REF_BYTES", "Link", "Nic", "Resource", "Route", "NodeLayout", "Topology"]
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "ib", "ethernet", "loopback")
 """Valid ``kind`` values of links and NICs."""
@@ -299,76 +286,6 @@ class NodeLayout:
         nic = self.nics[self.gpu_nic[gpu]].name
         return self._path(nic, _gpu(gpu)) if inbound else self._path(_gpu(gpu), nic)
 
-    # ---- presentation ---------------------------------------------------------------------
-    def vertices(self) -> list[str]:
-        names = [_gpu(i) for i in range(self.gpus)]
-        for ln in self.links:
-            for v in (ln.a, ln.b):
-                if v not in names:
-                    names.append(v)
-        return names
-
-    def to_dict(self) -> dict:
-        d: dict[str, Any] = {"gpus": self.gpus}
-        if self.name:
-            d["name"] = self.name
-        d["links"] = [
-            {"a": ln.a, "b": ln.b, "kind": ln.kind, "bandwidth": ln.bandwidth, "latency": ln.latency}
-            for ln in self.links
-        ]
-        d["nics"] = [{"name": n.name, "kind": n.kind, "bandwidth": n.bandwidth, "latency": n.latency} for n in self.nics]
-        if self.nics:
-            d["gpu_nic"] = list(self.gpu_nic)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str = "node") -> "NodeLayout":
-        if not isinstance(d, Mapping):
-            raise TopologyError(f"{where}: expected a mapping with gpus/links/nics, got {type(d).__name__}")
-        unknown = set(d) - {"gpus", "links", "nics", "gpu_nic", "name"}
-        if unknown:
-            raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}; expected gpus, links, nics, gpu_nic, name")
-        if "gpus" not in d:
-            raise TopologyError(f"{where}.gpus: missing (number of GPUs per node)")
-        gpus = d["gpus"]
-        if not isinstance(gpus, int) or isinstance(gpus, bool):
-            raise TopologyError(f"{where}.gpus: must be an integer, got {gpus!r}")
-        links = []
-        raw_links = d.get("links") or []
-        if not isinstance(raw_links, list):
-            raise TopologyError(f"{where}.links: expected a list")
-        for i, ln in enumerate(raw_links):
-            if not isinstance(ln, Mapping):
-                raise TopologyError(f"{where}.links[{i}]: expected a mapping with a, b, kind, bandwidth")
-            for req in ("a", "b", "kind", "bandwidth"):
-                if req not in ln:
-                    raise TopologyError(f"{where}.links[{i}].{req}: missing")
-            extra = set(ln) - {"a", "b", "kind", "bandwidth", "latency"}
-            if extra:
-                raise TopologyError(f"{where}.links[{i}]: unknown field(s) {sorted(extra)}")
-            try:
-                links.append(Link(str(ln["a"]), str(ln["b"]), ln["kind"], ln["bandwidth"], ln.get("latency", 1e-6)))
-            except TopologyError as e:
-                raise TopologyError(f"{where}.links[{i}]: {e}") from None
-        nics = []
-        raw_nics = d.get("nics") or []
-        if not isinstance(raw_nics, list):
-            raise TopologyError(f"{where}.nics: expected a list")
-        for i, n in enumerate(raw_nics):
-            if not isinstance(n, Mapping) or "name" not in n:
-                raise TopologyError(f"{where}.nics[{i}].name: missing")
-            extra = set(n) - {"name", "kind", "bandwidth", "latency"}
-            if extra:
-                raise TopologyError(f"{where}.nics[{i}]: unknown field(s) {sorted(extra)}")
-            try:
-                nics.append(Nic(str(n["name"]), n.get("kind", "ib"), n.get("bandwidth", 50 * GB), n.get("latency", 2e-6)))
-            except TopologyError as e:
-                raise TopologyError(f"{where}.nics[{i}]: {e}") from None
-        gpu_nic = d.get("gpu_nic") or ()
-        if not isinstance(gpu_nic, (list, tuple)) or not all(isinstance(k, int) for k in gpu_nic):
-            raise TopologyError(f"{where}.gpu_nic: expected a list of NIC indices, got {gpu_nic!r}")
-        return cls(gpus, tuple(links), tuple(nics), tuple(gpu_nic), str(d.get("name", "")))
-
 
 @dataclass(frozen=True)
 class Topology:
@@ -433,10 +350,6 @@ class Topology:
     def ranks_of_node(self, node: int) -> tuple[int, ...]:
         return tuple(r for r, (n, _) in enumerate(self.rank_map) if n == node)
 
-    def nic_of(self, r: int) -> int | None:
-        """Index (into ``layout.nics``) of the NIC rank ``r`` uses, or None if the node has none."""
-        return self.layout.gpu_nic[self.local_rank_of(r)] if self.layout.nics else None
-
     # ---- resources and routes -------------------------------------------------------------
     def _resource(self, node: int, u: str, v: str, kind: str, bw: float, lat: float) -> Resource:
         name = f"n{node}:{u}>{v}"
@@ -473,18 +386,6 @@ class Topology:
         self._cache[key] = route
         return route
 
-    def resources(self) -> list[Resource]:
-        """Every resource of the cluster (both directions of each link and NIC wire)."""
-        out = []
-        for node in range(self.nodes):
-            for ln in self.layout.links:
-                out.append(self._resource(node, ln.a, ln.b, ln.kind, ln.bandwidth, ln.latency))
-                out.append(self._resource(node, ln.b, ln.a, ln.kind, ln.bandwidth, ln.latency))
-            for nic in self.layout.nics:
-                out.append(self._resource(node, nic.name, "net", nic.kind, nic.bandwidth, nic.latency + self.fabric_latency))
-                out.append(self._resource(node, "net", nic.name, nic.kind, nic.bandwidth, nic.latency))
-        return out
-
     def gpu_ingress_bandwidth(self, r: int) -> float:
         """Max-flow (bytes/s) into rank ``r``'s GPU from every other GPU of its node and every NIC wire.
 
@@ -517,11 +418,12 @@ class Topology:
                 self._cache[key] = float(nx.maximum_flow_value(g, "__src__", sink))
         return self._cache[key]
 
-    def node_ingress_bandwidth(self, node: int = 0) -> float:
-        """Sum of the node's NIC ingress wires (bytes/s): the ``B_out`` of the lower bound."""
+    def node_ingress_bandwidth(self) -> float:
+        """Sum of one node's NIC ingress wires (bytes/s), the same on every node: the ``B_out`` of
+        the lower bound."""
         return sum(n.bandwidth for n in self.layout.nics)
 
-    # ---- presentation / IO ----------------------------------------------------------------
+    # ---- presentation and files ---------------------------------------------------------
     def summary(self) -> str:
         """Human-readable description: nodes, GPUs, links by kind, NICs, rank map shape."""
         lay = self.layout
@@ -551,67 +453,19 @@ class Topology:
                                        else ", ".join(f"{r}:n{n}.{l}" for r, (n, l) in enumerate(self.rank_map))))
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        d: dict[str, Any] = {"name": self.name, "nodes": self.nodes, "node": self.layout.to_dict()}
-        default = tuple((r // self.layout.gpus, r % self.layout.gpus) for r in range(self.nodes * self.layout.gpus))
-        if self.rank_map != default:
-            d["rank_map"] = [list(x) for x in self.rank_map]
-        d["fabric_latency"] = self.fabric_latency
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "Topology":
-        if not isinstance(d, Mapping):
-            raise TopologyError(f"topology: expected a mapping at the top level, got {type(d).__name__}")
-        unknown = set(d) - {"name", "nodes", "node", "rank_map", "fabric_latency"}
-        if unknown:
-            raise TopologyError(f"topology: unknown field(s) {sorted(unknown)}; expected name, nodes, node, rank_map, fabric_latency")
-        if "node" not in d:
-            raise TopologyError("node: missing (the per-node layout: gpus, links, nics)")
-        layout = NodeLayout.from_dict(d["node"])
-        nodes = d.get("nodes", 1)
-        if not isinstance(nodes, int) or isinstance(nodes, bool):
-            raise TopologyError(f"nodes: must be an integer, got {nodes!r}")
-        rank_map = d.get("rank_map") or ()
-        if not isinstance(rank_map, (list, tuple)):
-            raise TopologyError("rank_map: expected a list of [node, local_rank] pairs")
-        for r, entry in enumerate(rank_map):
-            if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in entry
-            ):
-                raise TopologyError(f"rank_map[{r}]: expected [node, local_rank] integers, got {entry!r}")
-        return cls(str(d.get("name", "custom")), layout, nodes, tuple(tuple(e) for e in rank_map),
-                   d.get("fabric_latency", 1e-6))
-
     def to_yaml(self, path: str | Path | None = None) -> str:
-        """YAML text of :meth:`to_dict`; also written to ``path`` when given."""
-        import yaml
+        """YAML text in the topology file format (:mod:`~megatron_fcp.topology.serialize`); also
+        written to ``path`` when given."""
+        from megatron_fcp.topology import serialize
 
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
-        return text
+        return serialize.to_yaml(self, path)
 
     @classmethod
     def from_yaml(cls, text_or_path: str | Path) -> "Topology":
-        """Parse YAML text or a file path; errors name the field (and the file)."""
-        import yaml
+        """Parse YAML text or a file path (:func:`megatron_fcp.topology.serialize.from_yaml`)."""
+        from megatron_fcp.topology import serialize
 
-        src = "<yaml>"
-        text = str(text_or_path)
-        if isinstance(text_or_path, Path) or ("\n" not in text and Path(text).suffix in (".yaml", ".yml")):
-            p = Path(text_or_path)
-            if not p.exists():
-                raise TopologyError(f"topology file {p}: not found")
-            src, text = str(p), p.read_text(encoding="utf-8")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise TopologyError(f"{src}: malformed YAML: {e}") from None
-        try:
-            return cls.from_dict(data)
-        except TopologyError as e:
-            raise TopologyError(f"{src}: {e}") from None
+        return serialize.from_yaml(text_or_path)
 
     def with_rank_map(self, rank_map: Iterable[tuple[int, int]]) -> "Topology":
         """Same cluster, explicit ``rank_map`` (e.g. from hostnames gathered at run time)."""
@@ -626,8 +480,9 @@ _IN_PRESETS = ("PRESETS", "preset", "load_topology")
 
 
 def __getattr__(name: str) -> Any:
-    """Forward the names that moved to :mod:`megatron_fcp.topology.presets` (which imports this
-    module, so they cannot be imported here at load time). Import them from ``megatron_fcp.topology``."""
+    """``PRESETS``, ``preset`` and ``load_topology`` live in :mod:`megatron_fcp.topology.presets`,
+    which imports this module; this forwards them to callers that import them from here. New code
+    imports them from ``megatron_fcp.topology``."""
     if name in _IN_PRESETS:
         from megatron_fcp.topology import presets
 

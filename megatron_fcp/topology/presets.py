@@ -9,7 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from megatron_fcp.topology.model import GB, Link, Nic, NodeLayout, Topology, TopologyError
+from megatron_fcp.topology import serialize
+from megatron_fcp.topology.errors import TopologyError
+from megatron_fcp.topology.model import Link, Nic, NodeLayout, Topology
+from megatron_fcp.topology.units import GB
 
 __all__ = ["PRESETS", "preset", "load_topology"]
 
@@ -81,7 +84,7 @@ def load_topology(spec: "str | Path | Topology") -> Topology:
         return spec
     text = str(spec)
     if isinstance(spec, Path) or text.endswith((".yaml", ".yml")) or "/" in text:
-        return Topology.from_yaml(Path(text))
+        return serialize.from_yaml(Path(text))
     name, _, count = text.partition(":")
     if name not in PRESETS:
         raise TopologyError(
