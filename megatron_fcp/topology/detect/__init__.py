@@ -36,7 +36,7 @@ import os
 from typing import Sequence
 
 from megatron_fcp.topology.detect.build import (
-    DEFAULT_UNIFORM_INTRA_GBPS,
+    DEFAULT_UNIFORM_INTRA_GBYTES_PER_S,
     check_speeds,
     layout_to_topology,
     uniform_topology,
@@ -44,10 +44,10 @@ from megatron_fcp.topology.detect.build import (
 from megatron_fcp.topology.detect.hosts import HostGroups, gather_host_info, group_ranks_by_host
 from megatron_fcp.topology.detect.nccl_xml import parse_nccl_topo_xml
 from megatron_fcp.topology.detect.node import (
-    DEFAULT_NIC_GBPS,
-    DEFAULT_NVLINK_GBPS_PER_LINK,
-    DEFAULT_PCIE_GBPS,
-    NVLINK_GBPS_PER_LINK_BY_SM,
+    DEFAULT_NIC_GBYTES_PER_S,
+    DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK,
+    DEFAULT_PCIE_GBYTES_PER_S,
+    NVLINK_GBYTES_PER_S_PER_LINK_BY_SM,
     PATH_KINDS,
     DetectedNode,
     NicInfo,
@@ -59,16 +59,17 @@ from megatron_fcp.topology.detect.nvidia_smi import (
     parse_nvidia_smi_topo,
     read_nvidia_smi_topo,
 )
+from megatron_fcp.topology.model import Topology
 from megatron_fcp.topology.presets import PRESETS, load_topology
 
 __all__ = [
     "PATH_KINDS",
     "NVLINK_MAX_LINKS_PER_GPU",
-    "NVLINK_GBPS_PER_LINK_BY_SM",
-    "DEFAULT_NVLINK_GBPS_PER_LINK",
-    "DEFAULT_PCIE_GBPS",
-    "DEFAULT_NIC_GBPS",
-    "DEFAULT_UNIFORM_INTRA_GBPS",
+    "NVLINK_GBYTES_PER_S_PER_LINK_BY_SM",
+    "DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK",
+    "DEFAULT_PCIE_GBYTES_PER_S",
+    "DEFAULT_NIC_GBYTES_PER_S",
+    "DEFAULT_UNIFORM_INTRA_GBYTES_PER_S",
     "PairLink",
     "NicInfo",
     "DetectedNode",
@@ -113,10 +114,10 @@ def detect_topology(
     hosts: HostGroups | Sequence[str] | None = None,
     nodes: int | None = None,
     gpus_per_node: int | None = None,
-    nvlink_gbps_per_link: float | None = None,
-    pcie_gbps: float | None = None,
-    nic_gbps: float | None = None,
-):
+    nvlink_gbytes_per_s_per_link: float | None = None,
+    pcie_gbytes_per_s: float | None = None,
+    nic_gbytes_per_s: float | None = None,
+) -> Topology:
     """Describe the cluster; the first source given wins (Note [Resolution order of detect_topology]).
 
     ``source``: ``PRESET[:NODES]`` or a YAML path (:func:`~megatron_fcp.topology.load_topology`).
@@ -125,9 +126,13 @@ def detect_topology(
     :func:`gather_host_info`) or a hostname list, giving the node count and rank map; else
     ``nodes`` (default 1). ``gpus_per_node``: ranks per node when no hostnames are given (a
     detected layout keeps local GPUs ``0..gpus_per_node-1``; the uniform assumption uses that
-    many GPUs, default 1). Detected layouts are assumed identical on every node.
+    many GPUs, default 1). Detected layouts are assumed identical on every node. The speeds are
+    GB/s (gigabytes per second) per direction and win over what a source says (see
+    :func:`layout_to_topology`).
     """
-    check_speeds(nvlink_gbps_per_link=nvlink_gbps_per_link, pcie_gbps=pcie_gbps, nic_gbps=nic_gbps)
+    speeds = dict(nvlink_gbytes_per_s_per_link=nvlink_gbytes_per_s_per_link, pcie_gbytes_per_s=pcie_gbytes_per_s,
+                  nic_gbytes_per_s=nic_gbytes_per_s)
+    check_speeds(**speeds)
     if hosts is not None and not isinstance(hosts, HostGroups):
         hosts = group_ranks_by_host(list(hosts))
     if hosts is not None and nodes is not None and nodes != hosts.num_nodes:
@@ -172,23 +177,23 @@ def detect_topology(
     if layout is not None:
         assumed = []
         has_nvlink = any(layout.nvswitch_links) or any(p.nvlinks for p in layout.pairs.values())
-        if has_nvlink and layout.nvlink_gbps_per_link is None and nvlink_gbps_per_link is None:
-            assumed.append(f"{DEFAULT_NVLINK_GBPS_PER_LINK:g} GB/s per NVLink (GPU generation unknown; nvlink_gbps_per_link=)")
-        if layout.pcie_gbps is None and pcie_gbps is None:
-            assumed.append(f"PCIe {DEFAULT_PCIE_GBPS['PIX']:g} GB/s (4.0 x16; pcie_gbps=)")
-        if nic_gbps is None and any(n.speed_gbps is None for n in layout.nics if n.gpus):
-            assumed.append(f"NIC {DEFAULT_NIC_GBPS:g} GB/s (HDR 200 Gb/s; nic_gbps=)")
+        if has_nvlink and layout.nvlink_gbytes_per_s_per_link is None and nvlink_gbytes_per_s_per_link is None:
+            assumed.append(f"{DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK:g} GB/s per NVLink "
+                           "(GPU generation unknown; nvlink_gbytes_per_s_per_link=)")
+        if layout.pcie_gbytes_per_s is None and pcie_gbytes_per_s is None:
+            assumed.append(f"PCIe {DEFAULT_PCIE_GBYTES_PER_S['PIX']:g} GB/s (4.0 x16; pcie_gbytes_per_s=)")
+        if nic_gbytes_per_s is None and any(n.speed_gbytes_per_s is None for n in layout.nics if n.gpus):
+            assumed.append(f"NIC {DEFAULT_NIC_GBYTES_PER_S:g} GB/s (HDR 200 Gb/s; nic_gbytes_per_s=)")
         if assumed:
             _log_once(f"{layout.source}: assuming " + ", ".join(assumed) + " per direction")
-        return layout_to_topology(layout, nodes=n_nodes, hosts=hosts, gpus=gpus_per_node, name=label,
-                                  nvlink_gbps_per_link=nvlink_gbps_per_link, pcie_gbps=pcie_gbps, nic_gbps=nic_gbps)
+        return layout_to_topology(layout, nodes=n_nodes, hosts=hosts, gpus=gpus_per_node, name=label, **speeds)
 
     g = hosts.ranks_per_node if hosts is not None else (gpus_per_node or 1)
-    intra = DEFAULT_UNIFORM_INTRA_GBPS
-    nic = nic_gbps or DEFAULT_NIC_GBPS
+    intra = DEFAULT_UNIFORM_INTRA_GBYTES_PER_S
+    nic = nic_gbytes_per_s or DEFAULT_NIC_GBYTES_PER_S
     _log_once(
         f"no topology source (YAML/preset, NCCL XML, nvidia-smi): assuming {n_nodes} uniform node(s) x {g} GPU(s), "
         f"NVSwitch {intra:g} GB/s and one {nic:g} GB/s NIC per GPU (per direction); "
         f"pass --topology PRESET:NODES or a YAML file to describe the cluster"
     )
-    return uniform_topology(n_nodes, g, intra_gbps=intra, nic_gbps=nic, hosts=hosts)
+    return uniform_topology(n_nodes, g, intra_gbytes_per_s=intra, nic_gbytes_per_s=nic, hosts=hosts)

@@ -8,20 +8,20 @@ from typing import Mapping, Sequence
 
 from megatron_fcp.topology.detect.hosts import HostGroups
 from megatron_fcp.topology.detect.node import (
-    DEFAULT_NIC_GBPS,
-    DEFAULT_NVLINK_GBPS_PER_LINK,
-    DEFAULT_PCIE_GBPS,
+    DEFAULT_NIC_GBYTES_PER_S,
+    DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK,
+    DEFAULT_PCIE_GBYTES_PER_S,
     DetectedNode,
 )
 from megatron_fcp.topology.errors import TopologyError
 from megatron_fcp.topology.model import Link, Nic, NodeLayout, Topology
 from megatron_fcp.topology.units import GB
 
-__all__ = ["DEFAULT_UNIFORM_INTRA_GBPS", "layout_to_topology", "uniform_topology"]
+__all__ = ["DEFAULT_UNIFORM_INTRA_GBYTES_PER_S", "layout_to_topology", "uniform_topology"]
 
 #: Hostnames-only fallback: GPUs on one NVSwitch at this many GB/s per direction (NVLink3, 12
-#: links) and one HDR NIC per GPU (:data:`DEFAULT_NIC_GBPS`), as on a DGX-A100.
-DEFAULT_UNIFORM_INTRA_GBPS = 300.0
+#: links) and one HDR NIC per GPU (:data:`DEFAULT_NIC_GBYTES_PER_S`), as on a DGX-A100.
+DEFAULT_UNIFORM_INTRA_GBYTES_PER_S = 300.0
 
 _TREE_LEVEL = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 2, "SYS": 3}
 _RDMA_PREFIXES = ("mlx", "ib", "hfi", "bnxt_re", "irdma", "efa", "qedr", "erdma")
@@ -36,7 +36,7 @@ def _nic_kind(name: str) -> str:
     return "ib" if name.lower().startswith(_RDMA_PREFIXES) else "ethernet"
 
 
-def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], leaf_gbps: float) -> list:
+def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], leaf_gbytes_per_s: float) -> list:
     """Rebuild a PCIe tree over ``devices`` from pairwise path tokens and return model Links.
 
     Algorithm (the tokens form an ultrametric: PIX < PXB < PHB/NODE < SYS): for level 0 (PIX),
@@ -45,10 +45,10 @@ def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], lea
     becomes a PCIe switch vertex ``pcisw#``; every level-2 group becomes a root complex ``cpu#``
     (one per NUMA node/socket). Each device or vertex links to the smallest vertex strictly above
     it. Root complexes are joined pairwise by an SMP link (SYS). Pairs with no token (NVLink pairs
-    in nvidia-smi) only meet where other tokens put them. Bandwidths per direction: links into a
-    switch ``leaf_gbps``; into a root complex ``DEFAULT_PCIE_GBPS['NODE']``; SMP
-    ``DEFAULT_PCIE_GBPS['SYS']`` (both capped at ``leaf_gbps``) - so with the default leaf speed
-    the bottleneck between two GPUs is the table's value for their token.
+    in nvidia-smi) only meet where other tokens put them. Bandwidths per direction (GB/s): links
+    into a switch ``leaf_gbytes_per_s``; into a root complex ``DEFAULT_PCIE_GBYTES_PER_S['NODE']``;
+    SMP ``DEFAULT_PCIE_GBYTES_PER_S['SYS']`` (both capped at ``leaf_gbytes_per_s``) - so with the
+    default leaf speed the bottleneck between two GPUs is the table's value for their token.
     """
     groups_by_level: list[list[frozenset]] = []
     for level in range(3):
@@ -87,8 +87,8 @@ def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], lea
         lv, _, name = min(cands)
         return lv, name
 
-    bw_into = {0: leaf_gbps, 1: leaf_gbps, 2: min(leaf_gbps, DEFAULT_PCIE_GBPS["NODE"])}
-    smp_gbps = min(leaf_gbps, DEFAULT_PCIE_GBPS["SYS"])
+    bw_into = {0: leaf_gbytes_per_s, 1: leaf_gbytes_per_s, 2: min(leaf_gbytes_per_s, DEFAULT_PCIE_GBYTES_PER_S["NODE"])}
+    smp_gbytes_per_s = min(leaf_gbytes_per_s, DEFAULT_PCIE_GBYTES_PER_S["SYS"])
     links = []
     for d in devices:
         lv, name = up(frozenset((d,)), -1)
@@ -100,7 +100,7 @@ def _pcie_tree_links(devices: Sequence[str], paths: Mapping[frozenset, str], lea
         links.append(Link(name, parent_name, "pcie", bw_into[lv] * GB, _PCIE_LATENCY))
     for i in range(len(roots)):
         for j in range(i + 1, len(roots)):
-            links.append(Link(f"cpu{i}", f"cpu{j}", "pcie", smp_gbps * GB, _SYS_LATENCY))
+            links.append(Link(f"cpu{i}", f"cpu{j}", "pcie", smp_gbytes_per_s * GB, _SYS_LATENCY))
     return links
 
 
@@ -127,24 +127,27 @@ def layout_to_topology(
     nodes: int = 1,
     hosts: HostGroups | None = None,
     gpus: int | None = None,
-    nvlink_gbps_per_link: float | None = None,
-    pcie_gbps: float | None = None,
-    nic_gbps: float | None = None,
+    nvlink_gbytes_per_s_per_link: float | None = None,
+    pcie_gbytes_per_s: float | None = None,
+    nic_gbytes_per_s: float | None = None,
     name: str | None = None,
-):
+) -> Topology:
     """Build a :class:`~megatron_fcp.topology.model.Topology` of ``nodes`` copies of ``node``.
 
     Vertices are ``gpu#`` (local GPU index = local rank, torchrun's convention), the NICs some GPU
     uses (storage NICs are left out: they carry no GPU traffic), ``nvswitch`` when GPUs are
     switched, and the PCIe switches / root complexes that :func:`_pcie_tree_links` rebuilds.
-    NVLink bandwidth = links x per-link speed (``nvlink_gbps_per_link`` overrides what the source
-    said; default :data:`DEFAULT_NVLINK_GBPS_PER_LINK`). PCIe device links (GPU/NIC to switch):
-    ``pcie_gbps``, else the source's, else ``DEFAULT_PCIE_GBPS['PIX']``. NIC speed: ``nic_gbps``,
-    else the source's, else :data:`DEFAULT_NIC_GBPS`. Explicit arguments win over the source.
+    Speeds are GB/s (gigabytes per second) per direction. NVLink bandwidth = links x per-link
+    speed (``nvlink_gbytes_per_s_per_link`` overrides what the source said; default
+    :data:`DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK`). PCIe device links (GPU/NIC to switch):
+    ``pcie_gbytes_per_s``, else the source's, else ``DEFAULT_PCIE_GBYTES_PER_S['PIX']``. NIC speed:
+    ``nic_gbytes_per_s``, else the source's, else :data:`DEFAULT_NIC_GBYTES_PER_S`. Explicit
+    arguments win over the source.
     ``gpus`` keeps local GPUs ``0..gpus-1`` (fewer ranks than GPUs per node). ``hosts`` (from
     hostnames, covering the whole world) sets the node count and the rank map.
     """
-    check_speeds(nvlink_gbps_per_link=nvlink_gbps_per_link, pcie_gbps=pcie_gbps, nic_gbps=nic_gbps)
+    check_speeds(nvlink_gbytes_per_s_per_link=nvlink_gbytes_per_s_per_link, pcie_gbytes_per_s=pcie_gbytes_per_s,
+                 nic_gbytes_per_s=nic_gbytes_per_s)
 
     g = node.num_gpus if gpus is None else gpus
     if hosts is not None:
@@ -157,7 +160,7 @@ def layout_to_topology(
             f"{node.source}: {g} ranks per node but the node has {node.num_gpus} GPU(s); "
             f"describe the cluster with --topology FILE.yaml"
         )
-    per_link = nvlink_gbps_per_link or node.nvlink_gbps_per_link or DEFAULT_NVLINK_GBPS_PER_LINK
+    per_link = nvlink_gbytes_per_s_per_link or node.nvlink_gbytes_per_s_per_link or DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK
     gpu_names = [f"gpu{i}" for i in range(g)]
     links = []
     switched = [i for i in range(g) if node.nvswitch_links and node.nvswitch_links[i] > 0]
@@ -173,12 +176,12 @@ def layout_to_topology(
         nic = node.gpu_nic[i]
         if nic is not None and nic not in used:
             used.append(nic)
-    leaf = pcie_gbps or node.pcie_gbps or DEFAULT_PCIE_GBPS["PIX"]
+    leaf = pcie_gbytes_per_s or node.pcie_gbytes_per_s or DEFAULT_PCIE_GBYTES_PER_S["PIX"]
     links += _pcie_tree_links(gpu_names + used, node.pcie_paths, leaf)
     nics = []
     for nic_name in used:
         info = node.nic(nic_name)
-        speed = nic_gbps or info.speed_gbps or DEFAULT_NIC_GBPS
+        speed = nic_gbytes_per_s or info.speed_gbytes_per_s or DEFAULT_NIC_GBYTES_PER_S
         nics.append(Nic(nic_name, _nic_kind(nic_name), speed * GB))
     gpu_nic = tuple(used.index(node.gpu_nic[i]) for i in range(g)) if used else ()
     layout = NodeLayout(g, tuple(links), tuple(nics), gpu_nic, name or node.source)
@@ -189,16 +192,23 @@ def layout_to_topology(
         raise TopologyError(f"{node.source}: {exc}") from None
 
 
-def uniform_topology(nodes: int, gpus_per_node: int, *, intra_gbps: float = DEFAULT_UNIFORM_INTRA_GBPS,
-                     nic_gbps: float = DEFAULT_NIC_GBPS, hosts: HostGroups | None = None):
+def uniform_topology(
+    nodes: int,
+    gpus_per_node: int,
+    *,
+    intra_gbytes_per_s: float = DEFAULT_UNIFORM_INTRA_GBYTES_PER_S,
+    nic_gbytes_per_s: float = DEFAULT_NIC_GBYTES_PER_S,
+    hosts: HostGroups | None = None,
+) -> Topology:
     """The hostnames-only assumption: ``nodes`` nodes of ``gpus_per_node`` GPUs on one NVSwitch
-    (``intra_gbps`` per direction) with one NIC per GPU (``nic_gbps``), rail-aligned."""
+    (``intra_gbytes_per_s`` GB/s per direction) with one NIC per GPU (``nic_gbytes_per_s``),
+    rail-aligned."""
     links, nics = [], []
     for i in range(gpus_per_node):
         if gpus_per_node > 1:
-            links.append(Link(f"gpu{i}", "nvswitch", "nvswitch", intra_gbps * GB, _NVLINK_LATENCY))
-        links.append(Link(f"gpu{i}", f"nic{i}", "pcie", DEFAULT_PCIE_GBPS["PIX"] * GB, _PCIE_LATENCY))
-        nics.append(Nic(f"nic{i}", "ib", nic_gbps * GB))
+            links.append(Link(f"gpu{i}", "nvswitch", "nvswitch", intra_gbytes_per_s * GB, _NVLINK_LATENCY))
+        links.append(Link(f"gpu{i}", f"nic{i}", "pcie", DEFAULT_PCIE_GBYTES_PER_S["PIX"] * GB, _PCIE_LATENCY))
+        nics.append(Nic(f"nic{i}", "ib", nic_gbytes_per_s * GB))
     layout = NodeLayout(gpus_per_node, tuple(links), tuple(nics), tuple(range(gpus_per_node)), "uniform")
     rank_map = _rank_map(hosts) if hosts is not None else ()
     return Topology(f"uniform:{nodes}", layout, nodes, rank_map)

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 from typing import Sequence
 
 from megatron_fcp.topology.detect.node import (
-    NVLINK_GBPS_PER_LINK_BY_SM,
+    NVLINK_GBYTES_PER_S_PER_LINK_BY_SM,
     PATH_KINDS,
     DetectedNode,
     PairLink,
@@ -72,7 +72,7 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
     ``sum(count)`` links into the fabric; a switched pair gets ``min`` of the two sums. NVLinks to
     another GPU's bus id are direct. Other pairs get the PCIe path from the ancestor chains: same
     parent bridge PIX, a deeper common bridge PXB, only the CPU PHB, different CPUs SYS. The
-    per-link NVLink speed comes from the GPUs' ``sm`` (:data:`NVLINK_GBPS_PER_LINK_BY_SM`).
+    per-link NVLink speed comes from the GPUs' ``sm`` (:data:`NVLINK_GBYTES_PER_S_PER_LINK_BY_SM`).
 
     Raises :class:`TopologyParseError` naming the element and attribute at fault.
     """
@@ -125,7 +125,7 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
                         raise TopologyParseError(f"{source}: <net name={name!r}> speed={speed} must be >= 0 (Mb/s)")
                     # the enclosing <pci> is the NIC device itself (one per port-group)
                     dev_chain = list(chain) if len(chain) > 1 else list(chain) + [f"nic:{name}"]
-                    nets.append({"name": name, "chain": dev_chain, "gbps": speed / 8000.0 or None})
+                    nets.append({"name": name, "chain": dev_chain, "gbytes_per_s": speed / 8000.0 or None})
             else:
                 walk(child, chain)
 
@@ -169,8 +169,8 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
 
     sms = {gpus[d]["sm"] for d in devs if gpus[d]["sm"]}
     per_link = None
-    if len(sms) == 1 and next(iter(sms)) // 10 * 10 in NVLINK_GBPS_PER_LINK_BY_SM:
-        per_link = NVLINK_GBPS_PER_LINK_BY_SM[next(iter(sms)) // 10 * 10]
+    if len(sms) == 1 and next(iter(sms)) // 10 * 10 in NVLINK_GBYTES_PER_S_PER_LINK_BY_SM:
+        per_link = NVLINK_GBYTES_PER_S_PER_LINK_BY_SM[next(iter(sms)) // 10 * 10]
 
     nic_names = [n["name"] for n in nets]
     if len(set(nic_names)) != len(nic_names):
@@ -182,7 +182,7 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
     pcie_paths = {
         frozenset((a, b)): _pcie_path(chains[a], chains[b]) for k, a in enumerate(names) for b in names[k + 1 :]
     }
-    nics, gpu_nic = place_nics(gpu_nic_paths, nic_names, {n["name"]: n["gbps"] for n in nets})
+    nics, gpu_nic = place_nics(gpu_nic_paths, nic_names, {n["name"]: n["gbytes_per_s"] for n in nets})
     dev_speeds = [speeds[c[-1]] for c in chains.values() if c[-1] in speeds]
     return DetectedNode(
         num_gpus=n_gpu,
@@ -191,7 +191,7 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
         gpu_nic=gpu_nic,
         nvswitch_links=tuple(switch_links),
         pcie_paths=pcie_paths,
-        nvlink_gbps_per_link=per_link,
-        pcie_gbps=min(dev_speeds) if dev_speeds else None,
+        nvlink_gbytes_per_s_per_link=per_link,
+        pcie_gbytes_per_s=min(dev_speeds) if dev_speeds else None,
         source=source,
     )

@@ -22,10 +22,10 @@ from typing import Mapping, Sequence
 
 __all__ = [
     "PATH_KINDS",
-    "NVLINK_GBPS_PER_LINK_BY_SM",
-    "DEFAULT_NVLINK_GBPS_PER_LINK",
-    "DEFAULT_PCIE_GBPS",
-    "DEFAULT_NIC_GBPS",
+    "NVLINK_GBYTES_PER_S_PER_LINK_BY_SM",
+    "DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK",
+    "DEFAULT_PCIE_GBYTES_PER_S",
+    "DEFAULT_NIC_GBYTES_PER_S",
     "TopologyParseError",
     "PairLink",
     "NicInfo",
@@ -51,13 +51,13 @@ _DIRECT_NIC_PATHS = ("PIX", "PXB")  # GPUDirect RDMA-capable placement
 #: Nominal NVLink bandwidth per link and direction (GB/s) by SM version of the GPU:
 #: P100 NVLink1 20, V100 NVLink2 25, A100 NVLink3 25 (12 links = 300), H100 NVLink4 25
 #: (18 links = 450), B200 NVLink5 50 (18 links = 900).
-NVLINK_GBPS_PER_LINK_BY_SM: Mapping[int, float] = {60: 20.0, 70: 25.0, 80: 25.0, 90: 25.0, 100: 50.0}
+NVLINK_GBYTES_PER_S_PER_LINK_BY_SM: Mapping[int, float] = {60: 20.0, 70: 25.0, 80: 25.0, 90: 25.0, 100: 50.0}
 #: Used when the GPU generation is unknown (nvidia-smi text does not name it): NVLink2-4.
-DEFAULT_NVLINK_GBPS_PER_LINK = 25.0
+DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK = 25.0
 
 #: GPU<->GPU peer bandwidth per direction (GB/s) over PCIe, by path. PCIe 4.0 x16 gives ~25 GB/s
 #: through a switch; through the host bridge / across sockets peer traffic is slower.
-DEFAULT_PCIE_GBPS: Mapping[str, float] = {
+DEFAULT_PCIE_GBYTES_PER_S: Mapping[str, float] = {
     "PIX": 25.0,
     "PXB": 25.0,
     "PHB": 20.0,
@@ -65,7 +65,7 @@ DEFAULT_PCIE_GBPS: Mapping[str, float] = {
     "SYS": 12.0,
 }
 #: NIC speed per direction (GB/s) when the source does not say: HDR InfiniBand 200 Gb/s.
-DEFAULT_NIC_GBPS = 25.0
+DEFAULT_NIC_GBYTES_PER_S = 25.0
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,14 @@ class PairLink:
 class NicInfo:
     """One NIC port: its ``name`` (``mlx5_0``), the local GPUs that use it as their uplink, the
     PCIe path token from each of them (``paths[k]`` belongs to ``gpus[k]``: ``PIX``/``PXB`` is a
-    direct GPUDirect path, ``PHB``/``NODE``/``SYS`` goes through the host) and its ``speed_gbps``
-    per direction (None: the source did not say). A NIC no GPU uses (a storage NIC) has no gpus."""
+    direct GPUDirect path, ``PHB``/``NODE``/``SYS`` goes through the host) and its
+    ``speed_gbytes_per_s`` per direction (GB/s; None: the source did not say). A NIC no GPU uses
+    (a storage NIC) has no gpus."""
 
     name: str
     gpus: tuple[int, ...]
     paths: tuple[str, ...]
-    speed_gbps: float | None = None
+    speed_gbytes_per_s: float | None = None
 
     @property
     def shared(self) -> bool:
@@ -116,9 +117,10 @@ class DetectedNode:
     the NIC GPU ``i`` uses (None when the node has no NIC); ``nvswitch_links[i]`` is the number of
     NVLinks GPU ``i`` has into an NVSwitch fabric (0: none); ``pcie_paths`` maps a frozenset of
     two device names (``gpu3``, ``mlx5_0``) to their PCIe path token wherever the source gives
-    one (nvidia-smi hides it behind ``NV#`` for NVLink pairs); ``nvlink_gbps_per_link`` is None
-    when the source did not say which GPU generation it is; ``pcie_gbps`` is the devices' PCIe
-    link speed per direction when the source gives it (NCCL XML ``link_speed`` x ``link_width``).
+    one (nvidia-smi hides it behind ``NV#`` for NVLink pairs); ``nvlink_gbytes_per_s_per_link`` is
+    None when the source did not say which GPU generation it is; ``pcie_gbytes_per_s`` is the
+    devices' PCIe link speed per direction when the source gives it (NCCL XML ``link_speed`` x
+    ``link_width``). Speeds are GB/s (gigabytes per second).
     """
 
     num_gpus: int
@@ -127,8 +129,8 @@ class DetectedNode:
     gpu_nic: tuple[str | None, ...]
     nvswitch_links: tuple[int, ...] = ()
     pcie_paths: Mapping[frozenset, str] = field(default_factory=dict)
-    nvlink_gbps_per_link: float | None = None
-    pcie_gbps: float | None = None
+    nvlink_gbytes_per_s_per_link: float | None = None
+    pcie_gbytes_per_s: float | None = None
     source: str = ""
 
     def link(self, i: int, j: int) -> PairLink:
@@ -143,14 +145,16 @@ class DetectedNode:
                 return nic
         raise KeyError(f"no NIC named {name!r}; NICs: {[n.name for n in self.nics]}")
 
-    def pair_bandwidth_gbps(self, i: int, j: int, pcie_gbps: Mapping[str, float] = DEFAULT_PCIE_GBPS) -> float:
+    def pair_bandwidth_gbytes_per_s(
+        self, i: int, j: int, pcie_by_path: Mapping[str, float] = DEFAULT_PCIE_GBYTES_PER_S
+    ) -> float:
         """Per-direction bandwidth between GPUs ``i`` and ``j``: ``nvlinks * per-link`` for NVLink
         (default per-link speed when the generation is unknown), the PCIe table otherwise."""
         pl = self.link(i, j)
         if pl.is_nvlink:
-            per_link = self.nvlink_gbps_per_link or DEFAULT_NVLINK_GBPS_PER_LINK
+            per_link = self.nvlink_gbytes_per_s_per_link or DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK
             return pl.nvlinks * per_link
-        return pcie_gbps[pl.path]
+        return pcie_by_path[pl.path]
 
     def kind_matrix(self) -> list[list[str]]:
         """``num_gpus x num_gpus`` nvidia-smi style tokens (``X`` on the diagonal)."""
@@ -185,7 +189,7 @@ def place_nics(
             name=n,
             gpus=tuple(g for g, _ in users[n]),
             paths=tuple(p for _, p in users[n]),
-            speed_gbps=speeds.get(n),
+            speed_gbytes_per_s=speeds.get(n),
         )
         for n in nic_names
     )

@@ -74,7 +74,7 @@ def _cell_token(raw: str, where: str) -> str:
 
 
 def parse_nvidia_smi_topo(
-    text: str, *, source: str = "nvidia-smi topo -m", nvlink_gbps_per_link: float | None = None
+    text: str, *, source: str = "nvidia-smi topo -m", nvlink_gbytes_per_s_per_link: float | None = None
 ) -> DetectedNode:
     """Parse the text of ``nvidia-smi topo -m`` into a :class:`DetectedNode`.
 
@@ -83,9 +83,10 @@ def parse_nvidia_smi_topo(
     ``Legend:`` is ``LABEL cell*``; the first ``len(columns)`` cells are kept and the affinity
     cells after them ignored. GPU rows give the GPU x GPU matrix (checked to be symmetric with
     ``X`` on the diagonal) and the GPU x NIC paths; ``NIC#`` columns are renamed through the
-    "NIC Legend" when present. NV counts are classified nvlink/nvswitch and NICs placed as the
-    module note describes. ``nvlink_gbps_per_link`` is kept as given (nvidia-smi does not name the
-    GPU generation; None means "use the default", see :meth:`DetectedNode.pair_bandwidth_gbps`).
+    "NIC Legend" when present. NV counts are classified nvlink/nvswitch and NICs placed as
+    Note [NIC placement] describes. ``nvlink_gbytes_per_s_per_link`` (GB/s) is kept as given
+    (nvidia-smi does not name the GPU generation; None means "use the default", see
+    :meth:`DetectedNode.pair_bandwidth_gbytes_per_s`).
 
     Raises :class:`TopologyParseError` naming ``source``, the line number and the cell.
     """
@@ -214,7 +215,7 @@ def parse_nvidia_smi_topo(
         gpu_nic=gpu_nic,
         nvswitch_links=tuple(switched),
         pcie_paths=pcie_paths,
-        nvlink_gbps_per_link=nvlink_gbps_per_link,
+        nvlink_gbytes_per_s_per_link=nvlink_gbytes_per_s_per_link,
         source=source,
     )
 
