@@ -160,7 +160,8 @@ def layout_to_topology(
             f"{node.source}: {g} ranks per node but the node has {node.num_gpus} GPU(s); "
             f"describe the cluster with --topology FILE.yaml"
         )
-    per_link = nvlink_gbytes_per_s_per_link or node.nvlink_gbytes_per_s_per_link or DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK
+    per_link = (nvlink_gbytes_per_s_per_link or node.nvlink_gbytes_per_s_per_link
+                or DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK)
     gpu_names = [f"gpu{i}" for i in range(g)]
     links = []
     switched = [i for i in range(g) if node.nvswitch_links and node.nvswitch_links[i] > 0]

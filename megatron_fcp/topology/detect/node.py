@@ -10,9 +10,9 @@ Note [NIC placement]
 --------------------
 Each GPU takes the NIC(s) at its smallest PCIe distance; among equally close NICs it takes the one
 with the fewest GPUs so far (so two GPUs behind a switch with two NICs get one each, as on a
-DGX-A100). If that distance is PIX or PXB the GPU has a direct (GPUDirect) path;
-otherwise it still uses that NIC but through the host (``NicInfo.paths`` records which). Several
-GPUs on one NIC means they share one uplink.
+DGX-A100). If that distance is PIX or PXB the GPU has a direct (GPUDirect) path; otherwise it
+still uses that NIC but through the host (``NicInfo.paths`` records which). Several GPUs on one NIC
+means they share one uplink. Both parsers place NICs with :func:`place_nics`.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def place_nics(
 ) -> tuple[tuple[NicInfo, ...], tuple[str | None, ...]]:
     """Give every GPU its closest NIC, balancing GPUs over equally close NICs (Note [NIC placement]).
 
-    ``gpu_nic_paths[g][nic]`` is a path token in :data:`_PATH_ORDER`.
+    ``gpu_nic_paths[g][nic]`` is a path token in :data:`_PATH_ORDER`; ``speeds[nic]`` is the NIC's
+    GB/s per direction, or None when the source did not say.
     """
     users: dict[str, list[tuple[int, str]]] = {n: [] for n in nic_names}
     choice: list[str | None] = []
