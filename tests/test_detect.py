@@ -53,8 +53,8 @@ def test_dgx_a100_nvswitch_and_rail_nics(a100):
     assert all(n.paths == ("PXB",) for n in a100.nics if n.gpus)
     assert not a100.uplinks_shared()
     # generation unknown from nvidia-smi: default 25 GB/s per link -> 300 GB/s (NVLink3)
-    assert a100.nvlink_gbps_per_link is None
-    assert a100.pair_bandwidth_gbps(0, 7) == pytest.approx(12 * D.DEFAULT_NVLINK_GBPS_PER_LINK)
+    assert a100.nvlink_gbytes_per_s_per_link is None
+    assert a100.pair_bandwidth_gbytes_per_s(0, 7) == pytest.approx(12 * D.DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK)
 
 
 def test_dgx_h100_nic_legend_and_pix(h100):
@@ -67,7 +67,7 @@ def test_dgx_h100_nic_legend_and_pix(h100):
     for g, name in enumerate(h100.gpu_nic):
         nic = h100.nic(name)
         assert nic.gpus == (g,) and nic.paths == ("PIX",) and nic.direct_gpus == (g,)
-    assert h100.pair_bandwidth_gbps(3, 4) == pytest.approx(450.0)
+    assert h100.pair_bandwidth_gbytes_per_s(3, 4) == pytest.approx(450.0)
 
 
 def test_pcie_server_kinds_and_shared_nic(pcie):
@@ -85,8 +85,8 @@ def test_pcie_server_kinds_and_shared_nic(pcie):
     assert nic.direct_gpus == (0, 1, 2, 3)  # socket-1 GPUs reach it across the SMP link
     assert nic.paths[4:] == ("SYS",) * 4
     assert pcie.uplinks_shared()
-    assert pcie.pair_bandwidth_gbps(0, 1) == D.DEFAULT_PCIE_GBPS["PIX"]
-    assert pcie.pair_bandwidth_gbps(0, 7) == D.DEFAULT_PCIE_GBPS["SYS"]
+    assert pcie.pair_bandwidth_gbytes_per_s(0, 1) == D.DEFAULT_PCIE_GBYTES_PER_S["PIX"]
+    assert pcie.pair_bandwidth_gbytes_per_s(0, 7) == D.DEFAULT_PCIE_GBYTES_PER_S["SYS"]
     assert pcie.kind_matrix()[6] == ["SYS", "SYS", "SYS", "SYS", "PXB", "PXB", "X", "PIX"]
 
 
@@ -99,12 +99,12 @@ def test_direct_nvlink_mesh_is_not_nvswitch():
         "GPU2\tNV1\tNV1\t X \tNV2\t0-19\t0\n"
         "GPU3\tSYS\tNV2\tNV2\t X \t0-19\t0\n"
     )
-    lay = D.parse_nvidia_smi_topo(text, nvlink_gbps_per_link=25.0)
+    lay = D.parse_nvidia_smi_topo(text, nvlink_gbytes_per_s_per_link=25.0)
     assert lay.link(0, 1) == D.PairLink("nvlink", 2, "NV2")
     assert lay.link(0, 2).nvlinks == 1 and lay.link(0, 2).kind == "nvlink"
     assert lay.link(0, 3).kind == "cross-socket"
     assert lay.nics == () and lay.gpu_nic == (None,) * 4
-    assert lay.pair_bandwidth_gbps(1, 3) == 50.0
+    assert lay.pair_bandwidth_gbytes_per_s(1, 3) == 50.0
 
 
 @pytest.mark.parametrize(
@@ -146,11 +146,11 @@ def test_nccl_xml_dgx_h100(h100_xml, h100):
     assert lay.num_gpus == 8
     # NVSwitch targets (tclass 0x068000) summed: 5+4+4+5 = 18 links into the fabric per GPU
     assert {(p.kind, p.nvlinks) for p in lay.pairs.values()} == {("nvswitch", 18)}
-    assert lay.nvlink_gbps_per_link == D.NVLINK_GBPS_PER_LINK_BY_SM[90]
-    assert lay.pair_bandwidth_gbps(0, 7) == pytest.approx(450.0)
+    assert lay.nvlink_gbytes_per_s_per_link == D.NVLINK_GBYTES_PER_S_PER_LINK_BY_SM[90]
+    assert lay.pair_bandwidth_gbytes_per_s(0, 7) == pytest.approx(450.0)
     # same NIC per GPU as nvidia-smi says for the same machine, now with speeds (400 Gb/s = 50 GB/s)
     assert lay.gpu_nic == h100.gpu_nic
-    assert all(n.speed_gbps == pytest.approx(50.0) and n.paths == ("PIX",) for n in lay.nics)
+    assert all(n.speed_gbytes_per_s == pytest.approx(50.0) and n.paths == ("PIX",) for n in lay.nics)
     assert lay.kind_matrix() == h100.kind_matrix()
 
 
@@ -195,16 +195,16 @@ def test_nccl_xml_direct_nvlink_and_pcie_paths():
     assert lay.link(0, 1) == D.PairLink("nvlink", 2, "NV2")
     assert lay.link(0, 2).path == "PXB"  # common bridge 1a, one more bridge each side
     assert lay.link(2, 3).path == "SYS"
-    assert lay.nvlink_gbps_per_link == 25.0  # sm 70 -> NVLink2
+    assert lay.nvlink_gbytes_per_s_per_link == 25.0  # sm 70 -> NVLink2
     # GPU2 sits next to the NIC (PIX), GPU0/1 one bridge further (PXB): all take the only NIC,
     # GPU3 on the other socket through the SMP link
     (nic,) = lay.nics
     assert nic.gpus == (0, 1, 2, 3) and nic.paths == ("PXB", "PXB", "PIX", "SYS")
-    assert nic.speed_gbps == pytest.approx(12.5)
+    assert nic.speed_gbytes_per_s == pytest.approx(12.5)
     topo = D.layout_to_topology(lay, nodes=2)
     assert topo.route(0, 1).kind == "nvlink" and topo.route(0, 1).bandwidth == pytest.approx(50e9)
     assert "n0:cpu0>cpu1" in _res(topo.route(0, 3))  # no NVLink: PCIe up to the CPU, across sockets
-    assert topo.route(3, 7).bandwidth == pytest.approx(D.DEFAULT_PCIE_GBPS["SYS"] * 1e9)  # NIC across the SMP link
+    assert topo.route(3, 7).bandwidth == pytest.approx(D.DEFAULT_PCIE_GBYTES_PER_S["SYS"] * 1e9)  # NIC across the SMP link
 
 
 @pytest.mark.parametrize(
@@ -295,20 +295,20 @@ def test_a100_topology_routes(a100):
     # rail-aligned: GPU1 leaves through mlx5_1 and enters node 1's GPU1 through mlx5_1
     r = topo.route(1, 9)
     assert "n0:mlx5_1>net" in _res(r) and "n1:net>mlx5_1" in _res(r)
-    assert r.bandwidth == pytest.approx(D.DEFAULT_NIC_GBPS * 1e9)
+    assert r.bandwidth == pytest.approx(D.DEFAULT_NIC_GBYTES_PER_S * 1e9)
     assert [n.name for n in topo.layout.nics] == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9"]
     # explicit speeds override the defaults
-    fast = D.layout_to_topology(a100, nodes=2, nvlink_gbps_per_link=50.0, nic_gbps=50.0)
+    fast = D.layout_to_topology(a100, nodes=2, nvlink_gbytes_per_s_per_link=50.0, nic_gbytes_per_s=50.0)
     assert fast.route(0, 5).bandwidth == pytest.approx(600e9)
     r = fast.route(1, 9)  # a 50 GB/s NIC behind a PCIe 4.0 x16 link: PCIe is the bottleneck
-    assert r.kind == "pcie" and r.bandwidth == pytest.approx(D.DEFAULT_PCIE_GBPS["PIX"] * 1e9)
+    assert r.kind == "pcie" and r.bandwidth == pytest.approx(D.DEFAULT_PCIE_GBYTES_PER_S["PIX"] * 1e9)
     assert {x.name: x.bandwidth for x in r.resources}["n0:mlx5_1>net"] == pytest.approx(50e9)
-    gen5 = D.layout_to_topology(a100, nodes=2, pcie_gbps=64.0, nic_gbps=50.0)
+    gen5 = D.layout_to_topology(a100, nodes=2, pcie_gbytes_per_s=64.0, nic_gbytes_per_s=50.0)
     assert gen5.route(1, 9).kind == "ib" and gen5.route(1, 9).bandwidth == pytest.approx(50e9)
 
 
 def test_h100_xml_topology_matches_preset_shape(h100_xml):
-    from megatron_fcp.topology.model import load_topology
+    from megatron_fcp.topology import load_topology
 
     topo = D.layout_to_topology(h100_xml, nodes=2)
     ref = load_topology("dgx-h100:2")
@@ -320,14 +320,14 @@ def test_h100_xml_topology_matches_preset_shape(h100_xml):
     egress = {next(x for x in _res(topo.route(r, r + 8)) if x.endswith(">net")) for r in range(8)}
     assert len(egress) == 8
     # PCIe Gen5 x16 read from link_speed/link_width
-    assert h100_xml.pcie_gbps == pytest.approx(32 * 16 / 8 * 128 / 130)
+    assert h100_xml.pcie_gbytes_per_s == pytest.approx(32 * 16 / 8 * 128 / 130)
 
 
 def test_pcie_server_topology_shared_uplink_and_tree(pcie):
     topo = D.layout_to_topology(pcie, nodes=2)
     bw = {p: topo.route(*p).bandwidth / 1e9 for p in [(0, 1), (0, 2), (0, 4), (6, 7)]}
-    assert bw == {(0, 1): D.DEFAULT_PCIE_GBPS["PIX"], (0, 2): D.DEFAULT_PCIE_GBPS["PXB"],
-                  (0, 4): D.DEFAULT_PCIE_GBPS["SYS"], (6, 7): D.DEFAULT_PCIE_GBPS["PIX"]}
+    assert bw == {(0, 1): D.DEFAULT_PCIE_GBYTES_PER_S["PIX"], (0, 2): D.DEFAULT_PCIE_GBYTES_PER_S["PXB"],
+                  (0, 4): D.DEFAULT_PCIE_GBYTES_PER_S["SYS"], (6, 7): D.DEFAULT_PCIE_GBYTES_PER_S["PIX"]}
     # all eight GPUs leave the node through the one NIC: one shared egress resource
     egress = {x for r in range(8) for x in _res(topo.route(r, 8 + (r + 1) % 8)) if x.endswith(">net")}
     assert egress == {"n0:mlx5_0>net"}
@@ -345,7 +345,7 @@ def test_layout_subset_of_gpus_and_errors(a100, pcie):
         D.layout_to_topology(a100, gpus=9)
     lone = D.parse_nvidia_smi_topo("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \n", source="nonic.txt")
     assert D.layout_to_topology(lone).route(0, 1).kind == "nvlink"
-    from megatron_fcp.topology.model import TopologyError
+    from megatron_fcp.topology import TopologyError
 
     with pytest.raises(TopologyError, match=r"nonic.txt: .*no NIC"):
         D.layout_to_topology(lone, nodes=2)
@@ -387,8 +387,8 @@ def test_detect_resolution_order(tmp_path, caplog):
     assert (t1.nodes, t1.gpus_per_node) == (2, 4) and t2.world == 8
     msgs = [r.getMessage() for r in caplog.records if "no topology source" in r.getMessage()]
     assert len(msgs) == 1
-    assert f"NVSwitch {D.DEFAULT_UNIFORM_INTRA_GBPS:g} GB/s" in msgs[0] and f"{D.DEFAULT_NIC_GBPS:g} GB/s NIC per GPU" in msgs[0]
-    assert t1.route(0, 4).bandwidth == pytest.approx(D.DEFAULT_NIC_GBPS * 1e9)
+    assert f"NVSwitch {D.DEFAULT_UNIFORM_INTRA_GBYTES_PER_S:g} GB/s" in msgs[0] and f"{D.DEFAULT_NIC_GBYTES_PER_S:g} GB/s NIC per GPU" in msgs[0]
+    assert t1.route(0, 4).bandwidth == pytest.approx(D.DEFAULT_NIC_GBYTES_PER_S * 1e9)
 
 
 def test_detect_with_hosts_and_conflicts():
@@ -403,13 +403,29 @@ def test_detect_with_hosts_and_conflicts():
         D.detect_topology(hosts=hosts, nodes=3)
     with pytest.raises(FileNotFoundError, match=r"missing\.xml: not found"):
         D.detect_topology(nccl_xml="missing.xml")
-    with pytest.raises(ValueError, match=r"nic_gbps=0: a bandwidth must be > 0"):
-        D.detect_topology(nvidia_smi=FIX / "nvidia_smi_topo_pcie_server.txt", nic_gbps=0)
-    with pytest.raises(ValueError, match=r"nvlink_gbps_per_link=-25.0: a bandwidth must be > 0"):
-        D.detect_topology(nvidia_smi=FIX / "nvidia_smi_topo_dgx_a100.txt", nvlink_gbps_per_link=-25.0)
+    with pytest.raises(ValueError, match=r"nic_gbytes_per_s=0: a bandwidth must be > 0"):
+        D.detect_topology(nvidia_smi=FIX / "nvidia_smi_topo_pcie_server.txt", nic_gbytes_per_s=0)
+    with pytest.raises(ValueError, match=r"nvlink_gbytes_per_s_per_link=-25.0: a bandwidth must be > 0"):
+        D.detect_topology(nvidia_smi=FIX / "nvidia_smi_topo_dgx_a100.txt", nvlink_gbytes_per_s_per_link=-25.0)
     sub = D.group_ranks_by_host(["x", "x", "y", "y"], ranks=[1, 3, 5, 7])
     with pytest.raises(ValueError, match=r"hostnames cover ranks \[1, 3, 5, 7\], not 0..3.*default process group"):
         D.detect_topology(hosts=sub)
+
+
+def test_speed_arguments_are_gigabytes_per_second():
+    # *_gbytes_per_s is GB/s: 25 is an HDR "200 Gbps" NIC, 25e9 bytes/s in the model
+    from megatron_fcp.topology import parse_bandwidth
+
+    smi = FIX / "nvidia_smi_topo_pcie_server.txt"
+    t = D.detect_topology(nvidia_smi=smi, nodes=2, nic_gbytes_per_s=25, pcie_gbytes_per_s=64)
+    (nic,) = t.layout.nics
+    assert nic.bandwidth == 25e9 == parse_bandwidth("25GB/s") == parse_bandwidth("200Gbps")
+    assert t.route(0, 8).bandwidth == pytest.approx(25e9)  # the NIC wire is the bottleneck
+    u = D.uniform_topology(2, 4, intra_gbytes_per_s=300, nic_gbytes_per_s=50)
+    assert u.route(0, 1).bandwidth == 300e9 and u.route(0, 4).bandwidth == pytest.approx(D.DEFAULT_PCIE_GBYTES_PER_S["PIX"] * 1e9)
+    assert {n.bandwidth for n in u.layout.nics} == {50e9}
+    # NCCL XML gives NIC speed in Mb/s: 400000 Mb/s = 50 GB/s
+    assert {n.speed_gbytes_per_s for n in D.parse_nccl_topo_xml(_read("nccl_topo_dgx_h100.xml")).nics} == {50.0}
 
 
 # --- megatron-fcp topo -----------------------------------------------------------------------
@@ -448,7 +464,7 @@ def test_topo_command_prints(capsys, argv, expect):
 
 
 def test_topo_command_yaml_roundtrip(capsys, tmp_path):
-    from megatron_fcp.topology.model import load_topology
+    from megatron_fcp.topology import load_topology
 
     out_yaml = tmp_path / "pcie.yaml"
     rc, out, _ = _topo_cli(capsys, "--from-nvidia-smi", str(FIX / "nvidia_smi_topo_pcie_server.txt"),
@@ -518,14 +534,32 @@ def test_single_gpu_node_nic_across_sockets():
     assert lay.nic("mlx5_0").paths == ("SYS",) and lay.nic("mlx5_0").direct_gpus == ()
     topo = D.layout_to_topology(lay, nodes=2)
     r = topo.route(0, 1)  # GPU -> CPU -> other socket -> NIC -> fabric -> ...
-    assert "n0:cpu0>cpu1" in _res(r) and r.bandwidth == pytest.approx(D.DEFAULT_PCIE_GBPS["SYS"] * 1e9)
+    assert "n0:cpu0>cpu1" in _res(r) and r.bandwidth == pytest.approx(D.DEFAULT_PCIE_GBYTES_PER_S["SYS"] * 1e9)
 
 
 def test_topo_command_every_preset(capsys):
-    from megatron_fcp.topology.model import PRESETS
+    from megatron_fcp.topology import PRESETS
 
     for name in PRESETS:
         rc, out, err = _topo_cli(capsys, "--topology", f"{name}:2")
         g = D.detect_topology(f"{name}:2").gpus_per_node
         assert rc == 0, err
         assert f"node 1: ranks {g}-{2 * g - 1}" in out and re.search(rf"  gpu{g - 1} .*X$", out, re.M), name
+
+
+def test_topo_command_speed_flags_and_deprecated_aliases(capsys):
+    smi = str(FIX / "nvidia_smi_topo_pcie_server.txt")
+    rc, out, err = _topo_cli(capsys, "--from-nvidia-smi", smi, "--nic-gbytes-per-s", "12.5")
+    assert rc == 0 and re.search(r"mlx5_0 +ib +12\.5 GB/s", out) and "deprecated" not in err
+    # the old flags still work, print one warning line each, and mean the same GB/s
+    rc, old_out, err = _topo_cli(capsys, "--from-nvidia-smi", smi, "--nic-gbps", "12.5")
+    assert rc == 0 and old_out == out
+    warnings = [ln for ln in err.splitlines() if "deprecated" in ln]
+    assert warnings == ["megatron-fcp topo: warning: --nic-gbps is deprecated, use --nic-gbytes-per-s (same value, gigabytes/s)"]
+    rc, out, err = _topo_cli(capsys, "--from-nvidia-smi", smi, "--nvlink-gbps", "50", "--pcie-gbps", "32")
+    assert rc == 0 and re.search(r"  gpu0 X +PCIe 32 ", out)
+    assert sorted(ln.split()[3] for ln in err.splitlines() if "deprecated" in ln) == ["--nvlink-gbps", "--pcie-gbps"]
+    with pytest.raises(SystemExit):
+        _topo_cli(capsys, "--help")
+    help_text = capsys.readouterr().out
+    assert "--nic-gbytes-per-s" in help_text and "--nic-gbps" not in help_text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_fcp.topology.model import (
+from megatron_fcp.topology import (
     GB,
     LINK_KINDS,
     PRESETS,
@@ -111,6 +111,26 @@ def test_units_are_parsed():
     assert parse_bandwidth("25e9") == 25e9
     assert parse_latency("2us") == pytest.approx(2e-6)
     assert parse_latency(0) == 0.0
+
+
+@pytest.mark.parametrize(
+    "text, bytes_per_s",
+    [
+        # capital B: bytes; a plain number is bytes/s
+        ("25GB/s", 25e9), ("25GBps", 25e9), ("25 GB/s", 25e9), ("12.5MB/s", 12.5e6), ("1TB/s", 1e12), ("8B/s", 8.0),
+        (25e9, 25e9), ("25e9", 25e9),
+        # lowercase b or "bit": bits, the networking convention ("gbps" is gigabits)
+        ("200gbps", 25e9), ("200Gbps", 25e9), ("200Gb/s", 25e9), ("200Gbit/s", 25e9), ("100Mbps", 12.5e6), ("8b/s", 1.0),
+    ],
+)
+def test_bandwidth_units_bytes_vs_bits(text, bytes_per_s):
+    assert parse_bandwidth(text) == pytest.approx(bytes_per_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("text", ["25GBPS", "25 parsecs", "GB/s", "25GB/h"])
+def test_bandwidth_units_refused(text):
+    with pytest.raises(TopologyError, match=r"link\.bandwidth: cannot parse .*200Gbps \(bits\)"):
+        parse_bandwidth(text, "link.bandwidth")
 
 
 def _yaml(tmp_path, text):

@@ -19,6 +19,24 @@ HELP = "print a cluster topology (preset, YAML, nvidia-smi or NCCL XML) and opti
 _KIND_ABBREV = {"nvswitch": "NVS", "nvlink": "NV", "pcie": "PCIe", "ib": "IB", "ethernet": "Eth", "loopback": "X"}
 
 
+_DEPRECATED_FLAGS = {
+    "--nvlink-gbps": "--nvlink-gbytes-per-s",
+    "--pcie-gbps": "--pcie-gbytes-per-s",
+    "--nic-gbps": "--nic-gbytes-per-s",
+}
+"""Old flag -> its replacement (same value, gigabytes/s). The old flags still work, are hidden
+from ``--help`` and print a warning when used: "gbps" reads as gigabits/s."""
+
+
+class _DeprecatedFlag(argparse.Action):
+    """Store the value under the replacement's ``dest`` and print a one-line deprecation warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"megatron-fcp topo: warning: {option_string} is deprecated, use {_DEPRECATED_FLAGS[option_string]} "
+              f"(same value, gigabytes/s)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", metavar="PRESET:NODES|FILE.yaml",
                    help="a preset (dgx-a100, dgx-h100, pcie-box, single-uplink) with a node count, or a YAML file; "
@@ -31,16 +49,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, metavar="G",
                    help="ranks per node: keep local GPUs 0..G-1 of a detected node (default: all), or the GPU "
                         "count of the uniform assumption when nothing is detected (default 1)")
-    p.add_argument("--nvlink-gbps", type=float, metavar="GB/s",
-                   help="NVLink bandwidth per link and direction when the source cannot tell (default 25)")
-    p.add_argument("--pcie-gbps", type=float, metavar="GB/s",
-                   help="PCIe bandwidth per direction of GPU/NIC links when the source cannot tell (default 25, PCIe 4.0 x16)")
-    p.add_argument("--nic-gbps", type=float, metavar="GB/s",
-                   help="NIC bandwidth per direction, overriding the source (default: the source's, else 25)")
+    from megatron_fcp.topology.detect import (
+        DEFAULT_NIC_GBYTES_PER_S,
+        DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK,
+        DEFAULT_PCIE_GBYTES_PER_S,
+    )
+
+    p.add_argument("--nvlink-gbytes-per-s", type=float, metavar="GB/s",
+                   help="NVLink bandwidth per link and direction in gigabytes/s when the source cannot tell "
+                        f"(default {DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK:g})")
+    p.add_argument("--pcie-gbytes-per-s", type=float, metavar="GB/s",
+                   help="PCIe bandwidth per direction of GPU/NIC links in gigabytes/s when the source cannot tell "
+                        f"(default {DEFAULT_PCIE_GBYTES_PER_S['PIX']:g}, PCIe 4.0 x16)")
+    p.add_argument("--nic-gbytes-per-s", type=float, metavar="GB/s",
+                   help="NIC bandwidth per direction in gigabytes/s, overriding the source (default: the source's, "
+                        f"else {DEFAULT_NIC_GBYTES_PER_S:g} = HDR 200 Gb/s)")
+    for old, new in _DEPRECATED_FLAGS.items():
+        p.add_argument(old, type=float, dest=new.lstrip("-").replace("-", "_"), action=_DeprecatedFlag,
+                       help=argparse.SUPPRESS)
     p.add_argument("--yaml-out", metavar="FILE", help="write the topology as YAML (edit it, pass it back with --topology)")
 
 
-def _fmt_gbps(bw: float) -> str:
+def _gbytes_per_s_text(bw: float) -> str:
     return f"{bw / 1e9:.4g}"
 
 
@@ -68,7 +98,7 @@ def describe(topo) -> str:
                 cells[i][j] = "X"
             elif i in by_local and j in by_local:
                 route = topo.route(by_local[i], by_local[j])
-                cells[i][j] = f"{_KIND_ABBREV.get(route.kind, route.kind)} {_fmt_gbps(route.bandwidth)}"
+                cells[i][j] = f"{_KIND_ABBREV.get(route.kind, route.kind)} {_gbytes_per_s_text(route.bandwidth)}"
             else:
                 cells[i][j] = "-"
     width = max(6, max(len(c) for row in cells for c in row) + 2)
@@ -84,7 +114,7 @@ def describe(topo) -> str:
         users = [i for i in range(g) if lay.gpu_nic[i] == k]
         share = "shared uplink" if len(users) > 1 else "one GPU"
         lines.append(
-            f"  {nic.name:<10} {nic.kind:<8} {_fmt_gbps(nic.bandwidth):>6} GB/s  gpus {users}  ({share})"
+            f"  {nic.name:<10} {nic.kind:<8} {_gbytes_per_s_text(nic.bandwidth):>6} GB/s  gpus {users}  ({share})"
         )
     return "\n".join(lines)
 
@@ -116,7 +146,7 @@ def describe_source(node) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_fcp.topology.detect import TopologyParseError, detect_topology
-    from megatron_fcp.topology.model import TopologyError
+    from megatron_fcp.topology import TopologyError
 
     logging.basicConfig(level=logging.WARNING, format="megatron-fcp topo: %(message)s")
     given = [name for name, val in (("--topology", args.topology), ("--from-nccl-xml", args.from_nccl_xml),
@@ -129,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
             probe=not given,
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
-            nvlink_gbps_per_link=args.nvlink_gbps,
-            pcie_gbps=args.pcie_gbps,
-            nic_gbps=args.nic_gbps,
+            nvlink_gbytes_per_s_per_link=args.nvlink_gbytes_per_s,
+            pcie_gbytes_per_s=args.pcie_gbytes_per_s,
+            nic_gbytes_per_s=args.nic_gbytes_per_s,
         )
     except (TopologyError, TopologyParseError, ValueError, FileNotFoundError) as exc:
         print(f"megatron-fcp topo: error: {exc}", file=sys.stderr)

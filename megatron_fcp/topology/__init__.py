@@ -1,12 +1,12 @@
-"""Cluster topology (:mod:`.model`), detection (:mod:`.detect`) and communication graphs (:mod:`.graph`).
+"""Cluster topology: the model (:mod:`.model`, :mod:`.units`, :mod:`.errors`), preset clusters
+(:mod:`.presets`), detection (:mod:`.detect`) and communication graphs (:mod:`.graph`).
 
-The model is re-exported here; ``graph`` and ``detect`` are imported on use.
+Import the model's names from here; ``graph`` and ``detect`` are imported on use.
 """
 
+from megatron_fcp.topology.errors import TopologyError  # noqa: F401
 from megatron_fcp.topology.model import (  # noqa: F401
-    GB,
     LINK_KINDS,
-    PRESETS,
     REF_BYTES,
     Link,
     Nic,
@@ -14,12 +14,9 @@ from megatron_fcp.topology.model import (  # noqa: F401
     Resource,
     Route,
     Topology,
-    TopologyError,
-    load_topology,
-    parse_bandwidth,
-    parse_latency,
-    preset,
 )
+from megatron_fcp.topology.presets import PRESETS, load_topology, preset  # noqa: F401
+from megatron_fcp.topology.units import GB, parse_bandwidth, parse_latency  # noqa: F401
 
 __all__ = [
     "GB", "LINK_KINDS", "PRESETS", "REF_BYTES", "Link", "Nic", "NodeLayout", "Resource", "Route",

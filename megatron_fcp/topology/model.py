@@ -35,94 +35,20 @@ torchrun: ``node = r // gpus_per_node``, ``local_rank = r % gpus_per_node``.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable
 
-__all__ = [
-    "LINK_KINDS",
-    "REF_BYTES",
-    "TopologyError",
-    "Link",
-    "Nic",
-    "Resource",
-    "Route",
-    "NodeLayout",
-    "Topology",
-    "PRESETS",
-    "preset",
-    "load_topology",
-    "parse_bandwidth",
-    "parse_latency",
-    "GB",
-]
+from megatron_fcp.topology.errors import TopologyError
+from megatron_fcp.topology.units import GB, parse_bandwidth, parse_latency
+
+__all__ = ["LINK_KINDS", "REF_BYTES", "Link", "Nic", "Resource", "Route", "NodeLayout", "Topology"]
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "ib", "ethernet", "loopback")
 """Valid ``kind`` values of links and NICs."""
 
-GB = 1e9
 REF_BYTES = 4 * 2**20
 """Message size used to rank paths: cost = latency + REF_BYTES / bandwidth (a 4 MiB KV block)."""
-
-
-class TopologyError(ValueError):
-    """A topology description is invalid; the message names the offending field."""
-
-
-# ---- unit parsing ----------------------------------------------------------------------------
-
-_BW_UNITS = {
-    "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,          # bytes
-    "bit/s": 0.125, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8,   # bits
-    "gbps": 1e9 / 8, "mbps": 1e6 / 8,
-}
-_LAT_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-
-
-def _parse_quantity(value: Any, units: Mapping[str, float], field_name: str) -> float:
-    if isinstance(value, bool):
-        raise TopologyError(f"{field_name}: expected a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-zµ/]*)\s*", value)
-        if m:
-            try:
-                number = float(m.group(1))
-            except ValueError:
-                number = None
-            unit = m.group(2)
-            if number is not None:
-                if not unit:
-                    return number
-                # "GB/s" is bytes, "Gb/s" is bits: keep case for the b/B distinction.
-                key = unit.lower()
-                if unit.endswith("b/s") and not unit.endswith("B/s") and key not in ("b/s",):
-                    key = key[:-3] + "bit/s"
-                if key in units:
-                    return number * units[key]
-        raise TopologyError(
-            f"{field_name}: cannot parse {value!r}; use a number or units like "
-            + ", ".join(sorted({u for u in units if '/' in u or u in _LAT_UNITS})[:6])
-        )
-    raise TopologyError(f"{field_name}: expected a number or a string with units, got {value!r}")
-
-
-def parse_bandwidth(value: Any, field_name: str = "bandwidth") -> float:
-    """Bytes/s from a number or a string (``"450GB/s"``, ``"200Gb/s"`` = bits, ``"25e9"``); must be > 0."""
-    bw = _parse_quantity(value, _BW_UNITS, field_name)
-    if not (bw > 0) or math.isinf(bw):
-        raise TopologyError(f"{field_name}: bandwidth must be a finite number > 0 bytes/s, got {value!r}")
-    return bw
-
-
-def parse_latency(value: Any, field_name: str = "latency") -> float:
-    """Seconds from a number or a string (``"2us"``, ``"1e-6"``); must be >= 0."""
-    lat = _parse_quantity(value, _LAT_UNITS, field_name)
-    if not (lat >= 0) or math.isinf(lat):
-        raise TopologyError(f"{field_name}: latency must be a finite number >= 0 seconds, got {value!r}")
-    return lat
 
 
 def _check_kind(kind: str, field_name: str) -> str:
@@ -360,76 +286,6 @@ class NodeLayout:
         nic = self.nics[self.gpu_nic[gpu]].name
         return self._path(nic, _gpu(gpu)) if inbound else self._path(_gpu(gpu), nic)
 
-    # ---- presentation ---------------------------------------------------------------------
-    def vertices(self) -> list[str]:
-        names = [_gpu(i) for i in range(self.gpus)]
-        for ln in self.links:
-            for v in (ln.a, ln.b):
-                if v not in names:
-                    names.append(v)
-        return names
-
-    def to_dict(self) -> dict:
-        d: dict[str, Any] = {"gpus": self.gpus}
-        if self.name:
-            d["name"] = self.name
-        d["links"] = [
-            {"a": ln.a, "b": ln.b, "kind": ln.kind, "bandwidth": ln.bandwidth, "latency": ln.latency}
-            for ln in self.links
-        ]
-        d["nics"] = [{"name": n.name, "kind": n.kind, "bandwidth": n.bandwidth, "latency": n.latency} for n in self.nics]
-        if self.nics:
-            d["gpu_nic"] = list(self.gpu_nic)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str = "node") -> "NodeLayout":
-        if not isinstance(d, Mapping):
-            raise TopologyError(f"{where}: expected a mapping with gpus/links/nics, got {type(d).__name__}")
-        unknown = set(d) - {"gpus", "links", "nics", "gpu_nic", "name"}
-        if unknown:
-            raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}; expected gpus, links, nics, gpu_nic, name")
-        if "gpus" not in d:
-            raise TopologyError(f"{where}.gpus: missing (number of GPUs per node)")
-        gpus = d["gpus"]
-        if not isinstance(gpus, int) or isinstance(gpus, bool):
-            raise TopologyError(f"{where}.gpus: must be an integer, got {gpus!r}")
-        links = []
-        raw_links = d.get("links") or []
-        if not isinstance(raw_links, list):
-            raise TopologyError(f"{where}.links: expected a list")
-        for i, ln in enumerate(raw_links):
-            if not isinstance(ln, Mapping):
-                raise TopologyError(f"{where}.links[{i}]: expected a mapping with a, b, kind, bandwidth")
-            for req in ("a", "b", "kind", "bandwidth"):
-                if req not in ln:
-                    raise TopologyError(f"{where}.links[{i}].{req}: missing")
-            extra = set(ln) - {"a", "b", "kind", "bandwidth", "latency"}
-            if extra:
-                raise TopologyError(f"{where}.links[{i}]: unknown field(s) {sorted(extra)}")
-            try:
-                links.append(Link(str(ln["a"]), str(ln["b"]), ln["kind"], ln["bandwidth"], ln.get("latency", 1e-6)))
-            except TopologyError as e:
-                raise TopologyError(f"{where}.links[{i}]: {e}") from None
-        nics = []
-        raw_nics = d.get("nics") or []
-        if not isinstance(raw_nics, list):
-            raise TopologyError(f"{where}.nics: expected a list")
-        for i, n in enumerate(raw_nics):
-            if not isinstance(n, Mapping) or "name" not in n:
-                raise TopologyError(f"{where}.nics[{i}].name: missing")
-            extra = set(n) - {"name", "kind", "bandwidth", "latency"}
-            if extra:
-                raise TopologyError(f"{where}.nics[{i}]: unknown field(s) {sorted(extra)}")
-            try:
-                nics.append(Nic(str(n["name"]), n.get("kind", "ib"), n.get("bandwidth", 50 * GB), n.get("latency", 2e-6)))
-            except TopologyError as e:
-                raise TopologyError(f"{where}.nics[{i}]: {e}") from None
-        gpu_nic = d.get("gpu_nic") or ()
-        if not isinstance(gpu_nic, (list, tuple)) or not all(isinstance(k, int) for k in gpu_nic):
-            raise TopologyError(f"{where}.gpu_nic: expected a list of NIC indices, got {gpu_nic!r}")
-        return cls(gpus, tuple(links), tuple(nics), tuple(gpu_nic), str(d.get("name", "")))
-
 
 @dataclass(frozen=True)
 class Topology:
@@ -494,10 +350,6 @@ class Topology:
     def ranks_of_node(self, node: int) -> tuple[int, ...]:
         return tuple(r for r, (n, _) in enumerate(self.rank_map) if n == node)
 
-    def nic_of(self, r: int) -> int | None:
-        """Index (into ``layout.nics``) of the NIC rank ``r`` uses, or None if the node has none."""
-        return self.layout.gpu_nic[self.local_rank_of(r)] if self.layout.nics else None
-
     # ---- resources and routes -------------------------------------------------------------
     def _resource(self, node: int, u: str, v: str, kind: str, bw: float, lat: float) -> Resource:
         name = f"n{node}:{u}>{v}"
@@ -534,18 +386,6 @@ class Topology:
         self._cache[key] = route
         return route
 
-    def resources(self) -> list[Resource]:
-        """Every resource of the cluster (both directions of each link and NIC wire)."""
-        out = []
-        for node in range(self.nodes):
-            for ln in self.layout.links:
-                out.append(self._resource(node, ln.a, ln.b, ln.kind, ln.bandwidth, ln.latency))
-                out.append(self._resource(node, ln.b, ln.a, ln.kind, ln.bandwidth, ln.latency))
-            for nic in self.layout.nics:
-                out.append(self._resource(node, nic.name, "net", nic.kind, nic.bandwidth, nic.latency + self.fabric_latency))
-                out.append(self._resource(node, "net", nic.name, nic.kind, nic.bandwidth, nic.latency))
-        return out
-
     def gpu_ingress_bandwidth(self, r: int) -> float:
         """Max-flow (bytes/s) into rank ``r``'s GPU from every other GPU of its node and every NIC wire.
 
@@ -578,11 +418,12 @@ class Topology:
                 self._cache[key] = float(nx.maximum_flow_value(g, "__src__", sink))
         return self._cache[key]
 
-    def node_ingress_bandwidth(self, node: int = 0) -> float:
-        """Sum of the node's NIC ingress wires (bytes/s): the ``B_out`` of the lower bound."""
+    def node_ingress_bandwidth(self) -> float:
+        """Sum of one node's NIC ingress wires (bytes/s), the same on every node: the ``B_out`` of
+        the lower bound."""
         return sum(n.bandwidth for n in self.layout.nics)
 
-    # ---- presentation / IO ----------------------------------------------------------------
+    # ---- presentation and files ---------------------------------------------------------
     def summary(self) -> str:
         """Human-readable description: nodes, GPUs, links by kind, NICs, rank map shape."""
         lay = self.layout
@@ -612,67 +453,19 @@ class Topology:
                                        else ", ".join(f"{r}:n{n}.{l}" for r, (n, l) in enumerate(self.rank_map))))
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        d: dict[str, Any] = {"name": self.name, "nodes": self.nodes, "node": self.layout.to_dict()}
-        default = tuple((r // self.layout.gpus, r % self.layout.gpus) for r in range(self.nodes * self.layout.gpus))
-        if self.rank_map != default:
-            d["rank_map"] = [list(x) for x in self.rank_map]
-        d["fabric_latency"] = self.fabric_latency
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "Topology":
-        if not isinstance(d, Mapping):
-            raise TopologyError(f"topology: expected a mapping at the top level, got {type(d).__name__}")
-        unknown = set(d) - {"name", "nodes", "node", "rank_map", "fabric_latency"}
-        if unknown:
-            raise TopologyError(f"topology: unknown field(s) {sorted(unknown)}; expected name, nodes, node, rank_map, fabric_latency")
-        if "node" not in d:
-            raise TopologyError("node: missing (the per-node layout: gpus, links, nics)")
-        layout = NodeLayout.from_dict(d["node"])
-        nodes = d.get("nodes", 1)
-        if not isinstance(nodes, int) or isinstance(nodes, bool):
-            raise TopologyError(f"nodes: must be an integer, got {nodes!r}")
-        rank_map = d.get("rank_map") or ()
-        if not isinstance(rank_map, (list, tuple)):
-            raise TopologyError("rank_map: expected a list of [node, local_rank] pairs")
-        for r, entry in enumerate(rank_map):
-            if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in entry
-            ):
-                raise TopologyError(f"rank_map[{r}]: expected [node, local_rank] integers, got {entry!r}")
-        return cls(str(d.get("name", "custom")), layout, nodes, tuple(tuple(e) for e in rank_map),
-                   d.get("fabric_latency", 1e-6))
-
     def to_yaml(self, path: str | Path | None = None) -> str:
-        """YAML text of :meth:`to_dict`; also written to ``path`` when given."""
-        import yaml
+        """YAML text in the topology file format (:mod:`~megatron_fcp.topology.serialize`); also
+        written to ``path`` when given."""
+        from megatron_fcp.topology import serialize
 
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
-        return text
+        return serialize.to_yaml(self, path)
 
     @classmethod
     def from_yaml(cls, text_or_path: str | Path) -> "Topology":
-        """Parse YAML text or a file path; errors name the field (and the file)."""
-        import yaml
+        """Parse YAML text or a file path (:func:`megatron_fcp.topology.serialize.from_yaml`)."""
+        from megatron_fcp.topology import serialize
 
-        src = "<yaml>"
-        text = str(text_or_path)
-        if isinstance(text_or_path, Path) or ("\n" not in text and Path(text).suffix in (".yaml", ".yml")):
-            p = Path(text_or_path)
-            if not p.exists():
-                raise TopologyError(f"topology file {p}: not found")
-            src, text = str(p), p.read_text(encoding="utf-8")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise TopologyError(f"{src}: malformed YAML: {e}") from None
-        try:
-            return cls.from_dict(data)
-        except TopologyError as e:
-            raise TopologyError(f"{src}: {e}") from None
+        return serialize.from_yaml(text_or_path)
 
     def with_rank_map(self, rank_map: Iterable[tuple[int, int]]) -> "Topology":
         """Same cluster, explicit ``rank_map`` (e.g. from hostnames gathered at run time)."""
@@ -683,87 +476,15 @@ def _fmt_bw(bw: float) -> str:
     return f"{bw / GB:g} GB/s"
 
 
-# ---- presets ---------------------------------------------------------------------------------
+_IN_PRESETS = ("PRESETS", "preset", "load_topology")
 
 
-def _nvswitch_node(gpus: int, nvlink_bw: float, nic_bw: float, nic_kind: str, pcie_bw: float, name: str) -> NodeLayout:
-    """DGX-style: every GPU on one NVSwitch plane; NIC ``i`` next to GPU ``i`` (rail-aligned)."""
-    links = [Link(_gpu(i), "nvswitch", "nvswitch", nvlink_bw, 1e-6) for i in range(gpus)]
-    nics = []
-    for i in range(gpus):
-        links.append(Link(_gpu(i), f"nic{i}", "pcie", pcie_bw, 1e-6))
-        nics.append(Nic(f"nic{i}", nic_kind, nic_bw, 2e-6))
-    return NodeLayout(gpus, tuple(links), tuple(nics), tuple(range(gpus)), name)
+def __getattr__(name: str) -> Any:
+    """``PRESETS``, ``preset`` and ``load_topology`` live in :mod:`megatron_fcp.topology.presets`,
+    which imports this module; this forwards them to callers that import them from here. New code
+    imports them from ``megatron_fcp.topology``."""
+    if name in _IN_PRESETS:
+        from megatron_fcp.topology import presets
 
-
-def _dgx_a100(nodes: int = 1) -> Topology:
-    """DGX A100: 8 GPUs, NVSwitch (NVLink3 300 GB/s/dir), 8x HDR 200 Gb/s (25 GB/s) NICs, rail-aligned."""
-    return Topology("dgx-a100", _nvswitch_node(8, 300 * GB, 25 * GB, "ib", 32 * GB, "dgx-a100"), nodes)
-
-
-def _dgx_h100(nodes: int = 1) -> Topology:
-    """DGX H100: 8 GPUs, NVSwitch (NVLink4 450 GB/s/dir), 8x NDR 400 Gb/s (50 GB/s) NICs, rail-aligned."""
-    return Topology("dgx-h100", _nvswitch_node(8, 450 * GB, 50 * GB, "ib", 64 * GB, "dgx-h100"), nodes)
-
-
-def _pcie_box(nodes: int = 1) -> Topology:
-    """PCIe server: 8 GPUs, pairs behind 4 PCIe4 switches (x16 ~25 GB/s), switches under one root
-    complex (x16 uplinks), one 100 Gb/s (12.5 GB/s) Ethernet NIC on the root complex."""
-    links = []
-    for i in range(8):
-        links.append(Link(_gpu(i), f"pcisw{i // 2}", "pcie", 25 * GB, 1e-6))
-    for s in range(4):
-        links.append(Link(f"pcisw{s}", "cpu", "pcie", 25 * GB, 1e-6))
-    links.append(Link("cpu", "nic0", "pcie", 25 * GB, 1e-6))
-    layout = NodeLayout(8, tuple(links), (Nic("nic0", "ethernet", 12.5 * GB, 5e-6),), (), "pcie-box")
-    return Topology("pcie-box", layout, nodes)
-
-
-def _single_uplink(nodes: int = 2) -> Topology:
-    """n nodes of 8 NVSwitch GPUs (300 GB/s/dir) sharing ONE 200 Gb/s (25 GB/s) NIC per node."""
-    links = [Link(_gpu(i), "nvswitch", "nvswitch", 300 * GB, 1e-6) for i in range(8)]
-    links += [Link(_gpu(i), "pcie", "pcie", 32 * GB, 1e-6) for i in range(8)]
-    links.append(Link("pcie", "nic0", "pcie", 32 * GB, 1e-6))
-    layout = NodeLayout(8, tuple(links), (Nic("nic0", "ib", 25 * GB, 2e-6),), (), "single-uplink")
-    return Topology("single-uplink", layout, nodes)
-
-
-PRESETS: dict[str, Callable[[int], Topology]] = {
-    "dgx-a100": _dgx_a100,
-    "dgx-h100": _dgx_h100,
-    "pcie-box": _pcie_box,
-    "single-uplink": _single_uplink,
-}
-"""Preset name -> ``factory(nodes) -> Topology``."""
-
-
-def preset(name: str, nodes: int = 1) -> Topology:
-    """A preset cluster with ``nodes`` nodes (see :data:`PRESETS`)."""
-    if name not in PRESETS:
-        raise TopologyError(f"topology: unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give a YAML path")
-    if not isinstance(nodes, int) or nodes < 1:
-        raise TopologyError(f"nodes: must be an integer >= 1, got {nodes!r}")
-    topo = PRESETS[name](nodes)
-    return Topology(f"{name}:{nodes}", topo.layout, nodes, (), topo.fabric_latency)
-
-
-def load_topology(spec: "str | Path | Topology") -> Topology:
-    """``"PRESET"``/``"PRESET:NODES"`` (``"dgx-h100:2"``), a YAML file path, or a Topology (returned)."""
-    if isinstance(spec, Topology):
-        return spec
-    text = str(spec)
-    if isinstance(spec, Path) or text.endswith((".yaml", ".yml")) or "/" in text:
-        return Topology.from_yaml(Path(text))
-    name, _, count = text.partition(":")
-    if name not in PRESETS:
-        raise TopologyError(
-            f"topology: {text!r} is neither a preset ({', '.join(PRESETS)}, as PRESET:NODES) nor a .yaml path"
-        )
-    if count:
-        try:
-            nodes = int(count)
-        except ValueError:
-            raise TopologyError(f"topology: node count in {text!r} must be an integer (e.g. dgx-h100:2)") from None
-    else:
-        nodes = 1
-    return preset(name, nodes)
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

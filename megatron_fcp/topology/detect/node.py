@@ -1,0 +1,197 @@
+"""What a detection source says about one node, before it becomes a Topology.
+
+:class:`DetectedNode` is plain data (no model objects): the link kind between every pair of local
+GPUs, the PCIe path between devices, which NIC each GPU uses and the speeds the source gave. The
+parsers (:mod:`.nvidia_smi`, :mod:`.nccl_xml`) produce it; :mod:`.build` turns it into a
+:class:`~megatron_fcp.topology.model.Topology`. The default speeds assumed when a source does not
+give them live here, in GB/s (gigabytes per second) per direction.
+
+Note [NIC placement]
+--------------------
+Each GPU takes the NIC(s) at its smallest PCIe distance; among equally close NICs it takes the one
+with the fewest GPUs so far (so two GPUs behind a switch with two NICs get one each, as on a
+DGX-A100). If that distance is PIX or PXB the GPU has a direct (GPUDirect) path; otherwise it
+still uses that NIC but through the host (``NicInfo.paths`` records which). Several GPUs on one NIC
+means they share one uplink. Both parsers place NICs with :func:`place_nics`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+__all__ = [
+    "PATH_KINDS",
+    "NVLINK_GBYTES_PER_S_PER_LINK_BY_SM",
+    "DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK",
+    "DEFAULT_PCIE_GBYTES_PER_S",
+    "DEFAULT_NIC_GBYTES_PER_S",
+    "TopologyParseError",
+    "PairLink",
+    "NicInfo",
+    "DetectedNode",
+]
+
+
+class TopologyParseError(ValueError):
+    """Input text/XML is malformed; the message names the source, line and field at fault."""
+
+
+#: nvidia-smi path token -> our pair kind, closest first. (nvidia-smi's ``SOC`` is ``SYS``.)
+PATH_KINDS: Mapping[str, str] = {
+    "PIX": "pcie-switch",  # behind one PCIe switch
+    "PXB": "pcie-bridges",  # a tree of PCIe switches, no host bridge
+    "PHB": "pcie-host",  # through the CPU's host bridge
+    "NODE": "pcie-node",  # between host bridges of one NUMA node
+    "SYS": "cross-socket",  # across the SMP interconnect
+}
+_PATH_ORDER = ("PIX", "PXB", "PHB", "NODE", "SYS")  # closest first
+_DIRECT_NIC_PATHS = ("PIX", "PXB")  # GPUDirect RDMA-capable placement
+
+#: Nominal NVLink bandwidth per link and direction (GB/s) by SM version of the GPU:
+#: P100 NVLink1 20, V100 NVLink2 25, A100 NVLink3 25 (12 links = 300), H100 NVLink4 25
+#: (18 links = 450), B200 NVLink5 50 (18 links = 900).
+NVLINK_GBYTES_PER_S_PER_LINK_BY_SM: Mapping[int, float] = {60: 20.0, 70: 25.0, 80: 25.0, 90: 25.0, 100: 50.0}
+#: Used when the GPU generation is unknown (nvidia-smi text does not name it): NVLink2-4.
+DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK = 25.0
+
+#: GPU<->GPU peer bandwidth per direction (GB/s) over PCIe, by path. PCIe 4.0 x16 gives ~25 GB/s
+#: through a switch; through the host bridge / across sockets peer traffic is slower.
+DEFAULT_PCIE_GBYTES_PER_S: Mapping[str, float] = {
+    "PIX": 25.0,
+    "PXB": 25.0,
+    "PHB": 20.0,
+    "NODE": 20.0,
+    "SYS": 12.0,
+}
+#: NIC speed per direction (GB/s) when the source does not say: HDR InfiniBand 200 Gb/s.
+DEFAULT_NIC_GBYTES_PER_S = 25.0
+
+
+@dataclass(frozen=True)
+class PairLink:
+    """How two local GPUs reach each other.
+
+    ``kind`` is ``nvswitch`` | ``nvlink`` | one of :data:`PATH_KINDS`' values; ``nvlinks`` is the
+    bonded NVLink count (0 for PCIe); ``path`` the raw nvidia-smi style token (``NV12``, ``PIX``).
+    """
+
+    kind: str
+    nvlinks: int
+    path: str
+
+    @property
+    def is_nvlink(self) -> bool:
+        return self.nvlinks > 0
+
+
+@dataclass(frozen=True)
+class NicInfo:
+    """One NIC port: its ``name`` (``mlx5_0``), the local GPUs that use it as their uplink, the
+    PCIe path token from each of them (``paths[k]`` belongs to ``gpus[k]``: ``PIX``/``PXB`` is a
+    direct GPUDirect path, ``PHB``/``NODE``/``SYS`` goes through the host) and its
+    ``speed_gbytes_per_s`` per direction (GB/s; None: the source did not say). A NIC no GPU uses
+    (a storage NIC) has no gpus."""
+
+    name: str
+    gpus: tuple[int, ...]
+    paths: tuple[str, ...]
+    speed_gbytes_per_s: float | None = None
+
+    @property
+    def shared(self) -> bool:
+        """True when several GPUs share this NIC as their uplink."""
+        return len(self.gpus) > 1
+
+    @property
+    def direct_gpus(self) -> tuple[int, ...]:
+        """The GPUs that reach this NIC without crossing the host (PIX/PXB)."""
+        return tuple(g for g, p in zip(self.gpus, self.paths) if p in _DIRECT_NIC_PATHS)
+
+
+@dataclass(frozen=True)
+class DetectedNode:
+    """One node as a parser saw it: GPUs ``0..num_gpus-1`` (local indices), pair links, NICs.
+
+    ``pairs`` maps ``(i, j)`` with ``i < j`` to a :class:`PairLink`; ``gpu_nic[i]`` is the name of
+    the NIC GPU ``i`` uses (None when the node has no NIC); ``nvswitch_links[i]`` is the number of
+    NVLinks GPU ``i`` has into an NVSwitch fabric (0: none); ``pcie_paths`` maps a frozenset of
+    two device names (``gpu3``, ``mlx5_0``) to their PCIe path token wherever the source gives
+    one (nvidia-smi hides it behind ``NV#`` for NVLink pairs); ``nvlink_gbytes_per_s_per_link`` is
+    None when the source did not say which GPU generation it is; ``pcie_gbytes_per_s`` is the
+    devices' PCIe link speed per direction when the source gives it (NCCL XML ``link_speed`` x
+    ``link_width``). Speeds are GB/s (gigabytes per second).
+    """
+
+    num_gpus: int
+    pairs: Mapping[tuple[int, int], PairLink]
+    nics: tuple[NicInfo, ...]
+    gpu_nic: tuple[str | None, ...]
+    nvswitch_links: tuple[int, ...] = ()
+    pcie_paths: Mapping[frozenset, str] = field(default_factory=dict)
+    nvlink_gbytes_per_s_per_link: float | None = None
+    pcie_gbytes_per_s: float | None = None
+    source: str = ""
+
+    def link(self, i: int, j: int) -> PairLink:
+        """The link between local GPUs ``i`` and ``j`` (order does not matter)."""
+        if i == j:
+            raise ValueError(f"no link from GPU{i} to itself")
+        return self.pairs[(min(i, j), max(i, j))]
+
+    def nic(self, name: str) -> NicInfo:
+        for nic in self.nics:
+            if nic.name == name:
+                return nic
+        raise KeyError(f"no NIC named {name!r}; NICs: {[n.name for n in self.nics]}")
+
+    def pair_bandwidth_gbytes_per_s(
+        self, i: int, j: int, pcie_by_path: Mapping[str, float] = DEFAULT_PCIE_GBYTES_PER_S
+    ) -> float:
+        """Per-direction bandwidth between GPUs ``i`` and ``j``: ``nvlinks * per-link`` for NVLink
+        (default per-link speed when the generation is unknown), the PCIe table otherwise."""
+        pl = self.link(i, j)
+        if pl.is_nvlink:
+            per_link = self.nvlink_gbytes_per_s_per_link or DEFAULT_NVLINK_GBYTES_PER_S_PER_LINK
+            return pl.nvlinks * per_link
+        return pcie_by_path[pl.path]
+
+    def kind_matrix(self) -> list[list[str]]:
+        """``num_gpus x num_gpus`` nvidia-smi style tokens (``X`` on the diagonal)."""
+        g = self.num_gpus
+        return [["X" if i == j else self.link(i, j).path for j in range(g)] for i in range(g)]
+
+    def uplinks_shared(self) -> bool:
+        """True when at least one NIC carries several GPUs (a shared node uplink)."""
+        return any(nic.shared for nic in self.nics)
+
+
+def place_nics(
+    gpu_nic_paths: Sequence[Mapping[str, str]], nic_names: Sequence[str], speeds: Mapping[str, float | None]
+) -> tuple[tuple[NicInfo, ...], tuple[str | None, ...]]:
+    """Give every GPU its closest NIC, balancing GPUs over equally close NICs (Note [NIC placement]).
+
+    ``gpu_nic_paths[g][nic]`` is a path token in :data:`_PATH_ORDER`; ``speeds[nic]`` is the NIC's
+    GB/s per direction, or None when the source did not say.
+    """
+    users: dict[str, list[tuple[int, str]]] = {n: [] for n in nic_names}
+    choice: list[str | None] = []
+    for g, paths in enumerate(gpu_nic_paths):
+        if not paths:
+            choice.append(None)
+            continue
+        best = min(_PATH_ORDER.index(p) for p in paths.values())
+        closest = [n for n in nic_names if n in paths and _PATH_ORDER.index(paths[n]) == best]
+        nic = min(closest, key=lambda n: (len(users[n]), nic_names.index(n)))
+        users[nic].append((g, paths[nic]))
+        choice.append(nic)
+    nics = tuple(
+        NicInfo(
+            name=n,
+            gpus=tuple(g for g, _ in users[n]),
+            paths=tuple(p for _, p in users[n]),
+            speed_gbytes_per_s=speeds.get(n),
+        )
+        for n in nic_names
+    )
+    return nics, tuple(choice)
