@@ -28,7 +28,7 @@ setup(
         "plot": ["matplotlib>=3.7"],
         "test": ["pytest>=7.4", "hypothesis>=6.80", "matplotlib>=3.7"],
         # GPU-only kernels; never installed by the CPU commands in README.md.
-        "gpu": ["transformer-engine[pytorch]>=1.12", "flash-attn>=2.6"],
+        "gpu": ["transformer-engine[pytorch]>=1.12"],
     },
     entry_points={"console_scripts": ["megatron-fcp=megatron_fcp.cli:main"]},
 )

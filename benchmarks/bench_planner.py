@@ -15,7 +15,7 @@ Sections of the JSON:
 * ``bytes``: bytes moved by each builder's causal plan relative to the ring.
 * ``round_overhead``: sensitivity of the headline ratios to a fixed per-round launch cost.
 * ``scale_1024``: compile + verify time of a 1,024-rank plan (``total_s``, ``compile_s``,
-  ``verify_s``: runs, best and median of 3; one fresh-process run; issue 3's target < 2 s) and the
+  ``verify_s``: runs, best and median of 3; one fresh-process run; target < 2 s) and the
   DESIGN.md extrapolation (128 x 8 DGX-H100, 4 MB blocks, no compute): flat ring vs rail-striped.
 * ``other_presets``: pcie-box and single-uplink for reference.
 """
@@ -96,7 +96,7 @@ def bytes_ratios() -> dict:
 
 
 COMPILE_VERIFY_TARGET_S = 2.0
-"""Issue 3: compiling and verifying a 1,024-rank plan takes under 2 s on the 2-core dev machine."""
+"""Target: compiling and verifying a 1,024-rank plan takes under 2 s on the 2-core dev machine."""
 
 _FRESH = (
     "import time; from megatron_fcp.planning import build_plan; from megatron_fcp.topology import load_topology; "

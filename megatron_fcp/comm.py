@@ -66,7 +66,6 @@ class Handle:
     round_index: int
     works: list[tuple[str, Transfer, Any]] = field(default_factory=list)  # (kind, transfer, work)
     keep_alive: list[torch.Tensor] = field(default_factory=list)         # buffers in flight
-    extra: Any = None                                                    # implementation data
 
 
 class Transport:

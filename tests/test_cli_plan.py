@@ -42,10 +42,10 @@ def test_plan_megatron_layout_prints_each_cp_group(capsys):
 
 
 def test_plan_backward_and_yaml(capsys, tmp_path):
-    from megatron_fcp.topology import load_topology
+    from megatron_fcp.topology import load_topology, serialize
 
     path = tmp_path / "c.yaml"
-    load_topology("pcie-box:2").to_yaml(path)
+    serialize.to_yaml(load_topology("pcie-box:2"), path)
     rc, out, err = run_cli(capsys, "plan", str(path), "--ranks", "0,1,8,9", "--graph", "spanning", "--backward")
     assert rc == 0, err
     assert "backward (reversed rounds" in out

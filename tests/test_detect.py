@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_fcp.topology import detect as D
+from megatron_fcp.topology import serialize
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -369,7 +370,7 @@ def test_detect_resolution_order(tmp_path, caplog):
     t = D.detect_topology("dgx-a100:2", nccl_xml=xml, nvidia_smi=smi)
     assert t.name == "dgx-a100:2" and t.world == 16
     yaml_path = tmp_path / "c.yaml"
-    D.detect_topology(nvidia_smi=smi, nodes=3).to_yaml(yaml_path)
+    serialize.to_yaml(D.detect_topology(nvidia_smi=smi, nodes=3), yaml_path)
     t = D.detect_topology(str(yaml_path), nccl_xml=xml)
     assert t.nodes == 3 and t.layout.nics[0].name == "mlx5_0"
     # 2. NCCL XML over nvidia-smi

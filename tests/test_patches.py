@@ -420,7 +420,8 @@ def test_layout_groups_follow_tp_cp_ep_dp_pp():
 @pytest.mark.parametrize("text, words", [
     ("world=4,cp=3", "--context-parallel-size"),
     ("world=8,tp=2,cp=3", "not divisible"),
-    ("tp=2,cp=2", "needs world=N"),
+    ("tp=2,cp=2", "world=N is required"),
+    ("world=8,tp=2", "cp=N is required"),
     ("world=8,ep=2", "expected world=N"),
 ])
 def test_layout_errors_name_the_flag(text, words):
@@ -461,7 +462,7 @@ def test_the_tp_peer_check_catches_a_plan_over_a_tp_group():
 
     layout = MegatronLayout(world=4, tp=2, cp=2)
     assert _tp_peer_transfers(ring_plan((0, 2)), layout) == []  # a real CP group
-    assert len(_tp_peer_transfers(ring_plan((0, 1)), layout)) == 2  # ranks 0 and 1 form a TP group
+    assert len(_tp_peer_transfers(ring_plan((0, 1)), layout)) == 4  # ranks 0 and 1 form a TP group
 
 
 @pytest.mark.parametrize("graph", ["auto", "ring", "full", "hierarchical", "leader", "spanning"])

@@ -16,18 +16,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_fcp.planning import (
+    AUTO_CANDIDATES,
+    BUILDERS,
     Block,
+    BalancedGraph,
     Plan,
     PlanError,
     Transfer,
-    full_plan,
+    build_graph,
     build_plan,
+    compile_plan,
+    full_plan,
     need_set,
     ring_plan,
+    zigzag_chunk_index,
 )
-from megatron_fcp.planning import AUTO_CANDIDATES, compile_plan
 from megatron_fcp.planning.verify import verify_reference
-from megatron_fcp.planning import BUILDERS, BalancedGraph, build_graph
 from megatron_fcp.topology import GB, PRESETS, Link, Nic, NodeLayout, Topology, load_topology
 
 CPS = (2, 3, 4, 8, 16, 64)
@@ -322,7 +326,7 @@ def plan_digest(plan: Plan) -> str:
 
 _UNEVEN = {r: 1.0 + (r * 7 % 5) for r in range(640)}  # relative KV sizes for balanced-uneven
 
-# Recorded from the compiler at commit 8f2f16c, before the 1,024-rank speed work: the rounds and
+# Golden plans: the rounds and
 # the order of transfers inside each round must not change. (cp > 256 on dgx-h100:40 takes the
 # large-group path: runs straight into waves, no leaf balancing.) Update a digest only when a plan
 # is meant to change, and say so in the commit.
@@ -369,6 +373,15 @@ PLAN_DIGESTS = {
     ('dgx-h100:40', 'stride2', 'balanced', False, 1): 'ab174e4c911661f6',
     ('dgx-h100:40', 'stride2', 'balanced-uneven', True, 1): '4f2d1b5598fb200b',
 }
+# graph "auto", recorded before the planning package was restructured: (preset, causal, shape given)
+AUTO_DIGESTS = {
+    ("dgx-h100:4", True, False): "13b58464276b69e2",
+    ("dgx-h100:4", False, True): "197dcb64afa4a5dc",
+    ("pcie-box:2", True, False): "7e3a59e0c9faa9af",
+    ("pcie-box:2", True, True): "cff413d64bcd837f",   # with compute the ring wins on PCIe
+    ("pcie-box:2", False, True): "3145d6c28c6353f5",
+    ("single-uplink:2", True, True): "7e3a59e0c9faa9af",
+}
 DIGEST_1024 = "84ce4ab453524285"  # dgx-h100:128, range(1024), hierarchical, causal, 1 part
 
 
@@ -382,13 +395,80 @@ def test_compiled_plans_are_unchanged(case):
     assert plan_digest(plan) == PLAN_DIGESTS[case]
 
 
+@pytest.mark.parametrize("case", sorted(AUTO_DIGESTS), ids=repr)
+def test_auto_plans_are_unchanged(case):
+    preset, causal, shaped = case
+    shape = dict(seq_len=65536, heads=32, kv_heads=8, head_dim=128) if shaped else {}
+    plan = build_plan(preset, range(load_topology(preset).world), "auto", causal=causal, **shape)
+    assert plan_digest(plan) == AUTO_DIGESTS[case]
+
+
 def test_1024_rank_plan_compiles_verifies_and_is_unchanged():
-    """Issue 3: a 1,024-rank plan (128 DGX-H100 nodes, cp = 1,024) compiles, verifies, and is the
-    same plan as before the speed work (digest). Its time ("under 2 s here") is a performance claim
-    and lives in ``benchmarks/bench_planner.py`` (best and median of 3, ~1 s on a 2-core machine),
+    """A 1,024-rank plan (128 DGX-H100 nodes, cp = 1,024) compiles, verifies, and is the golden plan
+    (digest). Its compile time is a performance claim and lives in ``benchmarks/bench_planner.py``,
     not in a test.
     """
     topo = load_topology("dgx-h100:128")
     plan = build_plan(topo, range(1024), "hierarchical")
     assert plan.num_transfers() == 1.5 * 1024 * 1023
     assert plan_digest(plan) == DIGEST_1024
+
+
+# ---- one need rule, and plans verified once ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_need_rule_is_the_token_level_mask(cp, causal):
+    """needs_chunk(j, i, c) holds exactly when some query token of CP rank j may attend to some key
+    token of chunk c of CP rank i (zigzag, 4 tokens a chunk), and j != i; every user derives from it."""
+    from megatron_fcp.planning import causal_pairs, needs_chunk
+    from megatron_fcp.planning.needs import need_matrix, readers
+
+    L = 4
+    for j in range(cp):
+        for i in range(cp):
+            for c in (0, 1):
+                kc = zigzag_chunk_index(i, c, cp)
+                pairs = sum(int(causal_pairs(q * L, (q + 1) * L, kc * L, (kc + 1) * L, causal))
+                            for q in (zigzag_chunk_index(j, 0, cp), zigzag_chunk_index(j, 1, cp)))
+                assert needs_chunk(j, i, c, causal) == (i != j and pairs > 0), (j, i, c)
+    ranks = tuple(range(10, 10 + cp))
+    m = need_matrix(cp, 2, causal)
+    for j, r in enumerate(ranks):
+        got = {Block(ranks[b // 4], b // 2 % 2, b % 2) for b in np.nonzero(m[j])[0]}
+        assert got == need_set(ranks, r, causal, 2)
+    for i in range(cp):
+        for c in (0, 1):
+            assert readers(ranks, i, c, causal) == [r for j, r in enumerate(ranks) if needs_chunk(j, i, c, causal)]
+
+
+def test_a_plan_is_verified_once(monkeypatch):
+    """build_plan verifies; the executor's resolve_plan trusts the verified state (no second pass)
+    and verifies an unverified plan once; stricter port limits verify again."""
+    from megatron_fcp.attention.function import resolve_plan
+    from megatron_fcp.planning import plan as plan_module
+
+    calls = []
+    real = plan_module.verify_plan
+    monkeypatch.setattr(plan_module, "verify_plan", lambda *a: (calls.append(a[1:]), real(*a))[1])
+    plan = build_plan("dgx-h100:1", range(4), "full")
+    assert plan.verified and calls == [(None, None)]
+    for _ in range(3):
+        assert resolve_plan(plan, tuple(range(4)), True) is plan
+    assert len(calls) == 1
+    copy = dataclasses.replace(plan)  # a new object: not verified until checked
+    assert not copy.verified
+    resolve_plan(copy, tuple(range(4)), True)
+    resolve_plan(copy, tuple(range(4)), True)
+    assert copy.verified and len(calls) == 2
+    copy.verify(max_sends=8)  # stricter than what was checked: checked again
+    assert len(calls) == 3 and copy.verify(max_sends=9) is copy and len(calls) == 3
+
+
+def test_the_old_all_to_all_name_still_gives_the_full_plan():
+    from megatron_fcp.attention.function import resolve_plan
+
+    with pytest.warns(FutureWarning, match="'all-to-all' is deprecated; use 'full'"):
+        plan = resolve_plan("all-to-all", (0, 1, 2), True)
+    assert plan.name == "full" and plan == full_plan((0, 1, 2), True)

@@ -115,7 +115,7 @@ def test_te_baselines():
 
 @pytest.mark.parametrize("preset", ["dgx-h100:2", "dgx-a100:2", "dgx-h100:4"])
 def test_fcp_near_lower_bound_and_2x_faster_than_te_ring(preset):
-    """Issue 3 headline: cp = all GPUs, 128K tokens: FCP's chosen plan within 1.15x of the lower
+    """Headline: cp = all GPUs, 128K tokens: FCP's chosen plan within 1.15x of the lower
     bound and >= 2x faster than TE's p2p ring (communication time)."""
     out = compare(preset, None, SHAPE_128K, objective="comm")
     fcp, ring = out["schedules"]["fcp"], out["schedules"]["te-p2p"]

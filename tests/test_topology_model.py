@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_fcp.topology import serialize
 from megatron_fcp.topology import (
     GB,
     LINK_KINDS,
@@ -86,7 +87,7 @@ def test_yaml_round_trip(tmp_path):
     for name in PRESETS:
         topo = load_topology(f"{name}:2")
         path = tmp_path / f"{name}.yaml"
-        topo.to_yaml(path)
+        serialize.to_yaml(topo, path)
         again = load_topology(str(path))
         assert again == topo
         assert again.route(1, 9).resources == topo.route(1, 9).resources
@@ -101,7 +102,7 @@ def test_explicit_rank_map_overrides_torchrun_order(tmp_path):
     assert topo.route(0, 2).bandwidth == 450 * GB
     assert topo.route(0, 1).bandwidth == 50 * GB
     path = tmp_path / "interleaved.yaml"
-    topo.to_yaml(path)
+    serialize.to_yaml(topo, path)
     assert load_topology(str(path)).rank_map == topo.rank_map
 
 

@@ -146,7 +146,7 @@ def describe_source(node) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_fcp.topology.detect import TopologyParseError, detect_topology
-    from megatron_fcp.topology import TopologyError
+    from megatron_fcp.topology import TopologyError, serialize
 
     logging.basicConfig(level=logging.WARNING, format="megatron-fcp topo: %(message)s")
     given = [name for name, val in (("--topology", args.topology), ("--from-nccl-xml", args.from_nccl_xml),
@@ -185,6 +185,6 @@ def run(args: argparse.Namespace) -> int:
         with open(path, encoding="utf-8") as fh:
             print("\n" + describe_source(parse(fh.read(), source=path)))
     if args.yaml_out:
-        topo.to_yaml(args.yaml_out)
+        serialize.to_yaml(topo, args.yaml_out)
         print(f"\nwrote {args.yaml_out}")
     return 0

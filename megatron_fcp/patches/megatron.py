@@ -53,7 +53,6 @@ __all__ = [
     "revert_fcp",
     "fcp_patched",
     "is_fcp_applied",
-    "active_config",
     "assert_model_uses_fcp",
     "LOCAL_ATTENTION",
     "TE_ATTENTION",
@@ -403,10 +402,6 @@ def revert_fcp() -> list[str]:
 
 def is_fcp_applied() -> bool:
     return _STATE["config"] is not None
-
-
-def active_config() -> FCPConfig | None:
-    return _STATE["config"]
 
 
 @contextlib.contextmanager

@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from megatron_fcp.topology.errors import TopologyError
 from megatron_fcp.topology.units import GB, parse_bandwidth, parse_latency
@@ -453,20 +452,6 @@ class Topology:
                                        else ", ".join(f"{r}:n{n}.{l}" for r, (n, l) in enumerate(self.rank_map))))
         return "\n".join(lines)
 
-    def to_yaml(self, path: str | Path | None = None) -> str:
-        """YAML text in the topology file format (:mod:`~megatron_fcp.topology.serialize`); also
-        written to ``path`` when given."""
-        from megatron_fcp.topology import serialize
-
-        return serialize.to_yaml(self, path)
-
-    @classmethod
-    def from_yaml(cls, text_or_path: str | Path) -> "Topology":
-        """Parse YAML text or a file path (:func:`megatron_fcp.topology.serialize.from_yaml`)."""
-        from megatron_fcp.topology import serialize
-
-        return serialize.from_yaml(text_or_path)
-
     def with_rank_map(self, rank_map: Iterable[tuple[int, int]]) -> "Topology":
         """Same cluster, explicit ``rank_map`` (e.g. from hostnames gathered at run time)."""
         return Topology(self.name, self.layout, self.nodes, tuple(tuple(x) for x in rank_map), self.fabric_latency)
@@ -474,17 +459,3 @@ class Topology:
 
 def _fmt_bw(bw: float) -> str:
     return f"{bw / GB:g} GB/s"
-
-
-_IN_PRESETS = ("PRESETS", "preset", "load_topology")
-
-
-def __getattr__(name: str) -> Any:
-    """``PRESETS``, ``preset`` and ``load_topology`` live in :mod:`megatron_fcp.topology.presets`,
-    which imports this module; this forwards them to callers that import them from here. New code
-    imports them from ``megatron_fcp.topology``."""
-    if name in _IN_PRESETS:
-        from megatron_fcp.topology import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
