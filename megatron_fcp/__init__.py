@@ -6,6 +6,7 @@ Public API (stable):
 * :func:`apply_fcp` / :func:`revert_fcp` — patch Megatron's core attention (and undo it exactly).
 * :class:`FCPConfig` — the one configuration object (also the source of the ``--fcp-*`` flags).
 * :func:`setup_fcp` — settle the CP plans from Megatron's process groups (before building the model).
+* :func:`place_packed` — place a packed batch (documents of any lengths) on the CP ranks.
 * :mod:`megatron_fcp.planning` — the pure planner: ``build_plan``, ``Plan`` (+ ``verify``), the cost model.
 
 Attributes are imported lazily so that ``import megatron_fcp`` never imports megatron-core or
@@ -26,6 +27,7 @@ _LAZY = {
     "FCPConfig": ("megatron_fcp.config", "FCPConfig"),
     "setup_fcp": ("megatron_fcp.patches.runtime", "setup_fcp"),
     "planning": ("megatron_fcp.planning", None),
+    "place_packed": ("megatron_fcp.planning.placement", "place_packed"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -95,7 +95,7 @@ def test_no_module_over_600_lines(module):
 # the planning half, bottom to top: a module may import only from layers below it
 PLANNING_LAYERS = [
     ("blocks", "megatron_layout"),
-    ("needs",),                 # the causal need rule
+    ("needs", "placement"),     # the causal need rule; packed batches and their need sets
     ("verify", "graph"),        # proofs of a plan; graphs over a CP group
     ("plan",),                  # the plan contract
     ("cost",),                  # cost model of a plan

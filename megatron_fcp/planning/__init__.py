@@ -5,6 +5,7 @@ Modules depend on each other in one direction only (a test checks there is no im
 
     blocks      Block, Transfer, PlanError: the units a plan moves
     needs       the causal need rule (which blocks a CP rank must receive)
+    placement   packed batches: documents as token spans per rank, document need sets, place_packed
     verify      prove a plan executable and complete
     plan        the plan contract: Plan (+ ring_plan, full_plan)            <- the executor reads this
     graph       CommGraph and multicast-tree helpers over one CP group
@@ -51,6 +52,7 @@ from megatron_fcp.planning.cost import (
 from megatron_fcp.planning.graph import CommGraph, check_cp_ranks, runs_of, steiner_tree
 from megatron_fcp.planning.megatron_layout import MegatronLayout
 from megatron_fcp.planning.needs import need_set, needs_chunk
+from megatron_fcp.planning.placement import Placement, Span, place_packed
 from megatron_fcp.planning.plan import SIMPLE_PLANS, AutoChoice, Plan, full_plan, ring_plan
 
 __all__ = [
@@ -60,5 +62,5 @@ __all__ = [
     "Transfer", "blocks_of", "build_graph", "build_plan", "check_cp_ranks", "compare", "compile_plan",
     "full_plan", "get_builder", "need_set", "needs_chunk", "parse_tokens", "ring_plan", "simulate_plan",
     "zigzag_chunk_index", "lower_bound", "simulate_te_a2a_p2p", "simulate_te_p2p", "causal_pairs",
-    "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
+    "Placement", "Span", "place_packed", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
 ]

@@ -36,6 +36,7 @@ def build_plan(
     head_dim=None,
     dtype_bytes=2,
     objective=None,
+    placement=None,
 ) -> Plan:
     """Verified plan for the CP group ``cp_ranks`` (global ranks, CP order) on ``topology``.
 
@@ -46,13 +47,15 @@ def build_plan(
     ties broken by communication; ``"comm"``: communication alone). Without ``objective`` auto uses
     ``"total"`` when ``seq_len``, ``heads`` and ``head_dim`` are given, else ``"comm"``. Missing
     shape fields come from :data:`NOMINAL_SHAPE`. ``plan.auto`` records every candidate's time.
+    ``placement``: plan a packed batch (:func:`~megatron_fcp.planning.placement.place_packed`,
+    CP order = ``cp_ranks``) instead of Megatron's zigzag split; block sizes then come from it.
     """
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
         raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
     if graph != "auto":
-        return compile_plan(get_builder(graph).build(topo, ranks), causal, parts_per_chunk)
+        return compile_plan(get_builder(graph).build(topo, ranks), causal, parts_per_chunk, placement=placement)
 
     if objective is None:
         objective = "total" if seq_len is not None and heads is not None and head_dim is not None else "comm"
@@ -65,7 +68,7 @@ def build_plan(
     for name in AUTO_CANDIDATES:
         if len(ranks) == 1 and name != "ring":
             continue
-        plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk)
+        plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk, placement=placement)
         candidates.append((simulate_plan(plan, topo, shape, compute=objective == "total"), plan))
     _, best = pick_best(candidates, objective)
     metric = "total_s" if objective == "total" else "comm_s"

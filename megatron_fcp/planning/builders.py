@@ -313,7 +313,8 @@ class BalancedGraph(HierarchicalGraph):
         return edges, meta
 
     def _exit(self, cg, owner, chunk):
-        return cg.meta["exits"][(owner, chunk)]
+        # zigzag chunks were balanced over rails; a packed batch's blocks leave on their owner's rail
+        return cg.meta["exits"].get((owner, chunk), owner)
 
 
 class LeaderGraph(GraphBuilder):

@@ -35,11 +35,14 @@ from __future__ import annotations
 import gc
 import heapq
 from contextlib import contextmanager
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from megatron_fcp.planning.blocks import Block, PlanError, Transfer, make_transfer, make_transfers
 from megatron_fcp.planning.graph import CommGraph, runs_of
 from megatron_fcp.planning.needs import readers
+from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import Plan
 
 __all__ = ["compile_plan"]
@@ -67,15 +70,40 @@ def compile_plan(
     max_recvs: int | None = None,
     verify: bool = True,
     balance: bool = True,
+    placement: Placement | None = None,
 ) -> Plan:
-    """Compile a CommGraph into a Plan; see Note [Compiling a plan]."""
+    """Compile a CommGraph into a Plan; see Note [Compiling a plan].
+
+    ``placement``: a packed batch's blocks per CP rank (CP order = ``cg.ranks``); each block then
+    gets its own tree to the ranks its documents need, and ``parts_per_chunk`` must be 1.
+    """
     with _gc_paused():
-        return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance)
+        return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement)
 
 
-def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance) -> Plan:
+def _sources(ranks, causal: bool, placement: Placement | None):
+    """``(owner, chunk, readers)`` of every block (every chunk under zigzag) that someone needs."""
+    if placement is None:
+        for i, owner in enumerate(ranks):
+            for chunk in (0, 1):
+                dests = readers(ranks, i, chunk, causal)
+                if dests:
+                    yield owner, chunk, dests
+        return
+    need = placement.need_matrix()
+    rank_arr = np.asarray(ranks, dtype=np.int64)
+    for n, (i, b, _) in enumerate(placement.block_list()):
+        if need[:, n].any():
+            yield ranks[i], b, rank_arr[need[:, n]].tolist()
+
+
+def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement) -> Plan:
     if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
         raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    if placement is not None and (placement.cp != len(cg.ranks) or placement.causal != causal or parts_per_chunk != 1):
+        raise PlanError(f"placement: has {placement.cp} ranks and causal={placement.causal}, the graph "
+                        f"{len(cg.ranks)} ranks and causal={causal}; parts_per_chunk must be 1 (got "
+                        f"{parts_per_chunk}): cut blocks with place_packed(block_tokens=...)")
     for name, v in (("max_sends", max_sends), ("max_recvs", max_recvs)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise PlanError(f"{name}: must be None (unlimited) or an integer >= 1, got {v!r}")
@@ -86,36 +114,31 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance)
     limited = max_sends is not None or max_recvs is not None
     if not check and not limited:
         # large group: trees as runs of equal depth straight into waves (no per-edge tuples)
-        runs = []
-        for i, owner in enumerate(ranks):
-            for chunk in (0, 1):
-                dests = readers(ranks, i, chunk, causal)
-                if dests:
-                    runs.append((owner, chunk, cg.tree_runs(owner, dests, chunk)))
+        runs = [(owner, chunk, cg.tree_runs(owner, dests, chunk))
+                for owner, chunk, dests in _sources(ranks, causal, placement)]
         plan_rounds = _waves(runs, P, stagger)
     else:
         trees = []  # (owner, chunk, edges parents-first, depth of each edge's receiver)
-        for i, owner in enumerate(ranks):
-            for chunk in (0, 1):
-                dests = readers(ranks, i, chunk, causal)
-                if not dests:
-                    continue
-                tree, depths = cg.tree_with_depths(owner, dests, chunk)
-                if check:
-                    _check_tree(cg, owner, dests, tree)
-                trees.append((owner, chunk, tree, depths))
+        for owner, chunk, dests in _sources(ranks, causal, placement):
+            tree, depths = cg.tree_with_depths(owner, dests, chunk)
+            if check:
+                _check_tree(cg, owner, dests, tree)
+            trees.append((owner, chunk, tree, depths))
         if limited:
             plan_rounds = _list_schedule(trees, P, stagger, max_sends, max_recvs)
         elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
-            plan_rounds = _balanced_waves(cg, trees, P)
+            plan_rounds = _balanced_waves(cg, trees, P, _block_weights(cg, placement))
         else:
             plan_rounds = _waves([(o, c, runs_of(t, d)) for o, c, t, d in trees], P, stagger)
 
+    while placement is not None and plan_rounds and not plan_rounds[-1]:
+        plan_rounds = plan_rounds[:-1]  # trailing rounds left empty (zigzag plans keep them: golden digests)
     if sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
         plan_rounds = _fast_links_first(cg, plan_rounds)
     sizes = cg.meta.get("kv_sizes")
     plan = Plan(ranks, plan_rounds, causal, P, name=cg.name, max_sends=max_sends, max_recvs=max_recvs,
-                kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None)
+                kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None,
+                placement=placement)
     if verify:
         plan.verify(max_sends=max_sends, max_recvs=max_recvs)
     return plan
@@ -155,7 +178,19 @@ def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]
     return tuple(tuple(rounds.get(k, ())) for k in range(n))
 
 
-def _balanced_waves(cg: CommGraph, trees, P: int) -> tuple[tuple[Transfer, ...], ...]:
+def _block_weights(cg: CommGraph, placement: Placement | None) -> Callable[[int, int], float]:
+    """Relative bytes of ``(owner, chunk)``: tokens over the mean block under a placement, else
+    the graph's per-owner KV sizes (``balanced``), else 1."""
+    if placement is not None:
+        sizes = {(cg.ranks[i], b): s.tokens for i, b, s in placement.block_list()}
+        mean = sum(sizes.values()) / max(len(sizes), 1)
+        return lambda owner, chunk: sizes[(owner, chunk)] / mean
+    per_owner = cg.meta.get("kv_sizes") or {}
+    return lambda owner, chunk: float(per_owner.get(owner, 1.0))
+
+
+def _balanced_waves(cg: CommGraph, trees, P: int,
+                    weight: Callable[[int, int], float]) -> tuple[tuple[Transfer, ...], ...]:
     """Waves, then leaf edges moved into rounds with spare capacity on their route's resources.
 
     Edges into relays keep their wave round (the pipeline's backbone). A *leaf* edge (its
@@ -183,13 +218,12 @@ def _balanced_waves(cg: CommGraph, trees, P: int) -> tuple[tuple[Transfer, ...],
             route_cache[(u, v)] = ids
         return ids
 
-    weights = cg.meta.get("kv_sizes") or {}
     rigid: list[tuple[int, int, int, Block]] = []
     leaves: list[tuple[int, int, int, Block, float]] = []
     last = 0
     for owner, chunk, tree, depths in trees:
         has_children = {u for u, _ in tree}
-        w = float(weights.get(owner, 1.0))
+        w = weight(owner, chunk)
         for (u, v), d in zip(tree, depths):
             for p in range(P):
                 k = d - 1 + p
@@ -205,7 +239,7 @@ def _balanced_waves(cg: CommGraph, trees, P: int) -> tuple[tuple[Transfer, ...],
     cur = [0.0] * n
     rounds: list[list[Transfer]] = [[] for _ in range(n)]
     for k, u, v, b in rigid:
-        w = float(weights.get(b.owner, 1.0))
+        w = weight(b.owner, b.chunk)
         lk = load[k]
         for i in route(u, v):
             x = lk.get(i, 0.0) + w

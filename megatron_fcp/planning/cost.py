@@ -353,23 +353,33 @@ def simulate_plan(
 
     Block bytes follow ``shape`` (uniform), scaled per owner by ``plan.kv_sizes`` when a
     ``balanced`` plan carries relative KV sizes (normalised to mean 1). A sequence that ``2*cp``
-    does not divide is padded (:func:`pad_for_zigzag`).
+    does not divide is padded (:func:`pad_for_zigzag`). For a plan over a placement (a packed
+    batch) ``shape.seq_len`` is not used: each block's bytes and each rank's work come from the
+    placement's token spans and document masks.
     """
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     cp, P = plan.cp, plan.parts_per_chunk
     check_cp_ranks(topo, plan.ranks)
-    shape, padded = pad_for_zigzag(shape, cp)
-    blk = kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes, P)
+    pl = plan.placement
+    padded = False
+    if pl is None:
+        shape, padded = pad_for_zigzag(shape, cp)
     rnd, src, dst, owner, chunk, part = _plan_arrays(plan)
     pos = {r: i for i, r in enumerate(plan.ranks)}
-    if plan.kv_sizes:
-        mean = sum(plan.kv_sizes) / cp
-        w_owner = np.array([w / mean for w in plan.kv_sizes])
-    else:
-        w_owner = np.ones(cp)
     owner_i = np.fromiter((pos[o] for o in owner), dtype=np.int64, count=len(owner))
-    nbytes = blk * w_owner[owner_i]
+    if pl is None:
+        blk = kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes, P)
+        if plan.kv_sizes:
+            mean = sum(plan.kv_sizes) / cp
+            w_owner = np.array([w / mean for w in plan.kv_sizes])
+        else:
+            w_owner = np.ones(cp)
+        nbytes = blk * w_owner[owner_i]
+    else:  # a packed batch: each block's own token count
+        tokens = {(i, b): sp.tokens for i, b, sp in pl.block_list()}
+        nbytes = np.array([tokens[(o, c)] for o, c in zip(owner_i.tolist(), chunk.tolist())],
+                          dtype=np.float64) * shape.kv_bytes(1)
 
     # aggregate bytes per (round, src, dst), then load the routes
     idx = _ResourceIndex(topo)
@@ -419,17 +429,25 @@ def simulate_plan(
     # than its arrival; blocks of one owner arriving at a rank in one round share one kernel
     q_i = np.fromiter((pos[d] for d in dst), np.int64, len(dst))
     head_dim_flops = 4.0 * shape.heads * shape.head_dim / cm.flops
-    pairs = _block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.causal)
-    recv_t = pairs * head_dim_flops * w_owner[owner_i]
+    if pl is None:
+        pairs = _block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.causal) * w_owner[owner_i]
+    else:
+        pairs = np.array([pl.pairs(j, i, b) for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())],
+                         dtype=np.float64)
+    recv_t = pairs * head_dim_flops
     if len(rnd):
         group = (q_i * cp + owner_i) * max(n_rounds, 1) + rnd
         _, first = np.unique(group, return_index=True)
         recv_t[first] += cm.kernel_overhead_s
-    own_q = np.repeat(np.arange(cp), 2 * P)
-    own_c = np.tile(np.repeat([0, 1], P), cp)
-    own_p = np.tile(np.arange(P), 2 * cp)
-    own_pairs = _block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.causal)
-    local = np.bincount(own_q, weights=own_pairs * head_dim_flops * w_owner[own_q], minlength=cp)
+    if pl is None:
+        own_q = np.repeat(np.arange(cp), 2 * P)
+        own_c = np.tile(np.repeat([0, 1], P), cp)
+        own_p = np.tile(np.arange(P), 2 * cp)
+        own_pairs = _block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.causal) * w_owner[own_q]
+        local = np.bincount(own_q, weights=own_pairs * head_dim_flops, minlength=cp)
+    else:
+        local = np.array([sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) for j in range(cp)],
+                         dtype=np.float64) * head_dim_flops
     local += cm.kernel_overhead_s
     busy = local + np.bincount(q_i, weights=recv_t, minlength=cp)
     order = np.lexsort((np.arange(len(q_i)), q_i))  # by rank, plan order within rank

@@ -22,8 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
+import numpy as np
+
 from megatron_fcp.planning.blocks import Block, PlanError, Transfer, blocks_of
-from megatron_fcp.planning.needs import need_set
+from megatron_fcp.planning.needs import need_matrix, need_set
+from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.verify import verify_plan
 
 __all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "SIMPLE_PLANS"]
@@ -41,7 +44,7 @@ class AutoChoice:
 class Plan:
     """A schedule of KV block transfers inside one CP group; :meth:`verify` proves it.
 
-    ranks: the CP group's global ranks, index = CP rank (zigzag position).
+    ranks: the CP group's global ranks, index = CP rank (zigzag position, or placement index).
     rounds: per round, the transfers that run concurrently.
     causal: whether need sets follow the causal mask (Note in :mod:`megatron_fcp.planning.needs`).
     parts_per_chunk: sub-blocks per zigzag chunk (a chunk of L tokens is cut into equal parts).
@@ -50,6 +53,9 @@ class Plan:
     kv_sizes: relative KV size of each CP rank's blocks (CP order) when they differ (``balanced``);
         None means equal sizes.
     auto: for ``graph="auto"``, the candidates' predicted times.
+    placement: for a packed batch, the blocks each rank holds (Note in
+        :mod:`megatron_fcp.planning.placement`); ``Block(owner, chunk, 0)`` is then the ``chunk``-th
+        block of ``owner`` and need sets follow documents. None: Megatron's zigzag layout.
     """
 
     ranks: tuple[int, ...]
@@ -61,7 +67,16 @@ class Plan:
     max_recvs: int | None = None
     kv_sizes: tuple[float, ...] | None = None
     auto: AutoChoice | None = None
+    placement: Placement | None = None
     _verified_ports: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.placement is not None:
+            pl = self.placement
+            if pl.cp != len(self.ranks) or pl.causal != self.causal or self.parts_per_chunk != 1:
+                raise PlanError(f"plan over a placement: needs {pl.cp} ranks (got {len(self.ranks)}), "
+                                f"causal={pl.causal} (got {self.causal}) and parts_per_chunk=1 "
+                                f"(got {self.parts_per_chunk}); cut blocks in the placement instead")
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -74,12 +89,34 @@ class Plan:
         except ValueError:
             raise PlanError(f"rank {rank} is not in the plan's CP group {list(self.ranks)}") from None
 
+    def local_blocks(self, rank: int) -> tuple[Block, ...]:
+        """Blocks global ``rank`` owns, in the order of its local tokens."""
+        if self.placement is None:
+            return blocks_of(rank, self.parts_per_chunk)
+        return tuple(Block(rank, b, 0) for b in range(len(self.placement.blocks[self.cp_index(rank)])))
+
     def blocks(self) -> tuple[Block, ...]:
-        return tuple(b for r in self.ranks for b in blocks_of(r, self.parts_per_chunk))
+        return tuple(b for r in self.ranks for b in self.local_blocks(r))
+
+    def chunks_per_rank(self) -> np.ndarray:
+        """Chunks each CP rank owns (int64 ``[cp]``; each cut into ``parts_per_chunk`` blocks):
+        2 under zigzag, the number of its blocks under a placement."""
+        if self.placement is None:
+            return np.full(self.cp, 2, dtype=np.int64)
+        return np.array([len(b) for b in self.placement.blocks], dtype=np.int64)
 
     def needs(self, rank: int) -> frozenset[Block]:
-        """Blocks global ``rank`` must receive (:func:`~megatron_fcp.planning.needs.need_set`)."""
-        return need_set(self.ranks, rank, self.causal, self.parts_per_chunk)
+        """Blocks global ``rank`` must receive (:func:`~megatron_fcp.planning.needs.need_set`, or the
+        placement's document need sets)."""
+        if self.placement is None:
+            return need_set(self.ranks, rank, self.causal, self.parts_per_chunk)
+        return self.placement.needs(self.ranks, rank)
+
+    def need_matrix(self) -> np.ndarray:
+        """``[cp, n_blocks]`` booleans over block ids ``offset[owner] + chunk * P + part``."""
+        if self.placement is None:
+            return need_matrix(self.cp, self.parts_per_chunk, self.causal)
+        return self.placement.need_matrix()
 
     def transfers(self) -> Iterator[tuple[int, Transfer]]:
         """All ``(round, transfer)`` pairs in plan order."""

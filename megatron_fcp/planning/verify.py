@@ -6,8 +6,8 @@ Checks (see :meth:`megatron_fcp.planning.plan.Plan.verify` for the contract):
 * every block in a transfer is a block of this group (owner in group, chunk/part in range);
 * causality: a rank sends a block only if it owns it or received it in an *earlier* round;
 * exactly once: no rank receives a block twice, and no owner receives its own block;
-* completeness: every rank receives every block of its need set
-  (:func:`megatron_fcp.planning.needs.need_matrix`);
+* completeness: every rank receives every block of its need set (``Plan.need_matrix``: the
+  zigzag rule of :mod:`megatron_fcp.planning.needs`, or a placement's document need sets);
 * port limits (when given): no rank posts more than ``max_sends`` sends or ``max_recvs``
   receives in one round.
 
@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_fcp.planning.blocks import Block, PlanError, blocks_of
-from megatron_fcp.planning.needs import need_matrix, need_set
+from megatron_fcp.planning.blocks import Block, PlanError
 
 if TYPE_CHECKING:
     from megatron_fcp.planning.plan import Plan
@@ -40,7 +39,8 @@ def verify_reference(plan: "Plan") -> None:
     if plan.parts_per_chunk < 1:
         raise PlanError(f"parts_per_chunk must be >= 1, got {plan.parts_per_chunk}")
     group = set(plan.ranks)
-    have: dict[int, set[Block]] = {r: set(blocks_of(r, plan.parts_per_chunk)) for r in plan.ranks}
+    have: dict[int, set[Block]] = {r: set(plan.local_blocks(r)) for r in plan.ranks}
+    n_chunks = dict(zip(plan.ranks, plan.chunks_per_rank().tolist()))
     for k, rnd in enumerate(plan.rounds):
         arriving: list[tuple[int, Block]] = []
         for t in rnd:
@@ -51,7 +51,7 @@ def verify_reference(plan: "Plan") -> None:
             if t.src == t.dst:
                 raise PlanError(f"{where}: a rank sends to itself")
             b = t.block
-            if b.owner not in group or b.chunk not in (0, 1) or not 0 <= b.part < plan.parts_per_chunk:
+            if b.owner not in group or not 0 <= b.chunk < n_chunks[b.owner] or not 0 <= b.part < plan.parts_per_chunk:
                 raise PlanError(f"{where}: {b} is not a block of this group")
             if b not in have[t.src]:
                 raise PlanError(f"{where}: rank {t.src} forwards {b} before it has arrived there")
@@ -66,7 +66,7 @@ def verify_reference(plan: "Plan") -> None:
         for dst, b in arriving:
             have[dst].add(b)
     for r in plan.ranks:
-        missing = need_set(plan.ranks, r, plan.causal, plan.parts_per_chunk) - have[r]
+        missing = plan.needs(r) - have[r]
         if missing:
             first = sorted(missing)[0]
             raise PlanError(
@@ -167,22 +167,27 @@ def _transfer_faults(plan: "Plan", cols: dict) -> dict:
     A transfer is *structural*ly bad (endpoint outside the group, self-send, not a block of this
     group) or, if structurally valid: *early* (its source neither owns the block nor received it
     in an earlier round), *owner* (sent back to its owner) or a *dup*licate (not the first valid
-    transfer of its (dst, block)). Block id ``b = (owner_index * 2 + chunk) * P + part``; key
+    transfer of its (dst, block)). Block id ``b = offset[owner_index] + chunk * P + part`` (offsets
+    from :meth:`Plan.chunks_per_rank`; zigzag: ``(owner_index * 2 + chunk) * P + part``); key
     ``dst_index * nb + b``; ``first[key]`` is the index of the first valid transfer of a key
     (``np.minimum.at``), ``T`` when none: transfers are in round order, so that transfer's round
     is the earliest arrival.
     """
     P, cp = plan.parts_per_chunk, plan.cp
-    nb = cp * 2 * P
+    chunks = plan.chunks_per_rank()                                   # [cp]
+    offset = np.concatenate(([0], np.cumsum(chunks * P)[:-1]))
+    nb = int(chunks.sum()) * P
     rnd, src_i, dst_i, own_i = cols["rnd"], cols["src_i"], cols["dst_i"], cols["own_i"]
     chunk, part = cols["chunk"], cols["part"]
     T = len(rnd)
     outside = (src_i < 0) | (dst_i < 0)
     self_send = cols["src_g"] == cols["dst_g"]
-    bad_block = (own_i < 0) | ((chunk != 0) & (chunk != 1)) | (part < 0) | (part >= P)
+    own_chunks = chunks[np.clip(own_i, 0, cp - 1)]
+    bad_block = (own_i < 0) | (chunk < 0) | (chunk >= own_chunks) | (part < 0) | (part >= P)
     structural = outside | self_send | bad_block
     valid = ~structural
-    bid = np.where(structural, 0, (own_i * 2 + np.clip(chunk, 0, 1)) * P + np.clip(part, 0, P - 1))
+    bid = np.where(structural, 0, offset[np.clip(own_i, 0, cp - 1)] + np.clip(chunk, 0, own_chunks - 1) * P
+                   + np.clip(part, 0, P - 1))
     key = np.where(valid, dst_i * nb + bid, 0)
     first = np.full(cp * nb, T, dtype=np.int64)
     idx = np.arange(T, dtype=np.int64)
@@ -226,13 +231,17 @@ def _check_complete(plan: "Plan", received: np.ndarray) -> None:
     ``received[dst_index * nb + b]`` says whether block id ``b`` arrived at that rank.
     """
     ranks, P, cp = plan.ranks, plan.parts_per_chunk, plan.cp
-    nb = cp * 2 * P
-    need = need_matrix(cp, P, plan.causal)
+    chunks = plan.chunks_per_rank()
+    nb = int(chunks.sum()) * P
+    need = plan.need_matrix()
     missing = need & ~received.reshape(cp, nb)
     if missing.any():
         jr = int(np.argmax(missing.any(axis=1)))
         miss_b = np.nonzero(missing[jr])[0]
-        blocks_missing = sorted(Block(ranks[int(b) // (2 * P)], int(b) // P % 2, int(b) % P) for b in miss_b)
+        owner_of = np.repeat(np.arange(cp), chunks * P)
+        offset = np.concatenate(([0], np.cumsum(chunks * P)[:-1]))
+        blocks_missing = sorted(Block(ranks[owner_of[b]], int(b - offset[owner_of[b]]) // P,
+                                      int(b - offset[owner_of[b]]) % P) for b in miss_b)
         raise PlanError(
             f"rank {ranks[jr]} never receives {blocks_missing[0]} (and {len(blocks_missing) - 1} more needed blocks)"
         )

@@ -1,0 +1,296 @@
+"""Placements: which tokens of a packed batch each CP rank holds, as KV blocks. Pure, no ``torch``.
+
+Note [Placements and document need sets]
+----------------------------------------
+A packed batch is a sequence of documents of lengths ``doc_lengths`` (Megatron's THD format:
+``cu_seqlens = [0, L0, L0+L1, ...]``). A *placement* gives every CP rank (by CP index) a tuple of
+:class:`Span` blocks, each a token range ``[start, end)`` of one document; the rank's local tokens
+are its blocks' tokens in that order, and its queries are exactly those tokens. Attention stays
+inside a document: query ``(d, p)`` attends to key ``(d', p')`` iff ``d == d'`` and, if causal,
+``p' <= p``.
+
+A rank ``j`` *needs* a block ``b`` of another rank iff some query of ``j`` attends to some key of
+``b``: ``j`` holds a span of ``b``'s document, and (causal) that span's last token is not before
+``b``'s first token. Plans over a placement move each block exactly to the ranks that need it;
+``Block(owner, chunk, 0)`` names the ``chunk``-th block of global rank ``owner``.
+
+:func:`place_packed` builds a placement: documents up to ``block_tokens`` stay whole on one rank
+(they need no communication at all), longer ones are cut into near-equal blocks; blocks go to ranks
+by a deterministic longest-processing-time rule on attention work (query-key pairs under the
+mask), preferring, among ranks whose load stays within a tolerance of the least loaded, one that
+already holds the same document (fewer bytes to move).
+
+For cp = 2, documents [3, 9, 2] and ``block_tokens = 4`` (causal; work = pairs of a block's
+queries against its document)::
+
+    blocks by work     d1[6,9) 24   d1[3,6) 15   d0[0,3) 6   d1[0,3) 6   d2[0,2) 3
+    LPT                r0           r1           r1          r1 (holds d1) r0
+    rank 0: d1[6,9) d2[0,2)          work 27    needs d1[0,3), d1[3,6) from rank 1
+    rank 1: d0[0,3) d1[0,3) d1[3,6)  work 27    needs nothing (d1[6,9) is in its future)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Sequence
+
+import numpy as np
+
+from megatron_fcp.planning.blocks import Block
+
+__all__ = ["Span", "Placement", "place_packed", "span_pairs", "DEFAULT_BLOCK_TOKENS"]
+
+DEFAULT_BLOCK_TOKENS = 4096
+"""Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """Tokens ``[start, end)`` of document ``doc`` (positions inside the document)."""
+
+    doc: int
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+def span_pairs(q: Span, k: Span, causal: bool) -> int:
+    """Query-key pairs of query span ``q`` against key span ``k`` under the document mask (exact)."""
+    if q.doc != k.doc or q.tokens <= 0 or k.tokens <= 0:
+        return 0
+    if not causal:
+        return q.tokens * k.tokens
+    # sum over queries p in [q.start, q.end) of clamp(p - k.start + 1, 0, k.tokens)
+    total = 0
+    lo = max(q.start, k.start)
+    if lo >= q.end:
+        return 0
+    ramp_end = min(q.end, k.end)  # queries whose count still grows: p - k.start + 1
+    if lo < ramp_end:
+        a, b = lo - k.start + 1, ramp_end - 1 - k.start + 1
+        total += (a + b) * (ramp_end - lo) // 2
+    flat_from = max(lo, k.end)
+    if flat_from < q.end:
+        total += (q.end - flat_from) * k.tokens
+    return total
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Blocks of a packed batch per CP rank; see Note [Placements and document need sets].
+
+    doc_lengths: tokens of each document, in batch order (all >= 1).
+    blocks: ``blocks[i]`` are CP rank i's KV blocks, in local token order.
+    causal: the mask the need sets follow.
+    """
+
+    doc_lengths: tuple[int, ...]
+    blocks: tuple[tuple[Span, ...], ...]
+    causal: bool = True
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "doc_lengths", tuple(int(x) for x in self.doc_lengths))
+        object.__setattr__(self, "blocks", tuple(tuple(r) for r in self.blocks))
+        _check_lengths(self.doc_lengths)
+        if not self.blocks:
+            raise ValueError("placement: needs at least one CP rank")
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for i, rank_blocks in enumerate(self.blocks):
+            for s in rank_blocks:
+                if not isinstance(s, Span):
+                    raise ValueError(f"placement: rank {i} holds {s!r}, not a Span")
+                if not 0 <= s.doc < len(self.doc_lengths) or not 0 <= s.start < s.end <= self.doc_lengths[s.doc]:
+                    raise ValueError(f"placement: rank {i} block {s} is not a non-empty range of a document")
+                covered.setdefault(s.doc, []).append((s.start, s.end))
+        for d, length in enumerate(self.doc_lengths):
+            ranges = sorted(covered.get(d, []))
+            pos = 0
+            for a, b in ranges:
+                if a != pos:
+                    raise ValueError(f"placement: document {d} tokens [{min(a, pos)}, {max(a, pos)}) are "
+                                     f"{'held twice' if a < pos else 'held by no rank'}")
+                pos = b
+            if pos != length:
+                raise ValueError(f"placement: document {d} tokens [{pos}, {length}) are held by no rank")
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def cp(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.doc_lengths)
+
+    def tokens(self, cp_index: int) -> int:
+        """Local tokens of CP rank ``cp_index``."""
+        return sum(s.tokens for s in self.blocks[cp_index])
+
+    def block_starts(self, cp_index: int) -> tuple[int, ...]:
+        """Local token offset of each of CP rank ``cp_index``'s blocks."""
+        out, pos = [], 0
+        for s in self.blocks[cp_index]:
+            out.append(pos)
+            pos += s.tokens
+        return tuple(out)
+
+    @cached_property
+    def doc_starts(self) -> np.ndarray:
+        """Offset of each document in the packed batch (``cu_seqlens[:-1]``)."""
+        return np.concatenate(([0], np.cumsum(self.doc_lengths)[:-1])).astype(np.int64)
+
+    def token_index(self, cp_index: int) -> np.ndarray:
+        """Packed-batch index (int64 ``[tokens(cp_index)]``) of each local token of CP rank ``cp_index``."""
+        parts = [np.arange(s.start, s.end, dtype=np.int64) + self.doc_starts[s.doc] for s in self.blocks[cp_index]]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def positions(self, cp_index: int) -> np.ndarray:
+        """Position inside its document (int64) of each local token of CP rank ``cp_index`` (RoPE)."""
+        parts = [np.arange(s.start, s.end, dtype=np.int64) for s in self.blocks[cp_index]]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def doc_ids(self, cp_index: int) -> np.ndarray:
+        """Document (int64) of each local token of CP rank ``cp_index``."""
+        parts = [np.full(s.tokens, s.doc, dtype=np.int64) for s in self.blocks[cp_index]]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def shard(self, x: Any, cp_index: int) -> Any:
+        """CP rank ``cp_index``'s tokens of a packed ``[t, ...]`` array or tensor (a copy)."""
+        if x.shape[0] != self.total_tokens:
+            raise ValueError(f"placement.shard: tensor has {x.shape[0]} tokens, the batch has {self.total_tokens}")
+        return x[self.token_index(cp_index)]
+
+    def unshard(self, shards: Sequence[Any]) -> Any:
+        """Inverse of :meth:`shard`: the packed ``[t, ...]`` batch from every rank's shard."""
+        if len(shards) != self.cp:
+            raise ValueError(f"placement.unshard: {len(shards)} shards for cp = {self.cp}")
+        for i, x in enumerate(shards):
+            if x.shape[0] != self.tokens(i):
+                raise ValueError(f"placement.unshard: shard {i} has {x.shape[0]} tokens, rank {i} holds {self.tokens(i)}")
+        src = next((x for x in shards if x.shape[0]), shards[0])
+        out = src[np.zeros(self.total_tokens, dtype=np.int64)]  # a new array/tensor of the right type and shape
+        for i, x in enumerate(shards):
+            if x.shape[0]:
+                out[self.token_index(i)] = x
+        return out
+
+    # ---- needs -------------------------------------------------------------------------------
+    def block_list(self) -> tuple[tuple[int, int, Span], ...]:
+        """Every block as ``(owner CP index, index in the owner's blocks, span)``, owner by owner."""
+        return tuple((i, b, s) for i, rank_blocks in enumerate(self.blocks) for b, s in enumerate(rank_blocks))
+
+    def need_matrix(self) -> np.ndarray:
+        """``[cp, n_blocks]`` booleans: CP rank j needs block ``n`` of :meth:`block_list`."""
+        if "need" not in self._cache:
+            blocks = self.block_list()
+            docs = np.array([b[2].doc for b in blocks], dtype=np.int64)
+            starts = np.array([b[2].start for b in blocks], dtype=np.int64)
+            owners = np.array([b[0] for b in blocks], dtype=np.int64)
+            # last_q[j, d]: the latest query position CP rank j holds in document d (-1: none)
+            last_q = np.full((self.cp, len(self.doc_lengths)), -1, dtype=np.int64)
+            np.maximum.at(last_q, (owners, docs), np.array([b[2].end - 1 for b in blocks], dtype=np.int64))
+            held = last_q[:, docs]                                              # [cp, n_blocks]
+            need = (held >= (starts[None, :] if self.causal else 0)) & (owners[None, :] != np.arange(self.cp)[:, None])
+            need.flags.writeable = False
+            self._cache["need"] = need
+        return self._cache["need"]
+
+    def needs(self, ranks: Sequence[int], rank: int) -> frozenset[Block]:
+        """Blocks global ``rank`` must receive (``ranks``: the CP group in CP order)."""
+        ranks = tuple(ranks)
+        j = ranks.index(rank)
+        row = self.need_matrix()[j]
+        return frozenset(Block(ranks[i], b, 0) for n, (i, b, _) in enumerate(self.block_list()) if row[n])
+
+    def pairs(self, j: int, i: int, b: int) -> int:
+        """Query-key pairs of CP rank ``j``'s queries against block ``b`` of CP rank ``i`` (exact)."""
+        key = ("pairs", j, i, b)
+        if key not in self._cache:
+            k = self.blocks[i][b]
+            self._cache[key] = sum(span_pairs(q, k, self.causal) for q in self.blocks[j] if q.doc == k.doc)
+        return self._cache[key]
+
+    def work(self) -> np.ndarray:
+        """Attention work (query-key pairs under the mask) of each CP rank's queries (int64 ``[cp]``)."""
+        out = np.zeros(self.cp, dtype=np.int64)
+        by_doc: dict[int, list[Span]] = {}
+        for rank_blocks in self.blocks:
+            for s in rank_blocks:
+                by_doc.setdefault(s.doc, []).append(s)
+        for j, rank_blocks in enumerate(self.blocks):
+            out[j] = sum(span_pairs(q, k, self.causal) for q in rank_blocks for k in by_doc[q.doc])
+        return out
+
+    def summary(self) -> str:
+        work = self.work()
+        toks = [self.tokens(i) for i in range(self.cp)]
+        mean = work.mean() if self.cp else 0
+        return (f"placement: {len(self.doc_lengths)} documents, {self.total_tokens} tokens, cp={self.cp}, "
+                f"{sum(len(b) for b in self.blocks)} blocks; tokens/rank {min(toks)}..{max(toks)}; "
+                f"work max/mean {work.max() / mean if mean else 1.0:.3f}")
+
+
+def _check_lengths(doc_lengths: Sequence[int]) -> None:
+    if len(doc_lengths) == 0:
+        raise ValueError("doc_lengths: the batch is empty; give at least one document")
+    for d, n in enumerate(doc_lengths):
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"doc_lengths[{d}] = {n!r}: every document needs at least 1 token "
+                             "(drop empty documents from cu_seqlens)")
+
+
+def _doc_blocks(length: int, block_tokens: int) -> list[tuple[int, int]]:
+    """A document cut into ``ceil(length / block_tokens)`` near-equal ``[start, end)`` blocks."""
+    n = -(-length // block_tokens)
+    bounds = [i * length // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def place_packed(
+    doc_lengths: Sequence[int],
+    cp: int,
+    *,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    causal: bool = True,
+    tolerance: float = 0.02,
+) -> Placement:
+    """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
+
+    Algorithm (deterministic): cut documents longer than ``block_tokens`` into near-equal blocks;
+    sort all blocks by attention work, largest first (ties: document, then start); give each block
+    to a rank among those whose load plus the block stays within ``tolerance`` x the mean load of
+    the least loaded choice, preferring a rank that already holds the block's document, then the
+    least loaded, then the lowest index. Each rank's blocks are then ordered by (document, start).
+    Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
+    """
+    lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
+    _check_lengths(lengths)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: must be a positive integer, got {cp!r}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens: must be a positive integer, got {block_tokens!r}")
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
+    spans = [Span(d, a, b) for d, n in enumerate(lengths) for a, b in _doc_blocks(n, block_tokens)]
+    doc_span = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
+    work = [span_pairs(s, doc_span[s.doc], causal) for s in spans]  # queries of s against its whole doc
+    mean = sum(work) / cp
+    order = sorted(range(len(spans)), key=lambda n: (-work[n], spans[n].doc, spans[n].start))
+    load = [0] * cp
+    holds: list[set[int]] = [set() for _ in range(cp)]
+    placed: list[list[Span]] = [[] for _ in range(cp)]
+    for n in order:
+        s, w = spans[n], work[n]
+        least = min(range(cp), key=lambda r: (load[r], r))
+        limit = load[least] + w + tolerance * mean
+        same_doc = [r for r in range(cp) if s.doc in holds[r] and load[r] + w <= limit]
+        r = min(same_doc, key=lambda r: (load[r], r)) if same_doc else least
+        load[r] += w
+        holds[r].add(s.doc)
+        placed[r].append(s)
+    return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal)

@@ -1,0 +1,218 @@
+"""Packed batches: the placement contract, place_packed, document need sets and plans over them."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_fcp.planning import (
+    BUILDERS,
+    AttentionShape,
+    Block,
+    Placement,
+    PlanError,
+    Span,
+    build_plan,
+    need_set,
+    place_packed,
+    simulate_plan,
+)
+from megatron_fcp.planning.placement import span_pairs
+from megatron_fcp.planning.verify import verify_reference
+from megatron_fcp.topology import load_topology
+
+
+def _token_need(pl: Placement, j: int, n: int) -> bool:
+    """Brute force: does some query token of CP rank j attend to some key token of block n?"""
+    i, _, k = pl.block_list()[n]
+    if i == j:
+        return False
+    return any(q.doc == k.doc and (not pl.causal or p >= k.start)
+               for q in pl.blocks[j] for p in range(q.start, q.end))
+
+
+def _brute_pairs(q: Span, k: Span, causal: bool) -> int:
+    if q.doc != k.doc:
+        return 0
+    return sum(1 for a in range(q.start, q.end) for b in range(k.start, k.end) if not causal or b <= a)
+
+
+# ---- the contract ---------------------------------------------------------------------------------
+
+
+@given(qs=st.integers(0, 12), ql=st.integers(1, 9), ks=st.integers(0, 12), kl=st.integers(1, 9),
+       causal=st.booleans(), same=st.booleans())
+def test_span_pairs_is_the_token_mask(qs, ql, ks, kl, causal, same):
+    q, k = Span(0, qs, qs + ql), Span(0 if same else 1, ks, ks + kl)
+    assert span_pairs(q, k, causal) == _brute_pairs(q, k, causal)
+
+
+def test_placement_rejects_gaps_overlaps_and_bad_spans():
+    with pytest.raises(ValueError, match=r"document 0 tokens \[2, 3\) are held by no rank"):
+        Placement((4,), ((Span(0, 0, 2),), (Span(0, 3, 4),)))
+    with pytest.raises(ValueError, match=r"document 0 tokens \[1, 2\) are held twice"):
+        Placement((4,), ((Span(0, 0, 2),), (Span(0, 1, 4),)))
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        Placement((4,), ((Span(0, 0, 5),),))
+    with pytest.raises(ValueError, match=r"document 1 tokens \[0, 3\) are held by no rank"):
+        Placement((4, 3), ((Span(0, 0, 4),),))
+    with pytest.raises(ValueError, match="at least 1 token"):
+        Placement((4, 0), ((Span(0, 0, 4),),))
+
+
+@pytest.mark.parametrize("lengths, msg", [
+    ([], "the batch is empty"), ([3, 0, 2], r"doc_lengths\[1\] = 0"), ([5, -1], r"doc_lengths\[1\] = -1"),
+    ([2.5], "at least 1 token"),
+])
+def test_place_packed_rejects_bad_lengths(lengths, msg):
+    with pytest.raises(ValueError, match=msg):
+        place_packed(lengths, 2)
+
+
+def test_place_packed_rejects_bad_cp_and_block_tokens():
+    with pytest.raises(ValueError, match="cp: must be a positive integer"):
+        place_packed([4], 0)
+    with pytest.raises(ValueError, match="block_tokens: must be a positive integer"):
+        place_packed([4], 2, block_tokens=0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12), cp=st.integers(1, 5),
+       block=st.integers(1, 16), causal=st.booleans())
+def test_place_packed_covers_every_token_once_and_needs_match_the_mask(lengths, cp, block, causal):
+    pl = place_packed(lengths, cp, block_tokens=block, causal=causal)  # __post_init__ checks coverage
+    assert pl.cp == cp and pl.total_tokens == sum(lengths)
+    assert pl == place_packed(lengths, cp, block_tokens=block, causal=causal)  # deterministic
+    for i in range(cp):
+        for s in pl.blocks[i]:
+            assert s.tokens <= block
+            if lengths[s.doc] <= block:  # short documents stay whole
+                assert (s.start, s.end) == (0, lengths[s.doc])
+    need = pl.need_matrix()
+    for j in range(cp):
+        for n in range(len(pl.block_list())):
+            assert need[j, n] == _token_need(pl, j, n)
+    # per-rank work is the brute-force pair count of its queries against their documents
+    if sum(lengths) <= 120:
+        whole = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
+        for j in range(cp):
+            assert pl.work()[j] == sum(_brute_pairs(q, whole[q.doc], causal) for q in pl.blocks[j])
+
+
+def test_any_lengths_work():
+    one = place_packed([1], 4)  # one token, four ranks: three hold nothing
+    assert sorted(one.tokens(i) for i in range(4)) == [0, 0, 0, 1]
+    assert not one.need_matrix().any()
+    odd = place_packed([7, 1, 1, 13, 2], 3, block_tokens=5)  # a total (24) that divides by nothing useful
+    assert sum(odd.tokens(i) for i in range(3)) == 24
+
+
+def test_zigzag_as_a_placement_has_the_zigzag_need_sets():
+    """One document cut like Megatron's zigzag: the document need rule gives the zigzag need sets."""
+    for cp in (1, 2, 3, 4, 6):
+        for causal in (True, False):
+            L = 3  # tokens per chunk
+            blocks = tuple((Span(0, i * L, (i + 1) * L), Span(0, (2 * cp - 1 - i) * L, (2 * cp - i) * L))
+                           for i in range(cp))
+            pl = Placement((2 * cp * L,), blocks, causal)
+            ranks = tuple(range(100, 100 + cp))
+            for r in ranks:
+                assert pl.needs(ranks, r) == need_set(ranks, r, causal)
+
+
+@pytest.mark.parametrize("make", [np.arange, torch.arange])
+def test_shard_unshard_round_trip(make):
+    pl = place_packed([5, 1, 9, 3], 3, block_tokens=4)
+    x = make(18) * 10
+    shards = [pl.shard(x, i) for i in range(3)]
+    assert [len(s) for s in shards] == [pl.tokens(i) for i in range(3)]
+    back = pl.unshard(shards)
+    assert (back == x).all() and type(back) is type(x)
+    for i in range(3):  # positions inside documents and document ids follow the shard
+        idx = pl.token_index(i)
+        starts = np.array([0, 5, 6, 15])
+        doc = np.searchsorted(starts, idx, side="right") - 1
+        assert (pl.doc_ids(i) == doc).all() and (pl.positions(i) == idx - starts[doc]).all()
+    with pytest.raises(ValueError, match="tensor has 17 tokens, the batch has 18"):
+        pl.shard(make(17), 0)
+
+
+def test_balance_on_a_lognormal_mix():
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(1, rng.lognormal(7.0, 1.0, 400).astype(int)).tolist()
+    pl = place_packed(lengths, 16, block_tokens=1024)
+    work = pl.work()
+    assert work.max() / work.mean() <= 1.05
+
+
+# ---- plans over placements --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("graph", sorted(BUILDERS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_builder_plans_a_placement_exactly(graph, causal):
+    """Verified, every needed block delivered, nothing sent that is not needed except to a relay,
+    and the verify specification agrees."""
+    rng = random.Random(7)
+    lengths = [rng.choice([3, 40, 7, 150, 1, 64]) for _ in range(30)]
+    pl = place_packed(lengths, 16, block_tokens=32, causal=causal)
+    topo = load_topology("dgx-h100:2")
+    plan = build_plan(topo, range(16), graph, causal=causal, placement=pl)
+    assert plan.verified and plan.placement == pl
+    verify_reference(plan)
+    forwards = {(t.src, t.block) for _, t in plan.transfers()}
+    for _, t in plan.transfers():
+        assert t.block in plan.needs(t.dst) or (t.dst, t.block) in forwards
+    for r in range(16):
+        assert set(plan.received_blocks(r)) >= plan.needs(r)
+    if graph in ("full", "hierarchical"):  # no forced relays on a single switch level
+        exact = int(pl.need_matrix().sum())
+        assert plan.num_transfers() <= 1.02 * exact + 16
+
+
+def test_short_documents_need_no_communication():
+    pl = place_packed([100] * 32, 8, block_tokens=128)
+    plan = build_plan("dgx-h100:1", range(8), "hierarchical", placement=pl)
+    assert plan.num_transfers() == 0 and plan.rounds == ()
+
+
+def test_verify_catches_a_missing_document_block():
+    pl = place_packed([16], 2, block_tokens=4)
+    plan = build_plan("dgx-h100:1", range(2), "full", placement=pl)
+    assert plan.num_transfers() > 0
+    dropped = type(plan)(plan.ranks, tuple(r[1:] if r else r for r in plan.rounds), plan.causal, placement=pl)
+    with pytest.raises(PlanError, match="never receives"):
+        dropped.verify()
+    bogus = Block(0, len(pl.blocks[0]), 0)  # one past rank 0's blocks
+    t = type(plan.rounds[0][0])(0, 1, bogus)
+    with pytest.raises(PlanError, match="is not a block of this group"):
+        type(plan)(plan.ranks, ((t,),), plan.causal, placement=pl).verify()
+
+
+def test_a_plan_and_its_placement_must_agree():
+    pl = place_packed([8, 8], 2, block_tokens=4)
+    with pytest.raises(PlanError, match="needs 2 ranks"):
+        type(build_plan("dgx-h100:1", range(2), "full", placement=pl))((0, 1, 2), (), True, placement=pl)
+    with pytest.raises(PlanError, match="causal"):
+        build_plan("dgx-h100:1", range(2), "full", causal=False, placement=pl)
+
+
+def test_auto_and_the_cost_model_use_the_placement():
+    rng = np.random.default_rng(1)
+    lengths = np.maximum(1, rng.lognormal(8.0, 1.3, 120).astype(int)).tolist()
+    pl = place_packed(lengths, 16, block_tokens=2048)
+    plan = build_plan("dgx-h100:2", range(16), placement=pl)
+    assert plan.placement == pl and dict(plan.auto.times)
+    res = simulate_plan(plan, "dgx-h100:2", AttentionShape(1, 32, 8, 128))
+    # bytes: exactly the tokens of every transfer
+    shape = AttentionShape(1, 32, 8, 128)
+    sizes = {(plan.ranks[i], b): s.tokens for i, b, s in pl.block_list()}
+    assert res.bytes == pytest.approx(sum(sizes[(t.block.owner, t.block.chunk)] for _, t in plan.transfers())
+                                      * shape.kv_bytes(1))
+    # compute: the busiest rank's work at the model's FLOP/s (plus kernel overheads)
+    assert res.compute_s >= pl.work().max() * 4 * 32 * 128 / 400e12
