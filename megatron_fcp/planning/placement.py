@@ -39,7 +39,7 @@ import numpy as np
 
 from megatron_fcp.planning.blocks import Block
 
-__all__ = ["Span", "Placement", "place_packed", "span_pairs", "DEFAULT_BLOCK_TOKENS"]
+__all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "DEFAULT_BLOCK_TOKENS"]
 
 DEFAULT_BLOCK_TOKENS = 4096
 """Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
@@ -242,6 +242,29 @@ def _check_lengths(doc_lengths: Sequence[int]) -> None:
         if isinstance(n, bool) or int(n) != n or n < 1:
             raise ValueError(f"doc_lengths[{d}] = {n!r}: every document needs at least 1 token "
                              "(drop empty documents from cu_seqlens)")
+
+
+def lognormal_lengths(mean: float, sigma: float, total: int, seed: int = 0) -> list[int]:
+    """Document lengths of a seeded lognormal mix: draw ``round(exp(N(mean, sigma)))`` (at least 1)
+    from ``numpy.random.default_rng(seed)`` until the lengths sum to ``total`` tokens; the last one
+    is trimmed so that they sum to exactly ``total``. ``mean``/``sigma`` are of the log length
+    (median length ``exp(mean)``)."""
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 1:
+        raise ValueError(f"lognormal: TOTAL must be a positive integer of tokens, got {total!r}")
+    if not np.isfinite(mean) or not (np.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"lognormal: MEAN must be finite and SIGMA >= 0, got {mean!r}, {sigma!r}")
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    left = int(total)
+    while left > 0:
+        draw = rng.lognormal(mean, sigma, 256)
+        for x in np.maximum(1, np.rint(np.minimum(draw, 2.0 ** 62))).astype(np.int64).tolist():
+            n = min(x, left)
+            out.append(n)
+            left -= n
+            if left == 0:
+                break
+    return out
 
 
 def _doc_blocks(length: int, block_tokens: int) -> list[tuple[int, int]]:
