@@ -31,6 +31,7 @@ queries against its document)::
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Sequence
@@ -321,10 +322,11 @@ class _Loads:
 
 
 def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: float, max_iter: int,
-            candidates: int = 8) -> None:
+            candidates: int = 8, good_enough: float = 1.005) -> None:
     """Local search: move (or swap) a block of the worst rank to one of the least loaded ranks while
     that lowers the larger of the two ranks' scores, score = max(work / mean work,
-    1 + need_weight * (need / mean need - 1)). Deterministic (ties by rank, then block order)."""
+    1 + need_weight * (need / mean need - 1)), until the worst score is at most ``good_enough``.
+    Deterministic (ties by rank, then block order)."""
     cp = len(placed)
     mean_w = sum(loads.work) / cp
 
@@ -336,6 +338,8 @@ def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: floa
         mean_n = sum(loads.need) / cp if need_weight else 0
         scores = [score(loads.work[r], loads.need[r], mean_n) for r in range(cp)]
         a = max(range(cp), key=lambda r: (scores[r], -r))
+        if scores[a] <= good_enough:
+            return
         targets = sorted((r for r in range(cp) if r != a), key=lambda r: (scores[r], r))[:candidates]
         best = None  # (value, kind, s, b, t)
         for s in placed[a]:
@@ -430,16 +434,20 @@ def place_packed(
     mean = sum(work) / cp
     order = sorted(range(len(spans)), key=lambda n: (-work[n], spans[n].doc, spans[n].start))
     load = [0] * cp
-    holds: list[set[int]] = [set() for _ in range(cp)]
+    holders: dict[int, set[int]] = {}  # document -> ranks holding one of its blocks
     placed: list[list[Span]] = [[] for _ in range(cp)]
+    heap = [(0, r) for r in range(cp)]  # (load, rank): the least loaded rank on top (stale entries skipped)
     for n in order:
         s, w = spans[n], work[n]
-        least = min(range(cp), key=lambda r: (load[r], r))
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heappop(heap)
+        least = heap[0][1]
         limit = load[least] + w + tolerance * mean
-        same_doc = [r for r in range(cp) if s.doc in holds[r] and load[r] + w <= limit]
+        same_doc = [r for r in holders.get(s.doc, ()) if load[r] + w <= limit]
         r = min(same_doc, key=lambda r: (load[r], r)) if same_doc else least
         load[r] += w
-        holds[r].add(s.doc)
+        heapq.heappush(heap, (load[r], r))
+        holders.setdefault(s.doc, set()).add(r)
         placed[r].append(s)
     if refine and cp > 1:
         loads = _Loads(lengths, cp, causal)
