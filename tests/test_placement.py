@@ -170,9 +170,11 @@ def test_every_builder_plans_a_placement_exactly(graph, causal):
         assert t.block in plan.needs(t.dst) or (t.dst, t.block) in forwards
     for r in range(16):
         assert set(plan.received_blocks(r)) >= plan.needs(r)
-    if graph in ("full", "hierarchical"):  # no forced relays on a single switch level
-        exact = int(pl.need_matrix().sum())
-        assert plan.num_transfers() <= 1.02 * exact + 16
+    exact = int(pl.need_matrix().sum())
+    if graph in ("full", "entry"):  # straight to readers, or into each node at a reader: no relays
+        assert plan.num_transfers() == exact
+    if graph == "hierarchical":  # relays through rail peers that read nothing of the document
+        assert exact <= plan.num_transfers() <= 1.25 * exact + 16
 
 
 def test_short_documents_need_no_communication():

@@ -102,6 +102,7 @@ PLANNING_LAYERS = [
     ("builders", "compile"),    # graph strategies; graph -> plan
     ("build",),                 # the planner entry point (auto uses the cost model)
     ("baselines",),             # TE's schedules on the same cost model
+    ("packed_cost",),           # TE's schedules on packed documents (THD); backward of every schedule
     ("compare",),               # schedules side by side
 ]
 

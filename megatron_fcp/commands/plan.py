@@ -5,14 +5,30 @@ Examples::
     megatron-fcp plan dgx-h100:2 --graph hierarchical --cp 16
     megatron-fcp plan dgx-h100:2 --megatron-layout world=16,tp=2,pp=1,cp=8
     megatron-fcp plan my_cluster.yaml --ranks 0,2,4,6 --parts 2
+    megatron-fcp plan dgx-h100:2 --doc-lengths lognormal:8,1.2,512k,0 --block-tokens 4096
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
-from megatron_fcp.planning import GRAPH_CHOICES, MegatronLayout, PlanError, build_graph, build_plan
+import numpy as np
+
+from megatron_fcp.planning import (
+    GRAPH_CHOICES,
+    MegatronLayout,
+    PlanError,
+    build_graph,
+    build_plan,
+    lognormal_lengths,
+    parse_tokens,
+    place_packed,
+)
+from megatron_fcp.planning.build import NOMINAL_SHAPE
+from megatron_fcp.planning.compare import packed_need_stats
 from megatron_fcp.topology import TopologyError, load_topology
 
 NAME = "plan"
@@ -33,6 +49,105 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
                    help="communication graph (default auto: the best of the others on the cost model)")
     p.add_argument("--no-causal", dest="causal", action="store_false",
                    help="no causal mask: every rank needs every block")
+
+
+DOC_LENGTHS_HELP = (
+    "plan a packed batch (THD) of documents instead of one zigzag-split sequence: LIST = comma-separated "
+    "token counts (e.g. 4096,100,30000); FILE = a text file of integers (separated by commas or white space) "
+    "or a JSON list; lognormal:MEAN,SIGMA,TOTAL[,SEED] = seeded lognormal lengths (log-mean MEAN, log-sigma "
+    "SIGMA, median exp(MEAN)) drawn until TOTAL tokens (e.g. 512k), the last one trimmed; SEED default 0")
+
+
+def add_packed_arguments(p: argparse.ArgumentParser) -> None:
+    """Packed-batch arguments shared by ``plan`` and ``simulate``."""
+    p.add_argument("--doc-lengths", metavar="LIST|FILE|lognormal:MEAN,SIGMA,TOTAL[,SEED]", help=DOC_LENGTHS_HELP)
+    p.add_argument("--block-tokens", type=int, default=4096, metavar="B",
+                   help="with --doc-lengths: documents longer than B tokens are cut into blocks of at most B "
+                        "(default 4096)")
+
+
+def parse_doc_lengths(spec: str) -> list[int]:
+    """Document lengths from ``--doc-lengths`` (see :data:`DOC_LENGTHS_HELP`); ValueError names the fix."""
+    flag = "--doc-lengths"
+    spec = (spec or "").strip()
+    if not spec:
+        raise ValueError(f"{flag}: empty; give e.g. 4096,100,30000, a file of integers or lognormal:8,1.2,512k")
+    if spec.lower().startswith("lognormal:"):
+        parts = [x.strip() for x in spec.split(":", 1)[1].split(",")]
+        if len(parts) not in (3, 4):
+            raise ValueError(f"{flag}: {spec!r}: expected lognormal:MEAN,SIGMA,TOTAL[,SEED], e.g. lognormal:8,1.2,512k")
+        try:
+            mean, sigma = float(parts[0]), float(parts[1])
+            seed = int(parts[3]) if len(parts) == 4 else 0
+        except ValueError:
+            raise ValueError(f"{flag}: {spec!r}: MEAN and SIGMA must be numbers and SEED an integer, "
+                             "e.g. lognormal:8,1.2,512k,0") from None
+        try:
+            total = parse_tokens(parts[2])
+        except ValueError:
+            raise ValueError(f"{flag}: {spec!r}: TOTAL must be a positive token count, e.g. 512k or 524288") from None
+        try:
+            return lognormal_lengths(mean, sigma, total, seed)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    source = "list"
+    text = spec
+    if os.path.isfile(spec):
+        source = f"file {spec}"
+        with open(spec, encoding="utf-8") as f:
+            text = f.read().strip()
+        if text.startswith("["):
+            try:
+                values = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag}: {source}: malformed JSON ({e.msg}, line {e.lineno}); "
+                                 "write a JSON list of integers") from None
+            text = ",".join(str(v) for v in values) if isinstance(values, list) else "?"
+    elif "/" in spec or spec.endswith((".txt", ".json")):
+        raise ValueError(f"{flag}: {spec!r}: no such file; give a readable file, a comma-separated list or "
+                         "lognormal:MEAN,SIGMA,TOTAL[,SEED]")
+    items = [x for x in text.replace(",", " ").split()]
+    if not items:
+        raise ValueError(f"{flag}: {source} holds no document lengths; give at least one positive integer")
+    out = []
+    for x in items:
+        try:
+            n = int(x)
+        except ValueError:
+            raise ValueError(f"{flag}: {source}: {x!r} is not an integer; give positive token counts such as "
+                             "4096,100,30000 (or lognormal:MEAN,SIGMA,TOTAL[,SEED])") from None
+        if n < 1:
+            raise ValueError(f"{flag}: {source}: document length {n}: every document needs at least 1 token "
+                             "(drop empty documents)")
+        out.append(n)
+    return out
+
+
+def placement_lines(plan, topo, shape=NOMINAL_SHAPE) -> list[str]:
+    """Summary of a plan over a placement: per-rank tokens, work, blocks and need; bytes; rounds vs Δ."""
+    pl = plan.placement
+    st = packed_need_stats(plan, topo, shape)
+    work = pl.work()
+    need = pl.need_matrix()
+    tok = np.array([s.tokens for _, _, s in pl.block_list()], dtype=np.int64)
+    recv_tok = (need * tok[None, :]).sum(axis=1)
+    moved = sum(pl.blocks[plan.cp_index(t.block.owner)][t.block.chunk].tokens for _, t in plan.transfers())
+    cross = sum(pl.blocks[plan.cp_index(t.block.owner)][t.block.chunk].tokens for _, t in plan.transfers()
+                if topo.node_of(t.src) != topo.node_of(t.dst))
+    kv = shape.kv_bytes(1)
+    lines = [pl.summary(),
+             f"  block tokens <= {max(tok) if len(tok) else 0}; work max/mean {st['work_max_over_mean']:.3f}, "
+             f"need max/mean {st['recv_max_over_mean']:.3f}",
+             f"  KV moved: {moved} tokens = {moved * kv / 1e9:.3f} GB (exact need sets "
+             f"{st['exact_need_bytes'] / 1e9:.3f} GB), across nodes {cross * kv / 1e9:.3f} GB (node need "
+             f"{st['node_need_bytes'] / 1e9:.3f} GB); bytes at {shape.kv_heads} KV heads x {shape.head_dim} x "
+             f"{shape.dtype_bytes} B",
+             f"  rounds {len(plan.rounds)} vs delta {st['delta']} (the most blocks any rank sends or receives)",
+             f"  {'cp':>4} {'rank':>5} {'tokens':>8} {'blocks':>6} {'work Mpairs':>12} {'need tokens':>12}"]
+    for j, r in enumerate(plan.ranks):
+        lines.append(f"  {j:>4} {r:>5} {pl.tokens(j):>8} {len(pl.blocks[j]):>6} {work[j] / 1e6:>12.2f} "
+                     f"{int(recv_tok[j]):>12}")
+    return lines
 
 
 def resolve_topology(args):
@@ -57,6 +172,7 @@ def resolve_ranks(args, topo) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_topology_arguments(p)
+    add_packed_arguments(p)
     p.add_argument("--parts", type=int, default=1, metavar="P", help="sub-blocks per zigzag chunk (default 1)")
     p.add_argument("--megatron-layout", metavar="world=W,tp=T,pp=P,cp=C",
                    help="plan every CP group of a Megatron layout (order tp-cp-ep-dp-pp) and print its rank map")
@@ -102,13 +218,22 @@ def run(args) -> int:
             groups = [list(g) for g in layout.cp_groups()]
         else:
             groups = [resolve_ranks(args, topo)]
+        lengths = parse_doc_lengths(args.doc_lengths) if args.doc_lengths is not None else None
+        if lengths is not None and args.parts != 1:
+            raise ValueError("--parts: not used with --doc-lengths; cut blocks with --block-tokens")
+        if args.block_tokens < 1:
+            raise ValueError(f"--block-tokens: must be >= 1, got {args.block_tokens}")
         for gi, ranks in enumerate(groups):
-            plan = build_plan(topo, ranks, args.graph, causal=args.causal, parts_per_chunk=args.parts)
+            pl = None if lengths is None else place_packed(lengths, len(ranks), block_tokens=args.block_tokens,
+                                                          causal=args.causal)
+            plan = build_plan(topo, ranks, args.graph, causal=args.causal, parts_per_chunk=args.parts, placement=pl)
             print()
             if len(groups) > 1:
                 print(f"CP group {gi}/{len(groups)}: global ranks {ranks}")
             if plan.cp > 1:
                 print(build_graph(topo, ranks, plan.name).summary())
+            if pl is not None:
+                print("\n".join(placement_lines(plan, topo)))
             print("\n".join(_describe_plan(plan, topo, args.max_transfers, args.backward)))
         return 0
     except (ValueError, TopologyError, PlanError) as e:

@@ -5,6 +5,10 @@ Examples::
     megatron-fcp simulate dgx-h100:2 --seq 128k
     megatron-fcp simulate dgx-h100:4 --seq 256k --heads 64 --kv-heads 8 --json
     megatron-fcp simulate cluster.yaml --cp 8 --plot fcp.png
+    megatron-fcp simulate dgx-h100:8 --cp 64 --heads 64 --doc-lengths lognormal:8,1.2,2m,0
+
+With ``--doc-lengths`` (a packed batch) the schedules are TE's on the padded THD layout and FCP's
+plan over ``place_packed``, forward and backward (:func:`megatron_fcp.planning.compare_packed`).
 
 The model is :mod:`megatron_fcp.planning.cost` (per-round bottleneck alpha-beta with contention on
 shared resources; see its Note [Cost model]). ``comm/LB`` is communication time over the lower
@@ -17,8 +21,22 @@ import argparse
 import json
 import sys
 
-from megatron_fcp.commands.plan import add_topology_arguments, resolve_ranks, resolve_topology
-from megatron_fcp.planning import AttentionShape, ComputeModel, PlanError, build_graph, compare, parse_tokens
+from megatron_fcp.commands.plan import (
+    add_packed_arguments,
+    add_topology_arguments,
+    parse_doc_lengths,
+    resolve_ranks,
+    resolve_topology,
+)
+from megatron_fcp.planning import (
+    AttentionShape,
+    ComputeModel,
+    PlanError,
+    build_graph,
+    compare,
+    compare_packed,
+    parse_tokens,
+)
 from megatron_fcp.topology import TopologyError
 
 NAME = "simulate"
@@ -29,6 +47,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_topology_arguments(p)
+    add_packed_arguments(p)
     p.add_argument("--seq", default="128k", help="global sequence length in tokens, e.g. 131072, 128k, 1m (default 128k)")
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
@@ -85,6 +104,47 @@ def _table(out: dict, shape, topo, ranks) -> str:
         lines.append(f"fcp vs te-p2p: comm {s['te-p2p']['comm_s'] / s['fcp']['comm_s']:.2f}x faster, "
                      f"{s['fcp']['bytes'] / s['te-p2p']['bytes']:.2f}x the bytes; total "
                      f"{s['te-p2p']['total_s'] / s['fcp']['total_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def _packed_table(out: dict, shape, topo, ranks) -> str:
+    pl = out["placement"]
+    lb = out["lower_bound"]
+    lines = [
+        f"{topo.name}: cp={len(ranks)}, packed batch of {len(pl.doc_lengths)} documents, {pl.total_tokens} tokens "
+        f"(longest {max(pl.doc_lengths)}), heads={shape.heads}, kv_heads={shape.kv_heads}, head_dim={shape.head_dim}, "
+        f"{shape.dtype_bytes} B/elem",
+        f"TE THD pads every document to a multiple of 2*cp = {2 * len(ranks)}: {out['padded_seq_len']} tokens "
+        f"(+{out['schedules']['te-p2p']['padding_overhead'] * 100:.2f}%)",
+        f"need-set lower bound (forward): {lb['lower_bound_s'] * 1e3:.3f} ms (B_gpu={lb['B_gpu'] / 1e9:g} GB/s, "
+        f"B_out={lb['B_out'] / 1e9:g} GB/s)",
+        "",
+        f"{'schedule':<12}{'fwd comm':>10}{'fwd comp':>10}{'fwd tot':>10}{'bwd comm':>10}{'bwd comp':>10}"
+        f"{'bwd tot':>10}{'total ms':>10}{'fwd GB':>8}{'inter GB':>9}{'work m/m':>9}  plan",
+    ]
+    for name, d in out["schedules"].items():
+        if "error" in d:
+            lines.append(f"{name:<12}{'n/a':>10}  ({d['error']})")
+            continue
+        f, b, t = d["fwd"], d["bwd"], d["fwd_bwd"]
+        if name == "fcp":
+            extra = (f"graph={d['graph']} rounds={d['rounds']} delta={d['delta']} bytes/need="
+                     f"{d['bytes_over_exact']:.3f} inter/need={d['inter_node_over_need']:.3f}")
+        else:
+            extra = f"{d.get('graph', '')} rounds={d['rounds']} padding +{d['padding_overhead'] * 100:.2f}%"
+        lines.append(
+            f"{name:<12}{f['comm_s'] * 1e3:>10.3f}{f['compute_s'] * 1e3:>10.3f}{f['total_s'] * 1e3:>10.3f}"
+            f"{b['comm_s'] * 1e3:>10.3f}{b['compute_s'] * 1e3:>10.3f}{b['total_s'] * 1e3:>10.3f}"
+            f"{t['total_s'] * 1e3:>10.3f}{f['bytes'] / 1e9:>8.3f}{f['inter_node_bytes'] / 1e9:>9.3f}"
+            f"{d['work_max_over_mean']:>9.3f}  {extra}")
+    s = out["schedules"]
+    lines.append("")
+    for base in ("te-p2p", "te-a2a-p2p"):
+        if base in s and "error" not in s[base]:
+            lines.append(f"fcp vs {base}: fwd+bwd {s[base]['fwd_bwd']['total_s'] / s['fcp']['fwd_bwd']['total_s']:.2f}x "
+                         f"faster (fwd {s[base]['fwd']['total_s'] / s['fcp']['fwd']['total_s']:.2f}x, bwd "
+                         f"{s[base]['bwd']['total_s'] / s['fcp']['bwd']['total_s']:.2f}x), "
+                         f"{s['fcp']['fwd_bwd']['bytes'] / s[base]['fwd_bwd']['bytes']:.3f}x the bytes")
     return "\n".join(lines)
 
 
@@ -164,6 +224,8 @@ def run(args) -> int:
         if args.round_overhead_us < 0:
             raise ValueError(f"--round-overhead-us: must be >= 0, got {args.round_overhead_us}")
         parts = args.parts if args.parts == "auto" else _int_arg(args.parts, "--parts")
+        if args.doc_lengths is not None:
+            return _run_packed(args, topo, ranks, shape, parts)
         out = compare(topo, ranks, shape, graph=args.graph, parts_per_chunk=parts, causal=args.causal,
                       compute_model=ComputeModel(flops=args.tflops * 1e12), min_block_tokens=args.min_block_tokens,
                       objective=args.objective, round_overhead_s=args.round_overhead_us * 1e-6)
@@ -188,6 +250,31 @@ def run(args) -> int:
     except (ValueError, TopologyError, PlanError) as e:
         print(f"megatron-fcp simulate: error: {e}", file=sys.stderr)
         return 2
+
+
+def _run_packed(args, topo, ranks, shape, parts) -> int:
+    lengths = parse_doc_lengths(args.doc_lengths)
+    if parts != "auto":
+        raise ValueError("--parts: not used with --doc-lengths; cut blocks with --block-tokens")
+    if args.plot:
+        raise ValueError("--plot: not available with --doc-lengths yet")
+    if args.block_tokens < 1:
+        raise ValueError(f"--block-tokens: must be >= 1, got {args.block_tokens}")
+    out = compare_packed(topo, ranks, lengths, shape, graph=args.graph, block_tokens=args.block_tokens,
+                         causal=args.causal, compute_model=ComputeModel(flops=args.tflops * 1e12),
+                         objective=args.objective, round_overhead_s=args.round_overhead_us * 1e-6)
+    if args.json:
+        sched = {}
+        for name, d in out["schedules"].items():
+            sched[name] = {"comm_s": None, "compute_s": None, "total_s": None, "bytes": None, **d} if "error" in d else d
+        pl = out["placement"]
+        print(json.dumps({"lower_bound_s": out["lower_bound_s"], "schedules": sched, "lower_bound": out["lower_bound"],
+                          "topology": topo.name, "cp_ranks": ranks, "seq_len": out["seq_len"],
+                          "padded_seq_len": out["padded_seq_len"], "documents": len(pl.doc_lengths),
+                          "block_tokens": args.block_tokens}, indent=1))
+    else:
+        print(_packed_table(out, shape, topo, ranks))
+    return 0
 
 
 def _int_arg(value: str, flag: str) -> int:

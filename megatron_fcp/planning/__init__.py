@@ -14,7 +14,8 @@ Modules depend on each other in one direction only (a test checks there is no im
     cost        the alpha-beta cost model of a plan (communication, compute, overlap)
     build       build_plan: topology + graph name (or auto, chosen on the cost model) -> Plan
     baselines   Transformer Engine's p2p and a2a+p2p schedules, the lower bound
-    compare     FCP against TE's schedules side by side
+    packed_cost TE's schedules on packed documents (THD, padded), backward of TE and FCP schedules
+    compare     FCP against TE's schedules side by side (one sequence, or packed documents)
     megatron_layout   Megatron's tp-cp-ep-dp-pp rank order: the CP and TP groups of a run
 """
 
@@ -35,7 +36,7 @@ from megatron_fcp.planning.builders import (
     build_graph,
     get_builder,
 )
-from megatron_fcp.planning.compare import compare
+from megatron_fcp.planning.compare import compare, compare_packed
 from megatron_fcp.planning.compile import compile_plan
 from megatron_fcp.planning.cost import (
     AttentionShape,
@@ -52,7 +53,14 @@ from megatron_fcp.planning.cost import (
 from megatron_fcp.planning.graph import CommGraph, check_cp_ranks, runs_of, steiner_tree
 from megatron_fcp.planning.megatron_layout import MegatronLayout
 from megatron_fcp.planning.needs import need_set, needs_chunk
-from megatron_fcp.planning.placement import Placement, Span, place_packed
+from megatron_fcp.planning.packed_cost import (
+    simulate_plan_backward,
+    simulate_te_a2a_p2p_thd,
+    simulate_te_p2p_thd,
+    thd_padded_lengths,
+    thd_rank_work,
+)
+from megatron_fcp.planning.placement import Placement, Span, lognormal_lengths, place_packed
 from megatron_fcp.planning.plan import SIMPLE_PLANS, AutoChoice, Plan, full_plan, ring_plan
 
 __all__ = [
@@ -62,5 +70,6 @@ __all__ = [
     "Transfer", "blocks_of", "build_graph", "build_plan", "check_cp_ranks", "compare", "compile_plan",
     "full_plan", "get_builder", "need_set", "needs_chunk", "parse_tokens", "ring_plan", "simulate_plan",
     "zigzag_chunk_index", "lower_bound", "simulate_te_a2a_p2p", "simulate_te_p2p", "causal_pairs",
-    "Placement", "Span", "place_packed", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
+    "Placement", "Span", "place_packed", "lognormal_lengths", "compare_packed", "simulate_plan_backward",
+    "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "thd_padded_lengths", "thd_rank_work", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
 ]

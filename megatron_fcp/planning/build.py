@@ -1,7 +1,8 @@
 """``build_plan``: a topology, a CP group and a graph name in, one verified Plan out. Pure, no torch.
 
 For a named graph the builder's CommGraph is compiled (:func:`~megatron_fcp.planning.compile.compile_plan`).
-For ``"auto"`` every builder of :data:`~megatron_fcp.planning.builders.AUTO_CANDIDATES` is compiled
+For ``"auto"`` every builder of :data:`~megatron_fcp.planning.builders.AUTO_CANDIDATES` (for a packed
+batch :data:`~megatron_fcp.planning.builders.PACKED_AUTO_CANDIDATES`, which adds ``entry``) is compiled
 and timed on the cost model (:func:`~megatron_fcp.planning.cost.simulate_plan`), and the best is
 kept (:func:`~megatron_fcp.planning.cost.pick_best`). Auto works for every CP size and sequence
 length: a length that ``2*cp`` does not divide is padded as Megatron pads.
@@ -10,7 +11,7 @@ length: a length that ``2*cp`` does not divide is padded as Megatron pads.
 from __future__ import annotations
 
 from megatron_fcp.planning.blocks import PlanError
-from megatron_fcp.planning.builders import AUTO_CANDIDATES, get_builder
+from megatron_fcp.planning.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, get_builder
 from megatron_fcp.planning.compile import compile_plan
 from megatron_fcp.planning.cost import AttentionShape, pick_best, simulate_plan
 from megatron_fcp.planning.graph import check_cp_ranks
@@ -65,7 +66,7 @@ def build_plan(
     shape = AttentionShape(seq_len or n.seq_len, heads or n.heads, kv_heads or heads or n.kv_heads,
                            head_dim or n.head_dim, dtype_bytes)
     candidates = []
-    for name in AUTO_CANDIDATES:
+    for name in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES):
         if len(ranks) == 1 and name != "ring":
             continue
         plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk, placement=placement)

@@ -52,9 +52,11 @@ __all__ = [
     "LeaderGraph",
     "SpanningGraph",
     "BalancedGraph",
+    "EntryGraph",
     "BUILDERS",
     "GRAPH_CHOICES",
     "AUTO_CANDIDATES",
+    "PACKED_AUTO_CANDIDATES",
     "get_builder",
     "build_graph",
 ]
@@ -76,6 +78,7 @@ class GraphBuilder:
     name = "base"
     pipeline_parts = True  # stagger a chunk's sub-blocks over rounds (relays pipeline them)
     needs_kv_sizes = False  # True: meaningful only with per-rank KV sizes (not offered by name)
+    zigzag_auto = True  # False: auto compares it only for packed batches (zigzag auto plans stay pinned)
 
     def build(self, topology: Topology, cp_ranks: Sequence[int]) -> CommGraph:
         ranks = check_cp_ranks(topology, cp_ranks)
@@ -137,6 +140,53 @@ class FullGraph(GraphBuilder):
 
     def tree_runs(self, cg, owner, dests, chunk=0):
         return [(1, [owner] * len(dests), list(dests))]
+
+
+class EntryGraph(FullGraph):
+    """Every pair is an edge; a block crosses to each other node once, *into one of its readers*.
+
+    Tree: owner -> its node's readers; on every other node holding a reader, owner -> the *entry*
+    (the first reader at or after the owner's rail position, cyclically, in rail order) -> that
+    node's other readers. Bytes are exactly the need sets (no relay that does not read) and each
+    block enters a node once. Meant for packed batches, where a rank on the owner's rail often needs
+    nothing of a document; ``hierarchical`` would relay through it. Not in zigzag ``auto``.
+    """
+
+    name = "entry"
+    zigzag_auto = False
+
+    def _edges(self, topo, ranks):
+        edges, _ = super()._edges(topo, ranks)
+        groups = _node_groups(topo, ranks)
+        pos = {r: k for members in groups.values() for k, r in enumerate(members)}
+        return edges, {"groups": groups, "pos": pos, "node_of": {r: topo.node_of(r) for r in ranks}}
+
+    def tree_with_depths(self, cg, owner, dests, chunk=0):
+        meta = cg.meta
+        groups, node_of, pos = meta["groups"], meta["node_of"], meta["pos"]
+        home = node_of[owner]
+        want = set(dests)
+        first: TreeEdges = []
+        second: TreeEdges = []
+        for node, members in groups.items():
+            readers = [d for d in members if d in want and d != owner]
+            if not readers:
+                continue
+            if node == home:
+                first.extend((owner, d) for d in readers)
+                continue
+            n = len(members)
+            rail = pos[owner] % n
+            entry = min(readers, key=lambda d: (pos[d] - rail) % n)
+            first.append((owner, entry))
+            second.extend((entry, d) for d in readers if d != entry)
+        return first + second, [1] * len(first) + [2] * len(second)
+
+    def tree(self, cg, owner, dests, chunk=0):
+        return self.tree_with_depths(cg, owner, dests, chunk)[0]
+
+    def tree_runs(self, cg, owner, dests, chunk=0):
+        return runs_of(*self.tree_with_depths(cg, owner, dests, chunk))
 
 
 class _RailLayout:
@@ -406,13 +456,17 @@ BUILDERS: dict[str, Callable[..., GraphBuilder]] = {
     "leader": LeaderGraph,
     "spanning": SpanningGraph,
     "balanced": BalancedGraph,
+    "entry": EntryGraph,
 }
 """The registry: graph name -> builder class. Everything else that names graphs derives from it."""
 
-AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, b in BUILDERS.items() if not b.needs_kv_sizes)
+AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, b in BUILDERS.items() if not b.needs_kv_sizes and b.zigzag_auto)
 """Builders ``auto`` compiles and compares (a builder that needs KV sizes cannot run without them)."""
 
-GRAPH_CHOICES: tuple[str, ...] = ("auto", *AUTO_CANDIDATES)
+PACKED_AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, b in BUILDERS.items() if not b.needs_kv_sizes)
+"""Builders ``auto`` compares for a packed batch (a plan over a placement): adds ``entry``."""
+
+GRAPH_CHOICES: tuple[str, ...] = ("auto", *PACKED_AUTO_CANDIDATES)
 """What a user may ask for by name (``--fcp-graph``, ``FCPConfig.graph``, the CLI's ``--graph``)."""
 
 

@@ -1,4 +1,5 @@
-"""Schedules side by side: TE p2p, TE a2a+p2p and FCP's best plan on one topology and shape.
+"""Schedules side by side: TE p2p, TE a2a+p2p and FCP's best plan on one topology and shape
+(:func:`compare`), or on a packed batch of documents, forward and backward (:func:`compare_packed`).
 
 The comparison the CLI (``megatron-fcp simulate``) and the benchmarks report. Pure, no torch.
 """
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_fcp.planning.baselines import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
+import numpy as np
+
+from megatron_fcp.planning.baselines import _intra_ingress, lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
 from megatron_fcp.planning.build import build_plan
 from megatron_fcp.planning.cost import (
     AttentionShape,
@@ -18,9 +21,16 @@ from megatron_fcp.planning.cost import (
     simulate_plan,
 )
 from megatron_fcp.planning.graph import check_cp_ranks
+from megatron_fcp.planning.packed_cost import (
+    BACKWARD_FLOP_RATIO,
+    simulate_plan_backward,
+    simulate_te_a2a_p2p_thd,
+    simulate_te_p2p_thd,
+)
+from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["compare"]
+__all__ = ["compare", "compare_packed", "packed_need_stats"]
 
 
 def compare(
@@ -94,3 +104,132 @@ def compare(
             "padded_seq_len": shape.seq_len if padded else None,
             "schedules": {k: schedules[k] for k in order if k in schedules},
             "results": results, "plan": plan}
+
+
+def _packed_entry(fwd: SimResult, bwd: SimResult, lb_s: float) -> dict:
+    """One schedule of :func:`compare_packed`: forward at the top level (as :func:`compare`), then
+    ``fwd``, ``bwd`` and ``fwd_bwd`` sub-dicts (comm/compute/total seconds, bytes, inter-node bytes)."""
+    d = fwd.to_dict()
+    d["comm_vs_lower_bound"] = fwd.comm_s / lb_s if lb_s > 0 else 1.0
+    part = lambda r: {"comm_s": r.comm_s, "compute_s": r.compute_s, "total_s": r.total_s,  # noqa: E731
+                      "bytes": r.bytes, "inter_node_bytes": r.inter_node_bytes, "rounds": r.rounds}
+    d["fwd"], d["bwd"] = part(fwd), part(bwd)
+    d["fwd_bwd"] = {k: d["fwd"][k] + d["bwd"][k] for k in d["fwd"]}
+    return d
+
+
+def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -> dict:
+    """What a plan over a placement must move, and how evenly: exact need-set bytes (each block to
+    each rank that needs it), node need bytes (each block once to each *other* node holding a rank
+    that needs it), per-rank need bytes and work (max/mean), Δ (the most blocks any rank sends or
+    receives in the plan) and the need-set lower bound on the forward exchange."""
+    topo = load_topology(topology)
+    pl = plan.placement
+    need = pl.need_matrix()                                             # [cp, n_blocks]
+    blocks = pl.block_list()
+    kv_tok = shape.kv_bytes(1)
+    tok = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
+    owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
+    node_of = np.array([topo.node_of(r) for r in plan.ranks], dtype=np.int64)
+    recv = (need * tok[None, :]).sum(axis=1) * kv_tok                   # bytes each rank needs
+    node_ids = np.unique(node_of)
+    node_need = np.stack([need[node_of == x].any(axis=0) & (node_of[owner] != x) for x in node_ids])
+    node_bytes = (node_need * tok[None, :]).sum(axis=1) * kv_tok        # bytes entering each node
+    sends = np.zeros(plan.cp, dtype=np.int64)
+    recvs = np.zeros(plan.cp, dtype=np.int64)
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    for _, t in plan.transfers():
+        sends[pos[t.src]] += 1
+        recvs[pos[t.dst]] += 1
+    work = pl.work()
+    mean = lambda x: float(x.mean()) if len(x) and x.mean() > 0 else 0.0  # noqa: E731
+    b_gpu = min(topo.gpu_ingress_bandwidth(r) for r in plan.ranks) if len(node_ids) > 1 else \
+        min(_intra_ingress(topo, r) for r in plan.ranks)
+    b_out = topo.node_ingress_bandwidth() if len(node_ids) > 1 else float("inf")
+    lb = max(float(recv.max()) / b_gpu if plan.cp else 0.0,
+             float(node_bytes.max()) / b_out if len(node_ids) > 1 else 0.0)
+    delta = int(max(sends.max(), recvs.max())) if plan.cp else 0
+    return {
+        "exact_need_bytes": float(recv.sum()),
+        "node_need_bytes": float(node_bytes.sum()),
+        "recv_max_over_mean": float(recv.max()) / mean(recv) if mean(recv) else 1.0,
+        "work_max_over_mean": float(work.max()) / mean(work) if mean(work) else 1.0,
+        "delta": delta,
+        "lower_bound_s": lb,
+        "B_gpu": b_gpu,
+        "B_out": b_out,
+    }
+
+
+def compare_packed(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int] | None,
+    doc_lengths: Sequence[int],
+    shape: AttentionShape,
+    *,
+    graph: str = "auto",
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    objective: str = "total",
+    round_overhead_s: float = 0.0,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    placement: Placement | None = None,
+) -> dict:
+    """Side-by-side ``te-p2p`` / ``te-a2a-p2p`` (THD, padded) / ``fcp`` (place_packed + plan) on a
+    packed batch, forward and backward; see Note [Transformer Engine on a packed batch] in
+    :mod:`megatron_fcp.planning.packed_cost`. ``shape.seq_len`` is not used (the documents set it).
+
+    Returns the structure of :func:`compare` (``lower_bound_s``, ``lower_bound``, ``seq_len``,
+    ``padded_seq_len`` = TE's padded THD tokens, ``schedules``, ``results``, ``plan``) plus
+    ``placement``. Each schedule has the forward numbers at the top level and ``fwd`` / ``bwd`` /
+    ``fwd_bwd`` sub-dicts; the TE schedules add ``padding_overhead`` and ``work_max_over_mean``;
+    ``fcp`` adds ``graph``, ``delta``, ``rounds_over_delta``, ``exact_need_bytes``,
+    ``bytes_over_exact``, ``node_need_bytes``, ``inter_node_over_need``, ``work_max_over_mean`` and
+    ``recv_max_over_mean``. ``results[name]`` is ``{"fwd": SimResult, "bwd": SimResult}``.
+    """
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
+    cp = len(ranks)
+    cm = compute_model or ComputeModel()
+    pl = placement or place_packed(doc_lengths, cp, block_tokens=block_tokens, causal=causal)
+    if tuple(pl.doc_lengths) != tuple(int(x) for x in doc_lengths) or pl.cp != cp:
+        raise ValueError("placement: does not hold these documents on this CP group")
+    kw = dict(causal=causal, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+              round_overhead_s=round_overhead_s)
+    results: dict[str, dict] = {}
+    schedules: dict[str, dict] = {}
+    results["te-p2p"] = {d: simulate_te_p2p_thd(topo, ranks, doc_lengths, shape, backward=d == "bwd", **kw)
+                         for d in ("fwd", "bwd")}
+    try:
+        results["te-a2a-p2p"] = {d: simulate_te_a2a_p2p_thd(topo, ranks, doc_lengths, shape, backward=d == "bwd",
+                                                            **kw) for d in ("fwd", "bwd")}
+    except ValueError as e:
+        schedules["te-a2a-p2p"] = {"error": str(e)}
+    plan = build_plan(topo, ranks, graph, causal=causal, seq_len=pl.total_tokens, heads=shape.heads,
+                      kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes,
+                      objective=objective, placement=pl)
+    results["fcp"] = {
+        "fwd": simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s),
+        "bwd": simulate_plan_backward(plan, topo, shape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+                                      round_overhead_s=round_overhead_s),
+    }
+    stats = packed_need_stats(plan, topo, shape)
+    lb_s = stats["lower_bound_s"]
+    for k, r in results.items():
+        d = _packed_entry(r["fwd"], r["bwd"], lb_s)
+        if k == "fcp":
+            d.update(graph=plan.name, delta=stats["delta"],
+                     rounds_over_delta=len(plan.rounds) / stats["delta"] if stats["delta"] else 0.0,
+                     exact_need_bytes=stats["exact_need_bytes"],
+                     bytes_over_exact=d["bytes"] / stats["exact_need_bytes"] if stats["exact_need_bytes"] else 1.0,
+                     node_need_bytes=stats["node_need_bytes"],
+                     inter_node_over_need=d["inter_node_bytes"] / stats["node_need_bytes"]
+                     if stats["node_need_bytes"] else 1.0,
+                     work_max_over_mean=stats["work_max_over_mean"], recv_max_over_mean=stats["recv_max_over_mean"])
+        schedules[k] = d
+    order = ["te-p2p", "te-a2a-p2p", "fcp"]
+    return {"lower_bound_s": lb_s, "lower_bound": {k: stats[k] for k in ("lower_bound_s", "B_gpu", "B_out")},
+            "seq_len": pl.total_tokens, "padded_seq_len": results["te-p2p"]["fwd"].meta["padded_tokens"],
+            "schedules": {k: schedules[k] for k in order if k in schedules},
+            "results": results, "plan": plan, "placement": pl}

@@ -31,6 +31,7 @@ queries against its document)::
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Sequence
@@ -39,7 +40,7 @@ import numpy as np
 
 from megatron_fcp.planning.blocks import Block
 
-__all__ = ["Span", "Placement", "place_packed", "span_pairs", "DEFAULT_BLOCK_TOKENS"]
+__all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "DEFAULT_BLOCK_TOKENS"]
 
 DEFAULT_BLOCK_TOKENS = 4096
 """Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
@@ -244,11 +245,142 @@ def _check_lengths(doc_lengths: Sequence[int]) -> None:
                              "(drop empty documents from cu_seqlens)")
 
 
-def _doc_blocks(length: int, block_tokens: int) -> list[tuple[int, int]]:
-    """A document cut into ``ceil(length / block_tokens)`` near-equal ``[start, end)`` blocks."""
+def lognormal_lengths(mean: float, sigma: float, total: int, seed: int = 0) -> list[int]:
+    """Document lengths of a seeded lognormal mix: draw ``round(exp(N(mean, sigma)))`` (at least 1)
+    from ``numpy.random.default_rng(seed)`` until the lengths sum to ``total`` tokens; the last one
+    is trimmed so that they sum to exactly ``total``. ``mean``/``sigma`` are of the log length
+    (median length ``exp(mean)``)."""
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 1:
+        raise ValueError(f"lognormal: TOTAL must be a positive integer of tokens, got {total!r}")
+    if not np.isfinite(mean) or not (np.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"lognormal: MEAN must be finite and SIGMA >= 0, got {mean!r}, {sigma!r}")
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    left = int(total)
+    while left > 0:
+        draw = rng.lognormal(mean, sigma, 256)
+        for x in np.maximum(1, np.rint(np.minimum(draw, 2.0 ** 62))).astype(np.int64).tolist():
+            n = min(x, left)
+            out.append(n)
+            left -= n
+            if left == 0:
+                break
+    return out
+
+
+def _doc_blocks(length: int, block_tokens: int, cap: float = float("inf"), causal: bool = True,
+                min_tokens: int = 1) -> list[tuple[int, int]]:
+    """A document cut into ``ceil(length / block_tokens)`` near-equal ``[start, end)`` blocks, then
+    each block whose attention work (its queries against the document) exceeds ``cap`` cut further
+    into near-equal pieces of at least ``min_tokens`` tokens (a long document's last blocks)."""
     n = -(-length // block_tokens)
     bounds = [i * length // n for i in range(n + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        w = span_pairs(Span(0, a, b), Span(0, 0, length), causal)
+        k = max(1, min(int(-(-w // cap)) if cap < float("inf") else 1, (b - a) // max(min_tokens, 1)))
+        out.extend((a + i * (b - a) // k, a + (i + 1) * (b - a) // k) for i in range(k))
+    return out
+
+
+class _Loads:
+    """Per-rank attention work and need (tokens a rank must receive) under moves of blocks.
+
+    A rank's need in document ``d`` is ``max end of its blocks of d`` (causal; ``L_d`` without the
+    mask) minus the tokens of ``d`` it holds: blocks tile their document, so every block starting
+    before the rank's last query is needed.
+    """
+
+    def __init__(self, lengths, cp, causal):
+        self.lengths, self.causal = lengths, causal
+        self.work = [0] * cp
+        self.need = [0] * cp
+        self.docs: list[dict[int, list[Span]]] = [{} for _ in range(cp)]
+
+    def _doc_need(self, spans: list[Span], d: int) -> int:
+        if not spans:
+            return 0
+        top = max(s.end for s in spans) if self.causal else self.lengths[d]
+        return top - sum(s.tokens for s in spans)
+
+    def delta(self, r: int, s: Span, add: bool) -> int:
+        """Change of rank r's need if block s is added (``add``) or removed."""
+        spans = self.docs[r].get(s.doc, [])
+        after = spans + [s] if add else [x for x in spans if x != s]
+        return self._doc_need(after, s.doc) - self._doc_need(spans, s.doc)
+
+    def apply(self, r: int, s: Span, w: int, add: bool) -> None:
+        self.need[r] += self.delta(r, s, add)
+        self.work[r] += w if add else -w
+        spans = self.docs[r].setdefault(s.doc, [])
+        if add:
+            spans.append(s)
+        else:
+            spans.remove(s)
+            if not spans:
+                del self.docs[r][s.doc]
+
+
+def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: float, max_iter: int,
+            candidates: int = 8, good_enough: float = 1.005) -> None:
+    """Local search: move (or swap) a block of the worst rank to one of the least loaded ranks while
+    that lowers the larger of the two ranks' scores, score = max(work / mean work,
+    1 + need_weight * (need / mean need - 1)), until the worst score is at most ``good_enough``.
+    Deterministic (ties by rank, then block order)."""
+    cp = len(placed)
+    mean_w = sum(loads.work) / cp
+
+    def score(w, n, mean_n):
+        sw = w / mean_w if mean_w else 1.0
+        return max(sw, 1 + need_weight * (n / mean_n - 1)) if mean_n else sw
+
+    for _ in range(max_iter):
+        mean_n = sum(loads.need) / cp if need_weight else 0
+        scores = [score(loads.work[r], loads.need[r], mean_n) for r in range(cp)]
+        a = max(range(cp), key=lambda r: (scores[r], -r))
+        if scores[a] <= good_enough:
+            return
+        targets = sorted((r for r in range(cp) if r != a), key=lambda r: (scores[r], r))[:candidates]
+        best = None  # (value, kind, s, b, t)
+        for s in placed[a]:
+            w = wk[s]
+            da = loads.delta(a, s, False) if need_weight else 0
+            for b in targets:
+                nb = loads.need[b] + loads.delta(b, s, True) if need_weight else 0
+                v = max(score(loads.work[a] - w, loads.need[a] + da, mean_n), score(loads.work[b] + w, nb, mean_n))
+                if best is None or v < best[0]:
+                    best = (v, "move", s, b, None)
+        if best is None or best[0] >= scores[a] - 1e-12:
+            for s in placed[a]:
+                for b in targets:
+                    for t in placed[b]:
+                        if wk[s] <= wk[t]:
+                            continue
+                        if need_weight:
+                            loads.apply(a, s, wk[s], False)
+                            loads.apply(b, t, wk[t], False)
+                            na = loads.need[a] + loads.delta(a, t, True)
+                            nb = loads.need[b] + loads.delta(b, s, True)
+                            loads.apply(b, t, wk[t], True)
+                            loads.apply(a, s, wk[s], True)
+                        else:
+                            na = nb = 0
+                        v = max(score(loads.work[a] - wk[s] + wk[t], na, mean_n),
+                                score(loads.work[b] + wk[s] - wk[t], nb, mean_n))
+                        if best is None or v < best[0]:
+                            best = (v, "swap", s, b, t)
+        if best is None or best[0] >= scores[a] - 1e-12:
+            return
+        _, kind, s, b, t = best
+        loads.apply(a, s, wk[s], False)
+        placed[a].remove(s)
+        loads.apply(b, s, wk[s], True)
+        placed[b].append(s)
+        if kind == "swap":
+            loads.apply(b, t, wk[t], False)
+            placed[b].remove(t)
+            loads.apply(a, t, wk[t], True)
+            placed[a].append(t)
 
 
 def place_packed(
@@ -258,14 +390,28 @@ def place_packed(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     causal: bool = True,
     tolerance: float = 0.02,
+    max_block_work: float = 0.25,
+    need_weight: float = 0.0,
+    refine: bool = True,
 ) -> Placement:
     """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
 
-    Algorithm (deterministic): cut documents longer than ``block_tokens`` into near-equal blocks;
-    sort all blocks by attention work, largest first (ties: document, then start); give each block
-    to a rank among those whose load plus the block stays within ``tolerance`` x the mean load of
-    the least loaded choice, preferring a rank that already holds the block's document, then the
-    least loaded, then the lowest index. Each rank's blocks are then ordered by (document, start).
+    Algorithm (deterministic):
+
+    1. cut documents longer than ``block_tokens`` into near-equal blocks, and cut further any of
+       their blocks whose attention work exceeds ``max_block_work`` x the mean work per rank (the
+       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens);
+    2. sort all blocks by attention work, largest first (ties: document, then start); give each
+       block to a rank among those whose load plus the block stays within ``tolerance`` x the mean
+       load of the least loaded choice, preferring a rank that already holds the block's document,
+       then the least loaded, then the lowest index;
+    3. ``refine``: local search (:func:`_refine`) that moves or swaps blocks between the worst rank
+       and the least loaded ones while the larger of their scores drops; a rank's score is the
+       larger of its work over the mean and ``1 + need_weight x (need / mean need - 1)``, need =
+       tokens it must receive (default ``need_weight`` 0: work alone; with 0.5 a 10% need excess
+       counts as 5% work, but the search then stalls on lognormal mixes, see docs/planner.md);
+    4. order each rank's blocks by (document, start).
+
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
     lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
@@ -276,21 +422,38 @@ def place_packed(
         raise ValueError(f"block_tokens: must be a positive integer, got {block_tokens!r}")
     if not tolerance >= 0:
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
-    spans = [Span(d, a, b) for d, n in enumerate(lengths) for a, b in _doc_blocks(n, block_tokens)]
+    if not max_block_work > 0:
+        raise ValueError(f"max_block_work: must be > 0, got {max_block_work!r}")
     doc_span = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
+    total = sum(span_pairs(s, s, causal) for s in doc_span.values())
+    cap = max_block_work * total / cp
+    spans = [Span(d, a, b) for d, n in enumerate(lengths)
+             for a, b in (_doc_blocks(n, block_tokens, cap, causal, max(1, block_tokens // 8))
+                          if n > block_tokens else [(0, n)])]
     work = [span_pairs(s, doc_span[s.doc], causal) for s in spans]  # queries of s against its whole doc
     mean = sum(work) / cp
     order = sorted(range(len(spans)), key=lambda n: (-work[n], spans[n].doc, spans[n].start))
     load = [0] * cp
-    holds: list[set[int]] = [set() for _ in range(cp)]
+    holders: dict[int, set[int]] = {}  # document -> ranks holding one of its blocks
     placed: list[list[Span]] = [[] for _ in range(cp)]
+    heap = [(0, r) for r in range(cp)]  # (load, rank): the least loaded rank on top (stale entries skipped)
     for n in order:
         s, w = spans[n], work[n]
-        least = min(range(cp), key=lambda r: (load[r], r))
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heappop(heap)
+        least = heap[0][1]
         limit = load[least] + w + tolerance * mean
-        same_doc = [r for r in range(cp) if s.doc in holds[r] and load[r] + w <= limit]
+        same_doc = [r for r in holders.get(s.doc, ()) if load[r] + w <= limit]
         r = min(same_doc, key=lambda r: (load[r], r)) if same_doc else least
         load[r] += w
-        holds[r].add(s.doc)
+        heapq.heappush(heap, (load[r], r))
+        holders.setdefault(s.doc, set()).add(r)
         placed[r].append(s)
+    if refine and cp > 1:
+        loads = _Loads(lengths, cp, causal)
+        wk = dict(zip(spans, work))
+        for r in range(cp):
+            for s in placed[r]:
+                loads.apply(r, s, wk[s], True)
+        _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal)
