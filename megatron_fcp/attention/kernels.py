@@ -86,11 +86,12 @@ def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _runs(pos: list[int]) -> list[tuple[int, int]]:
-    """Maximal index ranges [a, b) over which ``pos`` increases by exactly 1 per step."""
+def _runs(pos: list[int], doc: list[int] | None = None) -> list[tuple[int, int]]:
+    """Maximal index ranges [a, b) over which ``pos`` increases by exactly 1 per step (and, with
+    ``doc``, the document stays the same)."""
     runs, start = [], 0
     for i in range(1, len(pos)):
-        if pos[i] != pos[i - 1] + 1:
+        if pos[i] != pos[i - 1] + 1 or (doc is not None and doc[i] != doc[i - 1]):
             runs.append((start, i))
             start = i
     if pos:
@@ -107,26 +108,48 @@ def _classify(q_lo: int, q_hi: int, k_lo: int, k_hi: int, causal: bool) -> str:
     return _PARTIAL
 
 
+def _key_chunks(m: int, key_chunk: int, kd: list[int] | None) -> list[tuple[int, int]]:
+    """Key chunks ``(c0, c1)`` of at most ``key_chunk`` keys, cut at every document change of ``kd``."""
+    if kd is None:
+        return [(c, min(c + key_chunk, m)) for c in range(0, m, key_chunk)]
+    bounds = []
+    for s0, s1 in _runs(list(range(m)), kd):                    # one document segment each
+        bounds.extend((c, min(c + key_chunk, s1)) for c in range(s0, s1, key_chunk))
+    return bounds
+
+
 def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile: int,
-           key_chunk: int) -> Iterator[tuple[int, int, list[tuple[int, int, str]]]]:
+           key_chunk: int, q_doc: torch.Tensor | None = None,
+           k_doc: torch.Tensor | None = None) -> Iterator[tuple[int, int, list[tuple[int, int, str]]]]:
     """Yield ``(a, z, chunks)``: query rows a:z and their key chunks ``(c0, c1, kind)`` with kind
-    full / partial (fully masked chunks are left out; a tile with no chunk left is not yielded)."""
+    full / partial (fully masked chunks are left out; a tile with no chunk left is not yielded).
+
+    With document ids neither a tile nor a chunk crosses a document boundary, and a (tile, chunk)
+    pair of two different documents is masked (skipped) before positions are looked at."""
     qp = q_pos.tolist()
     m = k_pos.numel()
-    bounds = [(c, min(c + key_chunk, m)) for c in range(0, m, key_chunk)]
+    qd = q_doc.tolist() if q_doc is not None else None
+    kd = k_doc.tolist() if k_doc is not None else None
+    bounds = _key_chunks(m, key_chunk, kd)
+    chunk_doc = [kd[c0] for c0, _ in bounds] if kd is not None else None
     if causal:
         kp = k_pos.tolist()
         ranges = [(min(kp[c0:c1]), max(kp[c0:c1])) for c0, c1 in bounds]
         is_run = [kp[c1 - 1] - kp[c0] == c1 - c0 - 1 and ranges[i] == (kp[c0], kp[c1 - 1])
                   for i, (c0, c1) in enumerate(bounds)]
-    for ra, rb in _runs(qp):
+    for ra, rb in _runs(qp, qd):
+        same = None if qd is None else [d == qd[ra] for d in chunk_doc]  # chunk in this run's document
         for a in range(ra, rb, rows_per_tile):
             z = min(a + rows_per_tile, rb)
             if not causal:
-                yield a, z, [(c0, c1, _FULL) for c0, c1 in bounds]
+                chunks = [(c0, c1, _FULL) for i, (c0, c1) in enumerate(bounds) if same is None or same[i]]
+                if chunks:
+                    yield a, z, chunks
                 continue
             chunks = []
             for i, (c0, c1) in enumerate(bounds):
+                if same is not None and not same[i]:
+                    continue                                        # another document: masked
                 lo, hi = ranges[i]
                 kind = _classify(qp[a], qp[z - 1], lo, hi, True)
                 if kind == _PARTIAL and is_run[i]:
@@ -141,7 +164,8 @@ def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor) -> tuple[int, int, int, int, int]:
+                  k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
+                  k_doc: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [n,b,h,d] and k, v [m,b,h_kv,d]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -153,6 +177,11 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     if q_pos.shape != (n,) or k_pos.shape != (k.shape[0],):
         raise ValueError(f"positions must be 1-D with one entry per token: q_pos {tuple(q_pos.shape)} for {n} "
                          f"queries, k_pos {tuple(k_pos.shape)} for {k.shape[0]} keys")
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("document ids: pass both q_doc and k_doc, or neither")
+    if q_doc is not None and (q_doc.shape != (n,) or k_doc.shape != (k.shape[0],)):
+        raise ValueError(f"document ids must be 1-D with one entry per token: q_doc {tuple(q_doc.shape)} for "
+                         f"{n} queries, k_doc {tuple(k_doc.shape)} for {k.shape[0]} keys")
     return n, b, h, hk, d
 
 
@@ -190,13 +219,15 @@ def block_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
     rows_per_tile: int | None = None, q_layout: torch.Tensor | None = None,
-    key_chunk: int | None = None,
+    key_chunk: int | None = None, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d], lse [b,h,n])`` in the
     compute dtype (see module docstring for shapes, mask and precision). ``rows_per_tile`` and
     ``key_chunk`` override the automatic tile height and key chunk length (tests use tiny ones);
-    ``q_layout`` is an optional ``prepare_query(q, h_kv, scale)`` reused across blocks."""
-    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    ``q_layout`` is an optional ``prepare_query(q, h_kv, scale)`` reused across blocks.
+    ``q_doc`` / ``k_doc`` (int64 [n] / [m], CPU): document ids; a query sees only keys of its own
+    document (then positions are positions inside the document)."""
+    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
     qh = q_layout if q_layout is not None else prepare_query(q, hk, scale)  # [b, hk, g, n, d]
@@ -204,7 +235,8 @@ def block_attention_forward(
     vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
-    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK)
+    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+                   q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
         qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
@@ -246,7 +278,7 @@ def block_attention_backward(
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
     delta: torch.Tensor | None = None, rows_per_tile: int | None = None,
     q_layout: torch.Tensor | None = None, dout_layout: torch.Tensor | None = None,
-    key_chunk: int | None = None,
+    key_chunk: int | None = None, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the *final* (all-block) ``out`` and ``lse``.
 
@@ -254,8 +286,9 @@ def block_attention_backward(
     Returns ``dq [n,b,h,d]`` (this block's contribution; sum over blocks gives dQ) and
     ``dk, dv [m,b,h_kv,d]`` for this block, all in the compute dtype. ``q_layout`` /
     ``dout_layout``: optional unscaled ``prepare_query(q, h_kv)`` / ``prepare_query(dout, h_kv)``.
+    ``q_doc`` / ``k_doc``: document ids as in :func:`block_attention_forward`.
     """
-    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
     if delta is None:
@@ -270,7 +303,8 @@ def block_attention_backward(
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
     dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
-    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK)
+    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+                   q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
         qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
@@ -348,9 +382,13 @@ class BlockKernel:
     compute dtype, given the *final* (all-block) FP32 ``out`` and ``lse``. ``prepare_forward`` /
     ``prepare_backward`` build per-shard keyword arguments reused across the blocks of one shard.
     ``check(dtype, device)`` raises ValueError naming the fix when the kernel cannot run them.
+    Document masks (packed batches): a kernel with ``documents = True`` also takes ``q_doc=``,
+    ``k_doc=`` (int64 ``[n]`` / ``[m]`` CPU tensors) and lets a query see only keys of its own
+    document; without them (the zigzag path) it is never passed them.
     """
 
     name = ""
+    documents = False
 
     def check(self, dtype: torch.dtype, device: torch.device) -> None:
         raise NotImplementedError
@@ -377,6 +415,7 @@ class MathKernel(BlockKernel):
     incoming gradient and ``D = rowsum(dout*out)``) is laid out once per shard."""
 
     name = "math"
+    documents = True
 
     def check(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
@@ -399,41 +438,68 @@ _FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
 _CAUSAL, _MATH = "causal", "math"
 
 
-def _flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> list[tuple[int, int, str, int]]:
+def _flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, q_doc: torch.Tensor | None = None,
+                  k_doc: torch.Tensor | None = None) -> list[tuple[int, int, str, int, int]]:
     """Cut a (query shard, KV block) pair into pieces torch's fused CPU op can run.
 
-    Returns ``(a, z, kind, kc)``: query rows a:z against the block's first ``kc`` keys, kind
-    ``full`` (no mask), ``causal`` (top-left causal: rows a:z have positions klo..klo+kc-1, the
-    keys' own positions) or ``math`` (delegated to the math kernel with the whole block). Rows
-    whose queries precede every key are fully masked and left out. Non-causal: one full piece.
-    Causal with the block's keys an increasing run klo..khi, per increasing run of query rows:
-    rows before klo masked; rows in [klo, khi] ``causal`` if the run reaches back to klo (a query
-    chunk against its own block or a sub-block of it, parts_per_chunk > 1), else ``math`` (a run
-    starting inside the block: the op has no bottom-right causal); rows after khi ``full``.
-    Keys that are not one increasing run: the whole pair is delegated to ``math``.
+    Returns ``(a, z, kind, k0, k1)``: query rows a:z against keys k0:k1, kind ``full`` (no mask),
+    ``causal`` (top-left causal: rows a:z have positions klo..klo+(k1-k0)-1, the keys' own
+    positions) or ``math`` (delegated to the math kernel with the whole block, ``k0, k1 = 0, m``).
+    Rows are pieces of at most one piece each; rows that see no key are left out. Without
+    document ids: non-causal is one full piece; causal with the block's keys an increasing run
+    klo..khi, per increasing run of query rows: rows before klo masked; rows in [klo, khi]
+    ``causal`` if the run reaches back to klo (a query chunk against its own block or a sub-block
+    of it, parts_per_chunk > 1), else ``math`` (a run starting inside the block: the op has no
+    bottom-right causal); rows after khi ``full``. Keys that are not one increasing run: the whole
+    pair is delegated to ``math``. With document ids (``q_doc``, ``k_doc``) the same rule runs per
+    query run (which never crosses a document) against the keys of its own document, when those
+    are one segment of the block (and, causal, one increasing run); rows of a document the block
+    lacks are masked; anything else goes to ``math`` for that run's rows.
     """
     n, m = q_pos.numel(), k_pos.numel()
-    if not causal:
-        return [(0, n, _FULL, m)]
     kp, qp = k_pos.tolist(), q_pos.tolist()
-    klo, khi = kp[0], kp[-1]
-    if kp != list(range(klo, klo + m)):
-        return [(0, n, _MATH, m)]
-    pieces: list[tuple[int, int, str, int]] = []
-    for ra, rb in _runs(qp):
-        qlo = qp[ra]
+    if q_doc is None:
+        if not causal:
+            return [(0, n, _FULL, 0, m)]
+        if kp != list(range(kp[0], kp[0] + m)):
+            return [(0, n, _MATH, 0, m)]
+        qd, segs = None, {None: (0, m)}
+    else:
+        qd, kd = q_doc.tolist(), k_doc.tolist()
+        segs = {}
+        for s0, s1 in _runs(list(range(m)), kd):              # key segments of one document each
+            segs[kd[s0]] = (s0, s1) if kd[s0] not in segs else None  # None: split in two places
+    pieces: list[tuple[int, int, str, int, int]] = []
+
+    def add_full(a: int, z: int, k0: int, k1: int) -> None:
+        last = pieces[-1] if pieces else None
+        if last is not None and last[2] == _FULL and last[1] == a and last[3:] == (k0, k1):
+            pieces[-1] = (last[0], z, _FULL, k0, k1)                   # adjacent full rows: one call
+        else:
+            pieces.append((a, z, _FULL, k0, k1))
+
+    for ra, rb in _runs(qp, qd):
+        doc = None if qd is None else qd[ra]
+        if doc not in segs:
+            continue                                                   # no key of this document
+        seg = segs[doc]
+        if seg is None or (causal and kp[seg[0]:seg[1]] != list(range(kp[seg[0]], kp[seg[0]] + seg[1] - seg[0]))):
+            pieces.append((ra, rb, _MATH, 0, m))
+            continue
+        k0, k1 = seg
+        if not causal:
+            add_full(ra, rb, k0, k1)
+            continue
+        klo, khi, qlo = kp[k0], kp[k1 - 1], qp[ra]
         a = ra + max(0, min(rb - ra, klo - qlo))            # first row with position >= klo
         z = ra + max(0, min(rb - ra, khi - qlo + 1))        # first row with position > khi
         if a < z:
             if qp[a] == klo:
-                pieces.append((a, z, _CAUSAL, qp[z - 1] - klo + 1))
+                pieces.append((a, z, _CAUSAL, k0, k0 + qp[z - 1] - klo + 1))
             else:
-                pieces.append((a, z, _MATH, m))
+                pieces.append((a, z, _MATH, 0, m))
         if z < rb:
-            if pieces and pieces[-1][2] == _FULL and pieces[-1][1] == z:  # adjacent full rows: one call
-                pieces[-1] = (pieces[-1][0], rb, _FULL, m)
-            else:
-                pieces.append((z, rb, _FULL, m))
+            add_full(z, rb, k0, k1)
     return pieces
 
 
@@ -466,6 +532,7 @@ class CpuFlashKernel(BlockKernel):
     """
 
     name = "cpu-flash"
+    documents = True
     _DTYPES = (torch.float32, torch.bfloat16)
 
     @staticmethod
@@ -489,58 +556,66 @@ class CpuFlashKernel(BlockKernel):
     def prepare_backward(self, q, dout, out, h_kv):
         return {"q_c": q.to(compute_dtype_for(q.dtype))}                   # [n, b, h, d] FP32
 
-    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None):
-        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
+        m = k.shape[0]
         cd = compute_dtype_for(q.dtype)
         q = q.to(cd) if q_c is None else q_c                                   # [n, b, h, d]
         k, v = k.to(cd), v.to(cd)                                              # [m, b, hk, d]
         op = getattr(torch.ops.aten, _FLASH_OP)
-        pieces = _flash_pieces(q_pos, k_pos, causal)
-        if len(pieces) == 1 and pieces[0][:3] == (0, n, _FULL):
+        pieces = _flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        if pieces == [(0, n, _FULL, 0, m)]:
             o, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, False, scale=scale)  # [b,h,n,d], [b,h,n]
             return o.permute(2, 0, 1, 3), lse
         out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
         lse = torch.full((b, h, n), -math.inf, dtype=cd, device=q.device)
-        for a, z, kind, kc in pieces:
+        for a, z, kind, k0, k1 in pieces:
             if kind == _MATH:
-                o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale)
+                o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale,
+                                                   **_docs(q_doc, k_doc, a, z))
                 out[a:z], lse[:, :, a:z] = o_p, l_p
                 continue
-            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[:kc]), _bhnd(v[:kc]), 0.0, kind == _CAUSAL, scale=scale)
+            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]), 0.0, kind == _CAUSAL, scale=scale)
             out[a:z] = o_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
             lse[:, :, a:z] = l_p                                               # [b, h, t]
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None):
-        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
         m = k.shape[0]
         cd = compute_dtype_for(q.dtype)
         q = q.to(cd) if q_c is None else q_c                                       # [n, b, h, d]
         k, v = k.to(cd), v.to(cd)                                                  # [m, b, hk, d]
         dout, out, lse = dout.to(cd), out.to(cd), lse.to(cd)                       # [n,b,h,d] x2, [b,h,n]
         op = getattr(torch.ops.aten, _FLASH_OP + "_backward")
-        pieces = _flash_pieces(q_pos, k_pos, causal)
-        if len(pieces) == 1 and pieces[0][:3] == (0, n, _FULL):
+        pieces = _flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        if pieces == [(0, n, _FULL, 0, m)]:
             dq, dk, dv = op(_bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse, 0.0, False,
                             scale=scale)                                            # [b,h,n,d], [b,hk,m,d] x2
             return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
         dq = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
         dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
         dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
-        for a, z, kind, kc in pieces:
+        for a, z, kind, k0, k1 in pieces:
             if kind == _MATH:
                 dq_p, dk_p, dv_p = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z],
-                                                            q_pos[a:z], k_pos, causal, scale)
+                                                            q_pos[a:z], k_pos, causal, scale,
+                                                            **_docs(q_doc, k_doc, a, z))
                 dq[a:z] = dq_p
                 dk.add_(dk_p)
                 dv.add_(dv_p)
                 continue
-            dq_p, dk_p, dv_p = op(_bhnd(dout[a:z]), _bhnd(q[a:z]), _bhnd(k[:kc]), _bhnd(v[:kc]),
+            dq_p, dk_p, dv_p = op(_bhnd(dout[a:z]), _bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]),
                                   _bhnd(out[a:z]), lse[:, :, a:z], 0.0, kind == _CAUSAL, scale=scale)
             dq[a:z] = dq_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
-            dk[:kc].add_(dk_p.permute(2, 0, 1, 3))                             # [kc, b, hk, d]
-            dv[:kc].add_(dv_p.permute(2, 0, 1, 3))
+            dk[k0:k1].add_(dk_p.permute(2, 0, 1, 3))                           # [k1-k0, b, hk, d]
+            dv[k0:k1].add_(dv_p.permute(2, 0, 1, 3))
         return dq, dk, dv
+
+
+def _docs(q_doc, k_doc, a: int, z: int) -> dict:
+    """Document-id keyword arguments for query rows a:z (none without document ids)."""
+    return {} if q_doc is None else {"q_doc": q_doc[a:z], "k_doc": k_doc}
 
 
 #: Block kernels by name; ``"math"`` is the default everywhere.
