@@ -8,7 +8,6 @@ import torch
 from megatron_fcp.attention.kernels import (
     BLOCK_KERNELS,
     CpuFlashKernel,
-    _flash_pieces,
     block_attention_backward,
     block_attention_forward,
     compute_dtype_for,
@@ -23,6 +22,7 @@ from megatron_fcp.attention.layout import (
     zigzag_unsplit,
 )
 from megatron_fcp.attention.merge import LseAccumulator
+from megatron_fcp.attention.tiles import flash_pieces as _flash_pieces
 from megatron_fcp.planning import blocks_of
 
 F64 = torch.float64

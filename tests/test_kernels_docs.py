@@ -9,13 +9,8 @@ import zlib
 import pytest
 import torch
 
-from megatron_fcp.attention.kernels import (
-    BLOCK_KERNELS,
-    _flash_pieces,
-    _tiles,
-    block_attention_backward,
-    block_attention_forward,
-)
+from megatron_fcp.attention.kernels import BLOCK_KERNELS, block_attention_backward, block_attention_forward
+from megatron_fcp.attention.tiles import flash_pieces, math_tiles
 
 F64 = torch.float64
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -131,7 +126,7 @@ def test_tiles_never_cross_a_document_and_skip_other_documents(causal):
     q_pos, q_doc = _spans(Q_SPANS)
     k_pos, k_doc = _spans(K_BLOCKS["multi-doc"] + [(3, 3, 6)])
     seen_rows = set()
-    for a, z, chunks in _tiles(q_pos, k_pos, causal, 3, 2, q_doc, k_doc):
+    for a, z, chunks in math_tiles(q_pos, k_pos, causal, 3, 2, q_doc, k_doc):
         assert len(set(q_doc[a:z].tolist())) == 1                            # tile inside one document
         for c0, c1, _ in chunks:
             assert set(k_doc[c0:c1].tolist()) == {q_doc[a].item()}             # same document only
@@ -142,14 +137,14 @@ def test_tiles_never_cross_a_document_and_skip_other_documents(causal):
 def test_flash_pieces_with_documents():
     q_pos, q_doc = _spans([(0, 0, 4), (1, 0, 3), (1, 5, 8), (2, 0, 2)])      # rows 0-3, 4-6, 7-9, 10-11
     k_pos, k_doc = _spans([(1, 0, 6), (2, 0, 2)])                              # keys 0-5 doc 1, 6-7 doc 2
-    assert _flash_pieces(q_pos, k_pos, True, q_doc, k_doc) == [
+    assert flash_pieces(q_pos, k_pos, True, q_doc, k_doc) == [
         (4, 7, "causal", 0, 3),    # doc 1 positions 0-2 against its keys 0-2
         (7, 8, "math", 0, 8),      # doc 1 position 5 starts inside the keys (no bottom-right causal)
         (8, 10, "full", 0, 6),     # doc 1 positions 6-7 see all of doc 1's keys
         (10, 12, "causal", 6, 8),  # doc 2 against its own block
     ]
-    assert _flash_pieces(q_pos, k_pos, False, q_doc, k_doc) == [(4, 10, "full", 0, 6), (10, 12, "full", 6, 8)]
+    assert flash_pieces(q_pos, k_pos, False, q_doc, k_doc) == [(4, 10, "full", 0, 6), (10, 12, "full", 6, 8)]
     # a document in two separate key segments: its rows go to math, other rows stay fused
     k_pos2, k_doc2 = _spans([(1, 0, 2), (2, 0, 2), (1, 2, 4)])
-    assert _flash_pieces(q_pos, k_pos2, False, q_doc, k_doc2) == [
+    assert flash_pieces(q_pos, k_pos2, False, q_doc, k_doc2) == [
         (4, 7, "math", 0, 6), (7, 10, "math", 0, 6), (10, 12, "full", 2, 4)]

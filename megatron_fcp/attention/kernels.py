@@ -6,6 +6,8 @@ Shapes (Megatron's ``[s, b, h, d]`` convention):
     q:    [n, b, h, d]        n query tokens, h query heads
     k, v: [m, b, h_kv, d]     m key tokens of one block, h_kv KV heads, h % h_kv == 0 (GQA / MQA)
     q_pos: int64 [n], k_pos: int64 [m]   global token positions (CPU tensors; used to classify tiles)
+    q_doc: int64 [n], k_doc: int64 [m]   optional document ids (packed batches; positions are then
+                                         positions inside the document)
     out:  [n, b, h, d]        softmax(q k^T * scale + mask) v over this block only
     lse:  [b, h, n]           log-sum-exp of the masked, scaled scores over this block
 
@@ -14,7 +16,8 @@ inputs are upcast once per call). ``out`` and ``lse`` (and the backward's ``dq, 
 returned in the compute dtype, never cast back, so partial results can be merged across blocks in
 FP32 (see :mod:`megatron_fcp.attention.merge`); the caller casts the final result.
 
-Mask: causal means key position <= query position; non-causal sees everything. A query row that
+Mask: causal means key position <= query position; non-causal sees everything; with document ids
+a query sees only keys of its own document. A query row that
 sees no key of the block gets ``out = 0`` and ``lse = -inf`` (never NaN), which the merge treats as
 an empty contribution.
 
@@ -31,8 +34,10 @@ of ``repeat_interleave`` and flash-attn), so the g query heads of a KV head are 
 rows: Q becomes [b, h_kv, g*T, d] and one matmul against [b, h_kv, d, m] serves the whole group;
 dK/dV come out summed over the group by the same matmul.
 
-Tiles: query rows are cut into tiles that never cross a jump in positions (the two zigzag chunks
-of a shard are separate runs), and a block's keys into chunks of at most ``_KEY_CHUNK``; inside
+Tiles (:mod:`megatron_fcp.attention.tiles`): query rows are cut into tiles that never cross a jump
+in positions or a document (the two zigzag chunks of a shard are separate runs), and a block's
+keys into chunks of at most ``_KEY_CHUNK`` that never cross a document; pairs of two documents are
+skipped; inside
 a query tile the chunks are folded with the same online log-sum-exp merge as blocks are. A
 (tile, chunk) pair whose queries all precede the chunk's keys is *fully masked* and skipped (rows
 that see no chunk stay 0 / -inf); a pair whose earliest query follows every key is *fully
@@ -42,17 +47,16 @@ Block kernels as strategies: the functions above are the ``"math"`` kernel. :dat
 maps a name to a :class:`BlockKernel` (``"math"``, the default, and ``"cpu-flash"``, torch's fused
 CPU flash-attention ops for FP32/BF16 CPU tensors); :func:`resolve_kernel` picks one and checks it
 can run the given dtype and device. Both honour the same contract (shapes, FP32 ``out``/``lse``,
-masks from global positions, fully masked rows 0 / -inf, GQA).
+masks from positions and document ids, fully masked rows 0 / -inf, GQA).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterator
-
 import torch
 
 from megatron_fcp.attention.merge import merge_coefficients
+from megatron_fcp.attention.tiles import CAUSAL, FULL, MATH, PARTIAL, flash_pieces, math_tiles
 
 __all__ = [
     "compute_dtype_for",
@@ -78,89 +82,9 @@ _MIN_TILE_ROWS = 64
 # per key as a 1K one and causal skipping works at chunk granularity.
 _KEY_CHUNK = 1024
 
-_FULL, _PARTIAL, _MASKED = "full", "partial", "masked"
-
-
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _runs(pos: list[int], doc: list[int] | None = None) -> list[tuple[int, int]]:
-    """Maximal index ranges [a, b) over which ``pos`` increases by exactly 1 per step (and, with
-    ``doc``, the document stays the same)."""
-    runs, start = [], 0
-    for i in range(1, len(pos)):
-        if pos[i] != pos[i - 1] + 1 or (doc is not None and doc[i] != doc[i - 1]):
-            runs.append((start, i))
-            start = i
-    if pos:
-        runs.append((start, len(pos)))
-    return runs
-
-
-def _classify(q_lo: int, q_hi: int, k_lo: int, k_hi: int, causal: bool) -> str:
-    """Kind of a (query tile, key chunk) pair from position ranges (query ranges are increasing runs)."""
-    if not causal or q_lo >= k_hi:
-        return _FULL
-    if q_hi < k_lo:
-        return _MASKED
-    return _PARTIAL
-
-
-def _key_chunks(m: int, key_chunk: int, kd: list[int] | None) -> list[tuple[int, int]]:
-    """Key chunks ``(c0, c1)`` of at most ``key_chunk`` keys, cut at every document change of ``kd``."""
-    if kd is None:
-        return [(c, min(c + key_chunk, m)) for c in range(0, m, key_chunk)]
-    bounds = []
-    for s0, s1 in _runs(list(range(m)), kd):                    # one document segment each
-        bounds.extend((c, min(c + key_chunk, s1)) for c in range(s0, s1, key_chunk))
-    return bounds
-
-
-def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile: int,
-           key_chunk: int, q_doc: torch.Tensor | None = None,
-           k_doc: torch.Tensor | None = None) -> Iterator[tuple[int, int, list[tuple[int, int, str]]]]:
-    """Yield ``(a, z, chunks)``: query rows a:z and their key chunks ``(c0, c1, kind)`` with kind
-    full / partial (fully masked chunks are left out; a tile with no chunk left is not yielded).
-
-    With document ids neither a tile nor a chunk crosses a document boundary, and a (tile, chunk)
-    pair of two different documents is masked (skipped) before positions are looked at."""
-    qp = q_pos.tolist()
-    m = k_pos.numel()
-    qd = q_doc.tolist() if q_doc is not None else None
-    kd = k_doc.tolist() if k_doc is not None else None
-    bounds = _key_chunks(m, key_chunk, kd)
-    chunk_doc = [kd[c0] for c0, _ in bounds] if kd is not None else None
-    if causal:
-        kp = k_pos.tolist()
-        ranges = [(min(kp[c0:c1]), max(kp[c0:c1])) for c0, c1 in bounds]
-        is_run = [kp[c1 - 1] - kp[c0] == c1 - c0 - 1 and ranges[i] == (kp[c0], kp[c1 - 1])
-                  for i, (c0, c1) in enumerate(bounds)]
-    for ra, rb in _runs(qp, qd):
-        same = None if qd is None else [d == qd[ra] for d in chunk_doc]  # chunk in this run's document
-        for a in range(ra, rb, rows_per_tile):
-            z = min(a + rows_per_tile, rb)
-            if not causal:
-                chunks = [(c0, c1, _FULL) for i, (c0, c1) in enumerate(bounds) if same is None or same[i]]
-                if chunks:
-                    yield a, z, chunks
-                continue
-            chunks = []
-            for i, (c0, c1) in enumerate(bounds):
-                if same is not None and not same[i]:
-                    continue                                        # another document: masked
-                lo, hi = ranges[i]
-                kind = _classify(qp[a], qp[z - 1], lo, hi, True)
-                if kind == _PARTIAL and is_run[i]:
-                    # an increasing run of keys: those after the tile's last query are masked
-                    # for every row, so clip the chunk there
-                    c1 = c0 + max(0, min(c1 - c0, qp[z - 1] - lo + 1))
-                    kind = _classify(qp[a], qp[z - 1], lo, kp[c1 - 1], True)
-                if kind != _MASKED:
-                    chunks.append((c0, c1, kind))
-            if chunks:
-                yield a, z, chunks
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -235,7 +159,7 @@ def block_attention_forward(
     vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
-    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+    tiles = math_tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
                    q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
@@ -243,17 +167,17 @@ def block_attention_forward(
         o_t = l_t = None
         for c0, c1, kind in chunks:
             s = torch.matmul(qt, kh[:, :, c0:c1].transpose(-1, -2))       # [b, hk, g*t, c]
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
             mx = s.amax(dim=-1, keepdim=True)                              # [b, hk, g*t, 1]
             p = torch.softmax(s, dim=-1)                                   # fused max/exp/sum/scale
             del s
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 empty = torch.isneginf(mx)                                 # rows seeing no key
                 p.masked_fill_(empty, 0.0)                                 # softmax gave NaN there
             # softmax's largest entry is exp(0) / l, so lse = max + log l = max - log(max P)
             l_c = mx - torch.log(p.amax(dim=-1, keepdim=True))
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 l_c.masked_fill_(empty, -math.inf)
             o_c = torch.matmul(p, vh[:, :, c0:c1])                         # [b, hk, g*t, d]
             if o_t is None:
@@ -303,7 +227,7 @@ def block_attention_backward(
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
     dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
-    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+    tiles = math_tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
                    q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
@@ -315,7 +239,7 @@ def block_attention_backward(
         for c0, c1, kind in chunks:
             kc, vc = kh[:, :, c0:c1], vh[:, :, c0:c1]                      # [b, hk, c, d]
             s = torch.matmul(qt, kc.transpose(-1, -2)).mul_(scale)         # [b, hk, g*t, c]
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
             p = s.sub_(lse_t).exp_()                                       # P = exp(S - lse)
             dv[:, :, c0:c1].add_(torch.matmul(p.transpose(-1, -2), dot))   # [b, hk, c, d]
@@ -435,72 +359,6 @@ class MathKernel(BlockKernel):
 
 
 _FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
-_CAUSAL, _MATH = "causal", "math"
-
-
-def _flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, q_doc: torch.Tensor | None = None,
-                  k_doc: torch.Tensor | None = None) -> list[tuple[int, int, str, int, int]]:
-    """Cut a (query shard, KV block) pair into pieces torch's fused CPU op can run.
-
-    Returns ``(a, z, kind, k0, k1)``: query rows a:z against keys k0:k1, kind ``full`` (no mask),
-    ``causal`` (top-left causal: rows a:z have positions klo..klo+(k1-k0)-1, the keys' own
-    positions) or ``math`` (delegated to the math kernel with the whole block, ``k0, k1 = 0, m``).
-    Rows are pieces of at most one piece each; rows that see no key are left out. Without
-    document ids: non-causal is one full piece; causal with the block's keys an increasing run
-    klo..khi, per increasing run of query rows: rows before klo masked; rows in [klo, khi]
-    ``causal`` if the run reaches back to klo (a query chunk against its own block or a sub-block
-    of it, parts_per_chunk > 1), else ``math`` (a run starting inside the block: the op has no
-    bottom-right causal); rows after khi ``full``. Keys that are not one increasing run: the whole
-    pair is delegated to ``math``. With document ids (``q_doc``, ``k_doc``) the same rule runs per
-    query run (which never crosses a document) against the keys of its own document, when those
-    are one segment of the block (and, causal, one increasing run); rows of a document the block
-    lacks are masked; anything else goes to ``math`` for that run's rows.
-    """
-    n, m = q_pos.numel(), k_pos.numel()
-    kp, qp = k_pos.tolist(), q_pos.tolist()
-    if q_doc is None:
-        if not causal:
-            return [(0, n, _FULL, 0, m)]
-        if kp != list(range(kp[0], kp[0] + m)):
-            return [(0, n, _MATH, 0, m)]
-        qd, segs = None, {None: (0, m)}
-    else:
-        qd, kd = q_doc.tolist(), k_doc.tolist()
-        segs = {}
-        for s0, s1 in _runs(list(range(m)), kd):              # key segments of one document each
-            segs[kd[s0]] = (s0, s1) if kd[s0] not in segs else None  # None: split in two places
-    pieces: list[tuple[int, int, str, int, int]] = []
-
-    def add_full(a: int, z: int, k0: int, k1: int) -> None:
-        last = pieces[-1] if pieces else None
-        if last is not None and last[2] == _FULL and last[1] == a and last[3:] == (k0, k1):
-            pieces[-1] = (last[0], z, _FULL, k0, k1)                   # adjacent full rows: one call
-        else:
-            pieces.append((a, z, _FULL, k0, k1))
-
-    for ra, rb in _runs(qp, qd):
-        doc = None if qd is None else qd[ra]
-        if doc not in segs:
-            continue                                                   # no key of this document
-        seg = segs[doc]
-        if seg is None or (causal and kp[seg[0]:seg[1]] != list(range(kp[seg[0]], kp[seg[0]] + seg[1] - seg[0]))):
-            pieces.append((ra, rb, _MATH, 0, m))
-            continue
-        k0, k1 = seg
-        if not causal:
-            add_full(ra, rb, k0, k1)
-            continue
-        klo, khi, qlo = kp[k0], kp[k1 - 1], qp[ra]
-        a = ra + max(0, min(rb - ra, klo - qlo))            # first row with position >= klo
-        z = ra + max(0, min(rb - ra, khi - qlo + 1))        # first row with position > khi
-        if a < z:
-            if qp[a] == klo:
-                pieces.append((a, z, _CAUSAL, k0, k0 + qp[z - 1] - klo + 1))
-            else:
-                pieces.append((a, z, _MATH, 0, m))
-        if z < rb:
-            add_full(z, rb, k0, k1)
-    return pieces
 
 
 def _bhnd(x: torch.Tensor) -> torch.Tensor:
@@ -517,7 +375,7 @@ class CpuFlashKernel(BlockKernel):
     ring backward (the op recomputes ``P = exp(S - lse)`` and ``D = rowsum(dout*out)``). GQA is
     native to the op (query head i uses KV head i // g). We use the op unmasked or with its
     top-left ``is_causal`` only (no dense ``attn_mask``: an [n, m] tensor per pair), so each pair
-    is cut by :func:`_flash_pieces`: fully visible rows run unmasked, a query
+    is cut by :func:`~megatron_fcp.attention.tiles.flash_pieces`: fully visible rows run unmasked, a query
     chunk against its own (sub-)block runs top-left causal on a prefix of the keys, fully masked
     rows are skipped (out 0, lse -inf) and anything else is **delegated to the math kernel** for
     those rows, which keeps the numerics contract.
@@ -563,19 +421,19 @@ class CpuFlashKernel(BlockKernel):
         q = q.to(cd) if q_c is None else q_c                                   # [n, b, h, d]
         k, v = k.to(cd), v.to(cd)                                              # [m, b, hk, d]
         op = getattr(torch.ops.aten, _FLASH_OP)
-        pieces = _flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
-        if pieces == [(0, n, _FULL, 0, m)]:
+        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        if pieces == [(0, n, FULL, 0, m)]:
             o, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, False, scale=scale)  # [b,h,n,d], [b,h,n]
             return o.permute(2, 0, 1, 3), lse
         out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
         lse = torch.full((b, h, n), -math.inf, dtype=cd, device=q.device)
         for a, z, kind, k0, k1 in pieces:
-            if kind == _MATH:
+            if kind == MATH:
                 o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale,
                                                    **_docs(q_doc, k_doc, a, z))
                 out[a:z], lse[:, :, a:z] = o_p, l_p
                 continue
-            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]), 0.0, kind == _CAUSAL, scale=scale)
+            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]), 0.0, kind == CAUSAL, scale=scale)
             out[a:z] = o_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
             lse[:, :, a:z] = l_p                                               # [b, h, t]
         return out, lse
@@ -588,8 +446,8 @@ class CpuFlashKernel(BlockKernel):
         k, v = k.to(cd), v.to(cd)                                                  # [m, b, hk, d]
         dout, out, lse = dout.to(cd), out.to(cd), lse.to(cd)                       # [n,b,h,d] x2, [b,h,n]
         op = getattr(torch.ops.aten, _FLASH_OP + "_backward")
-        pieces = _flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
-        if pieces == [(0, n, _FULL, 0, m)]:
+        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        if pieces == [(0, n, FULL, 0, m)]:
             dq, dk, dv = op(_bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse, 0.0, False,
                             scale=scale)                                            # [b,h,n,d], [b,hk,m,d] x2
             return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
@@ -597,7 +455,7 @@ class CpuFlashKernel(BlockKernel):
         dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
         dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
         for a, z, kind, k0, k1 in pieces:
-            if kind == _MATH:
+            if kind == MATH:
                 dq_p, dk_p, dv_p = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z],
                                                             q_pos[a:z], k_pos, causal, scale,
                                                             **_docs(q_doc, k_doc, a, z))
@@ -606,7 +464,7 @@ class CpuFlashKernel(BlockKernel):
                 dv.add_(dv_p)
                 continue
             dq_p, dk_p, dv_p = op(_bhnd(dout[a:z]), _bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]),
-                                  _bhnd(out[a:z]), lse[:, :, a:z], 0.0, kind == _CAUSAL, scale=scale)
+                                  _bhnd(out[a:z]), lse[:, :, a:z], 0.0, kind == CAUSAL, scale=scale)
             dq[a:z] = dq_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
             dk[k0:k1].add_(dk_p.permute(2, 0, 1, 3))                           # [k1-k0, b, hk, d]
             dv[k0:k1].add_(dv_p.permute(2, 0, 1, 3))
