@@ -1,10 +1,14 @@
 """``fcp_attention``: exact context-parallel attention that executes a communication :class:`Plan`.
 
-Each CP rank holds its zigzag shard of Q, K, V (``[s_local, b, h, d]``, see
-:mod:`megatron_fcp.attention.layout`). Its KV is cut into blocks (``Plan.parts_per_chunk`` per
-zigzag chunk); the plan says, round by round, which rank sends which block to whom. Every rank
-folds each block it *needs* (``Plan.needs``) into a running ``(out, lse)``; blocks a plan only
-routes through a rank (a ring delivers everything everywhere) are relayed, never computed on.
+Each CP rank holds its zigzag shard of Q, K, V (``[s_local, b, h, d]``), or, for a packed batch,
+the tokens a :class:`~megatron_fcp.planning.Placement` gives it (THD ``[t_local, h, d]``, run as
+``b = 1``). Its KV is cut into blocks (``Plan.parts_per_chunk`` per zigzag chunk, or the
+placement's spans, of any size); the plan says, round by round, which rank sends which block to
+whom. Every rank folds each block it *needs* (``Plan.needs``) into a running ``(out, lse)``; blocks
+a plan only routes through a rank (a ring delivers everything everywhere) are relayed, never
+computed on. One executor serves both layouts: what it needs to know about tokens comes from a
+shard layout (Note [Shard layouts] in :mod:`megatron_fcp.attention.layout`). Over a placement a
+block is computed only against the query rows of its document, merged into those rows.
 
 Note [Forward pipeline]
 -----------------------
