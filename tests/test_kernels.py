@@ -8,7 +8,6 @@ import torch
 from megatron_fcp.attention.kernels import (
     BLOCK_KERNELS,
     CpuFlashKernel,
-    _flash_pieces,
     block_attention_backward,
     block_attention_forward,
     compute_dtype_for,
@@ -23,6 +22,7 @@ from megatron_fcp.attention.layout import (
     zigzag_unsplit,
 )
 from megatron_fcp.attention.merge import LseAccumulator
+from megatron_fcp.attention.tiles import flash_pieces as _flash_pieces
 from megatron_fcp.planning import blocks_of
 
 F64 = torch.float64
@@ -212,19 +212,19 @@ def test_kernel_registry_and_bad_kernels_name_the_fix():
 def test_flash_pieces_classify_rows():
     ar = torch.arange
     # a query chunk against its own block: one top-left causal piece over all keys
-    assert _flash_pieces(ar(8), ar(8), True) == [(0, 8, "causal", 8)]
-    assert _flash_pieces(ar(8), ar(8), False) == [(0, 8, "full", 8)]
+    assert _flash_pieces(ar(8), ar(8), True) == [(0, 8, "causal", 0, 8)]
+    assert _flash_pieces(ar(8), ar(8), False) == [(0, 8, "full", 0, 8)]
     # sub-block diagonal (parts_per_chunk = 2): rows 0-3 masked, 4-5 causal on 2 keys, 6-7 full
-    assert _flash_pieces(ar(8), ar(4, 6), True) == [(4, 6, "causal", 2), (6, 8, "full", 2)]
+    assert _flash_pieces(ar(8), ar(4, 6), True) == [(4, 6, "causal", 0, 2), (6, 8, "full", 0, 2)]
     # zigzag shard [0..3, 12..15] of cp=2 against key chunks: masked / full rows; adjacent full merged
     zz = zigzag_positions(8, 2, 0)
-    assert _flash_pieces(zz, ar(8, 12), True) == [(4, 8, "full", 4)]
-    assert _flash_pieces(zz, ar(0, 4), True) == [(0, 4, "causal", 4), (4, 8, "full", 4)]
-    assert _flash_pieces(ar(4, 8), ar(0, 4), True) == [(0, 4, "full", 4)]
+    assert _flash_pieces(zz, ar(8, 12), True) == [(4, 8, "full", 0, 4)]
+    assert _flash_pieces(zz, ar(0, 4), True) == [(0, 4, "causal", 0, 4), (4, 8, "full", 0, 4)]
+    assert _flash_pieces(ar(4, 8), ar(0, 4), True) == [(0, 4, "full", 0, 4)]
     # a query run starting inside the block (no bottom-right causal in the op): delegated to math
-    assert _flash_pieces(ar(3, 8), ar(0, 6), True) == [(0, 3, "math", 6), (3, 5, "full", 6)]
+    assert _flash_pieces(ar(3, 8), ar(0, 6), True) == [(0, 3, "math", 0, 6), (3, 5, "full", 0, 6)]
     # keys that are not one increasing run: the whole pair goes to math
-    assert _flash_pieces(ar(6), torch.tensor([0, 2, 4]), True) == [(0, 6, "math", 3)]
+    assert _flash_pieces(ar(6), torch.tensor([0, 2, 4]), True) == [(0, 6, "math", 0, 3)]
     # fully masked pair: nothing to compute
     assert _flash_pieces(ar(4), ar(10, 14), True) == []
 

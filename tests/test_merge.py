@@ -103,3 +103,24 @@ def test_shape_mismatch_raises():
         merge_two(oa, la, oa[:2], la[..., :2])
     with pytest.raises(ValueError, match="no partial result"):
         LseAccumulator().result()
+
+
+def test_row_range_merge_into_an_empty_accumulator_is_exact():
+    """Placements merge a block into the rows of its document only: the same bits as merging the
+    whole shard with the other rows empty (out 0, lse -inf), and untouched rows stay empty."""
+    g = torch.Generator().manual_seed(5)
+    n, b, h, d = 10, 1, 2, 4
+    parts = [(slice(0, 6), torch.randn(6, b, h, d, generator=g), torch.randn(b, h, 6, generator=g)),
+             (slice(3, 8), torch.randn(5, b, h, d, generator=g), torch.randn(b, h, 5, generator=g)),
+             (slice(0, 6), torch.randn(6, b, h, d, generator=g), torch.randn(b, h, 6, generator=g))]
+    rows = LseAccumulator.empty(n, b, h, d, torch.float32)
+    whole = LseAccumulator()
+    for sl, o, l in parts:
+        rows.add(o, l, rows=sl)
+        full_o, full_l = torch.zeros(n, b, h, d), torch.full((b, h, n), -math.inf)
+        full_o[sl], full_l[..., sl] = o, l
+        whole.add(full_o, full_l)
+    assert torch.equal(rows.out, whole.out) and torch.equal(rows.lse, whole.lse)
+    assert torch.all(rows.out[8:] == 0) and torch.all(torch.isneginf(rows.lse[..., 8:]))
+    with pytest.raises(ValueError, match="LseAccumulator.empty"):
+        LseAccumulator().add(parts[0][1], parts[0][2], rows=parts[0][0])

@@ -18,6 +18,7 @@ from megatron_fcp.planning import (
     PlanError,
     Span,
     build_plan,
+    full_plan,
     need_set,
     place_packed,
     simulate_plan,
@@ -175,6 +176,25 @@ def test_every_builder_plans_a_placement_exactly(graph, causal):
         assert plan.num_transfers() == exact
     if graph == "hierarchical":  # relays through rail peers that read nothing of the document
         assert exact <= plan.num_transfers() <= 1.25 * exact + 16
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths,cp", [([1, 37, 3, 5, 90, 2, 1, 7, 13, 61, 4, 1], 3), ([101], 4), ([1], 4),
+                                        ([5, 9, 2, 30], 2)])
+def test_full_plan_over_a_placement_sends_each_needed_block_once_directly(lengths, cp, causal):
+    """No topology: round k pairs CP rank i with i+k, owners send straight to readers, empty rounds dropped."""
+    pl = place_packed(lengths, cp, block_tokens=16, causal=causal)
+    ranks = tuple(range(10, 10 + cp))
+    plan = full_plan(ranks, causal, placement=pl).verify()
+    verify_reference(plan)
+    assert plan.name == "full" and plan.placement == pl and all(plan.rounds)
+    assert plan.num_transfers() == int(pl.need_matrix().sum())               # exactly the need sets
+    for rnd in plan.rounds:
+        assert all(t.block.owner == t.src for t in rnd)                     # direct, no relays
+        offsets = {(ranks.index(t.dst) - ranks.index(t.src)) % cp for t in rnd}
+        assert len(offsets) == 1                                             # one CP offset per round
+    with pytest.raises(PlanError, match="causal"):
+        full_plan(ranks, not causal, placement=pl)
 
 
 def test_short_documents_need_no_communication():

@@ -1,5 +1,5 @@
-"""The attention engine: zigzag layout, block kernels, LSE merge and the plan-executing autograd
-function. ``fcp_attention`` is the public entry point (also exported as
+"""The attention engine: shard layouts (zigzag, placements), block kernels, LSE merge and the
+plan-executing autograd function. ``fcp_attention`` is the public entry point (also exported as
 ``megatron_fcp.fcp_attention``); submodules are imported on first use so that importing the
 package stays cheap.
 """
@@ -24,6 +24,8 @@ _LAZY = {
     "zigzag_unsplit": "megatron_fcp.attention.layout",
     "zigzag_positions": "megatron_fcp.attention.layout",
     "block_positions": "megatron_fcp.attention.layout",
+    "ZigzagLayout": "megatron_fcp.attention.layout",
+    "PlacementLayout": "megatron_fcp.attention.layout",
 }
 
 __all__ = list(_LAZY)

@@ -1,10 +1,14 @@
 """``fcp_attention``: exact context-parallel attention that executes a communication :class:`Plan`.
 
-Each CP rank holds its zigzag shard of Q, K, V (``[s_local, b, h, d]``, see
-:mod:`megatron_fcp.attention.layout`). Its KV is cut into blocks (``Plan.parts_per_chunk`` per
-zigzag chunk); the plan says, round by round, which rank sends which block to whom. Every rank
-folds each block it *needs* (``Plan.needs``) into a running ``(out, lse)``; blocks a plan only
-routes through a rank (a ring delivers everything everywhere) are relayed, never computed on.
+Each CP rank holds its zigzag shard of Q, K, V (``[s_local, b, h, d]``), or, for a packed batch,
+the tokens a :class:`~megatron_fcp.planning.Placement` gives it (THD ``[t_local, h, d]``, run as
+``b = 1``). Its KV is cut into blocks (``Plan.parts_per_chunk`` per zigzag chunk, or the
+placement's spans, of any size); the plan says, round by round, which rank sends which block to
+whom. Every rank folds each block it *needs* (``Plan.needs``) into a running ``(out, lse)``; blocks
+a plan only routes through a rank (a ring delivers everything everywhere) are relayed, never
+computed on. One executor serves both layouts: what it needs to know about tokens comes from a
+shard layout (Note [Shard layouts] in :mod:`megatron_fcp.attention.layout`). Over a placement a
+block is computed only against the query rows of its document, merged into those rows.
 
 Note [Forward pipeline]
 -----------------------
@@ -56,11 +60,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resolve_kernel
-from megatron_fcp.attention.layout import block_local_slice, block_positions, zigzag_positions
+from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
 from megatron_fcp.planning.blocks import Block, Transfer, blocks_of
-from megatron_fcp.planning.plan import SIMPLE_PLANS, Plan
+from megatron_fcp.planning.placement import Placement
+from megatron_fcp.planning.plan import SIMPLE_PLANS, Plan, full_plan
 
 __all__ = [
     "fcp_attention",
@@ -107,8 +112,14 @@ class FCPStats:
 # ---------------------------------------------------------------------------------------------
 # validation (before any communication)
 # ---------------------------------------------------------------------------------------------
-def resolve_plan(plan: PlanLike, group_ranks: tuple[int, ...], causal: bool) -> Plan:
-    """A :class:`Plan` for this group: build a named plan, or check a given one against the group."""
+def resolve_plan(plan: PlanLike | None, group_ranks: tuple[int, ...], causal: bool,
+                 placement: Placement | None = None) -> Plan:
+    """A :class:`Plan` for this group: build a named plan, or check a given one against the group.
+
+    ``None`` is ``"ring"`` for zigzag shards and ``"full"`` over a ``placement`` (the only named
+    plan there: :func:`~megatron_fcp.planning.plan.full_plan` with ``placement=``)."""
+    if plan is None:
+        plan = "ring" if placement is None else "full"
     if isinstance(plan, str):
         if plan in PLAN_ALIASES:
             warnings.warn(f"plan {plan!r} is deprecated; use {PLAN_ALIASES[plan]!r} (the same schedule)",
@@ -116,7 +127,12 @@ def resolve_plan(plan: PlanLike, group_ranks: tuple[int, ...], causal: bool) -> 
             plan = PLAN_ALIASES[plan]
         if plan not in SIMPLE_PLANS:
             raise ValueError(f"unknown plan {plan!r}; use one of {sorted(SIMPLE_PLANS)} or pass a Plan")
-        return SIMPLE_PLANS[plan](group_ranks, causal=causal, parts_per_chunk=1).verify()
+        if placement is None:
+            return SIMPLE_PLANS[plan](group_ranks, causal=causal, parts_per_chunk=1).verify()
+        if plan != "full":
+            raise ValueError(f"plan {plan!r} runs zigzag shards only; over a placement use plan='full' (or None) "
+                             f"or a Plan from build_plan(..., placement=placement)")
+        return full_plan(group_ranks, causal, placement=placement).verify()
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a name {sorted(SIMPLE_PLANS)} or a megatron_fcp.planning.Plan, "
                          f"got {type(plan).__name__}")
@@ -128,15 +144,30 @@ def resolve_plan(plan: PlanLike, group_ranks: tuple[int, ...], causal: bool) -> 
     if plan.causal != causal:
         raise ValueError(f"plan was built with causal={plan.causal} but attention runs with causal={causal}; "
                          f"rebuild the plan with causal={causal} (need sets differ)")
+    if placement is None and plan.placement is not None:
+        raise ValueError("plan is over a placement (a packed batch); pass placement=plan.placement and THD "
+                         "tensors [t_local, heads, head_dim]")
+    if placement is not None and plan.placement is None:
+        raise ValueError("plan is a zigzag plan; build it over the placement: full_plan(ranks, causal, "
+                         "placement=placement) or build_plan(..., placement=placement)")
+    if placement is not None and plan.placement is not placement and plan.placement != placement:
+        raise ValueError("plan was built for a different placement than the one given; rebuild the plan "
+                         "with placement=<this placement> (or pass plan.placement)")
     return plan.verify()  # at once for a plan already verified (every plan build_plan returns)
 
 
-def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale, kernel: KernelLike = "math"):
-    """Check everything this rank can check locally; return (plan, rank, scale, kernel)."""
+def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_scale,
+              kernel: KernelLike = "math", placement: Placement | None = None):
+    """Check everything this rank can check locally; return (plan, rank, scale, kernel).
+
+    Zigzag: q, k, v are ``[s_local, b, h, d]``. Over a placement: THD ``[t_local, h, d]``."""
+    thd = placement is not None
+    ndim, dims = (3, "[t_local, heads, head_dim] (THD, no batch dim)") if thd else (4, "[s_local, b, heads, head_dim]")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor [s_local, b, heads, head_dim], got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if not isinstance(x, torch.Tensor) or x.dim() != ndim:
+            hint = "" if thd else "; for a packed batch pass placement= and THD tensors [t_local, heads, head_dim]"
+            raise ValueError(f"{name} must be a {ndim}-D tensor {dims}, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}{hint}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if q.dtype not in _DTYPES:
@@ -144,16 +175,21 @@ def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale, ke
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
     if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [s_local, b, h_kv, d]")
-    s_local, b, h, d = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (s_local, b, d):
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on s_local, batch and "
-                         f"head_dim (self-attention over the same local tokens)")
-    h_kv = k.shape[2]
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
+                         f"{'[t_local, h_kv, d]' if thd else '[s_local, b, h_kv, d]'}")
+    s_local, h, d = q.shape[0], q.shape[-2], q.shape[-1]
+    if k.shape[0] != s_local or k.shape[-1] != d or k.shape[1:-2] != q.shape[1:-2]:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on "
+                         f"{'t_local' if thd else 's_local, batch'} and head_dim (self-attention over the "
+                         f"same local tokens)")
+    h_kv = k.shape[-2]
     if h_kv < 1 or h % h_kv != 0:
         raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); "
                          f"fix num_query_groups")
     kernel_obj = resolve_kernel(kernel, q.dtype, q.device)
+    if thd and not getattr(kernel_obj, "documents", False):
+        raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents); "
+                         f"use kernel='math' or 'cpu-flash' for a placement")
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -164,9 +200,11 @@ def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale, ke
     rank = dist.get_rank()
     if rank not in group_ranks:
         raise ValueError(f"this rank {rank} is not in cp_group {list(group_ranks)}; pass this rank's CP group")
-    plan = resolve_plan(plan, group_ranks, causal)
+    if thd:
+        _check_placement(placement, group_ranks, rank, causal, s_local)
+    plan = resolve_plan(plan, group_ranks, causal, placement)
     cp, ppc = plan.cp, plan.parts_per_chunk
-    if s_local % (2 * ppc) != 0:
+    if not thd and s_local % (2 * ppc) != 0:
         raise ValueError(
             f"local sequence length {s_local} (global {s_local * cp}) is not a multiple of "
             f"2*parts_per_chunk = {2 * ppc}; pad the global sequence to a multiple of "
@@ -174,6 +212,22 @@ def _validate(q, k, v, cp_group, plan: PlanLike, causal: bool, softmax_scale, ke
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     return plan, rank, scale, kernel_obj
+
+
+def _check_placement(placement, group_ranks: tuple[int, ...], rank: int, causal: bool, t_local: int) -> None:
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a megatron_fcp.planning.Placement (e.g. place_packed(doc_lengths, "
+                         f"cp)), got {type(placement).__name__}")
+    if placement.cp != len(group_ranks):
+        raise ValueError(f"placement is for cp={placement.cp} but cp_group has {len(group_ranks)} ranks; "
+                         f"place the batch with place_packed(doc_lengths, cp={len(group_ranks)})")
+    if placement.causal != causal:
+        raise ValueError(f"placement was built with causal={placement.causal} but attention runs with "
+                         f"causal={causal}; rebuild it with place_packed(..., causal={causal}) (need sets differ)")
+    idx = group_ranks.index(rank)
+    if t_local != placement.tokens(idx):
+        raise ValueError(f"this rank (CP index {idx}) holds {placement.tokens(idx)} tokens of the placement but "
+                         f"q/k/v have {t_local}; pass placement.shard(x, {idx}) of the packed batch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,25 +238,19 @@ def _flip(t: Transfer) -> Transfer:
 
 
 class _Executor:
-    """Runs one plan for one rank: forward and backward pipelines (see the Notes above)."""
+    """Runs one plan for one rank: forward and backward pipelines (see the Notes above). What it
+    knows about tokens comes from a :class:`~megatron_fcp.attention.layout.ShardLayout` (zigzag or
+    placement; Note [Shard layouts]); tensors are ``[n, b, h, d]`` (THD runs as ``b = 1``)."""
 
     def __init__(self, plan: Plan, rank: int, transport: Transport, causal: bool, scale: float,
-                 s_local: int, stats: FCPStats | None, kernel: BlockKernel) -> None:
+                 layout: ShardLayout, stats: FCPStats | None, kernel: BlockKernel) -> None:
         self.plan, self.rank, self.transport, self.kernel = plan, rank, transport, kernel
-        self.causal, self.scale, self.s_local, self.stats = causal, scale, s_local, stats
-        self.ppc = plan.parts_per_chunk
+        self.causal, self.scale, self.layout, self.stats = causal, scale, layout, stats
         self.needs = plan.needs(rank)
-        self.local_blocks = blocks_of(rank, self.ppc)
-        self.q_pos = zigzag_positions(s_local, plan.cp, plan.cp_index(rank))  # CPU int64 [s_local]
+        self.local_blocks = layout.local_blocks
         self.num_rounds = len(plan.rounds)
-        self._kpos: dict[Block, torch.Tensor] = {}
 
     # -- helpers -------------------------------------------------------------------------------
-    def k_pos(self, block: Block) -> torch.Tensor:
-        if block not in self._kpos:
-            self._kpos[block] = block_positions(block, self.plan.ranks, self.s_local, self.ppc)
-        return self._kpos[block]
-
     def _sync(self, device) -> None:
         if self.stats is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -212,35 +260,63 @@ class _Executor:
         self.transport.wait(handle)
         return time.perf_counter() - t0
 
+    def _kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]:
+        """[2, block tokens, b, h_kv, d]: K and V (or dK and dV) of ``block`` as one tensor."""
+        return (2, self.layout.block_tokens(block), x.shape[1], x.shape[2], x.shape[3])
+
+    def _rows_args(self, block: Block, cache: dict, prepare) -> tuple[slice | None, dict]:
+        """Query rows that may attend ``block`` and the kernel's keyword arguments for them:
+        per-row-range preparation (built once per range, from ``prepare(rows)``), query document
+        ids and the block's key document ids (placement layouts only)."""
+        rows = self.layout.q_rows(block)
+        key = None if rows is None else (rows.start, rows.stop)
+        if key not in cache:
+            cache[key] = prepare(rows)
+        kw = dict(cache[key])
+        if self.layout.q_doc is not None:
+            kw["q_doc"] = self.layout.q_doc[rows]
+            kw["k_doc"] = self.layout.k_doc(block)
+        return rows, kw
+
     # -- forward -------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True):
-        """Returns (out [s,b,h,d] compute dtype, lse [b,h,s] compute dtype, received blocks kept
+        """Returns (out [n,b,h,d] compute dtype, lse [b,h,n] compute dtype, received blocks kept
         for backward; none when ``keep_blocks`` is False, e.g. no input needs a gradient)."""
         t_start = time.perf_counter()
         compute_s = wait_s = 0.0
         bytes_sent = 0
-        prep = self.kernel.prepare_forward(q, k.shape[2], self.scale)           # per-shard layouts
-        blk = self.s_local // (2 * self.ppc)
-        kv_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                  # [2, blk, b, h_kv, d]
+        lay, hk = self.layout, k.shape[2]
+        preps: dict = {}                                                         # per-row-range layouts
         have: dict[Block, torch.Tensor] = {}
         for b in self.local_blocks:
-            sl = block_local_slice(b, self.s_local, self.ppc)
+            sl = lay.local_slice(b)
             have[b] = torch.stack([k[sl], v[sl]])                               # [2, blk, b, h_kv, d]
-        acc = LseAccumulator()
+        if lay.q_doc is None:
+            acc = LseAccumulator()
+        else:                                                                    # blocks merge into row ranges
+            acc = LseAccumulator.empty(*q.shape, compute_dtype_for(q.dtype), q.device)
         kept: dict[Block, torch.Tensor] = {}
+
+        def prepare(rows):
+            return self.kernel.prepare_forward(q if rows is None else q[rows], hk, self.scale)
 
         def compute(block: Block, kv: torch.Tensor) -> None:
             nonlocal compute_s
             t0 = time.perf_counter()
-            acc.add(*self.kernel.forward(q, kv[0], kv[1], self.q_pos, self.k_pos(block),
-                                         self.causal, self.scale, **prep))
+            rows, kw = self._rows_args(block, preps, prepare)
+            if rows is None:
+                acc.add(*self.kernel.forward(q, kv[0], kv[1], lay.q_pos, lay.k_pos(block),
+                                             self.causal, self.scale, **kw))
+            else:
+                acc.add(*self.kernel.forward(q[rows], kv[0], kv[1], lay.q_pos[rows], lay.k_pos(block),
+                                             self.causal, self.scale, **kw), rows=rows)
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
 
         def post(r: int):
             nonlocal bytes_sent
             sends = [(t, have[t.block]) for t in self.plan.sends(self.rank, r)]
-            recvs = [(t, torch.empty(kv_shape, dtype=k.dtype, device=k.device))
+            recvs = [(t, torch.empty(self._kv_shape(t.block, k), dtype=k.dtype, device=k.device))
                      for t in self.plan.recvs(self.rank, r)]
             bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
             return self.transport.post(sends, recvs, round_index=r, phase="forward"), recvs
@@ -269,28 +345,38 @@ class _Executor:
 
     # -- backward ------------------------------------------------------------------------------
     def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor]):
-        """Returns dq [s,b,h,d], dk, dv [s,b,h_kv,d] in q's dtype (see Note [Backward pipeline])."""
+        """Returns dq [n,b,h,d], dk, dv [n,b,h_kv,d] in q's dtype (see Note [Backward pipeline])."""
         t_start = time.perf_counter()
         compute_s = wait_s = 0.0
         bytes_sent = 0
+        lay, hk = self.layout, k.shape[2]
         cd = compute_dtype_for(q.dtype)
         doc = dout.to(cd)
-        prep = self.kernel.prepare_backward(q, doc, out, k.shape[2])             # per-shard layouts
-        dq = torch.zeros(q.shape, dtype=cd, device=q.device)                     # [s, b, h, d]
-        blk = self.s_local // (2 * self.ppc)
-        g_shape = (2, blk, k.shape[1], k.shape[2], k.shape[3])                   # [2, blk, b, h_kv, d]
+        preps: dict = {}                                                         # per-row-range layouts
+        dq = torch.zeros(q.shape, dtype=cd, device=q.device)                     # [n, b, h, d]
         grads: dict[Block, torch.Tensor] = {}
 
         def add_grad(block: Block, g: torch.Tensor) -> None:
             grads[block] = g if block not in grads else grads[block].add_(g)
 
+        def prepare(rows):
+            if rows is None:
+                return self.kernel.prepare_backward(q, doc, out, hk)
+            return self.kernel.prepare_backward(q[rows], doc[rows], out[rows], hk)
+
         def compute(block: Block, kv: torch.Tensor) -> None:
             nonlocal compute_s
             t0 = time.perf_counter()
-            dq_b, dk_b, dv_b = self.kernel.backward(
-                doc, q, kv[0], kv[1], out, lse, self.q_pos, self.k_pos(block), self.causal,
-                self.scale, **prep)
-            dq.add_(dq_b)
+            rows, kw = self._rows_args(block, preps, prepare)
+            if rows is None:
+                dq_b, dk_b, dv_b = self.kernel.backward(
+                    doc, q, kv[0], kv[1], out, lse, lay.q_pos, lay.k_pos(block), self.causal, self.scale, **kw)
+                dq.add_(dq_b)
+            else:
+                dq_b, dk_b, dv_b = self.kernel.backward(
+                    doc[rows], q[rows], kv[0], kv[1], out[rows], lse[:, :, rows], lay.q_pos[rows],
+                    lay.k_pos(block), self.causal, self.scale, **kw)
+                dq[rows].add_(dq_b)
             add_grad(block, torch.stack([dk_b, dv_b]))                           # [2, blk, b, h_kv, d]
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
@@ -302,17 +388,17 @@ class _Executor:
 
         def compute_local() -> None:
             for b in self.local_blocks:
-                sl = block_local_slice(b, self.s_local, self.ppc)
+                sl = lay.local_slice(b)
                 compute(b, torch.stack([k[sl], v[sl]]))
 
         def post(r: int):
             nonlocal bytes_sent
             # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block
             sends = [(_flip(t), grads[t.block] if t.block in grads
-                      else torch.zeros(g_shape, dtype=cd, device=q.device))
+                      else torch.zeros(self._kv_shape(t.block, k), dtype=cd, device=q.device))
                      for t in self.plan.recvs(self.rank, r)]
             # forward t: me -> dst  ==> backward: dst -> me, its partial dKV of t.block
-            recvs = [(_flip(t), torch.empty(g_shape, dtype=cd, device=q.device))
+            recvs = [(_flip(t), torch.empty(self._kv_shape(t.block, k), dtype=cd, device=q.device))
                      for t in self.plan.sends(self.rank, r)]
             bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
             return self.transport.post(sends, recvs, round_index=r, phase="backward"), recvs
@@ -334,10 +420,10 @@ class _Executor:
                     add_grad(t.block, buf)
                 if r > 0:
                     pending = post(r - 1)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [s, b, h_kv, d]
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [n, b, h_kv, d]
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for b in self.local_blocks:
-            sl = block_local_slice(b, self.s_local, self.ppc)
+            sl = lay.local_slice(b)
             dk[sl] = grads[b][0]
             dv[sl] = grads[b][1]
         if self.stats is not None:
@@ -368,43 +454,62 @@ class _FCPAttentionFunction(torch.autograd.Function):
 
 
 def fcp_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike = "ring",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
     causal: bool = True, softmax_scale: float | None = None, transport: Transport | None = None,
     stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "math",
+    placement: Placement | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs) ``[b, h, s_local]``.
+    """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs):
+    ``[b, h, s_local]`` for zigzag shards, ``[h, t_local]`` over a ``placement`` (THD).
 
     transport: override the default (gloo / NCCL by the group's backend), e.g. a CountingTransport.
     stats: an :class:`FCPStats` to add this call's times and bytes to (forward now, backward later).
     timeout_s: bound on each round's wait for the default transport.
-    kernel: the block kernel, see :func:`fcp_attention`.
+    kernel, plan, placement: see :func:`fcp_attention`.
     """
-    plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel)
+    plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
+                                                  placement)
     if transport is None:
         transport = default_transport(cp_group, timeout_s)
-    executor = _Executor(plan_obj, rank, transport, causal, scale, q.shape[0], stats, kernel_obj)
-    return _FCPAttentionFunction.apply(q, k, v, executor)
+    if placement is None:
+        layout: ShardLayout = ZigzagLayout(plan_obj.ranks, rank, q.shape[0], plan_obj.parts_per_chunk)
+        executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
+        return _FCPAttentionFunction.apply(q, k, v, executor)
+    layout = PlacementLayout(placement, plan_obj.ranks, rank)
+    executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
+    out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), executor)  # b = 1
+    return out.squeeze(1), lse.squeeze(0)                                   # [t, h, d], [h, t]
 
 
 def fcp_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike = "ring",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
     causal: bool = True, softmax_scale: float | None = None, kernel: KernelLike = "math",
+    placement: Placement | None = None,
 ) -> torch.Tensor:
-    """Exact attention over the whole CP group's sequence, for this rank's zigzag shard.
+    """Exact attention over the whole CP group's sequence (or packed batch), for this rank's shard.
 
-    q: [s_local, b, h, d]; k, v: [s_local, b, h_kv, d] (h % h_kv == 0), Megatron's zigzag layout
-    (``get_batch_on_this_cp_rank``); all ranks pass the same shapes. plan: ``"ring"`` (Transformer
-    Engine's p2p ring), ``"full"`` (each block straight to its readers), or a
-    :class:`~megatron_fcp.planning.Plan` over
-    ``dist.get_process_group_ranks(cp_group)`` with the same ``causal``. softmax_scale defaults
-    to ``1/sqrt(d)``. kernel: the block kernel, ``"math"`` (default: pure torch, any dtype incl.
-    FP64, any device) or ``"cpu-flash"`` (torch's fused CPU flash ops, FP32/BF16 CPU tensors;
-    see :data:`megatron_fcp.attention.kernels.BLOCK_KERNELS`) or a ``BlockKernel`` instance.
-    Returns out [s_local, b, h, d] in q's dtype; differentiable in q, k, v.
-    Raises ValueError (naming the fix) before any communication on bad input.
+    Zigzag (``placement=None``): q [s_local, b, h, d]; k, v [s_local, b, h_kv, d] (h % h_kv == 0),
+    Megatron's zigzag layout (``get_batch_on_this_cp_rank``); all ranks pass the same shapes.
+    plan: ``"ring"`` (Transformer Engine's p2p ring; also what None means), ``"full"`` (each block
+    straight to its readers), or a :class:`~megatron_fcp.planning.Plan` over
+    ``dist.get_process_group_ranks(cp_group)`` with the same ``causal``.
+
+    Packed batch (THD): ``placement`` a :class:`~megatron_fcp.planning.Placement` with one entry
+    per CP rank (``place_packed(doc_lengths, cp, causal=causal)``); q [t_local, h, d], k, v
+    [t_local, h_kv, d] with ``t_local = placement.tokens(cp_index)`` (``placement.shard(x,
+    cp_index)``, 0 allowed); attention stays inside each document (causal by position in the
+    document). plan: None or ``"full"`` (direct rounds, ``full_plan(ranks, causal,
+    placement=placement)``) or a Plan over this placement (``build_plan(..., placement=)``).
+
+    softmax_scale defaults to ``1/sqrt(d)``. kernel: the block kernel, ``"math"`` (default: pure
+    torch, any dtype incl. FP64, any device) or ``"cpu-flash"`` (torch's fused CPU flash ops,
+    FP32/BF16 CPU tensors; see :data:`megatron_fcp.attention.kernels.BLOCK_KERNELS`) or a
+    ``BlockKernel`` instance (with ``documents = True`` for a placement). Returns out shaped like
+    q, in q's dtype; differentiable in q, k, v. Raises ValueError (naming the fix) before any
+    communication on bad input.
     """
     out, _ = fcp_attention_with_lse(q, k, v, cp_group=cp_group, plan=plan, causal=causal,
-                                    softmax_scale=softmax_scale, kernel=kernel)
+                                    softmax_scale=softmax_scale, kernel=kernel, placement=placement)
     return out
 
 

@@ -6,6 +6,8 @@ Shapes (Megatron's ``[s, b, h, d]`` convention):
     q:    [n, b, h, d]        n query tokens, h query heads
     k, v: [m, b, h_kv, d]     m key tokens of one block, h_kv KV heads, h % h_kv == 0 (GQA / MQA)
     q_pos: int64 [n], k_pos: int64 [m]   global token positions (CPU tensors; used to classify tiles)
+    q_doc: int64 [n], k_doc: int64 [m]   optional document ids (packed batches; positions are then
+                                         positions inside the document)
     out:  [n, b, h, d]        softmax(q k^T * scale + mask) v over this block only
     lse:  [b, h, n]           log-sum-exp of the masked, scaled scores over this block
 
@@ -14,7 +16,8 @@ inputs are upcast once per call). ``out`` and ``lse`` (and the backward's ``dq, 
 returned in the compute dtype, never cast back, so partial results can be merged across blocks in
 FP32 (see :mod:`megatron_fcp.attention.merge`); the caller casts the final result.
 
-Mask: causal means key position <= query position; non-causal sees everything. A query row that
+Mask: causal means key position <= query position; non-causal sees everything; with document ids
+a query sees only keys of its own document. A query row that
 sees no key of the block gets ``out = 0`` and ``lse = -inf`` (never NaN), which the merge treats as
 an empty contribution.
 
@@ -31,8 +34,10 @@ of ``repeat_interleave`` and flash-attn), so the g query heads of a KV head are 
 rows: Q becomes [b, h_kv, g*T, d] and one matmul against [b, h_kv, d, m] serves the whole group;
 dK/dV come out summed over the group by the same matmul.
 
-Tiles: query rows are cut into tiles that never cross a jump in positions (the two zigzag chunks
-of a shard are separate runs), and a block's keys into chunks of at most ``_KEY_CHUNK``; inside
+Tiles (:mod:`megatron_fcp.attention.tiles`): query rows are cut into tiles that never cross a jump
+in positions or a document (the two zigzag chunks of a shard are separate runs), and a block's
+keys into chunks of at most ``_KEY_CHUNK`` that never cross a document; pairs of two documents are
+skipped; inside
 a query tile the chunks are folded with the same online log-sum-exp merge as blocks are. A
 (tile, chunk) pair whose queries all precede the chunk's keys is *fully masked* and skipped (rows
 that see no chunk stay 0 / -inf); a pair whose earliest query follows every key is *fully
@@ -42,17 +47,16 @@ Block kernels as strategies: the functions above are the ``"math"`` kernel. :dat
 maps a name to a :class:`BlockKernel` (``"math"``, the default, and ``"cpu-flash"``, torch's fused
 CPU flash-attention ops for FP32/BF16 CPU tensors); :func:`resolve_kernel` picks one and checks it
 can run the given dtype and device. Both honour the same contract (shapes, FP32 ``out``/``lse``,
-masks from global positions, fully masked rows 0 / -inf, GQA).
+masks from positions and document ids, fully masked rows 0 / -inf, GQA).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterator
-
 import torch
 
 from megatron_fcp.attention.merge import merge_coefficients
+from megatron_fcp.attention.tiles import CAUSAL, FULL, MATH, PARTIAL, flash_pieces, math_tiles
 
 __all__ = [
     "compute_dtype_for",
@@ -78,70 +82,14 @@ _MIN_TILE_ROWS = 64
 # per key as a 1K one and causal skipping works at chunk granularity.
 _KEY_CHUNK = 1024
 
-_FULL, _PARTIAL, _MASKED = "full", "partial", "masked"
-
-
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _runs(pos: list[int]) -> list[tuple[int, int]]:
-    """Maximal index ranges [a, b) over which ``pos`` increases by exactly 1 per step."""
-    runs, start = [], 0
-    for i in range(1, len(pos)):
-        if pos[i] != pos[i - 1] + 1:
-            runs.append((start, i))
-            start = i
-    if pos:
-        runs.append((start, len(pos)))
-    return runs
-
-
-def _classify(q_lo: int, q_hi: int, k_lo: int, k_hi: int, causal: bool) -> str:
-    """Kind of a (query tile, key chunk) pair from position ranges (query ranges are increasing runs)."""
-    if not causal or q_lo >= k_hi:
-        return _FULL
-    if q_hi < k_lo:
-        return _MASKED
-    return _PARTIAL
-
-
-def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, rows_per_tile: int,
-           key_chunk: int) -> Iterator[tuple[int, int, list[tuple[int, int, str]]]]:
-    """Yield ``(a, z, chunks)``: query rows a:z and their key chunks ``(c0, c1, kind)`` with kind
-    full / partial (fully masked chunks are left out; a tile with no chunk left is not yielded)."""
-    qp = q_pos.tolist()
-    m = k_pos.numel()
-    bounds = [(c, min(c + key_chunk, m)) for c in range(0, m, key_chunk)]
-    if causal:
-        kp = k_pos.tolist()
-        ranges = [(min(kp[c0:c1]), max(kp[c0:c1])) for c0, c1 in bounds]
-        is_run = [kp[c1 - 1] - kp[c0] == c1 - c0 - 1 and ranges[i] == (kp[c0], kp[c1 - 1])
-                  for i, (c0, c1) in enumerate(bounds)]
-    for ra, rb in _runs(qp):
-        for a in range(ra, rb, rows_per_tile):
-            z = min(a + rows_per_tile, rb)
-            if not causal:
-                yield a, z, [(c0, c1, _FULL) for c0, c1 in bounds]
-                continue
-            chunks = []
-            for i, (c0, c1) in enumerate(bounds):
-                lo, hi = ranges[i]
-                kind = _classify(qp[a], qp[z - 1], lo, hi, True)
-                if kind == _PARTIAL and is_run[i]:
-                    # an increasing run of keys: those after the tile's last query are masked
-                    # for every row, so clip the chunk there
-                    c1 = c0 + max(0, min(c1 - c0, qp[z - 1] - lo + 1))
-                    kind = _classify(qp[a], qp[z - 1], lo, kp[c1 - 1], True)
-                if kind != _MASKED:
-                    chunks.append((c0, c1, kind))
-            if chunks:
-                yield a, z, chunks
-
-
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor) -> tuple[int, int, int, int, int]:
+                  k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
+                  k_doc: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [n,b,h,d] and k, v [m,b,h_kv,d]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -153,6 +101,11 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     if q_pos.shape != (n,) or k_pos.shape != (k.shape[0],):
         raise ValueError(f"positions must be 1-D with one entry per token: q_pos {tuple(q_pos.shape)} for {n} "
                          f"queries, k_pos {tuple(k_pos.shape)} for {k.shape[0]} keys")
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("document ids: pass both q_doc and k_doc, or neither")
+    if q_doc is not None and (q_doc.shape != (n,) or k_doc.shape != (k.shape[0],)):
+        raise ValueError(f"document ids must be 1-D with one entry per token: q_doc {tuple(q_doc.shape)} for "
+                         f"{n} queries, k_doc {tuple(k_doc.shape)} for {k.shape[0]} keys")
     return n, b, h, hk, d
 
 
@@ -190,13 +143,15 @@ def block_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
     rows_per_tile: int | None = None, q_layout: torch.Tensor | None = None,
-    key_chunk: int | None = None,
+    key_chunk: int | None = None, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d], lse [b,h,n])`` in the
     compute dtype (see module docstring for shapes, mask and precision). ``rows_per_tile`` and
     ``key_chunk`` override the automatic tile height and key chunk length (tests use tiny ones);
-    ``q_layout`` is an optional ``prepare_query(q, h_kv, scale)`` reused across blocks."""
-    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    ``q_layout`` is an optional ``prepare_query(q, h_kv, scale)`` reused across blocks.
+    ``q_doc`` / ``k_doc`` (int64 [n] / [m], CPU): document ids; a query sees only keys of its own
+    document (then positions are positions inside the document)."""
+    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
     qh = q_layout if q_layout is not None else prepare_query(q, hk, scale)  # [b, hk, g, n, d]
@@ -204,24 +159,25 @@ def block_attention_forward(
     vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
-    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK)
+    tiles = math_tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+                   q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
         qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
         o_t = l_t = None
         for c0, c1, kind in chunks:
             s = torch.matmul(qt, kh[:, :, c0:c1].transpose(-1, -2))       # [b, hk, g*t, c]
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
             mx = s.amax(dim=-1, keepdim=True)                              # [b, hk, g*t, 1]
             p = torch.softmax(s, dim=-1)                                   # fused max/exp/sum/scale
             del s
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 empty = torch.isneginf(mx)                                 # rows seeing no key
                 p.masked_fill_(empty, 0.0)                                 # softmax gave NaN there
             # softmax's largest entry is exp(0) / l, so lse = max + log l = max - log(max P)
             l_c = mx - torch.log(p.amax(dim=-1, keepdim=True))
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 l_c.masked_fill_(empty, -math.inf)
             o_c = torch.matmul(p, vh[:, :, c0:c1])                         # [b, hk, g*t, d]
             if o_t is None:
@@ -246,7 +202,7 @@ def block_attention_backward(
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
     delta: torch.Tensor | None = None, rows_per_tile: int | None = None,
     q_layout: torch.Tensor | None = None, dout_layout: torch.Tensor | None = None,
-    key_chunk: int | None = None,
+    key_chunk: int | None = None, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the *final* (all-block) ``out`` and ``lse``.
 
@@ -254,8 +210,9 @@ def block_attention_backward(
     Returns ``dq [n,b,h,d]`` (this block's contribution; sum over blocks gives dQ) and
     ``dk, dv [m,b,h_kv,d]`` for this block, all in the compute dtype. ``q_layout`` /
     ``dout_layout``: optional unscaled ``prepare_query(q, h_kv)`` / ``prepare_query(dout, h_kv)``.
+    ``q_doc`` / ``k_doc``: document ids as in :func:`block_attention_forward`.
     """
-    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
     m, g = k.shape[0], h // hk
     cd = compute_dtype_for(q.dtype)
     if delta is None:
@@ -270,7 +227,8 @@ def block_attention_backward(
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
     dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
-    tiles = _tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK)
+    tiles = math_tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+                   q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
         qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
@@ -281,7 +239,7 @@ def block_attention_backward(
         for c0, c1, kind in chunks:
             kc, vc = kh[:, :, c0:c1], vh[:, :, c0:c1]                      # [b, hk, c, d]
             s = torch.matmul(qt, kc.transpose(-1, -2)).mul_(scale)         # [b, hk, g*t, c]
-            if kind == _PARTIAL:
+            if kind == PARTIAL:
                 s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
             p = s.sub_(lse_t).exp_()                                       # P = exp(S - lse)
             dv[:, :, c0:c1].add_(torch.matmul(p.transpose(-1, -2), dot))   # [b, hk, c, d]
@@ -348,9 +306,13 @@ class BlockKernel:
     compute dtype, given the *final* (all-block) FP32 ``out`` and ``lse``. ``prepare_forward`` /
     ``prepare_backward`` build per-shard keyword arguments reused across the blocks of one shard.
     ``check(dtype, device)`` raises ValueError naming the fix when the kernel cannot run them.
+    Document masks (packed batches): a kernel with ``documents = True`` also takes ``q_doc=``,
+    ``k_doc=`` (int64 ``[n]`` / ``[m]`` CPU tensors) and lets a query see only keys of its own
+    document; without them (the zigzag path) it is never passed them.
     """
 
     name = ""
+    documents = False
 
     def check(self, dtype: torch.dtype, device: torch.device) -> None:
         raise NotImplementedError
@@ -377,6 +339,7 @@ class MathKernel(BlockKernel):
     incoming gradient and ``D = rowsum(dout*out)``) is laid out once per shard."""
 
     name = "math"
+    documents = True
 
     def check(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
@@ -396,45 +359,6 @@ class MathKernel(BlockKernel):
 
 
 _FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
-_CAUSAL, _MATH = "causal", "math"
-
-
-def _flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> list[tuple[int, int, str, int]]:
-    """Cut a (query shard, KV block) pair into pieces torch's fused CPU op can run.
-
-    Returns ``(a, z, kind, kc)``: query rows a:z against the block's first ``kc`` keys, kind
-    ``full`` (no mask), ``causal`` (top-left causal: rows a:z have positions klo..klo+kc-1, the
-    keys' own positions) or ``math`` (delegated to the math kernel with the whole block). Rows
-    whose queries precede every key are fully masked and left out. Non-causal: one full piece.
-    Causal with the block's keys an increasing run klo..khi, per increasing run of query rows:
-    rows before klo masked; rows in [klo, khi] ``causal`` if the run reaches back to klo (a query
-    chunk against its own block or a sub-block of it, parts_per_chunk > 1), else ``math`` (a run
-    starting inside the block: the op has no bottom-right causal); rows after khi ``full``.
-    Keys that are not one increasing run: the whole pair is delegated to ``math``.
-    """
-    n, m = q_pos.numel(), k_pos.numel()
-    if not causal:
-        return [(0, n, _FULL, m)]
-    kp, qp = k_pos.tolist(), q_pos.tolist()
-    klo, khi = kp[0], kp[-1]
-    if kp != list(range(klo, klo + m)):
-        return [(0, n, _MATH, m)]
-    pieces: list[tuple[int, int, str, int]] = []
-    for ra, rb in _runs(qp):
-        qlo = qp[ra]
-        a = ra + max(0, min(rb - ra, klo - qlo))            # first row with position >= klo
-        z = ra + max(0, min(rb - ra, khi - qlo + 1))        # first row with position > khi
-        if a < z:
-            if qp[a] == klo:
-                pieces.append((a, z, _CAUSAL, qp[z - 1] - klo + 1))
-            else:
-                pieces.append((a, z, _MATH, m))
-        if z < rb:
-            if pieces and pieces[-1][2] == _FULL and pieces[-1][1] == z:  # adjacent full rows: one call
-                pieces[-1] = (pieces[-1][0], rb, _FULL, m)
-            else:
-                pieces.append((z, rb, _FULL, m))
-    return pieces
 
 
 def _bhnd(x: torch.Tensor) -> torch.Tensor:
@@ -451,7 +375,7 @@ class CpuFlashKernel(BlockKernel):
     ring backward (the op recomputes ``P = exp(S - lse)`` and ``D = rowsum(dout*out)``). GQA is
     native to the op (query head i uses KV head i // g). We use the op unmasked or with its
     top-left ``is_causal`` only (no dense ``attn_mask``: an [n, m] tensor per pair), so each pair
-    is cut by :func:`_flash_pieces`: fully visible rows run unmasked, a query
+    is cut by :func:`~megatron_fcp.attention.tiles.flash_pieces`: fully visible rows run unmasked, a query
     chunk against its own (sub-)block runs top-left causal on a prefix of the keys, fully masked
     rows are skipped (out 0, lse -inf) and anything else is **delegated to the math kernel** for
     those rows, which keeps the numerics contract.
@@ -466,6 +390,7 @@ class CpuFlashKernel(BlockKernel):
     """
 
     name = "cpu-flash"
+    documents = True
     _DTYPES = (torch.float32, torch.bfloat16)
 
     @staticmethod
@@ -489,58 +414,66 @@ class CpuFlashKernel(BlockKernel):
     def prepare_backward(self, q, dout, out, h_kv):
         return {"q_c": q.to(compute_dtype_for(q.dtype))}                   # [n, b, h, d] FP32
 
-    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None):
-        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
+        m = k.shape[0]
         cd = compute_dtype_for(q.dtype)
         q = q.to(cd) if q_c is None else q_c                                   # [n, b, h, d]
         k, v = k.to(cd), v.to(cd)                                              # [m, b, hk, d]
         op = getattr(torch.ops.aten, _FLASH_OP)
-        pieces = _flash_pieces(q_pos, k_pos, causal)
-        if len(pieces) == 1 and pieces[0][:3] == (0, n, _FULL):
+        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        if pieces == [(0, n, FULL, 0, m)]:
             o, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, False, scale=scale)  # [b,h,n,d], [b,h,n]
             return o.permute(2, 0, 1, 3), lse
         out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
         lse = torch.full((b, h, n), -math.inf, dtype=cd, device=q.device)
-        for a, z, kind, kc in pieces:
-            if kind == _MATH:
-                o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale)
+        for a, z, kind, k0, k1 in pieces:
+            if kind == MATH:
+                o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale,
+                                                   **_docs(q_doc, k_doc, a, z))
                 out[a:z], lse[:, :, a:z] = o_p, l_p
                 continue
-            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[:kc]), _bhnd(v[:kc]), 0.0, kind == _CAUSAL, scale=scale)
+            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]), 0.0, kind == CAUSAL, scale=scale)
             out[a:z] = o_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
             lse[:, :, a:z] = l_p                                               # [b, h, t]
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None):
-        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos)
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
         m = k.shape[0]
         cd = compute_dtype_for(q.dtype)
         q = q.to(cd) if q_c is None else q_c                                       # [n, b, h, d]
         k, v = k.to(cd), v.to(cd)                                                  # [m, b, hk, d]
         dout, out, lse = dout.to(cd), out.to(cd), lse.to(cd)                       # [n,b,h,d] x2, [b,h,n]
         op = getattr(torch.ops.aten, _FLASH_OP + "_backward")
-        pieces = _flash_pieces(q_pos, k_pos, causal)
-        if len(pieces) == 1 and pieces[0][:3] == (0, n, _FULL):
+        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        if pieces == [(0, n, FULL, 0, m)]:
             dq, dk, dv = op(_bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse, 0.0, False,
                             scale=scale)                                            # [b,h,n,d], [b,hk,m,d] x2
             return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
         dq = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
         dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
         dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
-        for a, z, kind, kc in pieces:
-            if kind == _MATH:
+        for a, z, kind, k0, k1 in pieces:
+            if kind == MATH:
                 dq_p, dk_p, dv_p = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z],
-                                                            q_pos[a:z], k_pos, causal, scale)
+                                                            q_pos[a:z], k_pos, causal, scale,
+                                                            **_docs(q_doc, k_doc, a, z))
                 dq[a:z] = dq_p
                 dk.add_(dk_p)
                 dv.add_(dv_p)
                 continue
-            dq_p, dk_p, dv_p = op(_bhnd(dout[a:z]), _bhnd(q[a:z]), _bhnd(k[:kc]), _bhnd(v[:kc]),
-                                  _bhnd(out[a:z]), lse[:, :, a:z], 0.0, kind == _CAUSAL, scale=scale)
+            dq_p, dk_p, dv_p = op(_bhnd(dout[a:z]), _bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]),
+                                  _bhnd(out[a:z]), lse[:, :, a:z], 0.0, kind == CAUSAL, scale=scale)
             dq[a:z] = dq_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
-            dk[:kc].add_(dk_p.permute(2, 0, 1, 3))                             # [kc, b, hk, d]
-            dv[:kc].add_(dv_p.permute(2, 0, 1, 3))
+            dk[k0:k1].add_(dk_p.permute(2, 0, 1, 3))                           # [k1-k0, b, hk, d]
+            dv[k0:k1].add_(dv_p.permute(2, 0, 1, 3))
         return dq, dk, dv
+
+
+def _docs(q_doc, k_doc, a: int, z: int) -> dict:
+    """Document-id keyword arguments for query rows a:z (none without document ids)."""
+    return {} if q_doc is None else {"q_doc": q_doc[a:z], "k_doc": k_doc}
 
 
 #: Block kernels by name; ``"math"`` is the default everywhere.

@@ -12,6 +12,25 @@ A KV *block* (``megatron_fcp.planning.Block``) is one owner's chunk (0 early, 1 
 into ``parts_per_chunk`` equal sub-blocks. This module maps blocks to token ranges of the owner's
 shard and to global token positions; the attention mask is built from global positions only
 (causal: key position <= query position), so it is correct whatever order blocks arrive in.
+
+Note [Shard layouts]
+--------------------
+The plan executor never looks at zigzag chunks or documents itself; it asks a *shard layout* (one
+small object per call) what it needs: this rank's blocks, each block's token slice of the local
+shard and token count (receive buffers: blocks may differ in size), key positions (and document
+ids) of any block of the group, query positions (and document ids) of the local tokens, and the
+query rows that can attend a block. Two layouts:
+
+=================  ===============================  ==============================================
+                   :class:`ZigzagLayout`            :class:`PlacementLayout`
+=================  ===============================  ==============================================
+tensors            ``[s_local, b, h, d]``           THD ``[t_local, h, d]``, run as ``b = 1``
+blocks             2 zigzag chunks x parts          the placement's spans (``Block(owner, i, 0)``)
+block size         ``s_local / (2 * parts)``        the span's tokens (any, 0 tokens on a rank ok)
+positions          global token positions           positions inside the document
+document ids       none (one sequence)              the span's document (kernels mask by it)
+query rows         all                              the rows of the block's document on this rank
+=================  ===============================  ==============================================
 """
 
 from __future__ import annotations
@@ -20,7 +39,8 @@ from typing import Sequence
 
 import torch
 
-from megatron_fcp.planning.blocks import Block, zigzag_chunk_index
+from megatron_fcp.planning.blocks import Block, blocks_of, zigzag_chunk_index
+from megatron_fcp.planning.placement import Placement, Span
 
 __all__ = [
     "zigzag_split",
@@ -28,6 +48,9 @@ __all__ = [
     "zigzag_positions",
     "block_local_slice",
     "block_positions",
+    "ShardLayout",
+    "ZigzagLayout",
+    "PlacementLayout",
 ]
 
 
@@ -111,3 +134,98 @@ def block_positions(
     chunk_start = zigzag_chunk_index(ranks.index(block.owner), block.chunk, cp) * (s_local // 2)
     start = chunk_start + block.part * n
     return torch.arange(start, start + n, dtype=torch.int64, device=device)
+
+
+class ShardLayout:
+    """What the plan executor needs to know about the tokens of a CP group; see Note [Shard layouts].
+
+    Attributes: ``local_blocks`` (this rank's blocks in local token order), ``q_pos`` (int64 CPU
+    ``[n]``, positions of the local tokens) and ``q_doc`` (their document ids, or None: one
+    sequence, no document mask).
+    """
+
+    local_blocks: tuple[Block, ...]
+    q_pos: torch.Tensor
+    q_doc: torch.Tensor | None = None
+
+    def local_slice(self, block: Block) -> slice:
+        """Token range of one of this rank's blocks in its local shard."""
+        raise NotImplementedError
+
+    def block_tokens(self, block: Block) -> int:
+        """Tokens of any block of the group (the size of its receive buffer)."""
+        raise NotImplementedError
+
+    def k_pos(self, block: Block) -> torch.Tensor:
+        """Positions (int64 CPU ``[block_tokens]``) of a block's keys."""
+        raise NotImplementedError
+
+    def k_doc(self, block: Block) -> torch.Tensor | None:
+        """Document ids of a block's keys (None when ``q_doc`` is None)."""
+        return None
+
+    def q_rows(self, block: Block) -> slice | None:
+        """Local query rows that may attend ``block`` (rows outside are fully masked), None: all."""
+        return None
+
+
+class ZigzagLayout(ShardLayout):
+    """Megatron's zigzag shard of one sequence: blocks are chunks cut into ``parts_per_chunk``."""
+
+    def __init__(self, ranks: Sequence[int], rank: int, s_local: int, parts_per_chunk: int = 1) -> None:
+        self.ranks, self.s_local, self.ppc = tuple(ranks), s_local, parts_per_chunk
+        self.local_blocks = blocks_of(rank, parts_per_chunk)
+        self.q_pos = zigzag_positions(s_local, len(self.ranks), self.ranks.index(rank))  # [s_local]
+        self._kpos: dict[Block, torch.Tensor] = {}
+
+    def local_slice(self, block: Block) -> slice:
+        return block_local_slice(block, self.s_local, self.ppc)
+
+    def block_tokens(self, block: Block) -> int:
+        return _part_len(self.s_local, self.ppc)
+
+    def k_pos(self, block: Block) -> torch.Tensor:
+        if block not in self._kpos:
+            self._kpos[block] = block_positions(block, self.ranks, self.s_local, self.ppc)
+        return self._kpos[block]
+
+
+class PlacementLayout(ShardLayout):
+    """A packed batch placed by a :class:`~megatron_fcp.planning.placement.Placement`: block ``i``
+    of global rank ``owner`` is ``Block(owner, i, 0)``; masks by document and in-document position."""
+
+    def __init__(self, placement: Placement, ranks: Sequence[int], rank: int) -> None:
+        self.placement, self.ranks = placement, tuple(ranks)
+        idx = self.ranks.index(rank)
+        spans = placement.blocks[idx]
+        self.local_blocks = tuple(Block(rank, i, 0) for i in range(len(spans)))
+        self._starts = placement.block_starts(idx)
+        self.q_pos = torch.from_numpy(placement.positions(idx))              # [t_local] int64
+        self.q_doc = torch.from_numpy(placement.doc_ids(idx))                # [t_local] int64
+        self._rows: dict[int, slice] = {}                                    # document -> local rows
+        for start, span in zip(self._starts, spans):
+            lo = self._rows[span.doc].start if span.doc in self._rows else start
+            self._rows[span.doc] = slice(lo, start + span.tokens)
+
+    def span(self, block: Block) -> Span:
+        return self.placement.blocks[self.ranks.index(block.owner)][block.chunk]
+
+    def local_slice(self, block: Block) -> slice:
+        start = self._starts[block.chunk]
+        return slice(start, start + self.span(block).tokens)
+
+    def block_tokens(self, block: Block) -> int:
+        return self.span(block).tokens
+
+    def k_pos(self, block: Block) -> torch.Tensor:
+        s = self.span(block)
+        return torch.arange(s.start, s.end, dtype=torch.int64)
+
+    def k_doc(self, block: Block) -> torch.Tensor:
+        s = self.span(block)
+        return torch.full((s.tokens,), s.doc, dtype=torch.int64)
+
+    def q_rows(self, block: Block) -> slice:
+        # spans of one document are adjacent when blocks are sorted (place_packed); otherwise the
+        # range also covers other documents' rows, which the kernels' document mask skips
+        return self._rows.get(self.span(block).doc, slice(0, 0))

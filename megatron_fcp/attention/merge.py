@@ -68,13 +68,33 @@ class LseAccumulator:
 
     The first result is copied; later ones are merged in place (``out = ca*out + cb*new``, two
     passes over ``out``), with the same coefficients as :func:`merge_two`, in the order given.
+    An accumulator started by :meth:`empty` (out 0, lse -inf: nothing seen yet) also takes partial
+    results of a row range (``add(..., rows=slice)``); merging into an empty side is exact, so
+    the rows outside the range keep their values bit for bit.
     """
 
     def __init__(self) -> None:
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+    @classmethod
+    def empty(cls, n: int, b: int, h: int, d: int, dtype: torch.dtype, device=None) -> "LseAccumulator":
+        """An accumulator for ``n`` query rows that has seen no key: out 0 ``[n,b,h,d]``, lse -inf ``[b,h,n]``."""
+        acc = cls()
+        acc.out = torch.zeros(n, b, h, d, dtype=dtype, device=device)
+        acc.lse = torch.full((b, h, n), float("-inf"), dtype=dtype, device=device)
+        return acc
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice | None = None) -> None:
+        if rows is not None:
+            if self.out is None:
+                raise ValueError("add(rows=...) needs an accumulator started with LseAccumulator.empty(...)")
+            o, l = self.out[rows], self.lse[..., rows]                       # views
+            _check(o, l, out, lse)
+            new_lse, ca, cb = merge_coefficients(l, lse)
+            self.lse[..., rows] = new_lse
+            o.mul_(_as_out_weight(ca)).addcmul_(out, _as_out_weight(cb))
+            return
         if self.out is None:
             self.out, self.lse = out.clone(), lse.clone()
             return

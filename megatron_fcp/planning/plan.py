@@ -229,26 +229,30 @@ def ring_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 
     return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="ring")
 
 
-def full_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1) -> Plan:
+def full_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1, *,
+              placement: Placement | None = None) -> Plan:
     """The ``full`` graph's direct schedule without a topology: each owner sends each block straight
     to every rank that needs it.
 
     Round ``k`` (``k = 1..cp-1``) pairs CP rank ``i`` with ``i+k`` so every rank sends to one peer
     and receives from one peer per round, and blocks arrive progressively for overlap. (Compiled
     on a topology, :class:`~megatron_fcp.planning.builders.FullGraph` sends the same transfers in
-    one round.)
+    one round.) ``placement``: the same staggered rounds over a packed batch's blocks and document
+    need sets (``causal`` must be the placement's); rounds left empty are dropped.
     """
     ranks = _check_ranks(ranks)
     cp = len(ranks)
+    base = Plan(ranks, (), causal, parts_per_chunk, name="full", placement=placement)  # checks cp, causal
+    needed = {r: base.needs(r) for r in ranks}
     rounds = []
     for k in range(1, cp):
         rnd = []
         for i, src in enumerate(ranks):
             dst = ranks[(i + k) % cp]
-            needed = need_set(ranks, dst, causal, parts_per_chunk)
-            rnd.extend(Transfer(src, dst, b) for b in blocks_of(src, parts_per_chunk) if b in needed)
-        rounds.append(tuple(rnd))
-    return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="full")
+            rnd.extend(Transfer(src, dst, b) for b in base.local_blocks(src) if b in needed[dst])
+        if rnd or placement is None:
+            rounds.append(tuple(rnd))
+    return replace(base, rounds=tuple(rounds))
 
 
 SIMPLE_PLANS = {"ring": ring_plan, "full": full_plan}

@@ -1,0 +1,295 @@
+"""Worker side of tests/test_attention_thd.py: THD attention over placements (packed batches).
+
+One world of 4 processes hosts every case: cp = 4 on the world group, cp = 2 on the subgroups
+{0, 2} and {1, 3} side by side, and cp = 3 on {0, 1, 2} (rank 3 sits those out). Each rank builds
+the packed batch from the case's seed, the placement with ``place_packed`` and the FP64 reference
+per document (plain torch, every document attended alone), runs ``fcp_attention_with_lse`` on its
+shard and reports its local errors; the parent takes maxima over ranks and asserts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+TOPOLOGY_2X2 = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "topology_2x2.yaml")
+
+DOCS = {
+    # many short and a few long documents, lengths divisible by nothing, total 227 (prime)
+    "mix": (1, 37, 3, 5, 90, 2, 1, 7, 13, 61, 4, 1, 2),
+    "one": (53,),                      # a single document, cut into blocks across all ranks
+    "tiny": (1,),                      # one token: every rank but one holds nothing
+    "short": (1, 1, 2, 1, 3, 1),       # short documents only: nothing to communicate
+    "two-long": (29, 31),
+    "twelve": (12,),                   # two blocks on two ranks, two ranks empty (relays in "relay")
+}
+
+
+@dataclass(frozen=True)
+class ThdCase:
+    group: str            # "cp4" (world), "cp2" ({0,2} and {1,3}), "cp3" ({0,1,2})
+    docs: str             # key of DOCS
+    plan: str             # "none" (plan=None), "full" (by name), "full-plan" (a full_plan Plan), "hier",
+                          # "relay" (every block routed through a rank without tokens)
+    causal: bool
+    dtype: str            # key of DTYPES
+    kernel: str = "math"
+    heads: tuple = (4, 2)
+    isolate: bool = False  # also check that changing one document leaves the others bit-identical
+    block_tokens: int = 8
+
+    @property
+    def name(self) -> str:
+        return (f"{self.group}-{self.docs}-{self.plan}-{'causal' if self.causal else 'full'}-"
+                f"h{self.heads[0]}kv{self.heads[1]}-{self.dtype}-{self.kernel}")
+
+
+def _packed(case: ThdCase, salt: str = ""):
+    """Packed q, k, v, dout [T, h(_kv), d] in FP64 (same on every rank)."""
+    h, hk = case.heads
+    t, d = sum(DOCS[case.docs]), 8
+    g = torch.Generator().manual_seed(zlib.crc32((case.name + salt).encode()))
+    return [torch.randn(t, n, d, generator=g, dtype=torch.float64) for n in (h, hk, hk, h)]
+
+
+def per_document_reference(q, k, v, do, lengths, causal: bool, scale: float) -> dict:
+    """Each document attended alone by plain torch autograd (in the inputs' dtype), concatenated:
+    out, dq [T, h, d], dk, dv [T, h_kv, d], lse [h, T]."""
+    from megatron_fcp.attention.kernels import reference_attention
+
+    parts, start = [], 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        parts.append(reference_attention(q[sl, None], k[sl, None], v[sl, None], causal=causal, scale=scale,
+                                         dout=do[sl, None]))
+        start += n
+    res = {name: torch.cat([p[name][:, 0] for p in parts]) for name in ("out", "dq", "dk", "dv")}
+    res["lse"] = torch.cat([p["lse"][0] for p in parts], dim=-1)
+    return res
+
+
+def _plan_for(case: ThdCase, pl, ranks: tuple):
+    from megatron_fcp.planning import build_plan, full_plan
+
+    if case.plan == "none":
+        return None
+    if case.plan == "full":
+        return "full"
+    if case.plan == "full-plan":
+        return full_plan(ranks, case.causal, placement=pl)
+    if case.plan == "hier":
+        return build_plan(TOPOLOGY_2X2, ranks, "hierarchical", causal=case.causal, placement=pl)
+    if case.plan == "relay":  # round 0: owners -> an empty rank; round 1: it forwards to the readers
+        from megatron_fcp.planning import Plan, Transfer
+
+        relay = next(r for i, r in enumerate(ranks) if pl.tokens(i) == 0)
+        direct = full_plan(ranks, case.causal, placement=pl)
+        blocks = sorted({t.block for _, t in direct.transfers()})
+        first = tuple(Transfer(b.owner, relay, b) for b in blocks)
+        second = tuple(Transfer(relay, t.dst, t.block) for _, t in direct.transfers())
+        return Plan(ranks, (first, second), case.causal, name="relay", placement=pl).verify()
+    raise ValueError(case.plan)
+
+
+def _shard(pl, x, idx: int, lse: bool = False):
+    return pl.shard(x.transpose(0, 1), idx).transpose(0, 1) if lse else pl.shard(x, idx)
+
+
+def count_problems(transport, plan, rank: int, kv_bytes, grad_bytes) -> list[str]:
+    """What the transport saw against plan.sends/recvs per round (forward and flipped backward),
+    with per-block byte counts (blocks differ in size)."""
+    from megatron_fcp.planning import Transfer
+
+    flip = lambda t: Transfer(t.dst, t.src, t.block)  # noqa: E731
+    problems, expected_total = [], 0
+    for r in range(len(plan.rounds)):
+        want = {
+            ("forward", "send"): plan.sends(rank, r),
+            ("forward", "recv"): plan.recvs(rank, r),
+            ("backward", "send"): tuple(flip(t) for t in plan.recvs(rank, r)),
+            ("backward", "recv"): tuple(flip(t) for t in plan.sends(rank, r)),
+        }
+        for (phase, kind), expected in want.items():
+            got = transport.transfers(phase, r, kind)
+            expected_total += len(expected)
+            if got != expected:
+                problems.append(f"rank {rank} {phase} round {r} {kind}: got {got}, plan says {expected}")
+    if len(transport.posted) != expected_total:
+        problems.append(f"rank {rank}: {len(transport.posted)} ops posted, plan lists {expected_total}")
+    for p in transport.posted:
+        want_bytes = (kv_bytes if p.phase == "forward" else grad_bytes)(p.transfer.block)
+        if p.nbytes != want_bytes:
+            problems.append(f"rank {rank}: {p} moves {p.nbytes} bytes, expected {want_bytes}")
+    return problems
+
+
+def _run_case(case: ThdCase, group, ranks: tuple, rank: int) -> dict:
+    from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
+    from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
+    from megatron_fcp.planning import place_packed
+
+    cp, idx = len(ranks), ranks.index(rank)
+    lengths = DOCS[case.docs]
+    pl = place_packed(lengths, cp, block_tokens=case.block_tokens, causal=case.causal)
+    dt = DTYPES[case.dtype]
+    q, k, v, do = _packed(case)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    ref = per_document_reference(q, k, v, do, lengths, case.causal, scale)
+    local = {n: _shard(pl, x, idx, n == "lse") for n, x in ref.items()}
+    res = {"rank": rank, "tokens": pl.tokens(idx),
+           "ref_max": {n: local[n].abs().max().item() if local[n].numel() else 0.0 for n in QUANTITIES}}
+    if case.dtype == "bf16":
+        base = per_document_reference(*(x.to(dt) for x in (q, k, v, do)), lengths, case.causal, scale)
+        res["base_err"] = {n: _err(_shard(pl, base[n], idx, n == "lse"), local[n]) for n in QUANTITIES}
+        res["atol"] = {n: 2 * _err((local[n].to(dt) + 0.3 - 0.3), local[n].to(dt)) for n in QUANTITIES}
+    plan_arg = _plan_for(case, pl, ranks)
+    plan = resolve_plan(plan_arg, ranks, case.causal, pl)
+    res["plan_name"] = plan.name
+
+    def run_once(inputs, serial: bool = False):
+        transport = CountingTransport(GlooTransport(group, timeout_s=60))
+        executed_by = SerialTransport(transport) if serial else transport
+        ql, kl, vl = (pl.shard(x.to(dt), idx).requires_grad_() for x in inputs[:3])
+        out, lse = fcp_attention_with_lse(ql, kl, vl, cp_group=group, placement=pl, plan=plan_arg,
+                                          causal=case.causal, transport=executed_by, kernel=case.kernel)
+        out.backward(pl.shard(inputs[3].to(dt), idx))
+        return {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}, transport
+
+    got, transport = run_once((q, k, v, do))
+    res["shapes"] = {n: tuple(t.shape) for n, t in got.items()}
+    res["want_shapes"] = {n: tuple(t.shape) for n, t in local.items()}
+    res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
+    res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
+    res["err"] = {n: _err(got[n], local[n]) for n in QUANTITIES}
+    h, hk = case.heads
+    elems = lambda b: 2 * pl.blocks[ranks.index(b.owner)][b.chunk].tokens * hk * q.shape[-1]  # noqa: E731
+    grad_itemsize = 8 if case.dtype == "fp64" else 4
+    res["sent"] = len([p for p in transport.posted if p.kind == "send"])
+    res["count_problems"] = count_problems(transport, plan, rank, lambda b: elems(b) * got["out"].element_size(),
+                                           lambda b: elems(b) * grad_itemsize)
+    again, _ = run_once((q, k, v, do), serial=True)
+    res["bitwise_repeat"] = all(torch.equal(got[n], again[n]) for n in QUANTITIES)
+    if case.dtype == "fp64":
+        import megatron_fcp
+
+        public = megatron_fcp.fcp_attention(*(pl.shard(x, idx) for x in (q, k, v)), cp_group=group,
+                                            placement=pl, plan=plan_arg, causal=case.causal)
+        with torch.no_grad():
+            inf = megatron_fcp.fcp_attention(*(pl.shard(x, idx).requires_grad_() for x in (q, k, v)),
+                                             cp_group=group, placement=pl, plan=plan_arg, causal=case.causal)
+        res["public_api_equal"] = bool(torch.equal(public, got["out"])) and bool(torch.equal(inf, got["out"]))
+    if case.isolate:
+        res["isolation"] = _isolation(case, pl, idx, run_once, got)
+    return res
+
+
+def _isolation(case: ThdCase, pl, idx: int, run_once, got) -> dict:
+    """Replace every token of one long document (q, k, v and dout); the other documents' out, lse,
+    dq, dk, dv must stay bit-identical on every rank and the changed document's must change."""
+    lengths = DOCS[case.docs]
+    changed = max(range(len(lengths)), key=lambda d: lengths[d])
+    q, k, v, do = _packed(case)
+    q2, k2, v2, do2 = _packed(case, salt="other")
+    start = sum(lengths[:changed])
+    sl = slice(start, start + lengths[changed])
+    for x, y in ((q, q2), (k, k2), (v, v2), (do, do2)):
+        x[sl] = y[sl]
+    other, _ = run_once((q, k, v, do))
+    docs = torch.from_numpy(pl.doc_ids(idx))
+    keep, moved = docs != changed, docs == changed
+    same = all(torch.equal(_rows(got[n], keep, n), _rows(other[n], keep, n)) for n in QUANTITIES)
+    differs = bool(moved.any()) and not torch.equal(_rows(got["out"], moved, "out"), _rows(other["out"], moved, "out"))
+    return {"others_bit_identical": same, "changed_doc_differs": differs, "rank_holds_changed": bool(moved.any())}
+
+
+def _rows(x, mask, name):
+    return x[:, mask] if name == "lse" else x[mask]
+
+
+def _err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+class _NoDocumentKernel:
+    """Stand-in for a third-party block kernel without document masks (built lazily: spawn-safe)."""
+
+    @staticmethod
+    def make():
+        from megatron_fcp.attention.kernels import MathKernel
+
+        class NoDocs(MathKernel):
+            name = "no-docs"
+            documents = False
+
+        return NoDocs()
+
+
+def _bad_inputs(group, ranks: tuple, rank: int) -> dict:
+    """Each bad THD call must raise ValueError naming the fix, before posting anything."""
+    from megatron_fcp.attention.function import fcp_attention_with_lse
+    from megatron_fcp.comm import CountingTransport, GlooTransport
+    from megatron_fcp.planning import full_plan, place_packed, ring_plan
+
+    cp, idx = len(ranks), ranks.index(rank)
+    pl = place_packed(DOCS["mix"], cp, block_tokens=8)
+    other = place_packed(DOCS["two-long"], cp, block_tokens=8)
+    n = pl.tokens(idx)
+
+    def t(tokens=n, heads=4, dtype=torch.float32):
+        return torch.randn(tokens, heads, 8, dtype=dtype)
+
+    ok = dict(q=t(), k=t(heads=2), v=t(heads=2))
+    cases = {
+        "tokens": (dict(q=t(n + 1), k=t(n + 1, 2), v=t(n + 1, 2)), {}, r"holds \d+ tokens.*placement\.shard"),
+        "plan_other_placement": (ok, dict(plan=full_plan(ranks, True, placement=other)), "different placement"),
+        "zigzag_plan": (ok, dict(plan=ring_plan(ranks)), "zigzag plan.*placement=placement"),
+        "ring_by_name": (ok, dict(plan="ring"), "zigzag shards only.*plan='full'"),
+        "causal": (ok, dict(causal=False), r"causal=True.*place_packed\(\.\.\., causal=False\)"),
+        "plan_causal": (ok, dict(plan=full_plan(ranks, False, placement=place_packed(DOCS["mix"], cp, block_tokens=8,
+                                                                                      causal=False))),
+                        "causal=False"),
+        "4d": (dict(q=t()[:, None], k=t(heads=2)[:, None], v=t(heads=2)[:, None]), {}, "3-D tensor.*THD"),
+        "cp": (ok, dict(placement=place_packed(DOCS["mix"], cp + 1)), f"cp={cp + 1}.*place_packed"),
+        "not_a_placement": (ok, dict(placement=[1, 2]), "must be a megatron_fcp.planning.Placement"),
+        "kernel": (ok, dict(kernel=_NoDocumentKernel.make()), "no document mask.*kernel='math'"),
+        "dtype": (dict(q=t(), k=t(heads=2, dtype=torch.float64), v=t(heads=2)), {}, "dtypes differ"),
+        "heads": (dict(q=t(), k=t(heads=3), v=t(heads=3)), {}, "multiple of KV heads"),
+        "zigzag_call_with_placement_plan": (dict(q=t(8)[:, None], k=t(8, 2)[:, None], v=t(8, 2)[:, None]),
+                                            dict(placement=None, plan=full_plan(ranks, True, placement=pl)),
+                                            "over a placement.*placement=plan.placement"),
+    }
+    out = {}
+    for name, (tensors, kwargs, expect) in cases.items():
+        transport = CountingTransport(GlooTransport(group, timeout_s=10))
+        kw = dict(cp_group=group, placement=pl, plan=None, causal=True, transport=transport)
+        kw.update(kwargs)
+        try:
+            fcp_attention_with_lse(tensors["q"], tensors["k"], tensors["v"], **kw)
+            out[name] = ("no error", transport.posts, expect)
+        except ValueError as e:
+            out[name] = (str(e), transport.posts, expect)
+    return out
+
+
+def worker(rank: int, world: int, cases: list) -> dict:
+    torch.manual_seed(1234 + rank)
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    trio = dist.new_group([0, 1, 2])
+    groups = {"cp4": (dist.group.WORLD, tuple(range(world))),
+              "cp2": (pairs[rank % 2], (0, 2) if rank % 2 == 0 else (1, 3)),
+              "cp3": (trio, (0, 1, 2)) if rank < 3 else None}
+    results = {}
+    for case in cases:
+        if groups[case.group] is None:
+            continue
+        group, ranks = groups[case.group]
+        results[case.name] = _run_case(case, group, ranks, rank)
+    results["bad_inputs_cp4"] = _bad_inputs(*groups["cp4"], rank)
+    return results
