@@ -28,7 +28,7 @@ DOCS = {
     "tiny": (1,),                      # one token: every rank but one holds nothing
     "short": (1, 1, 2, 1, 3, 1),       # short documents only: nothing to communicate
     "two-long": (29, 31),
-    "twelve": (12,),                   # two blocks on two ranks, two ranks empty (relays in "relay")
+    "twelve": (12,),                   # one document; "relay" places it by hand on two ranks, two empty
 }
 
 
@@ -137,7 +137,14 @@ def _run_case(case: ThdCase, group, ranks: tuple, rank: int) -> dict:
 
     cp, idx = len(ranks), ranks.index(rank)
     lengths = DOCS[case.docs]
-    pl = place_packed(lengths, cp, block_tokens=case.block_tokens, causal=case.causal)
+    if case.plan == "relay":  # by hand: two ranks hold the document, the others nothing (relays)
+        from megatron_fcp.planning import Placement, Span
+
+        (n,) = lengths
+        blocks = ((Span(0, 0, n // 2),), (Span(0, n // 2, n),)) + ((),) * (cp - 2)
+        pl = Placement(tuple(lengths), blocks, case.causal)
+    else:
+        pl = place_packed(lengths, cp, block_tokens=case.block_tokens, causal=case.causal)
     dt = DTYPES[case.dtype]
     q, k, v, do = _packed(case)
     scale = 1.0 / math.sqrt(q.shape[-1])
