@@ -253,3 +253,19 @@ def test_flag_path_refuses_fcp_with_hybrid_cp():
     with pytest.raises(HybridCPUnsupportedError, match="--fcp: --hybrid-context-parallel"):
         fcp_config_from_args(args)
     assert not fcp_config_from_args(parser.parse_args(["--hybrid-context-parallel"])).enabled  # FCP off: fine
+
+
+def test_apply_fcp_refuses_hybrid_process_groups(monkeypatch):
+    """``initialize_model_parallel(hybrid_context_parallel=True)`` on 4+ DPxCP ranks leaves its
+    per-size groups in ``parallel_state._HYBRID_DP_CP_GROUPS`` (2 ranks build none, so this is set
+    here as that call leaves it rather than spawning 4 processes)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_fcp.patches.megatron import apply_fcp, is_fcp_applied
+
+    if not hasattr(ps, "_HYBRID_DP_CP_GROUPS"):
+        pytest.skip("this megatron-core has no hybrid DPxCP groups (added in 0.16)")
+    monkeypatch.setattr(ps, "_HYBRID_DP_CP_GROUPS", {2: object()})
+    with pytest.raises(HybridCPUnsupportedError, match="apply_fcp\\(\\): parallel_state was initialised"):
+        apply_fcp(FCPConfig(enabled=True))
+    assert not is_fcp_applied() and not REGISTRY.targets("megatron")  # refused before patching
