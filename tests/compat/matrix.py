@@ -126,8 +126,8 @@ def ensure_base(interpreter: str, minor: str, home: Path, log: Path) -> tuple[Pa
             raise RuntimeError(f"could not create {base} (see {log})")
     if _run(_pip(_venv_python(base), TORCH, *BASE_PACKAGES), log):
         raise RuntimeError(f"installing {TORCH} into {base} failed (see {log})")
-    seconds = time.perf_counter() - t0
-    marker.write_text(json.dumps({"install_s": round(seconds, 1)}))
+    seconds = round(time.perf_counter() - t0, 1)
+    marker.write_text(json.dumps({"install_s": seconds}))
     return base, seconds
 
 
@@ -189,10 +189,16 @@ def run_group(env: Env, name: str, files: tuple[str, ...], tmp: Path) -> dict[st
     t0 = time.perf_counter()
     rc = _run(cmd, env.log, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     counts = _junit_counts(junit)
+    passed = max(0, counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"])
+    failed = counts["failures"] + counts["errors"]
+    if rc in (0, 5) and not failed and not passed and counts["skipped"]:
+        result = "skipped"  # e.g. no megatron.training in this wheel: every test says why it skips
+    else:
+        result = "pass" if rc == 0 and passed > 0 and not failed else "fail"
     row: dict[str, Any] = {
-        "result": "pass" if rc == 0 and counts["tests"] > 0 else "fail",
-        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-        "failed": counts["failures"] + counts["errors"],
+        "result": result,
+        "passed": passed,
+        "failed": failed,
         "skipped": counts["skipped"],
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -231,7 +237,7 @@ def run_row(version: str, minor: str, home: Path, groups: dict[str, tuple[str, .
     e2e = row["groups"].get("e2e", {})
     diffs = e2e.get("max_rel_loss_diff")
     row["max_rel_loss_diff"] = max(diffs.values()) if diffs else None
-    ok = all(g["result"] == "pass" for g in row["groups"].values())
+    ok = all(g["result"] in ("pass", "skipped") for g in row["groups"].values())
     if "e2e" in groups:
         ok = ok and diffs is not None and row["max_rel_loss_diff"] <= E2E_TOLERANCE
     row["tests_s"] = round(sum(g["seconds"] for g in row["groups"].values()), 1)
