@@ -196,8 +196,7 @@ def test_refusal_says_why_and_what_to_use_instead():
 def test_fcp_core_attention_refuses_hybrid_config_before_any_setup():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_fcp.patches.megatron import FCPCoreAttention
-    from megatron_fcp.setup_plan import current_runtime
+    from megatron_fcp.patches.megatron import FCPCoreAttention, current_runtime
 
     if not _has_hybrid_cp():
         pytest.skip("this megatron-core has no hybrid_context_parallel (added in 0.16)")

@@ -15,7 +15,8 @@ One virtual environment per megatron-core release, under ``$FCP_MATRIX_HOME`` (d
 Each row runs the test groups of :data:`GROUPS` with pytest, one after another (``nice``,
 ``OMP_NUM_THREADS=1``: the machine has 2 cores), and the end-to-end group reports the largest
 relative loss difference of cp=4 and tp=2 x cp=2 against cp=1 over its 20 steps. A missing
-interpreter or a failed install is a row of the table, not a crash. The table is JSON: one row
+interpreter or a failed install is a row of the table, not a crash; the exit status is non-zero
+when a row that could run failed (a missing interpreter only warns). The table is JSON: one row
 per release with python, torch, result per group, the max relative loss difference and durations.
 """
 
@@ -289,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"  {r['megatron_core']:8s} py{r.get('python', '?'):8s} {r['result']:15s} "
               f"max rel loss diff {r.get('max_rel_loss_diff')}")
-    return 0 if all(r["result"] == "pass" for r in rows) else 1
+    missing = [r["megatron_core"] for r in rows if r["result"] == "no interpreter"]
+    if missing:
+        print(f"[matrix] WARNING: not run for lack of an interpreter: {', '.join(missing)}")
+    return 0 if all(r["result"] in ("pass", "no interpreter") for r in rows) else 1
 
 
 if __name__ == "__main__":
