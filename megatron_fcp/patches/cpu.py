@@ -208,10 +208,10 @@ class Shim:
         """Why this shim is not needed by the installed megatron-core, or None when it is."""
         try:
             owner, attr = resolve_target(self.target)
-        except PatchTargetError as exc:
+        except PatchTargetError:
             if self.required:
                 raise
-            return f"absent in megatron-core {megatron_core_version()} ({exc})"
+            return f"absent in megatron-core {megatron_core_version()}"
         current = getattr(owner, attr)
         if getattr(current, "__fcp_patched__", False):
             return None  # ours already: installing again is the idempotent no-op
