@@ -17,7 +17,7 @@ setup(
     packages=find_packages(include=["megatron_fcp", "megatron_fcp.*"]),
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.14,<0.20",
+        "megatron-core>=0.14,<0.20",  # every minor release here passes tests/compat/run_matrix.sh
         "networkx>=3.0",
         "PyYAML>=6.0",
         "einops>=0.7",

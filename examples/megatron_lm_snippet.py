@@ -22,7 +22,10 @@ Then run as usual with ``--context-parallel-size 8 --fcp --fcp-topology dgx-h100
 needed). Without ``--fcp`` nothing is patched and Megatron's own CP attention runs.
 Transformer Engine's and the local spec's core attention are both replaced for CP > 1; CP = 1
 modules stay Megatron's own. Unsupported with FCP (clear errors): packed/THD sequences,
-attention bias, sliding windows, attention dropout > 0.
+attention bias, sliding windows, attention dropout > 0, and Megatron's hybrid context
+parallelism (``--hybrid-context-parallel`` with ``--fcp`` fails when the args are read).
+Exercised through Megatron-LM's parse_args/validate_args and model path on CPU by
+tests/test_megatron_training.py (megatron-core 0.17+ wheels ship ``megatron.training``).
 """
 
 from __future__ import annotations

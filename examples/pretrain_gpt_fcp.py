@@ -14,7 +14,9 @@ What one step does (``global_batch = micro_batch x dp x microbatches``, as in Me
 
 1. every rank draws the same synthetic global batch for the step (seeded by step), keeps its
    data-parallel slice and cuts each sequence with Megatron's own ``get_batch_on_this_cp_rank``
-   (zigzag: CP rank r keeps chunks r and 2cp-1-r);
+   (zigzag: CP rank r keeps chunks r and 2cp-1-r), called through
+   :func:`megatron_fcp.patches.compat.cp_batch_splitter` since its signature differs between
+   megatron-core releases;
 2. forward + backward per micro batch; the loss is ``sum(token losses) / global tokens`` so that
    summing gradients over the data-parallel x context-parallel group gives the global mean;
 3. gradients are all-reduced over that group, the global grad norm is taken over unique
@@ -226,8 +228,8 @@ def train(
     from megatron.core import parallel_state as ps  # noqa: PLC0415
     from megatron.core import tensor_parallel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: PLC0415
-    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
 
+    from megatron_fcp.patches.compat import cp_batch_splitter  # noqa: PLC0415
     from megatron_fcp.patches.cpu import apply_cpu_shims  # noqa: PLC0415
     from megatron_fcp.patches.megatron import apply_fcp, assert_model_uses_fcp, revert_fcp  # noqa: PLC0415
     from megatron_fcp.patches.runtime import setup_fcp  # noqa: PLC0415
@@ -279,6 +281,7 @@ def train(
             f"world {world} = tp {layout.tp} x cp {layout.cp} x dp {layout.dp}, device {device}")
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
+        split_for_cp = cp_batch_splitter()  # get_batch_on_this_cp_rank, whatever its signature
         dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         tp_group = ps.get_tensor_model_parallel_group()
         dp_rank, dp = ps.get_data_parallel_rank(), layout.dp
@@ -304,7 +307,7 @@ def train(
                     "labels": seq[:, 1:].contiguous(),
                     "position_ids": torch.arange(args.seq_length)[None, :].expand(mbs, -1).contiguous(),
                 }
-                batch = get_batch_on_this_cp_rank(batch)  # zigzag: [mbs, seq/cp]
+                batch = split_for_cp(batch)  # zigzag: [mbs, seq/cp]
                 batch = {k: v.to(device) for k, v in batch.items()}
                 token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
                 loss = token_loss.float().sum() / tokens_per_step  # [mbs, seq/cp] -> scalar

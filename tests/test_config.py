@@ -157,11 +157,45 @@ def test_extra_args_provider_contract_with_megatron_style_parser():
     assert args.context_parallel_size == 4 and fcp_config_from_args(args).enabled
 
 
-def test_megatron_training_parse_args_when_installed(monkeypatch):
-    arguments = pytest.importorskip("megatron.training.arguments")  # absent from the 0.16.1 wheel
-    monkeypatch.setattr("sys.argv", ["x", "--fcp", "--fcp-graph", "ring"])
-    args = arguments.parse_args(extra_args_provider=add_fcp_args, ignore_unknown_args=True)
-    assert fcp_config_from_args(args).graph == "ring"
+def _megatron_argv(*extra: str) -> list[str]:
+    """A tiny model's Megatron-LM command line (what validate_args needs to accept it)."""
+    return ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", *extra]
+
+
+def test_megatron_training_parse_args_when_installed(monkeypatch, tmp_path):
+    """Megatron-LM's own parser and validation with our provider (wheels ship megatron.training
+    from megatron-core 0.17): flags, ``--fcp-config`` YAML under them, Megatron's args untouched."""
+    arguments = pytest.importorskip("megatron.training.arguments")  # absent from the 0.14-0.16 wheels
+    yaml_file = tmp_path / "fcp.yaml"
+    yaml_file.write_text("fcp:\n  enabled: true\n  graph: hierarchical\n  block_tokens: 8\n  overlap: false\n")
+    monkeypatch.setattr("sys.argv", _megatron_argv("--context-parallel-size", "1", "--fcp-config", str(yaml_file),
+                                                   "--fcp-graph", "ring", "--fcp-kernel", "cpu-flash"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    args = arguments.parse_args(extra_args_provider=add_fcp_args)
+    args = arguments.validate_args(args, {}) or args  # Megatron's own checks of the whole command line
+    config = fcp_config_from_args(args)
+    assert config == FCPConfig(enabled=True, graph="ring", block_tokens=8, overlap=False, kernel="cpu-flash")
+    assert args.num_layers == 2 and args.seq_length == 64 and args.context_parallel_size == 1
+    # a typo in an FCP flag is Megatron's parser's error, like any other flag
+    monkeypatch.setattr("sys.argv", _megatron_argv("--fcp-graph", "mesh"))
+    with pytest.raises(SystemExit):
+        arguments.parse_args(extra_args_provider=add_fcp_args)
+
+
+def test_megatron_training_hybrid_cp_with_fcp_is_refused(monkeypatch):
+    """``--hybrid-context-parallel`` is Megatron-LM's own flag (0.17+ wheels): with ``--fcp`` it fails
+    at argument time, naming both and what to use instead."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron_fcp.patches.compat import HybridCPUnsupportedError
+
+    monkeypatch.setattr("sys.argv", _megatron_argv("--hybrid-context-parallel", "--fcp"))
+    args = arguments.parse_args(extra_args_provider=add_fcp_args)
+    assert args.hybrid_context_parallel
+    with pytest.raises(HybridCPUnsupportedError, match="--fcp: --hybrid-context-parallel.*drop --fcp"):
+        fcp_config_from_args(args)
 
 
 # ---- YAML run configs ---------------------------------------------------------------------------

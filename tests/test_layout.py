@@ -15,18 +15,48 @@ from megatron_fcp.attention.layout import (
 from megatron_fcp.planning import blocks_of
 
 
+class _FakeCPGroup:
+    """Rank ``r`` of a CP group of ``cp`` ranks, without processes (size()/rank() only)."""
+
+    def __init__(self, cp: int, r: int) -> None:
+        self._cp, self._r = cp, r
+
+    def size(self) -> int:
+        return self._cp
+
+    def rank(self) -> int:
+        return self._r
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_split_matches_megatron_get_batch_on_this_cp_rank(cp, monkeypatch):
+    """Megatron's own split, through whichever signature the installed release has.
+
+    Releases read the CP size/rank from ``parallel_state`` (0.14-0.15), from ``group.size()``
+    (0.16-0.17) or from ``torch.distributed.get_world_size(group)`` (0.18+): all three are pointed
+    at one fake group per rank, so no process group is needed.
+    """
+    import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_fcp.patches.compat import cp_batch_splitter
 
     s = 8 * cp
     tokens = torch.arange(3 * s).view(3, s)                   # [b, s]: Megatron's batch has seq dim 1
     hidden = torch.randn(3, s, 5)                             # [b, s, hidden]
+    split = cp_batch_splitter()
+    world_size, rank = dist.get_world_size, dist.get_rank
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for r in range(cp):
+        group = _FakeCPGroup(cp, r)
         monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
         monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=r: r)
-        batch = get_batch_on_this_cp_rank({"tokens": tokens.clone(), "hidden": hidden.clone()})
+        monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda check_initialized=True, g=group: g)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size() if isinstance(
+            group, _FakeCPGroup) else world_size(group))
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank() if isinstance(
+            group, _FakeCPGroup) else rank(group))
+        batch = split({"tokens": tokens.clone(), "hidden": hidden.clone()})
         assert torch.equal(zigzag_split(tokens, cp, r, seq_dim=1), batch["tokens"])
         assert torch.equal(zigzag_split(hidden, cp, r, seq_dim=1), batch["hidden"])
 

@@ -270,13 +270,13 @@ def test_real_cpu_shims_apply_and_revert_exactly():
     from megatron.core.tensor_parallel import random as rnd
     from megatron.core.utils import GlobalMemoryBuffer
 
-    from megatron_fcp.patches.cpu import CPU_SHIMS, apply_cpu_shims, revert_cpu_shims
+    from megatron_fcp.patches.cpu import apply_cpu_shims, plan_cpu_shims, revert_cpu_shims
 
     before = (vars(rnd)["_get_cuda_rng_state"], vars(rnd.CudaRNGStatesTracker)["add"],
               vars(GlobalMemoryBuffer)["get_tensor"], vars(rope)["get_pos_emb_on_this_cp_rank"])
     targets = apply_cpu_shims(force=True)
     try:
-        assert len(targets) == len(CPU_SHIMS)
+        assert targets == [shim.target for shim in plan_cpu_shims()[0]]
         assert rnd._get_cuda_rng_state.__wrapped__ is before[0]
         assert apply_cpu_shims(force=True) == targets  # idempotent
         tracker = rnd.CudaRNGStatesTracker()
@@ -312,8 +312,8 @@ def _order_worker(rank: int, world: int) -> dict:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from megatron_fcp.patches.compat import cp_batch_splitter
     from megatron_fcp.patches.cpu import apply_cpu_shims
     from megatron_fcp.patches.megatron import FCPCoreAttention, apply_fcp, revert_fcp
 
@@ -355,7 +355,7 @@ def _order_worker(rank: int, world: int) -> dict:
         apply_fcp(fcp)
         setup_fcp(fcp, seq_len=32)
         model = gpt(cfg)
-        batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens, "position_ids": tokens.clone()})
+        batch = cp_batch_splitter()({"tokens": tokens, "labels": tokens, "position_ids": tokens.clone()})
         out["loss_before"] = float(model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum())
         # 4) the CP groups are re-created (destroy + initialize): the old model must not run.
         ps.destroy_model_parallel()

@@ -32,6 +32,7 @@ from dataclasses import MISSING, fields
 from typing import Any, Mapping
 
 from megatron_fcp.config import FCPConfig, field_docs, flag_of, load_yaml
+from megatron_fcp.patches.compat import refuse_hybrid_cp
 
 __all__ = [
     "add_fcp_args",
@@ -82,7 +83,11 @@ def add_fcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def fcp_config_from_args(args: argparse.Namespace, base: FCPConfig | None = None) -> FCPConfig:
-    """Merge ``base`` (or defaults), then ``--fcp-config`` YAML, then flags that were given."""
+    """Merge ``base`` (or defaults), then ``--fcp-config`` YAML, then flags that were given.
+
+    FCP enabled together with Megatron-LM's ``--hybrid-context-parallel`` raises
+    :class:`~megatron_fcp.patches.compat.HybridCPUnsupportedError` (why, and what to use instead).
+    """
     config = base or FCPConfig()
     yaml_path = getattr(args, "fcp_config", None)
     if yaml_path:
@@ -92,7 +97,10 @@ def fcp_config_from_args(args: argparse.Namespace, base: FCPConfig | None = None
         value = getattr(args, dest_of(f.name), None)
         if value is not None:
             given[f.name] = value
-    return config.replace(**given) if given else config
+    config = config.replace(**given) if given else config
+    if config.enabled:
+        refuse_hybrid_cp("--fcp", args=args)
+    return config
 
 
 def split_run_yaml(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -4,7 +4,8 @@ megatron-core assumes a GPU in a handful of places that a CPU run of a GPTModel 
 shim below replaces exactly one binding, in the namespace where megatron-core looks it up, with
 a CPU equivalent of the same semantics; nothing else changes. They are installed through
 :data:`megatron_fcp.patches.REGISTRY` (group ``"cpu"``), so they are idempotent, logged once
-each, and reverted exactly by :func:`revert_cpu_shims`. Checked against megatron-core 0.14-0.19.
+each, and reverted exactly by :func:`revert_cpu_shims`. Run on every release of the version matrix
+(``tests/compat/run_matrix.sh``).
 
 ==============================================================  ==================================
 binding (megatron-core 0.16.1)                                   CPU meaning
@@ -16,27 +17,44 @@ binding (megatron-core 0.16.1)                                   CPU meaning
                                                                  the CPU generator, which is what
                                                                  CPU dropout draws from)
 ``utils:GlobalMemoryBuffer.get_tensor``                         buffer on the CPU
-``...rotary_pos_embedding:RotaryEmbedding.get_emb``             keep ``inv_freq`` on the CPU
+``...rotary_pos_embedding:RotaryEmbedding.get_emb`` (0.16+)     keep ``inv_freq`` on the CPU
+``...rotary_pos_embedding:RotaryEmbedding.forward`` (0.14-0.15)  the same, where ``forward`` itself
+                                                                 moves ``inv_freq`` to CUDA
 ``...rotary_pos_embedding:get_pos_emb_on_this_cp_rank``         zigzag slice without pinned/CUDA
                                                                  index tensors
 ``fusions.fused_softmax:get_default_causal_mask``               mask built on the CPU
 ==============================================================  ==================================
 
+Each shim is gated on what the installed megatron-core really has: it is installed only where
+its target exists *and* the target's source reaches for CUDA (``cuda`` or ``pin_memory``). A
+shim that a release does not need (``get_emb`` before 0.16, ``forward`` from 0.16 on, or a
+function a later release made device-agnostic) is skipped and logged at INFO. A required shim
+with no target at all raises :class:`~megatron_fcp.patches.PatchTargetError` naming the symbol
+and the version, and so does a target whose signature differs from what the shim replaces.
+
 ``model_parallel_cuda_manual_seed`` itself works on CPU (``torch.cuda.manual_seed`` is lazy) but
-seeds no CPU generator: call ``torch.manual_seed(seed)`` too. Megatron's own DDP wrapper and ``get_megatron_optimizer`` allocate CUDA buffers: on CPU use
+seeds no CPU generator: call ``torch.manual_seed(seed)`` too. Megatron's own DDP wrapper and
+``get_megatron_optimizer`` allocate CUDA buffers: on CPU use
 ``torch.nn.parallel.DistributedDataParallel`` (or a manual all-reduce) and ``torch.optim``.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+import sys
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
 import torch
 
-from megatron_fcp.patches import REGISTRY, check_megatron_version
+from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version, resolve_target
+from megatron_fcp.patches.compat import source_mentions
 
-__all__ = ["CPU_SHIMS", "apply_cpu_shims", "revert_cpu_shims", "cpu_shims_needed"]
+__all__ = ["CPU_SHIMS", "Shim", "apply_cpu_shims", "revert_cpu_shims", "cpu_shims_needed", "plan_cpu_shims"]
+
+logger = logging.getLogger("megatron_fcp.patches")
 
 GROUP = "cpu"
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -101,17 +119,51 @@ def _make_get_tensor(original: Callable) -> Callable:
 
 
 # ---- RoPE --------------------------------------------------------------------------------------
+def _rope_table(rope: Any, max_seq_len: int, offset: int) -> torch.Tensor:
+    """RoPE table ``[max_seq_len, 1, 1, dim]`` computed where ``inv_freq`` lives (the CPU)."""
+    freqs = rope.get_freqs_non_repeated(max_seq_len, offset)  # [s, dim/2]
+    if not rope.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)  # [s, dim]
+    else:  # interleave: f0 f0 f1 f1 ...
+        emb = torch.stack((freqs, freqs), dim=-1).reshape(freqs.shape[0], -1)
+    return emb[:, None, None, :]
+
+
 def _make_get_emb(original: Callable) -> Callable:
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        """RoPE table ``[max_seq_len, 1, 1, dim]`` computed where ``inv_freq`` lives (the CPU)."""
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, dim/2]
-        if not self.rotary_interleaved:
-            emb = torch.cat((freqs, freqs), dim=-1)  # [s, dim]
-        else:  # interleave: f0 f0 f1 f1 ...
-            emb = torch.stack((freqs, freqs), dim=-1).reshape(freqs.shape[0], -1)
-        return emb[:, None, None, :]
+        """RoPE table ``[max_seq_len, 1, 1, dim]`` on the CPU (0.16+: ``forward`` calls this)."""
+        return _rope_table(self, max_seq_len, offset)
 
     return get_emb
+
+
+#: The signature ``_make_rope_forward`` reimplements (megatron-core 0.14-0.15).
+_ROPE_FORWARD_PARAMS = ("self", "max_seq_len", "offset", "packed_seq")
+
+
+def _make_rope_forward(original: Callable) -> Callable:
+    """0.14-0.15: ``RotaryEmbedding.forward`` moves ``inv_freq`` to CUDA itself (no ``get_emb``).
+
+    The replacement computes the same table on the CPU and slices it per CP rank through the
+    rotary module's own ``get_pos_emb_on_this_cp_rank`` binding (looked up at call time, so the
+    CPU shim of that function is the one used).
+    """
+    params = tuple(inspect.signature(inspect.unwrap(original)).parameters)
+    if params != _ROPE_FORWARD_PARAMS:
+        raise PatchTargetError(
+            f"cannot shim {_ROPE}:RotaryEmbedding.forward{params} in megatron-core "
+            f"{megatron_core_version()}: the CPU shim reimplements forward{_ROPE_FORWARD_PARAMS}"
+        )
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
+        """RoPE table ``[s, 1, 1, dim]`` on the CPU, this CP rank's zigzag slice when cp > 1."""
+        emb = _rope_table(self, max_seq_len, offset)
+        cp_group = getattr(self, "cp_group", None)
+        if cp_group is not None and cp_group.size() > 1 and not packed_seq:
+            emb = sys.modules[_ROPE].get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+        return emb
+
+    return forward
 
 
 def _make_pos_emb_on_cp_rank(original: Callable) -> Callable:
@@ -139,15 +191,45 @@ def _make_default_causal_mask(original: Callable) -> Callable:
     return get_default_causal_mask
 
 
-#: (target, replacement factory) in install order.
-CPU_SHIMS: tuple[tuple[str, Callable[[Callable], Callable]], ...] = (
-    (f"{_RANDOM}:_get_cuda_rng_state", _make_get_rng_state),
-    (f"{_RANDOM}:_set_cuda_rng_state", _make_set_rng_state),
-    (f"{_RANDOM}:CudaRNGStatesTracker.add", _make_tracker_add),
-    ("megatron.core.utils:GlobalMemoryBuffer.get_tensor", _make_get_tensor),
-    (f"{_ROPE}:RotaryEmbedding.get_emb", _make_get_emb),
-    (f"{_ROPE}:get_pos_emb_on_this_cp_rank", _make_pos_emb_on_cp_rank),
-    ("megatron.core.fusions.fused_softmax:get_default_causal_mask", _make_default_causal_mask),
+@dataclass(frozen=True)
+class Shim:
+    """One CPU shim: ``target`` is replaced by ``make(original)`` where the gate says it is needed.
+
+    ``required``: a missing target is a version error (not skipped). Gate: the target exists and
+    its source mentions one of ``cuda_words`` (unreadable source counts as needing the shim).
+    """
+
+    target: str
+    make: Callable[[Callable], Callable]
+    required: bool = True
+    cuda_words: tuple[str, ...] = ("cuda", "pin_memory")
+
+    def skip_reason(self) -> str | None:
+        """Why this shim is not needed by the installed megatron-core, or None when it is."""
+        try:
+            owner, attr = resolve_target(self.target)
+        except PatchTargetError:
+            if self.required:
+                raise
+            return f"absent in megatron-core {megatron_core_version()}"
+        current = getattr(owner, attr)
+        if getattr(current, "__fcp_patched__", False):
+            return None  # ours already: installing again is the idempotent no-op
+        if source_mentions(current, self.cuda_words) is False:
+            return f"its megatron-core {megatron_core_version()} source does not use CUDA"
+        return None
+
+
+#: In install order. RoPE has two gated alternatives: ``get_emb`` (0.16+) or ``forward`` (0.14-0.15).
+CPU_SHIMS: tuple[Shim, ...] = (
+    Shim(f"{_RANDOM}:_get_cuda_rng_state", _make_get_rng_state),
+    Shim(f"{_RANDOM}:_set_cuda_rng_state", _make_set_rng_state),
+    Shim(f"{_RANDOM}:CudaRNGStatesTracker.add", _make_tracker_add),
+    Shim("megatron.core.utils:GlobalMemoryBuffer.get_tensor", _make_get_tensor),
+    Shim(f"{_ROPE}:RotaryEmbedding.get_emb", _make_get_emb, required=False),
+    Shim(f"{_ROPE}:RotaryEmbedding.forward", _make_rope_forward, required=False),
+    Shim(f"{_ROPE}:get_pos_emb_on_this_cp_rank", _make_pos_emb_on_cp_rank),
+    Shim("megatron.core.fusions.fused_softmax:get_default_causal_mask", _make_default_causal_mask),
 )
 
 
@@ -156,17 +238,40 @@ def cpu_shims_needed() -> bool:
     return not torch.cuda.is_available()
 
 
-def apply_cpu_shims(force: bool = False) -> list[str]:
-    """Install the CPU shims when CUDA is absent (or ``force``); return the patched targets.
+def plan_cpu_shims() -> tuple[list[Shim], dict[str, str]]:
+    """``(shims to install, {skipped target: reason})`` for the installed megatron-core."""
+    install, skipped = [], {}
+    for shim in CPU_SHIMS:
+        reason = shim.skip_reason()
+        if reason is None:
+            install.append(shim)
+        else:
+            skipped[shim.target] = reason
+    return install, skipped
 
-    Version-gated: raises ``ImportError`` naming the symbol and megatron-core version when a
-    binding is missing. With CUDA present (and not forced) this does nothing.
+
+def apply_cpu_shims(force: bool = False) -> list[str]:
+    """Install the CPU shims the installed megatron-core needs when CUDA is absent (or ``force``).
+
+    Returns the patched targets. Shims a release does not need are skipped and logged (INFO);
+    a required target that is missing raises ``ImportError`` naming the symbol and the version.
+    All or nothing: a failure reverts the shims installed by this call. With CUDA present (and
+    not forced) this does nothing.
     """
     if not (force or cpu_shims_needed()):
         return []
     check_megatron_version()
-    for target, make in CPU_SHIMS:
-        REGISTRY.install(target, make, group=GROUP)
+    install, skipped = plan_cpu_shims()
+    for target, reason in skipped.items():
+        logger.info("megatron_fcp: CPU shim %s skipped: %s", target, reason)
+    before = set(REGISTRY.targets(GROUP))
+    try:
+        for shim in install:
+            REGISTRY.install(shim.target, shim.make, group=GROUP)
+    except BaseException:
+        if not before:
+            REGISTRY.revert(GROUP)
+        raise
     return REGISTRY.targets(GROUP)
 
 

@@ -45,6 +45,7 @@ import torch
 
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version
+from megatron_fcp.patches.compat import refuse_hybrid_cp
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime, reset_fcp, setup_fcp
 
 __all__ = [
@@ -119,7 +120,10 @@ class FCPCoreAttention(torch.nn.Module):
 
     Unsupported (raise ``NotImplementedError`` naming the option): attention bias, packed (THD)
     sequences, padding/arbitrary masks, sliding windows, non-vanilla softmax, attention dropout
-    > 0 in training.
+    > 0 in training, and Megatron's hybrid/dynamic CP (``config.hybrid_context_parallel``, or
+    ``packed_seq_params`` with a per-micro-batch ``cp_group``), refused at construction, before
+    any plan is settled or any communication happens
+    (:class:`~megatron_fcp.patches.compat.HybridCPUnsupportedError`).
     """
 
     def __init__(
@@ -163,6 +167,7 @@ class FCPCoreAttention(torch.nn.Module):
 
     @staticmethod
     def _check_config(config: Any) -> None:
+        refuse_hybrid_cp("FCPCoreAttention", config=config, check_process_groups=True)
         if getattr(config, "window_size", None) is not None:
             raise NotImplementedError("FCPCoreAttention: sliding-window attention (window_size) is not supported")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -196,6 +201,7 @@ class FCPCoreAttention(torch.nn.Module):
         if attention_bias is not None:
             raise NotImplementedError("FCPCoreAttention: attention_bias is not supported")
         if packed_seq_params is not None:
+            refuse_hybrid_cp("FCPCoreAttention.forward", packed_seq_params=packed_seq_params)
             raise NotImplementedError(
                 "FCPCoreAttention: packed sequences (THD, packed_seq_params) are not supported yet"
             )
@@ -291,6 +297,8 @@ def _make_replacement(original: type) -> type:
     """A subclass of FCPCoreAttention standing in for ``original`` (cp = 1 -> the original)."""
 
     def __new__(cls, *args: Any, **kwargs: Any):  # noqa: N807
+        config = kwargs.get("config", args[0] if args else None)
+        refuse_hybrid_cp(f"FCP in place of {original.__name__}", config=config, check_process_groups=True)
         pg = kwargs.get("pg_collection", kwargs.get("model_comm_pgs"))
         if _group_size(_cp_group_from(pg)) == 1:
             return original(*args, **kwargs)  # not an instance of cls: __init__ is skipped
@@ -371,8 +379,12 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
     """Patch Megatron so specs built from now on use FCP attention for CP > 1.
 
     Idempotent (a second call patches nothing and returns the same targets); ``config`` defaults
-    to ``FCPConfig(enabled=True)``. A disabled config patches nothing. The plan itself is settled
-    by :func:`~megatron_fcp.patches.runtime.setup_fcp` (or automatically when the first FCP attention
+    to ``FCPConfig(enabled=True)``. A disabled config patches nothing. Megatron's hybrid/dynamic
+    CP (``initialize_model_parallel(hybrid_context_parallel=True)`` or Megatron-LM's
+    ``--hybrid-context-parallel``) is refused here with
+    :class:`~megatron_fcp.patches.compat.HybridCPUnsupportedError`, before anything is patched. The
+    plan itself is settled by :func:`~megatron_fcp.patches.runtime.setup_fcp` (or automatically when
+    the first FCP attention
     module is built). Returns the patched targets.
     """
     config = config if config is not None else FCPConfig(enabled=True)
@@ -383,6 +395,7 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
     if previous is not None and previous != config:
         raise FCPStateError(f"apply_fcp() already applied with {previous}; call revert_fcp() first")
     check_megatron_version()
+    refuse_hybrid_cp("apply_fcp()", check_process_groups=True, check_training_args=True)
     try:
         _install_patches()
     except BaseException:
