@@ -48,7 +48,7 @@ import numpy as np
 from megatron_fcp.planning.baselines import simulate_te_a2a_p2p, simulate_te_p2p
 from megatron_fcp.planning.cost import AttentionShape, ComputeModel, SimResult, causal_pairs, simulate_rounds
 from megatron_fcp.planning.graph import check_cp_ranks
-from megatron_fcp.planning.placement import Placement, _check_lengths
+from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
 from megatron_fcp.topology import Topology, load_topology
 
@@ -67,7 +67,7 @@ BACKWARD_FLOP_RATIO = 2.5
 
 def thd_padded_lengths(doc_lengths: Sequence[int], cp: int) -> np.ndarray:
     """Each document's length rounded up to a multiple of ``2*cp`` (int64), as TE pads THD."""
-    _check_lengths(doc_lengths)
+    check_doc_lengths(doc_lengths)
     L = np.asarray(doc_lengths, dtype=np.int64)
     return -(-L // (2 * cp)) * (2 * cp)
 

@@ -40,7 +40,8 @@ import numpy as np
 
 from megatron_fcp.planning.blocks import Block
 
-__all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "DEFAULT_BLOCK_TOKENS"]
+__all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
+           "DEFAULT_BLOCK_TOKENS"]
 
 DEFAULT_BLOCK_TOKENS = 4096
 """Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
@@ -97,7 +98,7 @@ class Placement:
     def __post_init__(self) -> None:
         object.__setattr__(self, "doc_lengths", tuple(int(x) for x in self.doc_lengths))
         object.__setattr__(self, "blocks", tuple(tuple(r) for r in self.blocks))
-        _check_lengths(self.doc_lengths)
+        check_doc_lengths(self.doc_lengths)
         if not self.blocks:
             raise ValueError("placement: needs at least one CP rank")
         covered: dict[int, list[tuple[int, int]]] = {}
@@ -236,7 +237,8 @@ class Placement:
                 f"work max/mean {work.max() / mean if mean else 1.0:.3f}")
 
 
-def _check_lengths(doc_lengths: Sequence[int]) -> None:
+def check_doc_lengths(doc_lengths: Sequence[int]) -> None:
+    """Raise ValueError naming the fix unless ``doc_lengths`` is a non-empty list of integers >= 1."""
     if len(doc_lengths) == 0:
         raise ValueError("doc_lengths: the batch is empty; give at least one document")
     for d, n in enumerate(doc_lengths):
@@ -415,7 +417,7 @@ def place_packed(
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
     lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
-    _check_lengths(lengths)
+    check_doc_lengths(lengths)
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp: must be a positive integer, got {cp!r}")
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
