@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("packed documents")
+    g.add_argument("--packed", action="store_true",
+                   help="train on packed batches (THD): each sequence is several documents of lognormal "
+                        "lengths; FCP places them (short documents whole on one rank)")
+    g.add_argument("--packed-log-mean", type=float, default=3.0, help="log-mean of document lengths (median exp(m))")
+    g.add_argument("--packed-log-sigma", type=float, default=1.0, help="log-sigma of document lengths")
     g = p.add_argument_group("output")
     g.add_argument("--metrics-json", metavar="PATH", help="rank 0 writes losses, grad norms, FCP info")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
@@ -129,7 +135,16 @@ def validate_run(args: argparse.Namespace, fcp: FCPConfig, world: int):
                             pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
     if layout.pp != 1:
         raise ValueError("--pipeline-model-parallel-size must be 1 in this example")
-    if args.seq_length % (2 * layout.cp):
+    if args.packed:
+        if args.micro_batch_size != 1:
+            raise ValueError("--packed needs --micro-batch-size 1 (one packed sequence per micro-batch, "
+                             "as Megatron's THD format)")
+        if layout.cp > 1 and not fcp.enabled:
+            raise ValueError("--packed with --context-parallel-size > 1 needs --fcp (this example has no "
+                             "Transformer Engine THD path)")
+        if args.position_embedding_type != "rope":
+            raise ValueError("--packed needs --position-embedding-type rope (positions restart per document)")
+    elif args.seq_length % (2 * layout.cp):
         raise ValueError(f"--seq-length {args.seq_length} must be divisible by 2 x "
                          f"--context-parallel-size = {2 * layout.cp}")
     if args.num_attention_heads % layout.tp:
@@ -153,6 +168,28 @@ def _synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> 
     start = torch.randint(0, vocab, (batch, 1), generator=gen)
     stride = torch.randint(1, 8, (batch, 1), generator=gen)
     return (start + stride * torch.arange(seq + 1)[None, :]) % vocab
+
+
+def _packed_sample(step: int, sample: int, args: argparse.Namespace) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """One packed sequence (identical on every rank): document lengths (seeded lognormal, summing to
+    ``--seq-length``) and ``[1, seq]`` tokens, labels, loss mask. Each document is an arithmetic
+    progression mod vocab; its last token has no next token in the document (loss mask 0)."""
+    from megatron_fcp.planning.placement import lognormal_lengths  # noqa: PLC0415
+
+    seed = (args.seed * 1_000_003 + step) * 4099 + sample
+    lengths = lognormal_lengths(args.packed_log_mean, args.packed_log_sigma, args.seq_length, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens, labels, mask = [], [], []
+    for n in lengths:
+        start = torch.randint(0, args.vocab_size, (1,), generator=gen)
+        stride = torch.randint(1, 8, (1,), generator=gen)
+        doc = (start + stride * torch.arange(n + 1)) % args.vocab_size  # [n+1]
+        tokens.append(doc[:-1])
+        labels.append(doc[1:])
+        mask.append(torch.cat([torch.ones(n - 1), torch.zeros(1)]))
+    batch = {"tokens": torch.cat(tokens)[None], "labels": torch.cat(labels)[None],
+             "loss_mask": torch.cat(mask)[None], "position_ids": torch.arange(args.seq_length)[None]}
+    return lengths, batch
 
 
 def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
@@ -232,6 +269,7 @@ def train(
     from megatron_fcp.patches.compat import cp_batch_splitter  # noqa: PLC0415
     from megatron_fcp.patches.cpu import apply_cpu_shims  # noqa: PLC0415
     from megatron_fcp.patches.megatron import apply_fcp, assert_model_uses_fcp, revert_fcp  # noqa: PLC0415
+    from megatron_fcp.patches.packed import shard_packed_batch  # noqa: PLC0415
     from megatron_fcp.patches.runtime import setup_fcp  # noqa: PLC0415
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -256,11 +294,17 @@ def train(
             apply_fcp(fcp)
             heads = args.num_attention_heads
             runtime = setup_fcp(
-                fcp, seq_len=args.seq_length, heads=heads, kv_heads=args.num_query_groups or heads,
+                fcp, seq_len=None if args.packed else args.seq_length, heads=heads, kv_heads=args.num_query_groups or heads,
                 head_dim=args.hidden_size // heads, dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
             )
             runtime.transport_factory = transport_factory
-            if layout.cp > 1:
+            if layout.cp > 1 and args.packed:  # plans follow each micro-batch's documents: show the first
+                lengths, _ = _packed_sample(0, 0, args)
+                plan = runtime.packed_plan(tuple(ps.get_context_parallel_global_ranks()), tuple(lengths))
+                info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(plan.ranks),
+                            rounds=len(plan.rounds), transfers=plan.num_transfers(), packed=True)
+                say(f"FCP packed: first micro-batch {lengths}\n{plan.placement.summary()}\n{plan.round_table()}")
+            elif layout.cp > 1:
                 plan = runtime.plan(tuple(ps.get_context_parallel_global_ranks()), causal=True,
                                     parts_per_chunk=runtime.parts_per_chunk(args.seq_length // layout.cp))
                 info.update(graph=plan.name, topology=runtime.topology.name,
@@ -268,6 +312,10 @@ def train(
                             transfers=plan.num_transfers())
                 say(runtime.summary(0))
         impl, spec = _layer_spec(args.transformer_impl, args.normalization)
+        if args.packed and impl == "local":  # Megatron's local attention refuses THD: FCP's spec route
+            from megatron_fcp.patches.megatron import FCPCoreAttention  # noqa: PLC0415
+
+            spec.submodules.self_attention.submodules.core_attention = FCPCoreAttention
         model = GPTModel(
             config=_transformer_config(args, dtype), transformer_layer_spec=spec,
             vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length,
@@ -289,6 +337,10 @@ def train(
         global_batch = args.global_batch_size or mbs * dp
         microbatches = global_batch // (mbs * dp)
         tokens_per_step = global_batch * args.seq_length
+        if args.packed:  # loss over the tokens that have a next token inside their document
+            samples = [_packed_sample(step, n, args) for step in range(args.train_iters) for n in range(global_batch)]
+            loss_tokens = [sum(float(b["loss_mask"].sum()) for _, b in samples[i * global_batch:(i + 1) * global_batch])
+                           for i in range(args.train_iters)]
 
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -301,6 +353,17 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
             for m in range(microbatches):
+                if args.packed:  # THD: this rank's tokens in FCP's placement of the documents
+                    lengths, whole = samples[step * global_batch + dp_rank * microbatches + m]
+                    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+                    batch, packed = shard_packed_batch(whole, cu)
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                    token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                                       packed_seq_params=packed)
+                    loss = (token_loss.float() * batch["loss_mask"]).sum() / loss_tokens[step]
+                    loss.backward()
+                    loss_sum += loss.detach().double()
+                    continue
                 seq = mine[m]
                 batch = {
                     "tokens": seq[:, :-1].contiguous(),

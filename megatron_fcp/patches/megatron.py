@@ -46,6 +46,7 @@ import torch
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version
 from megatron_fcp.patches.compat import refuse_hybrid_cp
+from megatron_fcp.patches.packed import ROPE_TARGET, make_rope, packed_attention
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime, reset_fcp, setup_fcp
 
 __all__ = [
@@ -118,8 +119,12 @@ class FCPCoreAttention(torch.nn.Module):
         mask is implied by ``attn_mask_type`` (``attention_mask`` is then ignored, as Transformer
         Engine does). CP = 1 computes plain local attention without communication.
 
-    Unsupported (raise ``NotImplementedError`` naming the option): attention bias, packed (THD)
-    sequences, padding/arbitrary masks, sliding windows, non-vanilla softmax, attention dropout
+    Packed batches (``packed_seq_params`` with ``qkv_format="thd"``): query ``[t, h, d]`` in FCP's
+    placement of the documents (lay the batch out with
+    :func:`megatron_fcp.patches.packed.shard_packed_batch`); returns ``[t, h*d]``.
+
+    Unsupported (raise ``NotImplementedError`` naming the option): attention bias, padded THD
+    variants, padding/arbitrary masks, sliding windows, non-vanilla softmax, attention dropout
     > 0 in training, and Megatron's hybrid/dynamic CP (``config.hybrid_context_parallel``, or
     ``packed_seq_params`` with a per-micro-batch ``cp_group``), refused at construction, before
     any plan is settled or any communication happens
@@ -202,9 +207,11 @@ class FCPCoreAttention(torch.nn.Module):
             raise NotImplementedError("FCPCoreAttention: attention_bias is not supported")
         if packed_seq_params is not None:
             refuse_hybrid_cp("FCPCoreAttention.forward", packed_seq_params=packed_seq_params)
-            raise NotImplementedError(
-                "FCPCoreAttention: packed sequences (THD, packed_seq_params) are not supported yet"
-            )
+            if getattr(packed_seq_params, "qkv_format", None) != "thd":
+                raise NotImplementedError(
+                    f"FCPCoreAttention: packed_seq_params with qkv_format="
+                    f"{getattr(packed_seq_params, 'qkv_format', None)!r}; FCP packs documents as 'thd'"
+                )
         if self.training and self.dropout_p > 0:
             raise NotImplementedError(
                 f"FCPCoreAttention: attention dropout {self.dropout_p} in training is not supported; "
@@ -212,6 +219,8 @@ class FCPCoreAttention(torch.nn.Module):
             )
         del attention_mask  # causal/no_mask only: the mask type says everything
         causal = self._causal(attn_mask_type)
+        if packed_seq_params is not None:  # q [t, h, d] -> [t, h*d]; Note in megatron_fcp.patches.packed
+            return packed_attention(self, query, key, value, packed_seq_params, causal=causal, transport=_transport)
         s, b, h, d = query.shape  # [s, b, h, d]; key/value [s, b, h_kv, d]
         if self.cp_size == 1:
             out = _local_attention(query, key, value, causal=causal, scale=self.softmax_scale)
@@ -373,6 +382,7 @@ def _install_patches() -> None:
                 "attention there (its forward is guarded, so CP > 1 fails loudly). Use the spec route: "
                 "core_attention=FCPCoreAttention", target, megatron_core_version())
         REGISTRY.install(f"{target}.forward", _make_forward_guard, group=GROUP)
+    REGISTRY.install(ROPE_TARGET, make_rope, group=GROUP)  # packed batches: RoPE by FCP's placement
 
 
 def apply_fcp(config: FCPConfig | None = None) -> list[str]:

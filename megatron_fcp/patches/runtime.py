@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_fcp.agreement import AgreementCache
 from megatron_fcp.config import FCPConfig
-from megatron_fcp.planning import MegatronLayout, Plan, PlanError, build_plan
+from megatron_fcp.planning import MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
+from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.topology import TopologyError, load_topology
 from megatron_fcp.topology import detect
 
@@ -42,6 +45,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("megatron_fcp.runtime")
+
+PACKED_CACHE_ENTRIES = 64
+"""Placements and plans of packed batches kept per process (least recently used dropped first)."""
 
 
 class FCPStateError(RuntimeError):
@@ -123,11 +129,14 @@ def build_group_plan(
     kv_heads: int | None = None,
     head_dim: int | None = None,
     dtype_bytes: int = 2,
+    placement: Placement | None = None,
 ) -> Plan:
-    """Build the plan of one CP group with the configured graph (verified as it is built)."""
+    """Build the plan of one CP group with the configured graph (verified as it is built);
+    ``placement``: a packed batch's placement instead of Megatron's zigzag split."""
     plan = build_plan(
         topology, tuple(cp_ranks), config.graph, causal=causal, parts_per_chunk=parts_per_chunk,
         seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+        placement=placement,
     )
     if tuple(plan.ranks) != tuple(cp_ranks):
         raise PlanError(f"planner returned ranks {list(plan.ranks)} for CP group {list(cp_ranks)}")
@@ -159,6 +168,38 @@ class FCPRuntime:
     groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> the group object
     transport_factory: Any = None  # group -> Transport per call; None = the backend's default
     transports: dict[int, Any] = field(default_factory=dict)  # id(group) -> default transport
+    packed: OrderedDict = field(default_factory=OrderedDict)  # packed batches: key -> placement / plan
+    agreement: AgreementCache = field(default_factory=AgreementCache)
+    packed_epoch: int | None = None  # advanced once per micro-batch by shard_packed_batch
+
+    # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
+    def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True) -> Placement:
+        """The placement of a packed batch over this run's CP size (deterministic, the same on every
+        rank; cached by the lengths). Long documents are cut into ``--fcp-block-tokens`` blocks
+        (0: :data:`~megatron_fcp.planning.placement.DEFAULT_BLOCK_TOKENS`)."""
+        key = ("placement", tuple(doc_lengths), bool(causal))
+        if key not in self.packed:
+            block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
+            self._remember(key, place_packed(doc_lengths, self.layout.cp, block_tokens=block, causal=causal))
+        self.packed.move_to_end(key)
+        return self.packed[key]
+
+    def packed_plan(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool = True) -> Plan:
+        """The verified plan of CP group ``cp_ranks`` for a packed batch (cached by the lengths)."""
+        if tuple(cp_ranks) not in self.layout.cp_groups():
+            raise FCPStateError(f"CP group {list(cp_ranks)} is not a CP group of this run's layout; call setup_fcp() again")
+        key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
+        if key not in self.packed:
+            placement = self.packed_placement(doc_lengths, causal=causal)
+            self._remember(key, build_group_plan(self.config, self.topology, tuple(cp_ranks), causal=causal,
+                                                 placement=placement, **self.plan_args))
+        self.packed.move_to_end(key)
+        return self.packed[key]
+
+    def _remember(self, key: tuple, value: Any) -> None:
+        self.packed[key] = value
+        while len(self.packed) > PACKED_CACHE_ENTRIES:
+            self.packed.popitem(last=False)
 
     def parts_per_chunk(self, s_local: int) -> int:
         """Sub-blocks per zigzag chunk for a local sequence of ``s_local`` tokens (2 chunks)."""
