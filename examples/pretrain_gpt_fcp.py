@@ -33,6 +33,7 @@ process group (``megatron_fcp.launch.run_gloo(run_worker, 4, argv)``), used by t
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import math
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="auto: transformer_engine on CUDA when installed, else local")
     g.add_argument("--bf16", action="store_true", help="BF16 parameters and compute (GPU)")
+    g.add_argument("--recompute-granularity", choices=("selective", "full"), default=None,
+                   help="activation recomputation: selective (the core attention is recomputed in "
+                        "backward) or full (whole layers; with --recompute-method/--recompute-num-layers)")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="full recomputation: uniform or block (default uniform)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="full recomputation: layers per unit (default 1)")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro x data-parallel size")
@@ -206,8 +213,23 @@ def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        perform_initialization=True,
+        perform_initialization=True, **_recompute_kwargs(args),
     )
+
+
+def _recompute_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """TransformerConfig fields for Megatron's activation recomputation (selective: core attention)."""
+    if args.recompute_granularity is None:
+        return {}
+    if args.recompute_granularity == "selective":
+        kw: dict[str, Any] = {"recompute_granularity": "selective"}
+        from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+        if "recompute_modules" in inspect.signature(TransformerConfig).parameters:
+            kw["recompute_modules"] = ["core_attn"]  # megatron-core >= 0.13 names what to recompute
+        return kw
+    return {"recompute_granularity": "full", "recompute_method": args.recompute_method or "uniform",
+            "recompute_num_layers": args.recompute_num_layers or 1}
 
 
 def _layer_spec(impl: str, normalization: str = "LayerNorm"):

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Mapping
 
+from megatron_fcp.attention.kv_memory import BACKWARD_KV_MODES, RING_BUDGET
 from megatron_fcp.planning.builders import GRAPH_CHOICES
 
 __all__ = ["FCPConfig", "KERNELS", "field_docs", "flag_of", "load_yaml"]
@@ -66,6 +67,15 @@ class FCPConfig:
     """Block attention kernel: math (pure torch, any dtype and device; the default) or cpu-flash
     (torch's fused CPU flash-attention ops; FP32/BF16 on CPU only, faster on CPU)."""
 
+    backward_kv: str = field(default="auto", metadata={"choices": BACKWARD_KV_MODES})
+    """Received KV between forward and backward: keep (saved: fastest backward, most memory),
+    resend (re-sent in backward: holds no more than Transformer Engine's ring) or auto (keep only
+    while every rank's kept bytes fit --fcp-kv-memory-budget; the default)."""
+
+    kv_memory_budget: int = field(default=RING_BUDGET, metadata={"metavar": "BYTES"})
+    """Bytes of received KV a rank may keep per attention call under --fcp-backward-kv auto; -1
+    (the default) means what the ring holds: one KV pair the size of the rank's own shard."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"--fcp (fcp.enabled) must be true or false, got {self.enabled!r}")
@@ -94,6 +104,13 @@ class FCPConfig:
             )
         if not isinstance(self.overlap, bool):
             raise ValueError(f"--fcp-overlap (fcp.overlap) must be true or false, got {self.overlap!r}")
+        if self.backward_kv not in BACKWARD_KV_MODES:
+            raise ValueError(f"--fcp-backward-kv (fcp.backward_kv) must be one of {', '.join(BACKWARD_KV_MODES)}, "
+                             f"got {self.backward_kv!r}")
+        if isinstance(self.kv_memory_budget, bool) or not isinstance(self.kv_memory_budget, int) \
+                or self.kv_memory_budget < RING_BUDGET:
+            raise ValueError(f"--fcp-kv-memory-budget (fcp.kv_memory_budget) must be bytes >= 0 or -1 (the "
+                             f"ring's), got {self.kv_memory_budget!r}")
         if self.kernel not in KERNELS:
             raise ValueError(
                 f"unknown block kernel {self.kernel!r}: set --fcp-kernel (fcp.kernel) to one of " + ", ".join(KERNELS)

@@ -233,8 +233,8 @@ def test_fcp_core_attention_rejects_unsupported(stub):
     q = torch.zeros(4, 1, 4, 8)
     with pytest.raises(NotImplementedError, match="attention_bias"):
         att(q, q, q, None, attention_bias=torch.zeros(1))
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        att(q, q, q, None, packed_seq_params=object())
+    with pytest.raises(NotImplementedError, match="FCP packs documents as 'thd'"):
+        att(q, q, q, None, packed_seq_params=object())  # packed, but not THD
     with pytest.raises(NotImplementedError, match="attention dropout 0.1"):
         att.train()(q, q, q, None)
 

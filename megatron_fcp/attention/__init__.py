@@ -11,7 +11,7 @@ import importlib
 _LAZY = {
     "fcp_attention": "megatron_fcp.attention.function",
     "fcp_attention_with_lse": "megatron_fcp.attention.function",
-    "FCPStats": "megatron_fcp.attention.function",
+    "FCPStats": "megatron_fcp.attention.stats",
     "block_attention_forward": "megatron_fcp.attention.kernels",
     "block_attention_backward": "megatron_fcp.attention.kernels",
     "reference_attention": "megatron_fcp.attention.kernels",

@@ -29,8 +29,8 @@ Note [Backward pipeline]
 ------------------------
 Like flash-attn, the backward recomputes each block's scores from the saved ``q, k, v`` (the local
 shard), the final FP32 ``out`` and ``lse``, and the received KV blocks this rank computed on
-(saved in forward: ``needed blocks x 2*blk*b*h_kv*d`` elements of the input dtype per rank, the
-same memory a ring keeps in flight; re-fetching them instead is a later optimisation). dQ stays
+(saved in forward under ``backward_kv="keep"``, or re-sent at the start of backward under
+``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`). dQ stays
 local. dK/dV of a block flow back along the plan reversed: rounds run last to first and every
 transfer is flipped, so the receiver of a block returns its partial ``[2, blk, b, h_kv, d]`` dKV
 (FP32, or FP64 for FP64 inputs) to the rank it got the block from. A relay first adds its own
@@ -39,9 +39,10 @@ rounds, i.e. return it in earlier backward rounds), so every link carries one te
 A rank that neither needs the block nor has children returns zeros (the plan lists the transfer;
 a ring does exactly this). The owner adds all returns into its local dK/dV::
 
+    compute local blocks                 # resend mode: while the KV is re-sent (kv_memory)
     compute blocks received in round R-1;  post(reverse round R-1)
     for k = R-1 .. 0:
-        compute blocks received in round k-1 (local blocks when k == 0)   # overlaps round k
+        compute blocks received in round k-1 (if k > 0)                  # overlaps round k
         wait(reverse round k);  add returned partials
         post(reverse round k-1)                                          # its dKV are complete
 
@@ -53,17 +54,19 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Union
+from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
 
+from megatron_fcp.attention.kv_memory import RING_BUDGET, choose_backward_kv
+from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resolve_kernel
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
+from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
-from megatron_fcp.planning.blocks import Block, Transfer, blocks_of
+from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import SIMPLE_PLANS, Plan, full_plan
 
@@ -73,7 +76,7 @@ __all__ = [
     "FCPStats",
     "resolve_plan",
     "PLAN_ALIASES",
-    "measure_comm_only",
+    "measure_comm_only",  # re-exported from megatron_fcp.attention.comm_only
 ]
 
 PlanLike = Union[str, Plan]
@@ -83,30 +86,6 @@ KernelLike = Union[str, BlockKernel]
 PLAN_ALIASES = {"all-to-all": "full"}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass
-class FCPStats:
-    """Times (seconds, host clock) and bytes of one ``fcp_attention`` call on this rank.
-
-    ``*_compute_s``: block kernels + merges; ``*_wait_s``: time blocked waiting for transfers
-    (the communication that compute did not hide); ``*_total_s``: the whole pass. ``comm_only_s``
-    is filled by :func:`measure_comm_only` (the plan's transfers with no compute at all). On CUDA
-    the host clock only sees launches unless the caller synchronises.
-    """
-
-    forward_total_s: float = 0.0
-    forward_compute_s: float = 0.0
-    forward_wait_s: float = 0.0
-    backward_total_s: float = 0.0
-    backward_compute_s: float = 0.0
-    backward_wait_s: float = 0.0
-    forward_bytes_sent: int = 0
-    backward_bytes_sent: int = 0
-    comm_only_s: float | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +228,12 @@ class _Executor:
         self.needs = plan.needs(rank)
         self.local_blocks = layout.local_blocks
         self.num_rounds = len(plan.rounds)
+        self.backward_kv = "keep"  # or "resend": set by fcp_attention_with_lse
+        self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
+        for r, rnd in enumerate(plan.rounds):
+            for t in rnd:
+                if t.src == rank:
+                    self._last_send[t.block] = r
 
     # -- helpers -------------------------------------------------------------------------------
     def _sync(self, device) -> None:
@@ -279,18 +264,56 @@ class _Executor:
         return rows, kw
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True):
-        """Returns (out [n,b,h,d] compute dtype, lse [b,h,n] compute dtype, received blocks kept
-        for backward; none when ``keep_blocks`` is False, e.g. no input needs a gradient)."""
-        t_start = time.perf_counter()
-        compute_s = wait_s = 0.0
-        bytes_sent = 0
-        lay, hk = self.layout, k.shape[2]
-        preps: dict = {}                                                         # per-row-range layouts
+    def _distribute(self, k: torch.Tensor, v: torch.Tensor, phase: str,
+                    on_local: Callable[[dict], None], on_received: Callable[[Block, torch.Tensor], None]):
+        """Run the plan's forward rounds for this rank: post round r+1 before handling round r's
+        arrivals (overlap), call ``on_local(local_kv)`` while round 0 is in flight and
+        ``on_received(block, kv)`` for each needed block in plan order. A received block is
+        dropped as soon as it is handled and forwarded (``on_received`` keeps what it wants).
+        Returns (seconds waited, bytes sent, peak bytes of received KV alive at once)."""
+        lay = self.layout
         have: dict[Block, torch.Tensor] = {}
         for b in self.local_blocks:
             sl = lay.local_slice(b)
             have[b] = torch.stack([k[sl], v[sl]])                               # [2, blk, b, h_kv, d]
+        local = set(have)
+        wait_s, bytes_sent, alive, peak = 0.0, 0, 0, 0
+
+        def post(r: int):
+            nonlocal bytes_sent
+            sends = [(t, have[t.block]) for t in self.plan.sends(self.rank, r)]
+            recvs = [(t, torch.empty(self._kv_shape(t.block, k), dtype=k.dtype, device=k.device))
+                     for t in self.plan.recvs(self.rank, r)]
+            bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
+            return self.transport.post(sends, recvs, round_index=r, phase=phase), recvs
+
+        pending = post(0) if self.num_rounds else None
+        on_local({b: have[b] for b in self.local_blocks})
+        for r in range(self.num_rounds):
+            handle, recvs = pending
+            wait_s += self._wait(handle)
+            for t, buf in recvs:
+                have[t.block] = buf
+                alive += buf.numel() * buf.element_size()
+            peak = max(peak, alive)
+            pending = post(r + 1) if r + 1 < self.num_rounds else None
+            for t, buf in recvs:
+                if t.block in self.needs:
+                    on_received(t.block, buf)
+            for t, buf in recvs:  # posted sends keep their buffers alive until waited on
+                if self._last_send.get(t.block, -1) <= r + 1 and t.block not in local:
+                    del have[t.block]
+                    alive -= buf.numel() * buf.element_size()
+        return wait_s, bytes_sent, peak
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True):
+        """Returns (out [n,b,h,d] compute dtype, lse [b,h,n] compute dtype, received blocks kept
+        for backward; none when ``keep_blocks`` is False (no input needs a gradient, or the
+        backward re-sends KV))."""
+        t_start = time.perf_counter()
+        compute_s = 0.0
+        lay, hk = self.layout, k.shape[2]
+        preps: dict = {}                                                         # per-row-range layouts
         if lay.q_doc is None:
             acc = LseAccumulator()
         else:                                                                    # blocks merge into row ranges
@@ -313,39 +336,32 @@ class _Executor:
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
 
-        def post(r: int):
-            nonlocal bytes_sent
-            sends = [(t, have[t.block]) for t in self.plan.sends(self.rank, r)]
-            recvs = [(t, torch.empty(self._kv_shape(t.block, k), dtype=k.dtype, device=k.device))
-                     for t in self.plan.recvs(self.rank, r)]
-            bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
-            return self.transport.post(sends, recvs, round_index=r, phase="forward"), recvs
+        def compute_local(local_kv: dict) -> None:
+            for b in self.local_blocks:
+                compute(b, local_kv[b])
 
-        pending = post(0) if self.num_rounds else None
-        for b in self.local_blocks:
-            compute(b, have[b])
-        for r in range(self.num_rounds):
-            handle, recvs = pending
-            wait_s += self._wait(handle)
-            for t, buf in recvs:
-                have[t.block] = buf
-            pending = post(r + 1) if r + 1 < self.num_rounds else None
-            for t, buf in recvs:
-                if t.block in self.needs:
-                    compute(t.block, buf)
-                    if keep_blocks:
-                        kept[t.block] = buf
+        def on_received(block: Block, buf: torch.Tensor) -> None:
+            compute(block, buf)
+            if keep_blocks:
+                kept[block] = buf
+
+        wait_s, bytes_sent, peak = self._distribute(k, v, "forward", compute_local, on_received)
         out, lse = acc.result()
         if self.stats is not None:
             self.stats.forward_total_s += time.perf_counter() - t_start
             self.stats.forward_compute_s += compute_s
             self.stats.forward_wait_s += wait_s
             self.stats.forward_bytes_sent += bytes_sent
+            self.stats.saved_kv_bytes += sum(x.numel() * x.element_size() for x in kept.values())
+            self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak)
+            self.stats.backward_kv = self.backward_kv
         return out, lse, kept
 
     # -- backward ------------------------------------------------------------------------------
-    def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor]):
-        """Returns dq [n,b,h,d], dk, dv [n,b,h_kv,d] in q's dtype (see Note [Backward pipeline])."""
+    def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor] | None):
+        """Returns dq [n,b,h,d], dk, dv [n,b,h_kv,d] in q's dtype (see Note [Backward pipeline]).
+        ``kept`` None: re-send the KV first (Note [Backward KV modes] in kv_memory), computing the
+        local blocks' gradients while the first round is in flight."""
         t_start = time.perf_counter()
         compute_s = wait_s = 0.0
         bytes_sent = 0
@@ -403,17 +419,28 @@ class _Executor:
             bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
             return self.transport.post(sends, recvs, round_index=r, phase="backward"), recvs
 
-        R = self.num_rounds
-        if R == 0:
-            compute_local()
+        if kept is None:  # resend: the plan's forward rounds again, readers keep what they need
+            kept = {}
+            alive = [0]
+
+            def keep(block: Block, buf: torch.Tensor) -> None:
+                kept[block] = buf
+                alive[0] += buf.numel() * buf.element_size()
+
+            t_w, resent, peak = self._distribute(k, v, "resend", lambda local_kv: compute_local(), keep)
+            wait_s += t_w
+            if self.stats is not None:
+                self.stats.resend_bytes_sent += resent
+                self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak, alive[0])
         else:
+            compute_local()  # first in both modes: the same order of additions, bitwise equal results
+        R = self.num_rounds
+        if R:
             compute_round(R - 1)
             pending = post(R - 1)
             for r in range(R - 1, -1, -1):
                 if r > 0:
                     compute_round(r - 1)
-                else:
-                    compute_local()
                 handle, recvs = pending
                 wait_s += self._wait(handle)
                 for t, buf in recvs:
@@ -439,8 +466,10 @@ class _FCPAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, executor: _Executor):
-        out, lse, kept = executor.forward(q, k, v, keep_blocks=any(ctx.needs_input_grad[:3]))
-        ctx.executor, ctx.kept, ctx.out_acc, ctx.lse = executor, kept, out, lse
+        keep = executor.backward_kv == "keep" and any(ctx.needs_input_grad[:3])
+        out, lse, kept = executor.forward(q, k, v, keep_blocks=keep)
+        ctx.executor, ctx.out_acc, ctx.lse = executor, out, lse
+        ctx.kept = kept if executor.backward_kv == "keep" else None  # None: backward re-sends the KV
         ctx.save_for_backward(q, k, v)
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
@@ -457,7 +486,7 @@ def fcp_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
     causal: bool = True, softmax_scale: float | None = None, transport: Transport | None = None,
     stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "math",
-    placement: Placement | None = None,
+    placement: Placement | None = None, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs):
     ``[b, h, s_local]`` for zigzag shards, ``[h, t_local]`` over a ``placement`` (THD).
@@ -466,6 +495,10 @@ def fcp_attention_with_lse(
     stats: an :class:`FCPStats` to add this call's times and bytes to (forward now, backward later).
     timeout_s: bound on each round's wait for the default transport.
     kernel, plan, placement: see :func:`fcp_attention`.
+    backward_kv: ``"keep"`` (save received KV for backward: fastest, most memory), ``"resend"``
+    (re-send it in backward: hold no more than the ring) or ``"auto"`` (keep while every rank's
+    kept bytes fit ``kv_memory_budget``, bytes per rank, default the ring's); Note [Backward KV
+    modes] in :mod:`megatron_fcp.attention.kv_memory`. Outputs and gradients are bitwise the same.
     """
     plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
                                                   placement)
@@ -473,10 +506,15 @@ def fcp_attention_with_lse(
         transport = default_transport(cp_group, timeout_s)
     if placement is None:
         layout: ShardLayout = ZigzagLayout(plan_obj.ranks, rank, q.shape[0], plan_obj.parts_per_chunk)
-        executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
-        return _FCPAttentionFunction.apply(q, k, v, executor)
-    layout = PlacementLayout(placement, plan_obj.ranks, rank)
+    else:
+        layout = PlacementLayout(placement, plan_obj.ranks, rank)
+    per_token = 2 * math.prod(k.shape[1:]) * k.element_size()  # K and V of one token
+    mode = choose_backward_kv(backward_kv, plan_obj, lambda blk: layout.block_tokens(blk) * per_token,
+                              kv_memory_budget)
     executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
+    executor.backward_kv = mode
+    if placement is None:
+        return _FCPAttentionFunction.apply(q, k, v, executor)
     out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), executor)  # b = 1
     return out.squeeze(1), lse.squeeze(0)                                   # [t, h, d], [h, t]
 
@@ -511,25 +549,3 @@ def fcp_attention(
     out, _ = fcp_attention_with_lse(q, k, v, cp_group=cp_group, plan=plan, causal=causal,
                                     softmax_scale=softmax_scale, kernel=kernel, placement=placement)
     return out
-
-
-def measure_comm_only(
-    plan: Plan, cp_group, kv_block_shape: tuple[int, ...], dtype: torch.dtype,
-    device: torch.device | str = "cpu", transport: Transport | None = None,
-) -> float:
-    """Seconds to run the plan's forward transfers with no compute (this rank's view).
-
-    kv_block_shape: ``(2, blk, b, h_kv, d)``. Rounds run back to back: post k, wait k, post k+1.
-    """
-    rank = dist.get_rank()
-    if transport is None:
-        transport = default_transport(cp_group)
-    have = {b: torch.zeros(kv_block_shape, dtype=dtype, device=device)
-            for b in blocks_of(rank, plan.parts_per_chunk)}
-    t0 = time.perf_counter()
-    for r in range(len(plan.rounds)):
-        recvs = [(t, torch.empty(kv_block_shape, dtype=dtype, device=device)) for t in plan.recvs(rank, r)]
-        sends = [(t, have[t.block]) for t in plan.sends(rank, r)]
-        transport.wait(transport.post(sends, recvs, round_index=r, phase="comm-only"))
-        have.update((t.block, buf) for t, buf in recvs)
-    return time.perf_counter() - t0

@@ -234,7 +234,8 @@ class FCPCoreAttention(torch.nn.Module):
             out, _ = fcp_attention_with_lse(
                 query, key, value, cp_group=self.cp_group, plan=plan, causal=causal,
                 softmax_scale=self.softmax_scale, transport=_transport(runtime, self.cp_group),
-                kernel=runtime.config.kernel,
+                kernel=runtime.config.kernel, backward_kv=runtime.config.backward_kv,
+                kv_memory_budget=runtime.config.kv_memory_budget,
             )
         return out.reshape(s, b, h * d)  # [s, b, h*d]
 
@@ -382,7 +383,14 @@ def _install_patches() -> None:
                 "attention there (its forward is guarded, so CP > 1 fails loudly). Use the spec route: "
                 "core_attention=FCPCoreAttention", target, megatron_core_version())
         REGISTRY.install(f"{target}.forward", _make_forward_guard, group=GROUP)
-    REGISTRY.install(ROPE_TARGET, make_rope, group=GROUP)  # packed batches: RoPE by FCP's placement
+    try:  # packed batches: RoPE by FCP's placement (every supported megatron-core has the binding)
+        resolve_target(ROPE_TARGET)
+    except PatchTargetError:
+        logger.warning("megatron_fcp: %s not found in megatron-core %s; packed (THD) batches with CP > 1 "
+                       "would be rotated by Megatron's own layout, so FCPCoreAttention refuses them",
+                       ROPE_TARGET, megatron_core_version())
+        return
+    REGISTRY.install(ROPE_TARGET, make_rope, group=GROUP)
 
 
 def apply_fcp(config: FCPConfig | None = None) -> list[str]:

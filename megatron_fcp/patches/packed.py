@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.function import fcp_attention_with_lse
+from megatron_fcp.patches import REGISTRY
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime
 from megatron_fcp.planning.placement import check_doc_lengths
 
@@ -161,6 +162,9 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     runtime = current_runtime()
     if runtime is None:
         raise FCPStateError("FCP runtime was reset after this model was built; rebuild the model")
+    if ROPE_TARGET not in REGISTRY.targets("megatron"):
+        raise NotImplementedError(f"packed (THD) batches with CP > 1 need FCP's RoPE binding ({ROPE_TARGET}), "
+                                  "which apply_fcp() could not install in this megatron-core")
     ranks = tuple(dist.get_process_group_ranks(module.cp_group))
     plan = runtime.packed_plan(ranks, lengths, causal=causal)
     placement = plan.placement
@@ -175,7 +179,9 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan")
     out, _ = fcp_attention_with_lse(query, key, value, cp_group=module.cp_group, plan=plan, placement=placement,
                                     causal=causal, softmax_scale=module.softmax_scale,
-                                    transport=transport(runtime, module.cp_group), kernel=runtime.config.kernel)
+                                    transport=transport(runtime, module.cp_group), kernel=runtime.config.kernel,
+                                    backward_kv=runtime.config.backward_kv,
+                                    kv_memory_budget=runtime.config.kv_memory_budget)
     return out.reshape(t, -1)
 
 

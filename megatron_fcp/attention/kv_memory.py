@@ -1,0 +1,69 @@
+"""Which received KV a rank holds between forward and backward: ``keep`` or ``resend``.
+
+Note [Backward KV modes]
+------------------------
+Backward recomputes each block's scores from its K and V (flash-attn's recipe), so a rank needs
+every block it computed on again. Two ways to have them:
+
+* ``keep`` -- the forward saves every received block it needs until backward. Fastest backward
+  (no KV traffic), but a rank holds its whole need set between the two passes: under causal zigzag
+  CP rank 0 keeps ``2*(cp-1)`` of the ``2*cp`` chunks, ``cp-1`` times its own KV; for every layer.
+* ``resend`` -- nothing received is saved: backward runs the plan's forward rounds again (the owner
+  and relays send, readers keep what they need for this one backward pass) while the local blocks'
+  gradients are computed, then reduces dK/dV along the reversed rounds as before. Between forward
+  and backward a rank holds only its own K and V, like Transformer Engine's ring (which re-sends KV
+  in backward with dKV). The arithmetic is the same, block by block, so ``resend`` and ``keep``
+  give bitwise identical outputs and gradients for a fixed plan.
+* ``auto`` -- ``keep`` while the kept bytes fit the budget on *every* rank of the group, else
+  ``resend``. The choice must be the same on all ranks (re-sending needs the senders), so it is
+  taken from the plan, which every rank holds whole, not from one rank's own needs.
+
+The default budget (``RING_BUDGET``) is what the ring holds in flight beyond its own KV: one more
+KV pair the size of the rank's own shard. So ``auto`` never holds more received KV between the
+passes than the ring holds at any time; with cp = 2 causal it keeps (rank 0 needs exactly one
+shard's worth), with larger groups it re-sends.
+
+In both modes the forward frees a received block as soon as it is computed on and forwarded (a
+relay drops what it only passes on), and :class:`~megatron_fcp.attention.function.FCPStats`
+records the bytes: ``saved_kv_bytes`` (received KV held from forward to backward),
+``peak_kv_bytes`` (received KV alive at once within the call) and ``resend_bytes_sent``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_fcp.planning.blocks import Block
+from megatron_fcp.planning.plan import Plan
+
+__all__ = ["BACKWARD_KV_MODES", "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
+
+BACKWARD_KV_MODES = ("auto", "keep", "resend")
+RING_BUDGET = -1
+"""``kv_memory_budget`` value meaning "what the ring holds": one KV pair the size of the rank's shard."""
+
+
+def kept_bytes_per_rank(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
+    """Bytes of received KV each rank would save for backward under ``keep`` (its need set)."""
+    return {r: sum(block_bytes(b) for b in plan.needs(r)) for r in plan.ranks}
+
+
+def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int], budget: int = RING_BUDGET) -> str:
+    """``"keep"`` or ``"resend"`` for ``mode`` (see the Note); the same answer on every rank.
+
+    block_bytes: bytes of one block's K and V. budget: bytes per rank, or :data:`RING_BUDGET`
+    (each rank's own KV bytes).
+    """
+    if mode not in BACKWARD_KV_MODES:
+        raise ValueError(f"backward_kv must be one of {BACKWARD_KV_MODES}, got {mode!r} (--fcp-backward-kv)")
+    if mode != "auto":
+        return mode
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < RING_BUDGET:
+        raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {budget!r} "
+                         "(--fcp-kv-memory-budget)")
+    kept = kept_bytes_per_rank(plan, block_bytes)
+    for r in plan.ranks:
+        limit = budget if budget != RING_BUDGET else sum(block_bytes(b) for b in plan.local_blocks(r))
+        if kept[r] > limit:
+            return "resend"
+    return "keep"

@@ -1,0 +1,35 @@
+"""``FCPStats``: what one ``fcp_attention`` call on this rank took (times) and moved or held (bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["FCPStats"]
+
+
+@dataclass
+class FCPStats:
+    """Times (seconds, host clock) and bytes of one ``fcp_attention`` call on this rank.
+
+    ``*_compute_s``: block kernels + merges; ``*_wait_s``: time blocked waiting for transfers
+    (the communication that compute did not hide); ``*_total_s``: the whole pass. ``comm_only_s``
+    is filled by :func:`measure_comm_only` (the plan's transfers with no compute at all). On CUDA
+    the host clock only sees launches unless the caller synchronises.
+    """
+
+    forward_total_s: float = 0.0
+    forward_compute_s: float = 0.0
+    forward_wait_s: float = 0.0
+    backward_total_s: float = 0.0
+    backward_compute_s: float = 0.0
+    backward_wait_s: float = 0.0
+    forward_bytes_sent: int = 0
+    backward_bytes_sent: int = 0
+    comm_only_s: float | None = None
+    backward_kv: str | None = None   # "keep" or "resend" (Note [Backward KV modes] in kv_memory)
+    saved_kv_bytes: int = 0          # received KV held from forward to backward
+    peak_kv_bytes: int = 0           # received KV alive at once within the call (forward or backward)
+    resend_bytes_sent: int = 0       # KV this rank re-sent in backward (resend mode)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

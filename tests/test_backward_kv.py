@@ -1,0 +1,119 @@
+"""Backward KV modes on gloo: ``resend`` and ``keep`` give bitwise identical results, and
+``resend`` holds no received KV between forward and backward (measured on the autograd graph).
+
+One 4-process group runs, per case, the same inputs through ``keep`` and ``resend`` and checks
+out, lse, dq, dk, dv bit for bit; plans: the ring (multi-hop chains), the hierarchical graph on
+2 x 2 ranks (relays across nodes) with sub-blocks, the direct ``full`` schedule, and a packed
+batch (THD placement); FP64, FP32, BF16.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_fcp.launch import run_gloo
+
+pytestmark = pytest.mark.dist
+
+TOPO = "examples/configs/topology_2x2.yaml"
+CASES = [("ring", "fp64"), ("hier", "fp32"), ("full", "bf16"), ("hier", "bf16"), ("packed", "fp32")]
+
+
+def _held_received_kv(out) -> int:
+    """Bytes of received KV the autograd graph holds for this call (the Function's saved state)."""
+    node = out.grad_fn
+    while not hasattr(node, "kept"):  # THD outputs are views (squeeze) of the Function's output
+        node = node.next_functions[0][0]
+    kept = node.kept
+    return 0 if kept is None else sum(t.numel() * t.element_size() for t in kept.values())
+
+
+def _worker(rank: int, world: int) -> dict:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_fcp.attention.function import fcp_attention_with_lse
+    from megatron_fcp.attention.layout import zigzag_split
+    from megatron_fcp.attention.stats import FCPStats
+    from megatron_fcp.planning import build_plan, place_packed
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), TOPO))
+    dtypes = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+    group = dist.new_group(list(range(world)))
+    out: dict = {}
+    for name, dt in CASES:
+        g = torch.Generator().manual_seed(hash(name + dt) % 1000)
+        placement = None
+        if name == "packed":
+            placement = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8)
+            t = placement.total_tokens
+            full = [torch.randn(t, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
+            q, k, v, do = (placement.shard(x, rank).to(dtypes[dt]) for x in full)
+            plan = build_plan(topo, range(4), "hierarchical", placement=placement)
+        else:
+            full = [torch.randn(64, 2, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
+            q, k, v, do = (zigzag_split(x, 4, rank).to(dtypes[dt]) for x in full)
+            plan = {"ring": "ring", "full": "full"}.get(name) or build_plan(topo, range(4), "hierarchical",
+                                                                          parts_per_chunk=2)
+        res = {}
+        for mode in ("keep", "resend", "auto"):
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            stats = FCPStats()
+            o, lse = fcp_attention_with_lse(qq, kk, vv, cp_group=group, plan=plan, causal=True, stats=stats,
+                                            placement=placement, backward_kv=mode)
+            held = _held_received_kv(o)
+            o.backward(do)
+            res[mode] = {"out": o.detach(), "lse": lse, "dq": qq.grad, "dk": kk.grad, "dv": vv.grad,
+                         "held": held, "stats": stats.as_dict(),
+                         "local_kv": 2 * k.numel() * k.element_size()}
+        out[f"{name}-{dt}"] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_gloo(_worker, 4, timeout_s=240)
+
+
+@pytest.mark.parametrize("case", [f"{n}-{d}" for n, d in CASES])
+def test_resend_is_bitwise_keep(results, case):
+    for rank, r in enumerate(results):
+        keep, resend = r[case]["keep"], r[case]["resend"]
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert keep[name].dtype == resend[name].dtype
+            assert __import__("torch").equal(keep[name], resend[name]), f"rank {rank} {case} {name}"
+
+
+@pytest.mark.parametrize("case", [f"{n}-{d}" for n, d in CASES])
+def test_resend_holds_no_received_kv_between_passes(results, case):
+    for r in results:
+        keep, resend, auto = r[case]["keep"], r[case]["resend"], r[case]["auto"]
+        assert resend["held"] == 0 and resend["stats"]["saved_kv_bytes"] == 0
+        assert resend["stats"]["backward_kv"] == "resend"
+        assert keep["held"] == keep["stats"]["saved_kv_bytes"]  # the stats report what the graph holds
+        assert keep["stats"]["resend_bytes_sent"] == 0
+        # what it costs: the forward's KV traffic once more in backward
+        assert resend["stats"]["resend_bytes_sent"] == resend["stats"]["forward_bytes_sent"]
+    # at cp = 4 the need sets exceed one shard on some rank: auto (ring budget) re-sends
+    assert any(r[case]["keep"]["held"] > r[case]["keep"]["local_kv"] for r in results)
+    assert all(r[case]["auto"]["stats"]["backward_kv"] == "resend" for r in results)
+
+
+def test_choose_backward_kv_is_uniform_and_budgeted():
+    from megatron_fcp.attention.kv_memory import choose_backward_kv, kept_bytes_per_rank
+    from megatron_fcp.planning import ring_plan
+
+    plan = ring_plan((0, 1), causal=True)
+    size = lambda b: 100  # noqa: E731
+    assert kept_bytes_per_rank(plan, size) == {0: 200, 1: 100}  # causal: rank 0 needs both chunks of rank 1
+    assert choose_backward_kv("auto", plan, size) == "keep"      # 200 <= its own 2 x 100: the ring's
+    assert choose_backward_kv("auto", plan, size, budget=150) == "resend"  # rank 0 does not fit
+    assert choose_backward_kv("auto", ring_plan((0, 1, 2, 3)), size) == "resend"
+    assert choose_backward_kv("keep", ring_plan((0, 1, 2, 3)), size) == "keep"
+    with pytest.raises(ValueError, match="--fcp-backward-kv"):
+        choose_backward_kv("lazy", plan, size)
+    with pytest.raises(ValueError, match="--fcp-kv-memory-budget"):
+        choose_backward_kv("auto", plan, size, budget=-5)
