@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fcp.planning import (  # noqa: E402
     AttentionShape,
+    simulate_plan_backward,
+    simulate_rounds,
     build_plan,
     compare_packed,
     lognormal_lengths,
@@ -33,6 +35,7 @@ from megatron_fcp.planning import (  # noqa: E402
     thd_padded_lengths,
     thd_rank_work,
 )
+from megatron_fcp.topology import load_topology  # noqa: E402
 
 TOKENS_PER_RANK = 32768
 MIXES = ((7.0, 1.0), (8.0, 1.2), (8.5, 1.5))  # (log-mean, log-sigma): medians 1.1K, 3.0K, 4.9K tokens
@@ -61,6 +64,8 @@ def balance() -> list[dict]:
                 "longest": max(lengths), "blocks": len(tok),
                 "fcp_work_max_over_mean": _target(float(work.max() / work.mean()), "<=", 1.05),
                 "fcp_recv_max_over_mean": _target(float(recv.max() / recv.mean()) if recv.mean() else 1.0, "<=", 1.10),
+                "fcp_recv_tokens_max": int(recv.max()), "fcp_recv_tokens_mean": float(recv.mean()),
+                "fcp_recv_tokens_total_over_tokens": float(recv.sum() / sum(lengths)),
                 "te_thd_padding_overhead": float(thd_padded_lengths(lengths, cp).sum() / sum(lengths) - 1),
                 "te_thd_work_max_over_mean": float(te_work.max() / te_work.mean()),
                 "te_thd_recv_max_over_mean": 1.0,  # the ring brings every rank all other KV
@@ -114,7 +119,45 @@ def _time_row(name: str, topo: str, ranks, lengths, targets: dict) -> dict:
     for base, bound in targets.items():
         if base in s and "error" not in s[base]:
             row[f"speedup_vs_{base}"] = _target(s[base]["fwd_bwd"]["total_s"] / fcp, ">=", bound)
+            # FCP's total is never below its compute: the most any model of FCP could reach
+            row[f"ceiling_vs_{base}"] = s[base]["fwd_bwd"]["total_s"] / s["fcp"]["fwd_bwd"]["compute_s"]
+    # what-if: an executor that sends each dK/dV partial as soon as it is complete (not what runs)
+    eager = simulate_plan_backward(out["plan"], topo, SHAPE, order="eager").total_s + s["fcp"]["fwd"]["total_s"]
+    row["fcp_eager_backward_what_if"] = {"fwd_bwd_total_s": eager, **{
+        f"speedup_vs_{b}": s[b]["fwd_bwd"]["total_s"] / eager for b in targets if b in s and "error" not in s[b]}}
+    row["reshuffle"] = reshuffle(topo, ranks, lengths, out["placement"], s["fcp"])
     return row
+
+
+def reshuffle(topo: str, ranks, lengths, pl, fcp: dict) -> dict:
+    """Issue 8 item 6: keep TE's THD layout in Megatron and reshuffle at the attention boundary.
+
+    TE's layout: document d padded to P_d (a multiple of 2*cp), cut in 2*cp chunks of l_d = P_d/(2cp);
+    CP rank r holds chunks r and 2cp-1-r. FCP computes on its placement, so every token whose TE
+    owner differs from its placement owner moves, every layer: q, k, v in and o out (forward), dO in
+    and dq, dk, dv out (backward), each an exposed all-to-all (one round each) on the topology."""
+    cp = len(ranks)
+    cp_of = np.zeros((cp, cp))                        # [TE owner, placement owner] tokens
+    P = thd_padded_lengths(lengths, cp)
+    for owner, rank_blocks in enumerate(pl.blocks):
+        for sp in rank_blocks:
+            l = int(P[sp.doc]) // (2 * cp)
+            c = np.arange(sp.start // l, (sp.end - 1) // l + 1)
+            toks = np.minimum((c + 1) * l, sp.end) - np.maximum(c * l, sp.start)
+            te = np.where(c < cp, c, 2 * cp - 1 - c)
+            np.add.at(cp_of, (te, owner), toks)
+    moved = cp_of.sum() - np.trace(cp_of)
+    q, kv = SHAPE.q_bytes(1), SHAPE.kv_bytes(1)     # q (= o, dO, dq) and k+v (= dk+dv) bytes per token
+    pairs = [(a, b) for a in range(cp) for b in range(cp) if a != b and cp_of[a, b]]
+    to_pl = lambda per_tok: [(ranks[a], ranks[b], cp_of[a, b] * per_tok) for a, b in pairs]  # noqa: E731
+    to_te = lambda per_tok: [(ranks[b], ranks[a], cp_of[a, b] * per_tok) for a, b in pairs]  # noqa: E731
+    rounds = [to_pl(q + kv), to_te(q), to_pl(q), to_te(q + kv)]  # fwd: qkv in, o out; bwd: dO in, dq dk dv out
+    sim = simulate_rounds(load_topology(topo), rounds, name="reshuffle")
+    fcp_bytes = fcp["fwd_bwd"]["bytes"]
+    return {"moved_tokens_over_tokens": float(moved / sum(lengths)), "bytes_per_layer": sim.bytes,
+            "fcp_kv_bytes_per_layer": fcp_bytes, "bytes_over_fcp_kv_bytes": sim.bytes / fcp_bytes if fcp_bytes else None,
+            "time_s": sim.comm_s, "time_over_fcp_fwd_bwd_total": sim.comm_s / fcp["fwd_bwd"]["total_s"],
+            "inter_node_bytes": sim.inter_node_bytes}
 
 
 def modelled_time() -> list[dict]:
@@ -130,6 +173,27 @@ def modelled_time() -> list[dict]:
     rows.append(_time_row("cp=16 on dgx-h100:2", "dgx-h100:2", list(range(16)), lengths, {}))
     for r in rows:
         r["mix"] = {"mean": mean, "sigma": sigma, "seed": SEED}
+    return rows
+
+
+def one_rank_per_node_arithmetic() -> list[dict]:
+    """cp=8, one CP rank per node: TE's ring moves each rank's whole KV over one NIC per step, and
+    FCP's total is never below its compute, so te-p2p total / FCP compute bounds the speedup."""
+    rows = []
+    topo = load_topology("dgx-h100:8")
+    nic = topo.gpu_ingress_bandwidth(0)
+    for mean, sigma in MIXES:
+        lengths = lognormal_lengths(mean, sigma, TOKENS_PER_RANK * 8, SEED)
+        s = _compare("dgx-h100:8", list(range(0, 64, 8)), lengths)["schedules"]
+        te, f = s["te-p2p"]["fwd_bwd"], s["fcp"]["fwd_bwd"]
+        kv_rank = SHAPE.kv_bytes(float(thd_padded_lengths(lengths, 8).sum()) / 8)
+        rows.append({"mix": {"mean": mean, "sigma": sigma, "seed": SEED}, "nic_bytes_per_s": nic,
+                     "te_kv_bytes_per_rank": kv_rank, "te_fwd_step_comm_s": kv_rank / nic,
+                     "te_fwd_bwd_comm_s": te["comm_s"], "te_fwd_bwd_compute_s": te["compute_s"],
+                     "te_fwd_bwd_total_s": te["total_s"], "fcp_fwd_bwd_compute_s": f["compute_s"],
+                     "fcp_fwd_bwd_total_s": f["total_s"], "speedup": te["total_s"] / f["total_s"],
+                     "ceiling": te["total_s"] / f["compute_s"],
+                     "target_3x_possible": bool(te["total_s"] / f["compute_s"] >= 3.0)})
     return rows
 
 
@@ -164,7 +228,7 @@ def main() -> None:
                      "dtype_bytes": SHAPE.dtype_bytes, "causal": True},
            "tokens_per_rank": TOKENS_PER_RANK, "block_tokens": 4096, "tflops": 400}
     for name, fn in (("balance", balance), ("bytes", bytes_section), ("modelled_time", modelled_time),
-                     ("planning_speed", planning_speed)):
+                     ("one_rank_per_node", one_rank_per_node_arithmetic), ("planning_speed", planning_speed)):
         t = time.perf_counter()
         res[name] = fn()
         print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
@@ -195,6 +259,15 @@ def _summary(res: dict) -> None:
             f"{k} {v['fwd_bwd_total_s'] * 1e3:.1f} ms (compute/comm {v['compute_over_comm']:.2f})"
             for k, v in s.items() if "error" not in v) + "; " + ", ".join(
             f"{k} {_fmt(v)}" for k, v in r.items() if k.startswith("speedup")))
+        e, x = r["fcp_eager_backward_what_if"], r["reshuffle"]
+        print(f"  eager-backward what-if {e['fwd_bwd_total_s'] * 1e3:.1f} ms; THD reshuffle "
+              f"{x['bytes_over_fcp_kv_bytes']:.2f}x FCP's KV bytes, {x['time_s'] * 1e3:.1f} ms "
+              f"({x['time_over_fcp_fwd_bwd_total']:.2f}x FCP's fwd+bwd), moves {x['moved_tokens_over_tokens']:.2f} of tokens")
+    for r in res["one_rank_per_node"]:
+        print(f"cp=8/node {r['mix']['mean']},{r['mix']['sigma']}: TE comm {r['te_fwd_bwd_comm_s'] * 1e3:.1f} compute "
+              f"{r['te_fwd_bwd_compute_s'] * 1e3:.1f} total {r['te_fwd_bwd_total_s'] * 1e3:.1f}; FCP compute "
+              f"{r['fcp_fwd_bwd_compute_s'] * 1e3:.1f} total {r['fcp_fwd_bwd_total_s'] * 1e3:.1f}; speedup "
+              f"{r['speedup']:.2f}x, ceiling {r['ceiling']:.2f}x")
     for r in res["planning_speed"]:
         print(f"speed cp={r['cp']} docs={r['documents']}: best {_fmt(r['best_s'])}, median {r['median_s']:.3f} s")
 

@@ -22,7 +22,7 @@ from megatron_fcp.planning import (
     thd_padded_lengths,
     thd_rank_work,
 )
-from megatron_fcp.planning.placement import Span, span_pairs
+from megatron_fcp.planning.placement import Placement, Span, span_pairs
 
 SHAPE = AttentionShape(1, heads=8, kv_heads=2, head_dim=16, dtype_bytes=2)
 KV_TOKEN = 2 * 2 * 16 * 2  # K and V, 2 KV heads, d=16, bf16
@@ -69,6 +69,45 @@ def test_fcp_backward_reverses_the_plan_with_fp32_partials():
     assert bwd.compute_s > 2 * fwd.compute_s and bwd.total_s >= bwd.compute_s
     with pytest.raises(ValueError, match="needs a plan over a placement"):
         simulate_plan_backward(build_plan("dgx-h100:1", range(4), "full"), "dgx-h100:1", SHAPE)
+
+
+def test_fcp_backward_follows_the_executor_order_by_hand():
+    """cp=2, one document in two blocks: the reader of block 0 computes it, posts its dKV, then
+    computes its own block; the owner computes its own block and waits for the dKV (Note [FCP
+    backward timeline]). The message starts when both ends have posted (reader: after its compute)."""
+    from megatron_fcp.topology import load_topology
+
+    pl = Placement((16,), ((Span(0, 0, 8),), (Span(0, 8, 16),)))
+    plan = build_plan("dgx-h100:1", range(2), "full", placement=pl)
+    (t,), = plan.rounds
+    cm = ComputeModel(kernel_overhead_s=0.0)
+    flop = 4.0 * SHAPE.heads * SHAPE.head_dim / cm.flops * 2.5
+    reader, owner = t.dst, t.src
+    c_recv = pl.pairs(reader, owner, t.block.chunk) * flop
+    own = [sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) * flop for j in range(2)]
+    route = load_topology("dgx-h100:1").route(reader, owner)
+    msg = pl.blocks[owner][t.block.chunk].tokens * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4  # FP32 dK/dV
+    fin = c_recv + msg / min(x.bandwidth for x in route.resources) + route.latency
+    bwd = simulate_plan_backward(plan, "dgx-h100:1", SHAPE, compute_model=cm)
+    assert bwd.total_s == pytest.approx(max(own[owner], fin, c_recv + own[reader]))
+    assert bwd.compute_s == pytest.approx(max(own[owner], c_recv + own[reader]))
+    assert bwd.timeline[0]["start_s"] == pytest.approx(c_recv) and bwd.timeline[0]["end_s"] == pytest.approx(fin)
+    with pytest.raises(ValueError, match="order: must be"):
+        simulate_plan_backward(plan, "dgx-h100:1", SHAPE, order="barrier")
+
+
+def test_fcp_backward_executor_order_waits_where_eager_sends_would_not():
+    """On a lognormal mix the executor's order (a rank posts reverse round r-1 only after round r is
+    done) is never faster than sending each partial as soon as it is complete, and neither beats the
+    busiest rank's compute."""
+    lengths = lognormal_lengths(8.0, 1.2, 16 * 8192, seed=2)
+    pl = place_packed(lengths, 16, block_tokens=2048)
+    for graph in ("entry", "hierarchical"):
+        plan = build_plan("dgx-h100:2", range(16), graph, placement=pl)
+        ex = simulate_plan_backward(plan, "dgx-h100:2", SHAPE)
+        eager = simulate_plan_backward(plan, "dgx-h100:2", SHAPE, order="eager")
+        assert ex.bytes == eager.bytes and ex.compute_s == eager.compute_s
+        assert ex.compute_s <= eager.total_s * (1 + 1e-12) and eager.total_s <= ex.total_s * (1 + 1e-12)
 
 
 def test_compare_packed_structure_and_exact_bytes():

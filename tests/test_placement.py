@@ -238,3 +238,33 @@ def test_auto_and_the_cost_model_use_the_placement():
                                       * shape.kv_bytes(1))
     # compute: the busiest rank's work at the model's FLOP/s (plus kernel overheads)
     assert res.compute_s >= pl.work().max() * 4 * 32 * 128 / 400e12
+
+
+def test_note_example_long_blocks_first_then_short_documents():
+    """Note [Placements and document need sets]: d1's blocks latest first, the prefix joins the rank
+    holding d1[3,6) (its need drops to 0), short documents fill the work."""
+    pl = place_packed([3, 9, 2], 2, block_tokens=4, max_block_work=10)
+    assert pl.blocks == ((Span(1, 6, 9), Span(2, 0, 2)), (Span(0, 0, 3), Span(1, 0, 3), Span(1, 3, 6)))
+    assert pl.work().tolist() == [27, 27]
+    tok = np.array([s.tokens for _, _, s in pl.block_list()])
+    assert (pl.need_matrix() * tok[None, :]).sum(axis=1).tolist() == [6, 0]
+
+
+@pytest.mark.parametrize("mean, sigma, cp", [(8.0, 1.2, 16), (8.5, 1.5, 8)])
+def test_received_tokens_on_a_seeded_mix(mean, sigma, cp):
+    """Work stays balanced while the rank receiving most receives well under the longest document
+    (its tail's holder) and short documents stay whole."""
+    from megatron_fcp.planning import lognormal_lengths
+
+    lengths = lognormal_lengths(mean, sigma, 32768 * cp, seed=0)
+    pl = place_packed(lengths, cp)
+    work = pl.work()
+    assert work.max() / work.mean() <= 1.05
+    tok = np.array([s.tokens for _, _, s in pl.block_list()])
+    recv = (pl.need_matrix() * tok[None, :]).sum(axis=1)
+    assert recv.max() <= 0.8 * max(lengths)
+    assert recv.sum() <= 0.5 * sum(lengths)  # most tokens are read where they live (0.32, 0.44 here)
+    for rank_blocks in pl.blocks:
+        for s in rank_blocks:
+            if lengths[s.doc] <= 4096:
+                assert (s.start, s.end) == (0, lengths[s.doc])

@@ -33,9 +33,36 @@ to the forward's 2) times the forward FLOPs:
 * ``te-a2a-p2p``: all-to-all of dO in, the same ring pattern across nodes, all-to-all of dQ/dK/dV out.
 * FCP: the plan's rounds reversed with every transfer flipped (:meth:`Plan.backward_rounds`); each
   carries the block's partial dK/dV in FP32 (``grad_dtype_bytes`` = 4: twice bf16 KV), as the
-  executor sends (docs/attention.md). A rank computes the blocks it received in reverse plan order,
-  then its own; a backward round starts when the previous one is done and every partial it sends
-  has been computed.
+  executor sends (docs/attention.md). Timed per rank in the executor's order (Note [Backward
+  pipeline] in ``attention/function.py``), not with a barrier per round; see
+  Note [FCP backward timeline].
+
+Note [FCP backward timeline]
+----------------------------
+The executor of rank ``j`` (``R`` forward rounds, ``C_j(r)`` = its compute on the blocks it received
+in forward round ``r``, ``C_j(-1)`` = its own blocks) runs one thread, one stream::
+
+    compute C_j(R-1); post(R-1)                        P_j(R-1) = C_j(R-1)
+    for r = R-1 .. 0:
+        compute C_j(r-1)                               (overlaps reverse round r in flight)
+        wait(reverse round r)                          done_j(r)
+        post(r-1)                                      P_j(r-1) = max(P_j(r) + C_j(r-1), done_j(r))
+    end_j = max(P_j(0) + C_j(-1), done_j(0))
+
+A message of reverse round ``r`` (forward ``t: a -> b`` flipped, ``b -> a``) starts when both ends
+have posted round ``r``: ``s = max(P_a(r), P_b(r))``. It finishes at the later of
+``s + latency + max over its route of busy(R, r)`` (its round's fair share of each resource, as the
+forward's arrivals) and ``end_R(r) + latency`` for every resource ``R`` on its route, where
+``end_R(r) = max(end_R(r+1), first start on R in round r) + busy(R, r)`` keeps every resource within
+its bandwidth across rounds (rounds may overlap in time on different ranks). ``done_j(r)`` is the
+last finish of ``j``'s messages of round ``r`` (``P_j(r)`` when it has none). The total is
+``max_j end_j``. For cp = 2 and one round (rank 1 received rank 0's block ``b``)::
+
+    rank 0: C_0(-1) = own blocks ........ end_0 = max(C_0(-1), done)     (it waits for b's dKV)
+    rank 1: C_1(0) = b; post(0) at C_1(0) -> message 1->0 of b's dKV starts at max(P_0(0)=0, C_1(0))
+            then C_1(-1) = own blocks;  end_1 = max(C_1(0) + C_1(-1), done)
+
+``comm_s`` stays the rounds back to back (:func:`simulate_rounds`), the network's time alone.
 """
 
 from __future__ import annotations
@@ -46,7 +73,14 @@ from typing import Sequence
 import numpy as np
 
 from megatron_fcp.planning.baselines import simulate_te_a2a_p2p, simulate_te_p2p
-from megatron_fcp.planning.cost import AttentionShape, ComputeModel, SimResult, causal_pairs, simulate_rounds
+from megatron_fcp.planning.cost import (
+    AttentionShape,
+    ComputeModel,
+    SimResult,
+    _ResourceIndex,
+    causal_pairs,
+    simulate_rounds,
+)
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
@@ -227,45 +261,84 @@ def simulate_plan_backward(
     grad_dtype_bytes: int = 4,
     round_overhead_s: float = 0.0,
     name: str = "fcp",
+    order: str = "executor",
 ) -> SimResult:
     """Backward pass of a plan over a placement: the dK/dV reduction along the reversed rounds;
-    see Note [Transformer Engine on a packed batch] (the FCP item)."""
+    see Note [FCP backward timeline]. ``order="executor"``: each rank in the executor's order (the
+    default; what runs today). ``order="eager"``: a what-if executor that computes without waiting
+    and sends each partial as soon as it is complete (its compute done and its children's partials
+    in), receivers posted up front. ``timeline[k]`` is backward round ``k`` (forward round ``R-1-k``):
+    first message start, last finish."""
+    if order not in ("executor", "eager"):
+        raise ValueError(f"order: must be 'executor' or 'eager', got {order!r}")
     pl = plan.placement
     if pl is None:
         raise ValueError("simulate_plan_backward: needs a plan over a placement (build_plan(..., placement=pl))")
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     check_cp_ranks(topo, plan.ranks)
+    cp, R = plan.cp, len(plan.rounds)
     pos = {r: i for i, r in enumerate(plan.ranks)}
     tokens = {(plan.ranks[i], b): s.tokens for i, b, s in pl.block_list()}
     per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
+    nbytes = lambda t: tokens[(t.block.owner, t.block.chunk)] * per_token  # noqa: E731
     brounds = plan.backward_rounds()
-    res = simulate_rounds(topo, [[(t.src, t.dst, tokens[(t.block.owner, t.block.chunk)] * per_token) for t in rnd]
-                                 for rnd in brounds], round_overhead_s, name=name)
+    res = simulate_rounds(topo, [[(t.src, t.dst, nbytes(t)) for t in rnd] for rnd in brounds], round_overhead_s,
+                          name=name)
     flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * backward_flop_ratio
 
     def block_time(j: int, owner: int, b: int) -> float:
         p = pl.pairs(j, pos[owner], b)
         return p * flop_s + cm.kernel_overhead_s if p else 0.0
 
-    # per rank: received blocks in reverse forward order, then its own blocks
-    ready: dict[tuple[int, object], float] = {}
-    busy = np.zeros(plan.cp)
-    for rnd in reversed(plan.rounds):
-        for t in reversed(rnd):
+    # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks
+    C = np.zeros((R + 1, cp))
+    for r, rnd in enumerate(plan.rounds):
+        for t in rnd:
             j = pos[t.dst]
-            busy[j] += block_time(j, t.block.owner, t.block.chunk)
-            ready[(t.dst, t.block)] = busy[j]
-    for j, r in enumerate(plan.ranks):
-        busy[j] += sum(block_time(j, r, b) for b in range(len(pl.blocks[j])))
-    t_end = 0.0
-    for k, rnd in enumerate(brounds):
-        e = res.timeline[k]
-        dur = e["end_s"] - e["start_s"]
-        start = max([t_end] + [ready.get((t.src, t.block), 0.0) for t in rnd])
-        e["start_s"], e["end_s"] = start, start + dur
-        t_end = start + dur
-    res.compute_s = float(busy.max()) if plan.cp else 0.0
-    res.total_s = max(t_end, res.compute_s)
+            C[r + 1, j] += block_time(j, t.block.owner, t.block.chunk)
+    for j, rank in enumerate(plan.ranks):
+        C[0, j] = sum(block_time(j, rank, b) for b in range(len(pl.blocks[j])))
+
+    idx = _ResourceIndex(topo)
+    end_res: dict[int, float] = {}                     # resource id -> when it drained its rounds so far
+    P = C[R].copy() if R else np.zeros(cp)            # P_j(R-1): posted after computing C_j(R-1)
+    eager_done = np.cumsum(C[:0:-1], axis=0)[::-1] if R else np.zeros((0, cp))  # [r, j]: C_j(R-1..r) done
+    child: dict[tuple[int, object], float] = {}        # eager: (rank, block) -> its children's last return
+    eager_end = np.zeros(cp)
+    for r in range(R - 1, -1, -1):
+        msgs = []
+        load: dict[int, float] = {}
+        for t in plan.rounds[r]:
+            a, b = pos[t.dst], pos[t.src]              # reverse: the reader returns dKV to the sender
+            rid, lat = idx.route(t.dst, t.src)
+            s0 = max(P[a], P[b]) if order == "executor" else \
+                max(eager_done[r, a], child.get((a, t.block), 0.0))
+            msgs.append((a, b, rid, lat, s0, t.block))
+            for x in rid.tolist():
+                load[x] = load.get(x, 0.0) + nbytes(t)
+        busy = {x: v / idx.bw[x] for x, v in load.items()}
+        first: dict[int, float] = {}
+        for _, _, rid, _, s0, _ in msgs:
+            for x in rid.tolist():
+                first[x] = min(first.get(x, s0), s0)
+        for x, v in busy.items():
+            end_res[x] = max(end_res.get(x, 0.0), first[x]) + v
+        done = P.copy() if order == "executor" else np.zeros(cp)
+        lo, hi = float("inf"), 0.0
+        for a, b, rid, lat, s0, blk in msgs:
+            xs = rid.tolist()
+            fin = max(s0 + max(busy[x] for x in xs), max(end_res[x] for x in xs)) + lat + round_overhead_s
+            done[a] = max(done[a], fin)
+            done[b] = max(done[b], fin)
+            child[(b, blk)] = max(child.get((b, blk), 0.0), fin)
+            lo, hi = min(lo, s0), max(hi, fin)
+        eager_end = np.maximum(eager_end, done)
+        e = res.timeline[R - 1 - r]
+        e["start_s"], e["end_s"] = (lo, hi) if msgs else (float(P.min()), float(P.min()))
+        P = np.maximum(P + C[r], done)                 # P_j(r-1); after round 0: P_j(0) + own blocks
+    ends = (P if order == "executor" else np.maximum(eager_end, C.sum(axis=0))) if R else C[0]
+    res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
+    res.total_s = float(max(ends.max(), res.compute_s)) if cp else 0.0
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers())
     return res

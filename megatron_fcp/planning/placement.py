@@ -15,18 +15,26 @@ A rank ``j`` *needs* a block ``b`` of another rank iff some query of ``j`` atten
 ``Block(owner, chunk, 0)`` names the ``chunk``-th block of global rank ``owner``.
 
 :func:`place_packed` builds a placement: documents up to ``block_tokens`` stay whole on one rank
-(they need no communication at all), longer ones are cut into near-equal blocks; blocks go to ranks
-by a deterministic longest-processing-time rule on attention work (query-key pairs under the
-mask), preferring, among ranks whose load stays within a tolerance of the least loaded, one that
-already holds the same document (fewer bytes to move).
+(they need no communication at all), longer ones are cut into near-equal blocks. A rank's need in a
+document is ``max end of its blocks - tokens it holds``: a block at start ``p`` alone costs ``p``
+tokens, an earlier block of a document whose later block the rank holds costs nothing and lowers
+the need. So long documents' blocks go first, latest start first, each to the rank whose need stays
+least (or to a holder of the document whose need drops) among ranks with work room; then short
+documents, which need nothing, fill the work (largest first, least loaded rank).
 
 For cp = 2, documents [3, 9, 2] and ``block_tokens = 4`` (causal; work = pairs of a block's
-queries against its document)::
+queries against its document; mean work 27)::
 
-    blocks by work     d1[6,9) 24   d1[3,6) 15   d0[0,3) 6   d1[0,3) 6   d2[0,2) 3
-    LPT                r0           r1           r1          r1 (holds d1) r0
-    rank 0: d1[6,9) d2[0,2)          work 27    needs d1[0,3), d1[3,6) from rank 1
+    long blocks, latest first   d1[6,9) 24      d1[3,6) 15          d1[0,3) 6
+    rank (need after)           r0 (6)          r1 (3; r0 full)     r1 (0: r1 holds d1[3,6))
+    short documents             d0[0,3) 6 -> r1 (work 21)           d2[0,2) 3 -> r0 (work 24)
+    rank 0: d1[6,9) d2[0,2)          work 27    needs d1[0,3), d1[3,6) from rank 1 (6 tokens)
     rank 1: d0[0,3) d1[0,3) d1[3,6)  work 27    needs nothing (d1[6,9) is in its future)
+
+Received tokens per rank (max over mean) stay uneven on lognormal mixes: a rank holding the tail
+of the longest document must receive most of it whatever else it holds, and ranks given only short
+documents receive nothing; the placement lowers the *largest* need (the receive bottleneck) and
+the total, not the ratio (docs/planner.md, "Packed documents").
 """
 
 from __future__ import annotations
@@ -324,12 +332,13 @@ class _Loads:
 
 
 def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: float, max_iter: int,
-            candidates: int = 8, good_enough: float = 1.005) -> None:
+            candidates: int = 8, good_enough: float = 1.005, movable=None) -> None:
     """Local search: move (or swap) a block of the worst rank to one of the least loaded ranks while
     that lowers the larger of the two ranks' scores, score = max(work / mean work,
     1 + need_weight * (need / mean need - 1)), until the worst score is at most ``good_enough``.
-    Deterministic (ties by rank, then block order)."""
+    Deterministic (ties by rank, then block order). ``movable(span)``: only these blocks move."""
     cp = len(placed)
+    can = movable or (lambda s: True)
     mean_w = sum(loads.work) / cp
 
     def score(w, n, mean_n):
@@ -345,6 +354,8 @@ def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: floa
         targets = sorted((r for r in range(cp) if r != a), key=lambda r: (scores[r], r))[:candidates]
         best = None  # (value, kind, s, b, t)
         for s in placed[a]:
+            if not can(s):
+                continue
             w = wk[s]
             da = loads.delta(a, s, False) if need_weight else 0
             for b in targets:
@@ -354,9 +365,11 @@ def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: floa
                     best = (v, "move", s, b, None)
         if best is None or best[0] >= scores[a] - 1e-12:
             for s in placed[a]:
+                if not can(s):
+                    continue
                 for b in targets:
                     for t in placed[b]:
-                        if wk[s] <= wk[t]:
+                        if wk[s] <= wk[t] or not can(t):
                             continue
                         if need_weight:
                             loads.apply(a, s, wk[s], False)
@@ -395,6 +408,7 @@ def place_packed(
     max_block_work: float = 0.25,
     need_weight: float = 0.0,
     refine: bool = True,
+    long_slack: float = 0.0,
 ) -> Placement:
     """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
 
@@ -403,16 +417,19 @@ def place_packed(
     1. cut documents longer than ``block_tokens`` into near-equal blocks, and cut further any of
        their blocks whose attention work exceeds ``max_block_work`` x the mean work per rank (the
        last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens);
-    2. sort all blocks by attention work, largest first (ties: document, then start); give each
-       block to a rank among those whose load plus the block stays within ``tolerance`` x the mean
-       load of the least loaded choice, preferring a rank that already holds the block's document,
-       then the least loaded, then the lowest index;
-    3. ``refine``: local search (:func:`_refine`) that moves or swaps blocks between the worst rank
-       and the least loaded ones while the larger of their scores drops; a rank's score is the
-       larger of its work over the mean and ``1 + need_weight x (need / mean need - 1)``, need =
-       tokens it must receive (default ``need_weight`` 0: work alone; with 0.5 a 10% need excess
-       counts as 5% work, but the search then stalls on lognormal mixes, see docs/planner.md);
-    4. order each rank's blocks by (document, start).
+    2. blocks of long documents, latest start first (most need first; ties: work, document): each
+       goes to a rank whose work stays within ``(1 + long_slack)`` x the mean work per rank; if a
+       rank holding a later block of the same document qualifies and its need drops (an earlier
+       block shortens the prefix it must receive), the neediest such rank; else the rank whose need
+       after is least (ties: lowest index); if none has room, the least loaded. Need = tokens a rank
+       must receive (:class:`_Loads`);
+    3. short documents (need nothing wherever they go), largest work first, to the least loaded rank;
+    4. ``refine``: local search (:func:`_refine`) moving or swapping short documents only (the need
+       stays) between the rank with the most work and the least loaded ones until work max/mean
+       <= 1.005; if work still exceeds ``1 + tolerance`` x the mean (few short documents), the
+       search runs again over all blocks, a rank's score the larger of its work over the mean and
+       ``1 + need_weight x (need / mean need - 1)`` (default ``need_weight`` 0: work alone);
+    5. order each rank's blocks by (document, start).
 
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
@@ -432,30 +449,46 @@ def place_packed(
     spans = [Span(d, a, b) for d, n in enumerate(lengths)
              for a, b in (_doc_blocks(n, block_tokens, cap, causal, max(1, block_tokens // 8))
                           if n > block_tokens else [(0, n)])]
-    work = [span_pairs(s, doc_span[s.doc], causal) for s in spans]  # queries of s against its whole doc
-    mean = sum(work) / cp
-    order = sorted(range(len(spans)), key=lambda n: (-work[n], spans[n].doc, spans[n].start))
-    load = [0] * cp
-    holders: dict[int, set[int]] = {}  # document -> ranks holding one of its blocks
+    wk = {s: span_pairs(s, doc_span[s.doc], causal) for s in spans}  # queries of s against its whole doc
+    mean = total / cp
+    is_long = lambda s: lengths[s.doc] > block_tokens  # noqa: E731
     placed: list[list[Span]] = [[] for _ in range(cp)]
-    heap = [(0, r) for r in range(cp)]  # (load, rank): the least loaded rank on top (stale entries skipped)
-    for n in order:
-        s, w = spans[n], work[n]
-        while heap[0][0] != load[heap[0][1]]:
-            heapq.heappop(heap)
-        least = heap[0][1]
-        limit = load[least] + w + tolerance * mean
-        same_doc = [r for r in holders.get(s.doc, ()) if load[r] + w <= limit]
-        r = min(same_doc, key=lambda r: (load[r], r)) if same_doc else least
-        load[r] += w
-        heapq.heappush(heap, (load[r], r))
-        holders.setdefault(s.doc, set()).add(r)
+    work = np.zeros(cp)
+    need = np.zeros(cp)
+    held: dict[int, dict[int, tuple[int, int]]] = {}  # document -> rank -> (max end, tokens held)
+    for s in sorted((s for s in spans if is_long(s)), key=lambda s: (-s.start, -wk[s], s.doc)):
+        w = wk[s]
+        after = need + (s.start if causal else lengths[s.doc] - s.tokens)  # need after, on a rank without s.doc
+        hold = held.setdefault(s.doc, {})
+        for r, (top, toks) in hold.items():
+            end = max(top, s.end) if causal else lengths[s.doc]
+            after[r] = need[r] - ((top if causal else end) - toks) + end - toks - s.tokens
+        room = work + w <= mean * (1 + long_slack)
+        cut = [r for r in hold if room[r] and after[r] < need[r]]
+        if cut:  # an earlier block of a document whose later block r holds: r's need drops; take the neediest
+            r = max(cut, key=lambda r: (need[r], -r))
+        elif room.any():
+            r = int(np.argmin(np.where(room, after, np.inf)))
+        else:
+            r = int(np.argmin(work))
+        top, toks = hold.get(r, (0, 0))
+        hold[r] = (max(top, s.end), toks + s.tokens)
+        need[r] = after[r]
+        work[r] += w
         placed[r].append(s)
+    heap = [(float(work[r]), r) for r in range(cp)]  # short documents: least loaded first (LPT on work)
+    heapq.heapify(heap)
+    for s in sorted((s for s in spans if not is_long(s)), key=lambda s: (-wk[s], s.doc)):
+        _, r = heapq.heappop(heap)
+        work[r] += wk[s]
+        placed[r].append(s)
+        heapq.heappush(heap, (float(work[r]), r))
     if refine and cp > 1:
         loads = _Loads(lengths, cp, causal)
-        wk = dict(zip(spans, work))
         for r in range(cp):
             for s in placed[r]:
                 loads.apply(r, s, wk[s], True)
-        _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
+        _refine(loads, placed, wk, 0.0, max_iter=2 * cp + 32, movable=lambda s: not is_long(s))  # need unchanged
+        if max(loads.work) > (1 + tolerance) * mean:  # too few short documents: move long blocks too
+            _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal)
