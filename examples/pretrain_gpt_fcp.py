@@ -199,6 +199,18 @@ def _packed_sample(step: int, sample: int, args: argparse.Namespace) -> tuple[li
     return lengths, batch
 
 
+def _kv_memory_report(runtime, args: argparse.Namespace, layout, dtype: torch.dtype) -> dict[str, Any]:
+    """Layer 1's KV bytes of its latest call (measured by FCPStats) beside the ring's in-flight KV:
+    one KV pair the size of this rank's shard (local tokens x 2 x KV heads of the TP partition x d)."""
+    stats = runtime.stats[min(runtime.stats)]
+    kv_heads = (args.num_query_groups or args.num_attention_heads) // layout.tp
+    tokens = args.seq_length // layout.cp  # the packed placement gives about as many per rank
+    per_token = 2 * kv_heads * (args.hidden_size // args.num_attention_heads) * torch.tensor([], dtype=dtype).element_size()
+    return {"backward_kv": stats.backward_kv, "saved_kv_bytes": stats.saved_kv_bytes,
+            "peak_kv_bytes": stats.peak_kv_bytes, "resend_bytes_sent": stats.resend_bytes_sent,
+            "ring_in_flight_kv_bytes": tokens * per_token}
+
+
 def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
 
@@ -320,6 +332,7 @@ def train(
                 head_dim=args.hidden_size // heads, dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
             )
             runtime.transport_factory = transport_factory
+            runtime.record_stats = True  # each layer's latest FCPStats: KV held, peak, re-sent
             if layout.cp > 1 and args.packed:  # plans follow each micro-batch's documents: show the first
                 lengths, _ = _packed_sample(0, 0, args)
                 plan = runtime.packed_plan(tuple(ps.get_context_parallel_global_ranks()), tuple(lengths))
@@ -419,6 +432,13 @@ def train(
             bar.close()
         elapsed = time.perf_counter() - t0
         say(f"done: {args.train_iters} steps in {elapsed:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        if fcp.enabled and layout.cp > 1 and runtime.stats:
+            info["kv_memory"] = _kv_memory_report(runtime, args, layout, dtype)
+            m = info["kv_memory"]
+            say(f"KV per layer (rank 0, last micro-batch): backward_kv={m['backward_kv']}, held between forward "
+                f"and backward {m['saved_kv_bytes']} B, peak received {m['peak_kv_bytes']} B, re-sent "
+                f"{m['resend_bytes_sent']} B; Transformer Engine's ring holds 0 B between the passes, "
+                f"{m['ring_in_flight_kv_bytes']} B in flight")
         metrics = {"losses": losses, "grad_norms": grad_norms, "fcp": info, "seconds": elapsed}
         if args.metrics_json and rank == 0:
             with open(args.metrics_json, "w", encoding="utf-8") as fh:

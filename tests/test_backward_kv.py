@@ -90,7 +90,7 @@ def test_resend_is_bitwise_keep(results, case):
 @pytest.mark.parametrize("case", [f"{n}-{d}" for n, d in CASES])
 def test_resend_holds_no_received_kv_between_passes(results, case):
     for r in results:
-        keep, resend, auto = r[case]["keep"], r[case]["resend"], r[case]["auto"]
+        keep, resend = r[case]["keep"], r[case]["resend"]
         assert resend["held"] == 0 and resend["stats"]["saved_kv_bytes"] == 0
         assert resend["stats"]["backward_kv"] == "resend"
         assert keep["held"] == keep["stats"]["saved_kv_bytes"]  # the stats report what the graph holds

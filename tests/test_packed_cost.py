@@ -3,6 +3,8 @@ CLI's --doc-lengths and the lognormal generator."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 
 import numpy as np
@@ -67,14 +69,24 @@ def test_fcp_backward_reverses_the_plan_with_fp32_partials():
     assert plan.num_transfers() > 0 and bwd.rounds == len(plan.rounds)
     assert bwd.bytes == pytest.approx(2 * fwd.bytes)  # FP32 dK/dV vs bf16 KV
     assert bwd.compute_s > 2 * fwd.compute_s and bwd.total_s >= bwd.compute_s
-    with pytest.raises(ValueError, match="needs a plan over a placement"):
-        simulate_plan_backward(build_plan("dgx-h100:1", range(4), "full"), "dgx-h100:1", SHAPE)
+    # Megatron's zigzag split too (a 4096-token sequence), and the resend mode: the forward's KV
+    # once more before the reduction, nothing held between the passes
+    zig = build_plan("dgx-h100:1", range(4), "full")
+    shape = replace(SHAPE, seq_len=4096)
+    keep = simulate_plan_backward(zig, "dgx-h100:1", shape)
+    resend = simulate_plan_backward(zig, "dgx-h100:1", shape, backward_kv="resend")
+    assert keep.meta["held_kv_bytes"][0] == 6 * 4096 / 8 * 2 * SHAPE.kv_heads * SHAPE.head_dim * 2  # 6 chunks
+    assert resend.meta["held_kv_bytes"] == [0.0] * 4
+    assert resend.meta["resend_s"] == pytest.approx(simulate_plan(zig, "dgx-h100:1", shape, compute=False).comm_s)
+    assert keep.total_s <= resend.total_s <= keep.total_s + resend.meta["resend_s"] * (1 + 1e-9)
+    with pytest.raises(ValueError, match="backward_kv: must be"):
+        simulate_plan_backward(zig, "dgx-h100:1", shape, backward_kv="both")
 
 
 def test_fcp_backward_follows_the_executor_order_by_hand():
-    """cp=2, one document in two blocks: the reader of block 0 computes it, posts its dKV, then
-    computes its own block; the owner computes its own block and waits for the dKV (Note [FCP
-    backward timeline]). The message starts when both ends have posted (reader: after its compute)."""
+    """cp=2, one document in two blocks: the reader of block 0 computes its own block, then block 0,
+    then posts its dKV; the owner computes its own block and waits for the dKV (Note [FCP backward
+    timeline]). The message starts when both ends have posted (reader: after its compute)."""
     from megatron_fcp.topology import load_topology
 
     pl = Placement((16,), ((Span(0, 0, 8),), (Span(0, 8, 16),)))
@@ -87,11 +99,12 @@ def test_fcp_backward_follows_the_executor_order_by_hand():
     own = [sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) * flop for j in range(2)]
     route = load_topology("dgx-h100:1").route(reader, owner)
     msg = pl.blocks[owner][t.block.chunk].tokens * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4  # FP32 dK/dV
-    fin = c_recv + msg / min(x.bandwidth for x in route.resources) + route.latency
+    posted = own[reader] + c_recv
+    fin = posted + msg / min(x.bandwidth for x in route.resources) + route.latency
     bwd = simulate_plan_backward(plan, "dgx-h100:1", SHAPE, compute_model=cm)
-    assert bwd.total_s == pytest.approx(max(own[owner], fin, c_recv + own[reader]))
+    assert bwd.total_s == pytest.approx(max(own[owner], fin))
     assert bwd.compute_s == pytest.approx(max(own[owner], c_recv + own[reader]))
-    assert bwd.timeline[0]["start_s"] == pytest.approx(c_recv) and bwd.timeline[0]["end_s"] == pytest.approx(fin)
+    assert bwd.timeline[0]["start_s"] == pytest.approx(posted) and bwd.timeline[0]["end_s"] == pytest.approx(fin)
     with pytest.raises(ValueError, match="order: must be"):
         simulate_plan_backward(plan, "dgx-h100:1", SHAPE, order="barrier")
 

@@ -265,12 +265,14 @@ class _Executor:
 
     # -- forward -------------------------------------------------------------------------------
     def _distribute(self, k: torch.Tensor, v: torch.Tensor, phase: str,
-                    on_local: Callable[[dict], None], on_received: Callable[[Block, torch.Tensor], None]):
+                    on_local: Callable[[dict], None], on_received: Callable[[Block, torch.Tensor], None],
+                    kept: dict | None = None):
         """Run the plan's forward rounds for this rank: post round r+1 before handling round r's
         arrivals (overlap), call ``on_local(local_kv)`` while round 0 is in flight and
         ``on_received(block, kv)`` for each needed block in plan order. A received block is
-        dropped as soon as it is handled and forwarded (``on_received`` keeps what it wants).
-        Returns (seconds waited, bytes sent, peak bytes of received KV alive at once)."""
+        dropped as soon as it is handled and forwarded (``on_received`` keeps what it wants, in
+        ``kept``: still alive after the drop). Returns (seconds waited, bytes sent, peak bytes of
+        received KV alive at once)."""
         lay = self.layout
         have: dict[Block, torch.Tensor] = {}
         for b in self.local_blocks:
@@ -303,7 +305,8 @@ class _Executor:
             for t, buf in recvs:  # posted sends keep their buffers alive until waited on
                 if self._last_send.get(t.block, -1) <= r + 1 and t.block not in local:
                     del have[t.block]
-                    alive -= buf.numel() * buf.element_size()
+                    if kept is None or t.block not in kept:
+                        alive -= buf.numel() * buf.element_size()
         return wait_s, bytes_sent, peak
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True):
@@ -345,7 +348,7 @@ class _Executor:
             if keep_blocks:
                 kept[block] = buf
 
-        wait_s, bytes_sent, peak = self._distribute(k, v, "forward", compute_local, on_received)
+        wait_s, bytes_sent, peak = self._distribute(k, v, "forward", compute_local, on_received, kept)
         out, lse = acc.result()
         if self.stats is not None:
             self.stats.forward_total_s += time.perf_counter() - t_start
@@ -421,17 +424,15 @@ class _Executor:
 
         if kept is None:  # resend: the plan's forward rounds again, readers keep what they need
             kept = {}
-            alive = [0]
 
             def keep(block: Block, buf: torch.Tensor) -> None:
                 kept[block] = buf
-                alive[0] += buf.numel() * buf.element_size()
 
-            t_w, resent, peak = self._distribute(k, v, "resend", lambda local_kv: compute_local(), keep)
+            t_w, resent, peak = self._distribute(k, v, "resend", lambda local_kv: compute_local(), keep, kept)
             wait_s += t_w
             if self.stats is not None:
                 self.stats.resend_bytes_sent += resent
-                self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak, alive[0])
+                self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak)
         else:
             compute_local()  # first in both modes: the same order of additions, bitwise equal results
         R = self.num_rounds

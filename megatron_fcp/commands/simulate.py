@@ -99,6 +99,14 @@ def _table(out: dict, shape, topo, ranks) -> str:
             f"{d['bytes'] / 1e9:>10.3f}{d['inter_node_bytes'] / 1e9:>10.3f}{d['comm_vs_lower_bound']:>9.2f}  {extra}"
         )
     s = out["schedules"]
+    kv = s.get("fcp", {}).get("backward_kv")
+    if kv:
+        lines.append("")
+        lines.append(
+            f"backward KV (fcp, per rank per layer): keep holds {kv['keep']['held_kv_bytes_max'] / 1e6:.1f} MB "
+            f"between forward and backward, fwd+bwd {kv['keep']['fwd_bwd_s'] * 1e3:.3f} ms; resend holds 0, "
+            f"fwd+bwd {kv['resend']['fwd_bwd_s'] * 1e3:.3f} ms ({kv['resend_vs_keep']:.3f}x keep); "
+            f"TE's ring holds 0 ({kv['ring_in_flight_kv_bytes'] / 1e6:.1f} MB in flight)")
     if "fcp" in s and "te-p2p" in s and s["fcp"]["comm_s"] > 0:
         lines.append("")
         lines.append(f"fcp vs te-p2p: comm {s['te-p2p']['comm_s'] / s['fcp']['comm_s']:.2f}x faster, "

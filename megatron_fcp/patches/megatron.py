@@ -235,7 +235,7 @@ class FCPCoreAttention(torch.nn.Module):
                 query, key, value, cp_group=self.cp_group, plan=plan, causal=causal,
                 softmax_scale=self.softmax_scale, transport=_transport(runtime, self.cp_group),
                 kernel=runtime.config.kernel, backward_kv=runtime.config.backward_kv,
-                kv_memory_budget=runtime.config.kv_memory_budget,
+                kv_memory_budget=runtime.config.kv_memory_budget, stats=runtime.layer_stats(self.layer_number),
             )
         return out.reshape(s, b, h * d)  # [s, b, h*d]
 

@@ -181,7 +181,8 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                     causal=causal, softmax_scale=module.softmax_scale,
                                     transport=transport(runtime, module.cp_group), kernel=runtime.config.kernel,
                                     backward_kv=runtime.config.backward_kv,
-                                    kv_memory_budget=runtime.config.kv_memory_budget)
+                                    kv_memory_budget=runtime.config.kv_memory_budget,
+                                    stats=runtime.layer_stats(module.layer_number))
     return out.reshape(t, -1)
 
 

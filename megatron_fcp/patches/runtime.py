@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.agreement import AgreementCache
+from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.planning import MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
 from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS
@@ -171,6 +172,16 @@ class FCPRuntime:
     packed: OrderedDict = field(default_factory=OrderedDict)  # packed batches: key -> placement / plan
     agreement: AgreementCache = field(default_factory=AgreementCache)
     packed_epoch: int | None = None  # advanced once per micro-batch by shard_packed_batch
+    record_stats: bool = False  # keep each layer's FCPStats of its latest call (layer_stats)
+    stats: dict[int, FCPStats] = field(default_factory=dict)
+
+    def layer_stats(self, layer_number: int) -> FCPStats | None:
+        """A fresh :class:`FCPStats` for this layer's call when ``record_stats`` is on (it replaces
+        the layer's previous call's), else None."""
+        if not self.record_stats:
+            return None
+        self.stats[layer_number] = FCPStats()
+        return self.stats[layer_number]
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
     def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True) -> Placement:

@@ -99,11 +99,35 @@ def compare(
         d = r.to_dict()
         d["comm_vs_lower_bound"] = r.comm_s / lb["lower_bound_s"] if lb["lower_bound_s"] > 0 else 1.0
         schedules[k] = d
+    schedules["fcp"]["backward_kv"] = backward_kv_costs(plan, topo, shape, results["fcp"], compute_model=cm,
+                                                        round_overhead_s=round_overhead_s)
     order = ["te-p2p", "te-a2a-p2p", "fcp"]
     return {"lower_bound_s": lb["lower_bound_s"], "lower_bound": lb, "seq_len": asked_seq_len,
             "padded_seq_len": shape.seq_len if padded else None,
             "schedules": {k: schedules[k] for k in order if k in schedules},
             "results": results, "plan": plan}
+
+
+def backward_kv_costs(plan, topology: "Topology | str", shape: AttentionShape, forward: SimResult, *,
+                      compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0) -> dict:
+    """Memory against time of the two backward KV modes of one FCP plan (Note [Backward KV modes] in
+    :mod:`megatron_fcp.attention.kv_memory`): per mode the backward and forward+backward seconds
+    and the most received KV any rank holds between the passes; beside them what Transformer
+    Engine's ring holds (no received KV between the passes; one KV pair the size of a rank's shard
+    in flight at any time)."""
+    out: dict = {}
+    for mode in ("keep", "resend"):
+        bwd = simulate_plan_backward(plan, topology, shape, compute_model=compute_model, backward_kv=mode,
+                                     round_overhead_s=round_overhead_s)
+        out[mode] = {"bwd_s": bwd.total_s, "fwd_bwd_s": forward.total_s + bwd.total_s,
+                     "held_kv_bytes_max": max(bwd.meta["held_kv_bytes"], default=0.0),
+                     "resend_s": bwd.meta["resend_s"]}
+    shard = shape.kv_bytes(shape.seq_len / max(plan.cp, 1)) if plan.placement is None else \
+        max((plan.placement.tokens(i) for i in range(plan.cp)), default=0) * shape.kv_bytes(1)
+    out["ring_held_kv_bytes"] = 0.0
+    out["ring_in_flight_kv_bytes"] = shard
+    out["resend_vs_keep"] = out["resend"]["fwd_bwd_s"] / out["keep"]["fwd_bwd_s"] if out["keep"]["fwd_bwd_s"] else 1.0
+    return out
 
 
 def _packed_entry(fwd: SimResult, bwd: SimResult, lb_s: float) -> dict:

@@ -42,12 +42,17 @@ Note [FCP backward timeline]
 The executor of rank ``j`` (``R`` forward rounds, ``C_j(r)`` = its compute on the blocks it received
 in forward round ``r``, ``C_j(-1)`` = its own blocks) runs one thread, one stream::
 
-    compute C_j(R-1); post(R-1)                        P_j(R-1) = C_j(R-1)
+    compute C_j(-1)                                    S_j = C_j(-1); resend: max(C_j(-1), forward comm)
+    compute C_j(R-1); post(R-1)                        P_j(R-1) = S_j + C_j(R-1)
     for r = R-1 .. 0:
-        compute C_j(r-1)                               (overlaps reverse round r in flight)
+        compute C_j(r-1) (r > 0)                       (overlaps reverse round r in flight)
         wait(reverse round r)                          done_j(r)
         post(r-1)                                      P_j(r-1) = max(P_j(r) + C_j(r-1), done_j(r))
-    end_j = max(P_j(0) + C_j(-1), done_j(0))
+    end_j = max(P_j(0), done_j(0))
+
+Own blocks come first in both backward KV modes (the same order of additions, so ``keep`` and
+``resend`` are bitwise equal); under ``resend`` they overlap the re-run of the forward rounds, whose
+time (the forward's ``comm_s``) is the earliest the received blocks can be computed.
 
 A message of reverse round ``r`` (forward ``t: a -> b`` flipped, ``b -> a``) starts when both ends
 have posted round ``r``: ``s = max(P_a(r), P_b(r))``. It finishes at the later of
@@ -59,8 +64,8 @@ last finish of ``j``'s messages of round ``r`` (``P_j(r)`` when it has none). Th
 ``max_j end_j``. For cp = 2 and one round (rank 1 received rank 0's block ``b``)::
 
     rank 0: C_0(-1) = own blocks ........ end_0 = max(C_0(-1), done)     (it waits for b's dKV)
-    rank 1: C_1(0) = b; post(0) at C_1(0) -> message 1->0 of b's dKV starts at max(P_0(0)=0, C_1(0))
-            then C_1(-1) = own blocks;  end_1 = max(C_1(0) + C_1(-1), done)
+    rank 1: C_1(-1) = own blocks, then C_1(0) = b; post(0) at C_1(-1) + C_1(0) -> message 1->0 of
+            b's dKV starts at max(P_0(0), C_1(-1) + C_1(0));  end_1 = max(C_1(-1) + C_1(0), done)
 
 ``comm_s`` stays the rounds back to back (:func:`simulate_rounds`), the network's time alone.
 """
@@ -77,8 +82,11 @@ from megatron_fcp.planning.cost import (
     AttentionShape,
     ComputeModel,
     SimResult,
+    _block_pairs,
     _ResourceIndex,
     causal_pairs,
+    pad_for_zigzag,
+    simulate_plan,
     simulate_rounds,
 )
 from megatron_fcp.planning.graph import check_cp_ranks
@@ -262,33 +270,50 @@ def simulate_plan_backward(
     round_overhead_s: float = 0.0,
     name: str = "fcp",
     order: str = "executor",
+    backward_kv: str = "keep",
+    kv_dtype_bytes: int | None = None,
 ) -> SimResult:
-    """Backward pass of a plan over a placement: the dK/dV reduction along the reversed rounds;
+    """Backward pass of a plan (over a placement, or Megatron's zigzag split of ``shape.seq_len``
+    tokens): the dK/dV reduction along the reversed rounds;
     see Note [FCP backward timeline]. ``order="executor"``: each rank in the executor's order (the
     default; what runs today). ``order="eager"``: a what-if executor that computes without waiting
     and sends each partial as soon as it is complete (its compute done and its children's partials
     in), receivers posted up front. ``timeline[k]`` is backward round ``k`` (forward round ``R-1-k``):
-    first message start, last finish."""
+    first message start, last finish.
+
+    ``backward_kv`` (Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`):
+    ``"keep"`` starts from saved KV; ``"resend"`` first re-runs the forward rounds (KV in
+    ``kv_dtype_bytes``, default ``shape.dtype_bytes``), overlapped with the local blocks'
+    gradients, which both modes compute first. ``meta["held_kv_bytes"]``: per rank, the received
+    KV held from forward to backward (0 under resend)."""
     if order not in ("executor", "eager"):
         raise ValueError(f"order: must be 'executor' or 'eager', got {order!r}")
+    if backward_kv not in ("keep", "resend"):
+        raise ValueError(f"backward_kv: must be 'keep' or 'resend', got {backward_kv!r}")
     pl = plan.placement
-    if pl is None:
-        raise ValueError("simulate_plan_backward: needs a plan over a placement (build_plan(..., placement=pl))")
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     check_cp_ranks(topo, plan.ranks)
-    cp, R = plan.cp, len(plan.rounds)
+    cp, R, P_ = plan.cp, len(plan.rounds), plan.parts_per_chunk
     pos = {r: i for i, r in enumerate(plan.ranks)}
-    tokens = {(plan.ranks[i], b): s.tokens for i, b, s in pl.block_list()}
+    if pl is not None:
+        tokens = {(plan.ranks[i], b): s.tokens for i, b, s in pl.block_list()}
+        block_tokens = lambda blk: tokens[(blk.owner, blk.chunk)]  # noqa: E731
+    else:
+        shape, _ = pad_for_zigzag(shape, cp)
+        block_tokens = lambda blk: shape.seq_len / (2 * cp * P_)  # noqa: E731
     per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
-    nbytes = lambda t: tokens[(t.block.owner, t.block.chunk)] * per_token  # noqa: E731
+    nbytes = lambda t: block_tokens(t.block) * per_token  # noqa: E731
     brounds = plan.backward_rounds()
     res = simulate_rounds(topo, [[(t.src, t.dst, nbytes(t)) for t in rnd] for rnd in brounds], round_overhead_s,
                           name=name)
     flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * backward_flop_ratio
 
-    def block_time(j: int, owner: int, b: int) -> float:
-        p = pl.pairs(j, pos[owner], b)
+    def block_time(j: int, blk) -> float:
+        if pl is not None:
+            p = pl.pairs(j, pos[blk.owner], blk.chunk)
+        else:
+            p = int(_block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.causal))
         return p * flop_s + cm.kernel_overhead_s if p else 0.0
 
     # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks
@@ -296,14 +321,22 @@ def simulate_plan_backward(
     for r, rnd in enumerate(plan.rounds):
         for t in rnd:
             j = pos[t.dst]
-            C[r + 1, j] += block_time(j, t.block.owner, t.block.chunk)
+            if t.block in plan.needs(t.dst):
+                C[r + 1, j] += block_time(j, t.block)
     for j, rank in enumerate(plan.ranks):
-        C[0, j] = sum(block_time(j, rank, b) for b in range(len(pl.blocks[j])))
+        C[0, j] = sum(block_time(j, blk) for blk in plan.local_blocks(rank))
+    # the executor computes its own blocks first (while a resend re-runs the forward rounds)
+    start = C[0].copy()
+    resend_s = 0.0
+    if backward_kv == "resend":
+        fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
+        resend_s = simulate_plan(plan, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
+        start = np.maximum(start, resend_s)
 
     idx = _ResourceIndex(topo)
     end_res: dict[int, float] = {}                     # resource id -> when it drained its rounds so far
-    P = C[R].copy() if R else np.zeros(cp)            # P_j(R-1): posted after computing C_j(R-1)
-    eager_done = np.cumsum(C[:0:-1], axis=0)[::-1] if R else np.zeros((0, cp))  # [r, j]: C_j(R-1..r) done
+    P = start + (C[R] if R else 0.0)                  # P_j(R-1): posted after computing C_j(R-1)
+    eager_done = start + np.cumsum(C[:0:-1], axis=0)[::-1] if R else np.zeros((0, cp))  # [r, j]: C_j(R-1..r) done
     child: dict[tuple[int, object], float] = {}        # eager: (rank, block) -> its children's last return
     eager_end = np.zeros(cp)
     for r in range(R - 1, -1, -1):
@@ -336,9 +369,13 @@ def simulate_plan_backward(
         eager_end = np.maximum(eager_end, done)
         e = res.timeline[R - 1 - r]
         e["start_s"], e["end_s"] = (lo, hi) if msgs else (float(P.min()), float(P.min()))
-        P = np.maximum(P + C[r], done)                 # P_j(r-1); after round 0: P_j(0) + own blocks
-    ends = (P if order == "executor" else np.maximum(eager_end, C.sum(axis=0))) if R else C[0]
+        P = np.maximum(P + (C[r] if r > 0 else 0.0), done)  # P_j(r-1); own blocks were computed first
+    ends = (P if order == "executor" else np.maximum(eager_end, start + C[1:].sum(axis=0))) if R else start
     res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
     res.total_s = float(max(ends.max(), res.compute_s)) if cp else 0.0
-    res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers())
+    kv_bytes = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    held = [0.0 if backward_kv == "resend" else sum(block_tokens(b) for b in plan.needs(r)) * kv_bytes
+            for r in plan.ranks]
+    res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
+                    backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held)
     return res
