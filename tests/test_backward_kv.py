@@ -117,3 +117,45 @@ def test_choose_backward_kv_is_uniform_and_budgeted():
         choose_backward_kv("lazy", plan, size)
     with pytest.raises(ValueError, match="--fcp-kv-memory-budget"):
         choose_backward_kv("auto", plan, size, budget=-5)
+
+
+BUILDER_NAMES = ("ring", "full", "hierarchical", "leader", "spanning", "entry")
+
+
+def _worker8(rank: int, world: int) -> dict:
+    """cp = 8 on one 8-GPU node, every builder, default mode (auto) and keep: held received KV."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_fcp.attention.function import fcp_attention_with_lse
+    from megatron_fcp.attention.layout import zigzag_split
+    from megatron_fcp.planning import build_plan
+
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(32, 1, h, 8, generator=g) for h in (2, 1, 1, 2)]
+    q, k, v, do = (zigzag_split(x, world, rank) for x in full)
+    out = {"local_kv": 2 * k.numel() * k.element_size()}
+    for name in BUILDER_NAMES:
+        plan = build_plan("dgx-h100:1", range(world), name)
+        for mode in ("auto", "keep"):
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            o, _ = fcp_attention_with_lse(qq, kk, vv, cp_group=group, plan=plan, backward_kv=mode)
+            out[(name, mode)] = _held_received_kv(o)
+            o.backward(do)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results8():
+    return run_gloo(_worker8, 8, timeout_s=300)
+
+
+def test_default_mode_holds_no_more_than_the_ring_at_cp8(results8):
+    """The ring holds no received KV between forward and backward (one KV pair in flight at any
+    time); FCP's default (auto, the ring's budget) re-sends at cp = 8 and holds none either."""
+    for r in results8:
+        for name in BUILDER_NAMES:
+            assert r[(name, "auto")] == 0, name
+    # keep's figure: causal zigzag CP rank 0 holds 2*(cp-1) = 14 chunks = 7 times its own KV
+    assert results8[0][("full", "keep")] == 7 * results8[0]["local_kv"]

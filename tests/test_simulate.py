@@ -177,3 +177,13 @@ def test_a_sequence_2cp_does_not_divide_is_padded_as_megatron_pads():
     res = simulate_plan(plan, "dgx-h100:2", AttentionShape(1000))
     assert res.meta["padded_seq_len"] == 1024
     assert "padded_seq_len" not in simulate_plan(plan, "dgx-h100:2", AttentionShape(1024)).meta
+
+
+def test_resend_costs_little_time_at_128k_on_two_dgx_h100():
+    """The cost model's fwd+bwd with re-sent KV is within 1.15x of keeping it (dgx-h100:2, cp = 16,
+    128K tokens, GQA 32:8): the re-send hides behind the local blocks' gradients."""
+    out = compare("dgx-h100:2", None, AttentionShape(131072, 32, 8, 128), objective="total")
+    kv = out["schedules"]["fcp"]["backward_kv"]
+    assert kv["resend"]["held_kv_bytes_max"] == 0 and kv["keep"]["held_kv_bytes_max"] > 0
+    assert kv["resend"]["resend_s"] > 0
+    assert kv["resend_vs_keep"] <= 1.15
