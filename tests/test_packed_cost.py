@@ -84,9 +84,9 @@ def test_fcp_backward_reverses_the_plan_with_fp32_partials():
 
 
 def test_fcp_backward_follows_the_executor_order_by_hand():
-    """cp=2, one document in two blocks: the reader of block 0 computes its own block, then block 0,
-    then posts its dKV; the owner computes its own block and waits for the dKV (Note [FCP backward
-    timeline]). The message starts when both ends have posted (reader: after its compute)."""
+    """cp=2, one document in two blocks: the reader of block 0 computes it, posts its dKV, then
+    computes its own block; the owner computes its own block and waits for the dKV (Note [FCP
+    backward timeline]). The message starts when both ends have posted (reader: after its compute)."""
     from megatron_fcp.topology import load_topology
 
     pl = Placement((16,), ((Span(0, 0, 8),), (Span(0, 8, 16),)))
@@ -99,12 +99,14 @@ def test_fcp_backward_follows_the_executor_order_by_hand():
     own = [sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) * flop for j in range(2)]
     route = load_topology("dgx-h100:1").route(reader, owner)
     msg = pl.blocks[owner][t.block.chunk].tokens * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4  # FP32 dK/dV
-    posted = own[reader] + c_recv
-    fin = posted + msg / min(x.bandwidth for x in route.resources) + route.latency
+    fin = c_recv + msg / min(x.bandwidth for x in route.resources) + route.latency
     bwd = simulate_plan_backward(plan, "dgx-h100:1", SHAPE, compute_model=cm)
-    assert bwd.total_s == pytest.approx(max(own[owner], fin))
+    assert bwd.total_s == pytest.approx(max(own[owner], fin, c_recv + own[reader]))
     assert bwd.compute_s == pytest.approx(max(own[owner], c_recv + own[reader]))
-    assert bwd.timeline[0]["start_s"] == pytest.approx(posted) and bwd.timeline[0]["end_s"] == pytest.approx(fin)
+    assert bwd.timeline[0]["start_s"] == pytest.approx(c_recv) and bwd.timeline[0]["end_s"] == pytest.approx(fin)
+    # resend: the same, after the forward's transfer runs again
+    again = simulate_plan_backward(plan, "dgx-h100:1", SHAPE, compute_model=cm, backward_kv="resend")
+    assert again.total_s == pytest.approx(bwd.total_s + again.meta["resend_s"])
     with pytest.raises(ValueError, match="order: must be"):
         simulate_plan_backward(plan, "dgx-h100:1", SHAPE, order="barrier")
 

@@ -39,10 +39,10 @@ rounds, i.e. return it in earlier backward rounds), so every link carries one te
 A rank that neither needs the block nor has children returns zeros (the plan lists the transfer;
 a ring does exactly this). The owner adds all returns into its local dK/dV::
 
-    compute local blocks                 # resend mode: while the KV is re-sent (kv_memory)
+    (resend mode: run the forward rounds again first; Note [Backward KV modes] in kv_memory)
     compute blocks received in round R-1;  post(reverse round R-1)
     for k = R-1 .. 0:
-        compute blocks received in round k-1 (if k > 0)                  # overlaps round k
+        compute blocks received in round k-1 (local blocks when k == 0)   # overlaps round k
         wait(reverse round k);  add returned partials
         post(reverse round k-1)                                          # its dKV are complete
 
@@ -424,24 +424,22 @@ class _Executor:
 
         if kept is None:  # resend: the plan's forward rounds again, readers keep what they need
             kept = {}
-
-            def keep(block: Block, buf: torch.Tensor) -> None:
-                kept[block] = buf
-
-            t_w, resent, peak = self._distribute(k, v, "resend", lambda local_kv: compute_local(), keep, kept)
+            t_w, resent, peak = self._distribute(k, v, "resend", lambda local_kv: None, kept.__setitem__, kept)
             wait_s += t_w
             if self.stats is not None:
                 self.stats.resend_bytes_sent += resent
                 self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak)
-        else:
-            compute_local()  # first in both modes: the same order of additions, bitwise equal results
         R = self.num_rounds
-        if R:
+        if R == 0:
+            compute_local()
+        else:
             compute_round(R - 1)
             pending = post(R - 1)
             for r in range(R - 1, -1, -1):
                 if r > 0:
                     compute_round(r - 1)
+                else:
+                    compute_local()
                 handle, recvs = pending
                 wait_s += self._wait(handle)
                 for t, buf in recvs:

@@ -42,17 +42,13 @@ Note [FCP backward timeline]
 The executor of rank ``j`` (``R`` forward rounds, ``C_j(r)`` = its compute on the blocks it received
 in forward round ``r``, ``C_j(-1)`` = its own blocks) runs one thread, one stream::
 
-    compute C_j(-1)                                    S_j = C_j(-1); resend: max(C_j(-1), forward comm)
+    (resend: run the forward rounds again)            S_j = 0, or the forward's comm_s under resend
     compute C_j(R-1); post(R-1)                        P_j(R-1) = S_j + C_j(R-1)
     for r = R-1 .. 0:
-        compute C_j(r-1) (r > 0)                       (overlaps reverse round r in flight)
+        compute C_j(r-1)                               (overlaps reverse round r in flight)
         wait(reverse round r)                          done_j(r)
         post(r-1)                                      P_j(r-1) = max(P_j(r) + C_j(r-1), done_j(r))
-    end_j = max(P_j(0), done_j(0))
-
-Own blocks come first in both backward KV modes (the same order of additions, so ``keep`` and
-``resend`` are bitwise equal); under ``resend`` they overlap the re-run of the forward rounds, whose
-time (the forward's ``comm_s``) is the earliest the received blocks can be computed.
+    end_j = max(P_j(0) + C_j(-1), done_j(0))
 
 A message of reverse round ``r`` (forward ``t: a -> b`` flipped, ``b -> a``) starts when both ends
 have posted round ``r``: ``s = max(P_a(r), P_b(r))``. It finishes at the later of
@@ -64,8 +60,8 @@ last finish of ``j``'s messages of round ``r`` (``P_j(r)`` when it has none). Th
 ``max_j end_j``. For cp = 2 and one round (rank 1 received rank 0's block ``b``)::
 
     rank 0: C_0(-1) = own blocks ........ end_0 = max(C_0(-1), done)     (it waits for b's dKV)
-    rank 1: C_1(-1) = own blocks, then C_1(0) = b; post(0) at C_1(-1) + C_1(0) -> message 1->0 of
-            b's dKV starts at max(P_0(0), C_1(-1) + C_1(0));  end_1 = max(C_1(-1) + C_1(0), done)
+    rank 1: C_1(0) = b; post(0) at C_1(0) -> message 1->0 of b's dKV starts at max(P_0(0)=0, C_1(0))
+            then C_1(-1) = own blocks;  end_1 = max(C_1(0) + C_1(-1), done)
 
 ``comm_s`` stays the rounds back to back (:func:`simulate_rounds`), the network's time alone.
 """
@@ -325,13 +321,12 @@ def simulate_plan_backward(
                 C[r + 1, j] += block_time(j, t.block)
     for j, rank in enumerate(plan.ranks):
         C[0, j] = sum(block_time(j, blk) for blk in plan.local_blocks(rank))
-    # the executor computes its own blocks first (while a resend re-runs the forward rounds)
-    start = C[0].copy()
+    # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
     if backward_kv == "resend":
         fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
         resend_s = simulate_plan(plan, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
-        start = np.maximum(start, resend_s)
+    start = np.full(cp, resend_s)
 
     idx = _ResourceIndex(topo)
     end_res: dict[int, float] = {}                     # resource id -> when it drained its rounds so far
@@ -369,8 +364,8 @@ def simulate_plan_backward(
         eager_end = np.maximum(eager_end, done)
         e = res.timeline[R - 1 - r]
         e["start_s"], e["end_s"] = (lo, hi) if msgs else (float(P.min()), float(P.min()))
-        P = np.maximum(P + (C[r] if r > 0 else 0.0), done)  # P_j(r-1); own blocks were computed first
-    ends = (P if order == "executor" else np.maximum(eager_end, start + C[1:].sum(axis=0))) if R else start
+        P = np.maximum(P + C[r], done)                 # P_j(r-1); after round 0: P_j(0) + own blocks
+    ends = (P if order == "executor" else np.maximum(eager_end, start + C.sum(axis=0))) if R else start + C[0]
     res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
     res.total_s = float(max(ends.max(), res.compute_s)) if cp else 0.0
     kv_bytes = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
