@@ -72,7 +72,7 @@ class FCPConfig:
     timeout_s: float = field(default=300.0, metadata={"metavar": "SECONDS"})
     """Bound on every FCP wait: each round of block transfers and each agreement across the CP
     group. On expiry FCP raises CommTimeout (naming phase, round, peer, block and plan) or
-    FCPAgreementError (naming the ranks that did not answer) instead of hanging."""
+    FCPAgreementError (naming the CP group) instead of hanging."""
 
     check_numerics: bool = False
     """Debugging: after every FCP attention forward, check that out is finite and lse has no NaN

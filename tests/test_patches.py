@@ -28,6 +28,10 @@ class _Group:
         return self._size
 
 
+class _AttnMaskType:
+    causal, no_mask, padding, arbitrary = "causal", "no_mask", "padding", "arbitrary"
+
+
 def _stub_megatron(monkeypatch, version="0.16.1", *, local_binding=True, te_binding=True):
     """Install a fake ``megatron.core`` whose attention classes raise if instantiated/called."""
 
@@ -57,6 +61,8 @@ def _stub_megatron(monkeypatch, version="0.16.1", *, local_binding=True, te_bind
     mod("megatron.core.package_info", __version__=version)
     mod("megatron.core.transformer")
     mod("megatron.core.transformer.dot_product_attention", DotProductAttention=DotProductAttention)
+    mod("megatron.core.transformer.attention", apply_rotary_pos_emb=lambda t, freqs, config=None, cu_seqlens=None: t)
+    mod("megatron.core.transformer.enums", AttnMaskType=_AttnMaskType)
     mod("megatron.core.extensions")
     mod("megatron.core.extensions.transformer_engine", TEDotProductAttention=TEDotProductAttention)
     mod("megatron.core.extensions.transformer_engine_spec_provider",
@@ -233,7 +239,7 @@ def test_fcp_core_attention_rejects_unsupported(stub):
     q = torch.zeros(4, 1, 4, 8)
     with pytest.raises(NotImplementedError, match="attention_bias"):
         att(q, q, q, None, attention_bias=torch.zeros(1))
-    with pytest.raises(NotImplementedError, match="packed sequences"):
+    with pytest.raises(NotImplementedError, match="qkv_format=None"):
         att(q, q, q, None, packed_seq_params=object())
     with pytest.raises(NotImplementedError, match="attention dropout 0.1"):
         att.train()(q, q, q, None)
