@@ -507,8 +507,8 @@ def fcp_attention_with_lse(
     if agreement is not None:
         thd = placement is not None
         agreement.ensure({
-            "q": (tuple(q.shape[1:] if thd else q.shape), str(q.dtype)),
-            "kv": (tuple(k.shape[1:] if thd else k.shape), str(k.dtype)),
+            "shape": (tuple(q.shape[1:] if thd else q.shape), tuple(k.shape[1:] if thd else k.shape)),
+            "dtype": str(q.dtype),
             "causal": causal, "softmax_scale": scale, "kernel": kernel_obj.name,
             "placement": None if placement is None else placement.blocks,
             "plan": (plan_obj.name, plan_obj.ranks, plan_obj.parts_per_chunk, plan_obj.rounds),
