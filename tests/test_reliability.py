@@ -164,3 +164,26 @@ def test_user_report_hierarchical_cp_never_silently_runs_without_cp(stub, caplog
     assert len(lines) == 3 and "layer 1: FCP attention, plan 'hierarchical'" in lines[0], lines
     with pytest.raises(NotImplementedError, match="sliding-window"):
         _te_module(stub, cp=4, layer=4, window_size=(8, 0))
+
+
+# ---- the error catalogue ------------------------------------------------------------------------------------
+def test_every_test_the_error_catalogue_names_exists():
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "docs", "errors.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    refs = re.findall(r"(tests/\w+\.py)::(\w+)", text) + [
+        (path, name) for path, names in re.findall(r"(tests/\w+\.py)::\w+(?:\[[^\]]*\])?((?:, `::\w+`)+)", text)
+        for name in re.findall(r"::(\w+)", names)]
+    assert len(refs) >= 40
+    missing = []
+    for path, name in refs:
+        with open(os.path.join(root, path), encoding="utf-8") as fh:
+            if not re.search(rf"^def {name}\(", fh.read(), re.M):
+                missing.append(f"{path}::{name}")
+    assert not missing, missing
+    from test_bad_inputs import CASES
+
+    for case in re.findall(r"bad-input suite `([\w-]+)`", text):
+        assert case in CASES, case
