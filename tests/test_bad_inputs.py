@@ -19,7 +19,7 @@ from megatron_fcp.attention.function import FCPNumericsError, check_finite, reso
 from megatron_fcp.attention.kernels import block_attention_forward, resolve_kernel
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.packed import doc_lengths_of
-from megatron_fcp.patches.runtime import FCPStateError, resolve_topology, setup_fcp
+from megatron_fcp.patches.runtime import FCPStateError, reset_fcp, resolve_topology, setup_fcp
 from megatron_fcp.planning import (Block, MegatronLayout, Plan, PlanError, Transfer, build_plan, place_packed,
                                    ring_plan)
 from megatron_fcp.planning.placement import check_doc_lengths
@@ -41,6 +41,7 @@ def bounded():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+        reset_fcp()  # cases that settle a runtime must not leak it into later tests
 
 
 def _topo():
