@@ -359,6 +359,14 @@ def train(
         ).to(device)
         if fcp.enabled:
             info["fcp_modules"] = assert_model_uses_fcp(model)
+            from megatron_fcp.patches.runtime import current_runtime  # noqa: PLC0415
+
+            runtime = current_runtime()
+            if runtime is not None:  # which layers FCP serves, with which plan (or why not)
+                info["layers"] = {str(n): e for n, e in sorted(runtime.layer_report.items())}
+                served = sorted(n for n, e in runtime.layer_report.items() if e["attention"] == "fcp")
+                say(f"FCP serves layers {served}; Megatron's attention: "
+                    f"{sorted(set(runtime.layer_report) - set(served)) or 'none'}")
         say(f"model: GPTModel {args.num_layers} layers, hidden {args.hidden_size}, "
             f"{sum(p.numel() for p in model.parameters())} params/rank, spec {impl}, "
             f"world {world} = tp {layout.tp} x cp {layout.cp} x dp {layout.dp}, device {device}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ __all__ = [
     "TransportWrapper",
     "CountingTransport",
     "SerialTransport",
+    "DelayTransport",
     "Posted",
     "default_transport",
 ]
@@ -198,6 +199,32 @@ class SerialTransport(TransportWrapper):
 
     def wait(self, handle: Handle) -> None:
         del handle  # already complete
+
+
+class DelayTransport(TransportWrapper):
+    """Delays every message by ``delay()`` seconds (tests: timing must never change the arithmetic).
+
+    ``post`` posts the round's receives at once, then each send after its own delay (in plan order,
+    so sends still match receives pair by pair); ``wait`` sleeps one more delay before waiting, so
+    a round is also observed late. ``delay``: e.g. a seeded generator's ``uniform(0, 5e-4)``.
+    """
+
+    def __init__(self, inner: Transport, delay: Callable[[], float]) -> None:
+        super().__init__(inner)
+        self.delay = delay
+
+    def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
+        handle = self.inner.post([], round_recvs, round_index=round_index, phase=phase)
+        for pair in round_sends:
+            time.sleep(self.delay())
+            one = self.inner.post([pair], [], round_index=round_index, phase=phase)
+            handle.works.extend(one.works)
+            handle.keep_alive.extend(one.keep_alive)
+        return handle
+
+    def wait(self, handle: Handle) -> None:
+        time.sleep(self.delay())
+        self.inner.wait(handle)
 
 
 @dataclass(frozen=True)

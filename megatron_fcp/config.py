@@ -27,11 +27,14 @@ from typing import Any, Mapping
 from megatron_fcp.attention.kv_memory import BACKWARD_KV_MODES, RING_BUDGET
 from megatron_fcp.planning.builders import GRAPH_CHOICES
 
-__all__ = ["FCPConfig", "KERNELS", "field_docs", "flag_of", "load_yaml"]
+__all__ = ["FCPConfig", "KERNELS", "FALLBACKS", "field_docs", "flag_of", "load_yaml"]
 
 #: Block kernels (the names of ``megatron_fcp.attention.kernels.BLOCK_KERNELS``, kept here so
 #: that config stays torch-free; a test checks the two agree).
 KERNELS: tuple[str, ...] = ("math", "cpu-flash")
+
+#: What FCPCoreAttention may do with a layer it cannot serve (``--fcp-fallback``).
+FALLBACKS: tuple[str, ...] = ("none", "megatron")
 
 _PRESET_SPEC = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*(:[0-9]+)?$")
 
@@ -75,6 +78,20 @@ class FCPConfig:
     kv_memory_budget: int = field(default=RING_BUDGET, metadata={"metavar": "BYTES"})
     """Bytes of received KV a rank may keep per attention call under --fcp-backward-kv auto; -1
     (the default) means what the ring holds: one KV pair the size of the rank's own shard."""
+    timeout_s: float = field(default=300.0, metadata={"metavar": "SECONDS"})
+    """Bound on every FCP wait: each round of block transfers and each agreement across the CP
+    group. On expiry FCP raises CommTimeout (naming phase, round, peer, block and plan) or
+    FCPAgreementError (naming the CP group) instead of hanging."""
+
+    check_numerics: bool = False
+    """Debugging: after every FCP attention forward, check that out is finite and lse has no NaN
+    or +inf (-inf is a fully masked row); raise FCPNumericsError naming the layer otherwise."""
+
+    fallback: str = field(default="none", metadata={"choices": FALLBACKS})
+    """What to do with a layer FCP cannot serve (attention bias, dropout in training, a mask,
+    window or softmax FCP does not support): none raises with the reason; megatron runs
+    Megatron's own attention class for that layer (Transformer Engine's CP on GPU) and logs it
+    once per reason."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -114,6 +131,17 @@ class FCPConfig:
         if self.kernel not in KERNELS:
             raise ValueError(
                 f"unknown block kernel {self.kernel!r}: set --fcp-kernel (fcp.kernel) to one of " + ", ".join(KERNELS)
+            )
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not self.timeout_s > 0 or self.timeout_s == float("inf")):
+            raise ValueError(
+                f"--fcp-timeout-s (fcp.timeout_s) must be a positive finite number of seconds, got {self.timeout_s!r}"
+            )
+        if not isinstance(self.check_numerics, bool):
+            raise ValueError(f"--fcp-check-numerics (fcp.check_numerics) must be true or false, got {self.check_numerics!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(
+                f"unknown fallback {self.fallback!r}: set --fcp-fallback (fcp.fallback) to one of " + ", ".join(FALLBACKS)
             )
 
     # ---- derived -----------------------------------------------------------------------------

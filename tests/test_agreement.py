@@ -29,13 +29,13 @@ def _worker(rank: int, world: int) -> dict:
             out["mismatch"] = str(e)
     cache = AgreementCache()
     calls = []
-    real = dist.all_gather_object
+    real = dist.all_gather
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    dist.all_gather_object = counting
+    dist.all_gather = counting
     try:
         for layer in range(3):  # one epoch = one micro-batch: one collective for all layers
             cache.ensure(same, epoch=0)
@@ -47,7 +47,7 @@ def _worker(rank: int, world: int) -> dict:
             out["changed"] = str(e)
         out["collectives_after"] = len(calls)
     finally:
-        dist.all_gather_object = real
+        dist.all_gather = real
     return out
 
 

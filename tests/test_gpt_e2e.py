@@ -166,6 +166,9 @@ def test_metrics_json_written_by_rank0(runs):
     assert data["losses"] == results[0]["cp4"]["losses"]
     assert data["grad_norms"] == results[0]["cp4"]["grad_norms"]
     assert data["fcp"]["graph"] == "hierarchical" and data["fcp"]["cp"] == 4
+    # which layers FCP serves, with which plan (issue 12: no silent fallback, no silent CP off)
+    assert sorted(data["fcp"]["layers"]) == ["1", "2"]
+    assert all(e["attention"] == "fcp" and e["plan"] == "hierarchical" for e in data["fcp"]["layers"].values())
 
 
 # ---- bad configs: clear errors before training starts ---------------------------------------------------

@@ -40,23 +40,24 @@ def _worker(rank: int, world: int) -> dict:
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import pretrain_gpt_fcp as example
-    import torch.distributed as dist
 
     quiet = lambda msg: None  # noqa: E731
     out = {}
     out["cp1"] = example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]), log=quiet)
+    from megatron_fcp import agreement
+
     calls = []
-    real = dist.all_gather_object
+    real = agreement.agree  # what AgreementCache calls once per micro-batch (setup_fcp's agreement not counted)
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    dist.all_gather_object = counting
+    agreement.agree = counting
     try:
         out["cp4"] = example.train(*example.parse_args(COMMON), log=quiet)
     finally:
-        dist.all_gather_object = real
+        agreement.agree = real
     out["cp4"]["agreements"] = len(calls)
     out["tp2cp1"] = example.train(*example.parse_args(
         COMMON + ["--no-fcp", "--context-parallel-size", "1", "--tensor-model-parallel-size", "2"]), log=quiet)

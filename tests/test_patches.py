@@ -28,6 +28,10 @@ class _Group:
         return self._size
 
 
+class _AttnMaskType:
+    causal, no_mask, padding, arbitrary = "causal", "no_mask", "padding", "arbitrary"
+
+
 def _stub_megatron(monkeypatch, version="0.16.1", *, local_binding=True, te_binding=True):
     """Install a fake ``megatron.core`` whose attention classes raise if instantiated/called."""
 
@@ -57,6 +61,8 @@ def _stub_megatron(monkeypatch, version="0.16.1", *, local_binding=True, te_bind
     mod("megatron.core.package_info", __version__=version)
     mod("megatron.core.transformer")
     mod("megatron.core.transformer.dot_product_attention", DotProductAttention=DotProductAttention)
+    mod("megatron.core.transformer.attention", apply_rotary_pos_emb=lambda t, freqs, config=None, cu_seqlens=None: t)
+    mod("megatron.core.transformer.enums", AttnMaskType=_AttnMaskType)
     mod("megatron.core.extensions")
     mod("megatron.core.extensions.transformer_engine", TEDotProductAttention=TEDotProductAttention)
     mod("megatron.core.extensions.transformer_engine_spec_provider",

@@ -59,13 +59,14 @@ from typing import Callable, Union
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.attention.kv_memory import RING_BUDGET, choose_backward_kv
+from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resolve_kernel
+from megatron_fcp.attention.kv_memory import RING_BUDGET, choose_backward_kv
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
+from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
 from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import SIMPLE_PLANS, Plan, full_plan
@@ -77,6 +78,9 @@ __all__ = [
     "resolve_plan",
     "PLAN_ALIASES",
     "measure_comm_only",  # re-exported from megatron_fcp.attention.comm_only
+    "FCPNumericsError",
+    "PLAN_AGREEMENT",
+    "check_finite",
 ]
 
 PlanLike = Union[str, Plan]
@@ -86,6 +90,26 @@ KernelLike = Union[str, BlockKernel]
 PLAN_ALIASES = {"all-to-all": "full"}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Agreement on the first use of a plan per CP group (process-wide, like the process groups it
+#: keys on): :func:`fcp_attention_with_lse` agrees through it unless given ``agreement=None``.
+PLAN_AGREEMENT = LastAgreed()
+
+
+class FCPNumericsError(FloatingPointError):
+    """``check_numerics``: an FCP attention forward produced NaN/inf (the message names where)."""
+
+
+def check_finite(out: torch.Tensor, lse: torch.Tensor, where: str) -> None:
+    """Raise :class:`FCPNumericsError` unless ``out`` is finite and ``lse`` has no NaN or +inf
+    (``-inf`` is a fully masked row: out 0 there)."""
+    bad_out = int((~torch.isfinite(out)).sum())
+    bad_lse = int((torch.isnan(lse) | torch.isposinf(lse)).sum())
+    if bad_out or bad_lse:
+        raise FCPNumericsError(
+            f"{where}: out has {bad_out} non-finite values of {out.numel()}, lse has {bad_lse} NaN/+inf; "
+            "the inputs q/k/v are probably already non-finite (check the layer before), or a kernel is broken"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +266,11 @@ class _Executor:
 
     def _wait(self, handle) -> float:
         t0 = time.perf_counter()
-        self.transport.wait(handle)
+        try:
+            self.transport.wait(handle)
+        except CommTimeout as exc:  # add what only the executor knows: the plan
+            raise CommTimeout(f"{exc} [plan {self.plan.name!r} over CP ranks {list(self.plan.ranks)}, "
+                              f"{self.num_rounds} rounds, on rank {self.rank}]") from exc
         return time.perf_counter() - t0
 
     def _kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]:
@@ -486,21 +514,37 @@ def fcp_attention_with_lse(
     causal: bool = True, softmax_scale: float | None = None, transport: Transport | None = None,
     stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "math",
     placement: Placement | None = None, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
+    agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs):
     ``[b, h, s_local]`` for zigzag shards, ``[h, t_local]`` over a ``placement`` (THD).
 
     transport: override the default (gloo / NCCL by the group's backend), e.g. a CountingTransport.
     stats: an :class:`FCPStats` to add this call's times and bytes to (forward now, backward later).
-    timeout_s: bound on each round's wait for the default transport.
+    timeout_s: bound on each round's wait for the default transport, and on the agreement.
     kernel, plan, placement: see :func:`fcp_attention`.
     backward_kv: ``"keep"`` (save received KV for backward: fastest, most memory), ``"resend"``
     (re-send it in backward: hold no more than the ring) or ``"auto"`` (keep while every rank's
     kept bytes fit ``kv_memory_budget``, bytes per rank, default the ring's); Note [Backward KV
     modes] in :mod:`megatron_fcp.attention.kv_memory`. Outputs and gradients are bitwise the same.
+    agreement: before the first transfer of a plan on a group the CP ranks agree (one bounded
+    collective) on the plan, shapes, dtypes, causal, scale and kernel; repeated calls with the same
+    facts skip it (:class:`~megatron_fcp.agreement.LastAgreed`). ``None``: the caller agreed
+    already (the Megatron packed path agrees once per micro-batch). Every rank of the group must
+    pass the same kind of ``agreement``.
+    check_numerics: raise :class:`FCPNumericsError` if out is not finite or lse has NaN/+inf.
     """
     plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
                                                   placement)
+    if agreement is not None:
+        thd = placement is not None
+        agreement.ensure({
+            "shape": (tuple(q.shape[1:] if thd else q.shape), tuple(k.shape[1:] if thd else k.shape)),
+            "dtype": str(q.dtype),
+            "causal": causal, "softmax_scale": scale, "kernel": kernel_obj.name,
+            "placement": None if placement is None else placement.blocks,
+            "plan": (plan_obj.name, plan_obj.ranks, plan_obj.parts_per_chunk, plan_obj.rounds),
+        }, cp_group, what="fcp_attention", timeout_s=timeout_s)
     if transport is None:
         transport = default_transport(cp_group, timeout_s)
     if placement is None:
@@ -513,9 +557,13 @@ def fcp_attention_with_lse(
     executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
     executor.backward_kv = mode
     if placement is None:
-        return _FCPAttentionFunction.apply(q, k, v, executor)
-    out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), executor)  # b = 1
-    return out.squeeze(1), lse.squeeze(0)                                   # [t, h, d], [h, t]
+        out, lse = _FCPAttentionFunction.apply(q, k, v, executor)
+    else:
+        out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), executor)  # b = 1
+        out, lse = out.squeeze(1), lse.squeeze(0)                           # [t, h, d], [h, t]
+    if check_numerics:
+        check_finite(out, lse, f"FCP attention forward on rank {rank} (plan {plan_obj.name!r})")
+    return out, lse
 
 
 def fcp_attention(

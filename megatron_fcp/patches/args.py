@@ -66,10 +66,10 @@ def add_fcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             kwargs["action"] = argparse.BooleanOptionalAction  # --fcp/--no-fcp, --fcp-overlap/...
         else:
-            kwargs["type"] = int if f.type in ("int", int) else str
+            kwargs["type"] = {"int": int, int: int, "float": float, float: float}.get(f.type, str)
             if "choices" in f.metadata:
                 kwargs["choices"] = list(f.metadata["choices"])
-            if kwargs["type"] is int or "metavar" in f.metadata:
+            if kwargs["type"] in (int, float) or "metavar" in f.metadata:
                 kwargs["metavar"] = f.metadata.get("metavar", "N")
         group.add_argument(flag_of(f.name), **kwargs)
     group.add_argument(

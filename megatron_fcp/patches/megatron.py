@@ -29,6 +29,20 @@ Two integration modes (as Liger-Kernel offers for its kernels):
   built *before* :func:`apply_fcp` with CP > 1 (it would silently run Transformer Engine's ring)
   raises :class:`~megatron_fcp.patches.runtime.FCPStateError` on its first call instead.
 
+Note [No silent fallbacks]
+--------------------------
+A layer FCP cannot serve (attention bias, dropout in training, a mask, window or softmax it does
+not support) raises ``NotImplementedError`` with the reason, unless the user allowed
+``--fcp-fallback megatron``: then that layer runs *Megatron's own attention class* (the original
+the patch replaced, or for the spec route Transformer Engine's attention where installed, else the
+local one), and a WARNING says so once per reason. The value is called ``megatron`` rather than
+``ring`` because that is what runs: Megatron's class with Megatron's ``cp_comm_type`` (Transformer
+Engine's p2p ring by default, but a2a or all-gather if configured), not a ring of ours. Megatron's
+local ``DotProductAttention`` asserts cp = 1, so with CP > 1 on CPU there is nothing to fall back
+to and the error says so. Every FCP attention module reports what serves it
+(``FCPRuntime.layer_report``, logged at start-up; the example's ``--metrics-json`` records it), so
+a layer that silently runs without FCP -- or without CP -- shows in the log and the metrics.
+
 All patches go through :data:`megatron_fcp.patches.REGISTRY` (group ``"megatron"``): idempotent by
 identity, exact revert, each patched path logged, ``ImportError`` naming the symbol and the
 installed megatron-core version when a required binding is missing.
@@ -43,6 +57,7 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_fcp.attention.function import FCPNumericsError
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version
 from megatron_fcp.patches.compat import refuse_hybrid_cp
@@ -123,9 +138,11 @@ class FCPCoreAttention(torch.nn.Module):
     placement of the documents (lay the batch out with
     :func:`megatron_fcp.patches.packed.shard_packed_batch`); returns ``[t, h*d]``.
 
-    Unsupported (raise ``NotImplementedError`` naming the option): attention bias, padded THD
-    variants, padding/arbitrary masks, sliding windows, non-vanilla softmax, attention dropout
-    > 0 in training, and Megatron's hybrid/dynamic CP (``config.hybrid_context_parallel``, or
+    Unsupported (raise ``NotImplementedError`` naming the option, or with ``--fcp-fallback
+    megatron`` run Megatron's own attention class for that layer and log it once per reason; see
+    Note [No silent fallbacks]): attention bias, padding/arbitrary masks, packed formats other than
+    THD, sliding windows, non-vanilla softmax, attention dropout > 0 in training. Always refused:
+    padded THD variants and Megatron's hybrid/dynamic CP (``config.hybrid_context_parallel``, or
     ``packed_seq_params`` with a per-micro-batch ``cp_group``), refused at construction, before
     any plan is settled or any communication happens
     (:class:`~megatron_fcp.patches.compat.HybridCPUnsupportedError`).
@@ -149,6 +166,16 @@ class FCPCoreAttention(torch.nn.Module):
         super().__init__()
         if unused:
             logger.debug("FCPCoreAttention ignores constructor arguments %s", sorted(unused))
+        # What Megatron passed, to build its own attention class should --fcp-fallback need it.
+        self._megatron_kwargs = dict(
+            config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+            attention_type=attention_type, attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type, **unused)
+        for name, value in (("pg_collection", pg_collection), ("model_comm_pgs", model_comm_pgs),
+                            ("k_channels", k_channels), ("v_channels", v_channels)):
+            if value is not None:
+                self._megatron_kwargs[name] = value
+        self._fallback_reason: str | None = None
         self.config = config
         self.layer_number = max(1, int(layer_number))
         self.attn_mask_type = attn_mask_type
@@ -168,17 +195,53 @@ class FCPCoreAttention(torch.nn.Module):
         self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP does not track it
         self._check_config(config)
         if self.cp_size > 1:
-            _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
+            runtime = _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
+            runtime.report_layer(self.layer_number, self._fallback_reason, cp_group=self.cp_group)
 
-    @staticmethod
-    def _check_config(config: Any) -> None:
+    def _check_config(self, config: Any) -> None:
         refuse_hybrid_cp("FCPCoreAttention", config=config, check_process_groups=True)
         if getattr(config, "window_size", None) is not None:
-            raise NotImplementedError("FCPCoreAttention: sliding-window attention (window_size) is not supported")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            self._fallback_reason = self._unsupported(
+                "FCPCoreAttention: sliding-window attention (window_size) is not supported")
+        elif getattr(config, "softmax_type", "vanilla") != "vanilla":
+            self._fallback_reason = self._unsupported(
+                f"FCPCoreAttention: softmax_type={config.softmax_type!r} is not supported (vanilla only)")
+
+    def _unsupported(self, reason: str) -> str:
+        """Raise ``NotImplementedError(reason)`` unless ``--fcp-fallback megatron`` allows running
+        Megatron's own attention for this layer; then return the reason."""
+        if _fallback_mode() != "megatron":
             raise NotImplementedError(
-                f"FCPCoreAttention: softmax_type={config.softmax_type!r} is not supported (vanilla only)"
-            )
+                f"{reason} [layer {self.layer_number}]; or pass --fcp-fallback megatron (fcp.fallback) to run "
+                "Megatron's own attention for such layers")
+        return reason
+
+    def _megatron_forward(self, reason: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run Megatron's own attention class for this layer (built on first use; Note [No silent
+        fallbacks]) and log it once per reason."""
+        module = getattr(self, "_fallback_module", None)
+        if module is None:
+            cls = getattr(type(self), "fcp_original", None) or _megatron_attention_class()
+            try:
+                module = cls(**self._megatron_kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the reason and the fix
+                raise NotImplementedError(
+                    f"{reason} [layer {self.layer_number}], and --fcp-fallback megatron cannot serve it: "
+                    f"Megatron's {cls.__name__} failed to build here ({type(exc).__name__}: {exc}). Megatron's "
+                    "local DotProductAttention runs cp = 1 only; with CP > 1 the fallback needs Transformer "
+                    "Engine's attention (the TE spec on GPU)") from exc
+            module._fcp_fallback = True  # the forward guard lets it run
+            self._fallback_module = module
+        logged = _STATE.setdefault("fallback_logged", set())
+        if reason not in logged:
+            logged.add(reason)
+            logger.warning("megatron_fcp: %s -> layer %d (and every later layer with this reason) runs "
+                           "Megatron's %s (--fcp-fallback megatron)", reason, self.layer_number,
+                           type(module).__name__)
+        runtime = current_runtime()
+        if runtime is not None:
+            runtime.report_layer(self.layer_number, reason, cp_group=self.cp_group)
+        return module(*args, **kwargs)
 
     def _causal(self, attn_mask_type: Any) -> bool:
         from megatron.core.transformer.enums import AttnMaskType  # noqa: PLC0415
@@ -203,22 +266,39 @@ class FCPCoreAttention(torch.nn.Module):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if attention_bias is not None:
-            raise NotImplementedError("FCPCoreAttention: attention_bias is not supported")
         if packed_seq_params is not None:
             refuse_hybrid_cp("FCPCoreAttention.forward", packed_seq_params=packed_seq_params)
-            if getattr(packed_seq_params, "qkv_format", None) != "thd":
-                raise NotImplementedError(
-                    f"FCPCoreAttention: packed_seq_params with qkv_format="
-                    f"{getattr(packed_seq_params, 'qkv_format', None)!r}; FCP packs documents as 'thd'"
-                )
-        if self.training and self.dropout_p > 0:
-            raise NotImplementedError(
-                f"FCPCoreAttention: attention dropout {self.dropout_p} in training is not supported; "
-                "set --attention-dropout 0"
-            )
+        reason = self._fallback_reason or self._forward_reason(attn_mask_type, attention_bias, packed_seq_params)
+        if reason is not None:
+            return self._megatron_forward(reason, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         del attention_mask  # causal/no_mask only: the mask type says everything
         causal = self._causal(attn_mask_type)
+        try:
+            return self._fcp_forward(query, key, value, causal, packed_seq_params)
+        except FCPNumericsError as exc:  # --fcp-check-numerics: say which layer
+            raise FCPNumericsError(f"layer {self.layer_number}: {exc}") from exc
+
+    def _forward_reason(self, attn_mask_type: Any, attention_bias: Any, packed_seq_params: Any) -> str | None:
+        """Why FCP cannot serve this call (None: it can); raises unless --fcp-fallback allows it."""
+        reason = None
+        if attention_bias is not None:
+            reason = "FCPCoreAttention: attention_bias is not supported"
+        elif packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) != "thd":
+            reason = (f"FCPCoreAttention: packed_seq_params with qkv_format="
+                      f"{getattr(packed_seq_params, 'qkv_format', None)!r}; FCP packs documents as 'thd'")
+        elif self.training and self.dropout_p > 0:
+            reason = (f"FCPCoreAttention: attention dropout {self.dropout_p} in training is not supported; "
+                      "set --attention-dropout 0")
+        else:
+            try:
+                self._causal(attn_mask_type)
+            except NotImplementedError as exc:
+                reason = str(exc)
+        return None if reason is None else self._unsupported(reason)
+
+    def _fcp_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                     packed_seq_params: Any) -> torch.Tensor:
         if packed_seq_params is not None:  # q [t, h, d] -> [t, h*d]; Note in megatron_fcp.patches.packed
             return packed_attention(self, query, key, value, packed_seq_params, causal=causal, transport=_transport)
         s, b, h, d = query.shape  # [s, b, h, d]; key/value [s, b, h_kv, d]
@@ -236,8 +316,24 @@ class FCPCoreAttention(torch.nn.Module):
                 softmax_scale=self.softmax_scale, transport=_transport(runtime, self.cp_group),
                 kernel=runtime.config.kernel, backward_kv=runtime.config.backward_kv,
                 kv_memory_budget=runtime.config.kv_memory_budget, stats=runtime.layer_stats(self.layer_number),
+                timeout_s=runtime.config.timeout_s, check_numerics=runtime.config.check_numerics,
+                agreement=runtime.plan_agreement,
             )
         return out.reshape(s, b, h * d)  # [s, b, h*d]
+
+
+def _fallback_mode() -> str:
+    """``--fcp-fallback`` of the settled runtime, else of the applied config, else ``"none"``."""
+    runtime = current_runtime()
+    config = runtime.config if runtime is not None else _STATE["config"]
+    return getattr(config, "fallback", "none") if config is not None else "none"
+
+
+def _megatron_attention_class() -> type:
+    """Megatron's own core attention for the spec route's fallback: Transformer Engine's where
+    installed, else the local ``DotProductAttention`` (cp = 1 only)."""
+    found = _original_classes()
+    return found[TE_ATTENTION] or found[LOCAL_ATTENTION]
 
 
 def _transport(runtime: Any, group: Any) -> Any:
@@ -253,7 +349,7 @@ def _transport(runtime: Any, group: Any) -> Any:
     else:
         transport = runtime.transports.get(id(group))
         if transport is None or transport.group is not group:
-            transport = runtime.transports[id(group)] = default_transport(group)
+            transport = runtime.transports[id(group)] = default_transport(group, runtime.config.timeout_s)
     return transport if runtime.config.overlap else SerialTransport(transport)
 
 
@@ -322,7 +418,8 @@ def _make_replacement(original: type) -> type:
 def _make_forward_guard(original_forward: Any) -> Any:
     def forward(self, *args: Any, **kwargs: Any):
         cfg = getattr(self, "config", None)
-        if _STATE["config"] is not None and getattr(cfg, "context_parallel_size", 1) > 1:
+        if (_STATE["config"] is not None and getattr(cfg, "context_parallel_size", 1) > 1
+                and not getattr(self, "_fcp_fallback", False)):  # allowed by --fcp-fallback megatron
             raise FCPStateError(
                 f"{type(self).__name__} (layer {getattr(self, 'layer_number', '?')}) was built before "
                 "apply_fcp() and would run Megatron's own CP communication; build the model after "

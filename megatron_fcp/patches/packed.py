@@ -176,13 +176,15 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     runtime.agreement.ensure(
         {"doc_lengths": lengths, "placement": placement.blocks, "plan": plan.rounds, "causal": causal,
          "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), str(key.dtype))},
-        module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan")
+        module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
     out, _ = fcp_attention_with_lse(query, key, value, cp_group=module.cp_group, plan=plan, placement=placement,
                                     causal=causal, softmax_scale=module.softmax_scale,
                                     transport=transport(runtime, module.cp_group), kernel=runtime.config.kernel,
                                     backward_kv=runtime.config.backward_kv,
                                     kv_memory_budget=runtime.config.kv_memory_budget,
-                                    stats=runtime.layer_stats(module.layer_number))
+                                    stats=runtime.layer_stats(module.layer_number),
+                                    timeout_s=runtime.config.timeout_s, check_numerics=runtime.config.check_numerics,
+                                    agreement=None)  # agreed above, once per micro-batch
     return out.reshape(t, -1)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.agreement import AgreementCache
+from megatron_fcp.agreement import AgreementCache, LastAgreed, agree
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.planning import MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
@@ -41,6 +41,7 @@ __all__ = [
     "build_group_plan",
     "rank_map_table",
     "setup_fcp",
+    "setup_fingerprint",
     "current_runtime",
     "reset_fcp",
 ]
@@ -182,6 +183,37 @@ class FCPRuntime:
             return None
         self.stats[layer_number] = FCPStats()
         return self.stats[layer_number]
+    plan_agreement: LastAgreed = field(default_factory=LastAgreed)  # zigzag: first use of a plan variant
+    layer_report: dict[int, dict] = field(default_factory=dict)  # layer number -> what serves its attention
+
+    def report_layer(self, layer: int, fallback_reason: str | None = None, *, cp_group: Any = None) -> dict:
+        """Record (and log at INFO, once per layer and state) what serves ``layer``'s CP attention:
+        FCP with the settled plan of this rank's CP group, or Megatron's own attention and why."""
+        if fallback_reason is not None:
+            entry = {"attention": "megatron", "reason": fallback_reason}
+        else:
+            plan = self._settled_plan_of(cp_group)
+            entry = {"attention": "fcp", "graph": self.config.graph,
+                     "plan": None if plan is None else plan.name,
+                     "cp_ranks": None if plan is None else list(plan.ranks),
+                     "rounds": None if plan is None else len(plan.rounds)}
+        if self.layer_report.get(layer) != entry:
+            self.layer_report[layer] = entry
+            if entry["attention"] == "fcp":
+                logger.info("megatron_fcp: layer %d: FCP attention, plan %r (asked graph %r) over CP ranks %s, "
+                            "%s rounds", layer, entry["plan"], entry["graph"], entry["cp_ranks"], entry["rounds"])
+            else:
+                logger.warning("megatron_fcp: layer %d: Megatron's own attention (--fcp-fallback megatron): %s",
+                               layer, fallback_reason)
+        return entry
+
+    def _settled_plan_of(self, cp_group: Any) -> Plan | None:
+        try:
+            ranks = tuple(dist.get_process_group_ranks(cp_group))
+        except Exception:  # noqa: BLE001 - no live group (hand-made layouts in tests): this rank's group
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            ranks = self.layout.cp_group_of(rank) if rank < self.layout.world else None
+        return next((p for (r, c, _), p in self.plans.items() if r == ranks and c), None)
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
     def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True) -> Placement:
@@ -294,6 +326,10 @@ def setup_fcp(
     Call on every rank after ``initialize_model_parallel`` and before building the model (the
     defaults read ``parallel_state``; ``layout``/``groups`` let tests and tools pass their own).
     Raises ``ValueError``/``PlanError`` naming the flag to change before any communication.
+    Then the ranks of this rank's live CP group agree on :func:`setup_fingerprint` (one bounded
+    collective; skipped without a live group): ranks configured differently raise
+    :class:`~megatron_fcp.agreement.FCPAgreementError` naming the first field that differs and
+    which ranks hold which value, instead of deadlocking in the first attention.
     """
     global _RUNTIME
     if layout is None:
@@ -315,8 +351,45 @@ def setup_fcp(
     if layout.cp > 1:
         for cp_ranks in layout.cp_groups():
             runtime.plans[(cp_ranks, True, parts)] = runtime._build(cp_ranks, True, parts)
+        _agree_at_setup(runtime, parts)
     _RUNTIME = runtime
     return runtime
+
+
+def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int) -> dict[str, Any]:
+    """What the ranks of CP group ``cp_ranks`` must hold identically after :func:`setup_fcp`, in
+    the order a disagreement is reported (causes before the plan they lead to)."""
+    config = runtime.config.to_dict()
+    config.pop("topology")  # a file path may differ per rank; the loaded topology is compared
+    plan = runtime.plans[(tuple(cp_ranks), True, parts)]
+    return {
+        "topology": runtime.topology,
+        "layout": (runtime.layout.world, runtime.layout.tp, runtime.layout.pp, runtime.layout.cp),
+        "graph": config.pop("graph"),
+        "block_tokens": config.pop("block_tokens"),
+        "seq_len": runtime.seq_len,
+        "shapes": tuple((k, v) for k, v in sorted(runtime.plan_args.items()) if k != "dtype_bytes"),
+        "dtype_bytes": runtime.plan_args.get("dtype_bytes"),
+        "config": tuple(sorted(config.items())),
+        "plan": (plan.name, plan.ranks, plan.causal, plan.parts_per_chunk, plan.rounds),
+    }
+
+
+def _agree_at_setup(runtime: FCPRuntime, parts: int) -> None:
+    """One bounded agreement across this rank's live CP group (see :mod:`megatron_fcp.agreement`).
+
+    Skipped when there is no live group to agree over: ``torch.distributed`` not initialised, or
+    ``groups`` (tests and tools settling a hand-made layout) holds no group of this rank. That
+    decision is the same on every rank of a group: each passes its own live group or none."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank = dist.get_rank()
+    for cp_ranks, group in runtime.groups.items():
+        if rank in cp_ranks and group is not None:
+            agree(setup_fingerprint(runtime, cp_ranks, parts), group, what="FCP setup",
+                  timeout_s=runtime.config.timeout_s)
+            logger.info("FCP setup agreed across CP group %s", list(cp_ranks))
+            return
 
 
 def _megatron_cp_group() -> Any:
