@@ -65,7 +65,9 @@ def _flip(t):
 
 
 def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
-    """Compare what the transport saw with plan.sends/recvs per round, forward and backward."""
+    """Compare what the transport saw with plan.sends/recvs per round, forward and backward.
+    ``kv_bytes``/``grad_bytes``: bytes of every message, or a function of its block (blocks of a
+    packed batch differ in size)."""
     problems = []
     expected_total = 0
     for r in range(len(plan.rounds)):
@@ -84,6 +86,7 @@ def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
         problems.append(f"rank {rank}: {len(transport.posted)} ops posted, plan lists {expected_total}")
     for p in transport.posted:
         want_bytes = kv_bytes if p.phase == "forward" else grad_bytes
+        want_bytes = want_bytes(p.transfer.block) if callable(want_bytes) else want_bytes
         if p.nbytes != want_bytes:
             problems.append(f"rank {rank}: {p} moves {p.nbytes} bytes, expected {want_bytes}")
     return problems

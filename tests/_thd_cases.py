@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from _attention_cases import count_problems  # the same check, per-block byte counts
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -100,34 +101,6 @@ def _plan_for(case: ThdCase, pl, ranks: tuple):
 
 def _shard(pl, x, idx: int, lse: bool = False):
     return pl.shard(x.transpose(0, 1), idx).transpose(0, 1) if lse else pl.shard(x, idx)
-
-
-def count_problems(transport, plan, rank: int, kv_bytes, grad_bytes) -> list[str]:
-    """What the transport saw against plan.sends/recvs per round (forward and flipped backward),
-    with per-block byte counts (blocks differ in size)."""
-    from megatron_fcp.planning import Transfer
-
-    flip = lambda t: Transfer(t.dst, t.src, t.block)  # noqa: E731
-    problems, expected_total = [], 0
-    for r in range(len(plan.rounds)):
-        want = {
-            ("forward", "send"): plan.sends(rank, r),
-            ("forward", "recv"): plan.recvs(rank, r),
-            ("backward", "send"): tuple(flip(t) for t in plan.recvs(rank, r)),
-            ("backward", "recv"): tuple(flip(t) for t in plan.sends(rank, r)),
-        }
-        for (phase, kind), expected in want.items():
-            got = transport.transfers(phase, r, kind)
-            expected_total += len(expected)
-            if got != expected:
-                problems.append(f"rank {rank} {phase} round {r} {kind}: got {got}, plan says {expected}")
-    if len(transport.posted) != expected_total:
-        problems.append(f"rank {rank}: {len(transport.posted)} ops posted, plan lists {expected_total}")
-    for p in transport.posted:
-        want_bytes = (kv_bytes if p.phase == "forward" else grad_bytes)(p.transfer.block)
-        if p.nbytes != want_bytes:
-            problems.append(f"rank {rank}: {p} moves {p.nbytes} bytes, expected {want_bytes}")
-    return problems
 
 
 def _run_case(case: ThdCase, group, ranks: tuple, rank: int) -> dict:

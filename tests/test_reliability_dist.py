@@ -130,6 +130,8 @@ def test_user_report_sequence_of_length_7_at_cp2_is_not_treated_as_6(results):
 def test_user_report_packing_with_cp_keeps_the_document_mask(results):
     """Packing refused with CP because the document mask was dropped: FCP's packed CP attention is
     per-document attention (error <= 1e-12) and far from attention across documents."""
-    for r in results:
-        d = r["document_mask"]
-        assert d["err_vs_documents"] <= 1e-12 and d["diff_vs_mask_dropped"] > 1e-2, d
+    per_rank = [r["document_mask"] for r in results]
+    assert all(d["err_vs_documents"] <= 1e-12 for d in per_rank), per_rank
+    # a rank holding only the first document's tokens sees no difference (nothing precedes them);
+    # over the group, dropping the mask would have changed the output
+    assert max(d["diff_vs_mask_dropped"] for d in per_rank) > 1e-2, per_rank
