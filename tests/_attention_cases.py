@@ -162,8 +162,6 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
 
 def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
     """Each bad call must raise ValueError naming the fix, before posting anything."""
-    from megatron_fcp.attention.function import fcp_attention_with_lse
-    from megatron_fcp.comm import CountingTransport, GlooTransport
     from megatron_fcp.planning import ring_plan
 
     def t(s=8, b=2, h=4, d=8, dtype=torch.float32, device="cpu"):
@@ -189,10 +187,19 @@ def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
         "kernel_fp64": (dict(q=t(dtype=torch.float64), k=t(dtype=torch.float64), v=t(dtype=torch.float64)),
                         dict(kernel="cpu-flash"), "float32 / bfloat16 only.*kernel='math'"),
     }
+    return probe_bad_inputs(cases, group, plan="ring", causal=True)
+
+
+def probe_bad_inputs(cases: dict, group, **defaults) -> dict:
+    """Run each bad case through fcp_attention_with_lse (``defaults`` overridden by the case's
+    kwargs) with a counting transport: name -> (error text or "no error", posts made, expected)."""
+    from megatron_fcp.attention.function import fcp_attention_with_lse
+    from megatron_fcp.comm import CountingTransport, GlooTransport
+
     out = {}
     for name, (tensors, kwargs, expect) in cases.items():
         transport = CountingTransport(GlooTransport(group, timeout_s=10))
-        kw = dict(cp_group=group, plan="ring", causal=True, transport=transport)
+        kw = dict(cp_group=group, transport=transport, **defaults)
         kw.update(kwargs)
         try:
             fcp_attention_with_lse(tensors["q"], tensors["k"], tensors["v"], **kw)

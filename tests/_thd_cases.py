@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from _attention_cases import count_problems  # the same check, per-block byte counts
+from _attention_cases import count_problems, probe_bad_inputs  # the same checks, per-block bytes
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -213,8 +213,6 @@ class _NoDocumentKernel:
 
 def _bad_inputs(group, ranks: tuple, rank: int) -> dict:
     """Each bad THD call must raise ValueError naming the fix, before posting anything."""
-    from megatron_fcp.attention.function import fcp_attention_with_lse
-    from megatron_fcp.comm import CountingTransport, GlooTransport
     from megatron_fcp.planning import full_plan, place_packed, ring_plan
 
     cp, idx = len(ranks), ranks.index(rank)
@@ -245,17 +243,7 @@ def _bad_inputs(group, ranks: tuple, rank: int) -> dict:
                                             dict(placement=None, plan=full_plan(ranks, True, placement=pl)),
                                             "over a placement.*placement=plan.placement"),
     }
-    out = {}
-    for name, (tensors, kwargs, expect) in cases.items():
-        transport = CountingTransport(GlooTransport(group, timeout_s=10))
-        kw = dict(cp_group=group, placement=pl, plan=None, causal=True, transport=transport)
-        kw.update(kwargs)
-        try:
-            fcp_attention_with_lse(tensors["q"], tensors["k"], tensors["v"], **kw)
-            out[name] = ("no error", transport.posts, expect)
-        except ValueError as e:
-            out[name] = (str(e), transport.posts, expect)
-    return out
+    return probe_bad_inputs(cases, group, placement=pl, plan=None, causal=True)
 
 
 def worker(rank: int, world: int, cases: list) -> dict:

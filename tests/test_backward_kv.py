@@ -159,3 +159,24 @@ def test_default_mode_holds_no_more_than_the_ring_at_cp8(results8):
             assert r[(name, "auto")] == 0, name
     # keep's figure: causal zigzag CP rank 0 holds 2*(cp-1) = 14 chunks = 7 times its own KV
     assert results8[0][("full", "keep")] == 7 * results8[0]["local_kv"]
+
+
+def test_auto_decides_once_per_plan_and_shape():
+    """Every layer calls with the same settled plan: the decision is computed once per plan object
+    and cache key, recomputed for another key or another plan object."""
+    from megatron_fcp.attention.kv_memory import choose_backward_kv
+    from megatron_fcp.planning import ring_plan
+
+    plan = ring_plan((0, 1), causal=True)
+    calls = []
+
+    def size(b):
+        calls.append(b)
+        return 100
+
+    assert choose_backward_kv("auto", plan, size, cache_key="s64") == "keep"
+    n = len(calls)
+    assert choose_backward_kv("auto", plan, lambda b: 1 / 0, cache_key="s64") == "keep"  # cached: not called
+    assert choose_backward_kv("auto", plan, size, budget=150, cache_key="s64") == "resend"  # budget is in the key
+    assert len(calls) > n
+    assert choose_backward_kv("auto", ring_plan((0, 1), causal=True), size, cache_key="s64") == "keep"

@@ -553,7 +553,7 @@ def fcp_attention_with_lse(
         layout = PlacementLayout(placement, plan_obj.ranks, rank)
     per_token = 2 * math.prod(k.shape[1:]) * k.element_size()  # K and V of one token
     mode = choose_backward_kv(backward_kv, plan_obj, lambda blk: layout.block_tokens(blk) * per_token,
-                              kv_memory_budget)
+                              kv_memory_budget, cache_key=(tuple(q.shape), per_token, id(placement)))
     executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
     executor.backward_kv = mode
     if placement is None:
