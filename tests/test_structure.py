@@ -98,7 +98,7 @@ PLANNING_LAYERS = [
     ("needs", "placement"),     # the causal need rule; packed batches and their need sets
     ("verify", "graph"),        # proofs of a plan; graphs over a CP group
     ("plan",),                  # the plan contract
-    ("cost",),                  # cost model of a plan
+    ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
     ("builders", "compile"),    # graph strategies; graph -> plan
     ("build",),                 # the planner entry point (auto uses the cost model)
     ("baselines",),             # TE's schedules on the same cost model
