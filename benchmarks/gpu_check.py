@@ -42,7 +42,7 @@ import torch
 from megatron_fcp.attention.dispatch import BLOCK_KERNELS, resolve_kernel
 from megatron_fcp.attention.fused import FusedPiecesKernel
 from megatron_fcp.attention.kernels import compute_dtype_for, reference_attention
-from megatron_fcp.attention.layout import block_positions, zigzag_positions, zigzag_split, zigzag_unsplit
+from megatron_fcp.attention.layout import ZigzagLayout, zigzag_split, zigzag_unsplit
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.planning import blocks_of
 from megatron_fcp.planning.needs import needs_chunk
@@ -73,28 +73,33 @@ def zigzag_blockwise(q, k, v, dout, cp: int, kernel, causal: bool, scale: float,
            for sh in shard]
     for i in ranks:
         q_i = shard[i]["q"]
-        q_pos = zigzag_positions(s_local, cp, i)
+        lay = ZigzagLayout(ranks, i, s_local, 1, causal)                   # the executor's row ranges
         blocks = [(j, blk) for j in ranks for blk in blocks_of(j)
                   if j == i or needs_chunk(i, j, blk.chunk, causal)]
-        acc = LseAccumulator()
-        prep = kernel.prepare_forward(q_i, k.shape[2], scale)
+        acc = LseAccumulator.empty(*q_i.shape, compute_dtype_for(q.dtype), q.device)
+        preps: dict = {}
         for j, blk in blocks:
             sl = slice(blk.chunk * s_local // 2, (blk.chunk + 1) * s_local // 2)
-            acc.add(*kernel.forward(q_i, shard[j]["k"][sl], shard[j]["v"][sl], q_pos,
-                                    block_positions(blk, ranks, s_local), causal, scale, **prep))
+            rows = lay.q_rows(blk) or slice(0, s_local)
+            if (rows.start, "f") not in preps:
+                preps[rows.start, "f"] = kernel.prepare_forward(q_i[rows], k.shape[2], scale)
+            acc.add(*kernel.forward(q_i[rows], shard[j]["k"][sl], shard[j]["v"][sl], lay.q_pos[rows], lay.k_pos(blk),
+                                    causal, scale, **preps[rows.start, "f"]), rows=rows)
         out, lse = acc.result()
         res["out"].append(out)
         res["lse"].append(lse)
         if not backward:
             continue
         do = shard[i]["do"].to(out.dtype)
-        bprep = kernel.prepare_backward(q_i, do, out, k.shape[2])
         dq = torch.zeros(out.shape, dtype=out.dtype, device=q.device)
         for j, blk in blocks:
             sl = slice(blk.chunk * s_local // 2, (blk.chunk + 1) * s_local // 2)
-            g = kernel.backward(do, q_i, shard[j]["k"][sl], shard[j]["v"][sl], out, lse, q_pos,
-                                block_positions(blk, ranks, s_local), causal, scale, **bprep)
-            dq.add_(g[0])
+            rows = lay.q_rows(blk) or slice(0, s_local)
+            if (rows.start, "b") not in preps:
+                preps[rows.start, "b"] = kernel.prepare_backward(q_i[rows], do[rows], out[rows], k.shape[2])
+            g = kernel.backward(do[rows], q_i[rows], shard[j]["k"][sl], shard[j]["v"][sl], out[rows], lse[:, :, rows],
+                                lay.q_pos[rows], lay.k_pos(blk), causal, scale, **preps[rows.start, "b"])
+            dq[rows].add_(g[0])
             dkv[j][0][sl].add_(g[1])
             dkv[j][1][sl].add_(g[2])
         res["dq"].append(dq)

@@ -346,10 +346,7 @@ class _Executor:
         compute_s = 0.0
         lay, hk = self.layout, k.shape[2]
         preps: dict = {}                                                         # per-row-range layouts
-        if lay.q_doc is None:
-            acc = LseAccumulator()
-        else:                                                                    # blocks merge into row ranges
-            acc = LseAccumulator.empty(*q.shape, compute_dtype_for(q.dtype), q.device)
+        acc = LseAccumulator.empty(*q.shape, compute_dtype_for(q.dtype), q.device)  # blocks merge into row ranges
         kept: dict[Block, torch.Tensor] = {}
 
         def prepare(rows):
@@ -549,7 +546,7 @@ def fcp_attention_with_lse(
     if transport is None:
         transport = default_transport(cp_group, timeout_s)
     if placement is None:
-        layout: ShardLayout = ZigzagLayout(plan_obj.ranks, rank, q.shape[0], plan_obj.parts_per_chunk)
+        layout: ShardLayout = ZigzagLayout(plan_obj.ranks, rank, q.shape[0], plan_obj.parts_per_chunk, causal)
     else:
         layout = PlacementLayout(placement, plan_obj.ranks, rank)
     per_token = 2 * math.prod(k.shape[1:]) * k.element_size()  # K and V of one token

@@ -67,6 +67,18 @@ def _cat_ranges(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([x[a:z] for a, z in ranges])
 
 
+def _gaps(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, n)`` no range covers (ranges are disjoint)."""
+    out, pos = [], 0
+    for a, z in sorted(ranges):
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, z)
+    if pos < n:
+        out.append((pos, n))
+    return out
+
+
 def _cu(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
@@ -121,9 +133,13 @@ class FusedPiecesKernel(BlockKernel):
         od = ops.op_dtype(q.dtype)
         qc = q.to(od) if q_c is None else q_c                                    # [n, b, h, d]
         kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
-        out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
-        lse = torch.full((b, h, n), -math.inf, dtype=cd, device=q.device)
-        groups = self._groups(flash_pieces(q_pos, k_pos, causal, q_doc, k_doc), ops, b)
+        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        out = torch.empty(n, b, h, d, dtype=cd, device=q.device)                 # every row written once:
+        lse = torch.empty((b, h, n), dtype=cd, device=q.device)                  # by a piece, or as empty
+        for a, z in _gaps([(p[0], p[1]) for p in pieces], n):                     # rows that see no key
+            out[a:z] = 0.0
+            lse[:, :, a:z] = -math.inf
+        groups = self._groups(pieces, ops, b)
         for kind, pieces in groups:
             if kind == MATH:
                 for a, z, _, _, _ in pieces:

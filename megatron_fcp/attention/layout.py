@@ -172,11 +172,21 @@ class ShardLayout:
 class ZigzagLayout(ShardLayout):
     """Megatron's zigzag shard of one sequence: blocks are chunks cut into ``parts_per_chunk``."""
 
-    def __init__(self, ranks: Sequence[int], rank: int, s_local: int, parts_per_chunk: int = 1) -> None:
-        self.ranks, self.s_local, self.ppc = tuple(ranks), s_local, parts_per_chunk
+    def __init__(self, ranks: Sequence[int], rank: int, s_local: int, parts_per_chunk: int = 1,
+                 causal: bool = False) -> None:
+        self.ranks, self.s_local, self.ppc, self.causal = tuple(ranks), s_local, parts_per_chunk, causal
         self.local_blocks = blocks_of(rank, parts_per_chunk)
         self.q_pos = zigzag_positions(s_local, len(self.ranks), self.ranks.index(rank))  # [s_local]
         self._kpos: dict[Block, torch.Tensor] = {}
+
+    def q_rows(self, block: Block) -> slice | None:
+        """Causal: the rows at or after the block's first key. A zigzag shard's positions increase
+        (chunk 0 before chunk 1), so the rows that see a block are a suffix; the kernel and the
+        merge then touch only those rows (the other half of the shard, for most blocks)."""
+        if not self.causal:
+            return None
+        r0 = int(torch.searchsorted(self.q_pos, int(self.k_pos(block)[0])))
+        return None if r0 == 0 else slice(r0, self.s_local)
 
     def local_slice(self, block: Block) -> slice:
         return block_local_slice(block, self.s_local, self.ppc)
