@@ -529,7 +529,8 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
 def revert_fcp() -> list[str]:
     """Undo :func:`apply_fcp` exactly and forget the settled plans; returns the restored targets."""
     _STATE["config"] = None
-    _STATE.pop("cp_comm_logged", None)
+    for logged in ("cp_comm_logged", "fallback_logged"):  # a later apply_fcp logs afresh
+        _STATE.pop(logged, None)
     reset_fcp()
     return REGISTRY.revert(GROUP)
 

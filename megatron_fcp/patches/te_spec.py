@@ -217,10 +217,12 @@ def check_cp_comm_type(config: Any, cp_comm_type: Any, *, layer_number: int, log
     ``cp_comm_type`` is what Megatron handed this layer; ``logged`` remembers the values already
     logged (one INFO line per value and process).
     """
-    distinct = _distinct(getattr(config, "cp_comm_type", None))
-    if len(distinct) > 1:
-        raise _mixed_list_error(f"FCPCoreAttention [layer {layer_number}]", config.cp_comm_type)
-    value = cp_comm_type if cp_comm_type is not None else distinct[0]
+    for values in (getattr(config, "cp_comm_type", None), cp_comm_type):
+        distinct = _distinct(values)
+        if len(distinct) > 1:
+            raise _mixed_list_error(f"FCPCoreAttention [layer {layer_number}]", values)
+    value = cp_comm_type if cp_comm_type is not None else _distinct(getattr(config, "cp_comm_type", None))[0]
+    value = _distinct(value)[0]  # a uniform list is its one value
     if value not in _QUIET_CP_COMM and value not in logged:
         logged.add(value)
         logger.info("megatron_fcp: cp_comm_type=%r is replaced by FCP's plan on every layer FCP serves "
