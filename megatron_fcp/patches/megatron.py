@@ -63,6 +63,8 @@ from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_vers
 from megatron_fcp.patches.compat import refuse_hybrid_cp
 from megatron_fcp.patches.packed import ROPE_TARGET, make_rope, packed_attention
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime, reset_fcp, setup_fcp
+from megatron_fcp.patches.te_spec import TE_ATTENTION, check_cp_comm_type, check_te_signature, layer_refusal
+from megatron_fcp.patches.te_spec import mask_is_causal, refuse_cp_comm_type_args
 
 __all__ = [
     "FCPCoreAttention",
@@ -80,7 +82,6 @@ logger = logging.getLogger("megatron_fcp.patches")
 GROUP = "megatron"
 #: Where the originals are defined (required: their absence is a version error).
 LOCAL_ATTENTION = "megatron.core.transformer.dot_product_attention:DotProductAttention"
-TE_ATTENTION = "megatron.core.extensions.transformer_engine:TEDotProductAttention"
 
 #: Spec-time bindings of each original: (module, attribute, required).
 _SPEC_BINDINGS: dict[str, tuple[tuple[str, str, bool], ...]] = {
@@ -140,8 +141,12 @@ class FCPCoreAttention(torch.nn.Module):
 
     Unsupported (raise ``NotImplementedError`` naming the option, or with ``--fcp-fallback
     megatron`` run Megatron's own attention class for that layer and log it once per reason; see
-    Note [No silent fallbacks]): attention bias, padding/arbitrary masks, packed formats other than
-    THD, sliding windows, non-vanilla softmax, attention dropout > 0 in training. Always refused:
+    Note [No silent fallbacks]): attention bias, padding/arbitrary masks outside THD, packed formats
+    other than THD, attention dropout > 0 in training, and what
+    :func:`~megatron_fcp.patches.te_spec.layer_refusal` lists (sliding windows, non-vanilla softmax,
+    FP8 attention, QK-clip, batch-invariant mode, cross attention, K/V head sizes that differ).
+    A per-layer ``cp_comm_type`` list with different values raises
+    :class:`~megatron_fcp.patches.te_spec.CPCommTypeError`. Always refused:
     padded THD variants and Megatron's hybrid/dynamic CP (``config.hybrid_context_parallel``, or
     ``packed_seq_params`` with a per-micro-batch ``cp_group``), refused at construction, before
     any plan is settled or any communication happens
@@ -192,20 +197,23 @@ class FCPCoreAttention(torch.nn.Module):
         self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
-        self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP does not track it
-        self._check_config(config)
+        self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP refuses qk-clip
+        self._check_config(config, cp_comm_type, attention_type, k_channels, v_channels)
         if self.cp_size > 1:
             runtime = _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
             runtime.report_layer(self.layer_number, self._fallback_reason, cp_group=self.cp_group)
 
-    def _check_config(self, config: Any) -> None:
+    def _check_config(self, config: Any, cp_comm_type: Any, attention_type: str, k_channels: int | None,
+                      v_channels: int | None) -> None:
+        """Refusals decided from the config alone, before any plan or message (te_spec's Note)."""
         refuse_hybrid_cp("FCPCoreAttention", config=config, check_process_groups=True)
-        if getattr(config, "window_size", None) is not None:
-            self._fallback_reason = self._unsupported(
-                "FCPCoreAttention: sliding-window attention (window_size) is not supported")
-        elif getattr(config, "softmax_type", "vanilla") != "vanilla":
-            self._fallback_reason = self._unsupported(
-                f"FCPCoreAttention: softmax_type={config.softmax_type!r} is not supported (vanilla only)")
+        if self.cp_size > 1:
+            check_cp_comm_type(config, cp_comm_type, layer_number=self.layer_number,
+                               logged=_STATE.setdefault("cp_comm_logged", set()))
+        reason = layer_refusal(config, layer_number=self.layer_number, attention_type=attention_type,
+                               k_channels=k_channels, v_channels=v_channels)
+        if reason is not None:
+            self._fallback_reason = self._unsupported(reason)
 
     def _unsupported(self, reason: str) -> str:
         """Raise ``NotImplementedError(reason)`` unless ``--fcp-fallback megatron`` allows running
@@ -243,18 +251,9 @@ class FCPCoreAttention(torch.nn.Module):
             runtime.report_layer(self.layer_number, reason, cp_group=self.cp_group)
         return module(*args, **kwargs)
 
-    def _causal(self, attn_mask_type: Any) -> bool:
-        from megatron.core.transformer.enums import AttnMaskType  # noqa: PLC0415
-
+    def _causal(self, attn_mask_type: Any, packed_seq_params: Any = None) -> bool:
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type in (AttnMaskType.causal, getattr(AttnMaskType, "causal_bottom_right", None)):
-            return True  # bottom-right == top-left causal for self-attention (sq == sk)
-        if mask_type == AttnMaskType.no_mask:
-            return False
-        raise NotImplementedError(
-            f"FCPCoreAttention supports causal and no_mask attention, not {mask_type}; "
-            "padding masks come with the packed-sequence (THD) support"
-        )
+        return mask_is_causal(mask_type, packed=packed_seq_params is not None)
 
     def forward(
         self,
@@ -265,15 +264,18 @@ class FCPCoreAttention(torch.nn.Module):
         attn_mask_type: Any = None,
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
+        num_splits: int | None = None,
     ) -> torch.Tensor:
+        """``num_splits`` (TE's, megatron-core 0.16+) is ignored: FCP's blocks fix its arithmetic."""
         if packed_seq_params is not None:
             refuse_hybrid_cp("FCPCoreAttention.forward", packed_seq_params=packed_seq_params)
         reason = self._fallback_reason or self._forward_reason(attn_mask_type, attention_bias, packed_seq_params)
         if reason is not None:
+            extra = {} if num_splits is None else {"num_splits": num_splits}  # 0.14/0.15 TE lacks it
             return self._megatron_forward(reason, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params, **extra)
         del attention_mask  # causal/no_mask only: the mask type says everything
-        causal = self._causal(attn_mask_type)
+        causal = self._causal(attn_mask_type, packed_seq_params)
         try:
             return self._fcp_forward(query, key, value, causal, packed_seq_params)
         except FCPNumericsError as exc:  # --fcp-check-numerics: say which layer
@@ -292,7 +294,7 @@ class FCPCoreAttention(torch.nn.Module):
                       "set --attention-dropout 0")
         else:
             try:
-                self._causal(attn_mask_type)
+                self._causal(attn_mask_type, packed_seq_params)
             except NotImplementedError as exc:
                 reason = str(exc)
         return None if reason is None else self._unsupported(reason)
@@ -460,6 +462,8 @@ def _install_patches() -> None:
     for target, original in _original_classes().items():
         if original is None:
             continue
+        if target == TE_ATTENTION:
+            check_te_signature(original)  # a release with parameters FCP does not know is refused here
         patched_any = False
         for module, attr, required in _SPEC_BINDINGS[target]:
             spec_target = f"{module}:{attr}"
@@ -511,6 +515,7 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
         raise FCPStateError(f"apply_fcp() already applied with {previous}; call revert_fcp() first")
     check_megatron_version()
     refuse_hybrid_cp("apply_fcp()", check_process_groups=True, check_training_args=True)
+    refuse_cp_comm_type_args()  # Megatron-LM's --cp-comm-type, where parsed
     try:
         _install_patches()
     except BaseException:
@@ -524,6 +529,8 @@ def apply_fcp(config: FCPConfig | None = None) -> list[str]:
 def revert_fcp() -> list[str]:
     """Undo :func:`apply_fcp` exactly and forget the settled plans; returns the restored targets."""
     _STATE["config"] = None
+    for logged in ("cp_comm_logged", "fallback_logged"):  # a later apply_fcp logs afresh
+        _STATE.pop(logged, None)
     reset_fcp()
     return REGISTRY.revert(GROUP)
 

@@ -56,7 +56,7 @@ MATRIX: tuple[tuple[str, str], ...] = (
 
 #: Test groups: name -> test files. Everything here imports or runs megatron-core.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "patches": ("tests/test_patches.py",),
+    "patches": ("tests/test_patches.py", "tests/test_te_spec.py"),
     "compat": ("tests/test_compat.py",),
     "config": ("tests/test_config.py",),
     "training": ("tests/test_megatron_training.py",),  # skipped where the wheel has no megatron.training
