@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="process-group backend (auto: nccl with CUDA, else gloo); gloo with --device cuda runs "
+                        "several ranks on one GPU (KV staged through host memory: a check, not a fast path)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs (auto: CUDA with the nccl backend, else CPU)")
     g = p.add_argument_group("packed documents")
     g.add_argument("--packed", action="store_true",
                    help="train on packed batches (THD): each sequence is several documents of lognormal "
@@ -309,7 +314,8 @@ def train(
     rank, world = dist.get_rank(), dist.get_world_size()
     say = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
     layout = validate_run(args, fcp, world)
-    use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()
+                                         and dist.get_backend() == "nccl")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if not use_cuda:
@@ -476,9 +482,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_run(args, fcp, world)  # clear errors before any process group exists
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = args.dist_backend if args.dist_backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl" or args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         if "MASTER_ADDR" not in os.environ:  # plain `python pretrain_gpt_fcp.py`: one process
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE="1")
         dist.init_process_group(backend)

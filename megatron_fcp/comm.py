@@ -26,6 +26,7 @@ Implementations:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,6 +51,8 @@ __all__ = [
     "default_transport",
 ]
 
+log = logging.getLogger(__name__)
+
 Pairs = Sequence[tuple[Transfer, torch.Tensor]]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -67,6 +70,7 @@ class Handle:
     round_index: int
     works: list[tuple[str, Transfer, Any]] = field(default_factory=list)  # (kind, transfer, work)
     keep_alive: list[torch.Tensor] = field(default_factory=list)         # buffers in flight
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (host, device) receives
 
 
 class Transport:
@@ -97,10 +101,13 @@ class GlooTransport(Transport):
     def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
         h = Handle(phase, round_index)
         for t, buf in round_recvs:  # receives first: see the module docstring
-            h.works.append(("recv", t, dist.irecv(buf, src=t.src, group=self.group)))
-            h.keep_alive.append(buf)
+            host = _host(buf, stage=True)
+            if host is not buf:                                  # staged: copied to buf in wait()
+                h.staged.append((host, buf))
+            h.works.append(("recv", t, dist.irecv(host, src=t.src, group=self.group)))
+            h.keep_alive.append(host)
         for t, tensor in round_sends:
-            tensor = tensor.contiguous()
+            tensor = _host(tensor.contiguous(), stage=True, copy=True)
             h.works.append(("send", t, dist.isend(tensor, dst=t.dst, group=self.group)))
             h.keep_alive.append(tensor)
         return h
@@ -119,7 +126,25 @@ class GlooTransport(Transport):
                 ) from e
             if ok is False:
                 raise CommTimeout(f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} failed")
+        for host, buf in handle.staged:
+            buf.copy_(host)
+        handle.staged.clear()
         handle.keep_alive.clear()
+
+
+_STAGING_LOGGED = False
+
+
+def _host(x: torch.Tensor, stage: bool, copy: bool = False) -> torch.Tensor:
+    """gloo moves host memory only: a CUDA tensor goes through a host copy (numerics unchanged;
+    logged once). Several CP ranks sharing one GPU over gloo is a test setup, not a fast path."""
+    global _STAGING_LOGGED
+    if not (stage and x.is_cuda):
+        return x
+    if not _STAGING_LOGGED:
+        _STAGING_LOGGED = True
+        log.info("gloo transport: CUDA KV blocks are staged through host memory (use NCCL for speed)")
+    return x.to("cpu") if copy else torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
 class NcclTransport(Transport):

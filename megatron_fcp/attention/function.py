@@ -383,6 +383,7 @@ class _Executor:
             self.stats.forward_bytes_sent += bytes_sent
             self.stats.saved_kv_bytes += sum(x.numel() * x.element_size() for x in kept.values())
             self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak)
+            self.stats.ring_kv_bytes = max(self.stats.ring_kv_bytes, 2 * k.numel() * k.element_size())
             self.stats.backward_kv = self.backward_kv
         return out, lse, kept
 
