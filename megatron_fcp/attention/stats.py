@@ -30,6 +30,7 @@ class FCPStats:
     saved_kv_bytes: int = 0          # received KV held from forward to backward
     peak_kv_bytes: int = 0           # received KV alive at once within the call (forward or backward)
     resend_bytes_sent: int = 0       # KV this rank re-sent in backward (resend mode)
+    head_parallel_bytes_sent: int = 0  # head-parallel all-to-alls, forward and backward (attention.head_parallel)
 
     def as_dict(self) -> dict:
         return asdict(self)
