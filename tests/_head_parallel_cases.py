@@ -155,8 +155,8 @@ def worker(rank: int, world: int, cases: list) -> dict:
     torch.manual_seed(1234 + rank)
     ranks = tuple(range(world))
     # degree 2 needs its own groups ({0,1}, {2,3} and KV stages {0,2}, {1,3}); 1 and 4 use the CP group
-    hp_groups = create_head_parallel_groups([make_hp_plan(ranks, 2, 8 * world, True, "full", 4, 4)])
-    hp_groups = {2: hp_groups[ranks]}
+    mine = create_head_parallel_groups([make_hp_plan(ranks, 2, 8 * world, True, "full", 4, 4)])
+    hp_groups = {2: mine[0]}
     # bad inputs first: a call that communicated before refusing would derail every case after it
     results = {"bad_inputs": _bad_inputs(dist.group.WORLD, ranks, hp_groups)}
     results.update({c.name: _run_case(c, dist.group.WORLD, ranks, rank, hp_groups) for c in cases})

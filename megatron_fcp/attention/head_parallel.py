@@ -94,35 +94,41 @@ class HeadParallelGroups:
         return None
 
 
-def create_head_parallel_groups(plans: Sequence[HeadParallelPlan], *, backend: str | None = None,
-                                timeout_s: float | None = None) -> dict[tuple[int, ...], HeadParallelGroups]:
-    """Create the head-group and KV-stage process groups of ``plans`` (every CP group of the job,
-    in the same order on every rank: ``dist.new_group`` is a collective of the whole world) and
-    return, per plan's CP ranks, this rank's :class:`HeadParallelGroups` (only for the plans this
-    rank is in). Degrees ``1`` and ``cp`` create nothing here: pass the CP group
-    (:meth:`HeadParallelGroups.of_cp_group`)."""
+def create_head_parallel_groups(partitions: Sequence[HeadParallelPlan | Sequence[Sequence[int]]], *,
+                                backend: str | None = None,
+                                timeout_s: float | None = None) -> list[HeadParallelGroups | None]:
+    """Create the head-group and KV-stage process groups of every CP group of the job, in the same
+    order on every rank (``dist.new_group`` is a collective of the whole world).
+
+    partitions: per CP group its head groups (``HeadParallelPlan.head_groups``, or the plan itself).
+    Returns, aligned with ``partitions``, this rank's :class:`HeadParallelGroups` (None for a CP
+    group this rank is not in, and for degree 1 or one head group, which create nothing: the CP
+    group serves, :meth:`HeadParallelGroups.of_cp_group`). KV stage ``j`` is member ``j`` of every
+    head group, in head-group order."""
     kwargs: dict[str, Any] = {}
     if backend is not None:
         kwargs["backend"] = backend
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     rank = dist.get_rank()
-    mine: dict[tuple[int, ...], HeadParallelGroups] = {}
-    for plan in plans:
-        if plan.degree == 1 or plan.num_groups == 1:
+    mine: list[HeadParallelGroups | None] = []
+    for part in partitions:
+        head_groups = tuple(tuple(g) for g in (part.head_groups if isinstance(part, HeadParallelPlan) else part))
+        degree = len(head_groups[0])
+        if degree == 1 or len(head_groups) == 1:
+            mine.append(None)
             continue
         head = kv = None
-        for group in plan.head_groups:
+        for group in head_groups:
             pg = dist.new_group(list(group), **kwargs)
             if rank in group:
                 head = pg
-        for j in range(plan.degree):
-            stage = plan.kv_stage_ranks(j)
-            pg = dist.new_group(list(stage), **kwargs)
+        for j in range(degree):
+            stage = [group[j] for group in head_groups]
+            pg = dist.new_group(stage, **kwargs)
             if rank in stage:
                 kv = pg
-        if rank in plan.ranks:
-            mine[plan.ranks] = HeadParallelGroups(head, kv)
+        mine.append(None if head is None else HeadParallelGroups(head, kv))
     return mine
 
 
