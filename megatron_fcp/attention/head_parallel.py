@@ -29,9 +29,10 @@ collectives in the same order (forward: qkv, [stage], out, lse; backward: dout, 
 
 Bytes per rank and direction (E = element size): the Q/K/V a2a sends ``(a-1)/a * s*b*(h + 2H)*d*E``,
 the O a2a ``(a-1)/a * s*b*h*d*E`` (LSE: ``(a-1)/a * s*b*h`` FP32 values when returned); the KV
-stage moves the blocks of the KV plan, each ``[2, 2*s/2... , b, H/a, d]`` i.e. 1/a of the heads of
-``a`` times the tokens. Replication (rep > 1) adds ``(rep - 1)`` times the K/V part of the a2a and
-of the KV stage. With ``a = 1`` there is no a2a and the stage is plain FCP over zigzag chunks.
+stage moves the blocks of the KV plan, one per member's zigzag chunk, ``[2, s/2, b*H/a, d]``: 1/a
+of the heads of ``a`` times the tokens. Replication (rep > 1) multiplies the K/V part of the a2a
+and the KV stage by ``rep``. With ``a = 1`` there is no a2a and the stage is plain FCP over the
+zigzag chunks (as a placement).
 
 Process groups: the head groups and KV-stage groups are created once, on every rank of the world,
 in the same order (``dist.new_group`` is collective): :func:`create_head_parallel_groups`. The
