@@ -29,20 +29,26 @@ class Case:
     dtype: str            # key of DTYPES
     kernel: str = "math"
     tokens: int = 4       # tokens per zigzag chunk
+    swapped: bool = False  # head groups ((1, 0), (3, 2)): member order differs from the groups' rank order
 
     @property
     def name(self) -> str:
         return (f"a{self.degree}-{self.kv}-{'causal' if self.causal else 'full'}-h{self.heads[0]}kv{self.heads[1]}"
-                f"-{self.dtype}" + (f"-{self.kernel}" if self.kernel != "math" else ""))
+                f"-{self.dtype}" + (f"-{self.kernel}" if self.kernel != "math" else "")
+                + ("-swapped" if self.swapped else ""))
 
 
-def make_hp_plan(ranks: tuple, degree: int, seq_len: int, causal: bool, kv: str, heads: int, kv_heads: int):
-    """The HeadParallelPlan of a case: consecutive head groups, the named KV-stage plan."""
+def make_hp_plan(ranks: tuple, degree: int, seq_len: int, causal: bool, kv: str, heads: int, kv_heads: int,
+                 swapped: bool = False):
+    """The HeadParallelPlan of a case: consecutive head groups (each reversed if ``swapped``), the
+    named KV-stage plan."""
     from megatron_fcp.planning import build_plan, full_plan
     from megatron_fcp.planning.head_parallel import (HeadParallelPlan, check_head_parallel,
                                                      consecutive_head_groups, group_placement)
 
     groups = consecutive_head_groups(ranks, degree)
+    if swapped:
+        groups = tuple(tuple(reversed(g)) for g in groups)
     rep = check_head_parallel(heads, kv_heads, degree, len(ranks))
     kv_plan = None
     if len(groups) > 1:
@@ -86,13 +92,14 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
         dt = DTYPES[case.dtype]
         res["atol"] = {n: 2 * ((local[n].to(dt) + 0.3 - 0.3) - local[n].to(dt)).abs().max().item()
                        for n in QUANTITIES}
-    hp = make_hp_plan(ranks, case.degree, q.shape[0], case.causal, case.kv, *case.heads)
-    transport = CountingTransport(GlooTransport(dist.group.WORLD if case.degree == 1 else hp_groups[case.degree].kv_group,
+    hp = make_hp_plan(ranks, case.degree, q.shape[0], case.causal, case.kv, *case.heads, swapped=case.swapped)
+    key = "swapped" if case.swapped else case.degree
+    transport = CountingTransport(GlooTransport(dist.group.WORLD if case.degree == 1 else hp_groups[key].kv_group,
                                                 timeout_s=60)) if hp.kv_plan is not None else None
     stats = FCPStats()
     ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
     out, lse = fcp_head_parallel_attention_with_lse(
-        ql, kl, vl, cp_group=group, hp_plan=hp, groups=hp_groups.get(case.degree), causal=case.causal,
+        ql, kl, vl, cp_group=group, hp_plan=hp, groups=hp_groups.get(key), causal=case.causal,
         kernel=case.kernel, transport=transport, stats=stats)
     out.backward(zigzag_split(do, cp, idx))
     got = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
@@ -106,7 +113,7 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
         res["stage_posts"] = (len(transport.posted), 2 * want)
     if case.dtype == "fp64":
         again = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
-                                            hp_plan=hp, groups=hp_groups.get(case.degree), causal=case.causal)
+                                            hp_plan=hp, groups=hp_groups.get(key), causal=case.causal)
         res["out_only_equal"] = bool(torch.equal(again, got["out"]))
     return res
 
@@ -155,8 +162,9 @@ def worker(rank: int, world: int, cases: list) -> dict:
     torch.manual_seed(1234 + rank)
     ranks = tuple(range(world))
     # degree 2 needs its own groups ({0,1}, {2,3} and KV stages {0,2}, {1,3}); 1 and 4 use the CP group
-    mine = create_head_parallel_groups([make_hp_plan(ranks, 2, 8 * world, True, "full", 4, 4)])
-    hp_groups = {2: mine[0]}
+    mine = create_head_parallel_groups([make_hp_plan(ranks, 2, 8 * world, True, "full", 4, 4),
+                                        make_hp_plan(ranks, 2, 8 * world, True, "full", 4, 4, swapped=True)])
+    hp_groups = {2: mine[0], "swapped": mine[1]}
     # bad inputs first: a call that communicated before refusing would derail every case after it
     results = {"bad_inputs": _bad_inputs(dist.group.WORLD, ranks, hp_groups)}
     results.update({c.name: _run_case(c, dist.group.WORLD, ranks, rank, hp_groups) for c in cases})
