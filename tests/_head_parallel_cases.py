@@ -156,6 +156,25 @@ def _bad_inputs(group, ranks: tuple, hp_groups: dict) -> dict:
     return out
 
 
+def _timeout_probe(rank: int, hp_groups: dict) -> str | None:
+    """Rank 0 starts a head-group all-to-all that rank 1 never joins: the bounded wait must raise
+    CommTimeout naming the head group. Runs last: a timed-out gloo collective breaks the group."""
+    import time
+
+    from megatron_fcp.attention.head_parallel import _HeadComm
+    from megatron_fcp.comm import CommTimeout
+
+    if rank == 0:
+        try:
+            _HeadComm(hp_groups[2].head_group, (0, 1), 0.5, None).exchange(torch.zeros(2, 3), "probe")
+            return "no timeout"
+        except CommTimeout as e:
+            return str(e)
+    if rank == 1:
+        time.sleep(2.0)
+    return None
+
+
 def worker(rank: int, world: int, cases: list) -> dict:
     from megatron_fcp.attention.head_parallel import create_head_parallel_groups
 
@@ -170,4 +189,5 @@ def worker(rank: int, world: int, cases: list) -> dict:
     results.update({c.name: _run_case(c, dist.group.WORLD, ranks, rank, hp_groups) for c in cases})
     results["groups"] = {"head": dist.get_process_group_ranks(hp_groups[2].head_group),
                          "kv": dist.get_process_group_ranks(hp_groups[2].kv_group)}
+    results["timeout"] = _timeout_probe(rank, hp_groups)
     return results

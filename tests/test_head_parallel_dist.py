@@ -110,3 +110,9 @@ def test_bad_input_raises_before_any_communication(results):
         for name, (msg, expect) in r["bad_inputs"].items():
             assert msg.startswith(("ValueError", "PlanError")), f"{name}: {msg}"
             assert re.search(expect, msg), f"{name}: {msg!r} does not mention {expect!r}"
+
+
+def test_bounded_all_to_all_wait_names_the_head_group(results):
+    msg = results[0]["timeout"]
+    assert msg is not None and "head-parallel all-to-all (probe) over ranks [0, 1]" in msg, msg
+    assert "did not complete within 0.5 s" in msg, msg

@@ -359,7 +359,9 @@ class FCPRuntime:
             return (f"FCP: cp={self.layout.cp}: no CP communication (Megatron's own attention); "
                     f"topology={self.topology.name}")
         head = (f"FCP: graph={plan.name} (asked {self.config.graph}) topology={self.topology.name} "
-                f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}")
+                f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}"
+                + (f" head_parallel={self.head_parallel_degree()} (the KV stage runs its own plan across "
+                   f"head groups)" if self.head_parallel_degree() > 1 else ""))
         return head + "\n" + plan.round_table()
 
 
