@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_fcp.attention.kernels import BLOCK_KERNELS, BlockKernel, resolve_kernel
+from megatron_fcp.attention.dispatch import BLOCK_KERNELS, resolve_kernel
+from megatron_fcp.attention.kernels import BlockKernel
 from megatron_fcp.attention.merge import LseAccumulator
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}

@@ -30,9 +30,9 @@ from megatron_fcp.planning.builders import GRAPH_CHOICES
 
 __all__ = ["FCPConfig", "KERNELS", "FALLBACKS", "field_docs", "flag_of", "load_yaml"]
 
-#: Block kernels (the names of ``megatron_fcp.attention.kernels.BLOCK_KERNELS``, kept here so
-#: that config stays torch-free; a test checks the two agree).
-KERNELS: tuple[str, ...] = ("math", "cpu-flash")
+#: Block kernels (``megatron_fcp.attention.dispatch.KERNEL_CHOICES``: ``auto`` and the kernel names,
+#: kept here so that config stays torch-free; a test checks the two agree).
+KERNELS: tuple[str, ...] = ("auto", "math", "cpu-flash", "cuda-flash", "flash-attn")
 
 #: What FCPCoreAttention may do with a layer it cannot serve (``--fcp-fallback``).
 FALLBACKS: tuple[str, ...] = ("none", "megatron")
@@ -67,9 +67,12 @@ class FCPConfig:
     overlap: bool = True
     """Overlap block transfers with attention compute (off: communicate, then compute)."""
 
-    kernel: str = field(default="math", metadata={"choices": KERNELS})
-    """Block attention kernel: math (pure torch, any dtype and device; the default) or cpu-flash
-    (torch's fused CPU flash-attention ops; FP32/BF16 on CPU only, faster on CPU)."""
+    kernel: str = field(default="auto", metadata={"choices": KERNELS})
+    """Block attention kernel: auto (the default: on CUDA flash-attn if installed, else cuda-flash,
+    math for FP64; on CPU math; the choice is logged once), math (pure torch, any dtype and device,
+    the exact reference), cpu-flash (torch's fused CPU flash ops; FP32/BF16 CPU), cuda-flash
+    (torch's CUDA FlashAttention-2 for FP16/BF16, memory-efficient kernel for FP32) or flash-attn
+    (the flash-attn package, FP16/BF16 CUDA)."""
 
     backward_kv: str = field(default="auto", metadata={"choices": BACKWARD_KV_MODES})
     """Received KV between forward and backward: keep (saved: fastest backward, most memory),

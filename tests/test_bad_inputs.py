@@ -16,7 +16,8 @@ import torch
 
 from megatron_fcp.agreement import FCPAgreementError
 from megatron_fcp.attention.function import FCPNumericsError, check_finite, resolve_plan
-from megatron_fcp.attention.kernels import block_attention_forward, resolve_kernel
+from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.kernels import block_attention_forward
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.packed import doc_lengths_of
 from megatron_fcp.patches.runtime import FCPStateError, reset_fcp, resolve_topology, setup_fcp

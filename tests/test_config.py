@@ -26,13 +26,13 @@ def _parser() -> argparse.ArgumentParser:
 def test_defaults_are_valid_and_disabled():
     cfg = FCPConfig()
     assert cfg.enabled is False and cfg.graph == "auto" and cfg.topology == "auto"
-    assert cfg.block_tokens == 0 and cfg.overlap is True and cfg.kernel == "math"
+    assert cfg.block_tokens == 0 and cfg.overlap is True and cfg.kernel == "auto"
 
 
 def test_kernel_names_are_the_attention_registry():
-    from megatron_fcp.attention.kernels import BLOCK_KERNELS
+    from megatron_fcp.attention.dispatch import BLOCK_KERNELS, KERNEL_CHOICES
 
-    assert set(KERNELS) == set(BLOCK_KERNELS)
+    assert KERNELS == KERNEL_CHOICES and set(KERNELS) == {"auto", *BLOCK_KERNELS}
     assert all(FCPConfig(kernel=name).kernel == name for name in KERNELS)
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_fcp.attention.dispatch import BLOCK_KERNELS, resolve_kernel
+from megatron_fcp.attention.fused import CpuFlashKernel
 from megatron_fcp.attention.kernels import (
-    BLOCK_KERNELS,
-    CpuFlashKernel,
     block_attention_backward,
     block_attention_forward,
     compute_dtype_for,
     reference_attention,
-    resolve_kernel,
 )
 from megatron_fcp.attention.layout import (
     block_local_slice,
@@ -196,15 +195,15 @@ QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 
 
 def test_kernel_registry_and_bad_kernels_name_the_fix():
-    assert set(BLOCK_KERNELS) == {"math", "cpu-flash"} and CpuFlashKernel.available()
+    assert set(BLOCK_KERNELS) == {"math", "cpu-flash", "cuda-flash", "flash-attn"} and CpuFlashKernel.available()
     assert resolve_kernel("math", F64, "cpu") is BLOCK_KERNELS["math"]
     assert resolve_kernel(FLASH, torch.bfloat16, "cpu") is FLASH
-    with pytest.raises(ValueError, match=r"unknown block kernel 'flash'.*\['cpu-flash', 'math'\]"):
+    with pytest.raises(ValueError, match=r"unknown block kernel 'flash'.*\['auto', 'math', 'cpu-flash'"):
         resolve_kernel("flash", torch.float32, "cpu")
     for dtype in (F64, torch.float16):
-        with pytest.raises(ValueError, match="float32 / bfloat16 only.*use kernel='math'"):
+        with pytest.raises(ValueError, match="runs float32 / bfloat16 only.*use kernel='math'"):
             resolve_kernel("cpu-flash", dtype, "cpu")
-    with pytest.raises(ValueError, match="CPU tensors only, got device cuda.*use kernel='math'"):
+    with pytest.raises(ValueError, match="CPU tensors only, got device cuda.*use kernel='auto' or 'math'"):
         resolve_kernel("cpu-flash", torch.float32, torch.device("cuda", 0))
     BLOCK_KERNELS["math"].check(F64, torch.device("cuda", 0))  # math runs anywhere
 

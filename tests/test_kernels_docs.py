@@ -9,7 +9,8 @@ import zlib
 import pytest
 import torch
 
-from megatron_fcp.attention.kernels import BLOCK_KERNELS, block_attention_backward, block_attention_forward
+from megatron_fcp.attention.dispatch import BLOCK_KERNELS
+from megatron_fcp.attention.kernels import block_attention_backward, block_attention_forward
 from megatron_fcp.attention.tiles import flash_pieces, math_tiles
 
 F64 = torch.float64

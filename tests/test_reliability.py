@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_patches import _pgs, _stub_megatron, _tcfg  # noqa: E402
 
 from megatron_fcp.attention.function import FCPNumericsError, check_finite  # noqa: E402
-from megatron_fcp.attention.kernels import BLOCK_KERNELS  # noqa: E402
+from megatron_fcp.attention.dispatch import BLOCK_KERNELS  # noqa: E402
 from megatron_fcp.attention.merge import LseAccumulator  # noqa: E402
 from megatron_fcp.config import FCPConfig  # noqa: E402
 from megatron_fcp.patches import REGISTRY  # noqa: E402

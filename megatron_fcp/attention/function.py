@@ -61,7 +61,8 @@ import torch.distributed as dist
 
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.comm_only import measure_comm_only
-from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resolve_kernel
+from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.kv_memory import RING_BUDGET, choose_backward_kv
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
@@ -160,7 +161,7 @@ def resolve_plan(plan: PlanLike | None, group_ranks: tuple[int, ...], causal: bo
 
 
 def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_scale,
-              kernel: KernelLike = "math", placement: Placement | None = None):
+              kernel: KernelLike = "auto", placement: Placement | None = None):
     """Check everything this rank can check locally; return (plan, rank, scale, kernel).
 
     Zigzag: q, k, v are ``[s_local, b, h, d]``. Over a placement: THD ``[t_local, h, d]``."""
@@ -189,10 +190,10 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
     if h_kv < 1 or h % h_kv != 0:
         raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); "
                          f"fix num_query_groups")
-    kernel_obj = resolve_kernel(kernel, q.dtype, q.device)
+    kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=q.shape[-1])
     if thd and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents); "
-                         f"use kernel='math' or 'cpu-flash' for a placement")
+                         f"use kernel='auto' (or any fused kernel, or 'math') for a placement")
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -512,7 +513,7 @@ class _FCPAttentionFunction(torch.autograd.Function):
 def fcp_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
     causal: bool = True, softmax_scale: float | None = None, transport: Transport | None = None,
-    stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "math",
+    stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "auto",
     placement: Placement | None = None, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -568,7 +569,7 @@ def fcp_attention_with_lse(
 
 def fcp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
-    causal: bool = True, softmax_scale: float | None = None, kernel: KernelLike = "math",
+    causal: bool = True, softmax_scale: float | None = None, kernel: KernelLike = "auto",
     placement: Placement | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole CP group's sequence (or packed batch), for this rank's shard.
@@ -586,9 +587,9 @@ def fcp_attention(
     document). plan: None or ``"full"`` (direct rounds, ``full_plan(ranks, causal,
     placement=placement)``) or a Plan over this placement (``build_plan(..., placement=)``).
 
-    softmax_scale defaults to ``1/sqrt(d)``. kernel: the block kernel, ``"math"`` (default: pure
-    torch, any dtype incl. FP64, any device) or ``"cpu-flash"`` (torch's fused CPU flash ops,
-    FP32/BF16 CPU tensors; see :data:`megatron_fcp.attention.kernels.BLOCK_KERNELS`) or a
+    softmax_scale defaults to ``1/sqrt(d)``. kernel: the block kernel: ``"auto"`` (default: the
+    best that runs here, :mod:`megatron_fcp.attention.dispatch`), ``"math"`` (pure torch, any dtype
+    incl. FP64), ``"cpu-flash"``, ``"cuda-flash"``, ``"flash-attn"`` (fused ops) or a
     ``BlockKernel`` instance (with ``documents = True`` for a placement). Returns out shaped like
     q, in q's dtype; differentiable in q, k, v. Raises ValueError (naming the fix) before any
     communication on bad input.

@@ -1,6 +1,6 @@
 """Attention of a query shard against one KV block, returning ``(out, lse)``, and its backward.
 
-Pure torch math (CPU, and the same math on CUDA tensors; no fused GPU kernel is wired in yet).
+Pure torch math, any dtype and device (the exact reference; fused kernels: :mod:`megatron_fcp.attention.fused`).
 
 Shapes (Megatron's ``[s, b, h, d]`` convention):
     q:    [n, b, h, d]        n query tokens, h query heads
@@ -43,11 +43,12 @@ a query tile the chunks are folded with the same online log-sum-exp merge as blo
 that see no chunk stay 0 / -inf); a pair whose earliest query follows every key is *fully
 visible* and runs without a mask; only diagonal pairs build the mask from positions.
 
-Block kernels as strategies: the functions above are the ``"math"`` kernel. :data:`BLOCK_KERNELS`
-maps a name to a :class:`BlockKernel` (``"math"``, the default, and ``"cpu-flash"``, torch's fused
-CPU flash-attention ops for FP32/BF16 CPU tensors); :func:`resolve_kernel` picks one and checks it
-can run the given dtype and device. Both honour the same contract (shapes, FP32 ``out``/``lse``,
-masks from positions and document ids, fully masked rows 0 / -inf, GQA).
+Block kernels as strategies: the functions above are the ``"math"`` kernel (:class:`MathKernel`),
+the exact reference. Kernels on fused ops (``cpu-flash``, ``cuda-flash``, ``flash-attn``) live in
+:mod:`megatron_fcp.attention.fused`; :mod:`megatron_fcp.attention.dispatch` holds the registry
+(``BLOCK_KERNELS``) and ``auto``'s choice per device and dtype. All honour the same contract
+(shapes, FP32 ``out``/``lse``, masks from positions and document ids, fully masked rows 0 / -inf,
+GQA).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import math
 import torch
 
 from megatron_fcp.attention.merge import merge_coefficients
-from megatron_fcp.attention.tiles import CAUSAL, FULL, MATH, PARTIAL, flash_pieces, math_tiles
+from megatron_fcp.attention.tiles import PARTIAL, math_tiles
 
 __all__ = [
     "compute_dtype_for",
@@ -67,9 +68,6 @@ __all__ = [
     "reference_attention",
     "BlockKernel",
     "MathKernel",
-    "CpuFlashKernel",
-    "BLOCK_KERNELS",
-    "resolve_kernel",
 ]
 
 # Target elements of one score tile [b, h, T, m] (2^21 FP32 elements = 8 MiB), and a floor on its
@@ -356,139 +354,3 @@ class MathKernel(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, **prep):
         return block_attention_backward(dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, **prep)
-
-
-_FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
-
-
-def _bhnd(x: torch.Tensor) -> torch.Tensor:
-    """[s, b, h, d] -> [b, h, s, d] view (the fused op takes strided inputs)."""
-    return x.permute(1, 2, 0, 3)
-
-
-class CpuFlashKernel(BlockKernel):
-    """torch's fused CPU flash-attention ops as block kernel (FP32 / BF16 CPU tensors only).
-
-    Forward: ``aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
-    scale=)`` -> ``(out, logsumexp)``; backward: ``..._for_cpu_backward(dout, q, k, v, out, lse,
-    0.0, is_causal, scale=)`` -> ``(dq, dk, dv)``, fed the *final* out and lse like flash-attn's
-    ring backward (the op recomputes ``P = exp(S - lse)`` and ``D = rowsum(dout*out)``). GQA is
-    native to the op (query head i uses KV head i // g). We use the op unmasked or with its
-    top-left ``is_causal`` only (no dense ``attn_mask``: an [n, m] tensor per pair), so each pair
-    is cut by :func:`~megatron_fcp.attention.tiles.flash_pieces`: fully visible rows run unmasked, a query
-    chunk against its own (sub-)block runs top-left causal on a prefix of the keys, fully masked
-    rows are skipped (out 0, lse -inf) and anything else is **delegated to the math kernel** for
-    those rows, which keeps the numerics contract.
-
-    Numerics: the op runs in the compute dtype, FP32, also for BF16 inputs (upcast once per shard
-    for q, per block for k, v), so ``out``, ``lse``, ``dq, dk, dv`` are FP32 like the math
-    kernel's and FP32 matches FP64 within 1e-5 (tested). Running the op in BF16 instead would
-    round each block's out and gradients, and the final out from which the op's backward forms
-    ``D = rowsum(dout * out)``, to BF16; that breaks the cancellation in ``dQ = dS K`` when keys
-    share a large component (logits spread over 1e4: dq errors of ~100 vs max|dq| 8, measured),
-    and on this CPU (AVX-512 BF16, one thread) the BF16 op is no faster than the FP32 one.
-    """
-
-    name = "cpu-flash"
-    documents = True
-    _DTYPES = (torch.float32, torch.bfloat16)
-
-    @staticmethod
-    def available() -> bool:
-        ops = torch.ops.aten
-        return hasattr(ops, _FLASH_OP) and hasattr(ops, _FLASH_OP + "_backward")
-
-    def check(self, dtype: torch.dtype, device: torch.device) -> None:
-        if not self.available():
-            raise ValueError(f"kernel 'cpu-flash' needs torch.ops.aten.{_FLASH_OP}(_backward), absent from "
-                             f"torch {torch.__version__}; use kernel='math'")
-        if dtype not in self._DTYPES:
-            raise ValueError(f"kernel 'cpu-flash' runs float32 / bfloat16 only, got {dtype}; "
-                             f"use kernel='math' (FP64 is computed in FP64 there)")
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"kernel 'cpu-flash' runs CPU tensors only, got device {device}; use kernel='math'")
-
-    def prepare_forward(self, q, h_kv, scale):
-        return {"q_c": q.to(compute_dtype_for(q.dtype))}                   # [n, b, h, d] FP32
-
-    def prepare_backward(self, q, dout, out, h_kv):
-        return {"q_c": q.to(compute_dtype_for(q.dtype))}                   # [n, b, h, d] FP32
-
-    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
-        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
-        m = k.shape[0]
-        cd = compute_dtype_for(q.dtype)
-        q = q.to(cd) if q_c is None else q_c                                   # [n, b, h, d]
-        k, v = k.to(cd), v.to(cd)                                              # [m, b, hk, d]
-        op = getattr(torch.ops.aten, _FLASH_OP)
-        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
-        if pieces == [(0, n, FULL, 0, m)]:
-            o, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, False, scale=scale)  # [b,h,n,d], [b,h,n]
-            return o.permute(2, 0, 1, 3), lse
-        out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
-        lse = torch.full((b, h, n), -math.inf, dtype=cd, device=q.device)
-        for a, z, kind, k0, k1 in pieces:
-            if kind == MATH:
-                o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale,
-                                                   **_docs(q_doc, k_doc, a, z))
-                out[a:z], lse[:, :, a:z] = o_p, l_p
-                continue
-            o_p, l_p = op(_bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]), 0.0, kind == CAUSAL, scale=scale)
-            out[a:z] = o_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
-            lse[:, :, a:z] = l_p                                               # [b, h, t]
-        return out, lse
-
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
-        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
-        m = k.shape[0]
-        cd = compute_dtype_for(q.dtype)
-        q = q.to(cd) if q_c is None else q_c                                       # [n, b, h, d]
-        k, v = k.to(cd), v.to(cd)                                                  # [m, b, hk, d]
-        dout, out, lse = dout.to(cd), out.to(cd), lse.to(cd)                       # [n,b,h,d] x2, [b,h,n]
-        op = getattr(torch.ops.aten, _FLASH_OP + "_backward")
-        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
-        if pieces == [(0, n, FULL, 0, m)]:
-            dq, dk, dv = op(_bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse, 0.0, False,
-                            scale=scale)                                            # [b,h,n,d], [b,hk,m,d] x2
-            return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
-        dq = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
-        dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
-        dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
-        for a, z, kind, k0, k1 in pieces:
-            if kind == MATH:
-                dq_p, dk_p, dv_p = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z],
-                                                            q_pos[a:z], k_pos, causal, scale,
-                                                            **_docs(q_doc, k_doc, a, z))
-                dq[a:z] = dq_p
-                dk.add_(dk_p)
-                dv.add_(dv_p)
-                continue
-            dq_p, dk_p, dv_p = op(_bhnd(dout[a:z]), _bhnd(q[a:z]), _bhnd(k[k0:k1]), _bhnd(v[k0:k1]),
-                                  _bhnd(out[a:z]), lse[:, :, a:z], 0.0, kind == CAUSAL, scale=scale)
-            dq[a:z] = dq_p.permute(2, 0, 1, 3)                                 # [t, b, h, d]
-            dk[k0:k1].add_(dk_p.permute(2, 0, 1, 3))                           # [k1-k0, b, hk, d]
-            dv[k0:k1].add_(dv_p.permute(2, 0, 1, 3))
-        return dq, dk, dv
-
-
-def _docs(q_doc, k_doc, a: int, z: int) -> dict:
-    """Document-id keyword arguments for query rows a:z (none without document ids)."""
-    return {} if q_doc is None else {"q_doc": q_doc[a:z], "k_doc": k_doc}
-
-
-#: Block kernels by name; ``"math"`` is the default everywhere.
-BLOCK_KERNELS: dict[str, BlockKernel] = {k.name: k for k in (MathKernel(), CpuFlashKernel())}
-
-
-def resolve_kernel(kernel: "str | BlockKernel", dtype: torch.dtype, device) -> BlockKernel:
-    """The :class:`BlockKernel` for ``kernel`` (a name in :data:`BLOCK_KERNELS` or an instance),
-    checked against ``dtype`` / ``device``; ValueError naming the fix otherwise."""
-    if isinstance(kernel, BlockKernel):
-        obj = kernel
-    elif isinstance(kernel, str) and kernel in BLOCK_KERNELS:
-        obj = BLOCK_KERNELS[kernel]
-    else:
-        raise ValueError(f"unknown block kernel {kernel!r}; use one of {sorted(BLOCK_KERNELS)} "
-                         f"(default 'math') or a BlockKernel instance")
-    obj.check(dtype, torch.device(device))
-    return obj

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import torch
 
 __all__ = ["FULL", "PARTIAL", "MASKED", "CAUSAL", "MATH", "runs", "key_chunks", "math_tiles", "flash_pieces"]
@@ -23,17 +24,22 @@ __all__ = ["FULL", "PARTIAL", "MASKED", "CAUSAL", "MATH", "runs", "key_chunks", 
 FULL, PARTIAL, MASKED, CAUSAL, MATH = "full", "partial", "masked", "causal", "math"
 
 
-def runs(pos: list[int], doc: list[int] | None = None) -> list[tuple[int, int]]:
+def runs(pos, doc=None) -> list[tuple[int, int]]:
     """Maximal index ranges [a, b) over which ``pos`` increases by exactly 1 per step (and, with
-    ``doc``, the document stays the same)."""
-    out, start = [], 0
-    for i in range(1, len(pos)):
-        if pos[i] != pos[i - 1] + 1 or (doc is not None and doc[i] != doc[i - 1]):
-            out.append((start, i))
-            start = i
-    if pos:
-        out.append((start, len(pos)))
-    return out
+    ``doc``, the document stays the same). Vectorised (numpy): shards have 10^5 rows."""
+    p = np.asarray(pos, dtype=np.int64)
+    if p.size == 0:
+        return []
+    cut = np.diff(p) != 1
+    if doc is not None:
+        cut |= np.diff(np.asarray(doc, dtype=np.int64)) != 0
+    bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), int(p.size)]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _is_run(x: np.ndarray) -> bool:
+    """Whether ``x`` increases by exactly one per step."""
+    return bool(x.size == 0 or (np.diff(x) == 1).all())
 
 
 def _classify(q_lo: int, q_hi: int, k_lo: int, k_hi: int, causal: bool) -> str:
@@ -119,18 +125,19 @@ def flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, q_doc: 
     lacks are masked; anything else goes to ``math`` for that run's rows.
     """
     n, m = q_pos.numel(), k_pos.numel()
-    kp, qp = k_pos.tolist(), q_pos.tolist()
+    kp, qp = k_pos.numpy(), q_pos.numpy()
     if q_doc is None:
         if not causal:
             return [(0, n, FULL, 0, m)]
-        if kp != list(range(kp[0], kp[0] + m)):
+        if not _is_run(kp):
             return [(0, n, MATH, 0, m)]
         qd, segs = None, {None: (0, m)}
     else:
-        qd, kd = q_doc.tolist(), k_doc.tolist()
+        qd, kd = q_doc.numpy(), k_doc.numpy()
         segs = {}
-        for s0, s1 in runs(list(range(m)), kd):              # key segments of one document each
-            segs[kd[s0]] = (s0, s1) if kd[s0] not in segs else None  # None: split in two places
+        for s0, s1 in runs(np.arange(m), kd):                # key segments of one document each
+            d0 = int(kd[s0])
+            segs[d0] = (s0, s1) if d0 not in segs else None   # None: split in two places
     pieces: list[tuple[int, int, str, int, int]] = []
 
     def add_full(a: int, z: int, k0: int, k1: int) -> None:
@@ -141,23 +148,23 @@ def flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, q_doc: 
             pieces.append((a, z, FULL, k0, k1))
 
     for ra, rb in runs(qp, qd):
-        doc = None if qd is None else qd[ra]
+        doc = None if qd is None else int(qd[ra])
         if doc not in segs:
             continue                                                   # no key of this document
         seg = segs[doc]
-        if seg is None or (causal and kp[seg[0]:seg[1]] != list(range(kp[seg[0]], kp[seg[0]] + seg[1] - seg[0]))):
+        if seg is None or (causal and not _is_run(kp[seg[0]:seg[1]])):
             pieces.append((ra, rb, MATH, 0, m))
             continue
         k0, k1 = seg
         if not causal:
             add_full(ra, rb, k0, k1)
             continue
-        klo, khi, qlo = kp[k0], kp[k1 - 1], qp[ra]
+        klo, khi, qlo = int(kp[k0]), int(kp[k1 - 1]), int(qp[ra])
         a = ra + max(0, min(rb - ra, klo - qlo))            # first row with position >= klo
         z = ra + max(0, min(rb - ra, khi - qlo + 1))        # first row with position > khi
         if a < z:
-            if qp[a] == klo:
-                pieces.append((a, z, CAUSAL, k0, k0 + qp[z - 1] - klo + 1))
+            if int(qp[a]) == klo:
+                pieces.append((a, z, CAUSAL, k0, k0 + int(qp[z - 1]) - klo + 1))
             else:
                 pieces.append((a, z, MATH, 0, m))
         if z < rb:

@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="communication plan: ring (TE's p2p ring, the default) or full (each block straight to its readers)")
     p.add_argument("--dtype", choices=_DTYPES, default="fp32", help="input dtype (default fp32)")
     p.add_argument("--kernel", default="math",
-                   help="block kernel: 'math' (default, pure torch, any dtype) or 'cpu-flash' (torch's fused "
-                        "CPU flash ops, fp32/bf16); see megatron_fcp.attention.kernels.BLOCK_KERNELS")
+                   help="block kernel: 'math' (default, pure torch, any dtype), 'cpu-flash' (torch's fused "
+                        "CPU flash ops, fp32/bf16) or 'auto'; see megatron_fcp.attention.dispatch")
     p.add_argument("--no-causal", dest="causal", action="store_false", help="attend to every token (no causal mask)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the gloo group is killed")
@@ -86,7 +86,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_fcp.attention.kernels import reference_attention, resolve_kernel
+    from megatron_fcp.attention.dispatch import resolve_kernel
+    from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_unsplit
     from megatron_fcp.launch import run_gloo
 

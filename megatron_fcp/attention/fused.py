@@ -1,0 +1,278 @@
+"""Block kernels on fused attention ops: one implementation, a binding per library.
+
+:class:`FusedPiecesKernel` honours the :class:`~megatron_fcp.attention.kernels.BlockKernel`
+contract (``(out, lse)`` in FP32, masks from positions and document ids, rows that see nothing
+0 / -inf, GQA, backward from the *final* out and lse) on top of any
+:class:`~megatron_fcp.attention.fused_ops.FusedOps` binding:
+
+1. :func:`~megatron_fcp.attention.tiles.flash_pieces` cuts the (query shard, KV block) pair into
+   pieces a fused op can express: ``full`` (no mask), ``causal`` (square: a query run against its
+   own positions) and ``math`` (anything else, e.g. a query run starting inside the block: run by
+   the math kernel on those rows, bounded tiles, never an ``s x s`` matrix; logged once per kernel
+   on CUDA because it is slow there); fully masked rows are skipped.
+2. Pieces of one kind run in **one varlen call** when the binding has a varlen form and the batch
+   is 1 (THD: one piece per document of a packed shard), each piece a segment (``cu_seqlens``),
+   otherwise one dense call each.
+3. Inputs are cast once per shard to the op's dtype (:meth:`FusedOps.op_dtype`: FP32 on CPU, the
+   input's half type for FlashAttention, FP32 for the memory-efficient kernel); results are
+   written into FP32 buffers, so blocks merge in FP32 whatever the op ran in.
+
+Kernels: :class:`CpuFlashKernel` (``cpu-flash``), :class:`CudaFlashKernel` (``cuda-flash``:
+torch's FlashAttention-2 for FP16/BF16, its memory-efficient kernel for FP32) and
+:class:`FlashAttnKernel` (``flash-attn``, the package).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from megatron_fcp.attention.fused_ops import (
+    CpuFlashOps,
+    FlashAttnOps,
+    FusedOps,
+    TorchCudaEfficientOps,
+    TorchCudaFlashOps,
+)
+from megatron_fcp.attention.kernels import (
+    BlockKernel,
+    _check_shapes,
+    block_attention_backward,
+    block_attention_forward,
+    compute_dtype_for,
+)
+from megatron_fcp.attention.tiles import CAUSAL, FULL, MATH, flash_pieces
+
+__all__ = ["FusedPiecesKernel", "CpuFlashKernel", "CudaFlashKernel", "FlashAttnKernel"]
+
+log = logging.getLogger(__name__)
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [b, s, h, d] view (the ops take strided inputs with a contiguous last dim)."""
+    return x.permute(1, 0, 2, 3)
+
+
+def _docs(q_doc, k_doc, a: int, z: int) -> dict:
+    """Document-id keyword arguments for query rows a:z (none without document ids)."""
+    return {} if q_doc is None else {"q_doc": q_doc[a:z], "k_doc": k_doc}
+
+
+def _cat_ranges(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows of ``x`` ([s, ...]) over ``ranges`` in order: a view when they are consecutive."""
+    if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
+        return x[ranges[0][0]:ranges[-1][1]]
+    return torch.cat([x[a:z] for a, z in ranges])
+
+
+def _cu(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+class FusedPiecesKernel(BlockKernel):
+    """A block kernel on a fused op binding (module docstring for the algorithm)."""
+
+    documents = True
+
+    def ops_for(self, dtype: torch.dtype) -> FusedOps | None:
+        """The binding that runs inputs of ``dtype`` (None: this kernel cannot)."""
+        raise NotImplementedError
+
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) if self.ops_for(d))
+
+    def check(self, dtype: torch.dtype, device: torch.device) -> None:
+        ops = self.ops_for(dtype)
+        if ops is None:
+            raise ValueError(f"kernel {self.name!r} runs {' / '.join(str(d)[6:] for d in self.dtypes())} only, got {dtype}; "
+                             f"use kernel='math' (FP64 is computed in FP64 there) or 'auto'")
+        device = torch.device(device)
+        if device.type != ops.device_type:
+            raise ValueError(f"kernel {self.name!r} runs {ops.device_type.upper()} tensors only, got device {device}; "
+                             f"use kernel='auto' or 'math'")
+        reason = ops.unavailable()
+        if reason is not None:
+            raise ValueError(f"kernel {self.name!r} cannot run: {reason}; use kernel='auto' or 'math'")
+
+    def check_head_dim(self, dtype: torch.dtype, d: int) -> None:
+        ops = self.ops_for(dtype)
+        reason = ops.check_head_dim(d) if ops is not None else None
+        if reason is not None:
+            raise ValueError(f"kernel {self.name!r} cannot run {reason}; use kernel='math'")
+
+    # -- per shard --------------------------------------------------------------------------
+    def _od(self, dtype: torch.dtype) -> torch.dtype:
+        return self.ops_for(dtype).op_dtype(dtype)
+
+    def prepare_forward(self, q, h_kv, scale):
+        return {"q_c": q.to(self._od(q.dtype))}                                 # [n, b, h, d] op dtype
+
+    def prepare_backward(self, q, dout, out, h_kv):
+        od = self._od(q.dtype)
+        return {"q_c": q.to(od), "dout_c": dout.to(od), "out_c": out.to(od)}   # [n, b, h, d] x3
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
+        cd = compute_dtype_for(q.dtype)
+        ops = self.ops_for(q.dtype)
+        od = ops.op_dtype(q.dtype)
+        qc = q.to(od) if q_c is None else q_c                                    # [n, b, h, d]
+        kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
+        out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
+        lse = torch.full((b, h, n), -math.inf, dtype=cd, device=q.device)
+        groups = self._groups(flash_pieces(q_pos, k_pos, causal, q_doc, k_doc), ops, b)
+        for kind, pieces in groups:
+            if kind == MATH:
+                for a, z, _, _, _ in pieces:
+                    self._note_math(q.device)
+                    o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale,
+                                                       **_docs(q_doc, k_doc, a, z))
+                    out[a:z], lse[:, :, a:z] = o_p, l_p
+            elif len(pieces) == 1:
+                a, z, _, k0, k1 = pieces[0]
+                o_p, l_p = ops.forward(_bshd(qc[a:z]), _bshd(kc[k0:k1]), _bshd(vc[k0:k1]), kind == CAUSAL, scale)
+                out[a:z] = _bshd(o_p)                                            # [t, b, h, d]
+                lse[:, :, a:z] = l_p                                             # [b, h, t]
+            else:                                                                # varlen, b == 1
+                q_r = [(a, z) for a, z, _, _, _ in pieces]
+                k_r = [(k0, k1) for _, _, _, k0, k1 in pieces]
+                cu_q, cu_k = _cu([z - a for a, z in q_r], q.device), _cu([k1 - k0 for k0, k1 in k_r], q.device)
+                o_v, l_v = ops.forward_varlen(_cat_ranges(qc[:, 0], q_r), _cat_ranges(kc[:, 0], k_r),
+                                              _cat_ranges(vc[:, 0], k_r), cu_q, cu_k,
+                                              max(z - a for a, z in q_r), max(k1 - k0 for k0, k1 in k_r),
+                                              kind == CAUSAL, scale)             # [T, h, d], [h, T]
+                pos = 0
+                for a, z in q_r:
+                    out[a:z, 0] = o_v[pos:pos + z - a]
+                    lse[0, :, a:z] = l_v[:, pos:pos + z - a]
+                    pos += z - a
+        return out, lse
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None, dout_c=None, out_c=None,
+                 q_doc=None, k_doc=None):
+        n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
+        m = k.shape[0]
+        cd = compute_dtype_for(q.dtype)
+        ops = self.ops_for(q.dtype)
+        od = ops.op_dtype(q.dtype)
+        qc = q.to(od) if q_c is None else q_c                                    # [n, b, h, d]
+        doc = dout.to(od) if dout_c is None else dout_c                          # [n, b, h, d]
+        ouc = out.to(od) if out_c is None else out_c                             # [n, b, h, d]
+        kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
+        lse = lse.to(torch.float32) if od != torch.float64 else lse              # [b, h, n]
+        dq = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
+        dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
+        dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
+        for kind, pieces in self._groups(flash_pieces(q_pos, k_pos, causal, q_doc, k_doc), ops, b):
+            if kind == MATH:
+                for a, z, _, _, _ in pieces:
+                    g = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z].to(cd), q_pos[a:z],
+                                                 k_pos, causal, scale, **_docs(q_doc, k_doc, a, z))
+                    dq[a:z] = g[0]
+                    dk.add_(g[1])
+                    dv.add_(g[2])
+            elif len(pieces) == 1:
+                a, z, _, k0, k1 = pieces[0]
+                dq_p, dk_p, dv_p = ops.backward(_bshd(doc[a:z]), _bshd(qc[a:z]), _bshd(kc[k0:k1]), _bshd(vc[k0:k1]),
+                                                _bshd(ouc[a:z]), lse[:, :, a:z], kind == CAUSAL, scale)
+                dq[a:z] = _bshd(dq_p)                                            # [t, b, h, d]
+                dk[k0:k1].add_(_bshd(dk_p))                                      # [k1-k0, b, hk, d]
+                dv[k0:k1].add_(_bshd(dv_p))
+            else:                                                                # varlen, b == 1
+                q_r = [(a, z) for a, z, _, _, _ in pieces]
+                k_r = [(k0, k1) for _, _, _, k0, k1 in pieces]
+                cu_q, cu_k = _cu([z - a for a, z in q_r], q.device), _cu([k1 - k0 for k0, k1 in k_r], q.device)
+                lse_rows = torch.cat([lse[0, :, a:z] for a, z in q_r], dim=1)    # [h, T]
+                dq_v, dk_v, dv_v = ops.backward_varlen(
+                    _cat_ranges(doc[:, 0], q_r), _cat_ranges(qc[:, 0], q_r), _cat_ranges(kc[:, 0], k_r),
+                    _cat_ranges(vc[:, 0], k_r), _cat_ranges(ouc[:, 0], q_r), lse_rows, cu_q, cu_k,
+                    max(z - a for a, z in q_r), max(k1 - k0 for k0, k1 in k_r), kind == CAUSAL, scale)
+                pos = 0
+                for a, z in q_r:
+                    dq[a:z, 0] = dq_v[pos:pos + z - a]
+                    pos += z - a
+                pos = 0
+                for k0, k1 in k_r:
+                    dk[k0:k1, 0] += dk_v[pos:pos + k1 - k0]
+                    dv[k0:k1, 0] += dv_v[pos:pos + k1 - k0]
+                    pos += k1 - k0
+        return dq, dk, dv
+
+    # -- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _groups(pieces, ops: FusedOps, b: int) -> list[tuple[str, list]]:
+        """Pieces as ``(kind, pieces)`` calls: math pieces one by one; fused pieces of one kind in
+        one varlen call when the binding has one and ``b == 1``, else one dense call each."""
+        out: list[tuple[str, list]] = []
+        batched = ops.varlen and b == 1
+        by_kind: dict[str, list] = {}
+        for p in pieces:
+            if p[2] == MATH or not batched:
+                out.append((p[2], [p]))
+            else:
+                by_kind.setdefault(p[2], []).append(p)
+        out.extend((kind, ps) for kind, ps in by_kind.items())
+        return out
+
+    _math_noted: set = set()
+
+    def _note_math(self, device) -> None:
+        if device.type == "cuda" and self.name not in FusedPiecesKernel._math_noted:
+            FusedPiecesKernel._math_noted.add(self.name)
+            log.warning("kernel %r: some query rows meet a KV block in a shape the fused op cannot mask "
+                        "(a query run starting inside the block); they run on the math kernel (exact, slower)",
+                        self.name)
+
+
+class CpuFlashKernel(FusedPiecesKernel):
+    """``cpu-flash``: torch's fused CPU flash-attention ops (FP32 / BF16 CPU tensors).
+
+    Numerics: the op runs in FP32, also for BF16 inputs (upcast once per shard for q, per block for
+    k, v), so ``out``, ``lse``, ``dq, dk, dv`` are FP32 like the math kernel's and FP32 matches FP64
+    within 1e-5 (tested). Running the op in BF16 instead would round each block's out and
+    gradients, and the final out from which the op's backward forms ``D = rowsum(dout * out)``, to
+    BF16; that breaks the cancellation in ``dQ = dS K`` when keys share a large component (logits
+    spread over 1e4: dq errors of ~100 vs max|dq| 8, measured), and on this CPU (AVX-512 BF16, one
+    thread) the BF16 op is no faster than the FP32 one. The CPU op has no varlen form and only
+    top-left causal, so pieces run one call each."""
+
+    name = "cpu-flash"
+    _OPS = CpuFlashOps()
+
+    @staticmethod
+    def available() -> bool:
+        return CpuFlashKernel._OPS.unavailable() is None
+
+    def ops_for(self, dtype):
+        return self._OPS if self._OPS.op_dtype(dtype) is not None else None
+
+
+class CudaFlashKernel(FusedPiecesKernel):
+    """``cuda-flash``: torch's own CUDA attention ops, no extra dependency. FP16/BF16 run torch's
+    FlashAttention-2 (varlen form for packed documents); FP32 runs the memory-efficient kernel.
+    The ops run in the input's dtype (BF16 stays BF16: that is the point of a fused kernel on a
+    GPU); results are FP32 and blocks merge in FP32. FP64: use ``math``."""
+
+    name = "cuda-flash"
+    _FLASH = TorchCudaFlashOps()
+    _EFFICIENT = TorchCudaEfficientOps()
+
+    def ops_for(self, dtype):
+        if dtype in (torch.float16, torch.bfloat16):
+            return self._FLASH
+        return self._EFFICIENT if dtype == torch.float32 else None
+
+
+class FlashAttnKernel(FusedPiecesKernel):
+    """``flash-attn``: the FlashAttention-2 package (>= 2.6) for FP16/BF16 CUDA tensors, varlen
+    form for packed documents."""
+
+    name = "flash-attn"
+    _OPS = FlashAttnOps()
+
+    def ops_for(self, dtype):
+        return self._OPS if dtype in (torch.float16, torch.bfloat16) else None
