@@ -52,7 +52,8 @@ import torch.distributed as dist
 
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, fcp_attention_with_lse
-from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resolve_kernel
+from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.kv_memory import RING_BUDGET
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport
@@ -300,10 +301,10 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel)
     if s % 2:
         raise ValueError(f"local sequence length {s} must be even (two zigzag chunks); pad the global sequence "
                          f"to a multiple of 2*cp = {2 * hp_plan.cp}")
-    kernel_obj = resolve_kernel(kernel, q.dtype, q.device)
+    kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=d)
     if hp_plan.num_groups > 1 and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents), which the "
-                         f"KV stage's placement needs; use kernel='math' or 'cpu-flash'")
+                         f"KV stage's placement needs; use kernel='auto' (or any fused kernel, or 'math')")
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -349,7 +350,7 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel)
 def fcp_head_parallel_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, hp_plan: HeadParallelPlan,
     groups: HeadParallelGroups | None = None, causal: bool = True, softmax_scale: float | None = None,
-    kernel: str | BlockKernel = "math", transport: Transport | None = None, stats: FCPStats | None = None,
+    kernel: str | BlockKernel = "auto", transport: Transport | None = None, stats: FCPStats | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False, return_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -420,7 +421,7 @@ def fcp_head_parallel_attention_with_lse(
 def fcp_head_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
                                 hp_plan: HeadParallelPlan, groups: HeadParallelGroups | None = None,
                                 causal: bool = True, softmax_scale: float | None = None,
-                                kernel: str | BlockKernel = "math", **kwargs: Any) -> torch.Tensor:
+                                kernel: str | BlockKernel = "auto", **kwargs: Any) -> torch.Tensor:
     """Like :func:`fcp_head_parallel_attention_with_lse` but returns only ``out`` [s_local, b, h, d]
     (the LSE is not sent back)."""
     out, _ = fcp_head_parallel_attention_with_lse(q, k, v, cp_group=cp_group, hp_plan=hp_plan, groups=groups,
