@@ -213,7 +213,8 @@ def _kv_memory_report(runtime, args: argparse.Namespace, layout, dtype: torch.dt
     per_token = 2 * kv_heads * (args.hidden_size // args.num_attention_heads) * torch.tensor([], dtype=dtype).element_size()
     return {"backward_kv": stats.backward_kv, "saved_kv_bytes": stats.saved_kv_bytes,
             "peak_kv_bytes": stats.peak_kv_bytes, "resend_bytes_sent": stats.resend_bytes_sent,
-            "ring_in_flight_kv_bytes": tokens * per_token}
+            "ring_in_flight_kv_bytes": tokens * per_token,
+            "head_parallel_bytes_sent": stats.head_parallel_bytes_sent}
 
 
 def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
@@ -350,7 +351,7 @@ def train(
                                     parts_per_chunk=runtime.parts_per_chunk(args.seq_length // layout.cp))
                 info.update(graph=plan.name, topology=runtime.topology.name,
                             plan_ranks=list(plan.ranks), rounds=len(plan.rounds),
-                            transfers=plan.num_transfers())
+                            transfers=plan.num_transfers(), head_parallel=runtime.head_parallel_degree())
                 say(runtime.summary(0))
         impl, spec = _layer_spec(args.transformer_impl, args.normalization)
         if args.packed and impl == "local":  # Megatron's local attention refuses THD: FCP's spec route

@@ -11,6 +11,7 @@ its errors name the flag (and YAML key) to change. YAML maps 1:1 onto the fields
       topology: dgx-h100:2
       block_tokens: 4096
       overlap: true
+      head_parallel: 2
 """
 
 from __future__ import annotations
@@ -96,7 +97,20 @@ class FCPConfig:
     Megatron's own attention class for that layer (Transformer Engine's CP on GPU) and logs it
     once per reason."""
 
+    head_parallel: int | str = field(default="auto", metadata={"metavar": "N|auto"})
+    """Head-parallel (Ulysses all-to-all) degree a: groups of a consecutive CP ranks (one node's
+    when CP ranks fill nodes) exchange heads with an all-to-all, and FCP's KV stage runs across
+    the cp/a groups; 1 turns the stage off, a = cp is pure all-to-all. Must divide the CP size
+    and the query heads; KV heads not divisible by a are replicated. auto (the default) means 1
+    for now: the planner's choice of the degree is not wired in yet."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.head_parallel, str) and self.head_parallel.strip().isdigit():
+            object.__setattr__(self, "head_parallel", int(self.head_parallel))  # from the command line
+        if self.head_parallel != "auto" and (isinstance(self.head_parallel, bool) or not isinstance(
+                self.head_parallel, int) or self.head_parallel < 1):
+            raise ValueError(f"--fcp-head-parallel (fcp.head_parallel) must be an integer >= 1 or auto, "
+                             f"got {self.head_parallel!r}")
         if not isinstance(self.enabled, bool):
             raise ValueError(f"--fcp (fcp.enabled) must be true or false, got {self.enabled!r}")
         if self.graph not in GRAPH_CHOICES:
@@ -148,6 +162,15 @@ class FCPConfig:
             )
 
     # ---- derived -----------------------------------------------------------------------------
+    def head_parallel_degree(self, cp: int) -> int:
+        """The head-parallel degree for a CP group of ``cp`` ranks (``auto``: 1 until the planner
+        chooses it). Raises ValueError naming the flag when the degree does not divide ``cp``."""
+        degree = 1 if self.head_parallel == "auto" else int(self.head_parallel)
+        if cp % degree:
+            raise ValueError(f"--fcp-head-parallel {degree} (fcp.head_parallel) must divide the context-parallel "
+                             f"size {cp}; use one of {[a for a in range(1, cp + 1) if cp % a == 0]} or auto")
+        return degree
+
     def parts_per_chunk(self, chunk_tokens: int) -> int:
         """Blocks per zigzag chunk of ``chunk_tokens`` tokens (``seq_len / (2*cp)``)."""
         if self.block_tokens == 0 or self.block_tokens >= chunk_tokens:

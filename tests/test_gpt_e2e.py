@@ -7,7 +7,9 @@ One 4-process gloo group runs three trainings of 20 steps on the same global bat
   overlapped (``--no-fcp-overlap``) (dp 1),
 * tp = 2, cp = 1 (Megatron's own attention and TP; dp 2) as the reference for TP rounding,
 * tp = 2, cp = 2 with FCP and 2 blocks per zigzag chunk (``--fcp-block-tokens``), every transfer
-  counted by a CountingTransport (dp 1).
+  counted by a CountingTransport (dp 1),
+* cp = 4 with a head-parallel stage of degree 2 (``--fcp-head-parallel 2``: all-to-all inside
+  each node, the KV stage across the nodes), the KV stage's transfers counted (dp 1).
 
 Losses must agree within 1e-5 relative per step and gradient norms likewise (see
 test_tp2_cp2_matches_cp1 for how TP's own rounding is separated from CP's); no counted transfer
@@ -70,6 +72,12 @@ def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
     out["tp2cp2"]["posted"] = [(p.phase, p.kind, p.transfer.src, p.transfer.dst)
                                for t in counters for p in t.posted]
     out["tp2cp2"]["calls"] = len(counters)
+    counters.clear()  # cp = 4 with a head-parallel stage of degree 2: head groups {0,1}, {2,3} (the nodes)
+    args, fcp = example.parse_args(COMMON + ["--fcp-head-parallel", "2"])
+    out["cp4hp2"] = example.train(args, fcp, transport_factory=counting, log=quiet)
+    out["cp4hp2"]["posted"] = [(p.phase, p.kind, p.transfer.src, p.transfer.dst)
+                               for t in counters for p in t.posted]
+    out["cp4hp2"]["stage_groups"] = sorted({tuple(dist.get_process_group_ranks(t.inner.group)) for t in counters})
     return out
 
 
@@ -78,7 +86,7 @@ def runs(tmp_path_factory, request):
     from megatron_fcp.launch import run_gloo
 
     metrics = str(tmp_path_factory.mktemp("e2e") / "metrics.json")
-    results = run_gloo(_e2e_worker, 4, metrics, timeout_s=420)
+    results = run_gloo(_e2e_worker, 4, metrics, timeout_s=540)
     report = request.config.getoption("--fcp-e2e-metrics")
     if report:  # the version matrix reads the loss differences from here
         with open(report, "w", encoding="utf-8") as fh:
@@ -122,6 +130,27 @@ def test_tp2_cp2_matches_cp1(runs):
     for step, (a, b, c) in enumerate(zip(both["grad_norms"], tp_ref["grad_norms"], ref["grad_norms"])):
         assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs tp=2,cp=1 {b}"
         assert _rel(a, c) <= 5e-5, f"step {step}: grad norm {a} vs tp=1,cp=1 {c}"
+
+
+@pytest.mark.dist
+def test_cp4_head_parallel_2_matches_cp1(runs):
+    """cp = 4 with --fcp-head-parallel 2 on the 2 x 2 topology: an all-to-all inside each node
+    ({0, 1}, {2, 3}) and the KV stage between rail peers across the nodes ({0, 2}, {1, 3}); the
+    same losses and grad norms as cp = 1 within 1e-5."""
+    results, _ = runs
+    ref, hp = results[0]["cp1"], results[0]["cp4hp2"]
+    assert hp["fcp"]["cp"] == 4 and hp["fcp"]["head_parallel"] == 2 and hp["fcp"]["fcp_modules"] == 2
+    assert all(e["head_parallel"] == 2 for e in hp["fcp"]["layers"].values())
+    for step, (a, b) in enumerate(zip(hp["losses"], ref["losses"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
+    for step, (a, b) in enumerate(zip(hp["grad_norms"], ref["grad_norms"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs cp=1 {b}"
+    assert hp["fcp"]["kv_memory"]["head_parallel_bytes_sent"] > 0
+    for rank, r in enumerate(results):
+        stage = (0, 2) if rank % 2 == 0 else (1, 3)
+        assert r["cp4hp2"]["stage_groups"] == [stage]
+        posted = r["cp4hp2"]["posted"]
+        assert posted and all({src, dst} == set(stage) for _, _, src, dst in posted)
 
 
 @pytest.mark.dist

@@ -11,6 +11,9 @@ import importlib
 _LAZY = {
     "fcp_attention": "megatron_fcp.attention.function",
     "fcp_attention_with_lse": "megatron_fcp.attention.function",
+    "fcp_head_parallel_attention": "megatron_fcp.attention.head_parallel",
+    "fcp_head_parallel_attention_with_lse": "megatron_fcp.attention.head_parallel",
+    "create_head_parallel_groups": "megatron_fcp.attention.head_parallel",
     "FCPStats": "megatron_fcp.attention.stats",
     "block_attention_forward": "megatron_fcp.attention.kernels",
     "block_attention_backward": "megatron_fcp.attention.kernels",

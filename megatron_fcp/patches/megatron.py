@@ -289,6 +289,9 @@ class FCPCoreAttention(torch.nn.Module):
         elif packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) != "thd":
             reason = (f"FCPCoreAttention: packed_seq_params with qkv_format="
                       f"{getattr(packed_seq_params, 'qkv_format', None)!r}; FCP packs documents as 'thd'")
+        elif packed_seq_params is not None and _head_parallel_degree() > 1:
+            reason = ("FCPCoreAttention: packed (THD) batches with a head-parallel stage are not supported yet; "
+                      "set --fcp-head-parallel 1 (fcp.head_parallel) for packed training")
         elif self.training and self.dropout_p > 0:
             reason = (f"FCPCoreAttention: attention dropout {self.dropout_p} in training is not supported; "
                       "set --attention-dropout 0")
@@ -313,15 +316,28 @@ class FCPCoreAttention(torch.nn.Module):
             if runtime is None:
                 raise FCPStateError("FCP runtime was reset after this model was built; rebuild the model")
             plan = runtime.plan_for_group(self.cp_group, causal=causal, s_local=s)
-            out, _ = fcp_attention_with_lse(
-                query, key, value, cp_group=self.cp_group, plan=plan, causal=causal,
-                softmax_scale=self.softmax_scale, transport=_transport(runtime, self.cp_group),
-                kernel=runtime.config.kernel, backward_kv=runtime.config.backward_kv,
-                kv_memory_budget=runtime.config.kv_memory_budget, stats=runtime.layer_stats(self.layer_number),
-                timeout_s=runtime.config.timeout_s, check_numerics=runtime.config.check_numerics,
-                agreement=runtime.plan_agreement,
-            )
+            kw = dict(causal=causal, softmax_scale=self.softmax_scale, kernel=runtime.config.kernel,
+                      backward_kv=runtime.config.backward_kv, kv_memory_budget=runtime.config.kv_memory_budget,
+                      stats=runtime.layer_stats(self.layer_number), timeout_s=runtime.config.timeout_s,
+                      check_numerics=runtime.config.check_numerics, agreement=runtime.plan_agreement)
+            hp = runtime.head_parallel(self.cp_group, causal=causal, s_local=s, heads=h, kv_heads=key.shape[2])
+            if hp is None:
+                out, _ = fcp_attention_with_lse(query, key, value, cp_group=self.cp_group, plan=plan,
+                                                transport=_transport(runtime, self.cp_group), **kw)
+            else:  # the head-parallel stage (--fcp-head-parallel > 1): Note in attention.head_parallel
+                from megatron_fcp.attention.head_parallel import fcp_head_parallel_attention  # noqa: PLC0415
+
+                hp_plan, groups = hp
+                stage = None if groups.kv_group is None else _transport(runtime, groups.kv_group)
+                out = fcp_head_parallel_attention(query, key, value, cp_group=self.cp_group, hp_plan=hp_plan,
+                                                  groups=groups, transport=stage, **kw)
         return out.reshape(s, b, h * d)  # [s, b, h*d]
+
+
+def _head_parallel_degree() -> int:
+    """``--fcp-head-parallel`` of the settled runtime (1 without one)."""
+    runtime = current_runtime()
+    return 1 if runtime is None or runtime.layout.cp == 1 else runtime.head_parallel_degree()
 
 
 def _fallback_mode() -> str:

@@ -29,6 +29,8 @@ from megatron_fcp.agreement import AgreementCache, LastAgreed, agree
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.planning import MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
+from megatron_fcp.planning.head_parallel import (HeadParallelPlan, check_head_parallel, consecutive_head_groups,
+                                                 group_placement, relabel_plan)
 from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.topology import TopologyError, load_topology
 from megatron_fcp.topology import detect
@@ -39,6 +41,7 @@ __all__ = [
     "FCPRuntime",
     "resolve_topology",
     "build_group_plan",
+    "build_head_parallel_plan",
     "rank_map_table",
     "setup_fcp",
     "setup_fingerprint",
@@ -145,6 +148,29 @@ def build_group_plan(
     return plan
 
 
+def build_head_parallel_plan(config: FCPConfig, topology: Any, cp_ranks: tuple[int, ...], degree: int, seq_len: int,
+                             *, causal: bool = True, heads: int, kv_heads: int, head_dim: int | None = None,
+                             dtype_bytes: int = 2) -> HeadParallelPlan:
+    """The head-parallel plan of one CP group (Note [Head-parallel stage] in
+    :mod:`megatron_fcp.planning.head_parallel`): head groups of ``degree`` consecutive CP ranks
+    (one node's ranks when CP ranks fill nodes in order) and the KV stage's plan, built with the
+    configured graph on the topology over member 0's stage ranks and the group placement of
+    ``seq_len`` tokens, then relabelled onto virtual ranks (every stage runs the same schedule).
+    ``heads`` / ``kv_heads``: this rank's (per tensor-parallel partition)."""
+    cp_ranks = tuple(cp_ranks)
+    rep = check_head_parallel(heads, kv_heads, degree, len(cp_ranks))
+    groups = consecutive_head_groups(cp_ranks, degree)
+    kv_plan = None
+    if len(groups) > 1:
+        placement = group_placement(cp_ranks, groups, seq_len, causal)
+        stage = tuple(g[0] for g in groups)
+        plan = build_group_plan(config, topology, stage, causal=causal, seq_len=seq_len, heads=heads // degree,
+                                kv_heads=kv_heads * rep // degree, head_dim=head_dim, dtype_bytes=dtype_bytes,
+                                placement=placement)
+        kv_plan = relabel_plan(plan, range(len(groups)))
+    return HeadParallelPlan(cp_ranks, degree, groups, kv_plan, rep)
+
+
 def rank_map_table(layout: MegatronLayout, topology: Any) -> str:
     """Per CP group: CP rank -> global rank -> (node, local rank) on ``topology``."""
     lines = [f"megatron layout world={layout.world} tp={layout.tp} pp={layout.pp} cp={layout.cp} "
@@ -185,6 +211,35 @@ class FCPRuntime:
         return self.stats[layer_number]
     plan_agreement: LastAgreed = field(default_factory=LastAgreed)  # zigzag: first use of a plan variant
     layer_report: dict[int, dict] = field(default_factory=dict)  # layer number -> what serves its attention
+    hp_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> HeadParallelGroups
+    hp_plans: dict[tuple, HeadParallelPlan] = field(default_factory=dict)
+
+    def head_parallel_degree(self) -> int:
+        """The head-parallel degree of this run (``--fcp-head-parallel``; 1: no stage)."""
+        return self.config.head_parallel_degree(self.layout.cp)
+
+    def head_parallel(self, group: Any, *, causal: bool, s_local: int, heads: int, kv_heads: int):
+        """``(HeadParallelPlan, HeadParallelGroups)`` of the live CP group ``group`` (registered by
+        :meth:`plan_for_group`) for this call's shapes, or None without a head-parallel stage.
+        Plans are built once per shape (pure); the groups were created at :func:`setup_fcp`."""
+        from megatron_fcp.attention.head_parallel import HeadParallelGroups  # noqa: PLC0415
+
+        degree = self.head_parallel_degree()
+        if degree == 1:
+            return None
+        ranks = tuple(dist.get_process_group_ranks(group))
+        key = (ranks, bool(causal), int(s_local), int(heads), int(kv_heads))
+        if key not in self.hp_plans:
+            self.hp_plans[key] = build_head_parallel_plan(
+                self.config, self.topology, ranks, degree, s_local * len(ranks), causal=causal, heads=heads,
+                kv_heads=kv_heads, head_dim=self.plan_args.get("head_dim"),
+                dtype_bytes=self.plan_args.get("dtype_bytes", 2))
+        plan = self.hp_plans[key]
+        groups = self.hp_groups.get(ranks) or HeadParallelGroups.of_cp_group(plan, group)
+        if groups is None:
+            raise FCPStateError(f"the head-parallel process groups of CP group {list(ranks)} were not created: "
+                                "call setup_fcp() on every rank of the job (it creates them collectively)")
+        return plan, groups
 
     def report_layer(self, layer: int, fallback_reason: str | None = None, *, cp_group: Any = None) -> dict:
         """Record (and log at INFO, once per layer and state) what serves ``layer``'s CP attention:
@@ -196,7 +251,8 @@ class FCPRuntime:
             entry = {"attention": "fcp", "graph": self.config.graph,
                      "plan": None if plan is None else plan.name,
                      "cp_ranks": None if plan is None else list(plan.ranks),
-                     "rounds": None if plan is None else len(plan.rounds)}
+                     "rounds": None if plan is None else len(plan.rounds),
+                     "head_parallel": self.head_parallel_degree()}
         if self.layer_report.get(layer) != entry:
             self.layer_report[layer] = entry
             if entry["attention"] == "fcp":
@@ -303,7 +359,9 @@ class FCPRuntime:
             return (f"FCP: cp={self.layout.cp}: no CP communication (Megatron's own attention); "
                     f"topology={self.topology.name}")
         head = (f"FCP: graph={plan.name} (asked {self.config.graph}) topology={self.topology.name} "
-                f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}")
+                f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}"
+                + (f" head_parallel={self.head_parallel_degree()} (the KV stage runs its own plan across "
+                   f"head groups)" if self.head_parallel_degree() > 1 else ""))
         return head + "\n" + plan.round_table()
 
 
@@ -348,10 +406,21 @@ def setup_fcp(
         groups=dict(groups or {}),
     )
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
+    degree = config.head_parallel_degree(layout.cp)  # ValueError naming the flag, before anything else
+    if degree > 1 and heads is not None:
+        tp_heads, tp_kv = heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)
+        try:
+            check_head_parallel(tp_heads, tp_kv, degree, layout.cp)
+        except ValueError as exc:
+            raise ValueError(f"--fcp-head-parallel {degree} with {tp_heads} query / {tp_kv} KV heads per "
+                             f"tensor-parallel rank: {exc}") from exc
     if layout.cp > 1:
         for cp_ranks in layout.cp_groups():
             runtime.plans[(cp_ranks, True, parts)] = runtime._build(cp_ranks, True, parts)
         _agree_at_setup(runtime, parts)
+        if 1 < degree < layout.cp and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() == layout.world:
+            _create_head_parallel_groups(runtime, degree)
     _RUNTIME = runtime
     return runtime
 
@@ -390,6 +459,19 @@ def _agree_at_setup(runtime: FCPRuntime, parts: int) -> None:
                   timeout_s=runtime.config.timeout_s)
             logger.info("FCP setup agreed across CP group %s", list(cp_ranks))
             return
+
+
+def _create_head_parallel_groups(runtime: FCPRuntime, degree: int) -> None:
+    """Create every CP group's head groups and KV-stage groups (collective over the whole world:
+    every rank creates every group, in layout order) and keep this rank's."""
+    from megatron_fcp.attention.head_parallel import create_head_parallel_groups  # noqa: PLC0415
+
+    cp_groups = runtime.layout.cp_groups()
+    mine = create_head_parallel_groups([consecutive_head_groups(r, degree) for r in cp_groups],
+                                       timeout_s=runtime.config.timeout_s)
+    runtime.hp_groups = {r: g for r, g in zip(cp_groups, mine) if g is not None}
+    logger.info("FCP head-parallel stage: degree %d, head groups of CP group 0: %s", degree,
+                consecutive_head_groups(cp_groups[0], degree))
 
 
 def _megatron_cp_group() -> Any:

@@ -1,0 +1,430 @@
+"""``fcp_head_parallel_attention``: CP attention with a head-parallel (Ulysses) stage before the KV stage.
+
+The plan is a :class:`~megatron_fcp.planning.head_parallel.HeadParallelPlan` (Note [Head-parallel
+stage] there): ``G = cp / a`` head groups of ``a`` ranks; member ``j`` of a group takes head shard
+``j``; the ranks with the same member index form a KV stage that runs an ordinary FCP plan over the
+groups' tokens.
+
+Note [Head-parallel execution]
+------------------------------
+Zigzag shards in Megatron's layout: q ``[s, b, h, d]``, k/v ``[s, b, h_kv, d]`` (``s = s_local``).
+With ``rep = kv_replication(h_kv, a)`` the KV heads are first repeated to ``H = h_kv * rep``
+(``repeat_interleave``: query head ``i`` keeps KV head ``i // (h / H)``; autograd sums the
+copies' gradients back). Then, per rank of head group ``g``, member ``j``::
+
+    pack   [s, b, a, h/a + 2H/a, d]       q | k | v heads of each shard side by side
+    a2a    shard i -> member i            one all_to_all_single in the head group
+    unpack [a*s, b, h/a | H/a | H/a, d]   every member's s tokens (member order, chunk 0 then 1),
+                                          head shard j only: group_placement's token order
+    KV stage (G > 1): fcp_attention_with_lse over the KV-stage group (kv_stage_ranks(j)) with
+           plan kv_plan_for(j) and placement = its group placement; the batch is folded into the
+           heads, THD [a*s, b*h/a, d] (query b*h/a + i uses KV b*H/a + i // (h/H), GQA intact)
+    local  (G == 1, Ulysses / TE's a2a): the block kernel over the whole sequence at once
+    a2a    out [a*s, b, h/a, d] -> [s, b, h, d] (and lse [b, h/a, a*s] -> [b, h, s] if asked)
+
+Backward is the mirror, by autograd: dO a2a to head shards, the stage's backward (dK/dV reduced
+along the reversed trees), one a2a of dQ|dK|dV back, replicated KV heads summed. Each a2a is one
+autograd function whose backward is the inverse permutation, so every rank issues the same
+collectives in the same order (forward: qkv, [stage], out, lse; backward: dout, [stage], dqkv).
+
+Bytes per rank and direction (E = element size): the Q/K/V a2a sends ``(a-1)/a * s*b*(h + 2H)*d*E``,
+the O a2a ``(a-1)/a * s*b*h*d*E`` (LSE: ``(a-1)/a * s*b*h`` FP32 values when returned); the KV
+stage moves the blocks of the KV plan, one per member's zigzag chunk, ``[2, s/2, b*H/a, d]``: 1/a
+of the heads of ``a`` times the tokens. Replication (rep > 1) multiplies the K/V part of the a2a
+and the KV stage by ``rep``. With ``a = 1`` there is no a2a and the stage is plain FCP over the
+zigzag chunks (as a placement).
+
+Process groups: the head groups and KV-stage groups are created once, on every rank of the world,
+in the same order (``dist.new_group`` is collective): :func:`create_head_parallel_groups`. The
+function takes this rank's two groups as :class:`HeadParallelGroups`; for ``a = cp`` and ``a = 1``
+the CP group itself serves and nothing needs creating.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_fcp.agreement import LastAgreed
+from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, fcp_attention_with_lse
+from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
+from megatron_fcp.attention.kv_memory import RING_BUDGET
+from megatron_fcp.attention.stats import FCPStats
+from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport
+from megatron_fcp.planning.blocks import zigzag_chunk_index
+from megatron_fcp.planning.head_parallel import HeadParallelPlan, check_head_parallel, group_placement
+
+__all__ = [
+    "HeadParallelGroups",
+    "create_head_parallel_groups",
+    "fcp_head_parallel_attention",
+    "fcp_head_parallel_attention_with_lse",
+    "head_parallel_bytes",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# process groups
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadParallelGroups:
+    """This rank's process groups for one :class:`HeadParallelPlan`.
+
+    head_group: the ranks of this rank's head group (``None``: the plan has ``a = 1``, no a2a).
+    kv_group: the ranks of this rank's KV stage, ``kv_stage_ranks(j)`` (``None``: ``G = 1``).
+    """
+
+    head_group: Any
+    kv_group: Any
+
+    @classmethod
+    def of_cp_group(cls, hp_plan: HeadParallelPlan, cp_group: Any) -> "HeadParallelGroups | None":
+        """The groups when the CP group itself serves (``a = 1``: KV stage; ``a = cp``: head
+        group); None for any other degree (create them with :func:`create_head_parallel_groups`)."""
+        if hp_plan.degree == 1:
+            return cls(None, cp_group)
+        if hp_plan.num_groups == 1:
+            return cls(cp_group, None)
+        return None
+
+
+def create_head_parallel_groups(partitions: Sequence[HeadParallelPlan | Sequence[Sequence[int]]], *,
+                                backend: str | None = None,
+                                timeout_s: float | None = None) -> list[HeadParallelGroups | None]:
+    """Create the head-group and KV-stage process groups of every CP group of the job, in the same
+    order on every rank (``dist.new_group`` is a collective of the whole world).
+
+    partitions: per CP group its head groups (``HeadParallelPlan.head_groups``, or the plan itself).
+    Returns, aligned with ``partitions``, this rank's :class:`HeadParallelGroups` (None for a CP
+    group this rank is not in, and for degree 1 or one head group, which create nothing: the CP
+    group serves, :meth:`HeadParallelGroups.of_cp_group`). KV stage ``j`` is member ``j`` of every
+    head group, in head-group order."""
+    kwargs: dict[str, Any] = {}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    rank = dist.get_rank()
+    mine: list[HeadParallelGroups | None] = []
+    for part in partitions:
+        head_groups = tuple(tuple(g) for g in (part.head_groups if isinstance(part, HeadParallelPlan) else part))
+        degree = len(head_groups[0])
+        if degree == 1 or len(head_groups) == 1:
+            mine.append(None)
+            continue
+        head = kv = None
+        for group in head_groups:
+            pg = dist.new_group(list(group), **kwargs)
+            if rank in group:
+                head = pg
+        for j in range(degree):
+            stage = [group[j] for group in head_groups]
+            pg = dist.new_group(stage, **kwargs)
+            if rank in stage:
+                kv = pg
+        mine.append(None if head is None else HeadParallelGroups(head, kv))
+    return mine
+
+
+def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, heads: int, kv_heads: int,
+                        head_dim: int, elem_bytes: int, with_lse: bool = False) -> int:
+    """Bytes one rank sends in the forward all-to-alls of one call: Q|K|V in, O out and, with
+    ``with_lse``, the LSE (in the compute dtype: 8 bytes for FP64 inputs, else 4). The backward
+    sends the same minus the LSE (dO in, dQ|dK|dV out)."""
+    a = hp_plan.degree
+    if a == 1:
+        return 0
+    big_h = kv_heads * check_head_parallel(heads, kv_heads, a, hp_plan.cp)
+    per_shard = s_local * batch * head_dim
+    sent = (a - 1) * per_shard * ((heads + 2 * big_h) // a + heads // a) * elem_bytes
+    lse_bytes = 8 if elem_bytes == 8 else 4
+    return sent + ((a - 1) * s_local * batch * (heads // a) * lse_bytes if with_lse else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the all-to-alls
+# ---------------------------------------------------------------------------------------------
+class _HeadComm:
+    """One head group's all-to-all: member order <-> the group's rank order, bounded waits."""
+
+    def __init__(self, group: Any, members: tuple[int, ...], timeout_s: float, stats: FCPStats | None) -> None:
+        self.group, self.timeout_s, self.stats = group, timeout_s, stats
+        order = tuple(dist.get_process_group_ranks(group))
+        self.a = len(members)
+        self.perm = [members.index(r) for r in order]          # group slot i -> member index
+        self.inv = [self.perm.index(m) for m in range(self.a)]  # member index -> group slot
+        self.identity = self.perm == list(range(self.a))
+        self.gloo = dist.get_backend(group) == "gloo"
+
+    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """x [a, ...] (slot m for member m) -> [a, ...] (slot m received from member m)."""
+        send = (x if self.identity else x[self.perm]).contiguous()
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        try:
+            ok = work.wait(timeout=timedelta(seconds=self.timeout_s)) if self.gloo else work.wait()
+        except RuntimeError as exc:
+            raise CommTimeout(f"head-parallel all-to-all ({what}) over ranks {dist.get_process_group_ranks(self.group)} "
+                              f"failed or did not complete within {self.timeout_s:g} s ({exc}); is every rank of "
+                              f"the head group alive and running the same layer?") from exc
+        if ok is False:
+            raise CommTimeout(f"head-parallel all-to-all ({what}) failed")
+        if self.stats is not None:
+            self.stats.head_parallel_bytes_sent += (self.a - 1) * send[0].numel() * send.element_size()
+        return recv if self.identity else recv[self.inv]
+
+    def to_heads(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """x [s, b, a, w, d] (w = sum(widths): shard m's heads) -> [a*s, b, w, d]: all members'
+        tokens (member order) for this member's head shard."""
+        s, b, a, w, d = x.shape
+        y = self.exchange(x.permute(2, 0, 1, 3, 4), what)                       # [a, s, b, w, d]
+        return y.reshape(a * s, b, w, d)
+
+    def to_seq(self, y: torch.Tensor, what: str) -> torch.Tensor:
+        """y [a*s, b, w, d] (this member's heads, all members' tokens) -> [s, b, a*w, d]."""
+        n, b, w, d = y.shape
+        x = self.exchange(y.view(self.a, n // self.a, b, w, d), what)          # [a (shard), s, b, w, d]
+        return x.permute(1, 2, 0, 3, 4).reshape(n // self.a, b, self.a * w, d)
+
+
+class _QKVToHeads(torch.autograd.Function):
+    """q [s,b,h,d], k/v [s,b,H,d] -> [a*s, b, h/a | H/a | H/a, d] of this member's head shard;
+    backward: one a2a of dq|dk|dv back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm: _HeadComm):
+        s, b, h, d = q.shape
+        a, big_h = comm.a, k.shape[2]
+        ctx.comm, ctx.widths = comm, (h // a, big_h // a, big_h // a)
+        packed = torch.cat([x.reshape(s, b, a, x.shape[2] // a, d) for x in (q, k, v)], dim=3)  # [s,b,a,w,d]
+        y = comm.to_heads(packed, "q|k|v forward")                  # [a*s, b, w, d]
+        ctx.shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
+        return tuple(t.contiguous() for t in torch.split(y, ctx.widths, dim=2))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        n, b, _, d = ctx.shape
+        grads = [g if g is not None else torch.zeros(n, b, w, d, dtype=ctx.dtype, device=ctx.device)
+                 for g, w in zip((dq, dk, dv), ctx.widths)]
+        x = ctx.comm.to_seq(torch.cat(grads, dim=2), "dq|dk|dv backward")     # [s, b, a*w, d]
+        s, b, _, d = x.shape
+        x = x.view(s, b, ctx.comm.a, sum(ctx.widths), d)
+        parts = torch.split(x, ctx.widths, dim=3)                               # [s, b, a, w_i, d]
+        return (*(p.reshape(s, b, -1, d) for p in parts), None)
+
+
+class _OutToSeq(torch.autograd.Function):
+    """out [a*s, b, h/a, d] -> [s, b, h, d]; backward: dout to head shards."""
+
+    @staticmethod
+    def forward(ctx, out, comm: _HeadComm):
+        ctx.comm = comm
+        return comm.to_seq(out, "out forward")
+
+    @staticmethod
+    def backward(ctx, dout):
+        s, b, h, d = dout.shape
+        a = ctx.comm.a
+        return ctx.comm.to_heads(dout.reshape(s, b, a, h // a, d), "dout backward"), None
+
+
+# ---------------------------------------------------------------------------------------------
+# G == 1: attention over the whole sequence on this rank (Ulysses)
+# ---------------------------------------------------------------------------------------------
+class _LocalAttention(torch.autograd.Function):
+    """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, causal: bool, scale: float):
+        hk = k.shape[2]
+        out, lse = kernel.forward(q, k, v, pos, pos, causal, scale, **kernel.prepare_forward(q, hk, scale))
+        ctx.kernel, ctx.pos, ctx.causal, ctx.scale = kernel, pos, causal, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        kern, pos = ctx.kernel, ctx.pos
+        doc = dout.to(compute_dtype_for(q.dtype))
+        dq, dk, dv = kern.backward(doc, q, k, v, out, lse, pos, pos, ctx.causal, ctx.scale,
+                                   **kern.prepare_backward(q, doc, out, k.shape[2]))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _group_positions(hp_plan: HeadParallelPlan, group: tuple[int, ...], s_local: int) -> torch.Tensor:
+    """Global positions (int64 [a*s_local]) of a head group's tokens: members in order, each
+    member's zigzag chunk 0 then chunk 1 (group_placement's order)."""
+    chunk, cp = s_local // 2, hp_plan.cp
+    ar = torch.arange(chunk, dtype=torch.int64)
+    return torch.cat([ar + zigzag_chunk_index(hp_plan.ranks.index(m), c, cp) * chunk for m in group for c in (0, 1)])
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (before any communication) and the entry points
+# ---------------------------------------------------------------------------------------------
+def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [s_local, b, heads, head_dim], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"q, k, v must share one dtype of {[str(d) for d in _DTYPES]}, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
+    s, b, h, d = q.shape
+    if k.shape != v.shape or k.shape[:2] != (s, b) or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [s_local, b, h_kv, d] with "
+                         f"q's s_local, b and d ({tuple(q.shape)})")
+    if not isinstance(hp_plan, HeadParallelPlan):
+        raise ValueError(f"hp_plan must be a megatron_fcp.planning.head_parallel.HeadParallelPlan, got "
+                         f"{type(hp_plan).__name__}")
+    h_kv = k.shape[2]
+    if h_kv < 1 or h % h_kv:
+        raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); fix "
+                         f"num_query_groups")
+    rep = check_head_parallel(h, h_kv, hp_plan.degree, hp_plan.cp)
+    if hp_plan.kv_replication != rep:
+        raise ValueError(f"hp_plan was built with kv_replication={hp_plan.kv_replication} but h={h}, h_kv={h_kv} "
+                         f"at degree {hp_plan.degree} need {rep}; build it with kv_replication="
+                         f"check_head_parallel(h, h_kv, degree, cp)")
+    if s % 2:
+        raise ValueError(f"local sequence length {s} must be even (two zigzag chunks); pad the global sequence "
+                         f"to a multiple of 2*cp = {2 * hp_plan.cp}")
+    kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=d)
+    if hp_plan.num_groups > 1 and not getattr(kernel_obj, "documents", False):
+        raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents), which the "
+                         f"KV stage's placement needs; use kernel='auto' (or any fused kernel, or 'math')")
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("torch.distributed is not initialised; call dist.init_process_group first")
+    if cp_group is None:
+        raise ValueError("cp_group is required (e.g. parallel_state.get_context_parallel_group())")
+    ranks, rank = tuple(dist.get_process_group_ranks(cp_group)), dist.get_rank()
+    if ranks != hp_plan.ranks:
+        raise ValueError(f"hp_plan ranks {list(hp_plan.ranks)} are not the CP group's ranks {list(ranks)} (CP order); "
+                         f"build the plan from dist.get_process_group_ranks(cp_group)")
+    if rank not in ranks:
+        raise ValueError(f"this rank {rank} is not in cp_group {list(ranks)}; pass this rank's CP group")
+    g, j = hp_plan.position(rank)
+    if hp_plan.kv_plan is not None:
+        kv_plan = hp_plan.kv_plan
+        if kv_plan.causal != causal:
+            raise ValueError(f"hp_plan's KV-stage plan was built with causal={kv_plan.causal} but attention runs with "
+                             f"causal={causal}; rebuild it with causal={causal}")
+        want = group_placement(ranks, hp_plan.head_groups, s * hp_plan.cp, causal)
+        if kv_plan.placement != want:
+            raise ValueError(f"hp_plan's KV-stage plan is not over group_placement(ranks, head_groups, seq_len="
+                             f"{s * hp_plan.cp}, causal={causal}) (this call's sequence); rebuild it for this "
+                             f"sequence length")
+    groups = groups if groups is not None else HeadParallelGroups.of_cp_group(hp_plan, cp_group)
+    if groups is None:
+        raise ValueError(f"head-parallel degree {hp_plan.degree} of cp={hp_plan.cp} needs its own process groups: "
+                         f"create them on every rank with create_head_parallel_groups([...every CP group's plan]) "
+                         f"and pass groups=")
+    if hp_plan.degree > 1 and set(dist.get_process_group_ranks(groups.head_group)) != set(hp_plan.head_groups[g]):
+        raise ValueError(f"groups.head_group has ranks {dist.get_process_group_ranks(groups.head_group)}, not this "
+                         f"rank's head group {list(hp_plan.head_groups[g])}")
+    if hp_plan.kv_plan is not None:
+        stage = hp_plan.kv_stage_ranks(j)
+        got = tuple(dist.get_process_group_ranks(groups.kv_group))
+        if got != stage:
+            raise ValueError(f"groups.kv_group has ranks {list(got)} but this rank's KV stage is {list(stage)} (in head "
+                             f"group order; process groups order ranks ascending, so head groups must be listed "
+                             f"in ascending order of their members)")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return rank, g, j, rep, scale, kernel_obj, groups
+
+
+def fcp_head_parallel_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, hp_plan: HeadParallelPlan,
+    groups: HeadParallelGroups | None = None, causal: bool = True, softmax_scale: float | None = None,
+    kernel: str | BlockKernel = "auto", transport: Transport | None = None, stats: FCPStats | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
+    agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False, return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact attention of this rank's zigzag shard through the head-parallel stage.
+
+    q [s_local, b, h, d]; k, v [s_local, b, h_kv, d] (Megatron's zigzag shard, the same shapes on
+    every rank). hp_plan: over ``dist.get_process_group_ranks(cp_group)``; its KV-stage plan over
+    ``group_placement(ranks, head_groups, s_local * cp, causal)`` and ``kv_replication`` matching
+    the head counts (:func:`~megatron_fcp.planning.head_parallel.check_head_parallel`). groups:
+    this rank's process groups (:func:`create_head_parallel_groups`; not needed for ``a = 1`` or
+    ``a = cp``). transport / backward_kv / kv_memory_budget / stats: the KV stage's, as in
+    :func:`~megatron_fcp.attention.function.fcp_attention_with_lse` (stats also counts the
+    all-to-all bytes). Returns out [s_local, b, h, d] in q's dtype (differentiable in q, k, v) and
+    lse [b, h, s_local] (FP32, FP64 for FP64 inputs), or None with ``return_lse=False``. Raises
+    ValueError naming the fix before any communication on bad input.
+    """
+    rank, g, j, rep, scale, kern, groups = _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale,
+                                                     kernel)
+    if agreement is not None and hp_plan.degree > 1:
+        kv = hp_plan.kv_plan
+        agreement.ensure({
+            "shape": (tuple(q.shape), tuple(k.shape)), "dtype": str(q.dtype), "causal": causal,
+            "softmax_scale": scale, "kernel": kern.name, "return_lse": return_lse,
+            "head_parallel": (hp_plan.ranks, hp_plan.degree, hp_plan.head_groups, hp_plan.kv_replication),
+            "kv_plan": None if kv is None else (kv.name, kv.ranks, kv.rounds),
+        }, cp_group, what="fcp head-parallel attention", timeout_s=timeout_s)
+    s, b, h, d = q.shape
+    a = hp_plan.degree
+    if hp_plan.cp == 1:  # nothing to distribute
+        out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), causal, scale)
+    elif a == 1:  # no head-parallel stage: the KV stage over the CP group on the zigzag placement
+        out3, lse = fcp_attention_with_lse(
+            q.reshape(s, b * h, d), k.reshape(s, b * k.shape[2], d), v.reshape(s, b * v.shape[2], d),
+            cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
+            transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern,
+            placement=hp_plan.kv_plan.placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
+            agreement=agreement)
+        out, lse = out3.view(s, b, h, d), lse.view(b, h, s)
+    else:
+        if rep > 1:  # GQA with h_kv not divisible by a: repeat each KV head (grads summed back)
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)   # [s, b, H, d]
+        comm = _HeadComm(groups.head_group, hp_plan.head_groups[g], timeout_s, stats)
+        qs, ks, vs = _QKVToHeads.apply(q, k, v, comm)                # [a*s, b, h/a | H/a | H/a, d]
+        n, hq, hk = a * s, h // a, k.shape[2] // a
+        if hp_plan.kv_plan is None:  # G == 1: the whole sequence is here for h/a heads
+            pos = _group_positions(hp_plan, hp_plan.head_groups[g], s)
+            o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, causal, scale)
+        else:
+            plan_j = hp_plan.kv_plan_for(j)
+            o3, l3 = fcp_attention_with_lse(
+                qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d), cp_group=groups.kv_group,
+                plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
+                timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
+                kv_memory_budget=kv_memory_budget, agreement=agreement)
+            o_st, l_st = o3.view(n, b, hq, d), l3.view(b, hq, n)      # [a*s, b, h/a, d], [b, h/a, a*s]
+        out = _OutToSeq.apply(o_st, comm)                               # [s, b, h, d]
+        lse = None
+        if return_lse:
+            with torch.no_grad():
+                lse = comm.to_seq(l_st.permute(2, 0, 1).unsqueeze(-1), "lse forward")    # [s, b, h, 1]
+                lse = lse.squeeze(-1).permute(1, 2, 0).contiguous()                       # [b, h, s]
+    if check_numerics:
+        check_finite(out, lse if lse is not None else torch.zeros(()),
+                     f"FCP head-parallel attention forward on rank {rank} (degree {a})")
+    return out, lse
+
+
+def fcp_head_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
+                                hp_plan: HeadParallelPlan, groups: HeadParallelGroups | None = None,
+                                causal: bool = True, softmax_scale: float | None = None,
+                                kernel: str | BlockKernel = "auto", **kwargs: Any) -> torch.Tensor:
+    """Like :func:`fcp_head_parallel_attention_with_lse` but returns only ``out`` [s_local, b, h, d]
+    (the LSE is not sent back)."""
+    out, _ = fcp_head_parallel_attention_with_lse(q, k, v, cp_group=cp_group, hp_plan=hp_plan, groups=groups,
+                                                  causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+                                                  return_lse=False, **kwargs)
+    return out

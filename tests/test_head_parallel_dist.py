@@ -1,0 +1,118 @@
+"""The head-parallel stage (attention.head_parallel) on a real 4-process gloo world, cp = 4.
+
+Degrees a = 2 (two head groups, KV stage over two virtual ranks) and a = 4 (one head group: plain
+Ulysses, attention local over the whole sequence), plus a = 1 (no all-to-all, the KV stage over
+the zigzag placement). MHA and GQA including h_kv = 1 and h_kv not divisible by a (KV heads
+replicated: h = 6, h_kv = 3 at a = 2; h = 8, h_kv = 2 / 1 and h = 12, h_kv = 3 at a = 4), causal
+and not; KV-stage plans full_plan, and build_plan's ring and hierarchical graphs over the group
+placement. Tolerances as tests/test_attention_dist.py: FP64 <= 1e-12 and FP32 <= 1e-5 (times
+max(1, max|ref|)); BF16 by the 2x rule (error <= 2 x plain BF16 PyTorch attention's error + the
+rounding slack) and a 2^-6 relative cap. The KV stage's transfers are counted against its plan,
+the all-to-all bytes against head_parallel_bytes, and bad input must be refused before any
+communication.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _head_parallel_cases import QUANTITIES, Case, worker  # noqa: E402
+
+from megatron_fcp.launch import run_gloo  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+HEADS = {2: ((4, 4), (8, 2), (4, 1), (6, 3)), 4: ((8, 8), (8, 2), (8, 1), (12, 3))}
+CASES = [
+    Case(a, "full", causal, heads, dtype)
+    for a in (2, 4) for heads in HEADS[a] for causal in (True, False) for dtype in ("fp64", "fp32", "bf16")
+] + [  # compiled KV-stage plans over the group placement
+    Case(2, kv, causal, (4, 2), dtype)
+    for kv in ("ring", "hierarchical", "auto") for causal in (True, False) for dtype in ("fp64", "fp32")
+] + [  # a = 1: no head-parallel stage, the KV stage over the zigzag placement
+    Case(1, kv, causal, (4, 2), "fp64") for kv in ("full", "ring") for causal in (True, False)
+] + [  # head groups (1, 0), (3, 2): member order is not the process groups' rank order
+    Case(2, "full", causal, (4, 1), "fp64", swapped=True) for causal in (True, False)
+] + [  # the fused CPU flash block kernel in the KV stage (a = 2) and over the whole sequence (a = 4)
+    Case(a, "full", True, heads, dtype, kernel="cpu-flash")
+    for a, heads in ((2, (6, 3)), (4, (8, 2))) for dtype in ("fp32", "bf16")
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_gloo(worker, 4, CASES, timeout_s=480)
+
+
+def _max(per_rank, name, key):
+    return {n: max(r[name][key][n] for r in per_rank) for n in QUANTITIES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_matches_fp64_reference(results, case):
+    err, ref = _max(results, case.name, "err"), _max(results, case.name, "ref_max")
+    assert all(r[case.name]["finite"] for r in results), "NaN/inf in out, lse or grads"
+    dtypes = results[0][case.name]["dtypes"]
+    want = {"fp64": "torch.float64", "fp32": "torch.float32", "bf16": "torch.bfloat16"}[case.dtype]
+    assert dtypes["out"] == dtypes["dq"] == dtypes["dk"] == dtypes["dv"] == want
+    assert dtypes["lse"] == ("torch.float64" if case.dtype == "fp64" else "torch.float32")
+    if case.dtype in ("fp64", "fp32"):
+        tol = 1e-12 if case.dtype == "fp64" else 1e-5
+        for n in QUANTITIES:
+            assert err[n] <= tol * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
+    else:
+        base, atol = _max(results, case.name, "base_err"), _max(results, case.name, "atol")
+        for n in QUANTITIES:
+            assert err[n] <= 2 * base[n] + atol[n], f"{n}: {err[n]:.3g} > 2 x plain BF16 {base[n]:.3g} + {atol[n]:.3g}"
+            assert err[n] <= 2 ** -6 * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.degree != 4], ids=lambda c: c.name)
+def test_kv_stage_runs_exactly_its_plan(results, case):
+    for rank, r in enumerate(results):
+        posted, want = r[case.name]["stage_posts"]
+        assert posted == want and want > 0, f"rank {rank}: {posted} posts, the KV-stage plan lists {want}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_all_to_all_bytes(results, case):
+    from megatron_fcp.attention.head_parallel import head_parallel_bytes
+    from _head_parallel_cases import make_hp_plan  # noqa: PLC0415
+
+    h, hk = case.heads
+    s_local, elem = 2 * case.tokens, {"fp64": 8, "fp32": 4, "bf16": 2}[case.dtype]
+    hp = make_hp_plan((0, 1, 2, 3), case.degree, 4 * s_local, case.causal, "full", h, hk, swapped=case.swapped)
+    fwd = head_parallel_bytes(hp, s_local, 2, h, hk, 8, elem)
+    fwd_lse = head_parallel_bytes(hp, s_local, 2, h, hk, 8, elem, with_lse=True)
+    assert all(r[case.name]["a2a_bytes"] == fwd_lse + fwd for r in results)  # forward (+ LSE) and backward
+    assert (fwd > 0) == (case.degree > 1)
+
+
+def test_out_only_entry_point_matches(results):
+    checked = [r[c.name]["out_only_equal"] for c in CASES for r in results if "out_only_equal" in r[c.name]]
+    assert len(checked) == 4 * sum(c.dtype == "fp64" for c in CASES) and all(checked)
+
+
+def test_groups_are_the_plans(results):
+    assert [r["groups"] for r in results] == [{"head": [0, 1], "kv": [0, 2]}, {"head": [0, 1], "kv": [1, 3]},
+                                              {"head": [2, 3], "kv": [0, 2]}, {"head": [2, 3], "kv": [1, 3]}]
+
+
+def test_bad_input_raises_before_any_communication(results):
+    """Each refusal is a ValueError naming the fix; the bad calls run first on every rank, so any
+    communication before a refusal would have derailed every case after them."""
+    for r in results:
+        for name, (msg, expect) in r["bad_inputs"].items():
+            assert msg.startswith(("ValueError", "PlanError")), f"{name}: {msg}"
+            assert re.search(expect, msg), f"{name}: {msg!r} does not mention {expect!r}"
+
+
+def test_bounded_all_to_all_wait_names_the_head_group(results):
+    msg = results[0]["timeout"]
+    assert msg is not None and "head-parallel all-to-all (probe) over ranks [0, 1]" in msg, msg
+    assert "did not complete within 0.5 s" in msg, msg

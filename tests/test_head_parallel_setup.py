@@ -1,0 +1,98 @@
+"""The head-parallel stage's configuration: FCPConfig.head_parallel, --fcp-head-parallel, setup
+errors before any communication, the runtime's plan builder, and the packed-batch refusal.
+(Numerics: tests/test_head_parallel_dist.py; Megatron end to end: tests/test_gpt_e2e.py.)"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_fcp.config import FCPConfig
+from megatron_fcp.patches.args import add_fcp_args, fcp_config_from_args
+from megatron_fcp.patches.runtime import build_head_parallel_plan, reset_fcp, setup_fcp
+from megatron_fcp.planning import MegatronLayout
+from megatron_fcp.planning.head_parallel import group_placement
+from megatron_fcp.topology import load_topology
+
+
+@pytest.fixture(autouse=True)
+def _no_runtime():
+    reset_fcp()
+    yield
+    reset_fcp()
+
+
+def test_config_values_flag_and_yaml(tmp_path):
+    assert FCPConfig().head_parallel == "auto" and FCPConfig().head_parallel_degree(8) == 1  # auto = 1 for now
+    assert FCPConfig(head_parallel=2).head_parallel_degree(8) == 2
+    parser = add_fcp_args(argparse.ArgumentParser())
+    assert fcp_config_from_args(parser.parse_args(["--fcp-head-parallel", "4"])).head_parallel == 4
+    assert fcp_config_from_args(parser.parse_args(["--fcp-head-parallel", "auto"])).head_parallel == "auto"
+    path = tmp_path / "fcp.yaml"
+    path.write_text("fcp:\n  enabled: true\n  head_parallel: 2\n")
+    assert FCPConfig.from_yaml(str(path)).head_parallel == 2
+    assert "head_parallel: 2" in FCPConfig(head_parallel=2).to_yaml()
+    for bad in (0, -2, "two", True, 1.5):
+        with pytest.raises(ValueError, match=r"--fcp-head-parallel \(fcp.head_parallel\) must be an integer >= 1 or auto"):
+            FCPConfig(head_parallel=bad)
+    with pytest.raises(ValueError, match=r"--fcp-head-parallel 3 \(fcp.head_parallel\) must divide the context-parallel size 4"):
+        FCPConfig(head_parallel=3).head_parallel_degree(4)
+
+
+def test_setup_refuses_a_bad_degree_before_anything():
+    cfg = FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=3)
+    with pytest.raises(ValueError, match="--fcp-head-parallel 3 .*must divide the context-parallel size 4"):
+        setup_fcp(cfg, layout=MegatronLayout(world=4, cp=4), groups={}, seq_len=64)
+    cfg = cfg.replace(head_parallel=4)
+    with pytest.raises(ValueError, match="--fcp-head-parallel 4 with 6 query / 6 KV heads per tensor-parallel rank"):
+        setup_fcp(cfg, layout=MegatronLayout(world=4, cp=4), groups={}, seq_len=64, heads=6, kv_heads=6)
+    # tp = 2 halves the heads each rank sees: 8 heads / tp 2 = 4, fine for a = 2; 4 / 2 = 2 is not for a = 4
+    ok = setup_fcp(cfg.replace(head_parallel=2), layout=MegatronLayout(world=8, tp=2, cp=4), groups={},
+                   seq_len=64, heads=8, kv_heads=2)
+    assert ok.head_parallel_degree() == 2
+    with pytest.raises(ValueError, match="with 2 query / 1 KV heads per tensor-parallel rank"):
+        setup_fcp(cfg.replace(head_parallel=4), layout=MegatronLayout(world=8, tp=2, cp=4), groups={},
+                  seq_len=64, heads=4, kv_heads=2)
+
+
+def test_runtime_plan_builder():
+    topo = load_topology("dgx-h100:2")  # 2 nodes x 8: CP ranks 4..11 straddle the nodes
+    ranks = tuple(range(4, 12))
+    cfg = FCPConfig(enabled=True, graph="hierarchical")
+    hp = build_head_parallel_plan(cfg, topo, ranks, 4, 64, causal=True, heads=8, kv_heads=2)
+    assert hp.head_groups == ((4, 5, 6, 7), (8, 9, 10, 11)) and hp.kv_replication == 2
+    assert hp.kv_plan.ranks == (0, 1) and hp.kv_plan.placement == group_placement(ranks, hp.head_groups, 64, True)
+    assert hp.kv_plan_for(3).ranks == (7, 11)
+    hp.kv_plan_for(3).verify()
+    whole = build_head_parallel_plan(cfg, topo, ranks, 8, 64, causal=False, heads=8, kv_heads=8)
+    assert whole.kv_plan is None and whole.num_groups == 1
+    none = build_head_parallel_plan(cfg, topo, ranks, 1, 64, causal=True, heads=8, kv_heads=8)
+    assert none.kv_plan.ranks == tuple(range(8)) and len(none.kv_plan.placement.blocks[0]) == 2
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_packed_batches_with_the_stage_are_refused_naming_the_flag():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_fcp.patches.megatron import FCPCoreAttention
+
+    setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=2), layout=MegatronLayout(world=2, cp=2),
+              groups={}, seq_len=64)
+    cfg = SimpleNamespace(num_attention_heads=4, num_query_groups=None, kv_channels=8, hidden_size=32,
+                          attention_dropout=0.0, window_size=None, softmax_type="vanilla", context_parallel_size=2,
+                          params_dtype=torch.float32)
+    att = FCPCoreAttention(config=cfg, layer_number=1, attn_mask_type=None,
+                           pg_collection=SimpleNamespace(cp=_Group(2), tp=_Group(1)))
+    q = torch.zeros(4, 4, 8)
+    with pytest.raises(NotImplementedError, match="packed .THD. batches with a head-parallel stage.*--fcp-head-parallel 1"):
+        att(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
