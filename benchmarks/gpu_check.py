@@ -362,24 +362,44 @@ def section_harness(device, dtypes) -> list[dict] | dict:
 
 
 def section_gpt(device, timeout_s: int = 240) -> dict:
-    """The tiny GPT example on CUDA: cp = 1 against FCP cp = 4 on one GPU is not possible (one
-    process per rank needs a GPU each with NCCL), so: FCP with cp = 1 vs Megatron's own attention,
-    a few steps, losses side by side."""
+    """The tiny GPT example on one GPU: cp = 1 (Megatron's own attention, one process) against FCP at
+    cp = 4 (four processes sharing the GPU over gloo, KV staged through host memory: NCCL refuses
+    two ranks on one GPU), a few steps in FP32 (memory-efficient kernel) and BF16 (FlashAttention),
+    losses side by side."""
     import importlib.util
     import subprocess
+    import tempfile
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         return {"skipped": "megatron-core is not importable (carry its wheel, see gpu_check.sh)"}
     here = os.path.dirname(os.path.abspath(__file__))
     script = os.path.join(here, "..", "examples", "pretrain_gpt_fcp.py")
-    res = {}
-    for label, extra in (("megatron", ["--no-fcp"]), ("fcp", [])):
-        cmd = [sys.executable, script, "--device", "cuda", "--steps", "4", *extra]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            res[label] = {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
-        except subprocess.TimeoutExpired:
-            res[label] = {"rc": None, "tail": f"timed out after {timeout_s} s"}
+    config = os.path.join(here, "..", "examples", "configs", "tiny_cpu_cp4.yaml")
+    common = ["--config", config, "--device", "cuda", "--dist-backend", "gloo", "--train-iters", "6",
+              "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "256", "--fcp-kernel", "auto"]
+    res: dict = {}
+    for precision in ("fp32", "bf16"):
+        extra = ["--bf16"] if precision == "bf16" else []
+        runs = {}
+        for label, nproc, flags in (("cp1_megatron", 1, ["--context-parallel-size", "1", "--no-fcp"]),
+                                    ("cp4_fcp", 4, ["--context-parallel-size", "4"])):
+            path = os.path.join(tempfile.mkdtemp(), "metrics.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   script, *common, *flags, *extra, "--metrics-json", path]
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                run = {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-1500:]}
+                if p.returncode == 0 and os.path.exists(path):
+                    with open(path) as f:
+                        m = json.load(f)
+                    run.update(losses=m["losses"], grad_norms=m["grad_norms"], kernel=m.get("fcp", {}).get("kernel"))
+            except subprocess.TimeoutExpired:
+                run = {"rc": None, "tail": f"timed out after {timeout_s} s"}
+            runs[label] = run
+        a, b = runs["cp1_megatron"].get("losses"), runs["cp4_fcp"].get("losses")
+        if a and b:
+            runs["max_loss_rel_diff"] = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+        res[precision] = runs
     return res
 
 
