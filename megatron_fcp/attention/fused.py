@@ -180,10 +180,13 @@ class FusedPiecesKernel(BlockKernel):
         ouc = out.to(od) if out_c is None else out_c                             # [n, b, h, d]
         kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
         lse = lse.to(torch.float32) if od != torch.float64 else lse              # [b, h, n]
-        dq = torch.zeros(n, b, h, d, dtype=cd, device=q.device)
-        dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
+        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        dq = torch.empty(n, b, h, d, dtype=cd, device=q.device)                  # every row written once
+        for a, z in _gaps([(p[0], p[1]) for p in pieces], n):
+            dq[a:z] = 0.0
+        dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)                 # pieces add into key ranges
         dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
-        for kind, pieces in self._groups(flash_pieces(q_pos, k_pos, causal, q_doc, k_doc), ops, b):
+        for kind, pieces in self._groups(pieces, ops, b):
             if kind == MATH:
                 for a, z, _, _, _ in pieces:
                     g = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z].to(cd), q_pos[a:z],
