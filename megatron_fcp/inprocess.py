@@ -231,7 +231,7 @@ class InProcessGroup:
         if stuck:
             self.fail(None, CommTimeout(f"virtual ranks {stuck} did not finish within {timeout_s:g} s"))
             for t in threads:
-                t.join(5.0)
+                t.join(1.0)  # ranks blocked in a wait leave at once; one stuck in compute is left behind
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         own = [(i, e) for i, e in sorted(errors.items()) if not isinstance(e, RankFailed)]
