@@ -162,7 +162,14 @@ def harness_attention(
         return RankResult(h.rank, h.index, out, lse, *grads, transport=tr, stats=st, backward_kv=ex.backward_kv,
                           kept_bytes=kept_bytes)
 
-    return HarnessResult(group.run(one_rank, timeout_s=timeout_s * 4), placement)
+    results = group.run(one_rank, timeout_s=timeout_s * 4)
+    if device.type == "cuda":  # made on the ranks' streams, used on the caller's from now on
+        caller = torch.cuda.current_stream(device)
+        for r in results:
+            for x in r.tensors().values():
+                if x is not None:
+                    x.record_stream(caller)
+    return HarnessResult(results, placement)
 
 
 # ---------------------------------------------------------------------------------------------
