@@ -45,6 +45,16 @@ class Case:
                 + (f"-{self.kernel}" if self.kernel != "math" else ""))
 
 
+# the process-group path: every kind of case once (cp 4 / 2, ring / full, parts, both kernels, BF16 extreme)
+GLOO_CASES = [
+    Case("cp4", "ring", True, (4, 2), "fp64"),
+    Case("cp2", "full", False, (4, 4), "fp32"),
+    Case("cp2", "ring", True, (4, 2), "fp32", parts=2),
+    Case("cp4", "full", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
+    Case("cp2", "ring", True, (4, 2), "bf16", parts=2, kernel="cpu-flash"),
+]
+
+
 def _inputs(case: Case, cp: int):
     """Global q, k, v, dout [s, b, h(_kv), d] in the case dtype (same on every rank)."""
     h, hk = case.heads

@@ -54,6 +54,15 @@ class ThdCase:
                 f"h{self.heads[0]}kv{self.heads[1]}-{self.dtype}-{self.kernel}")
 
 
+# the process-group path: relays, a compiled plan in BF16, cp = 2 side by side with isolation, cp = 3
+GLOO_CASES = [
+    ThdCase("cp4", "mix", "hier", True, "bf16"),
+    ThdCase("cp4", "twelve", "relay", False, "fp64"),
+    ThdCase("cp2", "mix", "full", True, "fp64", isolate=True),
+    ThdCase("cp3", "one", "full-plan", True, "bf16", kernel="cpu-flash"),
+]
+
+
 def _packed(case: ThdCase, salt: str = ""):
     """Packed q, k, v, dout [T, h(_kv), d] in FP64 (same on every rank)."""
     h, hk = case.heads

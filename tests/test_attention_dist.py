@@ -31,9 +31,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import _harness_cases  # noqa: E402
 import torch  # noqa: E402
-from _attention_cases import QUANTITIES, Case, harness_case, worker  # noqa: E402
+from _attention_cases import GLOO_CASES, QUANTITIES, Case, harness_case  # noqa: E402
 
-from megatron_fcp.launch import run_gloo  # noqa: E402
 
 CASES = [
     Case(group, plan, causal, heads, dtype)
@@ -57,21 +56,14 @@ CASES = [
 ]
 
 
-# the process-group path: every kind of case once (cp 4 / 2, ring / full, parts, both kernels, BF16 extreme)
-GLOO_CASES = [
-    Case("cp4", "ring", True, (4, 2), "fp64"),
-    Case("cp2", "full", False, (4, 4), "fp32"),
-    Case("cp2", "ring", True, (4, 2), "fp32", parts=2),
-    Case("cp4", "full", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
-    Case("cp2", "ring", True, (4, 2), "bf16", parts=2, kernel="cpu-flash"),
-]
 assert set(GLOO_CASES) <= set(CASES)
 
 
 @pytest.fixture(scope="module")
-def gloo():
-    """Per rank: {case name: report} for GLOO_CASES, the probes, and the bit-for-bit cases."""
-    return run_gloo(worker, 4, GLOO_CASES, timeout_s=240)
+def gloo(gloo_attention_world):
+    """Per rank: {case name: report} for GLOO_CASES, the probes, and the bit-for-bit cases (from
+    the gloo world these tests share: tests/_gloo_world.py)."""
+    return [r["dist"] for r in gloo_attention_world]
 
 
 @pytest.fixture(scope="module")

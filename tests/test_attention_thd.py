@@ -19,9 +19,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _thd_cases import QUANTITIES, ThdCase, harness_case, worker  # noqa: E402
+from _thd_cases import GLOO_CASES, QUANTITIES, ThdCase, harness_case  # noqa: E402
 
-from megatron_fcp.launch import run_gloo  # noqa: E402
 
 C = ThdCase
 CASES = [
@@ -57,20 +56,14 @@ CASES = [
 ]
 
 
-# the process-group path: relays, a compiled plan in BF16, cp = 2 side by side with isolation, cp = 3
-GLOO_CASES = [
-    C("cp4", "mix", "hier", True, "bf16"),
-    C("cp4", "twelve", "relay", False, "fp64"),
-    C("cp2", "mix", "full", True, "fp64", isolate=True),
-    C("cp3", "one", "full-plan", True, "bf16", kernel="cpu-flash"),
-]
 assert set(GLOO_CASES) <= set(CASES)
 _DIST = pytest.mark.dist  # tests that need the gloo world
 
 
 @pytest.fixture(scope="module")
-def gloo():
-    return run_gloo(worker, 4, GLOO_CASES, timeout_s=300)
+def gloo(gloo_attention_world):
+    """GLOO_CASES and the bad-input probes, from the shared gloo world (tests/_gloo_world.py)."""
+    return [r["thd"] for r in gloo_attention_world]
 
 
 @pytest.fixture(scope="module")

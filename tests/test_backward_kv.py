@@ -11,84 +11,23 @@ where the held KV is measured on the autograd graph itself.
 
 from __future__ import annotations
 
-import zlib
+import os
+import sys
 
 import pytest
 import torch
 
-from megatron_fcp.launch import run_gloo
+sys.path.insert(0, os.path.dirname(__file__))
+from _backward_kv_cases import _DTYPES, CASES, GLOO_CASES, MODES, case_setup  # noqa: E402
 
-TOPO = "examples/configs/topology_2x2.yaml"
-CASES = [("ring", "fp64"), ("hier", "fp32"), ("full", "bf16"), ("hier", "bf16"), ("packed", "fp32")]
-GLOO_CASES = [("hier", "fp32"), ("packed", "fp32")]
-MODES = ("keep", "resend", "auto")
 _DIST = pytest.mark.dist
-
-
-def _held_received_kv(out) -> int:
-    """Bytes of received KV the autograd graph holds for this call (the Function's saved state)."""
-    node = out.grad_fn
-    while not hasattr(node, "kept"):  # THD outputs are views (squeeze) of the Function's output
-        node = node.next_functions[0][0]
-    kept = node.kept
-    return 0 if kept is None else sum(t.numel() * t.element_size() for t in kept.values())
-
-
-def _setup(name: str, dt: str):
-    """Global q, k, v, dout (FP64), the placement (packed) or None, and the plan argument (cp = 4)."""
-    import os
-
-    from megatron_fcp.planning import build_plan, place_packed
-    from megatron_fcp.topology import load_topology
-
-    topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), TOPO))
-    g = torch.Generator().manual_seed(zlib.crc32((name + dt).encode()))  # the same in every process
-    if name == "packed":
-        placement = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8)
-        t = placement.total_tokens
-        full = [torch.randn(t, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
-        return full, placement, build_plan(topo, range(4), "hierarchical", placement=placement)
-    full = [torch.randn(64, 2, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
-    plan = {"ring": "ring", "full": "full"}.get(name) or build_plan(topo, range(4), "hierarchical", parts_per_chunk=2)
-    return full, None, plan
-
-
-_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _worker(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
-    from megatron_fcp.attention.function import fcp_attention_with_lse
-    from megatron_fcp.attention.layout import zigzag_split
-    from megatron_fcp.attention.stats import FCPStats
-
-    group = dist.new_group(list(range(world)))
-    out: dict = {}
-    for name, dt in GLOO_CASES:
-        full, placement, plan = _setup(name, dt)
-        shard = (lambda x: placement.shard(x, rank)) if placement is not None else (lambda x: zigzag_split(x, 4, rank))
-        q, k, v, do = (shard(x).to(_DTYPES[dt]) for x in full)
-        res = {}
-        for mode in MODES:
-            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-            stats = FCPStats()
-            o, lse = fcp_attention_with_lse(qq, kk, vv, cp_group=group, plan=plan, causal=True, stats=stats,
-                                            placement=placement, backward_kv=mode)
-            held = _held_received_kv(o)
-            o.backward(do)
-            res[mode] = {"out": o.detach(), "lse": lse, "dq": qq.grad, "dk": kk.grad, "dv": vv.grad,
-                         "held": held, "stats": stats.as_dict(),
-                         "local_kv": 2 * k.numel() * k.element_size()}
-        out[f"{name}-{dt}"] = res
-    return out
 
 
 def _harness(name: str, dt: str) -> list[dict]:
     """Per rank, per mode: the same report as the gloo worker's, from the in-process harness."""
     from megatron_fcp.attention.harness import harness_attention
 
-    full, placement, plan = _setup(name, dt)
+    full, placement, plan = case_setup(name, dt)
     per_rank = [{} for _ in range(4)]
     for mode in MODES:
         res = harness_attention(*(x.to(_DTYPES[dt]) for x in full), cp=4, plan=plan, causal=True,
@@ -100,8 +39,9 @@ def _harness(name: str, dt: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def gloo():
-    return run_gloo(_worker, 4, timeout_s=240)
+def gloo(gloo_attention_world):
+    """The gloo cases' per-rank reports, from the shared gloo world (tests/_gloo_world.py)."""
+    return [r["backward_kv"] for r in gloo_attention_world]
 
 
 @pytest.fixture(scope="module")
