@@ -63,8 +63,8 @@ from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resol
 from megatron_fcp.attention.kv_memory import RING_BUDGET, choose_backward_kv
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
-from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
+from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
 from megatron_fcp.groups import group_membership
 from megatron_fcp.planning.blocks import Block, Transfer
