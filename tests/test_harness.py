@@ -216,3 +216,13 @@ def test_check_numerics_cases_meet_their_bounds(dtype, kernel):
         assert set(r["max_err"]) == set(QUANTITIES) and r["dtype"] == str(dtype)
         assert r["ok"], (r["case"], r["max_err"], r["bound"])
         assert all(0 < r["bound"][n] for n in QUANTITIES)
+
+
+def test_the_module_prints_the_matrix_as_json(capsys):
+    import json
+
+    from megatron_fcp.attention.harness import main
+
+    assert main(["--device", "cpu", "--dtype", "fp64", "--tokens", "32", "--heads", "2", "--head-dim", "8"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 5 and all(r["ok"] and r["device"] == "cpu" for r in rows)

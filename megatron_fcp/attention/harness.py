@@ -284,3 +284,27 @@ def check_numerics_cases(device: "str | torch.device" = "cpu", dtype: torch.dtyp
                             dtype=str(dtype), kernel=str(kernel), device=str(device),
                             seconds=time.perf_counter() - t0, **_judge(got, ref, base, dtype)))
     return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m megatron_fcp.attention.harness --device cuda --dtype bf16 --kernel math``: run
+    :func:`check_numerics_cases`, print one JSON list; exit code 1 if a case misses its bound."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m megatron_fcp.attention.harness", description=main.__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bf16", choices=("fp64", "fp32", "bf16", "fp16"))
+    p.add_argument("--kernel", default="math")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    a = p.parse_args(argv)
+    dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    rows = check_numerics_cases(a.device, dtype, a.kernel, tokens=a.tokens, heads=a.heads, head_dim=a.head_dim)
+    print(json.dumps(rows, indent=1))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
