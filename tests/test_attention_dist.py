@@ -33,7 +33,6 @@ import _harness_cases  # noqa: E402
 import torch  # noqa: E402
 from _attention_cases import GLOO_CASES, QUANTITIES, Case, harness_case  # noqa: E402
 
-
 CASES = [
     Case(group, plan, causal, heads, dtype)
     for group in ("cp4", "cp2")
@@ -54,9 +53,7 @@ CASES = [
     Case("cp2", "ring", True, (4, 2), "bf16", parts=2, kernel="cpu-flash"),
     Case("cp4", "full", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
 ]
-
-
-assert set(GLOO_CASES) <= set(CASES)
+assert set(GLOO_CASES) <= set(CASES)  # the gloo cases (tests/_attention_cases.py) are matrix cases too
 
 
 @pytest.fixture(scope="module")

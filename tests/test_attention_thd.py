@@ -54,9 +54,7 @@ CASES = [
     C("cp3", "one", "full-plan", True, "bf16", kernel="cpu-flash"),
     C("cp3", "short", "none", False, "fp32"),
 ]
-
-
-assert set(GLOO_CASES) <= set(CASES)
+assert set(GLOO_CASES) <= set(CASES)  # the gloo cases (tests/_thd_cases.py) are matrix cases too
 _DIST = pytest.mark.dist  # tests that need the gloo world
 
 
