@@ -39,6 +39,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from megatron_fcp.groups import VirtualGroup
+
 __all__ = ["FCPAgreementError", "field_digests", "agree", "AgreementCache", "LastAgreed",
            "DEFAULT_AGREEMENT_TIMEOUT_S"]
 
@@ -116,9 +118,13 @@ def agree(fields: Mapping[str, Any], group: Any = None, *, what: str = "FCP plan
     the exchange in time.
     """
     digests = field_digests(fields)
-    world = dist.get_world_size(group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    gathered = _gather_digests(digests, group, timeout_s, what, ranks)
+    if isinstance(group, VirtualGroup):  # ranks in one process: the group gathers the digests itself
+        ranks = list(group.ranks)
+        gathered = group.all_gather_object(digests, timeout_s, what)
+    else:
+        world = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        gathered = _gather_digests(digests, group, timeout_s, what, ranks)
     for name in list(digests) + [n for g in gathered for n in g if n not in digests]:
         if len({g.get(name) for g in gathered}) > 1:
             raise FCPAgreementError(

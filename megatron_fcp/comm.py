@@ -19,6 +19,9 @@ Implementations:
 * :class:`NcclTransport` — ``batch_isend_irecv`` issued from a side stream after an event that
   orders it behind the producer of the send buffers; ``wait`` makes the current stream wait for
   the round. Gated on CUDA + NCCL; small and reviewed, not exercised on this CPU machine.
+* :class:`~megatron_fcp.inprocess.InProcessTransport` — several CP ranks as threads of one
+  process (tests, one-GPU checks): tensors handed over through a shared mailbox, copied by the
+  receiver (on CUDA on its own stream, ordered by events).
 * :class:`TransportWrapper` — the plug-in point for decorators: :class:`CountingTransport`
   records every posted transfer for tests; delay- or fault-injecting transports subclass the same
   wrapper and override ``post``/``wait``.
@@ -35,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_fcp.groups import VirtualGroup
 from megatron_fcp.planning.blocks import Transfer
 
 __all__ = [
@@ -191,7 +195,10 @@ class NcclTransport(Transport):
 
 
 def default_transport(group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
-    """NCCL transport for an NCCL group on CUDA, otherwise the gloo transport."""
+    """NCCL transport for an NCCL group on CUDA, otherwise the gloo transport; a
+    :class:`~megatron_fcp.groups.VirtualGroup` brings its own (in-process) transport."""
+    if isinstance(group, VirtualGroup):
+        return group.transport(timeout_s)
     if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
         return NcclTransport(group)
     return GlooTransport(group, timeout_s)

@@ -1,10 +1,16 @@
-"""Worker side of tests/test_attention_dist.py: every sub-case runs inside one gloo world.
+"""Cases of tests/test_attention_dist.py, run two ways with the same per-rank reports.
 
-One world of 4 processes hosts all cases: cp = 4 on the world group, and cp = 2 on two subgroups
-{0, 2} and {1, 3} running side by side (so CP ranks differ from global ranks, as with TP > 1).
-Each rank rebuilds the global tensors from the case's seed, computes the FP64 reference (and, for
-BF16, plain PyTorch attention in BF16) itself, runs fcp_attention on its zigzag shard and reports
-its local errors; the parent takes maxima over ranks and asserts.
+* In process (:func:`harness_case`): the whole numerics matrix runs in the in-process harness
+  (:mod:`megatron_fcp.attention.harness`): cp = 4 on ranks 0..3, cp = 2 on the pairs (0, 2)
+  and (1, 3), the FP64 reference computed once per group.
+* On gloo (:func:`worker`): one world of 4 processes hosts a smaller set of cases (cp = 4 on the
+  world group, cp = 2 on subgroups {0, 2} and {1, 3} side by side, so CP ranks differ from global
+  ranks, as with TP > 1), the bad-input probes, the bounded-wait probe, and the cases the harness
+  must reproduce bit for bit (tests/_harness_cases.py). Each rank rebuilds the global tensors from
+  the case's seed, computes the FP64 reference (and, for BF16, plain PyTorch attention in BF16)
+  itself, runs fcp_attention through autograd on its zigzag shard and reports its local errors.
+
+The parent takes maxima over ranks and asserts.
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ class Case:
         return (f"{self.group}-{self.plan}-{'causal' if self.causal else 'full'}-h{self.heads[0]}kv{self.heads[1]}"
                 f"-{self.dtype}" + (f"-p{self.parts}" if self.parts > 1 else "") + ("-extreme" if self.extreme else "")
                 + (f"-{self.kernel}" if self.kernel != "math" else ""))
+
+
+# the process-group path: every kind of case once (cp 4 / 2, ring / full, parts, both kernels, BF16 extreme)
+GLOO_CASES = [
+    Case("cp4", "ring", True, (4, 2), "fp64"),
+    Case("cp2", "full", False, (4, 4), "fp32"),
+    Case("cp2", "ring", True, (4, 2), "fp32", parts=2),
+    Case("cp4", "full", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
+    Case("cp2", "ring", True, (4, 2), "bf16", parts=2, kernel="cpu-flash"),
+]
 
 
 def _inputs(case: Case, cp: int):
@@ -92,33 +108,66 @@ def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
     return problems
 
 
-def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
-    from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
+def _reference(case: Case, cp: int) -> dict:
+    """The case's global inputs, FP64 reference and (BF16) plain-BF16 attention and rounding slack."""
     from megatron_fcp.attention.kernels import reference_attention
-    from megatron_fcp.attention.layout import zigzag_split
-    from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
-    from megatron_fcp.planning import full_plan, ring_plan
 
-    cp, idx = len(group_ranks), group_ranks.index(rank)
     q, k, v, do = _inputs(case, cp)
     scale = 1.0 if case.extreme else None
     ref_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ref = reference_attention(q.double(), k.double(), v.double(), causal=case.causal, scale=ref_scale,
                               dout=do.double())
-    local = {n: zigzag_split(x, cp, idx, seq_dim=2 if n == "lse" else 0) for n, x in ref.items()}
-    res = {"rank": rank, "ref_max": {n: local[n].abs().max().item() for n in QUANTITIES}}
+    base = None
     if case.dtype != "fp64" and case.dtype != "fp32":
         base = reference_attention(q, k, v, causal=case.causal, scale=ref_scale, dout=do)
+    return {"inputs": (q, k, v, do), "scale": scale, "ref": ref, "base": base}
+
+
+def _plan_arg(case: Case, group_ranks: tuple):
+    from megatron_fcp.planning import full_plan, ring_plan
+
+    if case.parts > 1:
+        builder = ring_plan if case.plan == "ring" else full_plan
+        return builder(group_ranks, causal=case.causal, parts_per_chunk=case.parts)
+    return case.plan
+
+
+def _rank_report(case: Case, setup: dict, cp: int, idx: int, rank: int, got: dict, transport, plan) -> dict:
+    """One rank's errors against its shard of the reference, dtypes, and transfer problems."""
+    from megatron_fcp.attention.layout import zigzag_split
+
+    q = setup["inputs"][0]
+    local = {n: zigzag_split(x, cp, idx, seq_dim=2 if n == "lse" else 0) for n, x in setup["ref"].items()}
+    res = {"rank": rank, "ref_max": {n: local[n].abs().max().item() for n in QUANTITIES}}
+    if setup["base"] is not None:
+        base = setup["base"]
         res["base_err"] = {n: (zigzag_split(base[n], cp, idx, seq_dim=2 if n == "lse" else 0).double()
                                - local[n]).abs().max().item() for n in QUANTITIES}
         dt = DTYPES[case.dtype]
         res["atol"] = {n: 2 * ((local[n].to(dt) + 0.3 - 0.3) - local[n].to(dt)).abs().max().item()
                        for n in QUANTITIES}
-    if case.parts > 1:
-        builder = ring_plan if case.plan == "ring" else full_plan
-        plan_arg = builder(group_ranks, causal=case.causal, parts_per_chunk=case.parts)
-    else:
-        plan_arg = case.plan
+    res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
+    res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
+    res["err"] = {n: (got[n].double() - local[n]).abs().max().item() for n in QUANTITIES}
+    h, hk = case.heads
+    blk = q.shape[0] // cp // (2 * case.parts)
+    elems = 2 * blk * q.shape[1] * hk * q.shape[3]
+    grad_itemsize = 8 if case.dtype == "fp64" else 4
+    res["count_problems"] = count_problems(transport, plan, rank, elems * q.element_size(), elems * grad_itemsize)
+    return res
+
+
+def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
+    """One gloo rank: fcp_attention_with_lse through autograd on the process group."""
+    from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
+    from megatron_fcp.attention.layout import zigzag_split
+    from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
+
+    cp, idx = len(group_ranks), group_ranks.index(rank)
+    setup = _reference(case, cp)
+    q, k, v, do = setup["inputs"]
+    scale = setup["scale"]
+    plan_arg = _plan_arg(case, group_ranks)
     plan = resolve_plan(plan_arg, group_ranks, case.causal)
 
     def run_once(serial: bool = False):
@@ -133,31 +182,71 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
         return got, transport
 
     got, transport = run_once()
+    res = _rank_report(case, setup, cp, idx, rank, got, transport, plan)
     if case.dtype == "fp64" and case.parts == 1:
-        # the public entry point (lazily exported by megatron_fcp) computes the same output
-        import megatron_fcp
-
-        public = megatron_fcp.fcp_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
-                                            plan=case.plan, causal=case.causal, softmax_scale=scale)
-        res["public_api_equal"] = bool(torch.equal(public, got["out"]))
-        with torch.no_grad():  # inference: same output, no blocks kept for a backward
-            ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
-            inf = megatron_fcp.fcp_attention(ql, kl, vl, cp_group=group, plan=case.plan, causal=case.causal,
-                                             softmax_scale=scale)
-        res["no_grad_equal"] = bool(torch.equal(inf, got["out"])) and inf.grad_fn is None
-    res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
-    res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
-    res["err"] = {n: (got[n].double() - local[n]).abs().max().item() for n in QUANTITIES}
-    h, hk = case.heads
-    blk = q.shape[0] // cp // (2 * case.parts)
-    elems = 2 * blk * q.shape[1] * hk * q.shape[3]
-    grad_itemsize = 8 if case.dtype == "fp64" else 4
-    res["count_problems"] = count_problems(transport, plan, rank, elems * q.element_size(), elems * grad_itemsize)
+        res.update(_public_api(case, group, cp, idx, setup, got["out"]))
     if case.dtype in ("fp32", "bf16"):
         # same plan again, without overlap this time: timing must never change the arithmetic
         again, _ = run_once(serial=True)
         res["bitwise_repeat"] = all(torch.equal(got[n], again[n]) for n in QUANTITIES)
     return res
+
+
+def _public_api(case: Case, group, cp: int, idx: int, setup: dict, out) -> dict:
+    """The public entry point (lazily exported by megatron_fcp) computes the same output, with
+    and without autograd (inference keeps no blocks for a backward)."""
+    import megatron_fcp
+    from megatron_fcp.attention.layout import zigzag_split
+
+    q, k, v, _ = setup["inputs"]
+    public = megatron_fcp.fcp_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
+                                        plan=case.plan, causal=case.causal, softmax_scale=setup["scale"])
+    with torch.no_grad():
+        ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
+        inf = megatron_fcp.fcp_attention(ql, kl, vl, cp_group=group, plan=case.plan, causal=case.causal,
+                                         softmax_scale=setup["scale"])
+    return {"public_api_equal": bool(torch.equal(public, out)),
+            "no_grad_equal": bool(torch.equal(inf, out)) and inf.grad_fn is None}
+
+
+def harness_case(case: Case) -> list[dict]:
+    """The same reports as the gloo workers', from the in-process harness: cp = 4 on ranks 0..3,
+    cp = 2 on the pairs (0, 2) and (1, 3) (CP ranks differ from global ranks); the reference is
+    computed once per group instead of once per rank."""
+    from megatron_fcp.attention.function import resolve_plan
+    from megatron_fcp.attention.harness import harness_attention
+    from megatron_fcp.comm import CountingTransport, SerialTransport
+    from megatron_fcp.inprocess import run_ranks
+
+    reports = []
+    for ranks in ([(0, 1, 2, 3)] if case.group == "cp4" else [(0, 2), (1, 3)]):
+        cp = len(ranks)
+        setup = _reference(case, cp)
+        plan_arg = _plan_arg(case, ranks)
+        plan = resolve_plan(plan_arg, ranks, case.causal)
+
+        def run_once(serial: bool = False):
+            wrap = (lambda r, t: SerialTransport(CountingTransport(t))) if serial else \
+                (lambda r, t: CountingTransport(t))
+            res = harness_attention(*setup["inputs"], ranks=ranks, plan=plan_arg, causal=case.causal,
+                                    softmax_scale=setup["scale"], kernel=case.kernel, transport=wrap)
+            return res.ranks
+
+        got = run_once()
+        again = run_once(serial=True) if case.dtype in ("fp32", "bf16") else None
+        public = None
+        if case.dtype == "fp64" and case.parts == 1:
+            public = run_ranks(ranks, lambda h: _public_api(case, h, cp, h.index, setup, got[h.index].out),
+                               timeout_s=60)
+        for idx, (rank, r) in enumerate(zip(ranks, got)):
+            counting = r.transport
+            rep = _rank_report(case, setup, cp, idx, rank, r.tensors(), counting, plan)
+            if again is not None:
+                rep["bitwise_repeat"] = all(torch.equal(r.tensors()[n], again[idx].tensors()[n]) for n in QUANTITIES)
+            if public is not None:
+                rep.update(public[idx])
+            reports.append(rep)
+    return reports
 
 
 def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
@@ -249,5 +338,8 @@ def worker(rank: int, world: int, cases: list) -> dict:
         results["nccl_gate"] = "constructed on a gloo group"
     except ValueError as e:
         results["nccl_gate"] = str(e)
+    from _harness_cases import gloo_bitwise
+
+    results["bitwise"] = gloo_bitwise(*groups["cp4"], rank)  # the harness must reproduce these bit for bit
     results["timeout"] = _timeout_probe(rank)
     return results

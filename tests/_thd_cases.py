@@ -1,8 +1,10 @@
-"""Worker side of tests/test_attention_thd.py: THD attention over placements (packed batches).
+"""Cases of tests/test_attention_thd.py: THD attention over placements (packed batches).
 
-One world of 4 processes hosts every case: cp = 4 on the world group, cp = 2 on the subgroups
-{0, 2} and {1, 3} side by side, and cp = 3 on {0, 1, 2} (rank 3 sits those out). Each rank builds
-the packed batch from the case's seed, the placement with ``place_packed`` and the FP64 reference
+Every case runs in the in-process harness (:func:`harness_case`: groups (0..3), (0, 2) and
+(1, 3), (0, 1, 2), the reference computed once per group); a smaller set also runs on gloo
+(:func:`worker`), with the bad-input probes. One world of 4 processes hosts the gloo cases:
+cp = 4 on the world group, cp = 2 on the subgroups {0, 2} and {1, 3} side by side, and cp = 3 on
+{0, 1, 2} (rank 3 sits those out). Each rank builds the packed batch from the case's seed, the placement with ``place_packed`` and the FP64 reference
 per document (plain torch, every document attended alone), runs ``fcp_attention_with_lse`` on its
 shard and reports its local errors; the parent takes maxima over ranks and asserts.
 """
@@ -52,6 +54,15 @@ class ThdCase:
                 f"h{self.heads[0]}kv{self.heads[1]}-{self.dtype}-{self.kernel}")
 
 
+# the process-group path: relays, a compiled plan in BF16, cp = 2 side by side with isolation, cp = 3
+GLOO_CASES = [
+    ThdCase("cp4", "mix", "hier", True, "bf16"),
+    ThdCase("cp4", "twelve", "relay", False, "fp64"),
+    ThdCase("cp2", "mix", "full", True, "fp64", isolate=True),
+    ThdCase("cp3", "one", "full-plan", True, "bf16", kernel="cpu-flash"),
+]
+
+
 def _packed(case: ThdCase, salt: str = ""):
     """Packed q, k, v, dout [T, h(_kv), d] in FP64 (same on every rank)."""
     h, hk = case.heads
@@ -61,19 +72,10 @@ def _packed(case: ThdCase, salt: str = ""):
 
 
 def per_document_reference(q, k, v, do, lengths, causal: bool, scale: float) -> dict:
-    """Each document attended alone by plain torch autograd (in the inputs' dtype), concatenated:
-    out, dq [T, h, d], dk, dv [T, h_kv, d], lse [h, T]."""
-    from megatron_fcp.attention.kernels import reference_attention
+    """Each document attended alone by plain torch autograd (megatron_fcp.attention.harness)."""
+    from megatron_fcp.attention.harness import per_document_reference as reference
 
-    parts, start = [], 0
-    for n in lengths:
-        sl = slice(start, start + n)
-        parts.append(reference_attention(q[sl, None], k[sl, None], v[sl, None], causal=causal, scale=scale,
-                                         dout=do[sl, None]))
-        start += n
-    res = {name: torch.cat([p[name][:, 0] for p in parts]) for name in ("out", "dq", "dk", "dv")}
-    res["lse"] = torch.cat([p["lse"][0] for p in parts], dim=-1)
-    return res
+    return reference(q, k, v, do, lengths, causal, scale)
 
 
 def _plan_for(case: ThdCase, pl, ranks: tuple):
@@ -103,35 +105,79 @@ def _shard(pl, x, idx: int, lse: bool = False):
     return pl.shard(x.transpose(0, 1), idx).transpose(0, 1) if lse else pl.shard(x, idx)
 
 
-def _run_case(case: ThdCase, group, ranks: tuple, rank: int) -> dict:
-    from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
-    from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
+def _placement(case: ThdCase, cp: int):
     from megatron_fcp.planning import place_packed
 
-    cp, idx = len(ranks), ranks.index(rank)
     lengths = DOCS[case.docs]
     if case.plan == "relay":  # by hand: two ranks hold the document, the others nothing (relays)
         from megatron_fcp.planning import Placement, Span
 
         (n,) = lengths
         blocks = ((Span(0, 0, n // 2),), (Span(0, n // 2, n),)) + ((),) * (cp - 2)
-        pl = Placement(tuple(lengths), blocks, case.causal)
-    else:
-        pl = place_packed(lengths, cp, block_tokens=case.block_tokens, causal=case.causal)
-    dt = DTYPES[case.dtype]
+        return Placement(tuple(lengths), blocks, case.causal)
+    return place_packed(lengths, cp, block_tokens=case.block_tokens, causal=case.causal)
+
+
+def _reference(case: ThdCase, pl) -> dict:
+    """The FP64 per-document reference of the packed batch and (BF16) plain-BF16 attention."""
     q, k, v, do = _packed(case)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    lengths = DOCS[case.docs]
     ref = per_document_reference(q, k, v, do, lengths, case.causal, scale)
-    local = {n: _shard(pl, x, idx, n == "lse") for n, x in ref.items()}
-    res = {"rank": rank, "tokens": pl.tokens(idx),
-           "ref_max": {n: local[n].abs().max().item() if local[n].numel() else 0.0 for n in QUANTITIES}}
+    base = None
     if case.dtype == "bf16":
-        base = per_document_reference(*(x.to(dt) for x in (q, k, v, do)), lengths, case.causal, scale)
-        res["base_err"] = {n: _err(_shard(pl, base[n], idx, n == "lse"), local[n]) for n in QUANTITIES}
+        base = per_document_reference(*(x.to(DTYPES[case.dtype]) for x in (q, k, v, do)), lengths, case.causal, scale)
+    return {"inputs": (q, k, v, do), "ref": ref, "base": base}
+
+
+def _rank_report(case: ThdCase, setup: dict, pl, ranks: tuple, idx: int, got: dict, transport, plan) -> dict:
+    """One rank's errors against its shard of the reference, shapes, dtypes, transfer problems."""
+    dt = DTYPES[case.dtype]
+    q = setup["inputs"][0]
+    local = {n: _shard(pl, x, idx, n == "lse") for n, x in setup["ref"].items()}
+    res = {"rank": ranks[idx], "tokens": pl.tokens(idx), "plan_name": plan.name,
+           "ref_max": {n: local[n].abs().max().item() if local[n].numel() else 0.0 for n in QUANTITIES}}
+    if setup["base"] is not None:
+        res["base_err"] = {n: _err(_shard(pl, setup["base"][n], idx, n == "lse"), local[n]) for n in QUANTITIES}
         res["atol"] = {n: 2 * _err((local[n].to(dt) + 0.3 - 0.3), local[n].to(dt)) for n in QUANTITIES}
+    res["shapes"] = {n: tuple(t.shape) for n, t in got.items()}
+    res["want_shapes"] = {n: tuple(t.shape) for n, t in local.items()}
+    res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
+    res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
+    res["err"] = {n: _err(got[n], local[n]) for n in QUANTITIES}
+    h, hk = case.heads
+    elems = lambda b: 2 * pl.blocks[ranks.index(b.owner)][b.chunk].tokens * hk * q.shape[-1]  # noqa: E731
+    grad_itemsize = 8 if case.dtype == "fp64" else 4
+    res["sent"] = len([p for p in transport.posted if p.kind == "send"])
+    res["count_problems"] = count_problems(transport, plan, ranks[idx], lambda b: elems(b) * got["out"].element_size(),
+                                           lambda b: elems(b) * grad_itemsize)
+    return res
+
+
+def _public_api(case: ThdCase, group, pl, idx: int, plan_arg, inputs, out) -> bool:
+    """The public entry point computes the same output, with and without autograd."""
+    import megatron_fcp
+
+    q, k, v, _ = inputs
+    public = megatron_fcp.fcp_attention(*(pl.shard(x, idx) for x in (q, k, v)), cp_group=group,
+                                        placement=pl, plan=plan_arg, causal=case.causal)
+    with torch.no_grad():
+        inf = megatron_fcp.fcp_attention(*(pl.shard(x, idx).requires_grad_() for x in (q, k, v)),
+                                         cp_group=group, placement=pl, plan=plan_arg, causal=case.causal)
+    return bool(torch.equal(public, out)) and bool(torch.equal(inf, out))
+
+
+def _run_case(case: ThdCase, group, ranks: tuple, rank: int) -> dict:
+    """One gloo rank: fcp_attention_with_lse through autograd on the process group."""
+    from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
+    from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
+
+    cp, idx = len(ranks), ranks.index(rank)
+    pl = _placement(case, cp)
+    dt = DTYPES[case.dtype]
+    setup = _reference(case, pl)
     plan_arg = _plan_for(case, pl, ranks)
     plan = resolve_plan(plan_arg, ranks, case.causal, pl)
-    res["plan_name"] = plan.name
 
     def run_once(inputs, serial: bool = False):
         transport = CountingTransport(GlooTransport(group, timeout_s=60))
@@ -142,32 +188,62 @@ def _run_case(case: ThdCase, group, ranks: tuple, rank: int) -> dict:
         out.backward(pl.shard(inputs[3].to(dt), idx))
         return {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}, transport
 
-    got, transport = run_once((q, k, v, do))
-    res["shapes"] = {n: tuple(t.shape) for n, t in got.items()}
-    res["want_shapes"] = {n: tuple(t.shape) for n, t in local.items()}
-    res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
-    res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
-    res["err"] = {n: _err(got[n], local[n]) for n in QUANTITIES}
-    h, hk = case.heads
-    elems = lambda b: 2 * pl.blocks[ranks.index(b.owner)][b.chunk].tokens * hk * q.shape[-1]  # noqa: E731
-    grad_itemsize = 8 if case.dtype == "fp64" else 4
-    res["sent"] = len([p for p in transport.posted if p.kind == "send"])
-    res["count_problems"] = count_problems(transport, plan, rank, lambda b: elems(b) * got["out"].element_size(),
-                                           lambda b: elems(b) * grad_itemsize)
-    again, _ = run_once((q, k, v, do), serial=True)
+    got, transport = run_once(setup["inputs"])
+    res = _rank_report(case, setup, pl, ranks, idx, got, transport, plan)
+    again, _ = run_once(setup["inputs"], serial=True)
     res["bitwise_repeat"] = all(torch.equal(got[n], again[n]) for n in QUANTITIES)
     if case.dtype == "fp64":
-        import megatron_fcp
-
-        public = megatron_fcp.fcp_attention(*(pl.shard(x, idx) for x in (q, k, v)), cp_group=group,
-                                            placement=pl, plan=plan_arg, causal=case.causal)
-        with torch.no_grad():
-            inf = megatron_fcp.fcp_attention(*(pl.shard(x, idx).requires_grad_() for x in (q, k, v)),
-                                             cp_group=group, placement=pl, plan=plan_arg, causal=case.causal)
-        res["public_api_equal"] = bool(torch.equal(public, got["out"])) and bool(torch.equal(inf, got["out"]))
+        res["public_api_equal"] = _public_api(case, group, pl, idx, plan_arg, setup["inputs"], got["out"])
     if case.isolate:
-        res["isolation"] = _isolation(case, pl, idx, run_once, got)
+        res["isolation"] = _isolation(case, pl, idx, lambda inputs: run_once(inputs)[0], got)
     return res
+
+
+def harness_case(case: ThdCase) -> list[dict]:
+    """The same per-rank reports as the gloo workers', from the in-process harness: cp = 4 on
+    ranks 0..3, cp = 2 on the pairs (0, 2) and (1, 3), cp = 3 on (0, 1, 2)."""
+    from megatron_fcp.attention.function import resolve_plan
+    from megatron_fcp.attention.harness import harness_attention
+    from megatron_fcp.comm import CountingTransport, SerialTransport
+    from megatron_fcp.inprocess import run_ranks
+
+    groups = {"cp4": [(0, 1, 2, 3)], "cp2": [(0, 2), (1, 3)], "cp3": [(0, 1, 2)]}[case.group]
+    dt = DTYPES[case.dtype]
+    reports = []
+    for ranks in groups:
+        pl = _placement(case, len(ranks))
+        setup = _reference(case, pl)
+        plan_arg = _plan_for(case, pl, ranks)
+        plan = resolve_plan(plan_arg, ranks, case.causal, pl)
+
+        def run_once(inputs, serial: bool = False):
+            wrap = (lambda r, t: SerialTransport(CountingTransport(t))) if serial else \
+                (lambda r, t: CountingTransport(t))
+            return harness_attention(*(x.to(dt) for x in inputs), ranks=ranks, placement=pl, plan=plan_arg,
+                                     causal=case.causal, kernel=case.kernel, transport=wrap).ranks
+
+        got = run_once(setup["inputs"])
+        again = run_once(setup["inputs"], serial=True)
+        public = None
+        if case.dtype == "fp64":
+            public = run_ranks(ranks, lambda h: _public_api(case, h, pl, h.index, plan_arg, setup["inputs"],
+                                                            got[h.index].out), timeout_s=60)
+        changed: list = []  # the run with one document replaced, shared by the ranks' isolation checks
+
+        def changed_run(inputs, idx):
+            if not changed:
+                changed.append(run_once(inputs))
+            return changed[0][idx].tensors()
+
+        for idx, r in enumerate(got):
+            rep = _rank_report(case, setup, pl, ranks, idx, r.tensors(), r.transport, plan)
+            rep["bitwise_repeat"] = all(torch.equal(r.tensors()[n], again[idx].tensors()[n]) for n in QUANTITIES)
+            if public is not None:
+                rep["public_api_equal"] = public[idx]
+            if case.isolate:
+                rep["isolation"] = _isolation(case, pl, idx, lambda inputs: changed_run(inputs, idx), r.tensors())
+            reports.append(rep)
+    return reports
 
 
 def _isolation(case: ThdCase, pl, idx: int, run_once, got) -> dict:
@@ -181,7 +257,7 @@ def _isolation(case: ThdCase, pl, idx: int, run_once, got) -> dict:
     sl = slice(start, start + lengths[changed])
     for x, y in ((q, q2), (k, k2), (v, v2), (do, do2)):
         x[sl] = y[sl]
-    other, _ = run_once((q, k, v, do))
+    other = run_once((q, k, v, do))
     docs = torch.from_numpy(pl.doc_ids(idx))
     keep, moved = docs != changed, docs == changed
     same = all(torch.equal(_rows(got[n], keep, n), _rows(other[n], keep, n)) for n in QUANTITIES)

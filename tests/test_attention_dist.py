@@ -1,4 +1,11 @@
-"""fcp_attention on real gloo process groups (cp = 4 and cp = 2) against FP64 references.
+"""fcp_attention at cp = 4 and cp = 2 against FP64 references: the numerics matrix in the
+in-process harness, a smaller set on real gloo process groups, and the harness against gloo bit for bit.
+
+The matrix (``CASES``) runs in the in-process harness (megatron_fcp.attention.harness: one thread
+per CP rank, the production executor, no process start-up). ``GLOO_CASES`` (a subset) also run
+through autograd on a real gloo world, with the bad-input, bounded-wait and NCCL-gate probes; the
+harness must reproduce the gloo results bit for bit (tests/_harness_cases.py: ring, full, compiled
+plans, packed batches, both backward KV modes, both CPU kernels).
 
 Tolerances (errors are max-abs over each rank's shard, maximum over ranks):
 * FP64: <= 1e-12 * max(1, max|ref|);  FP32: <= 1e-5 * max(1, max|ref|) (relative to the largest
@@ -22,11 +29,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _attention_cases import QUANTITIES, Case, worker  # noqa: E402
-
-from megatron_fcp.launch import run_gloo  # noqa: E402
-
-pytestmark = pytest.mark.dist
+import _harness_cases  # noqa: E402
+import torch  # noqa: E402
+from _attention_cases import GLOO_CASES, QUANTITIES, Case, harness_case  # noqa: E402
 
 CASES = [
     Case(group, plan, causal, heads, dtype)
@@ -48,24 +53,46 @@ CASES = [
     Case("cp2", "ring", True, (4, 2), "bf16", parts=2, kernel="cpu-flash"),
     Case("cp4", "full", True, (4, 2), "bf16", extreme=True, kernel="cpu-flash"),
 ]
+assert set(GLOO_CASES) <= set(CASES)  # the gloo cases (tests/_attention_cases.py) are matrix cases too
 
 
 @pytest.fixture(scope="module")
-def results():
-    per_rank = run_gloo(worker, 4, CASES, timeout_s=240)
-    return per_rank
+def gloo(gloo_attention_world):
+    """Per rank: {case name: report} for GLOO_CASES, the probes, and the bit-for-bit cases (from
+    the gloo world these tests share: tests/_gloo_world.py)."""
+    return [r["dist"] for r in gloo_attention_world]
 
 
-def _max_over_ranks(per_rank, case_name, key):
-    return {n: max(r[case_name][key][n] for r in per_rank) for n in QUANTITIES}
+@pytest.fixture(scope="module")
+def harness():
+    """{case name: per-rank reports} for every case, from the in-process harness."""
+    return {c.name: harness_case(c) for c in CASES}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_matches_fp64_reference(results, case):
-    err = _max_over_ranks(results, case.name, "err")
-    ref = _max_over_ranks(results, case.name, "ref_max")
-    assert all(r[case.name]["finite"] for r in results), "NaN/inf in out, lse or grads"
-    dtypes = results[0][case.name]["dtypes"]
+def _per_rank(source: str, request, case) -> list[dict]:
+    if source == "harness":
+        return request.getfixturevalue("harness")[case.name]
+    return [r[case.name] for r in request.getfixturevalue("gloo")]
+
+
+_DIST = pytest.mark.dist  # tests that need the gloo world
+_MATRIX = [pytest.param("harness", c, id=f"harness-{c.name}") for c in CASES] + \
+    [pytest.param("gloo", c, id=f"gloo-{c.name}", marks=_DIST) for c in GLOO_CASES]
+_SOURCES = ["harness", pytest.param("gloo", marks=_DIST)]
+
+
+def _max_over_ranks(per_rank, key):
+    return {n: max(r[key][n] for r in per_rank) for n in QUANTITIES}
+
+
+@pytest.mark.parametrize("source, case", _MATRIX)
+def test_matches_fp64_reference(request, source, case):
+    per_rank = _per_rank(source, request, case)
+    assert len(per_rank) == 4  # cp2: two pairs side by side
+    err = _max_over_ranks(per_rank, "err")
+    ref = _max_over_ranks(per_rank, "ref_max")
+    assert all(r["finite"] for r in per_rank), "NaN/inf in out, lse or grads"
+    dtypes = per_rank[0]["dtypes"]
     want_dtype = {"fp64": "torch.float64", "fp32": "torch.float32", "bf16": "torch.bfloat16"}[case.dtype]
     assert dtypes["out"] == dtypes["dq"] == dtypes["dk"] == dtypes["dv"] == want_dtype
     assert dtypes["lse"] == ("torch.float64" if case.dtype == "fp64" else "torch.float32")
@@ -74,46 +101,67 @@ def test_matches_fp64_reference(results, case):
         for n in QUANTITIES:
             assert err[n] <= tol * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
     else:
-        base = _max_over_ranks(results, case.name, "base_err")
-        atol = _max_over_ranks(results, case.name, "atol")
+        base = _max_over_ranks(per_rank, "base_err")
+        atol = _max_over_ranks(per_rank, "atol")
         for n in QUANTITIES:
             assert err[n] <= 2 * base[n] + atol[n], (
                 f"{n}: error {err[n]:.3g} > 2 x plain-BF16 error {base[n]:.3g} + {atol[n]:.3g}")
             assert err[n] <= 2 ** -6 * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_transfers_are_exactly_the_plans(results, case):
-    problems = [p for r in results for p in r[case.name]["count_problems"]]
+@pytest.mark.parametrize("source, case", _MATRIX)
+def test_transfers_are_exactly_the_plans(request, source, case):
+    problems = [p for r in _per_rank(source, request, case) for p in r["count_problems"]]
     assert not problems, "\n".join(problems[:5])
 
 
-def test_fixed_plan_is_bitwise_reproducible_with_and_without_overlap(results):
-    repeated = [(c.name, r[c.name]["bitwise_repeat"]) for c in CASES for r in results if "bitwise_repeat" in r[c.name]]
+@pytest.mark.parametrize("source", _SOURCES)
+def test_fixed_plan_is_bitwise_reproducible_with_and_without_overlap(request, source):
+    cases = CASES if source == "harness" else GLOO_CASES
+    repeated = [(c.name, r["bitwise_repeat"]) for c in cases for r in _per_rank(source, request, c)
+                if "bitwise_repeat" in r]
     assert repeated and all(ok for _, ok in repeated), [n for n, ok in repeated if not ok]
 
 
-def test_public_fcp_attention_matches_the_low_level_function(results):
-    checked = [r[c.name]["public_api_equal"] for c in CASES for r in results if "public_api_equal" in r[c.name]]
-    assert len(checked) == 16 * 4 and all(checked)  # 16 FP64 cases x 4 ranks
-    inference = [r[c.name]["no_grad_equal"] for c in CASES for r in results if "no_grad_equal" in r[c.name]]
-    assert len(inference) == 16 * 4 and all(inference)
+@pytest.mark.parametrize("source", _SOURCES)
+def test_public_fcp_attention_matches_the_low_level_function(request, source):
+    cases = CASES if source == "harness" else GLOO_CASES
+    want = 4 * sum(c.dtype == "fp64" and c.parts == 1 for c in cases)  # FP64 cases x 4 ranks (16 in CASES)
+    checked = [r["public_api_equal"] for c in cases for r in _per_rank(source, request, c) if "public_api_equal" in r]
+    assert len(checked) == want and want > 0 and all(checked)
+    inference = [r["no_grad_equal"] for c in cases for r in _per_rank(source, request, c) if "no_grad_equal" in r]
+    assert len(inference) == want and all(inference)
 
 
+@_DIST
+@pytest.mark.parametrize("case", _harness_cases.CASES, ids=lambda c: c.name)
+def test_harness_reproduces_gloo_bit_for_bit(gloo, case):
+    """Same plan, inputs, kernel and backward KV mode: the in-process harness (executor driven
+    directly, threads) and gloo processes (autograd, GlooTransport) give identical bits."""
+    harness = _harness_cases.harness_bitwise(case)
+    for rank, (h, g) in enumerate(zip(harness, (r["bitwise"][case.name] for r in gloo))):
+        for n in QUANTITIES:
+            assert h[n].dtype == g[n].dtype and h[n].shape == g[n].shape, (rank, n)
+            assert torch.equal(h[n], g[n]), f"rank {rank} {n}: max diff {(h[n].double() - g[n].double()).abs().max()}"
+
+
+@_DIST
 @pytest.mark.parametrize("group", ["bad_inputs_cp4", "bad_inputs_cp2"])
-def test_bad_input_raises_before_any_communication(results, group):
+def test_bad_input_raises_before_any_communication(gloo, group):
     import re
-    for r in results:
+    for r in gloo:
         for name, (msg, posts, expect) in r[group].items():
             assert re.search(expect, msg), f"{name}: {msg!r} does not mention {expect!r}"
             assert posts == 0, f"{name}: {posts} rounds posted before the error"
 
 
-def test_bounded_wait_names_round_peer_and_block(results):
-    msg = results[0]["timeout"]
+@_DIST
+def test_bounded_wait_names_round_peer_and_block(gloo):
+    msg = gloo[0]["timeout"]
     assert msg is not None and "forward round 3" in msg and "rank 1" in msg and "B(r1,c0,p0)" in msg, msg
-    assert results[1]["timeout"] is None
+    assert gloo[1]["timeout"] is None
 
 
-def test_nccl_transport_refuses_a_gloo_group(results):
-    assert all("use GlooTransport" in r["nccl_gate"] for r in results), results[0]["nccl_gate"]
+@_DIST
+def test_nccl_transport_refuses_a_gloo_group(gloo):
+    assert all("use GlooTransport" in r["nccl_gate"] for r in gloo), gloo[0]["nccl_gate"]

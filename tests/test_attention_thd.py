@@ -1,5 +1,6 @@
-"""THD attention over placements (packed batches) on real gloo groups, cp = 2, 3, 4, against an
-FP64 per-document reference (plain torch, each document attended alone).
+"""THD attention over placements (packed batches), cp = 2, 3, 4, against an FP64 per-document
+reference (plain torch, each document attended alone): every case in the in-process harness
+(megatron_fcp.attention.harness), ``GLOO_CASES`` also on real gloo groups (with the bad-input probes).
 
 Tolerances (max-abs over each rank's shard, maximum over ranks): FP64 <= 1e-12 * max(1, max|ref|),
 FP32 <= 1e-5 * max(1, max|ref|); BF16 <= 2 x the error of plain PyTorch attention in BF16 (per
@@ -18,11 +19,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _thd_cases import QUANTITIES, ThdCase, worker  # noqa: E402
+from _thd_cases import GLOO_CASES, QUANTITIES, ThdCase, harness_case  # noqa: E402
 
-from megatron_fcp.launch import run_gloo  # noqa: E402
-
-pytestmark = pytest.mark.dist
 
 C = ThdCase
 CASES = [
@@ -56,24 +54,40 @@ CASES = [
     C("cp3", "one", "full-plan", True, "bf16", kernel="cpu-flash"),
     C("cp3", "short", "none", False, "fp32"),
 ]
+assert set(GLOO_CASES) <= set(CASES)  # the gloo cases (tests/_thd_cases.py) are matrix cases too
+_DIST = pytest.mark.dist  # tests that need the gloo world
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_gloo(worker, 4, CASES, timeout_s=300)
+def gloo(gloo_attention_world):
+    """GLOO_CASES and the bad-input probes, from the shared gloo world (tests/_gloo_world.py)."""
+    return [r["thd"] for r in gloo_attention_world]
 
 
-def _ranks(results, case):
-    return [r[case.name] for r in results if case.name in r]
+@pytest.fixture(scope="module")
+def harness():
+    return {c.name: harness_case(c) for c in CASES}
+
+
+def _ranks(request, source, case):
+    if source == "harness":
+        return request.getfixturevalue("harness")[case.name]
+    return [r[case.name] for r in request.getfixturevalue("gloo") if case.name in r]
+
+
+def _matrix(cases):
+    gloo_cases = [c for c in GLOO_CASES if c in cases]
+    return [pytest.param("harness", c, id=f"harness-{c.name}") for c in cases] + \
+        [pytest.param("gloo", c, id=f"gloo-{c.name}", marks=_DIST) for c in gloo_cases]
 
 
 def _max(per_rank, key):
     return {n: max(r[key][n] for r in per_rank) for n in QUANTITIES}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_matches_the_per_document_fp64_reference(results, case):
-    per_rank = _ranks(results, case)
+@pytest.mark.parametrize("source, case", _matrix(CASES))
+def test_matches_the_per_document_fp64_reference(request, source, case):
+    per_rank = _ranks(request, source, case)
     assert len(per_rank) == {"cp4": 4, "cp2": 4, "cp3": 3}[case.group]  # cp2: two pairs side by side
     assert all(r["finite"] for r in per_rank), "NaN/inf in out, lse or grads"
     assert all(r["shapes"] == r["want_shapes"] for r in per_rank)
@@ -93,9 +107,9 @@ def test_matches_the_per_document_fp64_reference(results, case):
             assert err[n] <= 2 ** -6 * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_transfers_are_exactly_the_plans_and_repeat_bitwise(results, case):
-    per_rank = _ranks(results, case)
+@pytest.mark.parametrize("source, case", _matrix(CASES))
+def test_transfers_are_exactly_the_plans_and_repeat_bitwise(request, source, case):
+    per_rank = _ranks(request, source, case)
     problems = [p for r in per_rank for p in r["count_problems"]]
     assert not problems, "\n".join(problems[:5])
     assert all(r["bitwise_repeat"] for r in per_rank)
@@ -105,29 +119,30 @@ def test_transfers_are_exactly_the_plans_and_repeat_bitwise(results, case):
         assert all(r["public_api_equal"] for r in per_rank)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.isolate], ids=lambda c: c.name)
-def test_no_attention_across_documents(results, case):
-    per_rank = _ranks(results, case)
+@pytest.mark.parametrize("source, case", _matrix([c for c in CASES if c.isolate]))
+def test_no_attention_across_documents(request, source, case):
+    per_rank = _ranks(request, source, case)
     assert all(r["isolation"]["others_bit_identical"] for r in per_rank)
     holders = [r for r in per_rank if r["isolation"]["rank_holds_changed"]]
     assert holders and all(r["isolation"]["changed_doc_differs"] for r in holders)
 
 
-def test_ranks_without_tokens_take_part(results):
+def test_ranks_without_tokens_take_part(harness):
     assert {c.group for c in CASES if c.docs == "tiny"} == {"cp2", "cp3", "cp4"}
     for case in CASES:
         if case.docs == "tiny":
-            tokens = sorted(r["tokens"] for r in _ranks(results, case))
+            tokens = sorted(r["tokens"] for r in harness[case.name])
             groups = 2 if case.group == "cp2" else 1
             assert tokens == [0] * (len(tokens) - groups) + [1] * groups
     for case in CASES:
         if case.plan == "relay":  # the relay holds no tokens but moves (and reduces) every block
-            relays = [r for r in _ranks(results, case) if r["tokens"] == 0 and r["sent"]]
+            relays = [r for r in harness[case.name] if r["tokens"] == 0 and r["sent"]]
             assert relays, case.name
 
 
-def test_bad_thd_input_raises_before_any_communication(results):
-    for r in results:
+@_DIST
+def test_bad_thd_input_raises_before_any_communication(gloo):
+    for r in gloo:
         for name, (msg, posts, expect) in r["bad_inputs_cp4"].items():
             assert re.search(expect, msg), f"{name}: {msg!r} does not mention {expect!r}"
             assert posts == 0, f"{name}: {posts} rounds posted before the error"

@@ -1,96 +1,78 @@
-"""Backward KV modes on gloo: ``resend`` and ``keep`` give bitwise identical results, and
-``resend`` holds no received KV between forward and backward (measured on the autograd graph).
+"""Backward KV modes: ``resend`` and ``keep`` give bitwise identical results, and ``resend``
+holds no received KV between forward and backward.
 
-One 4-process group runs, per case, the same inputs through ``keep`` and ``resend`` and checks
-out, lse, dq, dk, dv bit for bit; plans: the ring (multi-hop chains), the hierarchical graph on
-2 x 2 ranks (relays across nodes) with sub-blocks, the direct ``full`` schedule, and a packed
-batch (THD placement); FP64, FP32, BF16.
+Per case the same inputs run through ``keep``, ``resend`` and ``auto``; out, lse, dq, dk, dv must
+match bit for bit. Plans: the ring (multi-hop chains), the hierarchical graph on 2 x 2 ranks
+(relays across nodes) with sub-blocks, the direct ``full`` schedule, and a packed batch (THD
+placement); FP64, FP32, BF16. Every case runs in the in-process harness (held KV: what the
+executor's forward keeps for backward); two also run on a 4-process gloo group through autograd,
+where the held KV is measured on the autograd graph itself.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+import torch
 
-from megatron_fcp.launch import run_gloo
+sys.path.insert(0, os.path.dirname(__file__))
+from _backward_kv_cases import _DTYPES, CASES, GLOO_CASES, MODES, case_setup  # noqa: E402
 
-pytestmark = pytest.mark.dist
-
-TOPO = "examples/configs/topology_2x2.yaml"
-CASES = [("ring", "fp64"), ("hier", "fp32"), ("full", "bf16"), ("hier", "bf16"), ("packed", "fp32")]
-
-
-def _held_received_kv(out) -> int:
-    """Bytes of received KV the autograd graph holds for this call (the Function's saved state)."""
-    node = out.grad_fn
-    while not hasattr(node, "kept"):  # THD outputs are views (squeeze) of the Function's output
-        node = node.next_functions[0][0]
-    kept = node.kept
-    return 0 if kept is None else sum(t.numel() * t.element_size() for t in kept.values())
+_DIST = pytest.mark.dist
 
 
-def _worker(rank: int, world: int) -> dict:
-    import os
+def _harness(name: str, dt: str) -> list[dict]:
+    """Per rank, per mode: the same report as the gloo worker's, from the in-process harness."""
+    from megatron_fcp.attention.harness import harness_attention
 
-    import torch
-    import torch.distributed as dist
-
-    from megatron_fcp.attention.function import fcp_attention_with_lse
-    from megatron_fcp.attention.layout import zigzag_split
-    from megatron_fcp.attention.stats import FCPStats
-    from megatron_fcp.planning import build_plan, place_packed
-    from megatron_fcp.topology import load_topology
-
-    topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), TOPO))
-    dtypes = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-    group = dist.new_group(list(range(world)))
-    out: dict = {}
-    for name, dt in CASES:
-        g = torch.Generator().manual_seed(hash(name + dt) % 1000)
-        placement = None
-        if name == "packed":
-            placement = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8)
-            t = placement.total_tokens
-            full = [torch.randn(t, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
-            q, k, v, do = (placement.shard(x, rank).to(dtypes[dt]) for x in full)
-            plan = build_plan(topo, range(4), "hierarchical", placement=placement)
-        else:
-            full = [torch.randn(64, 2, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
-            q, k, v, do = (zigzag_split(x, 4, rank).to(dtypes[dt]) for x in full)
-            plan = {"ring": "ring", "full": "full"}.get(name) or build_plan(topo, range(4), "hierarchical",
-                                                                          parts_per_chunk=2)
-        res = {}
-        for mode in ("keep", "resend", "auto"):
-            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-            stats = FCPStats()
-            o, lse = fcp_attention_with_lse(qq, kk, vv, cp_group=group, plan=plan, causal=True, stats=stats,
-                                            placement=placement, backward_kv=mode)
-            held = _held_received_kv(o)
-            o.backward(do)
-            res[mode] = {"out": o.detach(), "lse": lse, "dq": qq.grad, "dk": kk.grad, "dv": vv.grad,
-                         "held": held, "stats": stats.as_dict(),
-                         "local_kv": 2 * k.numel() * k.element_size()}
-        out[f"{name}-{dt}"] = res
-    return out
+    full, placement, plan = case_setup(name, dt)
+    per_rank = [{} for _ in range(4)]
+    for mode in MODES:
+        res = harness_attention(*(x.to(_DTYPES[dt]) for x in full), cp=4, plan=plan, causal=True,
+                                placement=placement, backward_kv=mode, stats=True)
+        for r in res.ranks:
+            per_rank[r.index][mode] = {**r.tensors(), "held": r.kept_bytes, "stats": r.stats.as_dict(),
+                                       "local_kv": 2 * r.dk.numel() * r.dk.element_size()}
+    return per_rank
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_gloo(_worker, 4, timeout_s=240)
+def gloo(gloo_attention_world):
+    """The gloo cases' per-rank reports, from the shared gloo world (tests/_gloo_world.py)."""
+    return [r["backward_kv"] for r in gloo_attention_world]
 
 
-@pytest.mark.parametrize("case", [f"{n}-{d}" for n, d in CASES])
-def test_resend_is_bitwise_keep(results, case):
-    for rank, r in enumerate(results):
-        keep, resend = r[case]["keep"], r[case]["resend"]
+@pytest.fixture(scope="module")
+def harness():
+    return {f"{n}-{d}": _harness(n, d) for n, d in CASES}
+
+
+def _per_rank(request, source: str, case: str) -> list[dict]:
+    if source == "harness":
+        return request.getfixturevalue("harness")[case]
+    return [r[case] for r in request.getfixturevalue("gloo")]
+
+
+_MATRIX = [pytest.param("harness", f"{n}-{d}", id=f"harness-{n}-{d}") for n, d in CASES] + \
+    [pytest.param("gloo", f"{n}-{d}", id=f"gloo-{n}-{d}", marks=_DIST) for n, d in GLOO_CASES]
+
+
+@pytest.mark.parametrize("source, case", _MATRIX)
+def test_resend_is_bitwise_keep(request, source, case):
+    for rank, r in enumerate(_per_rank(request, source, case)):
+        keep, resend = r["keep"], r["resend"]
         for name in ("out", "lse", "dq", "dk", "dv"):
             assert keep[name].dtype == resend[name].dtype
-            assert __import__("torch").equal(keep[name], resend[name]), f"rank {rank} {case} {name}"
+            assert torch.equal(keep[name], resend[name]), f"rank {rank} {case} {name}"
 
 
-@pytest.mark.parametrize("case", [f"{n}-{d}" for n, d in CASES])
-def test_resend_holds_no_received_kv_between_passes(results, case):
+@pytest.mark.parametrize("source, case", _MATRIX)
+def test_resend_holds_no_received_kv_between_passes(request, source, case):
+    results = _per_rank(request, source, case)
     for r in results:
-        keep, resend = r[case]["keep"], r[case]["resend"]
+        keep, resend = r["keep"], r["resend"]
         assert resend["held"] == 0 and resend["stats"]["saved_kv_bytes"] == 0
         assert resend["stats"]["backward_kv"] == "resend"
         assert keep["held"] == keep["stats"]["saved_kv_bytes"]  # the stats report what the graph holds
@@ -98,8 +80,8 @@ def test_resend_holds_no_received_kv_between_passes(results, case):
         # what it costs: the forward's KV traffic once more in backward
         assert resend["stats"]["resend_bytes_sent"] == resend["stats"]["forward_bytes_sent"]
     # at cp = 4 the need sets exceed one shard on some rank: auto (ring budget) re-sends
-    assert any(r[case]["keep"]["held"] > r[case]["keep"]["local_kv"] for r in results)
-    assert all(r[case]["auto"]["stats"]["backward_kv"] == "resend" for r in results)
+    assert any(r["keep"]["held"] > r["keep"]["local_kv"] for r in results)
+    assert all(r["auto"]["stats"]["backward_kv"] == "resend" for r in results)
 
 
 def test_choose_backward_kv_is_uniform_and_budgeted():
@@ -122,43 +104,35 @@ def test_choose_backward_kv_is_uniform_and_budgeted():
 BUILDER_NAMES = ("ring", "full", "hierarchical", "leader", "spanning", "entry")
 
 
-def _worker8(rank: int, world: int) -> dict:
-    """cp = 8 on one 8-GPU node, every builder, default mode (auto) and keep: held received KV."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_fcp.attention.function import fcp_attention_with_lse
-    from megatron_fcp.attention.layout import zigzag_split
+def _harness8() -> dict:
+    """cp = 8 on one 8-GPU node, every builder, default mode (auto) and keep: held received KV
+    per rank (what the executor's forward keeps for backward), in the in-process harness."""
+    from megatron_fcp.attention.harness import harness_attention
     from megatron_fcp.planning import build_plan
 
-    group = dist.new_group(list(range(world)))
     g = torch.Generator().manual_seed(3)
-    full = [torch.randn(32, 1, h, 8, generator=g) for h in (2, 1, 1, 2)]
-    q, k, v, do = (zigzag_split(x, world, rank) for x in full)
-    out = {"local_kv": 2 * k.numel() * k.element_size()}
+    q, k, v, do = (torch.randn(32, 1, h, 8, generator=g) for h in (2, 1, 1, 2))
+    out = {"local_kv": 2 * (k.numel() // 8) * k.element_size()}
     for name in BUILDER_NAMES:
-        plan = build_plan("dgx-h100:1", range(world), name)
+        plan = build_plan("dgx-h100:1", range(8), name)
         for mode in ("auto", "keep"):
-            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-            o, _ = fcp_attention_with_lse(qq, kk, vv, cp_group=group, plan=plan, backward_kv=mode)
-            out[(name, mode)] = _held_received_kv(o)
-            o.backward(do)
+            res = harness_attention(q, k, v, do, cp=8, plan=plan, backward_kv=mode)
+            out[(name, mode)] = [r.kept_bytes for r in res.ranks]
     return out
 
 
 @pytest.fixture(scope="module")
 def results8():
-    return run_gloo(_worker8, 8, timeout_s=300)
+    return _harness8()
 
 
 def test_default_mode_holds_no_more_than_the_ring_at_cp8(results8):
     """The ring holds no received KV between forward and backward (one KV pair in flight at any
     time); FCP's default (auto, the ring's budget) re-sends at cp = 8 and holds none either."""
-    for r in results8:
-        for name in BUILDER_NAMES:
-            assert r[(name, "auto")] == 0, name
+    for name in BUILDER_NAMES:
+        assert results8[(name, "auto")] == [0] * 8, name
     # keep's figure: causal zigzag CP rank 0 holds 2*(cp-1) = 14 chunks = 7 times its own KV
-    assert results8[0][("full", "keep")] == 7 * results8[0]["local_kv"]
+    assert results8[("full", "keep")][0] == 7 * results8["local_kv"]
 
 
 def test_auto_decides_once_per_plan_and_shape():

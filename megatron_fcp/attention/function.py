@@ -53,11 +53,9 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Callable, Union
 
 import torch
-import torch.distributed as dist
 
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.comm_only import measure_comm_only
@@ -66,15 +64,18 @@ from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.kv_memory import RING_BUDGET, choose_backward_kv
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
+from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
+from megatron_fcp.groups import group_membership
 from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.placement import Placement
-from megatron_fcp.planning.plan import SIMPLE_PLANS, Plan, full_plan
+from megatron_fcp.planning.plan import Plan
 
 __all__ = [
     "fcp_attention",
     "fcp_attention_with_lse",
+    "build_executor",
     "FCPStats",
     "resolve_plan",
     "PLAN_ALIASES",
@@ -84,11 +85,7 @@ __all__ = [
     "check_finite",
 ]
 
-PlanLike = Union[str, Plan]
-KernelLike = Union[str, BlockKernel]
-
-#: Old plan names still accepted (with a FutureWarning): name -> name in ``SIMPLE_PLANS``.
-PLAN_ALIASES = {"all-to-all": "full"}
+KernelLike = Union[str, BlockKernel]  # PlanLike, PLAN_ALIASES, resolve_plan: attention/resolve.py
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -116,50 +113,6 @@ def check_finite(out: torch.Tensor, lse: torch.Tensor, where: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # validation (before any communication)
 # ---------------------------------------------------------------------------------------------
-def resolve_plan(plan: PlanLike | None, group_ranks: tuple[int, ...], causal: bool,
-                 placement: Placement | None = None) -> Plan:
-    """A :class:`Plan` for this group: build a named plan, or check a given one against the group.
-
-    ``None`` is ``"ring"`` for zigzag shards and ``"full"`` over a ``placement`` (the only named
-    plan there: :func:`~megatron_fcp.planning.plan.full_plan` with ``placement=``)."""
-    if plan is None:
-        plan = "ring" if placement is None else "full"
-    if isinstance(plan, str):
-        if plan in PLAN_ALIASES:
-            warnings.warn(f"plan {plan!r} is deprecated; use {PLAN_ALIASES[plan]!r} (the same schedule)",
-                          FutureWarning, stacklevel=3)
-            plan = PLAN_ALIASES[plan]
-        if plan not in SIMPLE_PLANS:
-            raise ValueError(f"unknown plan {plan!r}; use one of {sorted(SIMPLE_PLANS)} or pass a Plan")
-        if placement is None:
-            return SIMPLE_PLANS[plan](group_ranks, causal=causal, parts_per_chunk=1).verify()
-        if plan != "full":
-            raise ValueError(f"plan {plan!r} runs zigzag shards only; over a placement use plan='full' (or None) "
-                             f"or a Plan from build_plan(..., placement=placement)")
-        return full_plan(group_ranks, causal, placement=placement).verify()
-    if not isinstance(plan, Plan):
-        raise ValueError(f"plan must be a name {sorted(SIMPLE_PLANS)} or a megatron_fcp.planning.Plan, "
-                         f"got {type(plan).__name__}")
-    if tuple(plan.ranks) != group_ranks:
-        raise ValueError(
-            f"plan ranks {list(plan.ranks)} are not the CP group's ranks {list(group_ranks)} (in CP order); "
-            f"build the plan from dist.get_process_group_ranks(cp_group)"
-        )
-    if plan.causal != causal:
-        raise ValueError(f"plan was built with causal={plan.causal} but attention runs with causal={causal}; "
-                         f"rebuild the plan with causal={causal} (need sets differ)")
-    if placement is None and plan.placement is not None:
-        raise ValueError("plan is over a placement (a packed batch); pass placement=plan.placement and THD "
-                         "tensors [t_local, heads, head_dim]")
-    if placement is not None and plan.placement is None:
-        raise ValueError("plan is a zigzag plan; build it over the placement: full_plan(ranks, causal, "
-                         "placement=placement) or build_plan(..., placement=placement)")
-    if placement is not None and plan.placement is not placement and plan.placement != placement:
-        raise ValueError("plan was built for a different placement than the one given; rebuild the plan "
-                         "with placement=<this placement> (or pass plan.placement)")
-    return plan.verify()  # at once for a plan already verified (every plan build_plan returns)
-
-
 def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_scale,
               kernel: KernelLike = "auto", placement: Placement | None = None):
     """Check everything this rank can check locally; return (plan, rank, scale, kernel).
@@ -196,16 +149,11 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
                          f"use kernel='auto' (or any fused kernel, or 'math') for a placement")
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("torch.distributed is not initialised; call dist.init_process_group first")
-    if cp_group is None:
-        raise ValueError("cp_group is required (e.g. parallel_state.get_context_parallel_group())")
-    group_ranks = tuple(dist.get_process_group_ranks(cp_group))
-    rank = dist.get_rank()
+    group_ranks, rank = group_membership(cp_group)  # a process group or a VirtualGroup (groups.py)
     if rank not in group_ranks:
         raise ValueError(f"this rank {rank} is not in cp_group {list(group_ranks)}; pass this rank's CP group")
     if thd:
-        _check_placement(placement, group_ranks, rank, causal, s_local)
+        check_placement(placement, group_ranks, rank, causal, s_local)
     plan = resolve_plan(plan, group_ranks, causal, placement)
     cp, ppc = plan.cp, plan.parts_per_chunk
     if not thd and s_local % (2 * ppc) != 0:
@@ -216,22 +164,6 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     return plan, rank, scale, kernel_obj
-
-
-def _check_placement(placement, group_ranks: tuple[int, ...], rank: int, causal: bool, t_local: int) -> None:
-    if not isinstance(placement, Placement):
-        raise ValueError(f"placement must be a megatron_fcp.planning.Placement (e.g. place_packed(doc_lengths, "
-                         f"cp)), got {type(placement).__name__}")
-    if placement.cp != len(group_ranks):
-        raise ValueError(f"placement is for cp={placement.cp} but cp_group has {len(group_ranks)} ranks; "
-                         f"place the batch with place_packed(doc_lengths, cp={len(group_ranks)})")
-    if placement.causal != causal:
-        raise ValueError(f"placement was built with causal={placement.causal} but attention runs with "
-                         f"causal={causal}; rebuild it with place_packed(..., causal={causal}) (need sets differ)")
-    idx = group_ranks.index(rank)
-    if t_local != placement.tokens(idx):
-        raise ValueError(f"this rank (CP index {idx}) holds {placement.tokens(idx)} tokens of the placement but "
-                         f"q/k/v have {t_local}; pass placement.shard(x, {idx}) of the packed batch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,6 +465,26 @@ def fcp_attention_with_lse(
     pass the same kind of ``agreement``.
     check_numerics: raise :class:`FCPNumericsError` if out is not finite or lse has NaN/+inf.
     """
+    executor = build_executor(q, k, v, cp_group=cp_group, plan=plan, causal=causal, softmax_scale=softmax_scale,
+                              transport=transport, stats=stats, timeout_s=timeout_s, kernel=kernel,
+                              placement=placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
+                              agreement=agreement)
+    if placement is None:
+        out, lse = _FCPAttentionFunction.apply(q, k, v, executor)
+    else:
+        out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), executor)  # b = 1
+        out, lse = out.squeeze(1), lse.squeeze(0)                           # [t, h, d], [h, t]
+    if check_numerics:
+        check_finite(out, lse, f"FCP attention forward on rank {executor.rank} (plan {executor.plan.name!r})")
+    return out, lse
+
+
+def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=None, transport=None, stats=None,
+                   timeout_s=DEFAULT_TIMEOUT_S, kernel="math", placement=None, backward_kv="keep",
+                   kv_memory_budget=RING_BUDGET, agreement=PLAN_AGREEMENT) -> _Executor:
+    """What one :func:`fcp_attention_with_lse` call runs (same arguments): validate, agree, pick the
+    transport and backward KV mode, and return the plan executor. The in-process harness
+    (:mod:`megatron_fcp.attention.harness`) drives it directly instead of through autograd."""
     plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
                                                   placement)
     if agreement is not None:
@@ -555,14 +507,7 @@ def fcp_attention_with_lse(
                               kv_memory_budget, cache_key=(tuple(q.shape), per_token, id(placement)))
     executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
     executor.backward_kv = mode
-    if placement is None:
-        out, lse = _FCPAttentionFunction.apply(q, k, v, executor)
-    else:
-        out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), executor)  # b = 1
-        out, lse = out.squeeze(1), lse.squeeze(0)                           # [t, h, d], [h, t]
-    if check_numerics:
-        check_finite(out, lse, f"FCP attention forward on rank {rank} (plan {plan_obj.name!r})")
-    return out, lse
+    return executor
 
 
 def fcp_attention(
