@@ -312,7 +312,7 @@ def _bad_inputs(group, ranks: tuple, rank: int) -> dict:
         "4d": (dict(q=t()[:, None], k=t(heads=2)[:, None], v=t(heads=2)[:, None]), {}, "3-D tensor.*THD"),
         "cp": (ok, dict(placement=place_packed(DOCS["mix"], cp + 1)), f"cp={cp + 1}.*place_packed"),
         "not_a_placement": (ok, dict(placement=[1, 2]), "must be a megatron_fcp.planning.Placement"),
-        "kernel": (ok, dict(kernel=_NoDocumentKernel.make()), "no document mask.*kernel='math'"),
+        "kernel": (ok, dict(kernel=_NoDocumentKernel.make()), "no document mask.*kernel='auto'"),
         "dtype": (dict(q=t(), k=t(heads=2, dtype=torch.float64), v=t(heads=2)), {}, "dtypes differ"),
         "heads": (dict(q=t(), k=t(heads=3), v=t(heads=3)), {}, "multiple of KV heads"),
         "zigzag_call_with_placement_plan": (dict(q=t(8)[:, None], k=t(8, 2)[:, None], v=t(8, 2)[:, None]),
