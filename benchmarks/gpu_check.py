@@ -348,20 +348,43 @@ def section_memory(device, seqs, heads=(32, 8), d=128, cp: int = 4) -> list[dict
     return rows
 
 
-def section_harness(device, dtypes) -> list[dict] | dict:
-    try:
-        import megatron_fcp.harness as harness  # noqa: F401
-    except ImportError as exc:
-        return {"skipped": f"megatron_fcp.harness is not importable: {exc}"}
-    if not hasattr(harness, "check_numerics_cases"):
-        return {"skipped": "megatron_fcp.harness has no check_numerics_cases"}
-    rows = []
+def section_harness(device, dtypes, seq: int = 32768) -> dict:
+    """The real executor for cp = 4 ranks in one process (one thread and CUDA stream per rank):
+    numerics of every runnable (kernel, dtype) via ``check_numerics_cases``, then one BF16 GQA
+    32:8 call of ``seq`` tokens per backward-KV mode: per-rank peak received KV (``FCPStats``)
+    beside what TE's ring holds, and wall time."""
+    from megatron_fcp.attention import harness
+
+    out: dict = {"numerics": []}
     for name, dt in fused_kernels(device, dtypes):
-        rows.extend(harness.check_numerics_cases(device=device, dtype=dt, kernel=name))
-    return rows
+        for row in harness.check_numerics_cases(device=device, dtype=dt, kernel=name, tokens=2048, head_dim=128,
+                                                heads=8):
+            out["numerics"].append({"kernel": name, "dtype": str(dt)[6:], **row})
+    if device.type != "cuda":
+        return out
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h, hk, d = 32, 8, 128
+    q, do = (torch.randn(seq, 1, h, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(seq, 1, hk, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    out["memory"] = []
+    for mode in ("keep", "resend", "auto"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = harness.harness_attention(q, k, v, do, cp=4, plan="full", causal=True, kernel="auto",
+                                        backward_kv=mode, device=device, stats=True, timeout_s=120.0)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        out["memory"].append({
+            "mode": mode, "seq": seq, "wall_s": wall, "backward_kv": [r.backward_kv for r in res.ranks],
+            "kept_bytes": [r.kept_bytes for r in res.ranks],
+            "peak_kv_bytes": [r.stats.peak_kv_bytes for r in res.ranks],
+            "ring_kv_bytes": [r.stats.ring_kv_bytes for r in res.ranks],
+            "kept_le_ring": all(r.kept_bytes <= r.stats.ring_kv_bytes for r in res.ranks)})
+        del res
+    return out
 
 
-def section_gpt(device, timeout_s: int = 240) -> dict:
+def section_gpt(device, timeout_s: int = 90) -> dict:
     """The tiny GPT example on one GPU: cp = 1 (Megatron's own attention, one process) against FCP at
     cp = 4 (four processes sharing the GPU over gloo, KV staged through host memory: NCCL refuses
     two ranks on one GPU), a few steps in FP32 (memory-efficient kernel) and BF16 (FlashAttention),
@@ -444,6 +467,12 @@ def main(argv=None) -> int:
 
 def summarize(result: dict) -> dict:
     s = {}
+    hn = result.get("harness")
+    if isinstance(hn, dict) and "numerics" in hn:
+        s["harness_cases"] = len(hn["numerics"])
+        s["harness_all_ok"] = all(r["ok"] for r in hn["numerics"])
+        s["harness_memory"] = [(m["mode"], m["backward_kv"][0], max(m["kept_bytes"]), max(m["ring_kv_bytes"]),
+                                round(m["wall_s"], 3)) for m in hn.get("memory", [])]
     num = result.get("numerics")
     if isinstance(num, list):
         s["numerics_cases"] = len(num)
