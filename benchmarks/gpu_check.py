@@ -411,7 +411,10 @@ def section_gpt(device, timeout_s: int = 90) -> dict:
                    script, *common, *flags, *extra, "--metrics-json", path]
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-                run = {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-1500:]}
+                text = p.stdout + p.stderr
+                first_tb = text.find("Traceback")
+                run = {"rc": p.returncode, "tail": text[-1500:],
+                       "traceback": text[first_tb:first_tb + 3000] if p.returncode and first_tb >= 0 else None}
                 if p.returncode == 0 and os.path.exists(path):
                     with open(path) as f:
                         m = json.load(f)

@@ -231,7 +231,8 @@ def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        perform_initialization=True, **_recompute_kwargs(args),
+        perform_initialization=True, masked_softmax_fusion=False,  # Megatron's fused softmax needs apex-era CUDA extensions
+        **_recompute_kwargs(args),
     )
 
 
@@ -428,7 +429,9 @@ def train(
                 loss_sum += loss.detach().double()
             for p in model.parameters():
                 if p.grad is not None:
-                    dist.all_reduce(p.grad, group=dp_cp_group)
+                    g = p.grad.float()  # FP32 sum (and gloo has no BF16 reduction on CUDA tensors)
+                    dist.all_reduce(g, group=dp_cp_group)
+                    p.grad.copy_(g)
             dist.all_reduce(loss_sum, group=dp_cp_group)
             norm = _grad_norm(model, tp_group, device)
             if args.clip_grad > 0 and norm > args.clip_grad:
