@@ -55,6 +55,24 @@ GLOO_CASES = [
 ]
 
 
+def assert_within_tolerance(err: dict, ref: dict, base: dict | None, atol: dict | None, dtype: str,
+                            dtypes: dict) -> None:
+    """The numerics rule of every attention test, per tensor of ``QUANTITIES``: FP64 within 1e-12 and
+    FP32 within 1e-5 of the FP64 reference (relative to max(1, max|ref|)); BF16 within 2 x plain
+    BF16 attention's error + ``atol`` and under 2^-6 relative. ``dtypes``: the results' dtypes."""
+    want = {"fp64": "torch.float64", "fp32": "torch.float32", "bf16": "torch.bfloat16"}[dtype]
+    assert dtypes["out"] == dtypes["dq"] == dtypes["dk"] == dtypes["dv"] == want
+    assert dtypes["lse"] == ("torch.float64" if dtype == "fp64" else "torch.float32")
+    for n in QUANTITIES:
+        if dtype in ("fp64", "fp32"):
+            tol = 1e-12 if dtype == "fp64" else 1e-5
+            assert err[n] <= tol * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
+        else:
+            assert err[n] <= 2 * base[n] + atol[n], (
+                f"{n}: error {err[n]:.3g} > 2 x plain-BF16 error {base[n]:.3g} + {atol[n]:.3g}")
+            assert err[n] <= 2 ** -6 * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
+
+
 def _inputs(case: Case, cp: int):
     """Global q, k, v, dout [s, b, h(_kv), d] in the case dtype (same on every rank)."""
     h, hk = case.heads
@@ -298,26 +316,36 @@ def probe_bad_inputs(cases: dict, group, **defaults) -> dict:
     return out
 
 
-def _timeout_probe(rank: int) -> str | None:
-    """Rank 0 waits for a block rank 1 never sends: the bounded wait must raise, naming round,
-    peer and block. A gloo timeout breaks the pair (as an NCCL timeout breaks the communicator),
-    so this runs last and nothing communicates afterwards; rank 1 stays alive meanwhile."""
+def expect_timeout(rank: int, probe) -> str | None:
+    """Rank 0 runs ``probe`` (a wait on a peer that never answers) and returns the CommTimeout's
+    message ("no timeout" if it returned); rank 1 stays alive meanwhile. A timed-out gloo exchange
+    breaks the group (as an NCCL timeout breaks the communicator), so callers run this last."""
     import time
 
-    from megatron_fcp.comm import CommTimeout, GlooTransport
-    from megatron_fcp.planning import Block, Transfer
+    from megatron_fcp.comm import CommTimeout
 
     if rank == 0:
-        transport = GlooTransport(dist.group.WORLD, timeout_s=0.5)
-        handle = transport.post([], [(Transfer(1, 0, Block(1, 0)), torch.zeros(4))], round_index=3)
         try:
-            transport.wait(handle)
+            probe()
             return "no timeout"
         except CommTimeout as e:
             return str(e)
     if rank == 1:
         time.sleep(2.0)
     return None
+
+
+def _timeout_probe(rank: int) -> str | None:
+    """Rank 0 waits for a block rank 1 never sends: the bounded wait must raise, naming round,
+    peer and block."""
+    from megatron_fcp.comm import GlooTransport
+    from megatron_fcp.planning import Block, Transfer
+
+    def probe():
+        transport = GlooTransport(dist.group.WORLD, timeout_s=0.5)
+        transport.wait(transport.post([], [(Transfer(1, 0, Block(1, 0)), torch.zeros(4))], round_index=3))
+
+    return expect_timeout(rank, probe)
 
 
 def worker(rank: int, world: int, cases: list) -> dict:

@@ -159,20 +159,12 @@ def _bad_inputs(group, ranks: tuple, hp_groups: dict) -> dict:
 def _timeout_probe(rank: int, hp_groups: dict) -> str | None:
     """Rank 0 starts a head-group all-to-all that rank 1 never joins: the bounded wait must raise
     CommTimeout naming the head group. Runs last: a timed-out gloo collective breaks the group."""
-    import time
+    from _attention_cases import expect_timeout
 
     from megatron_fcp.attention.head_parallel import _HeadComm
-    from megatron_fcp.comm import CommTimeout
 
-    if rank == 0:
-        try:
-            _HeadComm(hp_groups[2].head_group, (0, 1), 0.5, None).exchange(torch.zeros(2, 3), "probe")
-            return "no timeout"
-        except CommTimeout as e:
-            return str(e)
-    if rank == 1:
-        time.sleep(2.0)
-    return None
+    return expect_timeout(rank, lambda: _HeadComm(hp_groups[2].head_group, (0, 1), 0.5, None).exchange(
+        torch.zeros(2, 3), "probe"))
 
 
 def worker(rank: int, world: int, cases: list) -> dict:

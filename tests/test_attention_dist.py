@@ -31,7 +31,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import _harness_cases  # noqa: E402
 import torch  # noqa: E402
-from _attention_cases import GLOO_CASES, QUANTITIES, Case, harness_case  # noqa: E402
+from _attention_cases import GLOO_CASES, QUANTITIES, Case, assert_within_tolerance, harness_case  # noqa: E402
 
 CASES = [
     Case(group, plan, causal, heads, dtype)
@@ -92,21 +92,9 @@ def test_matches_fp64_reference(request, source, case):
     err = _max_over_ranks(per_rank, "err")
     ref = _max_over_ranks(per_rank, "ref_max")
     assert all(r["finite"] for r in per_rank), "NaN/inf in out, lse or grads"
-    dtypes = per_rank[0]["dtypes"]
-    want_dtype = {"fp64": "torch.float64", "fp32": "torch.float32", "bf16": "torch.bfloat16"}[case.dtype]
-    assert dtypes["out"] == dtypes["dq"] == dtypes["dk"] == dtypes["dv"] == want_dtype
-    assert dtypes["lse"] == ("torch.float64" if case.dtype == "fp64" else "torch.float32")
-    if case.dtype in ("fp64", "fp32"):
-        tol = 1e-12 if case.dtype == "fp64" else 1e-5
-        for n in QUANTITIES:
-            assert err[n] <= tol * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
-    else:
-        base = _max_over_ranks(per_rank, "base_err")
-        atol = _max_over_ranks(per_rank, "atol")
-        for n in QUANTITIES:
-            assert err[n] <= 2 * base[n] + atol[n], (
-                f"{n}: error {err[n]:.3g} > 2 x plain-BF16 error {base[n]:.3g} + {atol[n]:.3g}")
-            assert err[n] <= 2 ** -6 * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
+    bf16 = case.dtype == "bf16"
+    assert_within_tolerance(err, ref, _max_over_ranks(per_rank, "base_err") if bf16 else None,
+                            _max_over_ranks(per_rank, "atol") if bf16 else None, case.dtype, per_rank[0]["dtypes"])
 
 
 @pytest.mark.parametrize("source, case", _MATRIX)

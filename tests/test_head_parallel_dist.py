@@ -21,6 +21,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _attention_cases import assert_within_tolerance  # noqa: E402
 from _head_parallel_cases import QUANTITIES, Case, worker  # noqa: E402
 
 from megatron_fcp.launch import run_gloo  # noqa: E402
@@ -57,19 +58,10 @@ def _max(per_rank, name, key):
 def test_matches_fp64_reference(results, case):
     err, ref = _max(results, case.name, "err"), _max(results, case.name, "ref_max")
     assert all(r[case.name]["finite"] for r in results), "NaN/inf in out, lse or grads"
-    dtypes = results[0][case.name]["dtypes"]
-    want = {"fp64": "torch.float64", "fp32": "torch.float32", "bf16": "torch.bfloat16"}[case.dtype]
-    assert dtypes["out"] == dtypes["dq"] == dtypes["dk"] == dtypes["dv"] == want
-    assert dtypes["lse"] == ("torch.float64" if case.dtype == "fp64" else "torch.float32")
-    if case.dtype in ("fp64", "fp32"):
-        tol = 1e-12 if case.dtype == "fp64" else 1e-5
-        for n in QUANTITIES:
-            assert err[n] <= tol * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
-    else:
-        base, atol = _max(results, case.name, "base_err"), _max(results, case.name, "atol")
-        for n in QUANTITIES:
-            assert err[n] <= 2 * base[n] + atol[n], f"{n}: {err[n]:.3g} > 2 x plain BF16 {base[n]:.3g} + {atol[n]:.3g}"
-            assert err[n] <= 2 ** -6 * max(1.0, ref[n]), f"{n}: error {err[n]:.3g} vs max|ref| {ref[n]:.3g}"
+    bf16 = case.dtype == "bf16"
+    assert_within_tolerance(err, ref, _max(results, case.name, "base_err") if bf16 else None,
+                            _max(results, case.name, "atol") if bf16 else None, case.dtype,
+                            results[0][case.name]["dtypes"])
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.degree != 4], ids=lambda c: c.name)

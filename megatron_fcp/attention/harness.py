@@ -248,6 +248,16 @@ def check_numerics_cases(device: "str | torch.device" = "cpu", dtype: torch.dtyp
     def randn(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
 
+    def judge(name, layout, tokens_, hk, causal, inputs, ref, base, **where):
+        """Run one case in the harness (``where``: ranks or placement, and the plan) and record it."""
+        t0 = time.perf_counter()
+        res = harness_attention(*(x.to(dtype) for x in inputs), causal=causal, softmax_scale=scale, kernel=kernel,
+                                device=device, **where)
+        got = {n: res.gathered(n) for n in QUANTITIES}
+        results.append(dict(case=name, layout=layout, cp=cp, tokens=tokens_, heads=(heads, hk), causal=causal,
+                            dtype=str(dtype), kernel=str(kernel), device=str(device),
+                            seconds=time.perf_counter() - t0, **_judge(got, ref, base, dtype)))
+
     zigzag = [
         ("zigzag-ring-causal-mha", "ring", True, heads),
         ("zigzag-full-noncausal-gqa4", "full", False, max(heads // 4, 1)),
@@ -260,13 +270,7 @@ def check_numerics_cases(device: "str | torch.device" = "cpu", dtype: torch.dtyp
         ref = reference_attention(q, k, v, causal=causal, scale=scale, dout=do)
         base = None if dtype == torch.float64 else reference_attention(
             *(x.to(dtype) for x in (q, k, v)), causal=causal, scale=scale, dout=do.to(dtype))
-        t0 = time.perf_counter()
-        res = harness_attention(*(x.to(dtype) for x in (q, k, v, do)), ranks=ranks, plan=plan, causal=causal,
-                                softmax_scale=scale, kernel=kernel, device=device)
-        got = {n: res.gathered(n) for n in QUANTITIES}
-        results.append(dict(case=name, layout="zigzag", cp=cp, tokens=tokens, heads=(heads, hk), causal=causal,
-                            dtype=str(dtype), kernel=str(kernel), device=str(device),
-                            seconds=time.perf_counter() - t0, **_judge(got, ref, base, dtype)))
+        judge(name, "zigzag", tokens, hk, causal, (q, k, v, do), ref, base, ranks=ranks, plan=plan)
     for name, causal, hk, builder in (("packed-full-causal-gqa2", True, max(heads // 2, 1), None),
                                       ("packed-spanning-noncausal-mha", False, heads, "spanning")):
         pl = place_packed(CHECK_DOCS, cp, block_tokens=16, causal=causal)
@@ -276,13 +280,7 @@ def check_numerics_cases(device: "str | torch.device" = "cpu", dtype: torch.dtyp
         ref = per_document_reference(q, k, v, do, CHECK_DOCS, causal, scale)
         base = None if dtype == torch.float64 else per_document_reference(
             *(x.to(dtype) for x in (q, k, v, do)), CHECK_DOCS, causal, scale)
-        t0 = time.perf_counter()
-        res = harness_attention(*(x.to(dtype) for x in (q, k, v, do)), placement=pl, plan=plan, causal=causal,
-                                softmax_scale=scale, kernel=kernel, device=device)
-        got = {n: res.gathered(n) for n in QUANTITIES}
-        results.append(dict(case=name, layout="packed", cp=cp, tokens=t, heads=(heads, hk), causal=causal,
-                            dtype=str(dtype), kernel=str(kernel), device=str(device),
-                            seconds=time.perf_counter() - t0, **_judge(got, ref, base, dtype)))
+        judge(name, "packed", t, hk, causal, (q, k, v, do), ref, base, placement=pl, plan=plan)
     return results
 
 
