@@ -98,7 +98,7 @@ def shaping_commands(ns: str, dev: str, bits: float) -> list[list[str]]:
 def _namespace(ns: str) -> list[list[str]]:
     return [["ip", "netns", "add", ns], ["ip", "-n", ns, "link", "set", "lo", "up"],
             ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
-             "net.ipv6.conf.default.disable_ipv6=1"]]
+             "net.ipv6.conf.default.disable_ipv6=1", "net.ipv4.tcp_slow_start_after_idle=0"]]
 
 
 def _bridge(ns: str) -> list[list[str]]:

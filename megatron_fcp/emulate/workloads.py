@@ -10,7 +10,9 @@ Workload names (``--workloads``):
   it the run is reported as not available (see that class: the hook);
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
   (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
-  with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD).
+  with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD). A
+  suffix ``@keep`` / ``@resend`` / ``@auto`` sets that workload's backward KV mode
+  (``fcp-auto@keep``), overriding ``--backward-kv``.
 
 Predictions are the cost model's forward + backward on the emulated cluster's Topology
 (:func:`~megatron_fcp.emulate.spec.emulated_topology`) with the emulated FLOP/s and no launch
@@ -26,7 +28,7 @@ what our executor sends (FP32 partial gradients, a numerics choice).
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_fcp.planning import (
     BUILDERS,
@@ -213,9 +215,11 @@ def _backward_kv_mode(shape: WorkloadShape, plan: Plan, placement: Placement | N
 
 def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology) -> list[Workload]:
     """The workloads ``names`` on ``topo`` (all of its ranks form the CP group); plans built here."""
-    unknown = [n for n in names if n not in WORKLOAD_NAMES]
+    unknown = [n for n in names if n.split("@")[0] not in WORKLOAD_NAMES
+               or ("@" in n and (not n.startswith("fcp-") or n.split("@", 1)[1] not in ("auto", "keep", "resend")))]
     if unknown:
-        raise ValueError(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOAD_NAMES)}")
+        raise ValueError(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOAD_NAMES)} "
+                         f"(an fcp-* name may end in @keep, @resend or @auto)")
     ranks = tuple(range(topo.world))
     placement = None
     if shape.doc_lengths:
@@ -228,7 +232,9 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology) -> li
         elif n == "te-a2a-p2p":
             out.append(HeadParallelWorkload(n, shape, ranks, unavailable=HeadParallelWorkload.wiring()))
         else:
-            out.append(_fcp(n, n[len("fcp-"):], shape, topo, ranks, placement))
+            base, _, mode = n.partition("@")
+            own = replace(shape, backward_kv=mode) if mode else shape
+            out.append(_fcp(n, base[len("fcp-"):], own, topo, ranks, placement))
     return out
 
 
