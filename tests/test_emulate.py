@@ -178,6 +178,11 @@ def test_workloads_plans_predictions_and_the_hook():
     assert b["lower_bound_fp32_grads_s"] >= b["lower_bound_s"]
     with pytest.raises(ValueError, match="--workloads"):
         make_workloads(["fcp-nope"], shape, topo)
+    with pytest.raises(ValueError, match="@keep"):
+        make_workloads(["te-p2p@keep"], shape, topo)
+    keep, resend = make_workloads(["fcp-auto@keep", "fcp-auto@resend"], shape, topo)
+    assert (keep.backward_kv, resend.backward_kv) == ("keep", "resend")
+    assert keep.predict(topo, cm)["predicted_s"] < resend.predict(topo, cm)["predicted_s"]
 
 
 def test_packed_workloads_use_the_placement_and_tes_padding():

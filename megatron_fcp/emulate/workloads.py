@@ -147,10 +147,12 @@ class HeadParallelWorkload(Workload):
     """``te-a2a-p2p``: TE's ``a2a+p2p``. Predicted by the cost model; measured once wired (the hook).
 
     The hook: when the head-parallel engine lands (``megatron_fcp.attention.head_parallel``, a
-    branch of its own), make :meth:`wiring` return None and add its runner to
-    :mod:`megatron_fcp.emulate.runners` (``_RUNNERS["te-a2a-p2p"]``: build the engine's call for
-    this rank from ``self.shape`` and the ring-across-nodes KV stage, run forward + backward with
-    the given kernel and transport). Nothing else in the emulator changes.
+    branch of its own), make :meth:`wiring` return None once the engine is importable and register
+    a runner in :mod:`megatron_fcp.emulate.runners` (``_RUNNERS[HeadParallelWorkload] = ...``, a
+    :class:`~megatron_fcp.emulate.runners.Runner` subclass whose ``attention(kernel, transport)``
+    calls the engine with ranks-per-node head groups and a ring KV stage across nodes: TE's
+    ``a2a+p2p``; the engine must accept a block kernel and a transport). Nothing else changes:
+    predictions, timing modes, JSON and table already handle it.
     """
 
     @staticmethod
