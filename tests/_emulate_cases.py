@@ -82,3 +82,10 @@ def worker(rank: int, world: int) -> dict:
     res = {"zigzag_causal": _zigzag_case(rank, world, True), "zigzag_full": _zigzag_case(rank, world, False),
            "thd": _thd_case(rank, world), "sleep": _sleep_case(rank, world)}
     return res
+
+
+def worker_job(rank: int, world: int, job: dict) -> dict:
+    """The emulator's per-rank loop (megatron_fcp.emulate.worker.run) on plain loopback gloo."""
+    from megatron_fcp.emulate.worker import run
+
+    return run(job)

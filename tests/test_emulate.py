@@ -180,8 +180,9 @@ def test_workloads_plans_predictions_and_the_hook():
         make_workloads(["fcp-nope"], shape, topo)
     with pytest.raises(ValueError, match="@keep"):
         make_workloads(["te-p2p@keep"], shape, topo)
-    keep, resend = make_workloads(["fcp-auto@keep", "fcp-auto@resend"], shape, topo)
+    keep, resend, four = make_workloads(["fcp-auto@keep", "fcp-auto@resend", "fcp-hierarchical/4"], shape, topo)
     assert (keep.backward_kv, resend.backward_kv) == ("keep", "resend")
+    assert four.plan.parts_per_chunk == 4 and four.plan.name == "hierarchical"
     assert keep.predict(topo, cm)["predicted_s"] < resend.predict(topo, cm)["predicted_s"]
 
 

@@ -1,7 +1,8 @@
 """The emulator's pieces that run on gloo processes (no root): Transformer Engine's p2p ring re-implemented
 on our transports and kernels (``te-p2p``), checked against FP64 single-device attention, forward and
 backward, on Megatron's zigzag and on TE's padded per-document THD layout; what it sends per round;
-and the sleep kernel through it."""
+the sleep kernel through it; and the worker's alternating loop (sleep and real CPU kernels, packed
+and zigzag) on plain loopback gloo."""
 
 from __future__ import annotations
 
@@ -48,3 +49,21 @@ def test_sleep_kernel_through_the_ring(results):
         assert s["grad_shape"] == (8, 1, 4, 8)
         assert s["fwd_s"] == pytest.approx(s["expected_fwd_s"], rel=1e-9)
         assert s["bwd_s"] == pytest.approx(2.5 * s["expected_fwd_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("compute, docs", [("sleep", (300, 20, 200)), ("cpu", None)])
+def test_worker_loop_alternates_and_times_every_mode(compute, docs):
+    from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
+    from megatron_fcp.emulate.workloads import WorkloadShape, make_workloads
+
+    topo = emulated_topology(ClusterSpec(1, 2))
+    shape = WorkloadShape(256, 2, 1, 16, True, docs, block_tokens=128)
+    wl = make_workloads(["te-p2p", "fcp-auto"], shape, topo)
+    job = {"workloads": wl, "repeats": 2, "component_repeats": 1, "warmup": 1, "compute": compute,
+           "flops": 1e12, "timeout_s": 60}
+    res = run_gloo(_emulate_cases.worker_job, 2, job, timeout_s=120)
+    times = res[0]["times"]
+    for name in ("te-p2p", "fcp-auto"):
+        assert len(times[name]["overlap"]) == 2 and len(times[name]["comm"]) == 1 and len(times[name]["compute"]) == 1
+        assert all(t > 0 for m in times[name].values() for t in m)
+    assert (set(res[0]["modelled_compute_s"]) == {"te-p2p", "fcp-auto"}) == (compute == "sleep")

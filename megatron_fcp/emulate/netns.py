@@ -24,7 +24,8 @@ import re
 import shutil
 import signal
 import subprocess
-from typing import Iterator, Sequence
+import time
+from typing import Sequence
 
 from megatron_fcp.emulate.spec import ClusterSpec, address_plan, format_rate
 
@@ -186,8 +187,6 @@ class EmulatedCluster:
         return list_namespaces(self.spec.prefix)
 
     def __enter__(self) -> "EmulatedCluster":
-        import time
-
         check_prerequisites()
         remove_stale()
         if self.namespaces:
@@ -208,8 +207,6 @@ class EmulatedCluster:
 
     def teardown(self) -> None:
         """Delete every namespace of this cluster (idempotent); restores the SIGTERM handler."""
-        import time
-
         t0 = time.perf_counter()
         _delete(self.namespaces)
         self.teardown_s = time.perf_counter() - t0
@@ -222,5 +219,5 @@ class EmulatedCluster:
         return ["ip", "netns", "exec", address_plan(self.spec)[rank].netns]
 
 
-def _raise_exit(signum, frame) -> Iterator:  # pragma: no cover - signal path
+def _raise_exit(signum, frame) -> None:  # pragma: no cover - signal path
     raise SystemExit(128 + signum)

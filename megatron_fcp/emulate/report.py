@@ -89,9 +89,10 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: "dict | list[dict]", path: str, title: str | None = None) -> None:
+def plot(results: "dict | list[dict]", path: str, titles: "Sequence[str] | None" = None) -> None:
     """Bars: measured median (min-max whiskers) per workload and configuration, predicted as a dot,
-    the lower bound as a dashed line. ``results``: one result dict or several (one panel each)."""
+    the lower bound as a dashed line. ``results``: one result dict or several (one panel each),
+    ``titles`` one per panel (default: the cluster and sequence)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +100,7 @@ def plot(results: "dict | list[dict]", path: str, title: str | None = None) -> N
 
     results = [results] if isinstance(results, dict) else list(results)
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4), squeeze=False)
-    for ax, res in zip(axes[0], results):
+    for i, (ax, res) in enumerate(zip(axes[0], results)):
         runs = [r for r in res["runs"] if r["available"]]
         xs = range(len(runs))
         med = [r["median_s"] for r in runs]
@@ -110,7 +111,8 @@ def plot(results: "dict | list[dict]", path: str, title: str | None = None) -> N
         ax.axhline(res["bounds"]["lower_bound_s"], ls="--", color="gray", label="lower bound")
         ax.set_xticks(list(xs), [r["workload"] for r in runs], rotation=30, ha="right")
         c = res["cluster"]
-        ax.set_title(title or f"{c['nodes']}x{c['ranks_per_node']} {c['nic']}, seq {res['workload']['seq']}")
+        ax.set_title(titles[i] if titles else f"{c['nodes']}x{c['ranks_per_node']} {c['nic']}, seq {res['workload']['seq']}",
+                     fontsize=9)
         ax.set_ylabel("forward + backward (s, emulated)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()

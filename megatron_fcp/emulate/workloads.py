@@ -11,8 +11,9 @@ Workload names (``--workloads``):
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
   (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
   with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD). A
-  suffix ``@keep`` / ``@resend`` / ``@auto`` sets that workload's backward KV mode
-  (``fcp-auto@keep``), overriding ``--backward-kv``.
+  suffix ``@keep`` / ``@resend`` / ``@auto`` sets that workload's backward KV mode, overriding
+  ``--backward-kv``, and ``/P`` its sub-blocks per zigzag chunk, overriding ``--parts``
+  (``fcp-auto@keep/4``).
 
 Predictions are the cost model's forward + backward on the emulated cluster's Topology
 (:func:`~megatron_fcp.emulate.spec.emulated_topology`) with the emulated FLOP/s and no launch
@@ -28,6 +29,7 @@ what our executor sends (FP32 partial gradients, a numerics choice).
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field, replace
 
 from megatron_fcp.planning import (
@@ -215,13 +217,20 @@ def _backward_kv_mode(shape: WorkloadShape, plan: Plan, placement: Placement | N
     return choose_backward_kv(shape.backward_kv, plan, size)
 
 
+def _parse_name(name: str) -> tuple[str, str | None, int | None] | None:
+    """``fcp-auto@keep/4`` -> ("fcp-auto", "keep", 4); None when the name is not valid."""
+    m = re.fullmatch(r"([a-z0-9-]+)(?:@(auto|keep|resend))?(?:/([1-9][0-9]?))?", name)
+    if m is None or m.group(1) not in WORKLOAD_NAMES or (m.group(1)[:4] != "fcp-" and (m.group(2) or m.group(3))):
+        return None
+    return m.group(1), m.group(2), int(m.group(3)) if m.group(3) else None
+
+
 def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology) -> list[Workload]:
     """The workloads ``names`` on ``topo`` (all of its ranks form the CP group); plans built here."""
-    unknown = [n for n in names if n.split("@")[0] not in WORKLOAD_NAMES
-               or ("@" in n and (not n.startswith("fcp-") or n.split("@", 1)[1] not in ("auto", "keep", "resend")))]
+    unknown = [n for n in names if _parse_name(n) is None]
     if unknown:
         raise ValueError(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOAD_NAMES)} "
-                         f"(an fcp-* name may end in @keep, @resend or @auto)")
+                         f"(an fcp-* name may end in @keep, @resend or @auto, then /PARTS)")
     ranks = tuple(range(topo.world))
     placement = None
     if shape.doc_lengths:
@@ -234,8 +243,8 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology) -> li
         elif n == "te-a2a-p2p":
             out.append(HeadParallelWorkload(n, shape, ranks, unavailable=HeadParallelWorkload.wiring()))
         else:
-            base, _, mode = n.partition("@")
-            own = replace(shape, backward_kv=mode) if mode else shape
+            base, mode, parts = _parse_name(n)
+            own = replace(shape, backward_kv=mode or shape.backward_kv, parts=parts or shape.parts)
             out.append(_fcp(n, base[len("fcp-"):], own, topo, ranks, placement))
     return out
 
