@@ -94,6 +94,10 @@ def run(args) -> int:
     except (ValueError, EmulatorUnavailable) as e:
         print(f"megatron-fcp bench: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nmegatron-fcp bench: interrupted; every rank process and namespace of the run is gone",
+              file=sys.stderr)
+        return 130
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:
