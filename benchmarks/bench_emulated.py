@@ -51,6 +51,8 @@ CONFIGS = {
     "one-node-1x4-mha": _cfg(1, 4, MHA, ("te-p2p", "fcp-auto", KEEP, "fcp-full")),
     "packed-2x4-lognormal": _cfg(2, 4, replace(MHA, doc_lengths=tuple(lognormal_lengths(6.0, 1.0, 8192, 0)),
                                                 block_tokens=1024), ("te-p2p", "te-a2a-p2p", "fcp-auto", KEEP)),
+    # the real CPU kernels instead of the sleep: reported, never a headline (8 ranks share 2 cores)
+    "rail-2x4-mha-cpu": replace(_cfg(2, 4, MHA, ("te-p2p", "fcp-auto")), compute="cpu"),
     "rail-2x4-mha-p4": _cfg(2, 4, MHA, ("te-p2p", "fcp-auto/4", "fcp-auto@keep/4")),
     "rail-4x2-mha-p4": _cfg(4, 2, MHA, ("te-p2p", "fcp-auto/4", "fcp-auto@keep/4")),
     **{f"sweep-2x4-{s // 1024}k": _cfg(2, 4, WorkloadShape(s, heads=16, kv_heads=2, head_dim=32),
