@@ -128,9 +128,10 @@ def targets(results: dict, fcp_name: str = "fcp-auto") -> dict:
 
 
 def prediction_target(results: dict) -> dict:
-    """Cost-model prediction within 15% of the measured median, on every measured run."""
+    """Cost-model prediction within 15% of the measured median, on every measured run (the sleep
+    kernel's runs: with ``--compute cpu`` the model's GPU compute is not what runs)."""
     errs = [(k, r["workload"], r["prediction_error"]) for k, res in results.items() for r in res["runs"]
-            if r["available"] and r["prediction_error"] is not None]
+            if r["available"] and r["prediction_error"] is not None and res["assumptions"]["compute"] == "sleep"]
     worst = max(errs, key=lambda e: abs(e[2]), default=None)
     return {"value": {"worst": worst, "runs": len(errs), "over_15pct": [e for e in errs if abs(e[2]) > 0.15]},
             "target": "|median / predicted - 1| <= 0.15", "met": all(abs(e[2]) <= 0.15 for e in errs)}
@@ -156,7 +157,7 @@ def tuned_targets(results: dict) -> dict:
 
 def _summary(results: dict, errors: dict, started: float) -> dict:
     return {"issue": 11, "wall_s": time.time() - started, "configs": results, "errors": errors,
-            "targets": targets(results), "targets_keep": targets(results, KEEP),
+            "targets": targets(results), "targets_keep": {k.replace("fcp-auto", KEEP): v for k, v in targets(results, KEEP).items()},
             "targets_tuned": tuned_targets(results), "prediction": prediction_target(results)}
 
 
@@ -238,11 +239,16 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     ap.add_argument("--repeats", type=int, default=None, help="override the repeats (quick checks)")
     ap.add_argument("--merge", action="store_true", help="add to the configurations already in --out")
-    ap.add_argument("--markdown", action="store_true", help="print --out's results as a markdown table and exit")
+    ap.add_argument("--markdown", action="store_true",
+                    help="re-score --out's targets, print its runs as a markdown table, redraw the sweep, exit")
     args = ap.parse_args()
     if args.markdown:
         with open(args.out) as f:
             out = json.load(f)
+        out.update({k: v for k, v in _summary(out["configs"], out.get("errors", {}), 0.0).items()
+                    if k not in ("wall_s", "configs", "errors")})  # targets re-scored from the runs
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
         print(markdown(out))
         plot_sweep([v for k, v in out["configs"].items() if k.startswith("sweep-")],
                    str(Path(args.out).with_name("emulated_sweep.png")))
