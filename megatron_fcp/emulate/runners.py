@@ -1,0 +1,105 @@
+"""One rank's forward + backward of a workload, with a given block kernel and transport.
+
+The three timings of the benchmark come from the same runner (DESIGN.md section 2, "Overlap"):
+
+* overlapped: the workload's kernel (a :class:`~megatron_fcp.emulate.sleep_kernel.SleepKernel`, or
+  the real CPU kernel) and the real gloo transport;
+* communication only: a sleep kernel that sleeps 0 s (the executor still runs every step);
+* compute only: the kernel, and a :class:`NullTransport` that moves nothing.
+
+Tensors are bf16, ``b = 1``; the inputs are random, the same shapes on every rank. FCP runs
+:func:`~megatron_fcp.attention.function.fcp_attention_with_lse` with ``agreement=None``: every rank
+unpickled the same plan, and an agreement collective per switch of plan would cross the shaped
+network inside the timed region.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_fcp.attention.function import fcp_attention_with_lse
+from megatron_fcp.comm import Handle, Transport
+from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
+from megatron_fcp.emulate.workloads import FcpWorkload, TeP2PWorkload, Workload
+
+__all__ = ["NullTransport", "Runner", "make_runner"]
+
+DTYPE = torch.bfloat16
+
+
+class NullTransport(Transport):
+    """Moves nothing: receive buffers are zeroed at post, waits return at once (compute-only timing)."""
+
+    def post(self, round_sends, round_recvs, *, round_index: int, phase: str = "forward") -> Handle:
+        for _, buf in round_recvs:
+            buf.zero_()
+        return Handle(phase, round_index)
+
+    def wait(self, handle: Handle) -> None:
+        return None
+
+
+class Runner:
+    """``run(kernel, transport)``: one forward + backward of this rank's share of the workload."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.q, self.k, self.v = (x.requires_grad_(True) for x in (q, k, v))
+        self.dout = torch.ones_like(q)
+
+    def attention(self, kernel, transport) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run(self, kernel, transport) -> None:
+        for x in (self.q, self.k, self.v):
+            x.grad = None
+        out = self.attention(kernel, transport)
+        out.backward(self.dout)
+
+
+class _Fcp(Runner):
+    def __init__(self, w: FcpWorkload, rank: int, group) -> None:
+        s, pl = w.shape, w.placement
+        g = torch.Generator().manual_seed(rank)
+        n = pl.tokens(w.plan.ranks.index(rank)) if pl is not None else \
+            -(-s.seq // (2 * w.plan.cp)) * (2 * w.plan.cp) // w.plan.cp
+        lead = (n,) if pl is not None else (n, 1)                                   # THD or [s, b]
+        super().__init__(*(torch.randn(*lead, h, s.head_dim, generator=g).to(DTYPE)
+                           for h in (s.heads, s.kv_heads, s.kv_heads)))
+        self.w, self.group = w, group
+
+    def attention(self, kernel, transport):
+        w = self.w
+        out, _ = fcp_attention_with_lse(self.q, self.k, self.v, cp_group=self.group, plan=w.plan,
+                                        causal=w.shape.causal, transport=transport, kernel=kernel,
+                                        placement=w.placement, backward_kv=w.backward_kv, agreement=None)
+        return out
+
+
+class _TeP2P(Runner):
+    def __init__(self, w: TeP2PWorkload, rank: int, group) -> None:
+        s = w.shape
+        cp = len(w.ranks)
+        docs = list(s.doc_lengths) if s.doc_lengths else [-(-s.seq // (2 * cp)) * (2 * cp)]
+        self.layout = TeLayout(docs, cp)
+        n = self.layout.tokens_per_rank
+        lead = (n,) if s.doc_lengths else (n, 1)
+        g = torch.Generator().manual_seed(rank)
+        super().__init__(*(torch.randn(*lead, h, s.head_dim, generator=g).to(DTYPE)
+                           for h in (s.heads, s.kv_heads, s.kv_heads)))
+        self.w, self.group = w, group
+
+    def attention(self, kernel, transport):
+        out, _ = te_p2p_attention(self.q, self.k, self.v, cp_group=self.group, layout=self.layout,
+                                  causal=self.w.shape.causal, kernel=kernel, transport=transport)
+        return out
+
+
+#: workload class -> runner class. The te-a2a-p2p hook adds ``HeadParallelWorkload: <its runner>``.
+_RUNNERS: dict[type, type] = {FcpWorkload: _Fcp, TeP2PWorkload: _TeP2P}
+
+
+def make_runner(w: Workload, rank: int, group) -> Runner:
+    """This rank's runner for ``w`` (which must be available: ``w.unavailable is None``)."""
+    if w.unavailable is not None or type(w) not in _RUNNERS:
+        raise ValueError(f"workload {w.name!r} cannot run: {w.unavailable or 'no runner registered'}")
+    return _RUNNERS[type(w)](w, rank, group)

@@ -1,0 +1,131 @@
+"""A block kernel that sleeps for the modelled GPU time of the block instead of computing it.
+
+On a GPU the attention kernel runs on the device and leaves the host CPU free; on the emulator's
+shared CPU, real attention of eight ranks contends for two cores and hides every network effect
+(DESIGN.md section 5: a schedule 2x faster on the network measured 1.0x). So the emulator runs the
+whole executor for real (plan, transport, buffers, merge) and stands a calibrated sleep in for the
+block kernel only.
+
+Length of one call (the cost model's compute, :class:`~megatron_fcp.planning.ComputeModel`)::
+
+    forward:   4 * pairs * b * h * d / flops                 pairs = (query, key) token pairs the
+    backward:  backward_ratio * the forward of the block     mask allows (causal, document ids)
+
+with ``flops`` the *emulated* FLOP/s: the GPU's (400 TFLOP/s by default) divided by the cluster's
+time scale (Note [Emulated cluster] in :mod:`megatron_fcp.emulate.spec`), and ``backward_ratio`` the
+cost model's 2.5 (flash-attention's backward: 5 matmuls to the forward's 2). The 5 us launch
+overhead per block of the cost model is left out here *and* in the emulator's predictions: the
+emulated shapes are small, and a stretched launch (50 ms at a time scale of 10,000) would dwarf
+the FLOP-proportional work the shapes stand for.
+
+A :class:`Sleeper` keeps the sum of the sleeps of one timed run on target: each sleep is shortened
+by what earlier ones overslept (``time.sleep`` wakes late, more so on a loaded machine).
+
+Outputs have the right shapes and dtypes and are zero (``lse`` 0 where a row sees a key of the
+block, -inf where it sees none), so merges, reductions and transfers run on real tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
+
+__all__ = ["count_pairs", "Sleeper", "SleepKernel"]
+
+_DOC_STRIDE = 1 << 40  # document id * stride + position: one sort key for (document, position)
+
+
+def count_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+                q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys each query row sees (int64 ``[n]``): causal means key position <= query position, and
+    with document ids only keys of the query's own document count (positions inside documents)."""
+    if q_doc is None:
+        if not causal:
+            return torch.full(q_pos.shape, k_pos.numel(), dtype=torch.int64)
+        ks = torch.sort(k_pos).values
+        return torch.searchsorted(ks, q_pos, right=True)
+    ks = torch.sort(k_doc * _DOC_STRIDE + k_pos).values
+    lo = torch.searchsorted(ks, q_doc * _DOC_STRIDE, right=False)
+    hi_key = q_doc * _DOC_STRIDE + (q_pos if causal else _DOC_STRIDE - 1)
+    return torch.searchsorted(ks, hi_key, right=True) - lo
+
+
+class Sleeper:
+    """``sleep(s)`` that keeps the total on target: each call sleeps what is owed since :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.requested_s = 0.0
+        self.slept_s = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.requested_s += seconds
+        owed = self.requested_s - self.slept_s
+        if owed <= 0:
+            return
+        t0 = time.perf_counter()
+        time.sleep(owed)
+        self.slept_s += time.perf_counter() - t0
+
+
+class SleepKernel(BlockKernel):
+    """Sleeps for the modelled GPU time of each block (module docstring); any dtype and device.
+
+    flops: emulated FLOP/s (GPU FLOP/s / time scale); ``0`` or ``inf`` sleeps not at all (the
+    "communication only" runs). backward_ratio: backward over forward FLOPs. ``modelled_s`` sums the
+    requested sleeps (what the cost model would charge) since the last :meth:`reset`.
+    """
+
+    name = "sleep"
+    documents = True
+
+    def __init__(self, flops: float, backward_ratio: float = 2.5, sleeper: Sleeper | None = None) -> None:
+        if not (flops >= 0):
+            raise ValueError(f"flops: must be >= 0 (0 = no compute), got {flops!r}")
+        self.flops = float(flops)
+        self.backward_ratio = float(backward_ratio)
+        self.sleeper = sleeper or Sleeper()
+        self.modelled_s = 0.0
+
+    def reset(self) -> None:
+        self.sleeper.reset()
+        self.modelled_s = 0.0
+
+    def check(self, dtype: torch.dtype, device: torch.device) -> None:
+        return None
+
+    def seconds(self, pairs: int, b: int, h: int, d: int, backward: bool = False) -> float:
+        """Modelled seconds of one call on ``pairs`` visible (query, key) pairs."""
+        if self.flops <= 0 or math.isinf(self.flops) or pairs <= 0:
+            return 0.0
+        return 4.0 * pairs * b * h * d / self.flops * (self.backward_ratio if backward else 1.0)
+
+    def _sleep(self, counts: torch.Tensor, q: torch.Tensor, backward: bool) -> None:
+        n, b, h, d = q.shape
+        s = self.seconds(int(counts.sum()), b, h, d, backward)
+        self.modelled_s += s
+        if s > 0:
+            self.sleeper.sleep(s)
+
+    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_doc=None, k_doc=None, **prep):
+        n, b, h, d = q.shape
+        counts = count_pairs(q_pos, k_pos, causal, q_doc, k_doc)                   # [n]
+        self._sleep(counts, q, backward=False)
+        cd = compute_dtype_for(q.dtype)
+        out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)                   # [n, b, h, d]
+        lse = torch.where(counts > 0, 0.0, -math.inf).to(cd).to(q.device)        # [n]
+        return out, lse.expand(b, h, n).contiguous()                               # [b, h, n]
+
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_doc=None, k_doc=None, **prep):
+        counts = count_pairs(q_pos, k_pos, causal, q_doc, k_doc)
+        self._sleep(counts, q, backward=True)
+        cd = compute_dtype_for(q.dtype)
+        return (torch.zeros(q.shape, dtype=cd, device=q.device),                  # dq [n, b, h, d]
+                torch.zeros(k.shape, dtype=cd, device=k.device),                  # dk [m, b, h_kv, d]
+                torch.zeros(v.shape, dtype=cd, device=v.device))                  # dv [m, b, h_kv, d]

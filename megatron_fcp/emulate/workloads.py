@@ -1,0 +1,272 @@
+"""The emulator's workloads: what each one runs, and what the cost model predicts for it. Pure, no torch.
+
+Workload names (``--workloads``):
+
+* ``te-p2p``: Transformer Engine's p2p ring (:mod:`megatron_fcp.emulate.te_ring`), on Megatron's
+  zigzag or, with ``--doc-lengths``, on TE's padded per-document THD layout;
+* ``te-a2a-p2p``: TE's hierarchical ``a2a+p2p`` (Ulysses inside a node, ring across nodes). Its
+  prediction is given; its *measurement* needs the head-parallel engine
+  (``megatron_fcp.attention.head_parallel``), and until :class:`HeadParallelWorkload` is wired to
+  it the run is reported as not available (see that class: the hook);
+* ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
+  (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
+  with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD). A
+  suffix ``@keep`` / ``@resend`` / ``@auto`` sets that workload's backward KV mode, overriding
+  ``--backward-kv``, and ``/P`` its sub-blocks per zigzag chunk, overriding ``--parts``
+  (``fcp-auto@keep/4``).
+
+Predictions are the cost model's forward + backward on the emulated cluster's Topology
+(:func:`~megatron_fcp.emulate.spec.emulated_topology`) with the emulated FLOP/s and no launch
+overhead (as the sleep kernel charges). The *lower bound* of a configuration is the physical limit
+with perfect overlap: ``max(compute, communication)`` where compute is the total attention work
+spread evenly over the ranks (forward + backward) and communication the need-set lower bound of
+the forward KV exchange (:func:`~megatron_fcp.planning.lower_bound`; over a placement the one of
+:func:`~megatron_fcp.planning.compare.packed_need_stats`) plus the same for the dK/dV reduction at
+the KV's bytes per element. ``lower_bound_fp32_grads_s`` is the same bound with dK/dV at 4 bytes,
+what our executor sends (FP32 partial gradients, a numerics choice).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field, replace
+
+from megatron_fcp.planning import (
+    BUILDERS,
+    AttentionShape,
+    ComputeModel,
+    Placement,
+    Plan,
+    build_plan,
+    causal_pairs,
+    lower_bound,
+    place_packed,
+    simulate_plan,
+    simulate_plan_backward,
+    simulate_te_a2a_p2p,
+    simulate_te_a2a_p2p_thd,
+    simulate_te_p2p,
+    simulate_te_p2p_thd,
+)
+from megatron_fcp.planning.compare import packed_need_stats
+from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO
+from megatron_fcp.topology import Topology
+
+__all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "WORKLOAD_NAMES",
+           "make_workloads", "lower_bounds"]
+
+DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for
+GRAD_BYTES = 4   # our executor's partial dK/dV (FP32)
+
+#: Every workload name ``--workloads`` accepts.
+WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", *(f"fcp-{g}" for g in BUILDERS))
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """One attention layer, named like the CLI flags. ``doc_lengths``: a packed batch (THD), else
+    one sequence of ``seq`` tokens (Megatron's zigzag; padded to a multiple of ``2*cp``)."""
+
+    seq: int
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    causal: bool = True
+    doc_lengths: tuple[int, ...] | None = None
+    parts: int = 1
+    block_tokens: int = 4096
+    backward_kv: str = "auto"
+
+    def attention(self) -> AttentionShape:
+        seq = sum(self.doc_lengths) if self.doc_lengths else self.seq
+        return AttentionShape(seq, self.heads, self.kv_heads, self.head_dim, DTYPE_BYTES)
+
+    def describe(self) -> dict:
+        return {"seq": sum(self.doc_lengths) if self.doc_lengths else self.seq, "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "causal": self.causal,
+                "doc_lengths": list(self.doc_lengths) if self.doc_lengths else None, "dtype": "bf16"}
+
+
+@dataclass
+class Workload:
+    """One schedule on one configuration: ``name``, what the ranks run (subclasses) and the prediction.
+
+    ``unavailable``: why it cannot be measured here (None: it can). ``info``: facts for the report
+    (graph, rounds, bytes).
+    """
+
+    name: str
+    shape: WorkloadShape
+    ranks: tuple[int, ...]
+    unavailable: str | None = None
+    info: dict = field(default_factory=dict)
+
+    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+        raise NotImplementedError
+
+
+def _sum(fwd, bwd, extra_comm: float = 0.0) -> dict:
+    return {"predicted_s": fwd.total_s + bwd.total_s, "predicted_fwd_s": fwd.total_s, "predicted_bwd_s": bwd.total_s,
+            "predicted_comm_s": fwd.comm_s + bwd.comm_s + extra_comm,
+            "predicted_compute_s": fwd.compute_s + bwd.compute_s}
+
+
+@dataclass
+class FcpWorkload(Workload):
+    """``fcp-<graph>`` / ``fcp-auto``: our executor over ``plan`` (over ``placement`` when packed)."""
+
+    plan: Plan | None = None
+    placement: Placement | None = None
+    backward_kv: str = "keep"  # the mode the executor will choose (decided here, once, like the ranks)
+
+    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+        shape = self.shape.attention()
+        fwd = simulate_plan(self.plan, topo, shape, compute_model=cm)
+        bwd = simulate_plan_backward(self.plan, topo, shape, compute_model=cm, grad_dtype_bytes=GRAD_BYTES,
+                                     backward_kv=self.backward_kv)
+        return _sum(fwd, bwd, bwd.meta["resend_s"])
+
+
+@dataclass
+class TeP2PWorkload(Workload):
+    """``te-p2p``: TE's ring over the zigzag (one sequence) or TE's padded THD layout (packed)."""
+
+    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+        s = self.shape
+        shape = s.attention()
+        docs = list(s.doc_lengths) if s.doc_lengths else [shape.seq_len]
+        if s.doc_lengths:
+            fwd = simulate_te_p2p_thd(topo, self.ranks, docs, shape, causal=s.causal, compute_model=cm)
+        else:
+            fwd = simulate_te_p2p(topo, self.ranks, shape, causal=s.causal, compute_model=cm)
+        bwd = simulate_te_p2p_thd(topo, self.ranks, docs, shape, causal=s.causal, backward=True, compute_model=cm)
+        return _sum(fwd, bwd)
+
+
+@dataclass
+class HeadParallelWorkload(Workload):
+    """``te-a2a-p2p``: TE's ``a2a+p2p``. Predicted by the cost model; measured once wired (the hook).
+
+    The hook: when the head-parallel engine lands (``megatron_fcp.attention.head_parallel``, a
+    branch of its own), make :meth:`wiring` return None once the engine is importable and register
+    a runner in :mod:`megatron_fcp.emulate.runners` (``_RUNNERS[HeadParallelWorkload] = ...``, a
+    :class:`~megatron_fcp.emulate.runners.Runner` subclass whose ``attention(kernel, transport)``
+    calls the engine with ranks-per-node head groups and a ring KV stage across nodes: TE's
+    ``a2a+p2p``; the engine must accept a block kernel and a transport). Nothing else changes:
+    predictions, timing modes, JSON and table already handle it.
+    """
+
+    @staticmethod
+    def wiring() -> str | None:
+        """Why the measurement is not available (None once wired)."""
+        if importlib.util.find_spec("megatron_fcp.attention.head_parallel") is None:
+            return ("not available: needs the head-parallel engine (megatron_fcp.attention.head_parallel), "
+                    "which is not in this build; the cost model's prediction is given")
+        return ("not available: the head-parallel engine is installed but the emulator's te-a2a-p2p runner is "
+                "not wired to it yet (HeadParallelWorkload in megatron_fcp/emulate/workloads.py); "
+                "the cost model's prediction is given")
+
+    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+        s = self.shape
+        shape = s.attention()
+        try:
+            if s.doc_lengths:
+                kw = dict(causal=s.causal, compute_model=cm)
+                fwd = simulate_te_a2a_p2p_thd(topo, self.ranks, list(s.doc_lengths), shape, **kw)
+                bwd = simulate_te_a2a_p2p_thd(topo, self.ranks, list(s.doc_lengths), shape, backward=True, **kw)
+                return _sum(fwd, bwd)
+            fwd = simulate_te_a2a_p2p(topo, self.ranks, shape, causal=s.causal, compute_model=cm)
+        except ValueError as e:  # TE cannot run it (heads do not divide)
+            return {"predicted_s": None, "prediction_note": str(e)}
+        # backward of the zigzag a2a+p2p: the packed model with one document is the same schedule
+        bwd = simulate_te_a2a_p2p_thd(topo, self.ranks, [shape.seq_len], shape, causal=s.causal, backward=True,
+                                      compute_model=cm)
+        return _sum(fwd, bwd)
+
+
+def _fcp(name: str, graph: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...],
+         placement: Placement | None) -> FcpWorkload:
+    att = shape.attention()
+    try:
+        plan = build_plan(topo, ranks, graph, causal=shape.causal, parts_per_chunk=1 if placement else shape.parts,
+                          seq_len=att.seq_len, heads=att.heads, kv_heads=att.kv_heads, head_dim=att.head_dim,
+                          dtype_bytes=DTYPE_BYTES, objective="total", placement=placement)
+    except (ValueError, TypeError) as e:
+        return FcpWorkload(name, shape, ranks, unavailable=f"not available: {e}")
+    w = FcpWorkload(name, shape, ranks, plan=plan, placement=placement)
+    w.backward_kv = _backward_kv_mode(shape, plan, placement)
+    w.info = {"graph": plan.name, "rounds": len(plan.rounds), "transfers": plan.num_transfers(),
+              "parts_per_chunk": plan.parts_per_chunk, "backward_kv": w.backward_kv}
+    if plan.auto is not None:
+        w.info["auto_candidates"] = {n: t for n, t in plan.auto.times}
+    return w
+
+
+def _backward_kv_mode(shape: WorkloadShape, plan: Plan, placement: Placement | None) -> str:
+    """The backward KV mode the executor will pick (``auto``: keep while it fits the ring's memory)."""
+    from megatron_fcp.attention.kv_memory import choose_backward_kv  # torch-free decision, lives with the engine
+
+    per_token = 2 * shape.kv_heads * shape.head_dim * DTYPE_BYTES
+    if placement is not None:
+        tok = {(plan.ranks[i], b): s.tokens for i, b, s in placement.block_list()}
+        size = lambda blk: tok[(blk.owner, blk.chunk)] * per_token  # noqa: E731
+    else:
+        padded = -(-shape.seq // (2 * plan.cp)) * (2 * plan.cp)
+        size = lambda blk: padded // (2 * plan.cp * plan.parts_per_chunk) * per_token  # noqa: E731
+    return choose_backward_kv(shape.backward_kv, plan, size)
+
+
+def _parse_name(name: str) -> tuple[str, str | None, int | None] | None:
+    """``fcp-auto@keep/4`` -> ("fcp-auto", "keep", 4); None when the name is not valid."""
+    m = re.fullmatch(r"([a-z0-9-]+)(?:@(auto|keep|resend))?(?:/([1-9][0-9]?))?", name)
+    if m is None or m.group(1) not in WORKLOAD_NAMES or (m.group(1)[:4] != "fcp-" and (m.group(2) or m.group(3))):
+        return None
+    return m.group(1), m.group(2), int(m.group(3)) if m.group(3) else None
+
+
+def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology) -> list[Workload]:
+    """The workloads ``names`` on ``topo`` (all of its ranks form the CP group); plans built here."""
+    unknown = [n for n in names if _parse_name(n) is None]
+    if unknown:
+        raise ValueError(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOAD_NAMES)} "
+                         f"(an fcp-* name may end in @keep, @resend or @auto, then /PARTS)")
+    ranks = tuple(range(topo.world))
+    placement = None
+    if shape.doc_lengths:
+        placement = place_packed(list(shape.doc_lengths), len(ranks), block_tokens=shape.block_tokens,
+                                 causal=shape.causal)
+    out: list[Workload] = []
+    for n in names:
+        if n == "te-p2p":
+            out.append(TeP2PWorkload(n, shape, ranks, info={"graph": "ring (TE p2p)", "rounds": len(ranks) - 1}))
+        elif n == "te-a2a-p2p":
+            out.append(HeadParallelWorkload(n, shape, ranks, unavailable=HeadParallelWorkload.wiring()))
+        else:
+            base, mode, parts = _parse_name(n)
+            own = replace(shape, backward_kv=mode or shape.backward_kv, parts=parts or shape.parts)
+            out.append(_fcp(n, base[len("fcp-"):], own, topo, ranks, placement))
+    return out
+
+
+def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placement_plan: Plan | None = None) -> dict:
+    """The configuration's lower bounds (module docstring): ``lower_bound_s`` (dK/dV at the KV's bytes),
+    ``lower_bound_fp32_grads_s`` and their parts. ``placement_plan``: a plan over the placement
+    (packed batches; any graph, only its placement is used)."""
+    att = shape.attention()
+    ranks = tuple(range(topo.world))
+    N = len(ranks)
+    if shape.doc_lengths:
+        pl = placement_plan.placement
+        comm_fwd = packed_need_stats(placement_plan, topo, att)["lower_bound_s"]
+        pairs = float(sum(int(causal_pairs(0, L, 0, L, shape.causal)) for L in pl.doc_lengths))
+    else:
+        comm_fwd = lower_bound(topo, ranks, att, causal=shape.causal)["lower_bound_s"]
+        S = -(-att.seq_len // (2 * N)) * (2 * N)
+        pairs = float(causal_pairs(0, S, 0, S, shape.causal))
+    flop_s = 4.0 * att.heads * att.head_dim / cm.flops
+    compute = pairs / N * flop_s * (1 + BACKWARD_FLOP_RATIO)
+    comm = comm_fwd * (1 + DTYPE_BYTES / DTYPE_BYTES)
+    comm32 = comm_fwd * (1 + GRAD_BYTES / DTYPE_BYTES)
+    return {"lower_bound_s": max(compute, comm), "lower_bound_fp32_grads_s": max(compute, comm32),
+            "lower_bound_compute_s": compute, "lower_bound_comm_s": comm, "lower_bound_comm_fwd_s": comm_fwd}

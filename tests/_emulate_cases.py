@@ -1,0 +1,91 @@
+"""Rank functions for tests/test_emulate_dist.py (importable: run_gloo spawns processes)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_fcp.attention.kernels import reference_attention
+from megatron_fcp.comm import CountingTransport, GlooTransport
+from megatron_fcp.emulate.sleep_kernel import SleepKernel
+from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _zigzag_case(rank: int, cp: int, causal: bool, heads=(4, 2), b=2, d=8, s_per_chunk=6) -> dict:
+    h, hk = heads
+    s = 2 * cp * s_per_chunk
+    g = torch.Generator().manual_seed(7 + causal)
+    q, k, v, do = (torch.randn(s, b, x, d, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
+    ref = reference_attention(q, k, v, causal=causal, scale=1 / math.sqrt(d), dout=do)
+    lay = TeLayout([s], cp)
+    idx = torch.from_numpy(lay.token_index(rank))
+    ql, kl, vl = (x[idx].clone().requires_grad_(True) for x in (q, k, v))
+    tr = CountingTransport(GlooTransport(dist.group.WORLD, 60))
+    out, lse = te_p2p_attention(ql, kl, vl, cp_group=dist.group.WORLD, layout=lay, causal=causal, transport=tr)
+    out.backward(do[idx])
+    kv_bytes = 2 * kl.numel() * kl.element_size()
+    sent = {ph: [p.nbytes for p in tr.posted if p.phase == ph and p.kind == "send"]
+            for ph in ("te-forward", "te-backward")}
+    return {"out": _err(out, ref["out"][idx]), "lse": _err(lse, ref["lse"][..., idx]),
+            "dq": _err(ql.grad, ref["dq"][idx]), "dk": _err(kl.grad, ref["dk"][idx]),
+            "dv": _err(vl.grad, ref["dv"][idx]), "sent": sent, "kv_bytes": kv_bytes}
+
+
+def _thd_case(rank: int, cp: int, docs=(5, 13, 8), heads=(2, 1), d=8) -> dict:
+    h, hk = heads
+    T = sum(docs)
+    g = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(T, x, d, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
+    lay = TeLayout(docs, cp)
+    idx = torch.from_numpy(lay.token_index(rank))
+    real = idx >= 0
+    ql, kl, vl, dol = (lay.shard(x, rank).requires_grad_(x is not do) for x in (q, k, v, do))
+    out, lse = te_p2p_attention(ql, kl, vl, cp_group=dist.group.WORLD, layout=lay, causal=True)
+    out.backward(dol)
+    errs = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    start = 0
+    for L in docs:  # reference per document
+        sl = slice(start, start + L)
+        ref = reference_attention(q[sl, None], k[sl, None], v[sl, None], causal=True, scale=1 / math.sqrt(d),
+                                  dout=do[sl, None])
+        mine = real & (idx >= start) & (idx < start + L)
+        rows = idx[mine] - start
+        for name, got in (("out", out), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad)):
+            errs[name] = max(errs[name], _err(got[mine], ref[name][rows, 0]))
+        start += L
+    return errs
+
+
+def _sleep_case(rank: int, cp: int) -> dict:
+    """The sleep kernel through TE's ring: right shapes, finite, and the modelled seconds add up."""
+    s, b, h, hk, d = 2 * cp * 4, 1, 4, 2, 8
+    lay = TeLayout([s], cp)
+    kern = SleepKernel(flops=4.0 * b * h * d / 1e-4)  # 1e-4 s per visible (query, key) pair
+    x = torch.zeros(lay.tokens_per_rank, b, h, d, dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.zeros(lay.tokens_per_rank, b, hk, d, dtype=torch.bfloat16, requires_grad=True)
+    out, lse = te_p2p_attention(x, kv, kv, cp_group=dist.group.WORLD, layout=lay, causal=True, kernel=kern)
+    fwd_s = kern.modelled_s
+    out.sum().backward()
+    pairs = s * (s + 1) // 2 // cp  # zigzag: every rank has the same causal work
+    return {"shape": tuple(out.shape), "dtype": str(out.dtype), "finite": bool(torch.isfinite(lse).all()),
+            "fwd_s": fwd_s, "bwd_s": kern.modelled_s - fwd_s, "expected_fwd_s": pairs * 1e-4,
+            "grad_shape": tuple(x.grad.shape)}
+
+
+def worker(rank: int, world: int) -> dict:
+    res = {"zigzag_causal": _zigzag_case(rank, world, True), "zigzag_full": _zigzag_case(rank, world, False),
+           "thd": _thd_case(rank, world), "sleep": _sleep_case(rank, world)}
+    return res
+
+
+def worker_job(rank: int, world: int, job: dict) -> dict:
+    """The emulator's per-rank loop (megatron_fcp.emulate.worker.run) on plain loopback gloo."""
+    from megatron_fcp.emulate.worker import run
+
+    return run(job)

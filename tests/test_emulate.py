@@ -1,0 +1,263 @@
+"""The emulated cluster benchmark: the pieces that need no root (rates, address plan, the commands that
+build a cluster, its Topology, sleep calibration, workloads and predictions, JSON shape, the CLI's
+refusal), and one smoke run that brings a 2 x 2 cluster up, measures and tears it down (root only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from megatron_fcp.emulate import netns
+from megatron_fcp.emulate.report import assemble, progress_printer, table
+from megatron_fcp.emulate.sleep_kernel import Sleeper, SleepKernel, count_pairs
+from megatron_fcp.emulate.spec import ClusterSpec, address_plan, emulated_topology, format_rate, parse_rate
+from megatron_fcp.emulate.workloads import WorkloadShape, lower_bounds, make_workloads
+from megatron_fcp.planning import ComputeModel
+
+RUN_KEYS = {"workload", "median_s", "min_s", "max_s", "comm_s", "compute_s", "predicted_s", "lower_bound_s",
+            "nodes", "ranks_per_node", "nic", "intra", "inter", "seq", "heads", "kv_heads", "head_dim", "causal",
+            "doc_lengths"}
+
+
+# ---- rates, addresses, commands, topology --------------------------------------------------------
+@pytest.mark.parametrize("text, bits", [("400mbit", 400e6), ("1gbit", 1e9), ("64kbit", 64e3), ("2.5Mbit", 2.5e6),
+                                        (" 40mbit ", 40e6), (8e6, 8e6)])
+def test_parse_rate(text, bits):
+    assert parse_rate(text) == bits
+    assert parse_rate(format_rate(bits)) == bits
+
+
+@pytest.mark.parametrize("bad", ["400", "400mb", "fast", "1kbit", "-5mbit", ""])
+def test_parse_rate_refuses_with_the_fix(bad):
+    with pytest.raises(ValueError, match="like 400mbit"):
+        parse_rate(bad, "--intra")
+
+
+def test_cluster_spec_refuses_bad_fields():
+    with pytest.raises(ValueError, match="--nic"):
+        ClusterSpec(2, 4, "star")
+    with pytest.raises(ValueError, match="--nodes"):
+        ClusterSpec(0, 4)
+    with pytest.raises(ValueError, match="prefix"):
+        ClusterSpec(2, 4, prefix="Bad-Prefix")
+
+
+def test_address_plan_is_node_major_and_private():
+    spec = ClusterSpec(3, 2, prefix="fcpe1x")
+    plan = address_plan(spec)
+    assert [(a.rank, a.node, a.local) for a in plan] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1), (4, 2, 0),
+                                                         (5, 2, 1)]
+    assert [a.ip for a in plan[:3]] == ["10.213.0.1", "10.213.0.2", "10.213.1.1"]
+    assert len({a.netns for a in plan}) == 6 and all(a.netns.startswith("fcpe1x") for a in plan)
+
+
+@pytest.mark.parametrize("nic", ["rail", "shared"])
+def test_setup_commands_shape_every_link_both_ways(nic):
+    spec = ClusterSpec(2, 2, nic, prefix="fcpe1x")
+    cmds = netns.setup_commands(spec)
+    roots = [c for c in cmds if c[0] == "tc" and "root" in c]
+    # rail: per rank eth0 + ib0, both ends -> 4 per rank; shared: eth0 both ends per rank + uplink both ends
+    assert len(roots) == (4 * 4 if nic == "rail" else 2 * 4 + 2 * 2)
+    assert all(c[1] == "-n" and c[2].startswith("fcpe1x") for c in cmds if c[0] == "tc")
+    namespaces = [c[3] for c in cmds if c[:3] == ["ip", "netns", "add"]]
+    assert sorted(namespaces) == sorted(["fcpe1xsw", "fcpe1xn0", "fcpe1xn1"] + [a.netns for a in address_plan(spec)])
+    rates = {c[c.index("rate") + 1] for c in cmds if c[0] == "tc" and "classid" in c and c[c.index("classid") + 1] == "1:1"}
+    assert rates == {"360mbit", "40mbit"}
+    assert all(not any(x.startswith("10.") and not x.startswith("10.213.") for x in c) for c in cmds)
+
+
+def test_emulated_topology_matches_the_layout():
+    rail = emulated_topology(ClusterSpec(2, 4, "rail", 360e6, 40e6))
+    assert [r.name for r in rail.route(0, 1).resources] == ["n0:gpu0>nvswitch", "n0:nvswitch>gpu1"]
+    cross = rail.route(1, 5).resources
+    assert min(r.bandwidth for r in cross) == pytest.approx(40e6 / 8 * 1448 / 1514)
+    assert cross[1].name == "n0:nic1>net"
+    shared = emulated_topology(ClusterSpec(2, 4, "shared", 360e6, 40e6))
+    assert {r.name for r in shared.route(1, 5).resources} >= {"n0:gpu1>nvswitch", "n0:nic0>net", "n1:nvswitch>gpu1"}
+    assert ClusterSpec(2, 4, intra_bps=360e6).time_scale == pytest.approx(1e4)
+
+
+def test_missing_prerequisites_name_the_fix(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    missing = netns.missing_prerequisites()
+    assert any("root" in m and "sudo" in m for m in missing)
+    assert any("`tc`" in m and "iproute2" in m for m in missing)
+    with pytest.raises(netns.EmulatorUnavailable, match="needs: .*root"):
+        netns.check_prerequisites()
+
+
+def test_cli_refuses_without_root_before_creating_anything(monkeypatch, capsys):
+    from megatron_fcp.cli import main
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    created = []
+    monkeypatch.setattr(netns, "_run_all", created.append)
+    rc = main(["bench", "--emulate", "--nodes", "2", "--ranks-per-node", "2", "--seq", "1k"])
+    assert rc == 2 and not created
+    assert "root" in capsys.readouterr().err
+
+
+# ---- sleep kernel ------------------------------------------------------------------------------------
+def test_count_pairs_causal_and_documents():
+    q = torch.tensor([0, 1, 2, 3])
+    assert count_pairs(q, torch.tensor([0, 1, 2, 3]), True).tolist() == [1, 2, 3, 4]
+    assert count_pairs(q, torch.tensor([2, 3]), True).tolist() == [0, 0, 1, 2]
+    assert count_pairs(q, torch.tensor([2, 3]), False).tolist() == [2, 2, 2, 2]
+    qd, kd = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 1, 1])
+    qp, kp = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1, 2])
+    assert count_pairs(qp, kp, True, qd, kd).tolist() == [1, 1, 1, 2]
+    assert count_pairs(qp, kp, False, qd, kd).tolist() == [1, 1, 3, 3]
+
+
+def test_sleep_kernel_sleeps_the_cost_models_time():
+    """The modelled seconds of a block are the cost model's (4 * pairs * h * d / flops, backward x2.5)."""
+    flops = 4e9
+    kern = SleepKernel(flops)
+    q = torch.zeros(8, 1, 4, 16, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 1, 2, 16, dtype=torch.bfloat16)
+    pos = torch.arange(8)
+    out, lse = kern.forward(q, kv, kv, pos, pos, True, 0.25)
+    pairs = 8 * 9 // 2
+    expected = float(ComputeModel(flops=flops, kernel_overhead_s=0.0).time(pairs, _shape(4, 16)))
+    assert kern.modelled_s == pytest.approx(expected)
+    assert out.shape == (8, 1, 4, 16) and out.dtype == torch.float32 and lse.shape == (1, 4, 8)
+    dq, dk, dv = kern.backward(q, q, kv, kv, out, lse, pos, pos, True, 0.25)
+    assert kern.modelled_s == pytest.approx(3.5 * expected)
+    assert dq.shape == q.shape and dk.shape == kv.shape and dv.dtype == torch.float32
+    _, lse = kern.forward(q, kv, kv, pos, pos + 100, True, 0.25)  # nothing visible: lse -inf, no sleep
+    assert bool(torch.isneginf(lse).all()) and kern.modelled_s == pytest.approx(3.5 * expected)
+    assert SleepKernel(0.0).seconds(10**9, 1, 8, 64) == 0.0
+
+
+def _shape(h, d):
+    from megatron_fcp.planning import AttentionShape
+
+    return AttentionShape(64, h, h, d, 2)
+
+
+def test_sleeper_pays_back_oversleep():
+    """Each sleep is shortened by what earlier ones overslept: the total stays on target."""
+    s = Sleeper()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        s.sleep(0.002)
+    total = time.perf_counter() - t0
+    assert s.requested_s == pytest.approx(0.04)
+    assert s.slept_s <= s.requested_s + 0.02  # at most the last sleep's overshoot beyond the target
+    assert total >= 0.04 - 1e-3
+
+
+# ---- workloads, predictions, JSON --------------------------------------------------------------------
+def _prepared(nic="rail", docs=None):
+    spec = ClusterSpec(2, 2, nic, prefix="fcpe1x")
+    topo = emulated_topology(spec)
+    cm = ComputeModel(flops=400e12 / spec.time_scale, kernel_overhead_s=0.0)
+    shape = WorkloadShape(1024, 4, 4, 32, True, docs, block_tokens=256)
+    ws = make_workloads(["te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-ring"], shape, topo)
+    return spec, topo, cm, shape, ws
+
+
+def test_workloads_plans_predictions_and_the_hook():
+    spec, topo, cm, shape, ws = _prepared()
+    by = {w.name: w for w in ws}
+    assert by["te-a2a-p2p"].unavailable and "head-parallel" in by["te-a2a-p2p"].unavailable
+    assert by["fcp-auto"].plan.name in ("hierarchical", "full", "ring", "leader", "spanning")
+    assert by["fcp-ring"].plan.name == "ring"
+    pred = {w.name: w.predict(topo, cm) for w in ws}
+    assert pred["te-a2a-p2p"]["predicted_s"] > 0  # predicted even when not measured
+    assert pred["fcp-auto"]["predicted_s"] < pred["te-p2p"]["predicted_s"]
+    b = lower_bounds(shape, topo, cm, None)
+    assert b["lower_bound_s"] <= min(p["predicted_s"] for p in pred.values())
+    assert b["lower_bound_fp32_grads_s"] >= b["lower_bound_s"]
+    with pytest.raises(ValueError, match="--workloads"):
+        make_workloads(["fcp-nope"], shape, topo)
+    with pytest.raises(ValueError, match="@keep"):
+        make_workloads(["te-p2p@keep"], shape, topo)
+    keep, resend, four = make_workloads(["fcp-auto@keep", "fcp-auto@resend", "fcp-hierarchical/4"], shape, topo)
+    assert (keep.backward_kv, resend.backward_kv) == ("keep", "resend")
+    assert four.plan.parts_per_chunk == 4 and four.plan.name == "hierarchical"
+    assert keep.predict(topo, cm)["predicted_s"] < resend.predict(topo, cm)["predicted_s"]
+
+
+def test_packed_workloads_use_the_placement_and_tes_padding():
+    spec, topo, cm, shape, ws = _prepared(docs=(300, 40, 700, 5))
+    fcp = next(w for w in ws if w.name == "fcp-auto")
+    assert fcp.placement is not None and fcp.plan.placement is fcp.placement
+    pred = {w.name: w.predict(topo, cm)["predicted_s"] for w in ws}
+    assert all(v and v > 0 for v in pred.values())
+    assert lower_bounds(shape, topo, cm, fcp.plan)["lower_bound_s"] > 0
+
+
+def test_result_json_shape_and_table():
+    spec, topo, cm, shape, ws = _prepared()
+    preds = {w.name: w.predict(topo, cm) for w in ws}
+    bounds = lower_bounds(shape, topo, cm, None)
+    times = {w.name: {"overlap": [1.0, 1.2, 0.9], "comm": [0.8], "compute": [0.1]} for w in ws if not w.unavailable}
+    res = assemble(spec, shape, ws, preds, bounds, {"times": times, "modelled_compute_s": {}}, {"setup_s": 0.1})
+    json.loads(json.dumps(res))  # serialisable
+    assert len(res["runs"]) == 4
+    for r in res["runs"]:
+        assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        assert r["intra"] == "360mbit" and r["inter"] == "40mbit" and r["nic"] == "rail"
+    te = next(r for r in res["runs"] if r["workload"] == "te-p2p")
+    assert (te["median_s"], te["min_s"], te["max_s"]) == (1.0, 0.9, 1.2)
+    assert te["prediction_error"] == pytest.approx(1.0 / te["predicted_s"] - 1)
+    hp = next(r for r in res["runs"] if r["workload"] == "te-a2a-p2p")
+    assert hp["available"] is False and hp["median_s"] is None and "head-parallel" in hp["reason"]
+    text = table(res)
+    assert "te-a2a-p2p" in text and "n/a" in text and "lower bound" in text
+
+
+def test_progress_printer_lines():
+    import io
+
+    buf = io.StringIO()
+    show = progress_printer(buf, tty=False)
+    show("@progress 3 12 fcp-auto overlap 0.4700")
+    assert buf.getvalue() == "[#######-----------------------] 3/12 fcp-auto overlap 0.470s\n"
+
+
+# ---- the smoke run (root) ------------------------------------------------------------------------------
+def _root_skip_reason():
+    missing = netns.missing_prerequisites()
+    return "emulator smoke run needs " + "; ".join(missing) if missing else None
+
+
+@pytest.mark.skipif(_root_skip_reason() is not None, reason=str(_root_skip_reason()))
+def test_smoke_run_brings_up_measures_and_tears_down():
+    from megatron_fcp.emulate.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(ClusterSpec(2, 2, "rail", 360e6, 40e6, prefix=netns.run_prefix()),
+                      WorkloadShape(512, 2, 2, 32), ("te-p2p", "fcp-auto"), repeats=1, component_repeats=1,
+                      warmup=0, timeout_s=120)
+    before = set(netns.list_namespaces("fcpe"))
+    res = run_bench(cfg)  # about 45 s on 2 busy cores, mostly process start-up
+    assert set(netns.list_namespaces("fcpe")) <= before  # nothing left behind
+    for r in res["runs"]:
+        assert r["available"] and r["median_s"] > 0 and r["comm_s"] > 0 and r["compute_s"] >= 0
+        assert math.isfinite(r["predicted_s"]) and r["lower_bound_s"] > 0
+    assert res["setup_s"] > 0 and res["teardown_s"] >= 0
+    assert not _children("megatron_fcp.emulate.worker")  # every rank process reaped
+
+
+def _children(needle: str) -> list[int]:
+    """Live child processes of this one whose command line contains ``needle``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and needle in cmd:
+            found.append(int(pid))
+    return found

@@ -1,0 +1,69 @@
+"""The emulator's pieces that run on gloo processes (no root): Transformer Engine's p2p ring re-implemented
+on our transports and kernels (``te-p2p``), checked against FP64 single-device attention, forward and
+backward, on Megatron's zigzag and on TE's padded per-document THD layout; what it sends per round;
+the sleep kernel through it; and the worker's alternating loop (sleep and real CPU kernels, packed
+and zigzag) on plain loopback gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_fcp.launch import run_gloo
+from tests import _emulate_cases
+
+CP = 4
+TOL = 1e-10  # FP64 against FP64: only the merge order differs
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_gloo(_emulate_cases.worker, CP, timeout_s=240)
+
+
+@pytest.mark.parametrize("case", ["zigzag_causal", "zigzag_full"])
+def test_te_ring_matches_fp64_reference_on_zigzag(results, case):
+    for rank, r in enumerate(results):
+        for q in ("out", "lse", "dq", "dk", "dv"):
+            assert r[case][q] < TOL, f"rank {rank} {case} {q}: max error {r[case][q]:.3g}"
+
+
+def test_te_ring_sends_what_transformer_engine_sends(results):
+    """Forward: cp-1 rounds of one KV pair; backward: KV, then KV+dKV, ..., then the dKV home."""
+    for r in results:
+        kv = r["zigzag_causal"]["kv_bytes"]
+        sent = r["zigzag_causal"]["sent"]
+        assert sent["te-forward"] == [kv] * (CP - 1)
+        assert sent["te-backward"] == [kv] + [2 * kv] * (CP - 2) + [kv]
+
+
+def test_te_ring_on_padded_documents_matches_per_document_reference(results):
+    for rank, r in enumerate(results):
+        for q, e in r["thd"].items():
+            assert e < TOL, f"rank {rank} THD {q}: max error {e:.3g}"
+
+
+def test_sleep_kernel_through_the_ring(results):
+    for r in results:
+        s = r["sleep"]
+        assert s["shape"] == (8, 1, 4, 8) and s["dtype"] == "torch.bfloat16" and s["finite"]
+        assert s["grad_shape"] == (8, 1, 4, 8)
+        assert s["fwd_s"] == pytest.approx(s["expected_fwd_s"], rel=1e-9)
+        assert s["bwd_s"] == pytest.approx(2.5 * s["expected_fwd_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("compute, docs", [("sleep", (300, 20, 200)), ("cpu", None)])
+def test_worker_loop_alternates_and_times_every_mode(compute, docs):
+    from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
+    from megatron_fcp.emulate.workloads import WorkloadShape, make_workloads
+
+    topo = emulated_topology(ClusterSpec(1, 2))
+    shape = WorkloadShape(256, 2, 1, 16, True, docs, block_tokens=128)
+    wl = make_workloads(["te-p2p", "fcp-auto"], shape, topo)
+    job = {"workloads": wl, "repeats": 2, "component_repeats": 1, "warmup": 1, "compute": compute,
+           "flops": 1e12, "timeout_s": 60}
+    res = run_gloo(_emulate_cases.worker_job, 2, job, timeout_s=120)
+    times = res[0]["times"]
+    for name in ("te-p2p", "fcp-auto"):
+        assert len(times[name]["overlap"]) == 2 and len(times[name]["comm"]) == 1 and len(times[name]["compute"]) == 1
+        assert all(t > 0 for m in times[name].values() for t in m)
+    assert (set(res[0]["modelled_compute_s"]) == {"te-p2p", "fcp-auto"}) == (compute == "sleep")
