@@ -101,8 +101,10 @@ PLANNING_LAYERS = [
     ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
     ("builders", "compile"),    # graph strategies; graph -> plan
     ("build",),                 # the planner entry point (auto uses the cost model)
-    ("baselines",),             # TE's schedules on the same cost model
+    ("baselines", "head_parallel_compile"),  # TE's schedules; head-parallel plans for a degree and graph
     ("packed_cost",),           # TE's schedules on packed documents (THD); backward of every schedule
+    ("head_parallel_cost",),    # fwd/bwd of every schedule with the head-parallel stage; bound over families
+    ("head_parallel_choose",),  # auto: degree, graph and block size by predicted fwd+bwd time
     ("compare",),               # schedules side by side
 ]
 
