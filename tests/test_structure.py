@@ -96,7 +96,7 @@ def test_no_module_over_600_lines(module):
 PLANNING_LAYERS = [
     ("blocks", "megatron_layout"),
     ("needs", "placement"),     # the causal need rule; packed batches and their need sets
-    ("verify", "graph"),        # proofs of a plan; graphs over a CP group
+    ("verify", "graph", "rounds"),  # proofs of a plan; graphs over a CP group; rounds vs Delta (edge colouring)
     ("plan",),                  # the plan contract
     ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
     ("builders", "compile"),    # graph strategies; graph -> plan

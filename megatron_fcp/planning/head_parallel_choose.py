@@ -66,8 +66,8 @@ def head_parallel_candidates(
     cp = len(ranks)
     padded, _ = pad_for_zigzag(shape, cp)
     valid = head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads)
-    if degree == "auto":
-        degrees = valid
+    if degree == "auto":  # sub-blocks asked for: only a = 1 cuts chunks (placements move whole chunks)
+        degrees = [1] if isinstance(parts_per_chunk, int) and parts_per_chunk > 1 else valid
     else:
         if not isinstance(degree, int) or degree not in valid:
             raise ValueError(f"head_parallel: degree {degree!r} does not fit this CP group and head counts; "

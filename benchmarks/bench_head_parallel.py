@@ -1,0 +1,168 @@
+"""Head-parallel benchmark (issue 9): ``auto`` (degree, graph, block size chosen by predicted fwd+bwd
+time) against Transformer Engine's ``p2p`` and ``a2a+p2p`` on the cost model, over the whole grid.
+
+Writes ``benchmarks/results/head_parallel.json`` (committed) and prints a summary::
+
+    python benchmarks/bench_head_parallel.py [--out PATH] [--quick]
+
+Grid: presets dgx-a100, dgx-h100, pcie-box, single-uplink x nodes {1, 2, 3, 4, 8} x heads {MHA 32:32,
+GQA 32:8, GQA 32:2} x sequence {32K, 128K, 1M}, cp = every GPU; plus, for nodes >= 2, an *uneven* CP
+group (every GPU of the first nodes and half of the last node's). Per cell: fwd+bwd total of te-p2p,
+te-a2a-p2p (or why TE cannot run it), auto's choice and its predicted total; ``auto_over_best_te``
+must be <= 1.01. Then the geometric-mean speedup over each baseline, FCP comm against the lower bound
+over families on the headline clusters (128K-256K), rounds vs the edge-colouring bound Delta for
+every builder, and the head-parallel planning time at 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_fcp.planning import AttentionShape, BUILDERS, build_graph, compile_plan  # noqa: E402
+from megatron_fcp.planning.head_parallel_choose import head_parallel_candidates  # noqa: E402
+from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_te  # noqa: E402
+from megatron_fcp.planning.cost import pick_best  # noqa: E402
+from megatron_fcp.planning.rounds import plan_delta  # noqa: E402
+from megatron_fcp.topology import load_topology  # noqa: E402
+
+PRESETS = ("dgx-a100", "dgx-h100", "pcie-box", "single-uplink")
+NODES = (1, 2, 3, 4, 8)
+HEADS = ((32, 32), (32, 8), (32, 2))
+SEQS = (32 * 1024, 128 * 1024, 1024 * 1024)
+TOLERANCE = 1.01
+
+
+def cell(preset: str, nodes: int, ranks: list[int], heads: int, kv: int, seq: int) -> dict:
+    topo = load_topology(f"{preset}:{nodes}")
+    shape = AttentionShape(seq, heads, kv, 128, 2)
+    t0 = time.perf_counter()
+    cands = head_parallel_candidates(topo, ranks, shape)
+    res, hp = pick_best(cands, "total")
+    plan_s = time.perf_counter() - t0
+    te = {}
+    for name in ("te-p2p", "te-a2a-p2p"):
+        try:
+            te[name] = simulate_te(name, topo, ranks, shape).total_s
+        except ValueError as e:
+            te[name] = None
+            te[name + "_error"] = str(e)
+    best_te = min(v for k, v in te.items() if k in ("te-p2p", "te-a2a-p2p") and v is not None)
+    return {"preset": preset, "nodes": nodes, "cp": len(ranks), "heads": heads, "kv_heads": kv, "seq": seq,
+            "auto": res.meta["label"], "auto_total_s": res.total_s, "auto_comm_s": res.comm_s,
+            **{f"{k}_total_s" if not k.endswith("_error") else k: v for k, v in te.items()},
+            "auto_over_best_te": res.total_s / best_te, "plan_s": plan_s}
+
+
+def groups(preset: str, nodes: int) -> list[tuple[str, list[int]]]:
+    g = load_topology(f"{preset}:{nodes}").gpus_per_node
+    out = [("even", list(range(g * nodes)))]
+    if nodes >= 2:
+        out.append(("uneven", list(range(g * (nodes - 1) + g // 2))))
+    return out
+
+
+def grid(quick: bool) -> list[dict]:
+    rows = []
+    for preset in PRESETS:
+        for nodes in ((1, 2) if quick else NODES):
+            for kind, ranks in groups(preset, nodes):
+                for heads, kv in HEADS:
+                    for seq in ((128 * 1024,) if quick else SEQS):
+                        r = cell(preset, nodes, ranks, heads, kv, seq)
+                        r["group"] = kind
+                        rows.append(r)
+                        print(f"{preset}:{nodes} {kind} cp={r['cp']} {heads}:{kv} seq={seq}: auto {r['auto']} "
+                              f"{r['auto_total_s'] * 1e3:.3f} ms, p2p {_ms(r['te-p2p_total_s'])}, a2a+p2p "
+                              f"{_ms(r['te-a2a-p2p_total_s'])}, auto/best {r['auto_over_best_te']:.3f} "
+                              f"({r['plan_s']:.1f} s)", flush=True)
+    return rows
+
+
+def _ms(v):
+    return "n/a" if v is None else f"{v * 1e3:.3f} ms"
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summary(rows: list[dict]) -> dict:
+    worst = max(rows, key=lambda r: r["auto_over_best_te"])
+    return {
+        "cells": len(rows),
+        "never_slower_within_1pct": all(r["auto_over_best_te"] <= TOLERANCE for r in rows),
+        "violations": [{k: r[k] for k in ("preset", "nodes", "group", "cp", "heads", "kv_heads", "seq", "auto",
+                                          "auto_over_best_te")} for r in rows if r["auto_over_best_te"] > TOLERANCE],
+        "worst": {k: worst[k] for k in ("preset", "nodes", "group", "cp", "heads", "kv_heads", "seq", "auto",
+                                        "auto_over_best_te")},
+        "geomean_speedup_over_te_p2p": geomean([r["te-p2p_total_s"] / r["auto_total_s"] for r in rows]),
+        "geomean_speedup_over_te_a2a_p2p": geomean([r["te-a2a-p2p_total_s"] / r["auto_total_s"] for r in rows
+                                                    if r["te-a2a-p2p_total_s"] is not None]),
+        "te_a2a_p2p_cells": sum(r["te-a2a-p2p_total_s"] is not None for r in rows),
+    }
+
+
+def bound_ratios() -> dict:
+    """FCP (auto) comm over the lower bound over families, fwd and fwd+bwd, at 128K and 256K."""
+    out = {}
+    for spec in ("dgx-h100:2", "dgx-a100:2", "dgx-h100:4", "dgx-a100:3"):
+        topo = load_topology(spec)
+        for seq in (128 * 1024, 256 * 1024):
+            shape = AttentionShape(seq, 32, 8, 128, 2)
+            ranks = list(range(topo.world))
+            row = {}
+            for pass_ in ("fwd", "fwd+bwd"):
+                res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, pass_=pass_, objective="comm"), "comm")
+                lb = lower_bound_all(topo, ranks, shape, pass_=pass_)
+                row[pass_] = {"fcp": res.meta["label"], "fcp_comm_s": res.comm_s, "lower_bound_s": lb["lower_bound_s"],
+                              "bound_degree": lb["degree"], "ratio": res.comm_s / lb["lower_bound_s"]}
+            out[f"{spec}@{seq}"] = row
+    return out
+
+
+def rounds_vs_delta() -> dict:
+    """Per preset (2 nodes, and 1 node) and builder: rounds of the default plan and of the plan
+    packed under one send and one receive per rank per round, against Delta."""
+    out = {}
+    for preset in PRESETS:
+        for nodes in (1, 2):
+            topo = load_topology(f"{preset}:{nodes}")
+            ranks = list(range(topo.world))
+            for name, b in sorted(BUILDERS.items()):
+                if getattr(b, "needs_kv_sizes", False):
+                    continue
+                cg = build_graph(topo, ranks, name)
+                plan = compile_plan(cg)
+                ported = compile_plan(cg, max_sends=1, max_recvs=1)
+                coloured = compile_plan(cg, max_sends=1, max_recvs=1, packing="colour")
+                out[f"{preset}:{nodes}/{name}"] = {"rounds": len(plan.rounds), "delta": plan_delta(plan),
+                                                   "rounds_ports_1_list": len(ported.rounds),
+                                                   "rounds_ports_1_colour": len(coloured.rounds)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "head_parallel.json"))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = grid(args.quick)
+    result = {"summary": summary(rows), "bound_ratios": bound_ratios(), "rounds_vs_delta": rounds_vs_delta(),
+              "grid": rows, "seconds": None}
+    result["seconds"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    print(json.dumps(result["bound_ratios"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
