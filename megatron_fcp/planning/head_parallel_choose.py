@@ -55,6 +55,7 @@ def head_parallel_candidates(
     pass_: str = "fwd+bwd",
     round_overhead_s: float = 0.0,
     min_block_tokens: int = 256,
+    grad_dtype_bytes: int = 4,
 ) -> list[tuple[SimResult, HeadParallelPlan]]:
     """Every candidate of Note [Choosing the head-parallel degree] as ``(SimResult, plan)``, the
     sub-block candidates of the best ``a = 1`` plan last."""
@@ -77,7 +78,8 @@ def head_parallel_candidates(
     fixed_parts = parts_per_chunk if parts_per_chunk != "auto" else 1
     if not isinstance(fixed_parts, int) or fixed_parts < 1:
         raise ValueError(f"parts_per_chunk: must be an integer >= 1 or auto, got {parts_per_chunk!r}")
-    kw = dict(pass_=pass_, causal=causal, compute_model=compute_model, round_overhead_s=round_overhead_s)
+    kw = dict(pass_=pass_, causal=causal, compute_model=compute_model, round_overhead_s=round_overhead_s,
+              grad_dtype_bytes=grad_dtype_bytes)
     out: list[tuple[SimResult, HeadParallelPlan]] = []
     for a in degrees:
         whole = a == cp or len(ranks) // a == 1
@@ -118,6 +120,7 @@ def build_head_parallel_plan(
     pass_: str = "fwd+bwd",
     round_overhead_s: float = 0.0,
     min_block_tokens: int = 256,
+    grad_dtype_bytes: int = 4,
 ) -> HeadParallelPlan:
     """A verified :class:`HeadParallelPlan` for the CP group ``cp_ranks`` on ``topology``.
 
@@ -135,17 +138,18 @@ def build_head_parallel_plan(
     cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
                                      parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
                                      objective=objective, pass_=pass_, round_overhead_s=round_overhead_s,
-                                     min_block_tokens=min_block_tokens)
+                                     min_block_tokens=min_block_tokens, grad_dtype_bytes=grad_dtype_bytes)
     _, best = pick_best(cands, objective)
     metric = "total_s" if objective == "total" else "comm_s"
     return _with_auto(best, tuple((r.meta["label"], getattr(r, metric)) for r, _ in cands))
 
 
 def choose_head_parallel(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
-                         causal: bool = True) -> HeadParallelPlan:
+                         causal: bool = True, grad_dtype_bytes: int = 4) -> HeadParallelPlan:
     """The runtime's entry point: degree, graph and block size chosen by predicted forward+backward
-    time at the default compute model (Note [Choosing the head-parallel degree])."""
-    return build_head_parallel_plan(topology, cp_ranks, shape, causal=causal)
+    time at the default compute model (Note [Choosing the head-parallel degree]). ``grad_dtype_bytes``:
+    the dK/dV partials the executor returns (4: FP32, today's; 2: bf16, as TE's ring)."""
+    return build_head_parallel_plan(topology, cp_ranks, shape, causal=causal, grad_dtype_bytes=grad_dtype_bytes)
 
 
 def _with_auto(hp: HeadParallelPlan, auto: tuple) -> HeadParallelPlan:

@@ -36,7 +36,8 @@ planner may use (``a = 1``: KV distribution alone), of that family's bound for t
 * **KV stage** (forward): the need-set bound of :func:`~megatron_fcp.planning.baselines.lower_bound`
   on the stage placement: the most bytes any rank needs over its ingress, and the most bytes any
   node needs from outside (each block once) over the node's NIC ingress; backward the same need sets
-  carry gradients (``grad_dtype_bytes``; TE's ring carries KV and dKV in bf16, the same bytes).
+  carry gradients, counted in the KV dtype (TE's ring returns dKV in bf16; FCP's executor sends FP32
+  partials today, twice that: the bound is the least any compared schedule could send).
 
 A family's stages run one after another, so its bound is their sum. Ulysses-style schedules move Q
 and O instead of all KV, which is why a KV-only bound (the old one) could sit above them.
@@ -117,11 +118,14 @@ def simulate_head_parallel(
     compute_model: ComputeModel | None = None,
     round_overhead_s: float = 0.0,
     backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    grad_dtype_bytes: int = 4,
     name: str = "fcp",
 ) -> SimResult:
     """Time ``hp`` for ``pass_`` (``fwd``, ``bwd`` or ``fwd+bwd``); see Note [Head-parallel cost].
     ``meta``: ``graph``, ``head_parallel`` (the degree), ``parts_per_chunk``, ``kv_replication``,
-    ``pass``, and per pass ``fwd_total_s`` / ``bwd_total_s`` where computed."""
+    ``pass``, and per pass ``fwd_total_s`` / ``bwd_total_s`` where computed. ``grad_dtype_bytes``:
+    bytes per element of the dK/dV partials the KV stage returns (4: FP32, what the executor sends
+    today; 2: the KV dtype, as Transformer Engine's ring sends dKV)."""
     check_pass(pass_)
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
@@ -147,7 +151,7 @@ def simulate_head_parallel(
         out.append(fwd)
     if pass_ in ("bwd", "fwd+bwd"):
         kv = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
-                                    round_overhead_s=round_overhead_s, name=name)
+                                    round_overhead_s=round_overhead_s, name=name, grad_dtype_bytes=grad_dtype_bytes)
         bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
         meta["bwd_total_s"] = bwd.total_s
         meta["bwd_comm_s"] = bwd.comm_s
@@ -228,7 +232,7 @@ def lower_bound_all(
     *,
     causal: bool = True,
     pass_: str = "fwd",
-    grad_dtype_bytes: int = 4,
+    grad_dtype_bytes: int | None = None,
 ) -> dict:
     """Lower bound over every family compared (KV distribution and head-parallel of every degree);
     see Note [Lower bound over schedule families]. Returns ``lower_bound_s``, ``degree`` (the family
@@ -239,6 +243,7 @@ def lower_bound_all(
     ranks = check_cp_ranks(topo, cp_ranks)
     shape, _ = pad_for_zigzag(shape, len(ranks))
     kv_only = lower_bound(topo, ranks, shape, causal=causal)
+    grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes  # the least any compared schedule sends
     grad_ratio = grad_dtype_bytes / shape.dtype_bytes
     per_degree: dict[int, float] = {}
     for a in head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads):

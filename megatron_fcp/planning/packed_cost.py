@@ -310,25 +310,28 @@ def simulate_plan_backward(
             return pl.pairs(j, pos[blk.owner], blk.chunk)
         return int(_block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.causal))
 
-    def block_time(j: int, blk) -> float:
-        p = block_pairs(j, blk)
-        return p * flop_s + cm.kernel_overhead_s if p else 0.0
-
-    # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks
-    # (one kernel launch per block)
+    # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks.
+    # Kernel launches as in the forward (Note [Cost model]): blocks of one owner reaching a rank in one
+    # round share one launch, and a rank's own blocks are one launch.
     C = np.zeros((R + 1, cp))
     needs = {r: plan.needs(r) for r in plan.ranks}  # once per rank (need_set is O(cp) per call)
     got = [(r, pos[t.dst], t.block) for r, rnd in enumerate(plan.rounds) for t in rnd if t.block in needs[t.dst]]
     if got:
         rr, jj = np.array([g[0] for g in got]), np.array([g[1] for g in got])
+        oo = np.array([pos[g[2].owner] for g in got])
         if pl is None:  # zigzag: every block's pairs in one vectorised call
-            p = _block_pairs(cp, shape.seq_len, P_, jj, np.array([pos[g[2].owner] for g in got]),
-                             np.array([g[2].chunk for g in got]), np.array([g[2].part for g in got]), plan.causal)
+            p = _block_pairs(cp, shape.seq_len, P_, jj, oo, np.array([g[2].chunk for g in got]),
+                             np.array([g[2].part for g in got]), plan.causal).astype(np.float64)
         else:
             p = np.array([block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
-        np.add.at(C, (rr + 1, jj), np.where(p > 0, p * flop_s + cm.kernel_overhead_s, 0.0))
+        np.add.at(C, (rr + 1, jj), p * flop_s)
+        live = p > 0
+        if live.any():  # one launch per (round, rank, owner) with work
+            _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
+            np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), cm.kernel_overhead_s)
     for j, rank in enumerate(plan.ranks):
-        C[0, j] = sum(block_time(j, blk) for blk in plan.local_blocks(rank))
+        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank))
+        C[0, j] = own * flop_s + cm.kernel_overhead_s if own else 0.0
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
     if backward_kv == "resend":
