@@ -108,8 +108,13 @@ def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
         raise PlanError(f"relabel: {len(ranks)} ranks for a plan over {plan.cp}")
     to = {old: new for old, new in zip(plan.ranks, ranks)}
 
-    def blk(b: Block) -> Block:
-        return Block(to[b.owner], b.chunk, b.part)
+    renamed: dict[Block, Block] = {}
+
+    def blk(b: Block) -> Block:  # one new Block per distinct block, not per transfer
+        out = renamed.get(b)
+        if out is None:
+            out = renamed[b] = Block(to[b.owner], b.chunk, b.part)
+        return out
 
     rounds = tuple(tuple(Transfer(to[t.src], to[t.dst], blk(t.block)) for t in rnd) for rnd in plan.rounds)
     return replace(plan, ranks=ranks, rounds=rounds)

@@ -46,6 +46,11 @@ from megatron_fcp.planning.placement import Placement, Span
 from megatron_fcp.planning.plan import Plan
 from megatron_fcp.topology import Topology, load_topology
 
+BALANCE_MAX_GROUPS = 64
+"""Up to this many head groups the KV stage's leaf edges are balanced over rounds
+(:func:`~megatron_fcp.planning.compile.compile_plan`'s ``balance``; O(transfers x rounds)); larger
+stages keep plain waves, which keeps a 1,024-rank head-parallel plan within the planning budget."""
+
 __all__ = ["head_parallel_degrees", "topology_head_groups", "compile_head_parallel", "stage_plan", "stage_shape"]
 
 
@@ -135,7 +140,8 @@ def compile_head_parallel(
     else:
         stage0 = [g[0] for g in groups]
         placement = group_placement(ranks, groups, shape.seq_len, causal)
-        plan = compile_plan(get_builder(graph).build(topo, stage0), causal, 1, placement=placement)
+        plan = compile_plan(get_builder(graph).build(topo, stage0), causal, 1, placement=placement,
+                            balance=G <= BALANCE_MAX_GROUPS)
         kv = relabel_plan(plan, range(G))
     hp = HeadParallelPlan(ranks, degree, groups, kv, rep)
     return hp.verify()
