@@ -132,20 +132,24 @@ def summary(rows: list[dict], quick: bool = False) -> dict:
 
 
 def bound_ratios() -> dict:
-    """FCP (auto) comm over the lower bound over families, fwd and fwd+bwd, at 128K and 256K."""
+    """FCP (auto, objective comm) comm over the lower bound over families, at 128K and 256K (and 240K,
+    where 2*cp*parts divides the sequence on 3 nodes): forward, and forward+backward with FP32 and
+    with bf16 dK/dV partials."""
     out = {}
     for spec in ("dgx-h100:2", "dgx-a100:2", "dgx-h100:4", "dgx-a100:3"):
         topo = load_topology(spec)
-        for seq in (128 * 1024, 256 * 1024):
+        for seq in (128 * 1024, 240 * 1024, 256 * 1024):
             shape = AttentionShape(seq, 32, 8, 128, 2)
             ranks = list(range(topo.world))
             row = {}
-            for pass_ in ("fwd", "fwd+bwd"):
-                res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, pass_=pass_, objective="comm"), "comm")
+            for key, pass_, grad in (("fwd", "fwd", 4), ("fwd+bwd_fp32", "fwd+bwd", 4), ("fwd+bwd_bf16", "fwd+bwd", 2)):
+                res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, pass_=pass_, objective="comm",
+                                                            grad_dtype_bytes=grad), "comm")
                 lb = lower_bound_all(topo, ranks, shape, pass_=pass_)
-                row[pass_] = {"fcp": res.meta["label"], "fcp_comm_s": res.comm_s, "lower_bound_s": lb["lower_bound_s"],
-                              "bound_degree": lb["degree"], "ratio": res.comm_s / lb["lower_bound_s"]}
+                row[key] = {"fcp": res.meta["label"], "fcp_comm_s": res.comm_s, "lower_bound_s": lb["lower_bound_s"],
+                            "bound_degree": lb["degree"], "ratio": res.comm_s / lb["lower_bound_s"]}
             out[f"{spec}@{seq}"] = row
+            print(spec, seq, {k: (v["fcp"], round(v["ratio"], 3)) for k, v in row.items()}, flush=True)
     return out
 
 

@@ -49,7 +49,13 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_fcp.planning.baselines import _intra_ingress, lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.planning.baselines import (
+    _intra_ingress,
+    lower_bound,
+    member_nic_ingress,
+    simulate_te_a2a_p2p,
+    simulate_te_p2p,
+)
 from megatron_fcp.planning.cost import (
     AttentionShape,
     ComputeModel,
@@ -221,7 +227,8 @@ def _stage_bound(topo: Topology, hp: HeadParallelPlan, shape: AttentionShape, ca
     if multi:
         for x in set(node_of.tolist()):
             into = (need[node_of == x].any(axis=0) & (node_of[owner] != x))
-            t = max(t, float((into * tok).sum()) * per_tok / topo.node_ingress_bandwidth())
+            b_in = member_nic_ingress(topo, [r for r, m in zip(sp.ranks, node_of == x) if m])
+            t = max(t, float((into * tok).sum()) * per_tok / b_in)
     return t
 
 
