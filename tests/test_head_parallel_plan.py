@@ -204,3 +204,18 @@ def test_cli_simulate_pass_and_head_parallel_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["pass"] == "fwd" and out["schedules"]["fcp"]["head_parallel"] == 8
     assert main(["simulate", "--topology", "dgx-h100:2", "--head-parallel", "3"]) == 2
+
+
+def test_uneven_group_bound_counts_only_the_members_nics():
+    """8 + 4 ranks on two DGX nodes: the half-filled node receives through its 4 members' NICs."""
+    from megatron_fcp.planning.baselines import lower_bound, member_nic_ingress
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology("dgx-h100:2")
+    assert member_nic_ingress(topo, range(8, 12)) == pytest.approx(topo.node_ingress_bandwidth() / 2)
+    assert member_nic_ingress(topo, range(8)) == pytest.approx(topo.node_ingress_bandwidth())
+    shape = AttentionShape(12 * 2048, 32, 8)
+    lb = lower_bound(topo, range(12), shape, causal=False)
+    # node 1 needs the 8 ranks' KV (2/3 of S) through 4 NICs
+    assert lb["lower_bound_s"] == pytest.approx(max(shape.kv_bytes(shape.seq_len) * 8 / 12 / (4 * 50e9),
+                                                    shape.kv_bytes(shape.seq_len) * 11 / 12 / lb["B_gpu"]))
