@@ -219,3 +219,18 @@ def test_uneven_group_bound_counts_only_the_members_nics():
     # node 1 needs the 8 ranks' KV (2/3 of S) through 4 NICs
     assert lb["lower_bound_s"] == pytest.approx(max(shape.kv_bytes(shape.seq_len) * 8 / 12 / (4 * 50e9),
                                                     shape.kv_bytes(shape.seq_len) * 11 / 12 / lb["B_gpu"]))
+
+
+@pytest.mark.parametrize("stagger", [2, 4])
+def test_staggered_kv_stage_verifies_and_pipelines(stagger):
+    """``stagger``: a group's b-th chunk starts b mod stagger rounds late; the plan still verifies,
+    moves the same transfers, and on two DGX-H100 nodes (a = 2) the stage's forward comm drops."""
+    plain = compile_head_parallel("dgx-h100:2", range(16), GQA, 2, "hierarchical")
+    st = compile_head_parallel("dgx-h100:2", range(16), GQA, 2, "hierarchical", stagger=stagger)
+    assert st.verify() is st and stage_plan(st, GQA.seq_len).verified
+    assert st.kv_plan.num_transfers() == plain.kv_plan.num_transfers()
+    assert len(st.kv_plan.rounds) > len(plain.kv_plan.rounds)
+    comm = lambda hp: simulate_head_parallel(hp, "dgx-h100:2", GQA, pass_="fwd").comm_s  # noqa: E731
+    assert comm(st) < comm(plain)
+    with pytest.raises(PlanError, match="stagger_blocks"):
+        compile_plan(build_graph(load_topology("dgx-h100:1"), range(8), "full"), stagger_blocks=2)

@@ -13,8 +13,10 @@ times every graph of :data:`~megatron_fcp.planning.builders.AUTO_CANDIDATES` for
 candidate when ``a`` is the whole group: nothing left to distribute). Each is timed forward and
 backward (:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`) and the best by
 ``objective`` is kept (:func:`~megatron_fcp.planning.cost.pick_best`: least total, ties within 0.1%
-broken by communication). Then, for ``a = 1`` only (placements move whole chunks), sub-blocks of 2,
-4 and 8 parts per chunk (no smaller than ``min_block_tokens``) are tried on the winning graph. The
+broken by communication). Then, for ``a = 1``, sub-blocks of 2, 4 and 8 parts per chunk (no smaller
+than ``min_block_tokens``) are tried on the winning graph; for ``a > 1`` (placements move whole
+chunks) the best graph of each degree is tried with its chunks staggered over 2, 4 and 8 rounds
+(``stagger``), which pipelines them through relays as sub-blocks do. The
 search contains Transformer Engine's schedules: ``a = 1`` with ``ring`` is ``p2p``, ``a`` = ranks per
 node with ``ring`` is ``a2a+p2p`` (the same prediction, tested), ``a = cp`` is ``a2a``; so the choice
 is never predicted slower than them beyond the difference of their own models (the ring over
@@ -37,8 +39,8 @@ from megatron_fcp.topology import Topology, load_topology
 __all__ = ["build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates"]
 
 
-def _label(hp: HeadParallelPlan, graph: str, parts: int) -> str:
-    return f"a={hp.degree} graph={graph} parts={parts}"
+def _label(hp: HeadParallelPlan, graph: str, parts: int, stagger: int = 1) -> str:
+    return f"a={hp.degree} graph={graph} parts={parts}" + (f" stagger={stagger}" if stagger > 1 else "")
 
 
 def head_parallel_candidates(
@@ -91,6 +93,19 @@ def head_parallel_candidates(
             res = simulate_head_parallel(hp, topo, padded, **kw)
             res.meta["label"] = _label(hp, res.meta["graph"], parts)
             out.append((res, hp))
+    if parts_per_chunk == "auto":  # a > 1: the best graph of each degree with its chunks staggered
+        for a in degrees:
+            mine = [c for c in out if c[1].degree == a and c[1].kv_plan is not None]
+            if a == 1 or not mine:
+                continue
+            best_res, _ = pick_best(mine, objective)
+            for st in (2, 4, 8):
+                if st > 2 * a:
+                    continue
+                hp = compile_head_parallel(topo, ranks, padded, a, best_res.meta["graph"], causal=causal, stagger=st)
+                res = simulate_head_parallel(hp, topo, padded, **kw)
+                res.meta["label"] = _label(hp, res.meta["graph"], 1, st)
+                out.append((res, hp))
     ones = [c for c in out if c[1].degree == 1]
     if parts_per_chunk == "auto" and ones:
         best_res, best = pick_best(ones, objective)

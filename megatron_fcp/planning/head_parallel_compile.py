@@ -106,6 +106,7 @@ def compile_head_parallel(
     causal: bool = True,
     parts_per_chunk: int = 1,
     head_groups: Sequence[Sequence[int]] | None = None,
+    stagger: int = 1,
 ) -> HeadParallelPlan:
     """A verified :class:`HeadParallelPlan` for ``degree`` and the KV-stage ``graph`` (a builder name).
 
@@ -113,7 +114,9 @@ def compile_head_parallel(
     sees the real nodes and rails) and compiled over :func:`group_placement` of ``shape.seq_len``
     (padded as Megatron pads); the plan is then renamed onto virtual ranks ``0..G-1``. ``degree = 1``
     gives the ordinary zigzag plan (``parts_per_chunk`` sub-blocks) on virtual ranks; placements take
-    whole chunks, so ``parts_per_chunk`` must be 1 for ``degree > 1``.
+    whole chunks, so ``parts_per_chunk`` must be 1 for ``degree > 1``; instead ``stagger`` > 1 starts
+    a group's ``b``-th chunk ``b mod stagger`` rounds late (``compile_plan(stagger_blocks=...)``), so
+    its chunks pipeline through relays as sub-blocks do.
     """
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
@@ -132,7 +135,7 @@ def compile_head_parallel(
             raise PlanError("degree 1: head groups must list the CP ranks in CP order")
         plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk)
         kv = relabel_plan(plan, range(G))
-    elif parts_per_chunk != 1:
+    elif parts_per_chunk != 1 or (stagger != 1 and G == 1):
         raise PlanError(f"parts_per_chunk: a head-parallel KV stage (degree {degree}) moves whole chunks; got "
                         f"{parts_per_chunk}")
     elif G == 1:
@@ -141,7 +144,7 @@ def compile_head_parallel(
         stage0 = [g[0] for g in groups]
         placement = group_placement(ranks, groups, shape.seq_len, causal)
         plan = compile_plan(get_builder(graph).build(topo, stage0), causal, 1, placement=placement,
-                            balance=G <= BALANCE_MAX_GROUPS)
+                            balance=G <= BALANCE_MAX_GROUPS, stagger_blocks=stagger)
         kv = relabel_plan(plan, range(G))
     hp = HeadParallelPlan(ranks, degree, groups, kv, rep)
     return hp.verify()
