@@ -234,3 +234,16 @@ def test_staggered_kv_stage_verifies_and_pipelines(stagger):
     assert comm(st) < comm(plain)
     with pytest.raises(PlanError, match="stagger_blocks"):
         compile_plan(build_graph(load_topology("dgx-h100:1"), range(8), "full"), stagger_blocks=2)
+
+
+def test_uneven_group_spreads_the_small_nodes_fan_out():
+    """8 + 4 ranks: odd chunks of the 4-rank node enter the 8-rank node at positions 4..7, so no
+    NVLink egress carries twice the fan-out; forward comm within 1.15x the bound (was 1.28x)."""
+    from megatron_fcp.planning import build_plan, simulate_plan
+    from megatron_fcp.planning.builders import entry_position
+
+    assert [entry_position(k, 4, 8, c) for c in (0, 1) for k in range(4)] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert entry_position(5, 8, 4, 1) == 1 and entry_position(5, 8, 8, 1) == 5  # only into a larger node
+    plan = build_plan("dgx-h100:2", range(12), "hierarchical", parts_per_chunk=2)
+    comm = simulate_plan(plan, "dgx-h100:2", GQA, compute=False).comm_s
+    assert comm <= 1.15 * lower_bound_all("dgx-h100:2", range(12), GQA, pass_="fwd")["lower_bound_s"]
