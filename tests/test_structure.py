@@ -96,13 +96,15 @@ def test_no_module_over_600_lines(module):
 PLANNING_LAYERS = [
     ("blocks", "megatron_layout"),
     ("needs", "placement"),     # the causal need rule; packed batches and their need sets
-    ("verify", "graph"),        # proofs of a plan; graphs over a CP group
+    ("verify", "graph", "rounds"),  # proofs of a plan; graphs over a CP group; rounds vs Delta (edge colouring)
     ("plan",),                  # the plan contract
     ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
     ("builders", "compile"),    # graph strategies; graph -> plan
     ("build",),                 # the planner entry point (auto uses the cost model)
-    ("baselines",),             # TE's schedules on the same cost model
+    ("baselines", "head_parallel_compile"),  # TE's schedules; head-parallel plans for a degree and graph
     ("packed_cost",),           # TE's schedules on packed documents (THD); backward of every schedule
+    ("head_parallel_cost",),    # fwd/bwd of every schedule with the head-parallel stage; bound over families
+    ("head_parallel_choose",),  # auto: degree, graph and block size by predicted fwd+bwd time
     ("compare",),               # schedules side by side
 ]
 

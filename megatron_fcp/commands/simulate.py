@@ -56,9 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="auto", help="sub-blocks per chunk for FCP: an integer or auto (default: best "
                                                     "of 1,2,4,8,16 with blocks >= --min-block-tokens)")
     p.add_argument("--min-block-tokens", type=int, default=256, help="smallest sub-block auto may choose (default 256)")
-    p.add_argument("--objective", choices=("comm", "total"), default="comm",
-                   help="what FCP's choice of graph and parts minimises (default comm; total = overlapped time, "
-                        "ties broken by comm)")
+    p.add_argument("--objective", choices=("comm", "total"), default=None,
+                   help="what FCP's choice of graph, parts and head-parallel degree minimises: comm, or total = "
+                        "overlapped time, ties broken by comm (default: total, or comm with --pass fwd "
+                        "--head-parallel 1, the forward KV-distribution comparison)")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "fwd+bwd"), default="fwd+bwd",
+                   help="which pass to predict (default fwd+bwd); the JSON adds \"pass\"")
+    p.add_argument("--head-parallel", default="auto",
+                   help="FCP's head-parallel degree: an integer (ranks per head group, inside a node) or auto "
+                        "(default: chosen by predicted time; 1 = KV distribution only)")
     p.add_argument("--tflops", type=float, default=400.0, help="sustained attention TFLOP/s per GPU (default 400)")
     p.add_argument("--round-overhead-us", type=float, default=0.0,
                    help="fixed launch/sync cost per round in microseconds, on top of route latency (default 0)")
@@ -73,14 +79,18 @@ def _shape(args):
 def _table(out: dict, shape, topo, ranks) -> str:
     lb = out["lower_bound"]
     lines = [
+        f"pass: {out.get('pass', 'fwd')}",
         f"{topo.name}: cp={len(ranks)} over {lb['n']} node(s), seq={shape.seq_len} tokens, heads={shape.heads}, "
         f"kv_heads={shape.kv_heads}, head_dim={shape.head_dim}, {shape.dtype_bytes} B/elem; "
         f"KV per layer S={lb['S'] / 1e6:.1f} MB",
         *([f"seq {shape.seq_len} is not a multiple of 2*cp = {2 * len(ranks)}: every schedule runs it padded "
            f"to {out['padded_seq_len']} tokens, as Megatron pads"] if out["padded_seq_len"] else []),
-        f"lower bound: {lb['lower_bound_s'] * 1e3:.3f} ms  (S*max((N-1)/(N*B_gpu), (n-1)/(n*B_out))"
-        f"{', causal need sets' if lb['causal'] else ''}; B_gpu={lb['B_gpu'] / 1e9:g} GB/s, "
-        f"B_out={lb['B_out'] / 1e9:g} GB/s)",
+        (f"lower bound ({out['pass']}): {lb['lower_bound_s'] * 1e3:.3f} ms over every family compared (head-parallel "
+         f"degree {lb['degree']} attains it; Note [Lower bound over schedule families]); B_gpu={lb['B_gpu'] / 1e9:g} "
+         f"GB/s, B_out={lb['B_out'] / 1e9:g} GB/s" if "per_degree" in lb else
+         f"lower bound: {lb['lower_bound_s'] * 1e3:.3f} ms  (S*max((N-1)/(N*B_gpu), (n-1)/(n*B_out))"
+         f"{', causal need sets' if lb['causal'] else ''}; B_gpu={lb['B_gpu'] / 1e9:g} GB/s, "
+         f"B_out={lb['B_out'] / 1e9:g} GB/s)"),
         "",
         f"{'schedule':<12}{'comm ms':>10}{'compute ms':>12}{'total ms':>10}{'GB moved':>10}{'inter GB':>10}"
         f"{'comm/LB':>9}  plan",
@@ -92,6 +102,8 @@ def _table(out: dict, shape, topo, ranks) -> str:
         extra = ""
         if name == "fcp":
             extra = f"graph={d['graph']} parts={d['parts_per_chunk']} rounds={d['rounds']}"
+            if "head_parallel" in d:
+                extra += f" delta={d['delta']} head-parallel={d['head_parallel']} kv-rep={d['kv_replication']}"
         else:
             extra = f"{d.get('graph', '')} rounds={d['rounds']}"
         lines.append(
@@ -100,7 +112,7 @@ def _table(out: dict, shape, topo, ranks) -> str:
         )
     s = out["schedules"]
     kv = s.get("fcp", {}).get("backward_kv")
-    if kv:
+    if isinstance(kv, dict):
         lines.append("")
         lines.append(
             f"backward KV (fcp, per rank per layer): keep holds {kv['keep']['held_kv_bytes_max'] / 1e6:.1f} MB "
@@ -125,7 +137,9 @@ def _packed_table(out: dict, shape, topo, ranks) -> str:
         f"TE THD pads every document to a multiple of 2*cp = {2 * len(ranks)}: {out['padded_seq_len']} tokens "
         f"(+{out['schedules']['te-p2p']['padding_overhead'] * 100:.2f}%)",
         f"need-set lower bound (forward): {lb['lower_bound_s'] * 1e3:.3f} ms (B_gpu={lb['B_gpu'] / 1e9:g} GB/s, "
-        f"B_out={lb['B_out'] / 1e9:g} GB/s)",
+        f"B_out={lb['B_out'] / 1e9:g} GB/s)" + (f"; over every family compared: least with head-parallel degree "
+                                                 f"{lb['degree']} (Note [Lower bound over schedule families])"
+                                                 if "degree" in lb else ""),
         "",
         f"{'schedule':<12}{'fwd comm':>10}{'fwd comp':>10}{'fwd tot':>10}{'bwd comm':>10}{'bwd comp':>10}"
         f"{'bwd tot':>10}{'total ms':>10}{'fwd GB':>8}{'inter GB':>9}{'work m/m':>9}  plan",
@@ -234,9 +248,14 @@ def run(args) -> int:
         parts = args.parts if args.parts == "auto" else _int_arg(args.parts, "--parts")
         if args.doc_lengths is not None:
             return _run_packed(args, topo, ranks, shape, parts)
+        hp = args.head_parallel if args.head_parallel == "auto" else _int_arg(args.head_parallel, "--head-parallel")
+        objective = args.objective or ("comm" if (args.pass_, hp) == ("fwd", 1) else "total")
         out = compare(topo, ranks, shape, graph=args.graph, parts_per_chunk=parts, causal=args.causal,
                       compute_model=ComputeModel(flops=args.tflops * 1e12), min_block_tokens=args.min_block_tokens,
-                      objective=args.objective, round_overhead_s=args.round_overhead_us * 1e-6)
+                      objective=objective, round_overhead_s=args.round_overhead_us * 1e-6, pass_=args.pass_,
+                      head_parallel=hp)
+        if args.plot and out.get("head_parallel_plan") is not None and out["head_parallel_plan"].degree != 1:
+            raise ValueError("--plot: draws a KV-distribution plan; add --head-parallel 1")
         if args.plot:
             plan = out["plan"]
             plot(args.plot, topo, plan, out["results"]["fcp"], build_graph(topo, ranks, plan.name))
@@ -249,7 +268,8 @@ def run(args) -> int:
                     sched[name] = d
             print(json.dumps({"lower_bound_s": out["lower_bound_s"], "schedules": sched,
                               "lower_bound": out["lower_bound"], "topology": topo.name, "cp_ranks": ranks,
-                              "seq_len": shape.seq_len, "padded_seq_len": out["padded_seq_len"]}, indent=1))
+                              "seq_len": shape.seq_len, "padded_seq_len": out["padded_seq_len"],
+                              "pass": out.get("pass", "fwd")}, indent=1, default=_json_default))
         else:
             print(_table(out, shape, topo, ranks))
             if args.plot:
@@ -283,6 +303,12 @@ def _run_packed(args, topo, ranks, shape, parts) -> int:
     else:
         print(_packed_table(out, shape, topo, ranks))
     return 0
+
+
+def _json_default(x):
+    if isinstance(x, dict):
+        return {str(k): v for k, v in x.items()}
+    return float(x)
 
 
 def _int_arg(value: str, flag: str) -> int:

@@ -15,6 +15,9 @@ Modules depend on each other in one direction only (a test checks there is no im
     build       build_plan: topology + graph name (or auto, chosen on the cost model) -> Plan
     baselines   Transformer Engine's p2p and a2a+p2p schedules, the lower bound
     packed_cost TE's schedules on packed documents (THD, padded), backward of TE and FCP schedules
+    rounds      rounds vs the edge-colouring bound Delta; one-hop transfers in Delta rounds
+    head_parallel, head_parallel_compile, head_parallel_cost, head_parallel_choose
+                the head-parallel stage: contract, plans for a degree, fwd/bwd cost, auto
     compare     FCP against TE's schedules side by side (one sequence, or packed documents)
     megatron_layout   Megatron's tp-cp-ep-dp-pp rank order: the CP and TP groups of a run
 """
@@ -36,7 +39,11 @@ from megatron_fcp.planning.builders import (
     build_graph,
     get_builder,
 )
-from megatron_fcp.planning.compare import compare, compare_packed
+from megatron_fcp.planning.compare import compare, compare_head_parallel, compare_packed
+from megatron_fcp.planning.head_parallel import HeadParallelPlan
+from megatron_fcp.planning.head_parallel_choose import build_head_parallel_plan, choose_head_parallel
+from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel, simulate_te
+from megatron_fcp.planning.rounds import plan_delta
 from megatron_fcp.planning.compile import compile_plan
 from megatron_fcp.planning.cost import (
     AttentionShape,
@@ -71,5 +78,7 @@ __all__ = [
     "full_plan", "get_builder", "need_set", "needs_chunk", "parse_tokens", "ring_plan", "simulate_plan",
     "zigzag_chunk_index", "lower_bound", "simulate_te_a2a_p2p", "simulate_te_p2p", "causal_pairs",
     "Placement", "Span", "place_packed", "lognormal_lengths", "compare_packed", "simulate_plan_backward",
-    "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "thd_padded_lengths", "thd_rank_work", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
+    "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "HeadParallelPlan", "build_head_parallel_plan",
+    "choose_head_parallel", "compare_head_parallel", "lower_bound_all", "simulate_head_parallel", "simulate_te",
+    "plan_delta", "thd_padded_lengths", "thd_rank_work", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
 ]

@@ -13,7 +13,9 @@ Baselines (forward pass, same model):
 
 Lower bound for one layer's KV all-gather (DESIGN.md §3), S = global KV bytes, N CP ranks on n
 nodes: ``S * max((N-1)/(N*B_gpu), (n-1)/(n*B_out))`` with ``B_gpu`` the max-flow into a GPU
-(:meth:`Topology.gpu_ingress_bandwidth`) and ``B_out`` a node's NIC ingress. The causal variant
+(:meth:`Topology.gpu_ingress_bandwidth`) and ``B_out`` a node's NIC ingress (per node, only the NICs
+of the CP ranks it holds: :func:`member_nic_ingress`; an uneven group's half-filled node has half
+the NICs). With even groups this is ``S * max((N-1)/(N*B_gpu), (n-1)/(n*B_out))``. The causal variant
 replaces the byte counts by the need sets: the most any one rank needs, and the most any one node
 needs from outside (each block counted once per node).
 """
@@ -36,7 +38,7 @@ from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.needs import needs_chunk
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound"]
+__all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound", "member_nic_ingress"]
 
 
 def simulate_te_p2p(
@@ -149,7 +151,11 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
     b_gpu = min(topo.gpu_ingress_bandwidth(r) if n > 1 else _intra_ingress(topo, r) for r in ranks)
     b_out = topo.node_ingress_bandwidth() if n > 1 else float("inf")
     if not causal:
-        t = S * max((N - 1) / (N * b_gpu), (n - 1) / (n * b_out) if n > 1 else 0.0)
+        # every node receives the KV of every other node's ranks through its own members' NICs
+        t_node = max(S * (1 - sum(1 for r in ranks if topo.node_of(r) == x) / N) /
+                     member_nic_ingress(topo, [r for r in ranks if topo.node_of(r) == x]) for x in nodes) \
+            if n > 1 else 0.0
+        t = max(S * (N - 1) / (N * b_gpu), t_node)
         return {"lower_bound_s": t, "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out, "causal": False}
     # need-set aware: count[j, i] = chunks of CP rank i that CP rank j needs (the need rule)
     idx = np.arange(N)
@@ -161,12 +167,21 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
         node_of = np.array([topo.node_of(r) for r in ranks])
         for x in nodes:
             members = node_of == x
-            # a block crosses into node x once if any member needs it
+            # a block crosses into node x once if any member needs it, through its members' NICs
             need = sum(int(needs_chunk(idx[members][:, None], idx[~members][None, :], c, True).any(axis=0).sum())
                        for c in (0, 1))
-            t_node = max(t_node, need * chunk / topo.node_ingress_bandwidth())
+            b_in = member_nic_ingress(topo, [r for r, m in zip(ranks, members) if m])
+            t_node = max(t_node, need * chunk / b_in)
     return {"lower_bound_s": max(t_gpu, t_node), "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out,
             "causal": True}
+
+
+def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
+    """Ingress (bytes/s) of the distinct NICs the CP ranks ``members`` of one node use: traffic for a
+    rank enters its node through that rank's NIC (``gpu_nic``), so a node holding only some CP ranks
+    (an uneven CP group) cannot use the other GPUs' NICs. The whole node's NICs when all are used."""
+    nics = {topo.layout.gpu_nic[topo.local_rank_of(r)] for r in members} if topo.layout.gpu_nic else set()
+    return sum(topo.layout.nics[k].bandwidth for k in nics) if nics else topo.node_ingress_bandwidth()
 
 
 def _intra_ingress(topo: Topology, r: int) -> float:

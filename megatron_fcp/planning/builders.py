@@ -21,6 +21,10 @@ nodes of four ranks (global ranks 0..7, node 0 = 0..3)::
         round 0: 1->0, 1->2, 1->3 (NVLink)   1->5 (rail 1)
         round 1: 5->4, 5->6, 5->7 (NVLink fan-out on node 1)
 
+When nodes hold different numbers of CP ranks (8 + 4), blocks from the smaller node enter the larger
+one at position ``k mod |B|`` for chunk 0 and ``k + |A|`` for chunk 1 (:func:`entry_position`), so
+the larger node's fan-out is not left to its first ``|A|`` ranks alone.
+
 Every NIC then carries exactly its own GPU's blocks once per remote node; the ``leader`` graph
 instead funnels a whole node through one rank, which is only right when the node has one uplink.
 """
@@ -189,6 +193,16 @@ class EntryGraph(FullGraph):
         return runs_of(*self.tree_with_depths(cg, owner, dests, chunk))
 
 
+def entry_position(rail: int, home_size: int, size: int, chunk: int) -> int:
+    """Rail position where a block leaving a node of ``home_size`` CP ranks on ``rail`` enters a node
+    of ``size`` CP ranks: ``rail mod size``; when the receiving node holds more CP ranks than the
+    sender's (an uneven CP group), odd chunks enter ``home_size`` positions further on, so the
+    fan-out of a small node's blocks is spread over twice as many relays (see Note [Rail striping])."""
+    if size > home_size and chunk % 2:
+        return (rail + home_size) % size
+    return rail % size
+
+
 class _RailLayout:
     """A rail-striped CP group flattened node by node, as arrays for vectorised trees.
 
@@ -213,8 +227,23 @@ class _RailLayout:
         order = np.argsort(self.ranks)
         self._sorted, self._sorted_pos = self.ranks[order], order
         size_of, start_of = sizes[self.node], self.starts[self.node]
+        self.size_of, self.start_of = size_of, start_of
         self.relay = [start_of + p % size_of for p in range(int(sizes.max()))]
         self.is_relay = [relay == np.arange(n) for relay in self.relay]
+        self._spread: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def relay_for(self, rail: int, home_size: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(relay, is_relay)`` for a block of ``chunk`` leaving a node of ``home_size`` ranks on
+        ``rail``: :func:`entry_position` on every node (Note [Rail striping], uneven nodes)."""
+        if chunk % 2 == 0 or not (self.size_of > home_size).any():
+            return self.relay[rail], self.is_relay[rail]
+        key = (rail, home_size)
+        hit = self._spread.get(key)
+        if hit is None:
+            off = np.where(self.size_of > home_size, rail + home_size, rail)
+            relay = self.start_of + off % self.size_of
+            hit = self._spread[key] = (relay, relay == np.arange(len(self.ranks)))
+        return hit
 
     def positions(self, ranks: Sequence[int]) -> np.ndarray:
         """Flat positions of ``ranks`` (all members of the group)."""
@@ -232,9 +261,11 @@ class HierarchicalGraph(GraphBuilder):
         pos = {r: k for members in groups.values() for k, r in enumerate(members)}
         node_of = {r: topo.node_of(r) for r in ranks}
         for a in ranks:
+            home_size = len(groups[node_of[a]])
             for node, members in groups.items():
                 if node != node_of[a]:
-                    edges.append((a, members[pos[a] % len(members)]))
+                    for chunk in (0, 1):
+                        edges.append((a, members[entry_position(pos[a], home_size, len(members), chunk)]))
         return edges, {"groups": groups, "pos": pos, "node_of": node_of, "rails": _RailLayout(groups)}
 
     def _exit(self, cg: CommGraph, owner: int, chunk: int) -> int:
@@ -265,7 +296,7 @@ class HierarchicalGraph(GraphBuilder):
             reader[lay.positions(dests)] = True
         home = lay.node == lay.node[k]
         rail = lay.rail_pos[k]
-        relay, is_relay = lay.relay[rail], lay.is_relay[rail]
+        relay, is_relay = lay.relay_for(rail, int(lay.size_of[k]), chunk)
         node_reads = np.logical_or.reduceat(reader, lay.starts)[lay.node]
         first = np.where(home, reader, is_relay & node_reads)
         second = ~home & reader & ~is_relay
@@ -297,7 +328,7 @@ class HierarchicalGraph(GraphBuilder):
             if not readers:
                 continue
             relays_needed = True
-            relay = members[meta["pos"][exit_rank] % len(members)]
+            relay = members[entry_position(meta["pos"][exit_rank], len(groups[home]), len(members), chunk)]
             hop = (exit_rank, relay)
             if exit_rank == owner:
                 first.append(hop)

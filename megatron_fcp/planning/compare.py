@@ -21,6 +21,10 @@ from megatron_fcp.planning.cost import (
     simulate_plan,
 )
 from megatron_fcp.planning.graph import check_cp_ranks
+from megatron_fcp.planning.head_parallel_choose import head_parallel_candidates
+from megatron_fcp.planning.head_parallel_compile import stage_plan
+from megatron_fcp.planning.head_parallel_cost import check_pass, lower_bound_all, simulate_te
+from megatron_fcp.planning.rounds import plan_delta
 from megatron_fcp.planning.packed_cost import (
     BACKWARD_FLOP_RATIO,
     simulate_plan_backward,
@@ -30,7 +34,7 @@ from megatron_fcp.planning.packed_cost import (
 from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["compare", "compare_packed", "packed_need_stats"]
+__all__ = ["compare", "compare_head_parallel", "compare_packed", "packed_need_stats"]
 
 
 def compare(
@@ -45,8 +49,15 @@ def compare(
     min_block_tokens: int = 256,
     objective: str = "total",
     round_overhead_s: float = 0.0,
+    pass_: str = "fwd",
+    head_parallel: "int | str" = 1,
 ) -> dict:
     """Side-by-side ``te-p2p`` / ``te-a2a-p2p`` / ``fcp`` for the CLI and benchmarks.
+
+    ``pass_`` (``fwd``, ``bwd``, ``fwd+bwd``) and ``head_parallel`` (a degree or ``"auto"``): with
+    the defaults (forward, degree 1) this is the KV-distribution comparison below; otherwise
+    :func:`compare_head_parallel` (every schedule for the pass, FCP's degree, graph and block size
+    chosen on the cost model, the lower bound over every family compared).
 
     ``parts_per_chunk="auto"`` tries 1, 2, 4, 8, 16 sub-blocks per chunk (blocks no smaller than
     ``min_block_tokens``); ``graph="auto"`` tries every builder. The fcp plan kept is the best by
@@ -58,6 +69,11 @@ def compare(
     of ``2*cp`` (as Megatron pads) for every schedule, and ``padded_seq_len`` says to what
     (None when no padding was needed).
     """
+    if pass_ != "fwd" or head_parallel != 1:
+        return compare_head_parallel(topology, cp_ranks, shape, graph=graph, parts_per_chunk=parts_per_chunk,
+                                     causal=causal, compute_model=compute_model, min_block_tokens=min_block_tokens,
+                                     objective=objective, round_overhead_s=round_overhead_s, pass_=pass_,
+                                     head_parallel=head_parallel)
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
     cp = len(ranks)
@@ -106,6 +122,60 @@ def compare(
             "padded_seq_len": shape.seq_len if padded else None,
             "schedules": {k: schedules[k] for k in order if k in schedules},
             "results": results, "plan": plan}
+
+
+def compare_head_parallel(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int] | None,
+    shape: AttentionShape,
+    *,
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    min_block_tokens: int = 256,
+    objective: str = "total",
+    round_overhead_s: float = 0.0,
+    pass_: str = "fwd+bwd",
+    head_parallel: "int | str" = "auto",
+) -> dict:
+    """:func:`compare` for any pass, FCP with the head-parallel stage (Note [Choosing the
+    head-parallel degree]). The structure of :func:`compare`; every schedule adds ``pass``, and
+    ``fwd_total_s`` / ``bwd_total_s`` (and comm) for the passes it ran; ``fcp`` adds
+    ``head_parallel`` (the degree), ``kv_replication``, ``label``, ``rounds`` and ``delta``
+    (Note [Optimal rounds]); ``lower_bound`` is :func:`lower_bound_all`'s. ``plan`` is FCP's merged
+    stage plan (:func:`stage_plan`), ``head_parallel_plan`` the :class:`HeadParallelPlan`."""
+    check_pass(pass_)
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
+    asked_seq_len = shape.seq_len
+    shape, padded = pad_for_zigzag(shape, len(ranks))
+    cm = compute_model or ComputeModel()
+    kw = dict(causal=causal, compute_model=cm, round_overhead_s=round_overhead_s, pass_=pass_)
+    lb = lower_bound_all(topo, ranks, shape, causal=causal, pass_=pass_)
+    results: dict[str, SimResult] = {}
+    schedules: dict[str, dict] = {}
+    for name in ("te-p2p", "te-a2a-p2p"):
+        try:
+            results[name] = simulate_te(name, topo, ranks, shape, **kw)
+        except ValueError as e:
+            schedules[name] = {"error": str(e), "pass": pass_}
+    cands = head_parallel_candidates(topo, ranks, shape, degree=head_parallel, graph=graph,
+                                     parts_per_chunk=parts_per_chunk, min_block_tokens=min_block_tokens,
+                                     objective=objective, **kw)
+    results["fcp"], hp = pick_best(cands, objective)
+    plan = stage_plan(hp, shape.seq_len, causal)
+    results["fcp"].meta.update(delta=plan_delta(plan), rounds=len(plan.rounds))
+    for k, r in results.items():
+        d = r.to_dict()
+        d["rounds"] = r.rounds if k != "fcp" else len(plan.rounds)
+        d["comm_vs_lower_bound"] = r.comm_s / lb["lower_bound_s"] if lb["lower_bound_s"] > 0 else 1.0
+        schedules[k] = d
+    order = ["te-p2p", "te-a2a-p2p", "fcp"]
+    return {"lower_bound_s": lb["lower_bound_s"], "lower_bound": lb, "seq_len": asked_seq_len,
+            "padded_seq_len": shape.seq_len if padded else None, "pass": pass_,
+            "schedules": {k: schedules[k] for k in order if k in schedules},
+            "results": results, "plan": plan, "head_parallel_plan": hp}
 
 
 def backward_kv_costs(plan, topology: "Topology | str", shape: AttentionShape, forward: SimResult, *,

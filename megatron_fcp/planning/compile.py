@@ -44,6 +44,7 @@ from megatron_fcp.planning.graph import CommGraph, runs_of
 from megatron_fcp.planning.needs import readers
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.rounds import colour_rounds
 
 __all__ = ["compile_plan"]
 
@@ -71,14 +72,26 @@ def compile_plan(
     verify: bool = True,
     balance: bool = True,
     placement: Placement | None = None,
+    packing: str = "list",
+    stagger_blocks: int = 1,
 ) -> Plan:
     """Compile a CommGraph into a Plan; see Note [Compiling a plan].
+
+    ``packing`` (with port limits): ``"list"`` (list scheduling, the default) or ``"colour"``: with
+    one send and one receive per rank per round and one-hop trees, exactly Delta rounds by bipartite
+    edge colouring (Note [Optimal rounds] in :mod:`megatron_fcp.planning.rounds`); multi-hop trees
+    fall back to list scheduling.
+
+    ``stagger_blocks`` (placements only; default 1 = off): block ``b`` of an owner starts
+    ``b mod stagger_blocks`` rounds late, so an owner's blocks pipeline through relays the way
+    sub-blocks of a zigzag chunk do (the head-parallel KV stage holds ``2a`` blocks per group).
 
     ``placement``: a packed batch's blocks per CP rank (CP order = ``cg.ranks``); each block then
     gets its own tree to the ranks its documents need, and ``parts_per_chunk`` must be 1.
     """
     with _gc_paused():
-        return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement)
+        return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing,
+                        stagger_blocks)
 
 
 def _sources(ranks, causal: bool, placement: Placement | None):
@@ -97,7 +110,16 @@ def _sources(ranks, causal: bool, placement: Placement | None):
             yield ranks[i], b, rank_arr[need[:, n]].tolist()
 
 
-def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement) -> Plan:
+def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing="list",
+             stagger_blocks=1) -> Plan:
+    if not isinstance(stagger_blocks, int) or stagger_blocks < 1 or (stagger_blocks > 1 and placement is None):
+        raise PlanError(f"stagger_blocks: an integer >= 1, above 1 only over a placement (zigzag plans stagger "
+                        f"sub-blocks: parts_per_chunk), got {stagger_blocks!r}")
+    if packing not in ("list", "colour"):
+        raise PlanError(f"packing: must be 'list' or 'colour', got {packing!r}")
+    if packing == "colour" and (max_sends, max_recvs) != (1, 1):
+        raise PlanError("packing='colour' packs one send and one receive per rank per round: pass max_sends=1, "
+                        "max_recvs=1")
     if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
         raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
     if placement is not None and (placement.cp != len(cg.ranks) or placement.causal != causal or parts_per_chunk != 1):
@@ -114,7 +136,7 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
     limited = max_sends is not None or max_recvs is not None
     if not check and not limited:
         # large group: trees as runs of equal depth straight into waves (no per-edge tuples)
-        runs = [(owner, chunk, cg.tree_runs(owner, dests, chunk))
+        runs = [(owner, chunk, [(d + chunk % stagger_blocks, us, vs) for d, us, vs in cg.tree_runs(owner, dests, chunk)])
                 for owner, chunk, dests in _sources(ranks, causal, placement)]
         plan_rounds = _waves(runs, P, stagger)
     else:
@@ -123,8 +145,13 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
             tree, depths = cg.tree_with_depths(owner, dests, chunk)
             if check:
                 _check_tree(cg, owner, dests, tree)
+            if stagger_blocks > 1:
+                depths = [d + chunk % stagger_blocks for d in depths]
             trees.append((owner, chunk, tree, depths))
-        if limited:
+        if limited and packing == "colour" and all(max(d, default=1) == 1 for _, _, _, d in trees):
+            plan_rounds = colour_rounds([make_transfer(u, v, Block(o, c, p)) for o, c, tree, _ in trees
+                                         for p in range(P) for u, v in tree])
+        elif limited:
             plan_rounds = _list_schedule(trees, P, stagger, max_sends, max_recvs)
         elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
             plan_rounds = _balanced_waves(cg, trees, P, _block_weights(cg, placement))

@@ -34,7 +34,7 @@ heads per KV head ``h / h_kv`` to be a multiple of ``kv_replication``; otherwise
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from megatron_fcp.planning.blocks import Block, PlanError, Transfer, zigzag_chunk_index
@@ -108,8 +108,13 @@ def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
         raise PlanError(f"relabel: {len(ranks)} ranks for a plan over {plan.cp}")
     to = {old: new for old, new in zip(plan.ranks, ranks)}
 
-    def blk(b: Block) -> Block:
-        return Block(to[b.owner], b.chunk, b.part)
+    renamed: dict[Block, Block] = {}
+
+    def blk(b: Block) -> Block:  # one new Block per distinct block, not per transfer
+        out = renamed.get(b)
+        if out is None:
+            out = renamed[b] = Block(to[b.owner], b.chunk, b.part)
+        return out
 
     rounds = tuple(tuple(Transfer(to[t.src], to[t.dst], blk(t.block)) for t in rnd) for rnd in plan.rounds)
     return replace(plan, ranks=ranks, rounds=rounds)
@@ -125,6 +130,8 @@ class HeadParallelPlan:
     kv_plan: the KV stage's plan over virtual ranks ``0..G-1`` (one per head group), over
         :func:`group_placement`; ``None`` when ``G == 1`` (pure all-to-all, TE's ``a2a``).
     kv_replication: times each KV head is repeated before the split (:func:`kv_replication`).
+    auto: when chosen by the planner (``choose_head_parallel``), every candidate's predicted
+        seconds as ``(label, seconds)``, label ``"a=DEGREE graph=NAME parts=P"``; None otherwise.
     """
 
     ranks: tuple[int, ...]
@@ -132,6 +139,7 @@ class HeadParallelPlan:
     head_groups: tuple[tuple[int, ...], ...]
     kv_plan: Plan | None
     kv_replication: int = 1
+    auto: tuple[tuple[str, float], ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         cp = len(self.ranks)
@@ -164,6 +172,23 @@ class HeadParallelPlan:
     def kv_stage_ranks(self, member: int) -> tuple[int, ...]:
         """Global ranks of the KV stage for head shard ``member``: member ``member`` of each group."""
         return tuple(group[member] for group in self.head_groups)
+
+    def verify(self) -> "HeadParallelPlan":
+        """Prove the stage: the head groups partition the CP ranks into groups of ``degree``
+        (checked at construction, again here), the KV-stage plan is verified, and over a placement
+        every virtual rank holds its group's ``2 * degree`` chunks (``2 * degree`` blocks). Raises
+        :class:`PlanError`; returns ``self``."""
+        self.__post_init__()
+        if self.kv_plan is None:
+            return self
+        self.kv_plan.verify()
+        pl = self.kv_plan.placement
+        if pl is not None and any(len(b) != 2 * self.degree for b in pl.blocks):
+            raise PlanError(f"the KV-stage placement must give each head group its {2 * self.degree} chunks, "
+                            f"got {[len(b) for b in pl.blocks]}")
+        if pl is None and self.degree != 1:
+            raise PlanError(f"a KV stage of degree {self.degree} runs over group_placement, not the zigzag layout")
+        return self
 
     def kv_plan_for(self, member: int) -> Plan | None:
         """:attr:`kv_plan` on the global ranks of head shard ``member``'s KV stage."""

@@ -305,22 +305,33 @@ def simulate_plan_backward(
                           name=name)
     flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * backward_flop_ratio
 
-    def block_time(j: int, blk) -> float:
+    def block_pairs(j: int, blk) -> float:
         if pl is not None:
-            p = pl.pairs(j, pos[blk.owner], blk.chunk)
-        else:
-            p = int(_block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.causal))
-        return p * flop_s + cm.kernel_overhead_s if p else 0.0
+            return pl.pairs(j, pos[blk.owner], blk.chunk)
+        return int(_block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.causal))
 
-    # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks
+    # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks.
+    # Kernel launches as in the forward (Note [Cost model]): blocks of one owner reaching a rank in one
+    # round share one launch, and a rank's own blocks are one launch.
     C = np.zeros((R + 1, cp))
-    for r, rnd in enumerate(plan.rounds):
-        for t in rnd:
-            j = pos[t.dst]
-            if t.block in plan.needs(t.dst):
-                C[r + 1, j] += block_time(j, t.block)
+    needs = {r: plan.needs(r) for r in plan.ranks}  # once per rank (need_set is O(cp) per call)
+    got = [(r, pos[t.dst], t.block) for r, rnd in enumerate(plan.rounds) for t in rnd if t.block in needs[t.dst]]
+    if got:
+        rr, jj = np.array([g[0] for g in got]), np.array([g[1] for g in got])
+        oo = np.array([pos[g[2].owner] for g in got])
+        if pl is None:  # zigzag: every block's pairs in one vectorised call
+            p = _block_pairs(cp, shape.seq_len, P_, jj, oo, np.array([g[2].chunk for g in got]),
+                             np.array([g[2].part for g in got]), plan.causal).astype(np.float64)
+        else:
+            p = np.array([block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
+        np.add.at(C, (rr + 1, jj), p * flop_s)
+        live = p > 0
+        if live.any():  # one launch per (round, rank, owner) with work
+            _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
+            np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), cm.kernel_overhead_s)
     for j, rank in enumerate(plan.ranks):
-        C[0, j] = sum(block_time(j, blk) for blk in plan.local_blocks(rank))
+        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank))
+        C[0, j] = own * flop_s + cm.kernel_overhead_s if own else 0.0
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
     if backward_kv == "resend":
@@ -369,7 +380,7 @@ def simulate_plan_backward(
     res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
     res.total_s = float(max(ends.max(), res.compute_s)) if cp else 0.0
     kv_bytes = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
-    held = [0.0 if backward_kv == "resend" else sum(block_tokens(b) for b in plan.needs(r)) * kv_bytes
+    held = [0.0 if backward_kv == "resend" else sum(block_tokens(b) for b in needs[r]) * kv_bytes
             for r in plan.ranks]
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
                     backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held)

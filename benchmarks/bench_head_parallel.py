@@ -1,0 +1,196 @@
+"""Head-parallel benchmark (issue 9): ``auto`` (degree, graph, block size chosen by predicted fwd+bwd
+time) against Transformer Engine's ``p2p`` and ``a2a+p2p`` on the cost model, over the whole grid.
+
+Writes ``benchmarks/results/head_parallel.json`` (committed; rewritten after every cell) and prints a
+summary::
+
+    python benchmarks/bench_head_parallel.py [--out PATH] [--quick] [--resume] [--skip-grid]
+
+Grid: presets dgx-a100, dgx-h100, pcie-box, single-uplink x nodes {1, 2, 3, 4, 8} x heads {MHA 32:32,
+GQA 32:8, GQA 32:2} x sequence {32K, 128K, 1M}, cp = every GPU; plus, for nodes >= 2, an *uneven* CP
+group (every GPU of the first nodes and half of the last node's). Per cell: fwd+bwd total of te-p2p,
+te-a2a-p2p (or why TE cannot run it), auto's choice and its predicted total with FCP's dK/dV partials
+in FP32 (today's executor) and in bf16 (as TE's ring); ``auto_*_over_best_te`` must be <= 1.01. Then the geometric-mean speedup over each baseline, FCP comm against the lower bound
+over families on the headline clusters (128K-256K), rounds vs the edge-colouring bound Delta for
+every builder, and the head-parallel planning time at 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_fcp.planning import AttentionShape, BUILDERS, build_graph, compile_plan  # noqa: E402
+from megatron_fcp.planning.head_parallel_choose import head_parallel_candidates  # noqa: E402
+from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_te  # noqa: E402
+from megatron_fcp.planning.cost import pick_best  # noqa: E402
+from megatron_fcp.planning.rounds import plan_delta  # noqa: E402
+from megatron_fcp.topology import load_topology  # noqa: E402
+
+PRESETS = ("dgx-a100", "dgx-h100", "pcie-box", "single-uplink")
+NODES = (1, 2, 3, 4, 8)
+HEADS = ((32, 32), (32, 8), (32, 2))
+SEQS = (32 * 1024, 128 * 1024, 1024 * 1024)
+TOLERANCE = 1.01
+
+
+def cell(preset: str, nodes: int, ranks: list[int], heads: int, kv: int, seq: int) -> dict:
+    """One grid cell: TE's two schedules and auto with FP32 dK/dV partials (what the executor sends
+    today) and with partials in the KV dtype (bf16, as TE's ring sends dKV)."""
+    topo = load_topology(f"{preset}:{nodes}")
+    shape = AttentionShape(seq, heads, kv, 128, 2)
+    row: dict = {"preset": preset, "nodes": nodes, "cp": len(ranks), "heads": heads, "kv_heads": kv, "seq": seq}
+    for name in ("te-p2p", "te-a2a-p2p"):
+        try:
+            row[f"{name}_total_s"] = simulate_te(name, topo, ranks, shape).total_s
+        except ValueError as e:
+            row[f"{name}_total_s"] = None
+            row[f"{name}_error"] = str(e)
+    best_te = min(v for k, v in row.items() if k.endswith("_total_s") and v is not None)
+    for tag, grad in (("fp32", 4), ("bf16", 2)):
+        t0 = time.perf_counter()
+        res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, grad_dtype_bytes=grad), "total")
+        row[f"auto_{tag}"] = res.meta["label"]
+        row[f"auto_{tag}_total_s"] = res.total_s
+        row[f"auto_{tag}_over_best_te"] = res.total_s / best_te
+        row[f"plan_{tag}_s"] = time.perf_counter() - t0
+    return row
+
+
+def groups(preset: str, nodes: int) -> list[tuple[str, list[int]]]:
+    g = load_topology(f"{preset}:{nodes}").gpus_per_node
+    out = [("even", list(range(g * nodes)))]
+    if nodes >= 2:
+        out.append(("uneven", list(range(g * (nodes - 1) + g // 2))))
+    return out
+
+
+def grid(quick: bool, out: Path, done: list[dict]) -> list[dict]:
+    """Every cell (8-node cells last); the JSON is rewritten after each cell, so an interrupted run
+    leaves what it measured (``summary.complete`` says whether the grid is whole)."""
+    rows = list(done)
+    seen = {(r["preset"], r["nodes"], r["group"], r["heads"], r["kv_heads"], r["seq"]) for r in rows}
+    for nodes in ((1, 2) if quick else NODES):
+        for preset in PRESETS:
+            for kind, ranks in groups(preset, nodes):
+                for heads, kv in HEADS:
+                    for seq in ((128 * 1024,) if quick else SEQS):
+                        if (preset, nodes, kind, heads, kv, seq) in seen:
+                            continue
+                        r = cell(preset, nodes, ranks, heads, kv, seq)
+                        r["group"] = kind
+                        rows.append(r)
+                        print(f"{preset}:{nodes} {kind} cp={r['cp']} {heads}:{kv} seq={seq}: p2p "
+                              f"{_ms(r['te-p2p_total_s'])}, a2a+p2p {_ms(r['te-a2a-p2p_total_s'])}; auto fp32 "
+                              f"{r['auto_fp32']} {r['auto_fp32_over_best_te']:.3f}x best TE, bf16 {r['auto_bf16']} "
+                              f"{r['auto_bf16_over_best_te']:.3f}x ({r['plan_fp32_s']:.1f} s)", flush=True)
+                        _write(out, {"summary": summary(rows, quick), "grid": rows})
+    return rows
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    old.update(result)
+    path.write_text(json.dumps(old, indent=1))
+
+
+def _ms(v):
+    return "n/a" if v is None else f"{v * 1e3:.3f} ms"
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summary(rows: list[dict], quick: bool = False) -> dict:
+    full = len(PRESETS) * sum(len(groups(p, n)) for p in PRESETS[:1] for n in NODES) * len(HEADS) * len(SEQS)
+    keys = ("preset", "nodes", "group", "cp", "heads", "kv_heads", "seq")
+    out: dict = {"cells": len(rows), "complete": not quick and len(rows) >= full, "grid_cells": full,
+                 "te_a2a_p2p_cells": sum(r["te-a2a-p2p_total_s"] is not None for r in rows)}
+    for tag in ("fp32", "bf16"):
+        ratio = f"auto_{tag}_over_best_te"
+        worst = max(rows, key=lambda r: r[ratio])
+        out[tag] = {
+            "never_slower_within_1pct": all(r[ratio] <= TOLERANCE for r in rows),
+            "violations": [{**{k: r[k] for k in keys}, "auto": r[f"auto_{tag}"], "ratio": r[ratio]}
+                           for r in rows if r[ratio] > TOLERANCE],
+            "worst": {**{k: worst[k] for k in keys}, "auto": worst[f"auto_{tag}"], "ratio": worst[ratio]},
+            "geomean_speedup_over_te_p2p": geomean([r["te-p2p_total_s"] / r[f"auto_{tag}_total_s"] for r in rows]),
+            "geomean_speedup_over_te_a2a_p2p": geomean([r["te-a2a-p2p_total_s"] / r[f"auto_{tag}_total_s"]
+                                                        for r in rows if r["te-a2a-p2p_total_s"] is not None]),
+            "geomean_speedup_over_best_te": geomean([1 / r[ratio] for r in rows]),
+            "plan_s_max": max(r[f"plan_{tag}_s"] for r in rows),
+        }
+    return out
+
+
+def bound_ratios() -> dict:
+    """FCP (auto, objective comm) comm over the lower bound over families, at 128K and 256K (and 240K,
+    where 2*cp*parts divides the sequence on 3 nodes): forward, and forward+backward with FP32 and
+    with bf16 dK/dV partials."""
+    out = {}
+    for spec in ("dgx-h100:2", "dgx-a100:2", "dgx-h100:4", "dgx-a100:3"):
+        topo = load_topology(spec)
+        for seq in (128 * 1024, 240 * 1024, 256 * 1024):
+            shape = AttentionShape(seq, 32, 8, 128, 2)
+            ranks = list(range(topo.world))
+            row = {}
+            for key, pass_, grad in (("fwd", "fwd", 4), ("fwd+bwd_fp32", "fwd+bwd", 4), ("fwd+bwd_bf16", "fwd+bwd", 2)):
+                res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, pass_=pass_, objective="comm",
+                                                            grad_dtype_bytes=grad), "comm")
+                lb = lower_bound_all(topo, ranks, shape, pass_=pass_)
+                row[key] = {"fcp": res.meta["label"], "fcp_comm_s": res.comm_s, "lower_bound_s": lb["lower_bound_s"],
+                            "bound_degree": lb["degree"], "ratio": res.comm_s / lb["lower_bound_s"]}
+            out[f"{spec}@{seq}"] = row
+            print(spec, seq, {k: (v["fcp"], round(v["ratio"], 3)) for k, v in row.items()}, flush=True)
+    return out
+
+
+def rounds_vs_delta() -> dict:
+    """Per preset (2 nodes, and 1 node) and builder: rounds of the default plan and of the plan
+    packed under one send and one receive per rank per round, against Delta."""
+    out = {}
+    for preset in PRESETS:
+        for nodes in (1, 2):
+            topo = load_topology(f"{preset}:{nodes}")
+            ranks = list(range(topo.world))
+            for name, b in sorted(BUILDERS.items()):
+                if getattr(b, "needs_kv_sizes", False):
+                    continue
+                cg = build_graph(topo, ranks, name)
+                plan = compile_plan(cg)
+                ported = compile_plan(cg, max_sends=1, max_recvs=1)
+                coloured = compile_plan(cg, max_sends=1, max_recvs=1, packing="colour")
+                out[f"{preset}:{nodes}/{name}"] = {"rounds": len(plan.rounds), "delta": plan_delta(plan),
+                                                   "rounds_ports_1_list": len(ported.rounds),
+                                                   "rounds_ports_1_colour": len(coloured.rounds)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "head_parallel.json"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the cells already in --out")
+    ap.add_argument("--skip-grid", action="store_true", help="only the bound ratios and rounds vs Delta")
+    args = ap.parse_args()
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    if not args.skip_grid:
+        done = json.loads(out.read_text()).get("grid", []) if args.resume and out.exists() else []
+        grid(args.quick, out, done)
+    _write(out, {"bound_ratios": bound_ratios(), "rounds_vs_delta": rounds_vs_delta()})
+    print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))
+    print(json.dumps(json.loads(out.read_text())["bound_ratios"], indent=1))
+    print(f"{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

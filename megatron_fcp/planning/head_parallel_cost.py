@@ -1,0 +1,273 @@
+"""Forward and backward of every schedule on the cost model, the head-parallel stage included, and
+the lower bound over every schedule family compared. Pure, no torch.
+
+The model is :mod:`megatron_fcp.planning.cost`'s (Note [Cost model]); backward timelines are
+:mod:`megatron_fcp.planning.packed_cost`'s.
+
+Note [Head-parallel cost]
+-------------------------
+A :class:`~megatron_fcp.planning.head_parallel.HeadParallelPlan` of degree ``a`` (``L2 = seq/cp``
+tokens per rank, ``rep`` = its KV replication) is timed as three stages back to back, each a
+contention-aware round of :func:`~megatron_fcp.planning.cost.simulate_rounds` or a plan:
+
+======== ====================================================== ===============================================
+pass     all-to-all in (every ordered pair of a head group)       all-to-all out
+======== ====================================================== ===============================================
+forward  Q, K, V: ``(q(L2) + rep * kv(L2)) / a``                 O: ``q(L2) / a``
+backward dO: ``q(L2) / a``                                       dQ, dK, dV: ``(q(L2) + rep * kv(L2)) / a``
+======== ====================================================== ===============================================
+
+(``q(t)`` = bytes of ``t`` tokens of all query heads, ``kv(t)`` of K and V of all KV heads; LSE and
+softmax statistics, under 2% of O at d = 128, are not counted.) Between them the KV stage runs: the
+:func:`~megatron_fcp.planning.head_parallel_compile.stage_plan` (all ``a`` stages at once, sharing
+links) with ``h/a`` query and ``rep * h_kv / a`` KV heads, forward through
+:func:`~megatron_fcp.planning.cost.simulate_plan` (overlapped with compute) and backward through
+:func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward` (dK/dV partials in FP32 along the
+reversed trees, in the executor's order). The all-to-alls are exposed, as in Transformer Engine.
+``a = 1`` is plain FCP (no all-to-all); ``a = cp`` is TE's ``a2a`` (no KV stage).
+
+Note [Lower bound over schedule families]
+-----------------------------------------
+The bound :func:`lower_bound_all` reports is the least, over every head-parallel degree ``a`` the
+planner may use (``a = 1``: KV distribution alone), of that family's bound for the pass:
+
+* **all-to-alls**: each rank receives ``(a-1)`` peers' shares (the table above) through its own
+  ingress (``B_gpu``: NVLink/PCIe max-flow into the GPU from its node), in and out;
+* **KV stage** (forward): the need-set bound of :func:`~megatron_fcp.planning.baselines.lower_bound`
+  on the stage placement: the most bytes any rank needs over its ingress, and the most bytes any
+  node needs from outside (each block once) over the node's NIC ingress; backward the same need sets
+  carry gradients, counted in the KV dtype (TE's ring returns dKV in bf16; FCP's executor sends FP32
+  partials today, twice that: the bound is the least any compared schedule could send).
+
+A family's stages run one after another, so its bound is their sum. Ulysses-style schedules move Q
+and O instead of all KV, which is why a KV-only bound (the old one) could sit above them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from megatron_fcp.planning.baselines import (
+    _intra_ingress,
+    lower_bound,
+    member_nic_ingress,
+    simulate_te_a2a_p2p,
+    simulate_te_p2p,
+)
+from megatron_fcp.planning.cost import (
+    AttentionShape,
+    ComputeModel,
+    SimResult,
+    pad_for_zigzag,
+    simulate_plan,
+    simulate_rounds,
+)
+from megatron_fcp.planning.graph import check_cp_ranks
+from megatron_fcp.planning.head_parallel import HeadParallelPlan
+from megatron_fcp.planning.head_parallel_compile import (
+    compile_head_parallel,
+    head_parallel_degrees,
+    stage_plan,
+    stage_shape,
+)
+from megatron_fcp.planning.packed_cost import (
+    BACKWARD_FLOP_RATIO,
+    simulate_plan_backward,
+    simulate_te_a2a_p2p_thd,
+    simulate_te_p2p_thd,
+)
+from megatron_fcp.topology import Topology, load_topology
+
+__all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "simulate_te", "lower_bound_all",
+           "a2a_messages"]
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+
+
+def check_pass(pass_: str) -> str:
+    if pass_ not in PASSES:
+        raise ValueError(f"pass: must be one of {', '.join(PASSES)}, got {pass_!r}")
+    return pass_
+
+
+def combine(name: str, parts: Sequence[SimResult], meta: dict | None = None) -> SimResult:
+    """Stages run back to back: seconds, bytes and rounds add up; per-resource bytes merge."""
+    res = SimResult(name, sum(p.comm_s for p in parts), sum(p.compute_s for p in parts),
+                    sum(p.total_s for p in parts), sum(p.bytes for p in parts), sum(p.rounds for p in parts))
+    for p in parts:
+        for k, b in p.resource_bytes.items():
+            res.resource_bytes[k] = res.resource_bytes.get(k, 0.0) + b
+            res.resource_bandwidth[k] = p.resource_bandwidth[k]
+    for p in parts:
+        res.meta.update({k: v for k, v in p.meta.items() if k not in res.meta})
+    res.meta.update(meta or {})
+    return res
+
+
+def a2a_messages(hp: HeadParallelPlan, shape: AttentionShape, which: str) -> list[tuple[int, int, float]]:
+    """``(src, dst, bytes)`` of one all-to-all of ``hp``'s head groups; see Note [Head-parallel cost].
+    ``which``: ``"qkv"`` (forward in, and dQ/dK/dV backward out) or ``"q"`` (O out, dO in)."""
+    a, L2 = hp.degree, shape.seq_len / hp.cp
+    per = shape.q_bytes(L2) / a + (shape.kv_bytes(L2) * hp.kv_replication / a if which == "qkv" else 0.0)
+    return [(s, d, per) for g in hp.head_groups for s in g for d in g if s != d]
+
+
+def simulate_head_parallel(
+    hp: HeadParallelPlan,
+    topology: "Topology | str",
+    shape: AttentionShape,
+    *,
+    pass_: str = "fwd+bwd",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    round_overhead_s: float = 0.0,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    grad_dtype_bytes: int = 4,
+    name: str = "fcp",
+) -> SimResult:
+    """Time ``hp`` for ``pass_`` (``fwd``, ``bwd`` or ``fwd+bwd``); see Note [Head-parallel cost].
+    ``meta``: ``graph``, ``head_parallel`` (the degree), ``parts_per_chunk``, ``kv_replication``,
+    ``pass``, and per pass ``fwd_total_s`` / ``bwd_total_s`` where computed. ``grad_dtype_bytes``:
+    bytes per element of the dK/dV partials the KV stage returns (4: FP32, what the executor sends
+    today; 2: the KV dtype, as Transformer Engine's ring sends dKV)."""
+    check_pass(pass_)
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    shape, padded = pad_for_zigzag(shape, hp.cp)
+    sp = stage_plan(hp, shape.seq_len, causal)
+    sshape = stage_shape(hp, shape) if hp.degree > 1 else shape
+    a2a = hp.degree > 1
+
+    def rounds(which: str, label: str) -> list[SimResult]:
+        return [simulate_rounds(topo, [a2a_messages(hp, shape, which)], round_overhead_s, name=label)] if a2a else []
+
+    meta = {"graph": sp.name if hp.degree == 1 else (hp.kv_plan.name if hp.kv_plan else "a2a"),
+            "head_parallel": hp.degree, "parts_per_chunk": sp.parts_per_chunk,
+            "kv_replication": hp.kv_replication, "pass": pass_}
+    if padded:
+        meta["padded_seq_len"] = shape.seq_len
+    out = []
+    if pass_ in ("fwd", "fwd+bwd"):
+        kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
+        fwd = combine(name, rounds("qkv", "a2a-in") + [kv] + rounds("q", "a2a-out"))
+        meta["fwd_total_s"] = fwd.total_s
+        meta["fwd_comm_s"] = fwd.comm_s
+        out.append(fwd)
+    if pass_ in ("bwd", "fwd+bwd"):
+        kv = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+                                    round_overhead_s=round_overhead_s, name=name, grad_dtype_bytes=grad_dtype_bytes)
+        bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
+        meta["bwd_total_s"] = bwd.total_s
+        meta["bwd_comm_s"] = bwd.comm_s
+        out.append(bwd)
+    meta["transfers"] = sp.num_transfers()
+    return combine(name, out, meta)
+
+
+def simulate_te(
+    which: str,
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    pass_: str = "fwd+bwd",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    round_overhead_s: float = 0.0,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+) -> SimResult:
+    """Transformer Engine's ``te-p2p`` or ``te-a2a-p2p`` for ``pass_``: the forward of
+    :mod:`~megatron_fcp.planning.baselines`, the backward of
+    :mod:`~megatron_fcp.planning.packed_cost` (one document: the zigzag split). Raises ValueError
+    where TE cannot run ``te-a2a-p2p``."""
+    check_pass(pass_)
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    shape, _ = pad_for_zigzag(shape, len(ranks))
+    kw = dict(causal=causal, compute_model=cm, round_overhead_s=round_overhead_s)
+    fwd_fn, bwd_fn = {"te-p2p": (simulate_te_p2p, simulate_te_p2p_thd),
+                      "te-a2a-p2p": (simulate_te_a2a_p2p, simulate_te_a2a_p2p_thd)}[which]
+    out = []
+    meta: dict = {"pass": pass_}
+    if pass_ in ("fwd", "fwd+bwd"):
+        f = fwd_fn(topo, ranks, shape, **kw)
+        meta.update(fwd_total_s=f.total_s, fwd_comm_s=f.comm_s)
+        out.append(f)
+    if pass_ in ("bwd", "fwd+bwd"):
+        b = bwd_fn(topo, ranks, [shape.seq_len], shape, backward=True, backward_flop_ratio=backward_flop_ratio, **kw)
+        for k in ("padded_tokens", "padding_overhead", "work_max_over_mean"):
+            b.meta.pop(k, None)
+        meta.update(bwd_total_s=b.total_s, bwd_comm_s=b.comm_s)
+        out.append(b)
+    return combine(which, out, meta)
+
+
+def _ingress(topo: Topology, r: int, multi_node: bool) -> float:
+    return topo.gpu_ingress_bandwidth(r) if multi_node else _intra_ingress(topo, r)
+
+
+def _stage_bound(topo: Topology, hp: HeadParallelPlan, shape: AttentionShape, causal: bool,
+                 elem_bytes: int) -> float:
+    """Need-set bound of the KV stage (all ``a`` stages at once), ``elem_bytes`` per K/V element."""
+    sp = stage_plan(hp, shape.seq_len, causal)
+    pl = sp.placement
+    sshape = stage_shape(hp, shape)
+    per_tok = 2 * sshape.kv_heads * sshape.head_dim * elem_bytes
+    need = pl.need_matrix()                                           # [cp, blocks]
+    blocks = pl.block_list()
+    tok = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
+    owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
+    node_of = np.array([topo.node_of(r) for r in sp.ranks])
+    multi = len(set(node_of.tolist())) > 1
+    recv = (need * tok[None, :]).sum(axis=1) * per_tok
+    t = max(float(recv[i]) / _ingress(topo, r, multi) for i, r in enumerate(sp.ranks))
+    if multi:
+        for x in set(node_of.tolist()):
+            into = (need[node_of == x].any(axis=0) & (node_of[owner] != x))
+            b_in = member_nic_ingress(topo, [r for r, m in zip(sp.ranks, node_of == x) if m])
+            t = max(t, float((into * tok).sum()) * per_tok / b_in)
+    return t
+
+
+def lower_bound_all(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    pass_: str = "fwd",
+    grad_dtype_bytes: int | None = None,
+) -> dict:
+    """Lower bound over every family compared (KV distribution and head-parallel of every degree);
+    see Note [Lower bound over schedule families]. Returns ``lower_bound_s``, ``degree`` (the family
+    attaining it), ``per_degree`` (each family's bound) and the KV-only bound's ingredients
+    (``S``, ``N``, ``n``, ``B_gpu``, ``B_out``, ``causal``) as :func:`lower_bound`."""
+    check_pass(pass_)
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    shape, _ = pad_for_zigzag(shape, len(ranks))
+    kv_only = lower_bound(topo, ranks, shape, causal=causal)
+    grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes  # the least any compared schedule sends
+    grad_ratio = grad_dtype_bytes / shape.dtype_bytes
+    per_degree: dict[int, float] = {}
+    for a in head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads):
+        if a == 1:
+            f = kv_only["lower_bound_s"]
+            t = {"fwd": f, "bwd": f * grad_ratio, "fwd+bwd": f * (1 + grad_ratio)}[pass_]
+        else:
+            hp = compile_head_parallel(topo, ranks, shape, a, "full", causal=causal)
+            b = min(_intra_ingress(topo, r) for r in ranks)  # head groups sit inside nodes: NVLink/PCIe
+            t_big = (a - 1) * a2a_messages(hp, shape, "qkv")[0][2] / b
+            t_small = (a - 1) * a2a_messages(hp, shape, "q")[0][2] / b
+            stage_f = _stage_bound(topo, hp, shape, causal, shape.dtype_bytes) if hp.kv_plan is not None else 0.0
+            stage_b = _stage_bound(topo, hp, shape, causal, grad_dtype_bytes) if hp.kv_plan is not None else 0.0
+            t = {"fwd": t_big + stage_f + t_small, "bwd": t_small + stage_b + t_big,
+                 "fwd+bwd": 2 * (t_big + t_small) + stage_f + stage_b}[pass_]
+        per_degree[a] = t
+    best = min(per_degree, key=per_degree.get)
+    return {**kv_only, "lower_bound_s": per_degree[best], "degree": best, "per_degree": per_degree,
+            "kv_only_s": per_degree.get(1), "pass": pass_}
+
