@@ -101,8 +101,9 @@ class FCPConfig:
     """Head-parallel (Ulysses all-to-all) degree a: groups of a consecutive CP ranks (one node's
     when CP ranks fill nodes) exchange heads with an all-to-all, and FCP's KV stage runs across
     the cp/a groups; 1 turns the stage off, a = cp is pure all-to-all. Must divide the CP size
-    and the query heads; KV heads not divisible by a are replicated. auto (the default) means 1
-    for now: the planner's choice of the degree is not wired in yet."""
+    and the query heads; KV heads not divisible by a are replicated. auto (the default): the
+    planner chooses a at setup by predicted forward + backward time for the run's sequence length,
+    heads and topology (logged; 1 when the shapes are not known at setup)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.head_parallel, str) and self.head_parallel.strip().isdigit():
@@ -163,8 +164,9 @@ class FCPConfig:
 
     # ---- derived -----------------------------------------------------------------------------
     def head_parallel_degree(self, cp: int) -> int:
-        """The head-parallel degree for a CP group of ``cp`` ranks (``auto``: 1 until the planner
-        chooses it). Raises ValueError naming the flag when the degree does not divide ``cp``."""
+        """The head-parallel degree for a CP group of ``cp`` ranks as configured (``auto``: 1 here;
+        ``setup_fcp`` settles ``auto`` with the planner). Raises ValueError naming the flag when the
+        degree does not divide ``cp``."""
         degree = 1 if self.head_parallel == "auto" else int(self.head_parallel)
         if cp % degree:
             raise ValueError(f"--fcp-head-parallel {degree} (fcp.head_parallel) must divide the context-parallel "

@@ -213,10 +213,12 @@ class FCPRuntime:
     layer_report: dict[int, dict] = field(default_factory=dict)  # layer number -> what serves its attention
     hp_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> HeadParallelGroups
     hp_plans: dict[tuple, HeadParallelPlan] = field(default_factory=dict)
+    hp_degree: int | None = None  # settled by setup_fcp (auto: the planner's choice)
 
     def head_parallel_degree(self) -> int:
-        """The head-parallel degree of this run (``--fcp-head-parallel``; 1: no stage)."""
-        return self.config.head_parallel_degree(self.layout.cp)
+        """The head-parallel degree of this run (``--fcp-head-parallel``, ``auto`` settled at setup;
+        1: no stage)."""
+        return self.hp_degree if self.hp_degree is not None else self.config.head_parallel_degree(self.layout.cp)
 
     def head_parallel(self, group: Any, *, causal: bool, s_local: int, heads: int, kv_heads: int):
         """``(HeadParallelPlan, HeadParallelGroups)`` of the live CP group ``group`` (registered by
@@ -407,6 +409,9 @@ def setup_fcp(
     )
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     degree = config.head_parallel_degree(layout.cp)  # ValueError naming the flag, before anything else
+    if config.head_parallel == "auto":
+        degree = _auto_head_parallel(runtime, seq_len, heads, kv_heads, head_dim, dtype_bytes)
+    runtime.hp_degree = degree
     if degree > 1 and heads is not None:
         tp_heads, tp_kv = heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)
         try:
@@ -459,6 +464,34 @@ def _agree_at_setup(runtime: FCPRuntime, parts: int) -> None:
                   timeout_s=runtime.config.timeout_s)
             logger.info("FCP setup agreed across CP group %s", list(cp_ranks))
             return
+
+
+def _auto_head_parallel(runtime: FCPRuntime, seq_len, heads, kv_heads, head_dim, dtype_bytes: int) -> int:
+    """``--fcp-head-parallel auto``: the planner's degree for this run's shape and topology, chosen by
+    predicted forward + backward time (:func:`~megatron_fcp.planning.choose_head_parallel`, with the
+    executor's FP32 dK/dV partials) for CP group 0; every CP group of a run has the same shape and
+    every rank computes the same answer. 1 when CP is off or the shapes are not known at setup."""
+    from megatron_fcp.planning.cost import AttentionShape  # noqa: PLC0415
+    from megatron_fcp.planning.head_parallel_choose import choose_head_parallel  # noqa: PLC0415
+
+    layout = runtime.layout
+    if layout.cp == 1 or seq_len is None or heads is None or head_dim is None:
+        return 1
+    tp_heads, tp_kv = heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)
+    cp_ranks = layout.cp_groups()[0]
+    try:
+        hp = choose_head_parallel(runtime.topology, cp_ranks,
+                                  AttentionShape(seq_len, tp_heads, tp_kv, head_dim, dtype_bytes), causal=True)
+    except ValueError as exc:  # no valid degree > 1 for these heads on this topology: plain FCP
+        logger.info("FCP head-parallel auto: degree 1 (%s)", exc)
+        return 1
+    degree = hp.degree
+    if degree > 1 and hp.head_groups != consecutive_head_groups(cp_ranks, degree):
+        logger.info("FCP head-parallel auto: the planner's head groups %s are not consecutive CP ranks; the "
+                    "stage uses consecutive ones", hp.head_groups)
+    logger.info("FCP head-parallel auto: degree %d of CP %d (predicted fwd+bwd per candidate: %s)", degree,
+                layout.cp, ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in (hp.auto or ())[:8]))
+    return degree
 
 
 def _create_head_parallel_groups(runtime: FCPRuntime, degree: int) -> None:
