@@ -26,7 +26,7 @@ def _no_runtime():
 
 
 def test_config_values_flag_and_yaml(tmp_path):
-    assert FCPConfig().head_parallel == "auto" and FCPConfig().head_parallel_degree(8) == 1  # auto = 1 for now
+    assert FCPConfig().head_parallel == "auto" and FCPConfig().head_parallel_degree(8) == 1  # as configured; setup_fcp settles auto
     assert FCPConfig(head_parallel=2).head_parallel_degree(8) == 2
     parser = add_fcp_args(argparse.ArgumentParser())
     assert fcp_config_from_args(parser.parse_args(["--fcp-head-parallel", "4"])).head_parallel == 4
@@ -96,3 +96,22 @@ def test_packed_batches_with_the_stage_are_refused_naming_the_flag():
     q = torch.zeros(4, 4, 8)
     with pytest.raises(NotImplementedError, match="packed .THD. batches with a head-parallel stage.*--fcp-head-parallel 1"):
         att(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+
+
+def test_auto_settles_the_planners_degree_at_setup():
+    """--fcp-head-parallel auto: setup_fcp takes choose_head_parallel's degree for the run's shape
+    (heads per tensor-parallel rank) and topology; 1 without shapes or CP."""
+    from megatron_fcp.planning.cost import AttentionShape
+    from megatron_fcp.planning.head_parallel_choose import choose_head_parallel
+
+    cfg = FCPConfig(enabled=True, topology="dgx-h100:2")
+    layout = MegatronLayout(world=16, cp=16)
+    rt = setup_fcp(cfg, layout=layout, groups={}, seq_len=32768, heads=32, kv_heads=8, head_dim=128)
+    want = choose_head_parallel("dgx-h100:2", tuple(range(16)), AttentionShape(32768, 32, 8, 128, 2)).degree
+    assert rt.head_parallel_degree() == want and want > 1
+    assert rt.config.head_parallel == "auto"
+    reset_fcp()
+    assert setup_fcp(cfg, layout=layout, groups={}, seq_len=32768).head_parallel_degree() == 1  # no head counts
+    reset_fcp()
+    assert setup_fcp(cfg.replace(head_parallel=1), layout=layout, groups={}, seq_len=32768, heads=32, kv_heads=8,
+                     head_dim=128).head_parallel_degree() == 1
