@@ -39,7 +39,7 @@ class BenchConfig:
 
     cluster: ClusterSpec
     shape: WorkloadShape
-    workloads: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto")
+    workloads: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp")
     repeats: int = 5
     component_repeats: int = 2
     warmup: int = 1
