@@ -14,7 +14,7 @@ from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    return float((a.detach().double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
 def _zigzag_case(rank: int, cp: int, causal: bool, heads=(4, 2), b=2, d=8, s_per_chunk=6) -> dict:
@@ -89,3 +89,40 @@ def worker_job(rank: int, world: int, job: dict) -> dict:
     from megatron_fcp.emulate.worker import run
 
     return run(job)
+
+
+def head_parallel_worker(rank: int, world: int) -> dict:
+    """te-a2a-p2p and fcp-hp runners (2 nodes x 2 ranks) in FP64 against single-device attention:
+    out and dq/dk/dv through the runner, lse through the engine with the runner's plan and groups."""
+    from megatron_fcp.attention.function import fcp_attention_with_lse
+    from megatron_fcp.attention.head_parallel import fcp_head_parallel_attention_with_lse
+    from megatron_fcp.emulate.runners import make_runner
+    from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
+    from megatron_fcp.emulate.workloads import WorkloadShape, make_workloads
+
+    topo = emulated_topology(ClusterSpec(2, 2))
+    res = {}
+    for name, causal in (("te-a2a-p2p", True), ("te-a2a-p2p", False), ("fcp-hp", True)):
+        h, hk, d, s = 4, 2, 8, 2 * world * 6
+        w = make_workloads([name], WorkloadShape(s, h, hk, d, causal), topo)[0]
+        runner = make_runner(w, rank, dist.group.WORLD)                  # creates the head-parallel groups
+        g = torch.Generator().manual_seed(3 + causal)
+        q, k, v, do = (torch.randn(s, 1, x, d, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
+        ref = reference_attention(q, k, v, causal=causal, scale=1 / math.sqrt(d), dout=do)
+        idx = torch.from_numpy(TeLayout([s], world).token_index(rank))  # Megatron's zigzag shard
+        runner.q, runner.k, runner.v = (x[idx].clone().requires_grad_(True) for x in (q, k, v))
+        out = runner.attention("math", GlooTransport(dist.group.WORLD, 60))
+        out.backward(do[idx])
+        with torch.no_grad():
+            if w.info["head_parallel"] > 1:
+                _, lse = fcp_head_parallel_attention_with_lse(runner.q, runner.k, runner.v, cp_group=dist.group.WORLD,
+                                                              hp_plan=w.hp_plan, groups=runner.groups, causal=causal,
+                                                              kernel="math", agreement=None)
+            else:  # fcp-hp at degree 1 runs plain FCP, as the plugin does
+                _, lse = fcp_attention_with_lse(runner.q, runner.k, runner.v, cp_group=dist.group.WORLD, plan=w.plan,
+                                                causal=causal, kernel="math", agreement=None)
+        res[f"{name}-{causal}"] = {
+            "degree": w.info["head_parallel"], "out": _err(out, ref["out"][idx]), "lse": _err(lse, ref["lse"][..., idx]),
+            "dq": _err(runner.q.grad, ref["dq"][idx]), "dk": _err(runner.k.grad, ref["dk"][idx]),
+            "dv": _err(runner.v.grad, ref["dv"][idx])}
+    return res

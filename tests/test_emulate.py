@@ -160,19 +160,29 @@ def _prepared(nic="rail", docs=None):
     topo = emulated_topology(spec)
     cm = ComputeModel(flops=400e12 / spec.time_scale, kernel_overhead_s=0.0)
     shape = WorkloadShape(1024, 4, 4, 32, True, docs, block_tokens=256)
-    ws = make_workloads(["te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-ring"], shape, topo)
+    ws = make_workloads(["te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-ring", "fcp-hp"], shape, topo, cm)
     return spec, topo, cm, shape, ws
 
 
 def test_workloads_plans_predictions_and_the_hook():
     spec, topo, cm, shape, ws = _prepared()
     by = {w.name: w for w in ws}
-    assert by["te-a2a-p2p"].unavailable and "head-parallel" in by["te-a2a-p2p"].unavailable
+    te = by["te-a2a-p2p"]
+    assert te.unavailable is None and te.hp_plan.degree == 2 and te.hp_plan.head_groups == ((0, 1), (2, 3))
+    assert te.hp_plan.kv_plan.name == "ring" and te.backward_kv == "keep"
+    assert by["fcp-hp"].hp_plan.auto  # the planner's choice, every candidate recorded
     assert by["fcp-auto"].plan.name in ("hierarchical", "full", "ring", "leader", "spanning")
     assert by["fcp-ring"].plan.name == "ring"
     pred = {w.name: w.predict(topo, cm) for w in ws}
-    assert pred["te-a2a-p2p"]["predicted_s"] > 0  # predicted even when not measured
+    from megatron_fcp.planning import simulate_head_parallel
+
+    # the model of what runs (keep, FP32 partials) and TE's own model: the same forward
+    want = simulate_head_parallel(te.hp_plan, topo, shape.attention(), compute_model=cm)
+    assert pred["te-a2a-p2p"]["predicted_s"] == pytest.approx(want.total_s, rel=1e-12)
+    assert pred["te-a2a-p2p"]["predicted_fwd_s"] == pytest.approx(pred["te-a2a-p2p"]["predicted_te_model_fwd_s"],
+                                                                 rel=1e-4)
     assert pred["fcp-auto"]["predicted_s"] < pred["te-p2p"]["predicted_s"]
+    assert pred["fcp-hp"]["predicted_s"] <= pred["fcp-auto"]["predicted_s"] * 1.0001  # a = 1 is a candidate
     b = lower_bounds(shape, topo, cm, None)
     assert b["lower_bound_s"] <= min(p["predicted_s"] for p in pred.values())
     assert b["lower_bound_fp32_grads_s"] >= b["lower_bound_s"]
@@ -180,6 +190,10 @@ def test_workloads_plans_predictions_and_the_hook():
         make_workloads(["fcp-nope"], shape, topo)
     with pytest.raises(ValueError, match="@keep"):
         make_workloads(["te-p2p@keep"], shape, topo)
+    with pytest.raises(ValueError, match="fcp-hp takes no /PARTS"):
+        make_workloads(["fcp-hp@keep/2"], shape, topo)
+    gqa = make_workloads(["te-a2a-p2p"], WorkloadShape(1024, 4, 1, 32), topo)[0]
+    assert "KV heads (1) divisible by the 2 ranks per node" in gqa.unavailable
     keep, resend, four = make_workloads(["fcp-auto@keep", "fcp-auto@resend", "fcp-hierarchical/4"], shape, topo)
     assert (keep.backward_kv, resend.backward_kv) == ("keep", "resend")
     assert four.plan.parts_per_chunk == 4 and four.plan.name == "hierarchical"
@@ -188,6 +202,8 @@ def test_workloads_plans_predictions_and_the_hook():
 
 def test_packed_workloads_use_the_placement_and_tes_padding():
     spec, topo, cm, shape, ws = _prepared(docs=(300, 40, 700, 5))
+    assert all("zigzag" in w.unavailable for w in ws if w.name in ("te-a2a-p2p", "fcp-hp"))
+    ws = [w for w in ws if w.name != "fcp-hp"]  # te-a2a-p2p keeps TE's model as its prediction
     fcp = next(w for w in ws if w.name == "fcp-auto")
     assert fcp.placement is not None and fcp.plan.placement is fcp.placement
     pred = {w.name: w.predict(topo, cm)["predicted_s"] for w in ws}
@@ -196,9 +212,10 @@ def test_packed_workloads_use_the_placement_and_tes_padding():
 
 
 def test_result_json_shape_and_table():
-    spec, topo, cm, shape, ws = _prepared()
+    spec, topo, cm, shape, ws = _prepared(docs=(300, 40, 700, 5))
+    ws = [w for w in ws if w.name != "fcp-hp"]
     preds = {w.name: w.predict(topo, cm) for w in ws}
-    bounds = lower_bounds(shape, topo, cm, None)
+    bounds = lower_bounds(shape, topo, cm, ws[2].plan)
     times = {w.name: {"overlap": [1.0, 1.2, 0.9], "comm": [0.8], "compute": [0.1]} for w in ws if not w.unavailable}
     res = assemble(spec, shape, ws, preds, bounds, {"times": times, "modelled_compute_s": {}}, {"setup_s": 0.1})
     json.loads(json.dumps(res))  # serialisable
@@ -210,9 +227,24 @@ def test_result_json_shape_and_table():
     assert (te["median_s"], te["min_s"], te["max_s"]) == (1.0, 0.9, 1.2)
     assert te["prediction_error"] == pytest.approx(1.0 / te["predicted_s"] - 1)
     hp = next(r for r in res["runs"] if r["workload"] == "te-a2a-p2p")
-    assert hp["available"] is False and hp["median_s"] is None and "head-parallel" in hp["reason"]
+    assert hp["available"] is False and hp["median_s"] is None and "head-parallel engine" in hp["reason"]
     text = table(res)
     assert "te-a2a-p2p" in text and "n/a" in text and "lower bound" in text
+
+
+def test_head_parallel_runs_in_the_json():
+    spec, topo, cm, shape, ws = _prepared()
+    preds = {w.name: w.predict(topo, cm) for w in ws}
+    times = {w.name: {"overlap": [0.5, 0.4, 0.6], "comm": [0.3], "compute": [0.1]} for w in ws}
+    res = assemble(spec, shape, ws, preds, lower_bounds(shape, topo, cm), {"times": times}, {})
+    runs = {r["workload"]: r for r in json.loads(json.dumps(res))["runs"]}
+    for name in ("te-a2a-p2p", "fcp-hp"):
+        r = runs[name]
+        assert r["available"] and r["median_s"] == 0.5 and RUN_KEYS <= set(r)
+        assert r["info"]["head_parallel"] >= 1 and r["info"]["head_groups"] and r["info"]["backward_kv"]
+    assert runs["te-a2a-p2p"]["predicted_te_model_s"] > 0 and runs["te-a2a-p2p"]["info"]["graph"] == "a2a x2 + ring"
+    assert res["bounds"]["lower_bound_all_families_s"] <= res["bounds"]["lower_bound_s"]
+    assert "te-a2a-p2p" in table(res)
 
 
 def test_progress_printer_lines():

@@ -3,7 +3,7 @@
 Examples (as root; needs ``ip`` and ``tc``)::
 
     megatron-fcp bench --emulate --nodes 2 --ranks-per-node 4 --nic rail --intra 360mbit --inter 40mbit \\
-        --seq 4k --heads 4 --kv-heads 4 --head-dim 64 --workloads te-p2p,te-a2a-p2p,fcp-auto --repeats 5
+        --seq 4k --heads 4 --kv-heads 4 --head-dim 64 --workloads te-p2p,te-a2a-p2p,fcp-auto,fcp-hp --repeats 5
     megatron-fcp bench --emulate --nodes 2 --ranks-per-node 4 --doc-lengths lognormal:6,1.0,16k --json out.json
 
 Every rank is a network namespace, links are shaped veth pairs, the ranks run real gloo; the block
@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", type=int, default=1, help="FCP sub-blocks per zigzag chunk (default 1)")
     p.add_argument("--backward-kv", choices=("auto", "keep", "resend"), default="auto",
                    help="FCP's backward KV mode, as --fcp-backward-kv (default auto)")
-    p.add_argument("--workloads", default="te-p2p,te-a2a-p2p,fcp-auto",
-                   help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default te-p2p,te-a2a-p2p,fcp-auto)")
+    p.add_argument("--workloads", default="te-p2p,te-a2a-p2p,fcp-auto,fcp-hp",
+                   help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default te-p2p,te-a2a-p2p,fcp-auto,fcp-hp; fcp-hp: the planner's head-parallel choice)")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per workload, alternating "
                                                            "between workloads (default 5)")
     p.add_argument("--component-repeats", type=int, default=2,

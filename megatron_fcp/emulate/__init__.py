@@ -9,7 +9,7 @@ cluster] in :mod:`.spec`). The executor runs for real, the GPU kernel is a calib
     netns         bring-up and teardown of the namespaces (root, ip, tc)
     sleep_kernel  the block kernel that sleeps for the modelled GPU time
     te_ring       Transformer Engine's p2p ring on our transports and kernels (te-p2p)
-    workloads     te-p2p, te-a2a-p2p (hook), fcp-<graph>, fcp-auto: plans, predictions, lower bounds
+    workloads     te-p2p, te-a2a-p2p, fcp-<graph>, fcp-auto, fcp-hp: plans, predictions, lower bounds
     runners       one rank's forward + backward of a workload (overlapped, comm-only, compute-only)
     worker        one rank's process: rendezvous, alternating timed runs, JSON
     launcher      one process per rank inside its namespace; progress; always reaps

@@ -39,7 +39,7 @@ class BenchConfig:
 
     cluster: ClusterSpec
     shape: WorkloadShape
-    workloads: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto")
+    workloads: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp")
     repeats: int = 5
     component_repeats: int = 2
     warmup: int = 1
@@ -65,7 +65,7 @@ def prepare(cfg: BenchConfig):
     """(topology, compute model, workloads with plans, lower bounds, predictions by workload) — pure."""
     topo = emulated_topology(cfg.cluster)
     cm = ComputeModel(flops=cfg.emulated_flops, kernel_overhead_s=0.0)
-    workloads = make_workloads(list(cfg.workloads), cfg.shape, topo)
+    workloads = make_workloads(list(cfg.workloads), cfg.shape, topo, cm)
     placement_plan = next((w.plan for w in workloads if isinstance(w, FcpWorkload) and w.plan is not None), None)
     if cfg.shape.doc_lengths and placement_plan is None:
         from megatron_fcp.planning import build_plan, place_packed

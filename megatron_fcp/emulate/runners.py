@@ -11,16 +11,28 @@ Tensors are bf16, ``b = 1``; the inputs are random, the same shapes on every ran
 :func:`~megatron_fcp.attention.function.fcp_attention_with_lse` with ``agreement=None``: every rank
 unpickled the same plan, and an agreement collective per switch of plan would cross the shaped
 network inside the timed region.
+
+``te-a2a-p2p`` and ``fcp-hp`` run
+:func:`~megatron_fcp.attention.head_parallel.fcp_head_parallel_attention` (zigzag shards
+``[s_local, 1, h, d]``): the runner creates the plan's head-group and KV-stage process groups when
+it is built (:func:`~megatron_fcp.attention.head_parallel.create_head_parallel_groups`; every
+rank builds the same runners in the same order, so every rank creates every group in the same
+order), the KV stage uses the worker's transport (peers are global ranks). Its all-to-alls are
+gloo collectives, not transport rounds: for the compute-only timing they are replaced, for that
+run only, by a local exchange that moves nothing (:func:`_no_all_to_all`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from megatron_fcp.attention import head_parallel
 from megatron_fcp.attention.function import fcp_attention_with_lse
 from megatron_fcp.comm import Handle, Transport
 from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
-from megatron_fcp.emulate.workloads import FcpWorkload, TeP2PWorkload, Workload
+from megatron_fcp.emulate.workloads import FcpWorkload, HeadParallelWorkload, TeP2PWorkload, Workload
 
 __all__ = ["NullTransport", "Runner", "make_runner"]
 
@@ -94,8 +106,47 @@ class _TeP2P(Runner):
         return out
 
 
-#: workload class -> runner class. The te-a2a-p2p hook adds ``HeadParallelWorkload: <its runner>``.
-_RUNNERS: dict[type, type] = {FcpWorkload: _Fcp, TeP2PWorkload: _TeP2P}
+@contextlib.contextmanager
+def _no_all_to_all():
+    """The head-parallel all-to-alls exchange nothing (zeros of the right shape) inside the block."""
+    original = head_parallel._HeadComm.exchange
+
+    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        return torch.zeros_like(x)                                    # [a, ...] as received
+
+    head_parallel._HeadComm.exchange = exchange
+    try:
+        yield
+    finally:
+        head_parallel._HeadComm.exchange = original
+
+
+class _HeadParallel(Runner):
+    """``te-a2a-p2p`` / ``fcp-hp``: the head-parallel engine over ``w.hp_plan`` (module docstring)."""
+
+    def __init__(self, w: HeadParallelWorkload, rank: int, group, timeout_s: float | None = None) -> None:
+        s, hp = w.shape, w.hp_plan
+        g = torch.Generator().manual_seed(rank)
+        n = -(-s.seq // (2 * hp.cp)) * (2 * hp.cp) // hp.cp                       # s_local (padded zigzag)
+        super().__init__(*(torch.randn(n, 1, h, s.head_dim, generator=g).to(DTYPE)
+                           for h in (s.heads, s.kv_heads, s.kv_heads)))
+        made = head_parallel.create_head_parallel_groups([hp], timeout_s=timeout_s)[0]  # collective, all ranks
+        self.groups = made if made is not None else head_parallel.HeadParallelGroups.of_cp_group(hp, group)
+        self.w, self.group = w, group
+
+    def attention(self, kernel, transport):
+        w = self.w
+        return head_parallel.fcp_head_parallel_attention(
+            self.q, self.k, self.v, cp_group=self.group, hp_plan=w.hp_plan, groups=self.groups,
+            causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.backward_kv, agreement=None)
+
+    def run(self, kernel, transport) -> None:
+        with _no_all_to_all() if isinstance(transport, NullTransport) else contextlib.nullcontext():
+            super().run(kernel, transport)
+
+
+#: workload class -> runner class.
+_RUNNERS: dict[type, type] = {FcpWorkload: _Fcp, TeP2PWorkload: _TeP2P, HeadParallelWorkload: _HeadParallel}
 
 
 def make_runner(w: Workload, rank: int, group) -> Runner:

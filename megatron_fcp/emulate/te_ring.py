@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for, resolve_kernel
+from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
 from megatron_fcp.planning.blocks import Block, Transfer

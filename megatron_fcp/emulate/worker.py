@@ -42,7 +42,7 @@ def _kernels(job: dict):
     """(kernel for overlapped and compute-only runs, kernel for communication-only runs)."""
     zero = SleepKernel(0.0)
     if job["compute"] == "cpu":
-        from megatron_fcp.attention.kernels import CpuFlashKernel
+        from megatron_fcp.attention.fused import CpuFlashKernel
 
         return ("cpu-flash" if CpuFlashKernel.available() else "math"), zero
     return SleepKernel(job["flops"]), zero

@@ -4,10 +4,16 @@ Workload names (``--workloads``):
 
 * ``te-p2p``: Transformer Engine's p2p ring (:mod:`megatron_fcp.emulate.te_ring`), on Megatron's
   zigzag or, with ``--doc-lengths``, on TE's padded per-document THD layout;
-* ``te-a2a-p2p``: TE's hierarchical ``a2a+p2p`` (Ulysses inside a node, ring across nodes). Its
-  prediction is given; its *measurement* needs the head-parallel engine
-  (``megatron_fcp.attention.head_parallel``), and until :class:`HeadParallelWorkload` is wired to
-  it the run is reported as not available (see that class: the hook);
+* ``te-a2a-p2p``: TE's hierarchical ``a2a+p2p`` (Ulysses inside a node, ring across nodes), run by
+  our head-parallel engine (:mod:`megatron_fcp.attention.head_parallel`): degree = ranks per node,
+  a node's ranks one head group, the KV stage a ``ring`` over the head groups, received KV kept
+  for backward (FP32 dK/dV partials back along the ring: the bytes of TE's bf16 KV + dKV). See
+  Note [te-a2a-p2p on the head-parallel engine]. Packed batches (THD) are predicted only;
+* ``fcp-hp``: the plugin's default since ``--fcp-head-parallel auto``: the planner's head-parallel
+  choice (:func:`~megatron_fcp.planning.build_head_parallel_plan` on the emulated cluster: degree,
+  KV-stage graph, stagger or sub-blocks, forward + backward with FP32 partials) run by the same
+  engine; ``--backward-kv`` and the ``@keep`` / ``@resend`` suffix as for ``fcp-*``. Degree 1 runs
+  as plain FCP over the chosen plan (an :class:`FcpWorkload`, as the plugin does). Zigzag only (no ``/P`` suffix: the planner picks the blocks);
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
   (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
   with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD). A
@@ -23,12 +29,26 @@ spread evenly over the ranks (forward + backward) and communication the need-set
 the forward KV exchange (:func:`~megatron_fcp.planning.lower_bound`; over a placement the one of
 :func:`~megatron_fcp.planning.compare.packed_need_stats`) plus the same for the dK/dV reduction at
 the KV's bytes per element. ``lower_bound_fp32_grads_s`` is the same bound with dK/dV at 4 bytes,
-what our executor sends (FP32 partial gradients, a numerics choice).
+what our executor sends (FP32 partial gradients, a numerics choice). ``lower_bound_all_families_s``
+is the bound over every schedule family (head-parallel degrees included,
+:func:`~megatron_fcp.planning.lower_bound_all`, dK/dV at the KV's bytes) with the same compute.
+
+Note [te-a2a-p2p on the head-parallel engine]
+---------------------------------------------
+TE's ``a2a+p2p`` is the head-parallel stage at degree ``a`` = ranks per node (consecutive ranks,
+one node per head group) with a ring over the groups as the KV stage. Our ring compiled over
+:func:`~megatron_fcp.planning.group_placement` stops a block at its last reader: on 2 nodes,
+causal, node 0 sends only its early chunks; TE sends every chunk. The forward time is the same
+(the other direction carries everything and sets the round), which the model shows (forward
+predictions equal to TE's own model, ``predicted_te_model_s`` beside). Backward: TE runs the ring
+again carrying KV and bf16 dKV; here the KV is kept from forward and the FP32 partials go back
+along the reversed ring: the same bytes per round, the executor's order (dK/dV sent after the
+block's gradient, not overlapped with the next). ``predicted_s`` is the model of what runs
+(:func:`predict_head_parallel`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass, field, replace
 
@@ -50,17 +70,22 @@ from megatron_fcp.planning import (
     simulate_te_p2p_thd,
 )
 from megatron_fcp.planning.compare import packed_need_stats
+from megatron_fcp.planning.cost import pad_for_zigzag, simulate_rounds
+from megatron_fcp.planning.head_parallel import HeadParallelPlan
+from megatron_fcp.planning.head_parallel_choose import build_head_parallel_plan
+from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_plan, stage_shape
+from megatron_fcp.planning.head_parallel_cost import a2a_messages, combine, lower_bound_all
 from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO
 from megatron_fcp.topology import Topology
 
 __all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "WORKLOAD_NAMES",
-           "make_workloads", "lower_bounds"]
+           "make_workloads", "lower_bounds", "predict_head_parallel"]
 
 DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for
 GRAD_BYTES = 4   # our executor's partial dK/dV (FP32)
 
 #: Every workload name ``--workloads`` accepts.
-WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", *(f"fcp-{g}" for g in BUILDERS))
+WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp", *(f"fcp-{g}" for g in BUILDERS))
 
 
 @dataclass(frozen=True)
@@ -144,30 +169,47 @@ class TeP2PWorkload(Workload):
         return _sum(fwd, bwd)
 
 
+def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionShape, causal: bool, cm: ComputeModel,
+                          backward_kv: str) -> dict:
+    """Forward + backward of ``hp`` as the engine runs it: all-to-all in, the KV stage
+    (:func:`~megatron_fcp.planning.head_parallel_compile.stage_plan`, every stage at once), all-to-all
+    out, exposed (Note [Head-parallel cost]); backward with ``backward_kv`` (keep / resend) and FP32
+    dK/dV partials."""
+    att, _ = pad_for_zigzag(att, hp.cp)
+    sp = stage_plan(hp, att.seq_len, causal)
+    sshape = stage_shape(hp, att) if hp.degree > 1 else att
+
+    def a2a(which: str) -> list:
+        return [simulate_rounds(topo, [a2a_messages(hp, att, which)], 0.0, name=which)] if hp.degree > 1 else []
+
+    kv_f = simulate_plan(sp, topo, sshape, compute_model=cm)
+    kv_b = simulate_plan_backward(sp, topo, sshape, compute_model=cm, grad_dtype_bytes=GRAD_BYTES,
+                                  backward_kv=backward_kv)
+    fwd = combine("hp", a2a("qkv") + [kv_f] + a2a("q"))
+    bwd = combine("hp", a2a("q") + [kv_b] + a2a("qkv"))
+    return _sum(fwd, bwd, kv_b.meta["resend_s"])
+
+
+def _hp_backward_kv(mode: str, hp: HeadParallelPlan) -> str:
+    """The backward KV mode the engine's KV stage picks (every block is one chunk: uniform sizes)."""
+    from megatron_fcp.attention.kv_memory import choose_backward_kv  # torch-free decision, lives with the engine
+
+    return "keep" if hp.kv_plan is None else choose_backward_kv(mode, hp.kv_plan_for(0), lambda blk: 1)
+
+
 @dataclass
 class HeadParallelWorkload(Workload):
-    """``te-a2a-p2p``: TE's ``a2a+p2p``. Predicted by the cost model; measured once wired (the hook).
+    """``te-a2a-p2p`` and ``fcp-hp``: the head-parallel engine over ``hp_plan`` (module docstring).
 
-    The hook: when the head-parallel engine lands (``megatron_fcp.attention.head_parallel``, a
-    branch of its own), make :meth:`wiring` return None once the engine is importable and register
-    a runner in :mod:`megatron_fcp.emulate.runners` (``_RUNNERS[HeadParallelWorkload] = ...``, a
-    :class:`~megatron_fcp.emulate.runners.Runner` subclass whose ``attention(kernel, transport)``
-    calls the engine with ranks-per-node head groups and a ring KV stage across nodes: TE's
-    ``a2a+p2p``; the engine must accept a block kernel and a transport). Nothing else changes:
-    predictions, timing modes, JSON and table already handle it.
+    ``predict``: :func:`predict_head_parallel` of the plan that runs; for ``te-a2a-p2p`` also TE's own
+    model (``predicted_te_model_s``, Note [te-a2a-p2p on the head-parallel engine]); packed
+    ``te-a2a-p2p`` (not measurable) gets TE's model only.
     """
 
-    @staticmethod
-    def wiring() -> str | None:
-        """Why the measurement is not available (None once wired)."""
-        if importlib.util.find_spec("megatron_fcp.attention.head_parallel") is None:
-            return ("not available: needs the head-parallel engine (megatron_fcp.attention.head_parallel), "
-                    "which is not in this build; the cost model's prediction is given")
-        return ("not available: the head-parallel engine is installed but the emulator's te-a2a-p2p runner is "
-                "not wired to it yet (HeadParallelWorkload in megatron_fcp/emulate/workloads.py); "
-                "the cost model's prediction is given")
+    hp_plan: HeadParallelPlan | None = None
+    backward_kv: str = "keep"
 
-    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+    def _te_model(self, topo: Topology, cm: ComputeModel) -> dict:
         s = self.shape
         shape = s.attention()
         try:
@@ -183,6 +225,72 @@ class HeadParallelWorkload(Workload):
         bwd = simulate_te_a2a_p2p_thd(topo, self.ranks, [shape.seq_len], shape, causal=s.causal, backward=True,
                                       compute_model=cm)
         return _sum(fwd, bwd)
+
+    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+        te = self._te_model(topo, cm) if self.name == "te-a2a-p2p" else {}
+        if self.hp_plan is None:
+            return te or {"predicted_s": None}
+        out = predict_head_parallel(self.hp_plan, topo, self.shape.attention(), self.shape.causal, cm,
+                                    self.backward_kv)
+        if te.get("predicted_s") is not None:
+            out.update(predicted_te_model_s=te["predicted_s"], predicted_te_model_fwd_s=te["predicted_fwd_s"],
+                       predicted_te_model_bwd_s=te["predicted_bwd_s"])
+        return out
+
+
+def _hp_info(w: HeadParallelWorkload) -> dict:
+    hp = w.hp_plan
+    info = {"graph": f"a2a x{hp.degree}" + (f" + {hp.kv_plan.name}" if hp.kv_plan is not None else "")
+            if hp.degree > 1 else (hp.kv_plan.name if hp.kv_plan is not None else "local"),
+            "head_parallel": hp.degree, "head_groups": [list(g) for g in hp.head_groups],
+            "kv_replication": hp.kv_replication, "backward_kv": w.backward_kv,
+            "rounds": len(hp.kv_plan.rounds) if hp.kv_plan is not None else 0}
+    if hp.auto is not None:
+        info["auto_candidates"] = dict(hp.auto)
+    return info
+
+
+def _te_a2a_p2p(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...]) -> HeadParallelWorkload:
+    """TE's a2a+p2p where TE can run it: equal ranks per node, heads and KV heads divisible by them."""
+    name = "te-a2a-p2p"
+    per_node = {topo.node_of(r) for r in ranks}
+    rpn = len(ranks) // len(per_node)
+    why = None
+    if shape.doc_lengths:
+        why = ("not available: the head-parallel engine runs Megatron's zigzag layout, not packed batches (THD); "
+               "TE's model is given")
+    elif any(sum(topo.node_of(r) == n for r in ranks) != rpn for n in per_node):
+        why = "not available: nodes hold different numbers of CP ranks (TE's a2a+p2p needs equal)"
+    elif shape.heads % rpn or shape.kv_heads % rpn:
+        why = (f"not available: TE's a2a needs heads ({shape.heads}) and KV heads ({shape.kv_heads}) divisible by the "
+               f"{rpn} ranks per node")
+    if why:
+        return HeadParallelWorkload(name, shape, ranks, unavailable=why)
+    att, _ = pad_for_zigzag(shape.attention(), len(ranks))
+    hp = compile_head_parallel(topo, ranks, att, rpn, "ring", causal=shape.causal)
+    w = HeadParallelWorkload(name, shape, ranks, hp_plan=hp, backward_kv="keep")
+    w.info = _hp_info(w)
+    return w
+
+
+def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], cm: ComputeModel) -> Workload:
+    """The planner's head-parallel choice; degree 1 runs as an :class:`FcpWorkload` (as the plugin does)."""
+    if shape.doc_lengths:
+        return HeadParallelWorkload(name, shape, ranks, unavailable="not available: the head-parallel engine runs "
+                                    "Megatron's zigzag layout, not packed batches (THD)")
+    hp = build_head_parallel_plan(topo, ranks, shape.attention(), causal=shape.causal, compute_model=cm,
+                                  grad_dtype_bytes=GRAD_BYTES)
+    if hp.degree == 1:  # as the plugin does: no head-parallel stage, plain FCP over the chosen plan
+        plan = hp.kv_plan_for(0)
+        w = FcpWorkload(name, shape, ranks, plan=plan)
+        w.backward_kv = _backward_kv_mode(shape, plan, None)
+        w.info = {"graph": plan.name, "head_parallel": 1, "rounds": len(plan.rounds),
+                  "transfers": plan.num_transfers(), "parts_per_chunk": plan.parts_per_chunk,
+                  "backward_kv": w.backward_kv, "auto_candidates": dict(hp.auto or ())}
+        return w
+    w = HeadParallelWorkload(name, shape, ranks, hp_plan=hp, backward_kv=_hp_backward_kv(shape.backward_kv, hp))
+    w.info = _hp_info(w)
+    return w
 
 
 def _fcp(name: str, graph: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...],
@@ -225,12 +333,18 @@ def _parse_name(name: str) -> tuple[str, str | None, int | None] | None:
     return m.group(1), m.group(2), int(m.group(3)) if m.group(3) else None
 
 
-def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology) -> list[Workload]:
-    """The workloads ``names`` on ``topo`` (all of its ranks form the CP group); plans built here."""
+def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology,
+                   compute_model: ComputeModel | None = None) -> list[Workload]:
+    """The workloads ``names`` on ``topo`` (all of its ranks form the CP group); plans built here.
+    ``compute_model``: what ``fcp-hp``'s planner times candidates with (the emulated FLOP/s; default
+    the cost model's GPU)."""
     unknown = [n for n in names if _parse_name(n) is None]
     if unknown:
         raise ValueError(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOAD_NAMES)} "
                          f"(an fcp-* name may end in @keep, @resend or @auto, then /PARTS)")
+    if any(n.startswith("fcp-hp/") or (n.startswith("fcp-hp@") and "/" in n) for n in names):
+        raise ValueError("--workloads: fcp-hp takes no /PARTS (the planner picks sub-blocks or stagger); "
+                         "drop the suffix")
     ranks = tuple(range(topo.world))
     placement = None
     if shape.doc_lengths:
@@ -241,11 +355,14 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology) -> li
         if n == "te-p2p":
             out.append(TeP2PWorkload(n, shape, ranks, info={"graph": "ring (TE p2p)", "rounds": len(ranks) - 1}))
         elif n == "te-a2a-p2p":
-            out.append(HeadParallelWorkload(n, shape, ranks, unavailable=HeadParallelWorkload.wiring()))
+            out.append(_te_a2a_p2p(shape, topo, ranks))
         else:
             base, mode, parts = _parse_name(n)
             own = replace(shape, backward_kv=mode or shape.backward_kv, parts=parts or shape.parts)
-            out.append(_fcp(n, base[len("fcp-"):], own, topo, ranks, placement))
+            if base == "fcp-hp":
+                out.append(_fcp_hp(n, own, topo, ranks, compute_model or ComputeModel()))
+            else:
+                out.append(_fcp(n, base[len("fcp-"):], own, topo, ranks, placement))
     return out
 
 
@@ -268,5 +385,10 @@ def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placeme
     compute = pairs / N * flop_s * (1 + BACKWARD_FLOP_RATIO)
     comm = comm_fwd * (1 + DTYPE_BYTES / DTYPE_BYTES)
     comm32 = comm_fwd * (1 + GRAD_BYTES / DTYPE_BYTES)
-    return {"lower_bound_s": max(compute, comm), "lower_bound_fp32_grads_s": max(compute, comm32),
-            "lower_bound_compute_s": compute, "lower_bound_comm_s": comm, "lower_bound_comm_fwd_s": comm_fwd}
+    out = {"lower_bound_s": max(compute, comm), "lower_bound_fp32_grads_s": max(compute, comm32),
+           "lower_bound_compute_s": compute, "lower_bound_comm_s": comm, "lower_bound_comm_fwd_s": comm_fwd}
+    if not shape.doc_lengths:  # every family (head-parallel degrees too); comm then compute, as the KV-only bound
+        fam = lower_bound_all(topo, ranks, att, causal=shape.causal, pass_="fwd+bwd")
+        out["lower_bound_all_families_s"] = max(compute, fam["lower_bound_s"])
+        out["lower_bound_all_families_degree"] = fam["degree"]
+    return out
