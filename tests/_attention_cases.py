@@ -99,7 +99,8 @@ def _flip(t):
 
 
 def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
-    """Compare what the transport saw with plan.sends/recvs per round, forward and backward.
+    """Compare what the transport saw with plan.sends/recvs per round, forward (in plan order) and
+    backward (the same transfers; backward posts a round's transfers wave by wave).
     ``kv_bytes``/``grad_bytes``: bytes of every message, or a function of its block (blocks of a
     packed batch differ in size)."""
     problems = []
@@ -114,6 +115,8 @@ def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
         for (phase, kind), expected in want.items():
             got = transport.transfers(phase, r, kind)
             expected_total += len(expected)
+            if phase == "backward":  # posted wave by wave (Note [Backward waves]): the same set, wave order
+                got, expected = sorted(got, key=str), sorted(expected, key=str)
             if got != expected:
                 problems.append(f"rank {rank} {phase} round {r} {kind}: got {got}, plan says {expected}")
     if len(transport.posted) != expected_total:

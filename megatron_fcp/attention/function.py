@@ -58,6 +58,7 @@ from typing import Callable, Union
 import torch
 
 from megatron_fcp.agreement import LastAgreed
+from megatron_fcp.attention.backward_waves import plan_waves, run_backward_waves
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
@@ -68,7 +69,7 @@ from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placeme
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
 from megatron_fcp.groups import group_membership
-from megatron_fcp.planning.blocks import Block, Transfer
+from megatron_fcp.planning.blocks import Block
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import Plan
 
@@ -169,10 +170,6 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
 # ---------------------------------------------------------------------------------------------
 # execution
 # ---------------------------------------------------------------------------------------------
-def _flip(t: Transfer) -> Transfer:
-    return Transfer(t.dst, t.src, t.block)
-
-
 class _Executor:
     """Runs one plan for one rank: forward and backward pipelines (see the Notes above). What it
     knows about tokens comes from a :class:`~megatron_fcp.attention.layout.ShardLayout` (zigzag or
@@ -322,11 +319,9 @@ class _Executor:
     # -- backward ------------------------------------------------------------------------------
     def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor] | None):
         """Returns dq [n,b,h,d], dk, dv [n,b,h_kv,d] in q's dtype (see Note [Backward pipeline]).
-        ``kept`` None: re-send the KV first (Note [Backward KV modes] in kv_memory), computing the
-        local blocks' gradients while the first round is in flight."""
+        ``kept`` None: re-send the KV wave by wave (Note [Backward waves] in backward_waves)."""
         t_start = time.perf_counter()
-        compute_s = wait_s = 0.0
-        bytes_sent = 0
+        compute_s = 0.0
         lay, hk = self.layout, k.shape[2]
         cd = compute_dtype_for(q.dtype)
         doc = dout.to(cd)
@@ -359,52 +354,17 @@ class _Executor:
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
 
-        def compute_round(r: int) -> None:
-            for t in self.plan.recvs(self.rank, r):
-                if t.block in self.needs:
-                    compute(t.block, kept[t.block])
-
-        def compute_local() -> None:
-            for b in self.local_blocks:
-                sl = lay.local_slice(b)
-                compute(b, torch.stack([k[sl], v[sl]]))
-
-        def post(r: int):
-            nonlocal bytes_sent
-            # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block
-            sends = [(_flip(t), grads[t.block] if t.block in grads
-                      else torch.zeros(self._kv_shape(t.block, k), dtype=cd, device=q.device))
-                     for t in self.plan.recvs(self.rank, r)]
-            # forward t: me -> dst  ==> backward: dst -> me, its partial dKV of t.block
-            recvs = [(_flip(t), torch.empty(self._kv_shape(t.block, k), dtype=cd, device=q.device))
-                     for t in self.plan.sends(self.rank, r)]
-            bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
-            return self.transport.post(sends, recvs, round_index=r, phase="backward"), recvs
-
-        if kept is None:  # resend: the plan's forward rounds again, readers keep what they need
-            kept = {}
-            t_w, resent, peak = self._distribute(k, v, "resend", lambda local_kv: None, kept.__setitem__, kept)
-            wait_s += t_w
-            if self.stats is not None:
-                self.stats.resend_bytes_sent += resent
-                self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak)
-        R = self.num_rounds
-        if R == 0:
-            compute_local()
-        else:
-            compute_round(R - 1)
-            pending = post(R - 1)
-            for r in range(R - 1, -1, -1):
-                if r > 0:
-                    compute_round(r - 1)
-                else:
-                    compute_local()
-                handle, recvs = pending
-                wait_s += self._wait(handle)
-                for t, buf in recvs:
-                    add_grad(t.block, buf)
-                if r > 0:
-                    pending = post(r - 1)
+        per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
+        waves = plan_waves(self.plan, lambda blk: lay.block_tokens(blk) * per_token,
+                           cache_key=(tuple(k.shape), per_token, id(getattr(lay, "placement", None))))
+        res = run_backward_waves(self, waves, k, v, kept, compute, grads, cd)
+        wait_s, bytes_sent = res["wait_s"], res["bytes_sent"]
+        if self.stats is not None:
+            held = res["peak"] if kept is None else sum(x.numel() * x.element_size() for x in kept.values())
+            self.stats.resend_bytes_sent += res["resend_bytes"]
+            self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
+            self.stats.backward_peak_kv_bytes = max(self.stats.backward_peak_kv_bytes, held)
+            self.stats.backward_waves = len(waves)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [n, b, h_kv, d]
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for b in self.local_blocks:
