@@ -88,6 +88,7 @@ from megatron_fcp.planning.cost import (
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.waves import plan_waves, restrict
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "simulate_te_p2p_thd",
     "simulate_te_a2a_p2p_thd",
     "simulate_plan_backward",
+    "simulate_backward_waves",
 ]
 
 BACKWARD_FLOP_RATIO = 2.5
@@ -268,6 +270,7 @@ def simulate_plan_backward(
     order: str = "executor",
     backward_kv: str = "keep",
     kv_dtype_bytes: int | None = None,
+    only_blocks=None,
 ) -> SimResult:
     """Backward pass of a plan (over a placement, or Megatron's zigzag split of ``shape.seq_len``
     tokens): the dK/dV reduction along the reversed rounds;
@@ -281,7 +284,9 @@ def simulate_plan_backward(
     ``"keep"`` starts from saved KV; ``"resend"`` first re-runs the forward rounds (KV in
     ``kv_dtype_bytes``, default ``shape.dtype_bytes``), overlapped with the local blocks'
     gradients, which both modes compute first. ``meta["held_kv_bytes"]``: per rank, the received
-    KV held from forward to backward (0 under resend)."""
+    KV held from forward to backward (0 under resend). ``only_blocks``: a set of blocks; the own
+    compute counts only those (a plan cut to one wave, :func:`simulate_backward_waves`). This is the
+    whole backward in one pass; the executor runs it wave by wave (:func:`simulate_backward_waves`)."""
     if order not in ("executor", "eager"):
         raise ValueError(f"order: must be 'executor' or 'eager', got {order!r}")
     if backward_kv not in ("keep", "resend"):
@@ -330,7 +335,8 @@ def simulate_plan_backward(
             _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
             np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), cm.kernel_overhead_s)
     for j, rank in enumerate(plan.ranks):
-        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank))
+        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank)
+                  if only_blocks is None or blk in only_blocks)
         C[0, j] = own * flop_s + cm.kernel_overhead_s if own else 0.0
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
@@ -385,3 +391,62 @@ def simulate_plan_backward(
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
                     backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held)
     return res
+
+
+def simulate_backward_waves(
+    plan: Plan,
+    topology: "Topology | str",
+    shape: AttentionShape,
+    *,
+    compute_model: ComputeModel | None = None,
+    backward_kv: str = "resend",
+    kv_dtype_bytes: int | None = None,
+    grad_dtype_bytes: int = 4,
+    round_overhead_s: float = 0.0,
+    budget: int | None = None,
+) -> dict:
+    """The executor's backward as it runs: wave by wave (Note [Backward waves] in
+    :mod:`megatron_fcp.attention.backward_waves`). Each wave is :func:`simulate_plan_backward` of the
+    plan cut to it (:func:`~megatron_fcp.planning.waves.restrict`); under ``"resend"`` the first
+    wave's re-send is exposed and wave w+1's re-send overlaps wave w's backward (the slower sets the
+    pace). Returns ``bwd_s``, ``resend_s`` (re-send alone, summed), ``waves``, per-wave
+    ``wave_bwd_s`` and ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
+    backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
+    ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard)."""
+    if backward_kv not in ("keep", "resend"):
+        raise ValueError(f"backward_kv: must be 'keep' or 'resend', got {backward_kv!r}")
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    pl, cp = plan.placement, plan.cp
+    if pl is not None:
+        tokens = {(plan.ranks[i], b): sp.tokens for i, b, sp in pl.block_list()}
+        block_tokens = lambda blk: tokens[(blk.owner, blk.chunk)]  # noqa: E731
+    else:
+        zshape, _ = pad_for_zigzag(shape, cp)
+        block_tokens = lambda blk: zshape.seq_len / (2 * cp * plan.parts_per_chunk)  # noqa: E731
+    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731
+    waves = plan_waves(plan, size, budget)
+    fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
+    bwd, fetch, held = [], [], []
+    for w in waves:
+        sub = restrict(plan, w)
+        bwd.append(simulate_plan_backward(sub, topo, shape, compute_model=cm, grad_dtype_bytes=grad_dtype_bytes,
+                                          round_overhead_s=round_overhead_s, only_blocks=w).total_s)
+        fetch.append(simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
+                     if sub.rounds and backward_kv == "resend" else 0.0)
+        got: dict[int, float] = {}
+        for rnd in sub.rounds:
+            for t in rnd:
+                got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
+        held.append(got)
+    if backward_kv == "keep":
+        total = sum(bwd)
+        held_max = max((sum(size(b) for b in plan.needs(r)) for r in plan.ranks), default=0)
+    else:
+        total = (fetch[0] if fetch else 0.0) + sum(max(bwd[i], fetch[i + 1] if i + 1 < len(fetch) else 0.0)
+                                                   for i in range(len(bwd)))
+        held_max = max((held[i].get(r, 0.0) + (held[i + 1].get(r, 0.0) if i + 1 < len(held) else 0.0)
+                        for i in range(len(held)) for r in plan.ranks), default=0.0)
+    return {"bwd_s": total, "resend_s": sum(fetch), "waves": len(waves), "wave_bwd_s": bwd,
+            "wave_resend_s": fetch, "held_kv_bytes_max": held_max}
