@@ -29,7 +29,7 @@ Note [Backward pipeline]
 ------------------------
 Like flash-attn, the backward recomputes each block's scores from the saved ``q, k, v`` (the local
 shard), the final FP32 ``out`` and ``lse``, and the received KV blocks this rank computed on
-(saved in forward under ``backward_kv="keep"``, or re-sent at the start of backward under
+(saved in forward under ``backward_kv="keep"``, or re-sent wave by wave in backward under
 ``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`). dQ stays
 local. dK/dV of a block flow back along the plan reversed: rounds run last to first and every
 transfer is flipped, so the receiver of a block returns its partial ``[2, blk, b, h_kv, d]`` dKV
@@ -39,12 +39,16 @@ rounds, i.e. return it in earlier backward rounds), so every link carries one te
 A rank that neither needs the block nor has children returns zeros (the plan lists the transfer;
 a ring does exactly this). The owner adds all returns into its local dK/dV::
 
-    (resend mode: run the forward rounds again first; Note [Backward KV modes] in kv_memory)
-    compute blocks received in round R-1;  post(reverse round R-1)
-    for k = R-1 .. 0:
-        compute blocks received in round k-1 (local blocks when k == 0)   # overlaps round k
-        wait(reverse round k);  add returned partials
-        post(reverse round k-1)                                          # its dKV are complete
+    for each wave (Note [Backward waves] in backward_waves; rounds: the plan's rounds that carry it)
+        (resend: the wave's KV re-sent along those rounds, overlapped with the previous wave)
+        compute the wave's blocks received in round R-1;  post(reverse round R-1)
+        for k = R-1 .. 0:
+            compute the wave's blocks received in round k-1 (local ones when k == 0)  # overlaps k
+            wait(reverse round k);  add returned partials
+            post(reverse round k-1)                                      # its dKV are complete
+
+Both backward KV modes walk the same waves, so dq and every dK/dV partial are summed in the same
+order (bitwise equal results); a wave's received KV and non-local partials are freed after it.
 
 All validation happens before the first post; errors are ``ValueError`` naming the fix.
 """

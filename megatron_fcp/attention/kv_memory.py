@@ -8,14 +8,20 @@ every block it computed on again. Two ways to have them:
 * ``keep`` -- the forward saves every received block it needs until backward. Fastest backward
   (no KV traffic), but a rank holds its whole need set between the two passes: under causal zigzag
   CP rank 0 keeps ``2*(cp-1)`` of the ``2*cp`` chunks, ``cp-1`` times its own KV; for every layer.
-* ``resend`` -- nothing received is saved: backward first runs the plan's forward rounds again (the
-  owner and relays send, readers keep what they need for this one backward pass), then reduces
-  dK/dV along the reversed rounds exactly as under ``keep``. Between forward and backward a rank
-  holds only its own K and V, like Transformer Engine's ring (which re-sends KV in backward with
-  dKV). The arithmetic and its order are the same, so ``resend`` and ``keep`` give bitwise
-  identical outputs and gradients for a fixed plan. The re-send is exposed (nothing can be computed
-  before the last round's blocks, which backward needs first, arrive): it costs the forward's
-  communication time once more per layer; with compute-bound layers that is a few percent.
+* ``resend`` -- nothing received is saved: backward re-sends the KV *wave by wave* (Note [Backward
+  waves] in :mod:`megatron_fcp.attention.backward_waves`): the plan's blocks are split into waves in
+  which every rank receives at most half a shard's K and V; a wave's KV comes again along the plan's
+  rounds restricted to it (owner and relays send, readers keep what they need), its dK/dV are
+  reduced along those rounds reversed, then it is freed, while the next wave's re-send is in
+  flight. Between the passes a rank holds only its own K and V; within backward at most two waves,
+  i.e. one shard's K and V: what Transformer Engine's ring holds in flight beside its own KV (a
+  packed batch: the largest shard's, unless one block is larger than half of it). ``keep`` walks
+  the same waves (without the re-send), so the arithmetic and its order are the same: ``resend``
+  and ``keep`` give bitwise identical outputs and gradients for a fixed plan. Cost: a wave's rounds
+  run one after another and a wave's compute lands only on the ranks that need its blocks, so the
+  wave-by-wave backward (both modes) is slower than reversing the whole plan at once
+  (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`: 1.66x fwd+bwd at 128K on
+  ``dgx-h100:2``; the re-send itself adds 0.5%).
 * ``auto`` -- ``keep`` while the kept bytes fit the budget on *every* rank of the group, else
   ``resend``. The choice must be the same on all ranks (re-sending needs the senders), so it is
   taken from the plan, which every rank holds whole, not from one rank's own needs.
@@ -28,7 +34,8 @@ shard's worth), with larger groups it re-sends.
 In both modes the forward frees a received block as soon as it is computed on and forwarded (a
 relay drops what it only passes on), and :class:`~megatron_fcp.attention.function.FCPStats`
 records the bytes: ``saved_kv_bytes`` (received KV held from forward to backward),
-``peak_kv_bytes`` (received KV alive at once within the call) and ``resend_bytes_sent``.
+``peak_kv_bytes`` (received KV alive at once within the call), ``backward_peak_kv_bytes`` (within
+backward: kept, or the re-sent waves), ``backward_waves`` and ``resend_bytes_sent``.
 """
 
 from __future__ import annotations
