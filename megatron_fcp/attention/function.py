@@ -331,17 +331,14 @@ class _Executor:
         doc = dout.to(cd)
         preps: dict = {}                                                         # per-row-range layouts
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)                     # [n, b, h, d]
-        grads: dict[Block, torch.Tensor] = {}
-
-        def add_grad(block: Block, g: torch.Tensor) -> None:
-            grads[block] = g if block not in grads else grads[block].add_(g)
 
         def prepare(rows):
             if rows is None:
                 return self.kernel.prepare_backward(q, doc, out, hk)
             return self.kernel.prepare_backward(q[rows], doc[rows], out[rows], hk)
 
-        def compute(block: Block, kv: torch.Tensor) -> None:
+        def compute(block: Block, kv: torch.Tensor) -> torch.Tensor:
+            """Adds the block's dq; returns its dK/dV partial [2, blk, b, h_kv, d]."""
             nonlocal compute_s
             t0 = time.perf_counter()
             rows, kw = self._rows_args(block, preps, prepare)
@@ -354,15 +351,15 @@ class _Executor:
                     doc[rows], q[rows], kv[0], kv[1], out[rows], lse[:, :, rows], lay.q_pos[rows],
                     lay.k_pos(block), self.causal, self.scale, **kw)
                 dq[rows].add_(dq_b)
-            add_grad(block, torch.stack([dk_b, dv_b]))                           # [2, blk, b, h_kv, d]
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
+            return torch.stack([dk_b, dv_b])                                     # [2, blk, b, h_kv, d]
 
         per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
         waves = plan_waves(self.plan, lambda blk: lay.block_tokens(blk) * per_token,
                            cache_key=(tuple(k.shape), per_token, id(getattr(lay, "placement", None))))
-        res = run_backward_waves(self, waves, k, v, kept, compute, grads, cd)
-        wait_s, bytes_sent = res["wait_s"], res["bytes_sent"]
+        res = run_backward_waves(self, waves, k, v, kept, compute, cd)
+        wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
             held = res["peak"] if kept is None else sum(x.numel() * x.element_size() for x in kept.values())
             self.stats.resend_bytes_sent += res["resend_bytes"]
