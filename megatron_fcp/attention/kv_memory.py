@@ -9,19 +9,17 @@ every block it computed on again. Two ways to have them:
   (no KV traffic), but a rank holds its whole need set between the two passes: under causal zigzag
   CP rank 0 keeps ``2*(cp-1)`` of the ``2*cp`` chunks, ``cp-1`` times its own KV; for every layer.
 * ``resend`` -- nothing received is saved: backward re-sends the KV *wave by wave* (Note [Backward
-  waves] in :mod:`megatron_fcp.attention.backward_waves`): the plan's blocks are split into waves in
-  which every rank receives at most half a shard's K and V; a wave's KV comes again along the plan's
-  rounds restricted to it (owner and relays send, readers keep what they need), its dK/dV are
-  reduced along those rounds reversed, then it is freed, while the next wave's re-send is in
-  flight. Between the passes a rank holds only its own K and V; within backward at most two waves,
-  i.e. one shard's K and V: what Transformer Engine's ring holds in flight beside its own KV (a
-  packed batch: the largest shard's, unless one block is larger than half of it). ``keep`` walks
-  the same waves (without the re-send), so the arithmetic and its order are the same: ``resend``
-  and ``keep`` give bitwise identical outputs and gradients for a fixed plan. Cost: a wave's rounds
-  run one after another and a wave's compute lands only on the ranks that need its blocks, so the
-  wave-by-wave backward (both modes) is slower than reversing the whole plan at once
-  (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`: 1.66x fwd+bwd at 128K on
-  ``dgx-h100:2``; the re-send itself adds 0.5%).
+  waves] in :mod:`megatron_fcp.attention.backward_waves`): each wave brings every rank at most half
+  a shard's K and V along the plan's transfers (owner and relays send, readers keep what they need
+  until computed), its dK/dV go back along those transfers reversed, and the next wave's re-send
+  and the previous wave's reduction overlap its compute. Between the passes a rank holds only its
+  own K and V; within backward at most two waves, i.e. one shard's K and V: what Transformer
+  Engine's ring holds in flight beside its own KV (a packed batch: the largest shard's, unless one
+  block is larger than half of it). ``keep`` walks the same waves (without the re-send), so the
+  arithmetic and its order are the same: ``resend`` and ``keep`` give bitwise identical outputs
+  and gradients for a fixed plan. Cost (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`,
+  128K tokens on ``dgx-h100:2``): fwd+bwd 1.005x keep's one-pass backward with two parts per
+  chunk, 1.43x with whole chunks (causal zigzag: per wave some ranks have twice the work of others).
 * ``auto`` -- ``keep`` while the kept bytes fit the budget on *every* rank of the group, else
   ``resend``. The choice must be the same on all ranks (re-sending needs the senders), so it is
   taken from the plan, which every rank holds whole, not from one rank's own needs.
