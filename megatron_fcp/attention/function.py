@@ -39,16 +39,16 @@ rounds, i.e. return it in earlier backward rounds), so every link carries one te
 A rank that neither needs the block nor has children returns zeros (the plan lists the transfer;
 a ring does exactly this). The owner adds all returns into its local dK/dV::
 
-    for each wave (Note [Backward waves] in backward_waves; rounds: the plan's rounds that carry it)
-        (resend: the wave's KV re-sent along those rounds, overlapped with the previous wave)
-        compute the wave's blocks received in round R-1;  post(reverse round R-1)
-        for k = R-1 .. 0:
-            compute the wave's blocks received in round k-1 (local ones when k == 0)  # overlaps k
-            wait(reverse round k);  add returned partials
-            post(reverse round k-1)                                      # its dKV are complete
+    waves: the plan's deliveries, split (Note [Backward waves] in backward_waves)
+    for w = 0 .. W:  one step per reverse round k of wave w-1 (its rounds, last to first)
+        post(reverse round k of w-1)                  # relays: own partial + children's returns
+        resend: advance wave w+1's re-send by one round
+        compute a share of wave w's blocks            # overlaps both
+        wait(reverse round k);  add returned partials
 
 Both backward KV modes walk the same waves, so dq and every dK/dV partial are summed in the same
-order (bitwise equal results); a wave's received KV and non-local partials are freed after it.
+order (bitwise equal results); a wave's received KV is freed as it is computed, its non-local
+partials once reduced.
 
 All validation happens before the first post; errors are ``ValueError`` naming the fix.
 """
