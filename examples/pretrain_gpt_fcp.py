@@ -212,7 +212,8 @@ def _kv_memory_report(runtime, args: argparse.Namespace, layout, dtype: torch.dt
     tokens = args.seq_length // layout.cp  # the packed placement gives about as many per rank
     per_token = 2 * kv_heads * (args.hidden_size // args.num_attention_heads) * torch.tensor([], dtype=dtype).element_size()
     return {"backward_kv": stats.backward_kv, "saved_kv_bytes": stats.saved_kv_bytes,
-            "peak_kv_bytes": stats.peak_kv_bytes, "resend_bytes_sent": stats.resend_bytes_sent,
+            "peak_kv_bytes": stats.peak_kv_bytes, "backward_peak_kv_bytes": stats.backward_peak_kv_bytes,
+            "resend_bytes_sent": stats.resend_bytes_sent,
             "ring_in_flight_kv_bytes": tokens * per_token,
             "head_parallel_bytes_sent": stats.head_parallel_bytes_sent}
 
@@ -454,7 +455,8 @@ def train(
             info["kv_memory"] = _kv_memory_report(runtime, args, layout, dtype)
             m = info["kv_memory"]
             say(f"KV per layer (rank 0, last micro-batch): backward_kv={m['backward_kv']}, held between forward "
-                f"and backward {m['saved_kv_bytes']} B, peak received {m['peak_kv_bytes']} B, re-sent "
+                f"and backward {m['saved_kv_bytes']} B, peak received {m['peak_kv_bytes']} B (within backward "
+                f"{m['backward_peak_kv_bytes']} B), re-sent "
                 f"{m['resend_bytes_sent']} B; Transformer Engine's ring holds 0 B between the passes, "
                 f"{m['ring_in_flight_kv_bytes']} B in flight")
         metrics = {"losses": losses, "grad_norms": grad_norms, "fcp": info, "seconds": elapsed}

@@ -99,21 +99,28 @@ def _flip(t):
 
 
 def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
-    """Compare what the transport saw with plan.sends/recvs per round, forward and backward.
-    ``kv_bytes``/``grad_bytes``: bytes of every message, or a function of its block (blocks of a
-    packed batch differ in size)."""
+    """Compare what the transport saw with the plan per round: forward ``plan.sends/recvs`` (in plan
+    order); backward the dK/dV returns of the backward waves (``planning.waves.plan_waves``: each
+    wave's transfers flipped, as a set per round). ``kv_bytes``/``grad_bytes``: bytes of every
+    message, or a function of its block (blocks of a packed batch differ in size)."""
+    from megatron_fcp.planning.waves import plan_waves
+
+    waves = plan_waves(plan, kv_bytes if callable(kv_bytes) else (lambda b: kv_bytes))
     problems = []
     expected_total = 0
     for r in range(len(plan.rounds)):
+        carried = [t for w in waves for rr, t in w.transfers if rr == r]
         want = {
             ("forward", "send"): plan.sends(rank, r),
             ("forward", "recv"): plan.recvs(rank, r),
-            ("backward", "send"): tuple(_flip(t) for t in plan.recvs(rank, r)),
-            ("backward", "recv"): tuple(_flip(t) for t in plan.sends(rank, r)),
+            ("backward", "send"): tuple(_flip(t) for t in carried if t.dst == rank),
+            ("backward", "recv"): tuple(_flip(t) for t in carried if t.src == rank),
         }
         for (phase, kind), expected in want.items():
             got = transport.transfers(phase, r, kind)
             expected_total += len(expected)
+            if phase == "backward":  # posted wave by wave (Note [Backward waves]): compare as sets
+                got, expected = sorted(got, key=str), sorted(expected, key=str)
             if got != expected:
                 problems.append(f"rank {rank} {phase} round {r} {kind}: got {got}, plan says {expected}")
     if len(transport.posted) != expected_total:

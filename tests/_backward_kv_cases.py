@@ -12,7 +12,8 @@ import zlib
 import torch
 
 TOPO = "examples/configs/topology_2x2.yaml"
-CASES = [("ring", "fp64"), ("hier", "fp32"), ("full", "bf16"), ("hier", "bf16"), ("packed", "fp32")]
+CASES = [("ring", "fp64"), ("ring", "fp32"), ("ring", "bf16"), ("hier", "fp64"), ("hier", "fp32"),
+         ("full", "bf16"), ("hier", "bf16"), ("packed", "fp32"), ("packed", "bf16")]
 GLOO_CASES = [("hier", "fp32"), ("packed", "fp32")]
 MODES = ("keep", "resend", "auto")
 

@@ -99,7 +99,7 @@ PLANNING_LAYERS = [
     ("verify", "graph", "rounds"),  # proofs of a plan; graphs over a CP group; rounds vs Delta (edge colouring)
     ("plan",),                  # the plan contract
     ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
-    ("builders", "compile"),    # graph strategies; graph -> plan
+    ("builders", "compile", "waves"),  # graph strategies; graph -> plan; backward waves of a plan
     ("build",),                 # the planner entry point (auto uses the cost model)
     ("baselines", "head_parallel_compile"),  # TE's schedules; head-parallel plans for a degree and graph
     ("packed_cost",),           # TE's schedules on packed documents (THD); backward of every schedule

@@ -29,7 +29,7 @@ Note [Backward pipeline]
 ------------------------
 Like flash-attn, the backward recomputes each block's scores from the saved ``q, k, v`` (the local
 shard), the final FP32 ``out`` and ``lse``, and the received KV blocks this rank computed on
-(saved in forward under ``backward_kv="keep"``, or re-sent at the start of backward under
+(saved in forward under ``backward_kv="keep"``, or re-sent wave by wave in backward under
 ``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`). dQ stays
 local. dK/dV of a block flow back along the plan reversed: rounds run last to first and every
 transfer is flipped, so the receiver of a block returns its partial ``[2, blk, b, h_kv, d]`` dKV
@@ -39,12 +39,16 @@ rounds, i.e. return it in earlier backward rounds), so every link carries one te
 A rank that neither needs the block nor has children returns zeros (the plan lists the transfer;
 a ring does exactly this). The owner adds all returns into its local dK/dV::
 
-    (resend mode: run the forward rounds again first; Note [Backward KV modes] in kv_memory)
-    compute blocks received in round R-1;  post(reverse round R-1)
-    for k = R-1 .. 0:
-        compute blocks received in round k-1 (local blocks when k == 0)   # overlaps round k
+    waves: the plan's deliveries, split (Note [Backward waves] in backward_waves)
+    for w = 0 .. W:  one step per reverse round k of wave w-1 (its rounds, last to first)
+        post(reverse round k of w-1)                  # relays: own partial + children's returns
+        resend: advance wave w+1's re-send by one round
+        compute a share of wave w's blocks            # overlaps both
         wait(reverse round k);  add returned partials
-        post(reverse round k-1)                                          # its dKV are complete
+
+Both backward KV modes walk the same waves, so dq and every dK/dV partial are summed in the same
+order (bitwise equal results); a wave's received KV is freed as it is computed, its non-local
+partials once reduced.
 
 All validation happens before the first post; errors are ``ValueError`` naming the fix.
 """
@@ -58,6 +62,7 @@ from typing import Callable, Union
 import torch
 
 from megatron_fcp.agreement import LastAgreed
+from megatron_fcp.attention.backward_waves import plan_waves, run_backward_waves
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
@@ -68,7 +73,7 @@ from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placeme
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
 from megatron_fcp.groups import group_membership
-from megatron_fcp.planning.blocks import Block, Transfer
+from megatron_fcp.planning.blocks import Block
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import Plan
 
@@ -169,10 +174,6 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
 # ---------------------------------------------------------------------------------------------
 # execution
 # ---------------------------------------------------------------------------------------------
-def _flip(t: Transfer) -> Transfer:
-    return Transfer(t.dst, t.src, t.block)
-
-
 class _Executor:
     """Runs one plan for one rank: forward and backward pipelines (see the Notes above). What it
     knows about tokens comes from a :class:`~megatron_fcp.attention.layout.ShardLayout` (zigzag or
@@ -322,27 +323,22 @@ class _Executor:
     # -- backward ------------------------------------------------------------------------------
     def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor] | None):
         """Returns dq [n,b,h,d], dk, dv [n,b,h_kv,d] in q's dtype (see Note [Backward pipeline]).
-        ``kept`` None: re-send the KV first (Note [Backward KV modes] in kv_memory), computing the
-        local blocks' gradients while the first round is in flight."""
+        ``kept`` None: re-send the KV wave by wave (Note [Backward waves] in backward_waves)."""
         t_start = time.perf_counter()
-        compute_s = wait_s = 0.0
-        bytes_sent = 0
+        compute_s = 0.0
         lay, hk = self.layout, k.shape[2]
         cd = compute_dtype_for(q.dtype)
         doc = dout.to(cd)
         preps: dict = {}                                                         # per-row-range layouts
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)                     # [n, b, h, d]
-        grads: dict[Block, torch.Tensor] = {}
-
-        def add_grad(block: Block, g: torch.Tensor) -> None:
-            grads[block] = g if block not in grads else grads[block].add_(g)
 
         def prepare(rows):
             if rows is None:
                 return self.kernel.prepare_backward(q, doc, out, hk)
             return self.kernel.prepare_backward(q[rows], doc[rows], out[rows], hk)
 
-        def compute(block: Block, kv: torch.Tensor) -> None:
+        def compute(block: Block, kv: torch.Tensor) -> torch.Tensor:
+            """Adds the block's dq; returns its dK/dV partial [2, blk, b, h_kv, d]."""
             nonlocal compute_s
             t0 = time.perf_counter()
             rows, kw = self._rows_args(block, preps, prepare)
@@ -355,56 +351,21 @@ class _Executor:
                     doc[rows], q[rows], kv[0], kv[1], out[rows], lse[:, :, rows], lay.q_pos[rows],
                     lay.k_pos(block), self.causal, self.scale, **kw)
                 dq[rows].add_(dq_b)
-            add_grad(block, torch.stack([dk_b, dv_b]))                           # [2, blk, b, h_kv, d]
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
+            return torch.stack([dk_b, dv_b])                                     # [2, blk, b, h_kv, d]
 
-        def compute_round(r: int) -> None:
-            for t in self.plan.recvs(self.rank, r):
-                if t.block in self.needs:
-                    compute(t.block, kept[t.block])
-
-        def compute_local() -> None:
-            for b in self.local_blocks:
-                sl = lay.local_slice(b)
-                compute(b, torch.stack([k[sl], v[sl]]))
-
-        def post(r: int):
-            nonlocal bytes_sent
-            # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block
-            sends = [(_flip(t), grads[t.block] if t.block in grads
-                      else torch.zeros(self._kv_shape(t.block, k), dtype=cd, device=q.device))
-                     for t in self.plan.recvs(self.rank, r)]
-            # forward t: me -> dst  ==> backward: dst -> me, its partial dKV of t.block
-            recvs = [(_flip(t), torch.empty(self._kv_shape(t.block, k), dtype=cd, device=q.device))
-                     for t in self.plan.sends(self.rank, r)]
-            bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
-            return self.transport.post(sends, recvs, round_index=r, phase="backward"), recvs
-
-        if kept is None:  # resend: the plan's forward rounds again, readers keep what they need
-            kept = {}
-            t_w, resent, peak = self._distribute(k, v, "resend", lambda local_kv: None, kept.__setitem__, kept)
-            wait_s += t_w
-            if self.stats is not None:
-                self.stats.resend_bytes_sent += resent
-                self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak)
-        R = self.num_rounds
-        if R == 0:
-            compute_local()
-        else:
-            compute_round(R - 1)
-            pending = post(R - 1)
-            for r in range(R - 1, -1, -1):
-                if r > 0:
-                    compute_round(r - 1)
-                else:
-                    compute_local()
-                handle, recvs = pending
-                wait_s += self._wait(handle)
-                for t, buf in recvs:
-                    add_grad(t.block, buf)
-                if r > 0:
-                    pending = post(r - 1)
+        per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
+        waves = plan_waves(self.plan, lambda blk: lay.block_tokens(blk) * per_token,
+                           cache_key=(tuple(k.shape), per_token, id(getattr(lay, "placement", None))))
+        res = run_backward_waves(self, waves, k, v, kept, compute, cd)
+        wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
+        if self.stats is not None:
+            held = res["peak"] if kept is None else sum(x.numel() * x.element_size() for x in kept.values())
+            self.stats.resend_bytes_sent += res["resend_bytes"]
+            self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
+            self.stats.backward_peak_kv_bytes = max(self.stats.backward_peak_kv_bytes, held)
+            self.stats.backward_waves = len(waves)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [n, b, h_kv, d]
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for b in self.local_blocks:

@@ -117,7 +117,10 @@ def _table(out: dict, shape, topo, ranks) -> str:
         lines.append(
             f"backward KV (fcp, per rank per layer): keep holds {kv['keep']['held_kv_bytes_max'] / 1e6:.1f} MB "
             f"between forward and backward, fwd+bwd {kv['keep']['fwd_bwd_s'] * 1e3:.3f} ms; resend holds 0, "
-            f"fwd+bwd {kv['resend']['fwd_bwd_s'] * 1e3:.3f} ms ({kv['resend_vs_keep']:.3f}x keep); "
+            f"{kv['resend']['backward_held_kv_bytes_max'] / 1e6:.1f} MB within backward "
+            f"({kv['resend']['waves']} waves), fwd+bwd {kv['resend']['fwd_bwd_s'] * 1e3:.3f} ms "
+            f"({kv['resend_vs_keep']:.3f}x keep, {kv['resend_vs_one_pass_keep']:.3f}x keep's one-pass backward "
+            f"{kv['keep']['one_pass_fwd_bwd_s'] * 1e3:.3f} ms); "
             f"TE's ring holds 0 ({kv['ring_in_flight_kv_bytes'] / 1e6:.1f} MB in flight)")
     if "fcp" in s and "te-p2p" in s and s["fcp"]["comm_s"] > 0:
         lines.append("")

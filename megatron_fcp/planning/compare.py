@@ -27,6 +27,7 @@ from megatron_fcp.planning.head_parallel_cost import check_pass, lower_bound_all
 from megatron_fcp.planning.rounds import plan_delta
 from megatron_fcp.planning.packed_cost import (
     BACKWARD_FLOP_RATIO,
+    simulate_backward_waves,
     simulate_plan_backward,
     simulate_te_a2a_p2p_thd,
     simulate_te_p2p_thd,
@@ -181,22 +182,31 @@ def compare_head_parallel(
 def backward_kv_costs(plan, topology: "Topology | str", shape: AttentionShape, forward: SimResult, *,
                       compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0) -> dict:
     """Memory against time of the two backward KV modes of one FCP plan (Note [Backward KV modes] in
-    :mod:`megatron_fcp.attention.kv_memory`): per mode the backward and forward+backward seconds
-    and the most received KV any rank holds between the passes; beside them what Transformer
-    Engine's ring holds (no received KV between the passes; one KV pair the size of a rank's shard
-    in flight at any time)."""
+    :mod:`megatron_fcp.attention.kv_memory`), as the executor runs them: wave by wave
+    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`). Per mode the backward and
+    forward+backward seconds, the most received KV any rank holds between the passes
+    (``held_kv_bytes_max``) and within backward (``backward_held_kv_bytes_max``); beside them the
+    one-pass backward (the whole plan reversed at once, :func:`simulate_plan_backward`: what keep
+    cost before backward ran in waves) and what Transformer Engine's ring holds (no received KV
+    between the passes; one KV pair the size of a rank's shard in flight at any time)."""
     out: dict = {}
     for mode in ("keep", "resend"):
-        bwd = simulate_plan_backward(plan, topology, shape, compute_model=compute_model, backward_kv=mode,
+        bwd = simulate_backward_waves(plan, topology, shape, compute_model=compute_model, backward_kv=mode,
+                                      round_overhead_s=round_overhead_s)
+        one = simulate_plan_backward(plan, topology, shape, compute_model=compute_model, backward_kv=mode,
                                      round_overhead_s=round_overhead_s)
-        out[mode] = {"bwd_s": bwd.total_s, "fwd_bwd_s": forward.total_s + bwd.total_s,
-                     "held_kv_bytes_max": max(bwd.meta["held_kv_bytes"], default=0.0),
-                     "resend_s": bwd.meta["resend_s"]}
+        out[mode] = {"bwd_s": bwd["bwd_s"], "fwd_bwd_s": forward.total_s + bwd["bwd_s"],
+                     "held_kv_bytes_max": max(one.meta["held_kv_bytes"], default=0.0),
+                     "backward_held_kv_bytes_max": bwd["held_kv_bytes_max"],
+                     "resend_s": bwd["resend_s"], "waves": bwd["waves"],
+                     "one_pass_bwd_s": one.total_s, "one_pass_fwd_bwd_s": forward.total_s + one.total_s}
     shard = shape.kv_bytes(shape.seq_len / max(plan.cp, 1)) if plan.placement is None else \
         max((plan.placement.tokens(i) for i in range(plan.cp)), default=0) * shape.kv_bytes(1)
     out["ring_held_kv_bytes"] = 0.0
     out["ring_in_flight_kv_bytes"] = shard
     out["resend_vs_keep"] = out["resend"]["fwd_bwd_s"] / out["keep"]["fwd_bwd_s"] if out["keep"]["fwd_bwd_s"] else 1.0
+    one_keep = out["keep"]["one_pass_fwd_bwd_s"]
+    out["resend_vs_one_pass_keep"] = out["resend"]["fwd_bwd_s"] / one_keep if one_keep else 1.0
     return out
 
 

@@ -88,6 +88,7 @@ from megatron_fcp.planning.cost import (
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.waves import plan_waves, restrict
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "simulate_te_p2p_thd",
     "simulate_te_a2a_p2p_thd",
     "simulate_plan_backward",
+    "simulate_backward_waves",
 ]
 
 BACKWARD_FLOP_RATIO = 2.5
@@ -268,6 +270,7 @@ def simulate_plan_backward(
     order: str = "executor",
     backward_kv: str = "keep",
     kv_dtype_bytes: int | None = None,
+    computes=None,
 ) -> SimResult:
     """Backward pass of a plan (over a placement, or Megatron's zigzag split of ``shape.seq_len``
     tokens): the dK/dV reduction along the reversed rounds;
@@ -281,7 +284,9 @@ def simulate_plan_backward(
     ``"keep"`` starts from saved KV; ``"resend"`` first re-runs the forward rounds (KV in
     ``kv_dtype_bytes``, default ``shape.dtype_bytes``), overlapped with the local blocks'
     gradients, which both modes compute first. ``meta["held_kv_bytes"]``: per rank, the received
-    KV held from forward to backward (0 under resend)."""
+    KV held from forward to backward (0 under resend). ``computes``: a set of ``(block, rank)``;
+    only those gradients are computed (a plan cut to one wave, :func:`simulate_backward_waves`). This is the
+    whole backward in one pass; the executor runs it wave by wave (:func:`simulate_backward_waves`)."""
     if order not in ("executor", "eager"):
         raise ValueError(f"order: must be 'executor' or 'eager', got {order!r}")
     if backward_kv not in ("keep", "resend"):
@@ -314,8 +319,9 @@ def simulate_plan_backward(
     # Kernel launches as in the forward (Note [Cost model]): blocks of one owner reaching a rank in one
     # round share one launch, and a rank's own blocks are one launch.
     C = np.zeros((R + 1, cp))
-    needs = {r: plan.needs(r) for r in plan.ranks}  # once per rank (need_set is O(cp) per call)
-    got = [(r, pos[t.dst], t.block) for r, rnd in enumerate(plan.rounds) for t in rnd if t.block in needs[t.dst]]
+    needs = {r: plan.needs(r) for r in plan.ranks} if computes is None else {}  # once per rank
+    got = [(r, pos[t.dst], t.block) for r, rnd in enumerate(plan.rounds) for t in rnd
+           if (t.block in needs[t.dst] if computes is None else (t.block, t.dst) in computes)]
     if got:
         rr, jj = np.array([g[0] for g in got]), np.array([g[1] for g in got])
         oo = np.array([pos[g[2].owner] for g in got])
@@ -330,7 +336,8 @@ def simulate_plan_backward(
             _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
             np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), cm.kernel_overhead_s)
     for j, rank in enumerate(plan.ranks):
-        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank))
+        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank)
+                  if computes is None or (blk, rank) in computes)
         C[0, j] = own * flop_s + cm.kernel_overhead_s if own else 0.0
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
@@ -380,8 +387,72 @@ def simulate_plan_backward(
     res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
     res.total_s = float(max(ends.max(), res.compute_s)) if cp else 0.0
     kv_bytes = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
-    held = [0.0 if backward_kv == "resend" else sum(block_tokens(b) for b in needs[r]) * kv_bytes
-            for r in plan.ranks]
+    held = [0.0 if backward_kv == "resend" or computes is not None
+            else sum(block_tokens(b) for b in needs[r]) * kv_bytes for r in plan.ranks]
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
                     backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held)
     return res
+
+
+def simulate_backward_waves(
+    plan: Plan,
+    topology: "Topology | str",
+    shape: AttentionShape,
+    *,
+    compute_model: ComputeModel | None = None,
+    backward_kv: str = "resend",
+    kv_dtype_bytes: int | None = None,
+    grad_dtype_bytes: int = 4,
+    round_overhead_s: float = 0.0,
+    budget: int | None = None,
+) -> dict:
+    """The executor's backward as it runs: wave by wave (Note [Backward waves] in
+    :mod:`megatron_fcp.attention.backward_waves`), three waves in flight: wave w-1's dK/dV
+    reduction, wave w's gradients and (``"resend"``) wave w+1's re-send overlap, the slowest sets
+    the pace: ``resend(0) + sum over w of max(reduce(w-1), compute(w), resend(w+1))``. Per wave,
+    on the plan cut to it (:func:`~megatron_fcp.planning.waves.restrict`): compute is the busiest
+    rank's (:func:`simulate_plan_backward`'s), reduce and resend the rounds' communication alone.
+    Returns ``bwd_s``, ``resend_s`` (re-send alone, summed), ``waves``, per-wave ``wave_compute_s``,
+    ``wave_reduce_s``, ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
+    backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
+    ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard)."""
+    if backward_kv not in ("keep", "resend"):
+        raise ValueError(f"backward_kv: must be 'keep' or 'resend', got {backward_kv!r}")
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    pl, cp = plan.placement, plan.cp
+    if pl is not None:
+        tokens = {(plan.ranks[i], b): sp.tokens for i, b, sp in pl.block_list()}
+        block_tokens = lambda blk: tokens[(blk.owner, blk.chunk)]  # noqa: E731
+    else:
+        zshape, _ = pad_for_zigzag(shape, cp)
+        block_tokens = lambda blk: zshape.seq_len / (2 * cp * plan.parts_per_chunk)  # noqa: E731
+    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731
+    waves = plan_waves(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))
+    fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
+    comp, red, fetch, held = [], [], [], []
+    for w in waves:
+        sub = restrict(plan, w)
+        one = simulate_plan_backward(sub, topo, shape, compute_model=cm, grad_dtype_bytes=grad_dtype_bytes,
+                                     round_overhead_s=round_overhead_s, computes=w.computes)
+        comp.append(one.compute_s)
+        red.append(one.comm_s if sub.rounds else 0.0)
+        fetch.append(simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
+                     if sub.rounds and backward_kv == "resend" else 0.0)
+        got: dict[int, float] = {}
+        for rnd in sub.rounds:
+            for t in rnd:
+                got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
+        held.append(got)
+    W = len(waves)
+    total = (fetch[0] if W else 0.0) + sum(
+        max(red[i - 1] if i else 0.0, comp[i] if i < W else 0.0, fetch[i + 1] if i + 1 < W else 0.0)
+        for i in range(W + 1))
+    if backward_kv == "keep":
+        held_max = max((sum(size(b) for b in plan.needs(r)) for r in plan.ranks), default=0)
+    else:
+        held_max = max((held[i].get(r, 0.0) + (held[i + 1].get(r, 0.0) if i + 1 < W else 0.0)
+                        for i in range(W) for r in plan.ranks), default=0.0)
+    return {"bwd_s": total, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp, "wave_reduce_s": red,
+            "wave_resend_s": fetch, "held_kv_bytes_max": held_max}

@@ -1,0 +1,172 @@
+"""Waves of a plan's block deliveries for the wave-by-wave backward (Note [Backward waves] in
+:mod:`megatron_fcp.attention.backward_waves`). Pure data, no ``torch``: the executor and the cost
+model (:mod:`megatron_fcp.planning.packed_cost`) split a plan the same way.
+
+A *delivery* is one rank computing one block's gradient: a block it needs, or one of its own. A
+wave is a set of deliveries and the plan transfers that bring them: for a received block, the path
+of the plan's transfers from its owner to the reader (relays included). A block may go to some of
+its readers in one wave and to others later (its reduction tree is then cut into subtrees, one per
+wave; the owner adds their sums in wave order).
+
+:func:`plan_waves` packs deliveries greedily, wave after wave, blocks in the order the plan first
+sends them and readers in plan order. A delivery joins the wave while
+
+* every rank on its path receives at most ``budget`` bytes in the wave (default
+  :func:`wave_budget`, half of the largest shard's K and V: two waves alive at once hold no more
+  than the ring's one shard in flight), and
+* the reader's gradient work in the wave (query-key pairs) stays within the largest single
+  delivery's (so every rank computes about the same per wave: with sub-blocks, ranks whose
+  queries see a block fully take fewer blocks per wave than ranks that see half of it).
+
+A relay on the path that needs the block computes it there too when its work allows. The first
+delivery of a wave always fits (a block larger than the budget forms a wave of its own). Local
+blocks fill each rank's spare work. :func:`restrict` is the plan cut to one wave.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Callable, Hashable
+
+from megatron_fcp.planning.blocks import Block, Transfer
+from megatron_fcp.planning.cost import _block_pairs
+from megatron_fcp.planning.plan import Plan
+
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "block_work"]
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Deliveries handled together in backward and the plan transfers that carry them."""
+
+    transfers: tuple[tuple[int, Transfer], ...]   # (plan round, transfer), in plan order
+    computes: frozenset                           # (block, rank): rank computes block's gradient here
+    rounds: tuple[int, ...] = field(init=False)   # ascending plan rounds with a transfer of the wave
+    _tset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rounds", tuple(sorted({r for r, _ in self.transfers})))
+        object.__setattr__(self, "_tset", frozenset(self.transfers))
+
+    def has(self, round_index: int, t: Transfer) -> bool:
+        """Whether the wave carries transfer ``t`` of plan round ``round_index``."""
+        return (round_index, t) in self._tset
+
+
+def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
+    """Half of the largest shard's K and V bytes: two waves then fit in what the ring holds in flight."""
+    return max(sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks) // 2
+
+
+def block_work(plan: Plan) -> Callable[[int, Block], float]:
+    """Query-key pairs of a rank's queries against a block (relative: zigzag at 64 tokens per sub-block)."""
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    if plan.placement is not None:
+        pl = plan.placement
+        return lambda rank, b: float(pl.pairs(pos[rank], pos[b.owner], b.chunk))
+    P = plan.parts_per_chunk
+    seq = 2 * plan.cp * P * 64
+    return lambda rank, b: float(_block_pairs(plan.cp, seq, P, pos[rank], pos[b.owner], b.chunk, b.part,
+                                              plan.causal))
+
+
+def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
+               cache_key: Hashable = None) -> tuple[Wave, ...]:
+    """Split the plan's deliveries into waves (module docstring). cache_key: what ``block_bytes``
+    depends on besides the plan; with it the waves are computed once per plan object and key."""
+    key = (id(plan), budget, cache_key)
+    hit = _WAVES.get(key)
+    if cache_key is not None and hit is not None and hit[0]() is plan:
+        return hit[1]
+    if budget is None:
+        budget = wave_budget(plan, block_bytes)
+    work_of = block_work(plan)
+    memo: dict[tuple[int, Block], float] = {}
+
+    def work(x: int, b: Block) -> float:
+        w = memo.get((x, b))
+        if w is None:
+            w = memo[(x, b)] = work_of(x, b)
+        return w
+
+    parent: dict[tuple[Block, int], tuple[int, Transfer]] = {}    # (block, reader) -> how it arrives
+    readers: dict[Block, list[int]] = {}
+    for r, t in plan.transfers():
+        if (t.block, t.dst) not in parent:
+            parent[(t.block, t.dst)] = (r, t)
+            readers.setdefault(t.block, []).append(t.dst)
+    left = {x: set(plan.needs(x)) for x in plan.ranks}             # received deliveries still to do
+    local = {x: list(plan.local_blocks(x)) for x in plan.ranks}
+    order = list(readers)
+    pending = {b: [x for x in readers[b] if b in left[x]] for b in order}     # readers still to serve
+    cap = max([work(x, b) for x in plan.ranks for b in left[x]] + [work(x, b) for x in plan.ranks for b in local[x]]
+              + [0.0])
+    size = {b: block_bytes(b) for b in plan.blocks()}
+    waves = []
+    while any(left.values()) or any(local.values()):
+        load: dict[int, int] = {}
+        comp: dict[int, float] = {}
+        carried: dict[tuple[Block, int], tuple[int, Transfer]] = {}
+        computes: set = set()
+
+        mins: dict[int, float] = {}
+
+        def min_work(x: int) -> float:
+            if x not in mins:
+                mins[x] = min((work(x, b) for b in left[x]), default=0.0)
+            return mins[x]
+
+        def take(b: Block, x: int) -> None:
+            computes.add((b, x))
+            comp[x] = comp.get(x, 0.0) + work(x, b)
+
+        hungry = {x for x in plan.ranks if left[x]}                # ranks that may still take work
+        for b in order:
+            if not hungry:
+                break
+            if not pending[b]:
+                continue
+            for x in pending[b]:
+                if b not in left[x] or x not in hungry or (comp.get(x, 0.0) and comp[x] + work(x, b) > cap):
+                    continue
+                path, y = [], x
+                while y != b.owner and (b, y) not in carried:
+                    path.append(y)
+                    y = parent[(b, y)][1].src
+                if computes and any(load.get(d, 0) + size[b] > budget for d in path):
+                    continue
+                for d in path:
+                    load[d] = load.get(d, 0) + size[b]
+                    carried[(b, d)] = parent[(b, d)]
+                take(b, x)
+                left[x].discard(b)
+                for d in path[1:]:                               # relays that need it compute it too
+                    if b in left[d] and comp.get(d, 0.0) + work(d, b) <= cap:
+                        take(b, d)
+                        left[d].discard(b)
+                for d in path:                                   # full: no delivery of theirs fits any more
+                    if not left[d] or (comp.get(d, 0.0) and comp[d] + min_work(d) > cap) or load[d] >= budget:
+                        hungry.discard(d)
+            pending[b] = [x for x in pending[b] if b in left[x]]
+        for x in plan.ranks:                                     # own blocks fill spare work
+            while local[x] and (not comp.get(x, 0.0) or comp[x] + work(x, local[x][0]) <= cap):
+                take(local[x].pop(0), x)
+        transfers = tuple(sorted(carried.values(), key=lambda rt: (rt[0], plan.rounds[rt[0]].index(rt[1]))))
+        waves.append(Wave(transfers, frozenset(computes)))
+    waves = tuple(waves)
+    if cache_key is not None:
+        if len(_WAVES) > 1024:
+            _WAVES.clear()
+        _WAVES[key] = (weakref.ref(plan), waves)
+    return waves
+
+
+_WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
+
+
+def restrict(plan: Plan, wave: Wave) -> Plan:
+    """The plan's rounds that carry ``wave``, with only its transfers (not a complete plan: it
+    delivers only this wave; for the cost model)."""
+    rounds = tuple(tuple(t for t in plan.rounds[r] if wave.has(r, t)) for r in wave.rounds)
+    return replace(plan, rounds=rounds, name=f"{plan.name}/wave")

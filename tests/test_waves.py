@@ -1,0 +1,89 @@
+"""Backward waves (Note [Backward waves] in megatron_fcp/attention/backward_waves.py): the pure
+split of a plan's deliveries (planning/waves.py) and its cost model (packed_cost.simulate_backward_waves)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_fcp.planning import build_plan, place_packed
+from megatron_fcp.planning.waves import block_work, plan_waves, restrict, wave_budget
+
+BUILDERS = ("ring", "full", "hierarchical", "leader", "spanning", "entry")
+
+
+def _check(plan, waves, size, budget):
+    """Every need and every own block computed exactly once; a wave's transfers are paths from the
+    owner (a sender owns the block or got it earlier in the same wave) carried by the plan; every
+    rank receives at most ``budget`` bytes per wave (a wave's first delivery may exceed it alone)."""
+    done = [c for w in waves for c in w.computes]
+    assert len(done) == len(set(done))
+    want = {(b, x) for x in plan.ranks for b in plan.needs(x)} | {(b, b.owner) for b in plan.blocks()}
+    assert set(done) == want
+    in_plan = set(plan.transfers())
+    for w in waves:
+        have = set()
+        load: dict[int, int] = {}
+        for r, t in w.transfers:
+            assert (r, t) in in_plan
+            assert t.src == t.block.owner or (t.block, t.src) in have
+            have.add((t.block, t.dst))
+            load[t.dst] = load.get(t.dst, 0) + size(t.block)
+        for b, x in w.computes:
+            assert x == b.owner or (b, x) in have                # computed where it arrives
+        assert max(load.values(), default=0) <= budget or len({t.block for _, t in w.transfers}) == 1
+        sub = restrict(plan, w)
+        assert len(sub.rounds) == len(w.rounds) and all(sub.rounds)
+
+
+@pytest.mark.parametrize("cp", (4, 8))
+@pytest.mark.parametrize("builder", BUILDERS)
+@pytest.mark.parametrize("parts", (1, 2))
+def test_waves_compute_every_need_once_within_the_budget(cp, builder, parts):
+    plan = build_plan("dgx-h100:1", range(cp), builder, parts_per_chunk=parts)
+    size = lambda b: 100  # noqa: E731
+    budget = wave_budget(plan, size)
+    assert budget == parts * 100  # half a shard of 2 chunks x parts
+    waves = plan_waves(plan, size)
+    _check(plan, waves, size, budget)
+    assert plan_waves(plan, size, cache_key="k") == plan_waves(plan, size, cache_key="k") == waves
+
+
+def test_waves_over_a_placement_and_blocks_larger_than_the_budget():
+    pl = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8)
+    plan = build_plan("dgx-h100:1", range(4), "hierarchical", placement=pl)
+    size = lambda b: 10 * pl.blocks[b.owner][b.chunk].tokens  # noqa: E731
+    _check(plan, plan_waves(plan, size), size, wave_budget(plan, size))
+    tiny = plan_waves(plan, size, budget=1)                   # every block is too large: one per wave
+    _check(plan, tiny, size, 1)
+    assert all(len({t.block for _, t in w.transfers}) <= 1 for w in tiny)
+
+
+def test_sub_blocks_balance_the_work_per_wave():
+    """Causal zigzag at cp = 16: with two parts per chunk every wave gives each rank about the same
+    work, so the waves' busiest ranks add up to the one-pass busiest rank's work."""
+    plan = build_plan("dgx-h100:2", range(16), "hierarchical", parts_per_chunk=2)
+    work = block_work(plan)
+    waves = plan_waves(plan, lambda b: 100)
+    per_wave = sum(max(sum(work(x, b) for b, y in w.computes if y == x) for x in plan.ranks) for w in waves)
+    one_pass = max(sum(work(x, b) for b in plan.needs(x) | set(plan.local_blocks(x))) for x in plan.ranks)
+    assert per_wave <= 1.02 * one_pass
+
+
+def test_wave_cost_model_bounds_held_kv_by_the_ring_and_hides_the_resend():
+    """cp = 16 on two DGX H100, 128K tokens, GQA 32:8, hierarchical with two parts per chunk:
+    resend holds at most the ring's one shard (32 MiB) within backward, keep its need set (480 MiB
+    on CP rank 0); fwd+bwd with resend within 1.15x of keep's one-pass backward."""
+    from megatron_fcp.planning.cost import AttentionShape, simulate_plan
+    from megatron_fcp.planning.packed_cost import simulate_backward_waves, simulate_plan_backward
+
+    shape = AttentionShape(131072, 32, 8, 128)
+    plan = build_plan("dgx-h100:2", range(16), "hierarchical", parts_per_chunk=2)
+    shard = shape.kv_bytes(131072 / 16)
+    resend = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="resend")
+    keep = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="keep")
+    assert resend["held_kv_bytes_max"] <= shard and keep["held_kv_bytes_max"] == 15 * shard
+    assert resend["waves"] == keep["waves"] > 16 and resend["resend_s"] > 0 and keep["resend_s"] == 0
+    assert keep["bwd_s"] <= resend["bwd_s"] <= keep["bwd_s"] + resend["resend_s"]
+    fwd = simulate_plan(plan, "dgx-h100:2", shape).total_s
+    one_pass = simulate_plan_backward(plan, "dgx-h100:2", shape).total_s
+    assert fwd + resend["bwd_s"] <= 1.15 * (fwd + one_pass)
