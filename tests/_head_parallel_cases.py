@@ -108,9 +108,16 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
     res["err"] = {n: (got[n].double() - local[n]).abs().max().item() for n in QUANTITIES}
     res["a2a_bytes"] = stats.head_parallel_bytes_sent
     if transport is not None:  # the KV stage ran exactly its plan's transfers (forward and backward)
+        from megatron_fcp.planning import Transfer
+
         plan_j = hp.kv_plan_for(hp.position(rank)[1])
-        want = sum(len(plan_j.sends(rank, r)) + len(plan_j.recvs(rank, r)) for r in range(len(plan_j.rounds)))
-        res["stage_posts"] = (len(transport.posted), 2 * want)
+        want = {(r, t) for r, t in plan_j.transfers() if rank in (t.src, t.dst)}
+        fwd = [(p.round_index, p.transfer) for p in transport.posted if p.phase == "forward"]
+        # backward reduces along the same transfers reversed, wave by wave (a transfer may carry
+        # partials of several waves: Note [Backward waves])
+        bwd = {(p.round_index, Transfer(p.transfer.dst, p.transfer.src, p.transfer.block))
+               for p in transport.posted if p.phase == "backward"}
+        res["stage_posts"] = ((len(fwd), set(fwd) == want, bwd == want), (len(want), True, True))
     if case.dtype == "fp64":
         again = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
                                             hp_plan=hp, groups=hp_groups.get(key), causal=case.causal)
