@@ -62,7 +62,8 @@ class FCPConfig:
 
     block_tokens: int = 0
     """Tokens per KV block; a zigzag chunk is cut into chunk_len/block_tokens blocks so transfers
-    overlap with compute (4K-8K is a good start on GPUs). 0 keeps one block per chunk."""
+    overlap with compute (4K-8K is a good start on GPUs). 0: one block per chunk, or two where the
+    backward may re-send KV (backward_kv auto/resend at cp > 2), which balances the backward waves."""
 
     overlap: bool = True
     """Overlap block transfers with attention compute (off: communicate, then compute)."""
