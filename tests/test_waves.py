@@ -87,3 +87,25 @@ def test_wave_cost_model_bounds_held_kv_by_the_ring_and_hides_the_resend():
     fwd = simulate_plan(plan, "dgx-h100:2", shape).total_s
     one_pass = simulate_plan_backward(plan, "dgx-h100:2", shape).total_s
     assert fwd + resend["bwd_s"] <= 1.15 * (fwd + one_pass)
+
+
+def test_megatron_runtime_cuts_chunks_in_two_where_backward_may_resend():
+    """--fcp-block-tokens 0: whole chunks, except where the backward may re-send KV (auto/resend
+    at cp > 2): two parts per chunk balance the waves. An explicit block size always wins."""
+    from megatron_fcp.config import FCPConfig
+    from megatron_fcp.patches.runtime import reset_fcp, setup_fcp
+    from megatron_fcp.planning import MegatronLayout
+
+    def parts(cfg, cp, s_local=32):
+        reset_fcp()
+        try:
+            rt = setup_fcp(cfg, layout=MegatronLayout(world=cp, cp=cp), groups={}, seq_len=s_local * cp)
+            return rt.parts_per_chunk(s_local)
+        finally:
+            reset_fcp()
+
+    base = FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=1)
+    assert parts(base, 4) == 2 and parts(base.replace(backward_kv="resend"), 8) == 2
+    assert parts(base.replace(backward_kv="keep"), 4) == 1
+    assert parts(base, 2) == 1                                  # cp = 2: auto keeps within the ring's budget
+    assert parts(base.replace(block_tokens=4), 4) == 4          # 16-token chunks cut into 4-token blocks
