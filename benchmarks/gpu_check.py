@@ -378,6 +378,7 @@ def section_harness(device, dtypes, seq: int = 32768) -> dict:
             "mode": mode, "seq": seq, "wall_s": wall, "backward_kv": [r.backward_kv for r in res.ranks],
             "kept_bytes": [r.kept_bytes for r in res.ranks],
             "peak_kv_bytes": [r.stats.peak_kv_bytes for r in res.ranks],
+            "backward_peak_kv_bytes": [r.stats.backward_peak_kv_bytes for r in res.ranks],
             "ring_kv_bytes": [r.stats.ring_kv_bytes for r in res.ranks],
             "kept_le_ring": all(r.kept_bytes <= r.stats.ring_kv_bytes for r in res.ranks)})
         del res
