@@ -258,12 +258,12 @@ def section_numerics(device, dtypes, small: bool = False) -> list[dict]:
     return rows
 
 
-def _time(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` (CUDA events; wall clock on CPU) after one warm-up."""
+def _time(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn`` (CUDA events on a CUDA device; wall clock on CPU) after one warm-up."""
     fn()
     times = []
     for _ in range(repeats):
-        if torch.cuda.is_available():
+        if device.type == "cuda":
             a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
@@ -308,17 +308,18 @@ def section_speed(device, seqs, repeats: int, heads=(32, 8), d=128, cp: int = 4)
             def block_all():
                 zigzag_blockwise(q, k, v, do, cp, kernel, True, scale, backward=True, shards=shards, gather=False)
 
-            t_ff = _time(fused_fwd, repeats)
-            t_fb = _time(fused_bwd, repeats)
-            t_bf = _time(block_fwd, repeats)
-            t_ba = _time(block_all, repeats)
+            t_ff = _time(fused_fwd, repeats, device)
+            t_fb = _time(fused_bwd, repeats, device)
+            t_bf = _time(block_fwd, repeats, device)
+            t_ba = _time(block_all, repeats, device)
             t_bb = t_ba - t_bf
             rows.append({"kernel": name, "dtype": str(dt)[6:], "seq": s, "heads": h, "kv_heads": hk, "head_dim": d,
                          "cp": cp, "fused_fwd_s": t_ff, "fused_bwd_s": t_fb, "blockwise_fwd_s": t_bf,
                          "blockwise_bwd_s": t_bb, "fwd_ratio": t_bf / t_ff, "bwd_ratio": t_bb / t_fb,
                          "fwd_ok": bool(t_bf / t_ff <= 1.10), "bwd_ok": bool(t_bb / t_fb <= 1.10)})
             del q, k, v, do, bshd, state, shards
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 

@@ -179,7 +179,7 @@ class FusedPiecesKernel(BlockKernel):
         doc = dout.to(od) if dout_c is None else dout_c                          # [n, b, h, d]
         ouc = out.to(od) if out_c is None else out_c                             # [n, b, h, d]
         kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
-        lse = lse.to(torch.float32) if od != torch.float64 else lse              # [b, h, n]
+        lse = lse.to(torch.float32)                                              # [b, h, n]; ops take FP32
         pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
         dq = torch.empty(n, b, h, d, dtype=cd, device=q.device)                  # every row written once
         for a, z in _gaps([(p[0], p[1]) for p in pieces], n):
