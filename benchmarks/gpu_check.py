@@ -32,6 +32,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -386,6 +387,22 @@ def section_harness(device, dtypes, seq: int = 32768) -> dict:
     return out
 
 
+_ERROR_LINE = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*$")
+
+
+def first_traceback(text: str, keep: int = 3000) -> str | None:
+    """The first Python traceback in a run's output, cut to its last ``keep`` characters so that the
+    exception line (what failed) survives; None when there is none. A rank's traceback ends at its
+    first ``...Error: ...`` line; torchrun's own report that follows it is dropped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if _ERROR_LINE.match(lines[i])), len(lines) - 1)
+    block = "\n".join(lines[start:end + 1])
+    return block if len(block) <= keep else "...\n" + block[-keep:]
+
+
 def section_gpt(device, timeout_s: int = 90) -> dict:
     """The tiny GPT example on one GPU: cp = 1 (Megatron's own attention, one process) against FCP at
     cp = 4 (four processes sharing the GPU over gloo, KV staged through host memory: NCCL refuses
@@ -414,9 +431,8 @@ def section_gpt(device, timeout_s: int = 90) -> dict:
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
                 text = p.stdout + p.stderr
-                first_tb = text.find("Traceback")
                 run = {"rc": p.returncode, "tail": text[-1500:],
-                       "traceback": text[first_tb:first_tb + 3000] if p.returncode and first_tb >= 0 else None}
+                       "traceback": first_traceback(text) if p.returncode else None}
                 if p.returncode == 0 and os.path.exists(path):
                     with open(path) as f:
                         m = json.load(f)

@@ -269,6 +269,18 @@ def _layer_spec(impl: str, normalization: str = "LayerNorm"):
     return impl, specs.get_gpt_layer_local_spec(normalization=normalization)
 
 
+def _float16_module(model: torch.nn.Module) -> torch.nn.Module:
+    """Megatron's ``Float16Module``: casts the whole model to the config's half type and the loss to FP32.
+
+    ``params_dtype`` alone leaves the torch ``LayerNorm``/``RMSNorm`` of the local spec in FP32; CPU
+    kernels accept the mix, CUDA's ``layer_norm`` does not ("expected scalar type BFloat16 but found
+    Float"), so the example wraps the model as ``megatron.training`` does for ``--bf16``.
+    """
+    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
+
+    return Float16Module(model.config, model)
+
+
 def _grad_norm(model: torch.nn.Module, tp_group, device: torch.device) -> float:
     """Global L2 norm of gradients over unique parameters (TP shards summed over ``tp_group``)."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: PLC0415
@@ -366,6 +378,8 @@ def train(
             position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         ).to(device)
+        if dtype != torch.float32:  # as Megatron's training does: every parameter in BF16, norms included
+            model = _float16_module(model)
         if fcp.enabled:
             info["fcp_modules"] = assert_model_uses_fcp(model)
             from megatron_fcp.patches.runtime import current_runtime  # noqa: PLC0415
@@ -379,6 +393,7 @@ def train(
         say(f"model: GPTModel {args.num_layers} layers, hidden {args.hidden_size}, "
             f"{sum(p.numel() for p in model.parameters())} params/rank, spec {impl}, "
             f"world {world} = tp {layout.tp} x cp {layout.cp} x dp {layout.dp}, device {device}")
+        info["param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
         split_for_cp = cp_batch_splitter()  # get_batch_on_this_cp_rank, whatever its signature

@@ -33,3 +33,16 @@ def test_a_wrong_result_fails_the_rule():
     got = dict(plain, out=torch.full((4,), 1e-2))
     verdict = gpu_check.compare(got, ref, plain)
     assert not verdict["out"]["ok"] and all(verdict[n]["ok"] for n in gpu_check.QUANT if n != "out")
+
+
+def test_a_failed_run_keeps_the_exception_line():
+    """The GPT section's traceback keeps what failed (the last line), not only where it started."""
+    frames = "".join(f"[rank0]:   File \"m.py\", line {i}, in f{i}\n[rank0]:     f{i + 1}()\n" for i in range(200))
+    text = ("INFO starting\n[rank0]: Traceback (most recent call last):\n" + frames
+            + "[rank0]: RuntimeError: expected scalar type BFloat16 but found Float\n"
+            + "E1130 torch.distributed.elastic.multiprocessing.api: failed\nTraceback (most recent call last):\n"
+            + "  File \"run.py\", line 1\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: x\n")
+    tb = gpu_check.first_traceback(text, keep=500)
+    assert tb.endswith("RuntimeError: expected scalar type BFloat16 but found Float")
+    assert len(tb) <= 504 and "ChildFailedError" not in tb
+    assert gpu_check.first_traceback("all good\n") is None
