@@ -18,10 +18,14 @@ from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.plan import AutoChoice, Plan
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["build_plan", "NOMINAL_SHAPE"]
+__all__ = ["build_plan", "NOMINAL_SHAPE", "PACKED_TIE"]
 
 NOMINAL_SHAPE = AttentionShape(131072, 32, 8, 128, 2)
 """The shape ``auto`` times candidates on when the caller gives none (128K tokens, GQA 32:8, d=128, bf16)."""
+
+PACKED_TIE = 0.01
+"""For a packed batch, candidates predicted within this fraction of the best are a tie (Note in
+:func:`_least_crossing`)."""
 
 
 def build_plan(
@@ -71,7 +75,25 @@ def build_plan(
             continue
         plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk, placement=placement)
         candidates.append((simulate_plan(plan, topo, shape, compute=objective == "total"), plan))
-    _, best = pick_best(candidates, objective)
+    _, best = pick_best(candidates, objective) if placement is None else _least_crossing(candidates, objective)
     metric = "total_s" if objective == "total" else "comm_s"
     choice = AutoChoice(metric, tuple((p.name, getattr(r, metric)) for r, p in candidates))
     return best.with_auto(choice)
+
+
+def _least_crossing(candidates, objective: str):
+    """Packed batches: among the candidates within :data:`PACKED_TIE` of the best predicted time,
+    the one that moves the fewest bytes across nodes (then the fastest).
+
+    Under ``"total"`` the communication times must tie too. A need-driven packed plan moves little, so builders often land within a fraction of a percent of
+    each other in the model (``full`` sends every block straight from its owner, ``entry`` crosses to
+    each other node once and relays inside it). A gap that small is below what the model resolves;
+    the inter-node bytes are not: they are what a shared fabric and other jobs feel. Fixed-length
+    plans keep :func:`~megatron_fcp.planning.cost.pick_best` unchanged.
+    """
+    metric = "total_s" if objective == "total" else "comm_s"
+    best = min(getattr(r, metric) for r, _ in candidates)
+    close = [c for c in candidates if getattr(c[0], metric) <= best * (1 + PACKED_TIE)]
+    least_comm = min(r.comm_s for r, _ in close)  # under "total", compute may hide very different comm
+    close = [c for c in close if c[0].comm_s <= least_comm * (1 + PACKED_TIE)]
+    return min(close, key=lambda c: (c[0].inter_node_bytes, getattr(c[0], metric), c[0].comm_s))
