@@ -109,7 +109,8 @@ class AttentionShape:
 
 def kv_block_bytes(seq_len: int, cp: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2,
                    parts_per_chunk: int = 1) -> float:
-    """Bytes of one KV block (K and V of ``seq_len / (2*cp*parts)`` tokens)."""
+    """Bytes of one KV block (K and V of ``seq_len / (2*cp*parts)`` tokens; the mean block when
+    ``parts`` does not divide the chunk: :func:`simulate_plan` prices each part's own tokens)."""
     return seq_len / (2 * cp * parts_per_chunk) * 2 * kv_heads * head_dim * dtype_bytes
 
 
