@@ -23,7 +23,8 @@ TOPOLOGY = "dgx-h100:1"  # the KV stage's compiled plans run over virtual ranks 
 @dataclass(frozen=True)
 class Case:
     degree: int           # head-parallel degree a
-    kv: str               # KV-stage plan: "full" (full_plan), "ring" / "hierarchical" (build_plan graphs)
+    kv: str               # KV-stage plan: "full" (full_plan), "ring" / "hierarchical" (build_plan graphs),
+                          # "zigzag" (degree 1: compile_head_parallel's zigzag plan, 3 uneven parts per chunk)
     causal: bool
     heads: tuple          # (h, h_kv)
     dtype: str            # key of DTYPES
@@ -41,11 +42,16 @@ class Case:
 def make_hp_plan(ranks: tuple, degree: int, seq_len: int, causal: bool, kv: str, heads: int, kv_heads: int,
                  swapped: bool = False):
     """The HeadParallelPlan of a case: consecutive head groups (each reversed if ``swapped``), the
-    named KV-stage plan."""
-    from megatron_fcp.planning import build_plan, full_plan
+    named KV-stage plan; ``kv="zigzag"`` (degree 1): ``compile_head_parallel``'s plan, the
+    ``hierarchical`` graph with 3 parts per chunk (4-token chunks: parts of 1, 1 and 2 tokens)."""
+    from megatron_fcp.planning import AttentionShape, build_plan, full_plan
+    from megatron_fcp.planning.head_parallel_compile import compile_head_parallel
     from megatron_fcp.planning.head_parallel import (HeadParallelPlan, check_head_parallel,
                                                      consecutive_head_groups, group_placement)
 
+    if kv == "zigzag":
+        return compile_head_parallel(TOPOLOGY, ranks, AttentionShape(seq_len, heads, kv_heads, 8), degree,
+                                     "hierarchical", causal=causal, parts_per_chunk=3)
     groups = consecutive_head_groups(ranks, degree)
     if swapped:
         groups = tuple(tuple(reversed(g)) for g in groups)
@@ -149,6 +155,8 @@ def _bad_inputs(group, ranks: tuple, hp_groups: dict) -> dict:
         "degree": (lambda: HeadParallelPlan(ranks, 3, ((0, 1, 2), (3,)), None), {}, None, "groups of 3"),
         "kv_heads": (lambda: good, {}, (t(h=4), t(h=3), t(h=3)), "multiple of KV heads"),
         "dtype": (lambda: good, {}, (t(), t(h=2, dtype=torch.float64), t(h=2)), "share one dtype"),
+        "zigzag_parts": (lambda: make_hp_plan(ranks, 1, 64, True, "zigzag", 4, 2), {"groups": None},
+                         (t(s=4), t(s=4, h=2), t(s=4, h=2)), "into 3 parts, more than it has tokens"),
     }
     out = {}
     for name, (plan_fn, kwargs, tensors, expect) in cases.items():

@@ -2,7 +2,8 @@
 
 Degrees a = 2 (two head groups, KV stage over two virtual ranks) and a = 4 (one head group: plain
 Ulysses, attention local over the whole sequence), plus a = 1 (no all-to-all, the KV stage over
-the zigzag placement). MHA and GQA including h_kv = 1 and h_kv not divisible by a (KV heads
+the zigzag placement, or compile_head_parallel's degree-1 zigzag plan run as plain FCP, its chunks
+cut into uneven parts). MHA and GQA including h_kv = 1 and h_kv not divisible by a (KV heads
 replicated: h = 6, h_kv = 3 at a = 2; h = 8, h_kv = 2 / 1 and h = 12, h_kv = 3 at a = 4), causal
 and not; KV-stage plans full_plan, and build_plan's ring and hierarchical graphs over the group
 placement. Tolerances as tests/test_attention_dist.py: FP64 <= 1e-12 and FP32 <= 1e-5 (times
@@ -37,6 +38,8 @@ CASES = [
     for kv in ("ring", "hierarchical", "auto") for causal in (True, False) for dtype in ("fp64", "fp32")
 ] + [  # a = 1: no head-parallel stage, the KV stage over the zigzag placement
     Case(1, kv, causal, (4, 2), "fp64") for kv in ("full", "ring") for causal in (True, False)
+] + [  # a = 1 from compile_head_parallel: plain FCP over its zigzag plan, uneven sub-blocks (1, 1, 2 tokens)
+    Case(1, "zigzag", causal, (4, 2), dtype) for causal in (True, False) for dtype in ("fp64", "bf16")
 ] + [  # head groups (1, 0), (3, 2): member order is not the process groups' rank order
     Case(2, "full", causal, (4, 1), "fp64", swapped=True) for causal in (True, False)
 ] + [  # the fused CPU flash block kernel in the KV stage (a = 2) and over the whole sequence (a = 4)

@@ -92,19 +92,32 @@ def test_positions_are_the_split_of_arange_and_partition_the_sequence(cp):
     assert sorted(seen) == list(range(s))
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3])
-def test_block_positions_and_slices_agree_with_the_owner_shard(parts):
+@pytest.mark.parametrize("parts,chunk", [(1, 4), (2, 8), (3, 12), (2, 7), (3, 7), (4, 10), (7, 7)])
+def test_block_positions_and_slices_agree_with_the_owner_shard(parts, chunk):
+    """Equal parts, and parts that do not divide the chunk (floor/ceil sizes at the cuts p*L//P):
+    the slices tile each shard in order, positions are the shard's, sizes differ by at most one."""
+    from megatron_fcp.attention.layout import ZigzagLayout
+
     ranks = (5, 2, 7)                       # global ranks in CP order; CP index = position here
-    cp, s_local = len(ranks), 2 * parts * 4
+    cp, s_local = len(ranks), 2 * chunk
     covered = []
     for i, owner in enumerate(ranks):
         shard_pos = zigzag_positions(s_local, cp, i)
+        layout = ZigzagLayout(ranks, owner, s_local, parts, causal=True)
+        stops = []
         for blk in blocks_of(owner, parts):
             sl = block_local_slice(blk, s_local, parts)
             bp = block_positions(blk, ranks, s_local, parts)
             assert torch.equal(bp, shard_pos[sl])
+            assert layout.block_tokens(blk) == sl.stop - sl.start == len(bp) in (chunk // parts, -(-chunk // parts))
+            assert layout.local_slice(blk) == sl and torch.equal(layout.k_pos(blk), bp)
+            stops.append((sl.start, sl.stop))
             covered += bp.tolist()
+        assert [a for a, _ in stops] == [0] + [z for _, z in stops[:-1]] and stops[-1][1] == s_local
     assert sorted(covered) == list(range(cp * s_local))
+    if chunk == 10 and parts == 4:      # the Note's example: sizes 2, 3, 2, 3
+        assert [block_local_slice(b, s_local, parts).stop - block_local_slice(b, s_local, parts).start
+                for b in blocks_of(0, parts)[:parts]] == [2, 3, 2, 3]
 
 
 def test_layout_errors_name_the_fix():
@@ -117,5 +130,7 @@ def test_layout_errors_name_the_fix():
     from megatron_fcp.planning import Block
     with pytest.raises(ValueError, match="not in the CP group"):
         block_positions(Block(9, 0), (0, 1), 4)
-    with pytest.raises(ValueError, match="parts_per_chunk"):
-        block_local_slice(Block(0, 0), 6, 2)
+    with pytest.raises(ValueError, match="cannot be cut into 4 parts.*parts_per_chunk between 1 and 3"):
+        block_local_slice(Block(0, 0), 6, 4)    # 3-token chunks, 4 parts: an empty block
+    with pytest.raises(ValueError, match="even"):
+        block_local_slice(Block(0, 0), 7, 1)

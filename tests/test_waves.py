@@ -106,6 +106,7 @@ def test_megatron_runtime_cuts_chunks_in_two_where_backward_may_resend():
 
     base = FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=1)
     assert parts(base, 4) == 2 and parts(base.replace(backward_kv="resend"), 8) == 2
+    assert parts(base, 4, s_local=30) == 2                      # odd 15-token chunks: halves of 7 and 8
     assert parts(base.replace(backward_kv="keep"), 4) == 1
     assert parts(base, 2) == 1                                  # cp = 2: auto keeps within the ring's budget
     assert parts(base.replace(block_tokens=4), 4) == 4          # 16-token chunks cut into 4-token blocks

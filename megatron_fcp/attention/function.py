@@ -161,12 +161,12 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
         check_placement(placement, group_ranks, rank, causal, s_local)
     plan = resolve_plan(plan, group_ranks, causal, placement)
     cp, ppc = plan.cp, plan.parts_per_chunk
-    if not thd and s_local % (2 * ppc) != 0:
-        raise ValueError(
-            f"local sequence length {s_local} (global {s_local * cp}) is not a multiple of "
-            f"2*parts_per_chunk = {2 * ppc}; pad the global sequence to a multiple of "
-            f"2*cp*parts_per_chunk = {2 * cp * ppc}"
-        )
+    if not thd and s_local % 2 != 0:
+        raise ValueError(f"local sequence length {s_local} (global {s_local * cp}) is odd; pad the global "
+                         f"sequence to a multiple of 2*cp = {2 * cp} (two zigzag chunks per rank)")
+    if not thd and not 1 <= ppc <= s_local // 2:  # uneven parts are fine (Note [Sub-block sizes])
+        raise ValueError(f"the plan cuts each {s_local // 2}-token zigzag chunk into {ppc} parts, more than it has "
+                         f"tokens; build the plan with parts_per_chunk <= {max(s_local // 2, 1)}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     return plan, rank, scale, kernel_obj
 

@@ -32,7 +32,9 @@ the O a2a ``(a-1)/a * s*b*h*d*E`` (LSE: ``(a-1)/a * s*b*h`` FP32 values when ret
 stage moves the blocks of the KV plan, one per member's zigzag chunk, ``[2, s/2, b*H/a, d]``: 1/a
 of the heads of ``a`` times the tokens. Replication (rep > 1) multiplies the K/V part of the a2a
 and the KV stage by ``rep``. With ``a = 1`` there is no a2a and the stage is plain FCP over the
-zigzag chunks (as a placement).
+zigzag chunks: as a placement (the runtime's plan), or, for a plan from
+:func:`~megatron_fcp.planning.head_parallel_compile.compile_head_parallel` (a zigzag KV plan,
+sub-blocks allowed), ``fcp_attention_with_lse`` on the zigzag shards with that plan.
 
 Process groups: the head groups and KV-stage groups are created once, on every rank of the world,
 in the same order (``dist.new_group`` is collective): :func:`create_head_parallel_groups`. The
@@ -302,7 +304,8 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel)
         raise ValueError(f"local sequence length {s} must be even (two zigzag chunks); pad the global sequence "
                          f"to a multiple of 2*cp = {2 * hp_plan.cp}")
     kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=d)
-    if hp_plan.num_groups > 1 and not getattr(kernel_obj, "documents", False):
+    zigzag = hp_plan.kv_plan is not None and hp_plan.kv_plan.placement is None  # degree 1, plain FCP
+    if hp_plan.num_groups > 1 and not zigzag and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents), which the "
                          f"KV stage's placement needs; use kernel='auto' (or any fused kernel, or 'math')")
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
@@ -324,7 +327,10 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel)
             raise ValueError(f"hp_plan's KV-stage plan was built with causal={kv_plan.causal} but attention runs with "
                              f"causal={causal}; rebuild it with causal={causal}")
         want = group_placement(ranks, hp_plan.head_groups, s * hp_plan.cp, causal)
-        if kv_plan.placement != want:
+        if zigzag and hp_plan.degree != 1:
+            raise ValueError(f"hp_plan's KV-stage plan of degree {hp_plan.degree} is over the zigzag layout; a "
+                             f"head-parallel KV stage runs over group_placement: build it with compile_head_parallel")
+        if not zigzag and kv_plan.placement != want:  # zigzag (degree 1): the executor checks the parts
             raise ValueError(f"hp_plan's KV-stage plan is not over group_placement(ranks, head_groups, seq_len="
                              f"{s * hp_plan.cp}, causal={causal}) (this call's sequence); rebuild it for this "
                              f"sequence length")
@@ -358,7 +364,8 @@ def fcp_head_parallel_attention_with_lse(
 
     q [s_local, b, h, d]; k, v [s_local, b, h_kv, d] (Megatron's zigzag shard, the same shapes on
     every rank). hp_plan: over ``dist.get_process_group_ranks(cp_group)``; its KV-stage plan over
-    ``group_placement(ranks, head_groups, s_local * cp, causal)`` and ``kv_replication`` matching
+    ``group_placement(ranks, head_groups, s_local * cp, causal)`` (degree 1: or a zigzag plan, as
+    ``compile_head_parallel`` builds) and ``kv_replication`` matching
     the head counts (:func:`~megatron_fcp.planning.head_parallel.check_head_parallel`). groups:
     this rank's process groups (:func:`create_head_parallel_groups`; not needed for ``a = 1`` or
     ``a = cp``). transport / backward_kv / kv_memory_budget / stats: the KV stage's, as in
@@ -381,6 +388,11 @@ def fcp_head_parallel_attention_with_lse(
     a = hp_plan.degree
     if hp_plan.cp == 1:  # nothing to distribute
         out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), causal, scale)
+    elif a == 1 and hp_plan.kv_plan.placement is None:  # degree 1 from compile_head_parallel: plain FCP
+        out, lse = fcp_attention_with_lse(                                   # [s, b, h, d], [b, h, s]
+            q, k, v, cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
+            transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern, backward_kv=backward_kv,
+            kv_memory_budget=kv_memory_budget, agreement=agreement)
     elif a == 1:  # no head-parallel stage: the KV stage over the CP group on the zigzag placement
         out3, lse = fcp_attention_with_lse(
             q.reshape(s, b * h, d), k.reshape(s, b * k.shape[2], d), v.reshape(s, b * v.shape[2], d),

@@ -9,7 +9,9 @@ holds ``s_local = s / cp`` tokens: first its early chunk, then its late chunk. F
     local shard     rank 0 = [chunk 0 | chunk 3],  rank 1 = [chunk 1 | chunk 2]
 
 A KV *block* (``megatron_fcp.planning.Block``) is one owner's chunk (0 early, 1 late), optionally cut
-into ``parts_per_chunk`` equal sub-blocks. This module maps blocks to token ranges of the owner's
+into ``parts_per_chunk`` sub-blocks at the floor cuts ``p * L // P`` (parts of ``floor(L/P)`` or
+``ceil(L/P)`` tokens when ``P`` does not divide the chunk length ``L``; Note [Sub-block sizes] in
+:mod:`megatron_fcp.planning.blocks`). This module maps blocks to token ranges of the owner's
 shard and to global token positions; the attention mask is built from global positions only
 (causal: key position <= query position), so it is correct whatever order blocks arrive in.
 
@@ -26,7 +28,7 @@ query rows that can attend a block. Two layouts:
 =================  ===============================  ==============================================
 tensors            ``[s_local, b, h, d]``           THD ``[t_local, h, d]``, run as ``b = 1``
 blocks             2 zigzag chunks x parts          the placement's spans (``Block(owner, i, 0)``)
-block size         ``s_local / (2 * parts)``        the span's tokens (any, 0 tokens on a rank ok)
+block size         ``part_span`` of ``s_local / 2``  the span's tokens (any, 0 tokens on a rank ok)
 positions          global token positions           positions inside the document
 document ids       none (one sequence)              the span's document (kernels mask by it)
 query rows         all                              the rows of the block's document on this rank
@@ -39,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_fcp.planning.blocks import Block, blocks_of, zigzag_chunk_index
+from megatron_fcp.planning.blocks import Block, blocks_of, check_parts, part_span, zigzag_chunk_index
 from megatron_fcp.planning.placement import Placement, Span
 
 __all__ = [
@@ -102,26 +104,26 @@ def zigzag_positions(s_local: int, cp: int, cp_index: int, device=None) -> torch
     return torch.cat([ar + starts[0], ar + starts[1]])
 
 
-def _part_len(s_local: int, parts_per_chunk: int) -> int:
-    if s_local % (2 * parts_per_chunk) != 0:
-        raise ValueError(
-            f"local sequence length {s_local} cannot be cut into 2 chunks x {parts_per_chunk} parts; "
-            f"pad the global sequence to a multiple of 2*cp*parts_per_chunk"
-        )
-    return s_local // (2 * parts_per_chunk)
+def _part_range(block: Block, s_local: int, parts_per_chunk: int) -> tuple[int, int]:
+    """``(start, end)`` of ``block``'s tokens inside its chunk of ``s_local / 2`` tokens."""
+    if s_local % 2 != 0:
+        raise ValueError(f"local sequence length {s_local} must be even (two zigzag chunks); pad the global "
+                         f"sequence to a multiple of 2*cp")
+    check_parts(s_local // 2, parts_per_chunk)
+    return part_span(s_local // 2, parts_per_chunk, block.part)
 
 
 def block_local_slice(block: Block, s_local: int, parts_per_chunk: int = 1) -> slice:
     """Token range of ``block`` inside its owner's local shard (``[s_local]`` indexing)."""
-    n = _part_len(s_local, parts_per_chunk)
-    start = (block.chunk * parts_per_chunk + block.part) * n
-    return slice(start, start + n)
+    a, z = _part_range(block, s_local, parts_per_chunk)
+    base = block.chunk * (s_local // 2)
+    return slice(base + a, base + z)
 
 
 def block_positions(
     block: Block, ranks: Sequence[int], s_local: int, parts_per_chunk: int = 1, device=None
 ) -> torch.Tensor:
-    """Global token positions (int64 [s_local / (2*parts_per_chunk)]) of ``block``.
+    """Global token positions (int64 ``[tokens of the part]``, :func:`part_span`) of ``block``.
 
     ranks: the CP group's global ranks in CP order (``Plan.ranks``); the owner's index there is
     its zigzag position.
@@ -129,11 +131,10 @@ def block_positions(
     ranks = tuple(ranks)
     if block.owner not in ranks:
         raise ValueError(f"{block} is owned by rank {block.owner}, which is not in the CP group {list(ranks)}")
-    n = _part_len(s_local, parts_per_chunk)
+    a, z = _part_range(block, s_local, parts_per_chunk)
     cp = len(ranks)
     chunk_start = zigzag_chunk_index(ranks.index(block.owner), block.chunk, cp) * (s_local // 2)
-    start = chunk_start + block.part * n
-    return torch.arange(start, start + n, dtype=torch.int64, device=device)
+    return torch.arange(chunk_start + a, chunk_start + z, dtype=torch.int64, device=device)
 
 
 class ShardLayout:
@@ -170,7 +171,8 @@ class ShardLayout:
 
 
 class ZigzagLayout(ShardLayout):
-    """Megatron's zigzag shard of one sequence: blocks are chunks cut into ``parts_per_chunk``."""
+    """Megatron's zigzag shard of one sequence: blocks are chunks cut into ``parts_per_chunk``
+    (equal, or floor/ceil sizes: Note [Sub-block sizes] in :mod:`megatron_fcp.planning.blocks`)."""
 
     def __init__(self, ranks: Sequence[int], rank: int, s_local: int, parts_per_chunk: int = 1,
                  causal: bool = False) -> None:
@@ -192,7 +194,8 @@ class ZigzagLayout(ShardLayout):
         return block_local_slice(block, self.s_local, self.ppc)
 
     def block_tokens(self, block: Block) -> int:
-        return _part_len(self.s_local, self.ppc)
+        a, z = _part_range(block, self.s_local, self.ppc)
+        return z - a
 
     def k_pos(self, block: Block) -> torch.Tensor:
         if block not in self._kpos:

@@ -308,10 +308,11 @@ class FCPRuntime:
         ``--fcp-block-tokens 0`` (the default) means whole chunks, except where the backward may
         re-send KV (``--fcp-backward-kv`` auto or resend, cp > 2): there each chunk is cut in two,
         which balances the backward waves' work (Note [Backward waves]; in the cost model fwd+bwd
-        goes from 1.43x to 1.005x one-pass keep on dgx-h100:2 at 128K, the forward unchanged)."""
+        goes from 1.43x to 1.005x one-pass keep on dgx-h100:2 at 128K, the forward unchanged). An odd
+        chunk is cut into halves one token apart (Note [Sub-block sizes] in planning/blocks.py)."""
         chunk = s_local // 2
         if (self.config.block_tokens == 0 and self.config.backward_kv != "keep" and self.layout.cp > 2
-                and chunk >= 2 and chunk % 2 == 0):
+                and chunk >= 2):
             return 2
         return self.config.parts_per_chunk(chunk)
 

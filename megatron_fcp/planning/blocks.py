@@ -1,8 +1,24 @@
 """The units a plan moves: KV blocks and point-to-point transfers. Pure data, no ``torch``.
 
 A *block* is one owner's zigzag chunk (``chunk`` 0 is the early chunk, 1 the late one), optionally
-cut into ``parts_per_chunk`` equal sub-blocks (``part``); see Note [Zigzag blocks and causal need
+cut into ``parts_per_chunk`` sub-blocks (``part``); see Note [Zigzag blocks and causal need
 sets] in :mod:`megatron_fcp.planning.needs`. A *transfer* sends one block between two global ranks.
+
+Note [Sub-block sizes]
+----------------------
+A chunk of ``L`` tokens is cut into ``P = parts_per_chunk`` sub-blocks at the floor cuts
+``p * L // P``: part ``p`` holds tokens ``[p*L//P, (p+1)*L//P)`` of its chunk
+(:func:`part_span`). When ``P`` divides ``L`` every part has ``L/P`` tokens (the equal cut); when it
+does not, the parts hold ``floor(L/P)`` or ``ceil(L/P)`` tokens, so a sequence of any length that
+Megatron can split (a multiple of ``2*cp``) can be cut into any ``P <= L`` parts without padding.
+For ``L = 10, P = 4``::
+
+    part      0       1        2       3
+    tokens    0-1     2-4      5-6     7-9      (sizes 2, 3, 2, 3)
+
+The planner's cost model, the backward waves and the executor's shard layout
+(:class:`~megatron_fcp.attention.layout.ZigzagLayout`) all take sizes from :func:`part_span`, so
+what the model prices is what the executor sends.
 """
 
 from __future__ import annotations
@@ -12,7 +28,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Sequence
 
-__all__ = ["PlanError", "Block", "Transfer", "blocks_of", "zigzag_chunk_index", "make_transfer", "make_transfers"]
+__all__ = ["PlanError", "Block", "Transfer", "blocks_of", "zigzag_chunk_index", "part_span", "part_tokens",
+           "check_parts", "make_transfer", "make_transfers"]
 
 
 class PlanError(ValueError):
@@ -53,6 +70,29 @@ def zigzag_chunk_index(cp_index: int, chunk: int, cp: int) -> int:
     if chunk not in (0, 1):
         raise PlanError(f"chunk must be 0 or 1, got {chunk}")
     return cp_index if chunk == 0 else 2 * cp - 1 - cp_index
+
+
+def part_span(chunk_tokens, parts_per_chunk: int, part):
+    """Token range ``(start, end)`` of sub-block ``part`` inside its chunk of ``chunk_tokens``
+    tokens: ``part * L // P`` to ``(part + 1) * L // P`` (Note [Sub-block sizes]). ``part`` and
+    ``chunk_tokens`` may be integers or numpy integer arrays (broadcast)."""
+    return part * chunk_tokens // parts_per_chunk, (part + 1) * chunk_tokens // parts_per_chunk
+
+
+def part_tokens(seq_len: int, cp: int, parts_per_chunk: int, part: int) -> int:
+    """Tokens of sub-block ``part`` of any zigzag chunk of a ``seq_len``-token sequence (a multiple
+    of ``2*cp``) cut into ``parts_per_chunk`` parts: :func:`part_span` of ``seq_len / (2*cp)``."""
+    a, z = part_span(seq_len // (2 * cp), parts_per_chunk, part)
+    return z - a
+
+
+def check_parts(chunk_tokens: int, parts_per_chunk: int) -> None:
+    """Raise ValueError unless every one of ``parts_per_chunk`` sub-blocks of a ``chunk_tokens``
+    chunk holds at least one token (``1 <= P <= L``)."""
+    if not 1 <= parts_per_chunk <= chunk_tokens:
+        raise ValueError(f"a zigzag chunk of {chunk_tokens} tokens cannot be cut into {parts_per_chunk} parts of at "
+                         f"least one token each; use parts_per_chunk between 1 and {max(chunk_tokens, 1)} "
+                         f"(or a longer sequence)")
 
 
 _object_new = object.__new__

@@ -61,9 +61,10 @@ def compare(
     chosen on the cost model, the lower bound over every family compared).
 
     ``parts_per_chunk="auto"`` tries 1, 2, 4, 8, 16 sub-blocks per chunk (blocks no smaller than
-    ``min_block_tokens``); ``graph="auto"`` tries every builder. The fcp plan kept is the best by
-    ``objective`` (see :func:`pick_best`): ``"total"`` (overlapped time, ties within 0.1% broken
-    by communication time) or ``"comm"`` (communication time alone). Returns
+    ``min_block_tokens``; a count that does not divide the chunk gives parts of floor/ceil size);
+    ``graph="auto"`` tries every builder. The fcp plan kept is the best by ``objective`` (see
+    :func:`pick_best`): ``"total"`` (overlapped time, ties within 0.1% broken by communication
+    time) or ``"comm"`` (communication time alone). Returns
     ``{"lower_bound_s", "lower_bound", "seq_len", "padded_seq_len", "schedules": {name: dict},
     "results": {name: SimResult}, "plan"}``; an inapplicable baseline appears as
     ``{"error": reason}``. A ``seq_len`` that ``2*cp`` does not divide is padded up to a multiple
@@ -99,8 +100,8 @@ def compare(
     if objective not in ("comm", "total"):
         raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
     candidates = []
-    for p in choices:
-        if chunk_tokens % p:
+    for p in choices:  # parts that do not divide the chunk are of floor/ceil size (Note [Sub-block sizes])
+        if p > chunk_tokens:
             continue
         plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=p, seq_len=shape.seq_len,
                           heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
@@ -108,7 +109,8 @@ def compare(
         r = simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s)
         candidates.append((r, plan))
     if not candidates:
-        raise ValueError(f"parts_per_chunk: {parts_per_chunk} does not divide the {chunk_tokens}-token chunks")
+        raise ValueError(f"parts_per_chunk: {parts_per_chunk} is more than the {chunk_tokens} tokens of a chunk; "
+                         f"use at most {chunk_tokens}")
     best = pick_best(candidates, objective)
     results["fcp"], plan = best
     results["fcp"].meta.update(graph=plan.name, parts_per_chunk=plan.parts_per_chunk)

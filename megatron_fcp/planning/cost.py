@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from megatron_fcp.planning.blocks import part_span
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.plan import Plan
 from megatron_fcp.topology import Topology, load_topology
@@ -108,7 +109,8 @@ class AttentionShape:
 
 def kv_block_bytes(seq_len: int, cp: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2,
                    parts_per_chunk: int = 1) -> float:
-    """Bytes of one KV block (K and V of ``seq_len / (2*cp*parts)`` tokens)."""
+    """Bytes of one KV block (K and V of ``seq_len / (2*cp*parts)`` tokens; the mean block when
+    ``parts`` does not divide the chunk: :func:`simulate_plan` prices each part's own tokens)."""
     return seq_len / (2 * cp * parts_per_chunk) * 2 * kv_heads * head_dim * dtype_bytes
 
 
@@ -219,8 +221,8 @@ def _block_pairs(cp: int, seq_len: int, P: int, q_index, owner_index, chunk, par
     L = seq_len // (2 * cp)
     q_index, owner_index, chunk, part = (np.asarray(x, dtype=np.int64) for x in (q_index, owner_index, chunk, part))
     g = np.where(chunk == 0, owner_index, 2 * cp - 1 - owner_index)
-    k0 = g * L + part * L // P
-    k1 = g * L + (part + 1) * L // P
+    p0, p1 = part_span(L, P, part)  # Note [Sub-block sizes]
+    k0, k1 = g * L + p0, g * L + p1
     total = np.zeros(np.broadcast(q_index, k0).shape, dtype=np.int64)
     for qc in (0, 1):
         gq = q_index if qc == 0 else 2 * cp - 1 - q_index
@@ -351,7 +353,8 @@ def simulate_plan(
 ) -> SimResult:
     """Simulate a forward pass of ``plan`` (comm, compute, overlapped total); see Note [Cost model].
 
-    Block bytes follow ``shape`` (uniform), scaled per owner by ``plan.kv_sizes`` when a
+    Block bytes follow ``shape`` and each block's own tokens (sub-blocks of a chunk differ by one
+    token when ``parts_per_chunk`` does not divide it), scaled per owner by ``plan.kv_sizes`` when a
     ``balanced`` plan carries relative KV sizes (normalised to mean 1). A sequence that ``2*cp``
     does not divide is padded (:func:`pad_for_zigzag`). For a plan over a placement (a packed
     batch) ``shape.seq_len`` is not used: each block's bytes and each rank's work come from the
@@ -368,14 +371,14 @@ def simulate_plan(
     rnd, src, dst, owner, chunk, part = _plan_arrays(plan)
     pos = {r: i for i, r in enumerate(plan.ranks)}
     owner_i = np.fromiter((pos[o] for o in owner), dtype=np.int64, count=len(owner))
-    if pl is None:
-        blk = kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes, P)
+    if pl is None:  # each part's own tokens (floor/ceil when P does not divide the chunk)
+        p0, p1 = part_span(shape.seq_len // (2 * cp), P, part)
         if plan.kv_sizes:
             mean = sum(plan.kv_sizes) / cp
             w_owner = np.array([w / mean for w in plan.kv_sizes])
         else:
             w_owner = np.ones(cp)
-        nbytes = blk * w_owner[owner_i]
+        nbytes = ((p1 - p0) * shape.kv_bytes(1)).astype(np.float64) * w_owner[owner_i]
     else:  # a packed batch: each block's own token count
         tokens = {(i, b): sp.tokens for i, b, sp in pl.block_list()}
         nbytes = np.array([tokens[(o, c)] for o, c in zip(owner_i.tolist(), chunk.tolist())],

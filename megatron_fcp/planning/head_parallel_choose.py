@@ -14,13 +14,16 @@ candidate when ``a`` is the whole group: nothing left to distribute). Each is ti
 backward (:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`) and the best by
 ``objective`` is kept (:func:`~megatron_fcp.planning.cost.pick_best`: least total, ties within 0.1%
 broken by communication). Then, for ``a = 1``, sub-blocks of 2, 4 and 8 parts per chunk (no smaller
-than ``min_block_tokens``) are tried on the winning graph; for ``a > 1`` (placements move whole
-chunks) the best graph of each degree is tried with its chunks staggered over 2, 4 and 8 rounds
-(``stagger``), which pipelines them through relays as sub-blocks do. The
-search contains Transformer Engine's schedules: ``a = 1`` with ``ring`` is ``p2p``, ``a`` = ranks per
-node with ``ring`` is ``a2a+p2p`` (the same prediction, tested), ``a = cp`` is ``a2a``; so the choice
-is never predicted slower than them beyond the difference of their own models (the ring over
-groups prunes relays past the last reader; TE's ring sends every block all the way round).
+than ``min_block_tokens``; a part count that does not divide the chunk cuts it into parts of
+floor/ceil size, Note [Sub-block sizes] in :mod:`megatron_fcp.planning.blocks`, so sequence lengths
+that are only a multiple of ``2 * cp`` are not held to whole chunks) are tried on the winning
+graph; for ``a > 1`` (placements move whole chunks) the best graph of each degree is tried with its
+chunks staggered over 2, 4 and 8 rounds (``stagger``), which pipelines them through relays as
+sub-blocks do. The search contains Transformer Engine's schedules: ``a = 1`` with ``ring`` is
+``p2p``, ``a`` = ranks per node with ``ring`` is ``a2a+p2p`` (the same prediction, tested),
+``a = cp`` is ``a2a``; so the choice is never predicted slower than them beyond the difference of
+their own models (the ring over groups prunes relays past the last reader; TE's ring sends every
+block all the way round).
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ def head_parallel_candidates(
     if parts_per_chunk == "auto" and ones:
         best_res, best = pick_best(ones, objective)
         chunk = padded.seq_len // (2 * cp)
-        for p in (2, 4, 8):
-            if chunk % p or chunk // p < min_block_tokens:
+        for p in (2, 4, 8):  # p need not divide the chunk: parts of floor/ceil size (Note [Sub-block sizes])
+            if chunk // p < min_block_tokens:
                 continue
             hp = compile_head_parallel(topo, ranks, padded, 1, best_res.meta["graph"], causal=causal,
                                        parts_per_chunk=p)

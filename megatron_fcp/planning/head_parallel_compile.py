@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from megatron_fcp.planning.blocks import Block, PlanError, Transfer
+from megatron_fcp.planning.blocks import Block, PlanError, Transfer, check_parts
 from megatron_fcp.planning.build import build_plan
 from megatron_fcp.planning.builders import get_builder
 from megatron_fcp.planning.compile import compile_plan
@@ -133,6 +133,7 @@ def compile_head_parallel(
     if degree == 1:
         if [g[0] for g in groups] != list(ranks):
             raise PlanError("degree 1: head groups must list the CP ranks in CP order")
+        check_parts(shape.seq_len // (2 * cp), parts_per_chunk)  # uneven parts are fine (Note [Sub-block sizes])
         plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk)
         kv = relabel_plan(plan, range(G))
     elif parts_per_chunk != 1 or (stagger != 1 and G == 1):

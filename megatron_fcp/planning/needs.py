@@ -5,7 +5,8 @@ Note [Zigzag blocks and causal need sets]
 Megatron splits a sequence into ``2*cp`` chunks; CP rank ``i`` holds chunks ``i`` and
 ``2*cp-1-i`` (``get_batch_on_this_cp_rank``). A *block* is one owner's chunk (``chunk`` 0 is the
 early chunk ``i``, ``chunk`` 1 the late chunk ``2*cp-1-i``), optionally cut into
-``parts_per_chunk`` equal sub-blocks. For cp = 4::
+``parts_per_chunk`` sub-blocks (Note [Sub-block sizes] in :mod:`megatron_fcp.planning.blocks`).
+For cp = 4::
 
     global chunk   0  1  2  3  4  5  6  7
     CP rank        0  1  2  3  3  2  1  0

@@ -85,6 +85,7 @@ from megatron_fcp.planning.cost import (
     simulate_plan,
     simulate_rounds,
 )
+from megatron_fcp.planning.blocks import part_tokens
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
@@ -302,7 +303,7 @@ def simulate_plan_backward(
         block_tokens = lambda blk: tokens[(blk.owner, blk.chunk)]  # noqa: E731
     else:
         shape, _ = pad_for_zigzag(shape, cp)
-        block_tokens = lambda blk: shape.seq_len / (2 * cp * P_)  # noqa: E731
+        block_tokens = lambda blk: part_tokens(shape.seq_len, cp, P_, blk.part)  # noqa: E731
     per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
     nbytes = lambda t: block_tokens(t.block) * per_token  # noqa: E731
     brounds = plan.backward_rounds()
@@ -426,7 +427,7 @@ def simulate_backward_waves(
         block_tokens = lambda blk: tokens[(blk.owner, blk.chunk)]  # noqa: E731
     else:
         zshape, _ = pad_for_zigzag(shape, cp)
-        block_tokens = lambda blk: zshape.seq_len / (2 * cp * plan.parts_per_chunk)  # noqa: E731
+        block_tokens = lambda blk: part_tokens(zshape.seq_len, cp, plan.parts_per_chunk, blk.part)  # noqa: E731
     kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
     size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731
     waves = plan_waves(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))

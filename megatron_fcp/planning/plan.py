@@ -47,7 +47,8 @@ class Plan:
     ranks: the CP group's global ranks, index = CP rank (zigzag position, or placement index).
     rounds: per round, the transfers that run concurrently.
     causal: whether need sets follow the causal mask (Note in :mod:`megatron_fcp.planning.needs`).
-    parts_per_chunk: sub-blocks per zigzag chunk (a chunk of L tokens is cut into equal parts).
+    parts_per_chunk: sub-blocks per zigzag chunk (a chunk of L tokens is cut at ``p*L//P``: Note
+        [Sub-block sizes] in :mod:`megatron_fcp.planning.blocks`).
     name: the graph it was built on (``"ring"``, ``"full"``, ``"hierarchical"`` ...).
     max_sends / max_recvs: per-rank, per-round port limits the rounds were packed under (None: none).
     kv_sizes: relative KV size of each CP rank's blocks (CP order) when they differ (``balanced``);
