@@ -10,7 +10,8 @@ Grid: presets dgx-a100, dgx-h100, pcie-box, single-uplink x nodes {1, 2, 3, 4, 8
 GQA 32:8, GQA 32:2} x sequence {32K, 128K, 1M}, cp = every GPU; plus, for nodes >= 2, an *uneven* CP
 group (every GPU of the first nodes and half of the last node's). Per cell: fwd+bwd total of te-p2p,
 te-a2a-p2p (or why TE cannot run it), auto's choice and its predicted total with FCP's dK/dV partials
-in FP32 (today's executor) and in bf16 (as TE's ring); ``auto_*_over_best_te`` must be <= 1.01. Then the geometric-mean speedup over each baseline, FCP comm against the lower bound
+in bf16, the input dtype, as the executor sends them (and as TE's ring sends dKV); ``auto_over_best_te``
+must be <= 1.01. Then the geometric-mean speedup over each baseline, FCP comm against the lower bound
 over families on the headline clusters (128K-256K), rounds vs the edge-colouring bound Delta for
 every builder, and the head-parallel planning time at 1,024 ranks.
 """
@@ -41,8 +42,8 @@ TOLERANCE = 1.01
 
 
 def cell(preset: str, nodes: int, ranks: list[int], heads: int, kv: int, seq: int) -> dict:
-    """One grid cell: TE's two schedules and auto with FP32 dK/dV partials (what the executor sends
-    today) and with partials in the KV dtype (bf16, as TE's ring sends dKV)."""
+    """One grid cell: TE's two schedules and auto, dK/dV partials priced in the KV dtype (bf16: what
+    the executor sends, as TE's ring sends dKV; the planner's default)."""
     topo = load_topology(f"{preset}:{nodes}")
     shape = AttentionShape(seq, heads, kv, 128, 2)
     row: dict = {"preset": preset, "nodes": nodes, "cp": len(ranks), "heads": heads, "kv_heads": kv, "seq": seq}
@@ -53,13 +54,12 @@ def cell(preset: str, nodes: int, ranks: list[int], heads: int, kv: int, seq: in
             row[f"{name}_total_s"] = None
             row[f"{name}_error"] = str(e)
     best_te = min(v for k, v in row.items() if k.endswith("_total_s") and v is not None)
-    for tag, grad in (("fp32", 4), ("bf16", 2)):
-        t0 = time.perf_counter()
-        res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, grad_dtype_bytes=grad), "total")
-        row[f"auto_{tag}"] = res.meta["label"]
-        row[f"auto_{tag}_total_s"] = res.total_s
-        row[f"auto_{tag}_over_best_te"] = res.total_s / best_te
-        row[f"plan_{tag}_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res, _ = pick_best(head_parallel_candidates(topo, ranks, shape), "total")
+    row["auto"] = res.meta["label"]
+    row["auto_total_s"] = res.total_s
+    row["auto_over_best_te"] = res.total_s / best_te
+    row["plan_s"] = time.perf_counter() - t0
     return row
 
 
@@ -87,9 +87,8 @@ def grid(quick: bool, out: Path, done: list[dict]) -> list[dict]:
                         r["group"] = kind
                         rows.append(r)
                         print(f"{preset}:{nodes} {kind} cp={r['cp']} {heads}:{kv} seq={seq}: p2p "
-                              f"{_ms(r['te-p2p_total_s'])}, a2a+p2p {_ms(r['te-a2a-p2p_total_s'])}; auto fp32 "
-                              f"{r['auto_fp32']} {r['auto_fp32_over_best_te']:.3f}x best TE, bf16 {r['auto_bf16']} "
-                              f"{r['auto_bf16_over_best_te']:.3f}x ({r['plan_fp32_s']:.1f} s)", flush=True)
+                              f"{_ms(r['te-p2p_total_s'])}, a2a+p2p {_ms(r['te-a2a-p2p_total_s'])}; auto "
+                              f"{r['auto']} {r['auto_over_best_te']:.3f}x best TE ({r['plan_s']:.1f} s)", flush=True)
                         _write(out, {"summary": summary(rows, quick), "grid": rows})
     return rows
 
@@ -112,30 +111,32 @@ def geomean(xs: list[float]) -> float:
 def summary(rows: list[dict], quick: bool = False) -> dict:
     full = len(PRESETS) * sum(len(groups(p, n)) for p in PRESETS[:1] for n in NODES) * len(HEADS) * len(SEQS)
     keys = ("preset", "nodes", "group", "cp", "heads", "kv_heads", "seq")
-    out: dict = {"cells": len(rows), "complete": not quick and len(rows) >= full, "grid_cells": full,
-                 "te_a2a_p2p_cells": sum(r["te-a2a-p2p_total_s"] is not None for r in rows)}
-    for tag in ("fp32", "bf16"):
-        ratio = f"auto_{tag}_over_best_te"
-        worst = max(rows, key=lambda r: r[ratio])
-        out[tag] = {
-            "never_slower_within_1pct": all(r[ratio] <= TOLERANCE for r in rows),
-            "violations": [{**{k: r[k] for k in keys}, "auto": r[f"auto_{tag}"], "ratio": r[ratio]}
-                           for r in rows if r[ratio] > TOLERANCE],
-            "worst": {**{k: worst[k] for k in keys}, "auto": worst[f"auto_{tag}"], "ratio": worst[ratio]},
-            "geomean_speedup_over_te_p2p": geomean([r["te-p2p_total_s"] / r[f"auto_{tag}_total_s"] for r in rows]),
-            "geomean_speedup_over_te_a2a_p2p": geomean([r["te-a2a-p2p_total_s"] / r[f"auto_{tag}_total_s"]
-                                                        for r in rows if r["te-a2a-p2p_total_s"] is not None]),
-            "geomean_speedup_over_best_te": geomean([1 / r[ratio] for r in rows]),
-            "plan_s_max": max(r[f"plan_{tag}_s"] for r in rows),
-        }
-    return out
+    ratio = "auto_over_best_te"
+    worst = max(rows, key=lambda r: r[ratio])
+    uneven = [r for r in rows if r["group"] == "uneven"]
+    return {
+        "cells": len(rows), "complete": not quick and len(rows) >= full, "grid_cells": full,
+        "te_a2a_p2p_cells": sum(r["te-a2a-p2p_total_s"] is not None for r in rows),
+        "grad_dtype": "bf16 (the input dtype, as the executor sends dK/dV partials)",
+        "never_slower_within_1pct": all(r[ratio] <= TOLERANCE for r in rows),
+        "violations": [{**{k: r[k] for k in keys}, "auto": r["auto"], "ratio": r[ratio]}
+                       for r in rows if r[ratio] > TOLERANCE],
+        "worst": {**{k: worst[k] for k in keys}, "auto": worst["auto"], "ratio": worst[ratio]},
+        "geomean_speedup_over_te_p2p": geomean([r["te-p2p_total_s"] / r["auto_total_s"] for r in rows]),
+        "geomean_speedup_over_te_a2a_p2p": geomean([r["te-a2a-p2p_total_s"] / r["auto_total_s"]
+                                                    for r in rows if r["te-a2a-p2p_total_s"] is not None]),
+        "geomean_speedup_over_best_te": geomean([1 / r[ratio] for r in rows]),
+        "uneven_geomean_speedup_over_te_p2p": geomean([r["te-p2p_total_s"] / r["auto_total_s"] for r in uneven])
+        if uneven else None,
+        "plan_s_max": max(r["plan_s"] for r in rows),
+    }
 
 
 def bound_ratios() -> dict:
     """FCP (auto, objective comm) comm over the lower bound over families, at 128K and 256K (and 240K,
     where 2*cp*parts divides the sequence on 3 nodes; at 128K and 256K it does not, and the chunks
-    are cut into uneven parts: Note [Sub-block sizes]): forward, and forward+backward with FP32 and
-    with bf16 dK/dV partials."""
+    are cut into uneven parts: Note [Sub-block sizes]): forward, and forward+backward (dK/dV partials
+    in the input dtype, the executor's)."""
     out = {}
     for spec in ("dgx-h100:2", "dgx-a100:2", "dgx-h100:4", "dgx-a100:3"):
         topo = load_topology(spec)
@@ -143,9 +144,8 @@ def bound_ratios() -> dict:
             shape = AttentionShape(seq, 32, 8, 128, 2)
             ranks = list(range(topo.world))
             row = {}
-            for key, pass_, grad in (("fwd", "fwd", 4), ("fwd+bwd_fp32", "fwd+bwd", 4), ("fwd+bwd_bf16", "fwd+bwd", 2)):
-                res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, pass_=pass_, objective="comm",
-                                                            grad_dtype_bytes=grad), "comm")
+            for key, pass_ in (("fwd", "fwd"), ("fwd+bwd", "fwd+bwd")):
+                res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, pass_=pass_, objective="comm"), "comm")
                 lb = lower_bound_all(topo, ranks, shape, pass_=pass_)
                 row[key] = {"fcp": res.meta["label"], "fcp_comm_s": res.comm_s, "lower_bound_s": lb["lower_bound_s"],
                             "bound_degree": lb["degree"], "ratio": res.comm_s / lb["lower_bound_s"]}
@@ -192,6 +192,7 @@ def main() -> None:
         return
     if not args.skip_grid:
         done = json.loads(out.read_text()).get("grid", []) if args.resume and out.exists() else []
+        done = [r for r in done if "auto_total_s" in r]  # cells of this version of the grid only
         grid(args.quick, out, done)
     _write(out, {"bound_ratios": bound_ratios(), "rounds_vs_delta": rounds_vs_delta()})
     print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))

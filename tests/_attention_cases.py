@@ -98,11 +98,12 @@ def _flip(t):
     return Transfer(t.dst, t.src, t.block)
 
 
-def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
+def count_problems(transport, plan, rank, kv_bytes, grad_bytes, wire_dtype=None) -> list[str]:
     """Compare what the transport saw with the plan per round: forward ``plan.sends/recvs`` (in plan
     order); backward the dK/dV returns of the backward waves (``planning.waves.plan_waves``: each
     wave's transfers flipped, as a set per round). ``kv_bytes``/``grad_bytes``: bytes of every
-    message, or a function of its block (blocks of a packed batch differ in size)."""
+    message, or a function of its block (blocks of a packed batch differ in size). ``wire_dtype``:
+    the dtype every message must travel in, KV and dK/dV partials alike (the input dtype)."""
     from megatron_fcp.planning.waves import plan_waves
 
     waves = plan_waves(plan, kv_bytes if callable(kv_bytes) else (lambda b: kv_bytes))
@@ -130,6 +131,8 @@ def count_problems(transport, plan, rank, kv_bytes, grad_bytes) -> list[str]:
         want_bytes = want_bytes(p.transfer.block) if callable(want_bytes) else want_bytes
         if p.nbytes != want_bytes:
             problems.append(f"rank {rank}: {p} moves {p.nbytes} bytes, expected {want_bytes}")
+        if wire_dtype is not None and p.dtype != wire_dtype:
+            problems.append(f"rank {rank}: {p} travels in {p.dtype}, expected {wire_dtype}")
     return problems
 
 
@@ -177,8 +180,9 @@ def _rank_report(case: Case, setup: dict, cp: int, idx: int, rank: int, got: dic
     h, hk = case.heads
     blk = q.shape[0] // cp // (2 * case.parts)
     elems = 2 * blk * q.shape[1] * hk * q.shape[3]
-    grad_itemsize = 8 if case.dtype == "fp64" else 4
-    res["count_problems"] = count_problems(transport, plan, rank, elems * q.element_size(), elems * grad_itemsize)
+    # dK/dV partials travel in the input dtype, like the KV (Note [Backward pipeline])
+    res["count_problems"] = count_problems(transport, plan, rank, elems * q.element_size(), elems * q.element_size(),
+                                           wire_dtype=q.dtype)
     return res
 
 

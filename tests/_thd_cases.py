@@ -147,10 +147,10 @@ def _rank_report(case: ThdCase, setup: dict, pl, ranks: tuple, idx: int, got: di
     res["err"] = {n: _err(got[n], local[n]) for n in QUANTITIES}
     h, hk = case.heads
     elems = lambda b: 2 * pl.blocks[ranks.index(b.owner)][b.chunk].tokens * hk * q.shape[-1]  # noqa: E731
-    grad_itemsize = 8 if case.dtype == "fp64" else 4
+    itemsize = got["out"].element_size()  # KV and dK/dV partials both travel in the input dtype
     res["sent"] = len([p for p in transport.posted if p.kind == "send"])
-    res["count_problems"] = count_problems(transport, plan, ranks[idx], lambda b: elems(b) * got["out"].element_size(),
-                                           lambda b: elems(b) * grad_itemsize)
+    res["count_problems"] = count_problems(transport, plan, ranks[idx], lambda b: elems(b) * itemsize,
+                                           lambda b: elems(b) * itemsize, wire_dtype=got["out"].dtype)
     return res
 
 

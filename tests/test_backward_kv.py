@@ -86,6 +86,23 @@ def test_resend_holds_no_received_kv_between_passes(request, source, case):
     assert all(r["auto"]["stats"]["backward_kv"] == "resend" for r in results)
 
 
+@pytest.mark.parametrize("name", ("ring", "hier", "packed"))
+def test_backward_partials_travel_in_the_input_dtype(harness, name):
+    """dK/dV partials are summed in FP32 but sent in the input dtype (Note [Backward pipeline]), as
+    TE's ring sends dKV: for the same plan and shapes BF16's backward sends exactly half FP32's
+    bytes, FP64's twice, rank by rank and mode by mode (the forward's KV scales the same way)."""
+    by_dt = {dt: harness[f"{name}-{dt}"] for dt in ("fp64", "fp32", "bf16") if f"{name}-{dt}" in harness}
+    assert "bf16" in by_dt and "fp32" in by_dt
+    for mode in MODES:
+        sent = {dt: [r[mode]["stats"]["backward_bytes_sent"] for r in rs] for dt, rs in by_dt.items()}
+        fwd = {dt: [r[mode]["stats"]["forward_bytes_sent"] for r in rs] for dt, rs in by_dt.items()}
+        assert sum(sent["fp32"]) > 0
+        assert [2 * x for x in sent["bf16"]] == sent["fp32"], (mode, sent)
+        assert [2 * x for x in fwd["bf16"]] == fwd["fp32"], (mode, fwd)
+        if "fp64" in sent:
+            assert sent["fp64"] == [2 * x for x in sent["fp32"]], (mode, sent)
+
+
 def test_choose_backward_kv_is_uniform_and_budgeted():
     from megatron_fcp.attention.kv_memory import choose_backward_kv, kept_bytes_per_rank
     from megatron_fcp.planning import ring_plan

@@ -61,13 +61,16 @@ def test_te_p2p_thd_bytes_fwd_and_bwd():
     assert bwd.total_s >= max(bwd.comm_s, bwd.compute_s) * (1 - 1e-12)
 
 
-def test_fcp_backward_reverses_the_plan_with_fp32_partials():
+def test_fcp_backward_reverses_the_plan_with_partials_in_the_input_dtype():
     pl = place_packed([300, 40, 700, 90, 1200], 4, block_tokens=128)
     plan = build_plan("dgx-h100:1", range(4), "full", placement=pl)
     fwd = simulate_plan(plan, "dgx-h100:1", SHAPE)
     bwd = simulate_plan_backward(plan, "dgx-h100:1", SHAPE)
     assert plan.num_transfers() > 0 and bwd.rounds == len(plan.rounds)
-    assert bwd.bytes == pytest.approx(2 * fwd.bytes)  # FP32 dK/dV vs bf16 KV
+    assert bwd.bytes == pytest.approx(fwd.bytes)  # bf16 dK/dV, as the bf16 KV (the executor's wire dtype)
+    assert bwd.meta["grad_dtype_bytes"] == SHAPE.dtype_bytes == 2
+    fp32 = simulate_plan_backward(plan, "dgx-h100:1", SHAPE, grad_dtype_bytes=4)  # the override: FP32 partials
+    assert fp32.bytes == pytest.approx(2 * fwd.bytes) and fp32.comm_s > bwd.comm_s
     assert bwd.compute_s > fwd.compute_s and bwd.total_s >= bwd.compute_s
     # the same kernel launches as the forward (one per owner and round): FLOPs alone scale by 2.5
     cm0 = ComputeModel(kernel_overhead_s=0.0)
@@ -102,7 +105,7 @@ def test_fcp_backward_follows_the_executor_order_by_hand():
     c_recv = pl.pairs(reader, owner, t.block.chunk) * flop
     own = [sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) * flop for j in range(2)]
     route = load_topology("dgx-h100:1").route(reader, owner)
-    msg = pl.blocks[owner][t.block.chunk].tokens * 2 * SHAPE.kv_heads * SHAPE.head_dim * 4  # FP32 dK/dV
+    msg = pl.blocks[owner][t.block.chunk].tokens * 2 * SHAPE.kv_heads * SHAPE.head_dim * SHAPE.dtype_bytes  # dK/dV
     fin = c_recv + msg / min(x.bandwidth for x in route.resources) + route.latency
     bwd = simulate_plan_backward(plan, "dgx-h100:1", SHAPE, compute_model=cm)
     assert bwd.total_s == pytest.approx(max(own[owner], fin, c_recv + own[reader]))

@@ -20,7 +20,8 @@ equal results). Three waves are in flight at once::
 * ``compute`` runs this rank's deliveries of the wave, spread over the steps, each received block
   freed once computed; its dK/dV partials go into the wave's own table;
 * ``reduce`` returns the wave's partials along its rounds reversed (Note [Backward pipeline]):
-  a relay adds its own partial and what its children returned, then sends the sum up.
+  a relay adds its own partial and what its children returned (FP32), then sends the sum up in
+  the input dtype (rounded once per hop, as TE's ring rounds once per step).
 
 Under ``keep`` the blocks come from what the forward saved and nothing is fetched.
 
@@ -28,7 +29,8 @@ Memory. A rank holds received KV of at most two waves (w computing, w+1 arriving
 brings a rank at most half of the largest shard's K and V, so the two hold no more than
 Transformer Engine's ring has in flight beside its own KV (one shard) -- unless a single block is
 larger than half a shard (a packed batch's may be: it then forms a wave of its own). dK/dV
-partials: two waves' (reducing and computing).
+partials: two waves' (reducing and computing), accumulated in FP32; the buffers a wave's returns
+arrive in are in the input dtype (half of FP32's bytes for BF16/FP16).
 
 Cost. ``plan_waves`` also caps a rank's work per wave at the largest single delivery's, so with
 sub-blocks (``parts_per_chunk`` >= 2) every rank computes about the same per wave and the waves'
@@ -147,12 +149,17 @@ def _split(items: list, n: int) -> list[list]:
 
 def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Tensor,
                        kept: dict[Block, torch.Tensor] | None,
-                       compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype) -> dict:
+                       compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
+                       wire_dtype: torch.dtype | None = None) -> dict:
     """Backward over ``waves`` (Note [Backward waves]). ``compute(block, kv)`` adds a block's dq and
-    returns its dK/dV partial ``[2, blk, b, h_kv, d]``. ``kept`` None: re-send the KV. Returns
-    ``grads`` (the local blocks' complete dK/dV: each wave's sum, added in wave order), wait seconds,
-    bytes sent (dK/dV; re-sent KV apart) and the peak received KV bytes alive."""
+    returns its dK/dV partial ``[2, blk, b, h_kv, d]`` in ``grad_dtype`` (the accumulation dtype).
+    A partial is cast to ``wire_dtype`` (default ``grad_dtype``; the executor passes the input
+    dtype) just before it is sent; a received one is added into a ``grad_dtype`` accumulator, so a
+    relay's sum is rounded once per hop. ``kept`` None: re-send the KV. Returns ``grads`` (the
+    local blocks' complete dK/dV in ``grad_dtype``: each wave's sum, added in wave order), wait
+    seconds, bytes sent (dK/dV; re-sent KV apart) and the peak received KV bytes alive."""
     plan, rank, lay = ex.plan, ex.rank, ex.layout
+    wire = grad_dtype if wire_dtype is None else wire_dtype
     resend = kept is None
     held = _Held()
     local = set(ex.local_blocks)
@@ -160,15 +167,17 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
     out = {"wait_s": 0.0, "bytes_sent": 0, "resend_bytes": 0, "grads": grads}
 
     def add(g: dict, block: Block, x: torch.Tensor) -> None:
-        g[block] = x if block not in g else g[block].add_(x)
+        # x: a local partial (grad_dtype) or a received one (wire dtype): g holds grad_dtype
+        g[block] = x.to(grad_dtype) if block not in g else g[block].add_(x)
 
     def post(wave: Wave, g: dict, r: int):
-        # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block
-        sends = [(_flip(t), g[t.block] if t.block in g
-                  else torch.zeros(ex._kv_shape(t.block, k), dtype=grad_dtype, device=k.device))
+        # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block,
+        # rounded to the wire dtype here (once per hop)
+        sends = [(_flip(t), g[t.block].to(wire) if t.block in g
+                  else torch.zeros(ex._kv_shape(t.block, k), dtype=wire, device=k.device))
                  for t in plan.recvs(rank, r) if wave.has(r, t)]
-        # forward t: me -> dst  ==> backward: dst -> me, its partial dKV of t.block
-        recvs = [(_flip(t), torch.empty(ex._kv_shape(t.block, k), dtype=grad_dtype, device=k.device))
+        # forward t: me -> dst  ==> backward: dst -> me, its partial dKV of t.block (wire dtype)
+        recvs = [(_flip(t), torch.empty(ex._kv_shape(t.block, k), dtype=wire, device=k.device))
                  for t in plan.sends(rank, r) if wave.has(r, t)]
         out["bytes_sent"] += sum(_nbytes(x) for _, x in sends)
         return ex.transport.post(sends, recvs, round_index=r, phase="backward"), recvs

@@ -33,11 +33,11 @@ shard), the final FP32 ``out`` and ``lse``, and the received KV blocks this rank
 ``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`). dQ stays
 local. dK/dV of a block flow back along the plan reversed: rounds run last to first and every
 transfer is flipped, so the receiver of a block returns its partial ``[2, blk, b, h_kv, d]`` dKV
-(FP32, or FP64 for FP64 inputs) to the rank it got the block from. A relay first adds its own
-contribution and what its own children returned (children receive the block in later forward
-rounds, i.e. return it in earlier backward rounds), so every link carries one tensor per block.
-A rank that neither needs the block nor has children returns zeros (the plan lists the transfer;
-a ring does exactly this). The owner adds all returns into its local dK/dV::
+to the rank it got the block from. A relay first adds its own contribution and what its own
+children returned (children receive the block in later forward rounds, i.e. return it in earlier
+backward rounds), so every link carries one tensor per block. A rank that neither needs the block
+nor has children returns zeros (the plan lists the transfer; a ring does exactly this). The owner
+adds all returns into its local dK/dV::
 
     waves: the plan's deliveries, split (Note [Backward waves] in backward_waves)
     for w = 0 .. W:  one step per reverse round k of wave w-1 (its rounds, last to first)
@@ -46,9 +46,16 @@ a ring does exactly this). The owner adds all returns into its local dK/dV::
         compute a share of wave w's blocks            # overlaps both
         wait(reverse round k);  add returned partials
 
-Both backward KV modes walk the same waves, so dq and every dK/dV partial are summed in the same
-order (bitwise equal results); a wave's received KV is freed as it is computed, its non-local
-partials once reduced.
+Precision on the wire: partials are computed and summed in FP32 (FP64 for FP64 inputs), but each
+travels in the *input* dtype, as Transformer Engine's ring sends dKV: a partial (or a relay's sum
+of its own and its children's) is cast just before it is sent, and the receiver adds it into an
+FP32 accumulator. So a relay's sum is rounded once per hop, as TE's ring rounds its running dKV
+once per step; for BF16/FP16 the backward moves half the bytes FP32 partials would, and for
+FP32/FP64 inputs nothing is rounded. The owner's local dK/dV stay in FP32 until the final cast.
+
+Both backward KV modes walk the same waves and cast at the same points, so dq and every dK/dV
+partial are summed and rounded in the same order (bitwise equal results); a wave's received KV is
+freed as it is computed, its non-local partials once reduced.
 
 All validation happens before the first post; errors are ``ValueError`` naming the fix.
 """
@@ -358,7 +365,7 @@ class _Executor:
         per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
         waves = plan_waves(self.plan, lambda blk: lay.block_tokens(blk) * per_token,
                            cache_key=(tuple(k.shape), per_token, id(getattr(lay, "placement", None))))
-        res = run_backward_waves(self, waves, k, v, kept, compute, cd)
+        res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype)  # partials sent in q's dtype
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
             held = res["peak"] if kept is None else sum(x.numel() * x.element_size() for x in kept.values())

@@ -23,7 +23,7 @@ copies' gradients back). Then, per rank of head group ``g``, member ``j``::
     a2a    out [a*s, b, h/a, d] -> [s, b, h, d] (and lse [b, h/a, a*s] -> [b, h, s] if asked)
 
 Backward is the mirror, by autograd: dO a2a to head shards, the stage's backward (dK/dV reduced
-along the reversed trees), one a2a of dQ|dK|dV back, replicated KV heads summed. Each a2a is one
+along the reversed trees, partials sent in the input dtype: Note [Backward pipeline]), one a2a of dQ|dK|dV back, replicated KV heads summed. Each a2a is one
 autograd function whose backward is the inverse permutation, so every rank issues the same
 collectives in the same order (forward: qkv, [stage], out, lse; backward: dout, [stage], dqkv).
 

@@ -7,11 +7,11 @@ Workload names (``--workloads``):
 * ``te-a2a-p2p``: TE's hierarchical ``a2a+p2p`` (Ulysses inside a node, ring across nodes), run by
   our head-parallel engine (:mod:`megatron_fcp.attention.head_parallel`): degree = ranks per node,
   a node's ranks one head group, the KV stage a ``ring`` over the head groups, received KV kept
-  for backward (FP32 dK/dV partials back along the ring: the bytes of TE's bf16 KV + dKV). See
+  for backward (bf16 dK/dV partials back along the ring, as TE's dKV). See
   Note [te-a2a-p2p on the head-parallel engine]. Packed batches (THD) are predicted only;
 * ``fcp-hp``: the plugin's default since ``--fcp-head-parallel auto``: the planner's head-parallel
   choice (:func:`~megatron_fcp.planning.build_head_parallel_plan` on the emulated cluster: degree,
-  KV-stage graph, stagger or sub-blocks, forward + backward with FP32 partials) run by the same
+  KV-stage graph, stagger or sub-blocks, forward + backward, partials in the KV dtype) run by the same
   engine; ``--backward-kv`` and the ``@keep`` / ``@resend`` suffix as for ``fcp-*``. Degree 1 runs
   as plain FCP over the chosen plan (an :class:`FcpWorkload`, as the plugin does). Zigzag only (no ``/P`` suffix: the planner picks the blocks);
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
@@ -28,8 +28,9 @@ with perfect overlap: ``max(compute, communication)`` where compute is the total
 spread evenly over the ranks (forward + backward) and communication the need-set lower bound of
 the forward KV exchange (:func:`~megatron_fcp.planning.lower_bound`; over a placement the one of
 :func:`~megatron_fcp.planning.compare.packed_need_stats`) plus the same for the dK/dV reduction at
-the KV's bytes per element. ``lower_bound_fp32_grads_s`` is the same bound with dK/dV at 4 bytes,
-what our executor sends (FP32 partial gradients, a numerics choice). ``lower_bound_all_families_s``
+the KV's bytes per element, what our executor sends (partials summed in FP32, sent in the input
+dtype, as TE's ring). ``lower_bound_fp32_grads_s`` is the same bound with dK/dV at 4 bytes (what
+the executor sent before its partials travelled in the input dtype). ``lower_bound_all_families_s``
 is the bound over every schedule family (head-parallel degrees included,
 :func:`~megatron_fcp.planning.lower_bound_all`, dK/dV at the KV's bytes) with the same compute.
 
@@ -41,10 +42,10 @@ one node per head group) with a ring over the groups as the KV stage. Our ring c
 causal, node 0 sends only its early chunks; TE sends every chunk. The forward time is the same
 (the other direction carries everything and sets the round), which the model shows (forward
 predictions equal to TE's own model, ``predicted_te_model_s`` beside). Backward: TE runs the ring
-again carrying KV and bf16 dKV; here the KV is kept from forward and the FP32 partials go back
-along the reversed ring: the same bytes per round, the executor's order (dK/dV sent after the
-block's gradient, not overlapped with the next). ``predicted_s`` is the model of what runs
-(:func:`predict_head_parallel`).
+again carrying KV and bf16 dKV; here the KV is kept from forward and the bf16 partials go back
+along the reversed ring (TE's dKV bytes, without its KV), in the executor's order (dK/dV sent
+after the block's gradient, not overlapped with the next). ``predicted_s`` is the model of what
+runs (:func:`predict_head_parallel`).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ from megatron_fcp.topology import Topology
 __all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "WORKLOAD_NAMES",
            "make_workloads", "lower_bounds", "predict_head_parallel"]
 
-DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for
-GRAD_BYTES = 4   # our executor's partial dK/dV (FP32)
+DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for; dK/dV partials too
+FP32_BYTES = 4   # lower_bound_fp32_grads_s: dK/dV partials had they travelled in FP32
 
 #: Every workload name ``--workloads`` accepts.
 WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp", *(f"fcp-{g}" for g in BUILDERS))
@@ -148,8 +149,7 @@ class FcpWorkload(Workload):
     def predict(self, topo: Topology, cm: ComputeModel) -> dict:
         shape = self.shape.attention()
         fwd = simulate_plan(self.plan, topo, shape, compute_model=cm)
-        bwd = simulate_plan_backward(self.plan, topo, shape, compute_model=cm, grad_dtype_bytes=GRAD_BYTES,
-                                     backward_kv=self.backward_kv)
+        bwd = simulate_plan_backward(self.plan, topo, shape, compute_model=cm, backward_kv=self.backward_kv)
         return _sum(fwd, bwd, bwd.meta["resend_s"])
 
 
@@ -173,8 +173,8 @@ def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionSh
                           backward_kv: str) -> dict:
     """Forward + backward of ``hp`` as the engine runs it: all-to-all in, the KV stage
     (:func:`~megatron_fcp.planning.head_parallel_compile.stage_plan`, every stage at once), all-to-all
-    out, exposed (Note [Head-parallel cost]); backward with ``backward_kv`` (keep / resend) and FP32
-    dK/dV partials."""
+    out, exposed (Note [Head-parallel cost]); backward with ``backward_kv`` (keep / resend), dK/dV
+    partials in the KV dtype (the executor's)."""
     att, _ = pad_for_zigzag(att, hp.cp)
     sp = stage_plan(hp, att.seq_len, causal)
     sshape = stage_shape(hp, att) if hp.degree > 1 else att
@@ -183,8 +183,7 @@ def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionSh
         return [simulate_rounds(topo, [a2a_messages(hp, att, which)], 0.0, name=which)] if hp.degree > 1 else []
 
     kv_f = simulate_plan(sp, topo, sshape, compute_model=cm)
-    kv_b = simulate_plan_backward(sp, topo, sshape, compute_model=cm, grad_dtype_bytes=GRAD_BYTES,
-                                  backward_kv=backward_kv)
+    kv_b = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_kv=backward_kv)
     fwd = combine("hp", a2a("qkv") + [kv_f] + a2a("q"))
     bwd = combine("hp", a2a("q") + [kv_b] + a2a("qkv"))
     return _sum(fwd, bwd, kv_b.meta["resend_s"])
@@ -278,8 +277,7 @@ def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, .
     if shape.doc_lengths:
         return HeadParallelWorkload(name, shape, ranks, unavailable="not available: the head-parallel engine runs "
                                     "Megatron's zigzag layout, not packed batches (THD)")
-    hp = build_head_parallel_plan(topo, ranks, shape.attention(), causal=shape.causal, compute_model=cm,
-                                  grad_dtype_bytes=GRAD_BYTES)
+    hp = build_head_parallel_plan(topo, ranks, shape.attention(), causal=shape.causal, compute_model=cm)
     if hp.degree == 1:  # as the plugin does: no head-parallel stage, plain FCP over the chosen plan
         plan = hp.kv_plan_for(0)
         w = FcpWorkload(name, shape, ranks, plan=plan)
@@ -384,7 +382,7 @@ def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placeme
     flop_s = 4.0 * att.heads * att.head_dim / cm.flops
     compute = pairs / N * flop_s * (1 + BACKWARD_FLOP_RATIO)
     comm = comm_fwd * (1 + DTYPE_BYTES / DTYPE_BYTES)
-    comm32 = comm_fwd * (1 + GRAD_BYTES / DTYPE_BYTES)
+    comm32 = comm_fwd * (1 + FP32_BYTES / DTYPE_BYTES)
     out = {"lower_bound_s": max(compute, comm), "lower_bound_fp32_grads_s": max(compute, comm32),
            "lower_bound_compute_s": compute, "lower_bound_comm_s": comm, "lower_bound_comm_fwd_s": comm_fwd}
     if not shape.doc_lengths:  # every family (head-parallel degrees too); comm then compute, as the KV-only bound

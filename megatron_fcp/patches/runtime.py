@@ -478,9 +478,10 @@ def _agree_at_setup(runtime: FCPRuntime, parts: int) -> None:
 
 def _auto_head_parallel(runtime: FCPRuntime, seq_len, heads, kv_heads, head_dim, dtype_bytes: int) -> int:
     """``--fcp-head-parallel auto``: the planner's degree for this run's shape and topology, chosen by
-    predicted forward + backward time (:func:`~megatron_fcp.planning.choose_head_parallel`, with the
-    executor's FP32 dK/dV partials) for CP group 0; every CP group of a run has the same shape and
-    every rank computes the same answer. 1 when CP is off or the shapes are not known at setup."""
+    predicted forward + backward time (:func:`~megatron_fcp.planning.choose_head_parallel`, dK/dV
+    partials in the params dtype, ``dtype_bytes``, as the executor sends them) for CP group 0;
+    every CP group of a run has the same shape and every rank computes the same answer. 1 when CP
+    is off or the shapes are not known at setup."""
     from megatron_fcp.planning.cost import AttentionShape  # noqa: PLC0415
     from megatron_fcp.planning.head_parallel_choose import choose_head_parallel  # noqa: PLC0415
 
@@ -491,7 +492,8 @@ def _auto_head_parallel(runtime: FCPRuntime, seq_len, heads, kv_heads, head_dim,
     cp_ranks = layout.cp_groups()[0]
     try:
         hp = choose_head_parallel(runtime.topology, cp_ranks,
-                                  AttentionShape(seq_len, tp_heads, tp_kv, head_dim, dtype_bytes), causal=True)
+                                  AttentionShape(seq_len, tp_heads, tp_kv, head_dim, dtype_bytes), causal=True,
+                                  grad_dtype_bytes=dtype_bytes)
     except ValueError as exc:  # no valid degree > 1 for these heads on this topology: plain FCP
         logger.info("FCP head-parallel auto: degree 1 (%s)", exc)
         return 1

@@ -60,10 +60,11 @@ def head_parallel_candidates(
     pass_: str = "fwd+bwd",
     round_overhead_s: float = 0.0,
     min_block_tokens: int = 256,
-    grad_dtype_bytes: int = 4,
+    grad_dtype_bytes: int | None = None,
 ) -> list[tuple[SimResult, HeadParallelPlan]]:
     """Every candidate of Note [Choosing the head-parallel degree] as ``(SimResult, plan)``, the
-    sub-block candidates of the best ``a = 1`` plan last."""
+    sub-block candidates of the best ``a = 1`` plan last. ``grad_dtype_bytes``: the dK/dV partials'
+    bytes per element (default ``shape.dtype_bytes``: the executor sends them in the input dtype)."""
     check_pass(pass_)
     if objective not in ("comm", "total"):
         raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
@@ -138,7 +139,7 @@ def build_head_parallel_plan(
     pass_: str = "fwd+bwd",
     round_overhead_s: float = 0.0,
     min_block_tokens: int = 256,
-    grad_dtype_bytes: int = 4,
+    grad_dtype_bytes: int | None = None,
 ) -> HeadParallelPlan:
     """A verified :class:`HeadParallelPlan` for the CP group ``cp_ranks`` on ``topology``.
 
@@ -163,10 +164,11 @@ def build_head_parallel_plan(
 
 
 def choose_head_parallel(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
-                         causal: bool = True, grad_dtype_bytes: int = 4) -> HeadParallelPlan:
+                         causal: bool = True, grad_dtype_bytes: int | None = None) -> HeadParallelPlan:
     """The runtime's entry point: degree, graph and block size chosen by predicted forward+backward
     time at the default compute model (Note [Choosing the head-parallel degree]). ``grad_dtype_bytes``:
-    the dK/dV partials the executor returns (4: FP32, today's; 2: bf16, as TE's ring)."""
+    the dK/dV partials' bytes per element (default ``shape.dtype_bytes``: the executor returns them
+    in the input dtype, as TE's ring returns dKV)."""
     return build_head_parallel_plan(topology, cp_ranks, shape, causal=causal, grad_dtype_bytes=grad_dtype_bytes)
 
 

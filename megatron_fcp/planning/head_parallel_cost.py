@@ -22,8 +22,9 @@ softmax statistics, under 2% of O at d = 128, are not counted.) Between them the
 :func:`~megatron_fcp.planning.head_parallel_compile.stage_plan` (all ``a`` stages at once, sharing
 links) with ``h/a`` query and ``rep * h_kv / a`` KV heads, forward through
 :func:`~megatron_fcp.planning.cost.simulate_plan` (overlapped with compute) and backward through
-:func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward` (dK/dV partials in FP32 along the
-reversed trees, in the executor's order). The all-to-alls are exposed, as in Transformer Engine.
+:func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward` (dK/dV partials along the
+reversed trees in the input dtype, as the executor sends them, in the executor's order). The
+all-to-alls are exposed, as in Transformer Engine.
 ``a = 1`` is plain FCP (no all-to-all); ``a = cp`` is TE's ``a2a`` (no KV stage).
 
 Note [Lower bound over schedule families]
@@ -36,8 +37,8 @@ planner may use (``a = 1``: KV distribution alone), of that family's bound for t
 * **KV stage** (forward): the need-set bound of :func:`~megatron_fcp.planning.baselines.lower_bound`
   on the stage placement: the most bytes any rank needs over its ingress, and the most bytes any
   node needs from outside (each block once) over the node's NIC ingress; backward the same need sets
-  carry gradients, counted in the KV dtype (TE's ring returns dKV in bf16; FCP's executor sends FP32
-  partials today, twice that: the bound is the least any compared schedule could send).
+  carry gradients, counted in the KV dtype (TE's ring returns dKV in the input dtype, and so does
+  FCP's executor: the bound is the least any compared schedule could send).
 
 A family's stages run one after another, so its bound is their sum. Ulysses-style schedules move Q
 and O instead of all KV, which is why a KV-only bound (the old one) could sit above them.
@@ -124,14 +125,15 @@ def simulate_head_parallel(
     compute_model: ComputeModel | None = None,
     round_overhead_s: float = 0.0,
     backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
-    grad_dtype_bytes: int = 4,
+    grad_dtype_bytes: int | None = None,
     name: str = "fcp",
 ) -> SimResult:
     """Time ``hp`` for ``pass_`` (``fwd``, ``bwd`` or ``fwd+bwd``); see Note [Head-parallel cost].
     ``meta``: ``graph``, ``head_parallel`` (the degree), ``parts_per_chunk``, ``kv_replication``,
     ``pass``, and per pass ``fwd_total_s`` / ``bwd_total_s`` where computed. ``grad_dtype_bytes``:
-    bytes per element of the dK/dV partials the KV stage returns (4: FP32, what the executor sends
-    today; 2: the KV dtype, as Transformer Engine's ring sends dKV)."""
+    bytes per element of the dK/dV partials the KV stage returns (default ``shape.dtype_bytes``: the
+    input dtype, what the executor sends, as Transformer Engine's ring sends dKV; 4 prices FP32
+    partials)."""
     check_pass(pass_)
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()

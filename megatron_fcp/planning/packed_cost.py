@@ -32,8 +32,9 @@ to the forward's 2) times the forward FLOPs:
   ``i`` and computes; both start when round ``i-1`` and step ``i-1`` are done.
 * ``te-a2a-p2p``: all-to-all of dO in, the same ring pattern across nodes, all-to-all of dQ/dK/dV out.
 * FCP: the plan's rounds reversed with every transfer flipped (:meth:`Plan.backward_rounds`); each
-  carries the block's partial dK/dV in FP32 (``grad_dtype_bytes`` = 4: twice bf16 KV), as the
-  executor sends (docs/attention.md). Timed per rank in the executor's order (Note [Backward
+  carries the block's partial dK/dV in the input dtype (``grad_dtype_bytes``, default
+  ``shape.dtype_bytes``: the KV's bytes, as TE's ring sends dKV), as the executor sends (summed in
+  FP32, rounded per hop: Note [Backward pipeline]). Timed per rank in the executor's order (Note [Backward
   pipeline] in ``attention/function.py``), not with a barrier per round; see
   Note [FCP backward timeline].
 
@@ -265,7 +266,7 @@ def simulate_plan_backward(
     *,
     compute_model: ComputeModel | None = None,
     backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
-    grad_dtype_bytes: int = 4,
+    grad_dtype_bytes: int | None = None,
     round_overhead_s: float = 0.0,
     name: str = "fcp",
     order: str = "executor",
@@ -279,7 +280,8 @@ def simulate_plan_backward(
     default; what runs today). ``order="eager"``: a what-if executor that computes without waiting
     and sends each partial as soon as it is complete (its compute done and its children's partials
     in), receivers posted up front. ``timeline[k]`` is backward round ``k`` (forward round ``R-1-k``):
-    first message start, last finish.
+    first message start, last finish. ``grad_dtype_bytes``: bytes per element of the dK/dV partials
+    on the wire (default ``shape.dtype_bytes``: the executor sends them in the input dtype).
 
     ``backward_kv`` (Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`):
     ``"keep"`` starts from saved KV; ``"resend"`` first re-runs the forward rounds (KV in
@@ -304,6 +306,7 @@ def simulate_plan_backward(
     else:
         shape, _ = pad_for_zigzag(shape, cp)
         block_tokens = lambda blk: part_tokens(shape.seq_len, cp, P_, blk.part)  # noqa: E731
+    grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes                  # partials travel in the input dtype
     per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
     nbytes = lambda t: block_tokens(t.block) * per_token  # noqa: E731
     brounds = plan.backward_rounds()
@@ -403,7 +406,7 @@ def simulate_backward_waves(
     compute_model: ComputeModel | None = None,
     backward_kv: str = "resend",
     kv_dtype_bytes: int | None = None,
-    grad_dtype_bytes: int = 4,
+    grad_dtype_bytes: int | None = None,
     round_overhead_s: float = 0.0,
     budget: int | None = None,
 ) -> dict:
@@ -416,7 +419,8 @@ def simulate_backward_waves(
     Returns ``bwd_s``, ``resend_s`` (re-send alone, summed), ``waves``, per-wave ``wave_compute_s``,
     ``wave_reduce_s``, ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
     backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
-    ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard)."""
+    ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard).
+    ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``)."""
     if backward_kv not in ("keep", "resend"):
         raise ValueError(f"backward_kv: must be 'keep' or 'resend', got {backward_kv!r}")
     topo = load_topology(topology)
