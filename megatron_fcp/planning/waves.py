@@ -109,6 +109,12 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
     cap = max([work(x, b) for x in plan.ranks for b in left[x]] + [work(x, b) for x in plan.ranks for b in local[x]]
               + [0.0])
     size = {b: block_bytes(b) for b in plan.blocks()}
+    slot: dict[tuple[int, Transfer], int] = {}                     # (round, transfer) -> its place in the round
+    for r, rnd in enumerate(plan.rounds):
+        for i, t in enumerate(rnd):
+            slot.setdefault((r, t), i)
+    lightest = {x: sorted(left[x], key=lambda b, x=x: work(x, b)) for x in plan.ranks}  # least work first
+    first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
     waves = []
     while any(left.values()) or any(local.values()):
         load: dict[int, int] = {}
@@ -118,9 +124,13 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
 
         mins: dict[int, float] = {}
 
-        def min_work(x: int) -> float:
+        def min_work(x: int) -> float:  # least work of a delivery x still has to do
             if x not in mins:
-                mins[x] = min((work(x, b) for b in left[x]), default=0.0)
+                lst, i = lightest[x], first_left[x]
+                while i < len(lst) and lst[i] not in left[x]:
+                    i += 1
+                first_left[x] = i
+                mins[x] = work(x, lst[i]) if i < len(lst) else 0.0
             return mins[x]
 
         def take(b: Block, x: int) -> None:
@@ -158,7 +168,7 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
         for x in plan.ranks:                                     # own blocks fill spare work
             while local[x] and (not comp.get(x, 0.0) or comp[x] + work(x, local[x][0]) <= cap):
                 take(local[x].pop(0), x)
-        transfers = tuple(sorted(carried.values(), key=lambda rt: (rt[0], plan.rounds[rt[0]].index(rt[1]))))
+        transfers = tuple(sorted(carried.values(), key=lambda rt: (rt[0], slot[rt])))
         waves.append(Wave(transfers, frozenset(computes)))
     waves = tuple(waves)
     if cache_key is not None:
@@ -172,10 +182,13 @@ _WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
 
 
 def restrict(plan: Plan, wave: Wave) -> Plan:
-    """The plan's rounds that carry ``wave``, with only its transfers (not a complete plan: it
-    delivers only this wave; for the cost model)."""
-    rounds = tuple(tuple(t for t in plan.rounds[r] if wave.has(r, t)) for r in wave.rounds)
-    return replace(plan, rounds=rounds, name=f"{plan.name}/wave")
+    """The plan's rounds that carry ``wave``, with only its transfers in plan order (not a complete
+    plan: it delivers only this wave; for the cost model). ``wave.transfers`` is in plan order
+    (:func:`plan_waves` sorts it by round and place in the round), so it is grouped by round."""
+    rounds: dict[int, list[Transfer]] = {}
+    for r, t in wave.transfers:
+        rounds.setdefault(r, []).append(t)
+    return replace(plan, rounds=tuple(tuple(rounds[r]) for r in wave.rounds), name=f"{plan.name}/wave")
 
 
 # ---- keep or resend (Note [Backward KV modes] in megatron_fcp.attention.kv_memory) ----------------
