@@ -408,9 +408,10 @@ class FCPRuntime:
                    f"head groups)" if self.head_parallel_degree() > 1 else ""))
         if self.schedule is not None:
             head += "\nschedule: " + self.schedule.describe()
-        stage = next((p.kv_plan for k, p in self.hp_plans.items() if k[0] == ranks and k[1] and p.kv_plan), None)
-        if stage is not None:
-            return head + f"\nKV stage over {self.head_parallel_degree()}-rank head groups:\n" + stage.round_table()
+        hp = next((p for k, p in self.hp_plans.items() if k[0] == ranks and k[1] and p.kv_plan), None)
+        if hp is not None:  # the KV stage of rank's head shard (member 0's by default)
+            stage = hp.kv_plan_for(hp.position(rank)[1] if rank in hp.ranks else 0)
+            return head + f"\nKV stage across {hp.num_groups} head groups of {hp.degree}:\n" + stage.round_table()
         return head + "\n" + plan.round_table()
 
     def schedule_report(self) -> dict | None:
