@@ -63,6 +63,7 @@ def enable_fcp_from_megatron_args():
             kv_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
             head_dim=args.kv_channels or args.hidden_size // heads,
             dtype_bytes=2 if (args.bf16 or args.fp16) else 4,
+            micro_batch=args.micro_batch_size,
         )
         if args.context_parallel_size > 1:
             print_rank_0(runtime.summary(0))

@@ -351,6 +351,7 @@ def train(
             runtime = setup_fcp(
                 fcp, seq_len=None if args.packed else args.seq_length, heads=heads, kv_heads=args.num_query_groups or heads,
                 head_dim=args.hidden_size // heads, dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
+                micro_batch=args.micro_batch_size,
             )
             runtime.transport_factory = transport_factory
             runtime.record_stats = True  # each layer's latest FCPStats: KV held, peak, re-sent
@@ -365,7 +366,8 @@ def train(
                                     parts_per_chunk=runtime.parts_per_chunk(args.seq_length // layout.cp))
                 info.update(graph=plan.name, topology=runtime.topology.name,
                             plan_ranks=list(plan.ranks), rounds=len(plan.rounds),
-                            transfers=plan.num_transfers(), head_parallel=runtime.head_parallel_degree())
+                            transfers=plan.num_transfers(), head_parallel=runtime.head_parallel_degree(),
+                            schedule=runtime.schedule_report())
                 say(runtime.summary(0))
         impl, spec = _layer_spec(args.transformer_impl, args.normalization)
         if args.packed and impl == "local":  # Megatron's local attention refuses THD: FCP's spec route

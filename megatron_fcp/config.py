@@ -62,8 +62,9 @@ class FCPConfig:
 
     block_tokens: int = 0
     """Tokens per KV block; a zigzag chunk is cut into chunk_len/block_tokens blocks so transfers
-    overlap with compute (4K-8K is a good start on GPUs). 0: one block per chunk, or two where the
-    backward may re-send KV (backward_kv auto/resend at cp > 2), which balances the backward waves."""
+    overlap with compute (4K-8K is a good start on GPUs). 0: the planner chooses the blocks per
+    chunk at setup with the head-parallel degree and graph; without the shapes at setup one block
+    per chunk, or two where the backward may re-send KV (backward_kv auto/resend at cp > 2)."""
 
     overlap: bool = True
     """Overlap block transfers with attention compute (off: communicate, then compute)."""
@@ -103,8 +104,9 @@ class FCPConfig:
     when CP ranks fill nodes) exchange heads with an all-to-all, and FCP's KV stage runs across
     the cp/a groups; 1 turns the stage off, a = cp is pure all-to-all. Must divide the CP size
     and the query heads; KV heads not divisible by a are replicated. auto (the default): the
-    planner chooses a at setup by predicted forward + backward time for the run's sequence length,
-    heads and topology (logged; 1 when the shapes are not known at setup)."""
+    planner chooses a at setup, with the graph and block size, by predicted forward + backward time
+    (the backward as it runs: waves, KV kept or re-sent) for the run's sequence length, heads and
+    topology (logged; 1 when the shapes are not known at setup)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.head_parallel, str) and self.head_parallel.strip().isdigit():

@@ -99,15 +99,18 @@ def test_packed_batches_with_the_stage_are_refused_naming_the_flag():
 
 
 def test_auto_settles_the_planners_degree_at_setup():
-    """--fcp-head-parallel auto: setup_fcp takes choose_head_parallel's degree for the run's shape
-    (heads per tensor-parallel rank) and topology; 1 without shapes or CP."""
+    """--fcp-head-parallel auto: setup_fcp takes choose_schedule's degree for the run's shape
+    (heads per tensor-parallel rank), topology and backward (waves; tests/test_runtime_schedule.py
+    checks the rest of the choice); 1 without shapes or CP."""
     from megatron_fcp.planning.cost import AttentionShape
-    from megatron_fcp.planning.head_parallel_choose import choose_head_parallel
+    from megatron_fcp.planning.head_parallel_choose import choose_schedule
+    from megatron_fcp.planning.waves import WaveBackward
 
     cfg = FCPConfig(enabled=True, topology="dgx-h100:2")
     layout = MegatronLayout(world=16, cp=16)
     rt = setup_fcp(cfg, layout=layout, groups={}, seq_len=32768, heads=32, kv_heads=8, head_dim=128)
-    want = choose_head_parallel("dgx-h100:2", tuple(range(16)), AttentionShape(32768, 32, 8, 128, 2)).degree
+    want = choose_schedule("dgx-h100:2", tuple(range(16)), AttentionShape(32768, 32, 8, 128, 2),
+                           backward=WaveBackward()).degree
     assert rt.head_parallel_degree() == want and want > 1
     assert rt.config.head_parallel == "auto"
     reset_fcp()

@@ -38,56 +38,8 @@ backward: kept, or the re-sent waves), ``backward_waves`` and ``resend_bytes_sen
 
 from __future__ import annotations
 
-import weakref
-from typing import Callable, Hashable
-
-from megatron_fcp.planning.blocks import Block
-from megatron_fcp.planning.plan import Plan
+# The decision is pure planning (it reads only the plan): it lives in megatron_fcp.planning.waves,
+# where the planner prices candidates with the backward the executor will run.
+from megatron_fcp.planning.waves import BACKWARD_KV_MODES, RING_BUDGET, choose_backward_kv, kept_bytes_per_rank
 
 __all__ = ["BACKWARD_KV_MODES", "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
-
-BACKWARD_KV_MODES = ("auto", "keep", "resend")
-RING_BUDGET = -1
-"""``kv_memory_budget`` value meaning "what the ring holds": one KV pair the size of the rank's shard."""
-
-
-def kept_bytes_per_rank(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
-    """Bytes of received KV each rank would save for backward under ``keep`` (its need set)."""
-    return {r: sum(block_bytes(b) for b in plan.needs(r)) for r in plan.ranks}
-
-
-def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int], budget: int = RING_BUDGET,
-                       *, cache_key: Hashable = None) -> str:
-    """``"keep"`` or ``"resend"`` for ``mode`` (see the Note); the same answer on every rank.
-
-    block_bytes: bytes of one block's K and V. budget: bytes per rank, or :data:`RING_BUDGET`
-    (each rank's own KV bytes). cache_key: what ``block_bytes`` depends on besides the plan (e.g.
-    the shard's shape and dtype); with it the answer is computed once per plan object and key
-    (every layer of a model calls this with the same settled plan).
-    """
-    if mode not in BACKWARD_KV_MODES:
-        raise ValueError(f"backward_kv must be one of {BACKWARD_KV_MODES}, got {mode!r} (--fcp-backward-kv)")
-    if mode != "auto":
-        return mode
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < RING_BUDGET:
-        raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {budget!r} "
-                         "(--fcp-kv-memory-budget)")
-    key = (id(plan), budget, cache_key)
-    hit = _DECISIONS.get(key)
-    if cache_key is not None and hit is not None and hit[0]() is plan:
-        return hit[1]
-    kept = kept_bytes_per_rank(plan, block_bytes)
-    decision = "keep"
-    for r in plan.ranks:
-        limit = budget if budget != RING_BUDGET else sum(block_bytes(b) for b in plan.local_blocks(r))
-        if kept[r] > limit:
-            decision = "resend"
-            break
-    if cache_key is not None:
-        if len(_DECISIONS) > 1024:
-            _DECISIONS.clear()
-        _DECISIONS[key] = (weakref.ref(plan), decision)
-    return decision
-
-
-_DECISIONS: dict[tuple, tuple[weakref.ref, str]] = {}  # (id(plan), budget, key) -> (plan ref, decision)

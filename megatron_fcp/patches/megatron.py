@@ -393,25 +393,26 @@ def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
                 "call setup_fcp() with the applied config before building the model"
             )
         return runtime
-    seq_len = _megatron_training_seq_length()
     return setup_fcp(
         config,
-        seq_len=seq_len,
+        seq_len=_megatron_training_arg("seq_length"),
         heads=transformer_config.num_attention_heads,
         kv_heads=transformer_config.num_query_groups or transformer_config.num_attention_heads,
         head_dim=head_dim,
         dtype_bytes=torch.tensor([], dtype=transformer_config.params_dtype).element_size(),
+        micro_batch=_megatron_training_arg("micro_batch_size") or 1,
     )
 
 
-def _megatron_training_seq_length() -> int | None:
-    """``--seq-length`` of a Megatron-LM run when ``megatron.training`` holds parsed args."""
+def _megatron_training_arg(name: str) -> int | None:
+    """``--seq-length`` (``seq_length``) or another integer argument of a Megatron-LM run when
+    ``megatron.training`` holds parsed args, else None."""
     try:
         from megatron.training import get_args  # noqa: PLC0415
     except ImportError:
         return None
     try:
-        return int(get_args().seq_length)
+        return int(getattr(get_args(), name))
     except (AssertionError, AttributeError, TypeError):
         return None
 

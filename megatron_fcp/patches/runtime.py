@@ -11,7 +11,9 @@ topology (clear errors before any communication), builds and verifies the plan o
 group (pure, identical on all ranks, so any communicator a plan needs is created in the same
 order everywhere) and keeps them in a :class:`FCPRuntime`. The attention looks plans up by CP
 group; a group that was not settled (the groups were re-created after setup) raises
-:class:`FCPStateError` instead of running with a stale plan.
+:class:`FCPStateError` instead of running with a stale plan. Which head-parallel degree, graph and
+block size they run is the planner's choice (:mod:`megatron_fcp.patches.schedule`, Note [The
+runtime runs the planner's choice]).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import torch.distributed as dist
 from megatron_fcp.agreement import AgreementCache, LastAgreed, agree
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
-from megatron_fcp.planning import MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
+from megatron_fcp.patches.schedule import schedule_report, settle_schedule
+from megatron_fcp.planning import AttentionShape, MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
 from megatron_fcp.planning.head_parallel import (HeadParallelPlan, check_head_parallel, consecutive_head_groups,
                                                  group_placement, relabel_plan)
+from megatron_fcp.planning.head_parallel_choose import ScheduleChoice
+from megatron_fcp.planning.head_parallel_compile import compile_head_parallel
 from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.topology import TopologyError, load_topology
 from megatron_fcp.topology import detect
@@ -150,16 +155,24 @@ def build_group_plan(
 
 def build_head_parallel_plan(config: FCPConfig, topology: Any, cp_ranks: tuple[int, ...], degree: int, seq_len: int,
                              *, causal: bool = True, heads: int, kv_heads: int, head_dim: int | None = None,
-                             dtype_bytes: int = 2) -> HeadParallelPlan:
+                             dtype_bytes: int = 2, graph: str | None = None, stagger: int = 1) -> HeadParallelPlan:
     """The head-parallel plan of one CP group (Note [Head-parallel stage] in
     :mod:`megatron_fcp.planning.head_parallel`): head groups of ``degree`` consecutive CP ranks
-    (one node's ranks when CP ranks fill nodes in order) and the KV stage's plan, built with the
-    configured graph on the topology over member 0's stage ranks and the group placement of
-    ``seq_len`` tokens, then relabelled onto virtual ranks (every stage runs the same schedule).
+    (one node's ranks when CP ranks fill nodes in order) and the KV stage's plan over the group
+    placement of ``seq_len`` tokens on virtual ranks (every stage runs the same schedule).
+    ``graph`` (default: the configured one): a builder name compiles the stage as the planner
+    does (:func:`~megatron_fcp.planning.head_parallel_compile.compile_head_parallel`, chunks
+    ``stagger``-ed), so the runtime runs the plan the planner timed; ``"auto"`` lets
+    :func:`~megatron_fcp.planning.build_plan` pick the graph over member 0's stage ranks.
     ``heads`` / ``kv_heads``: this rank's (per tensor-parallel partition)."""
     cp_ranks = tuple(cp_ranks)
     rep = check_head_parallel(heads, kv_heads, degree, len(cp_ranks))
     groups = consecutive_head_groups(cp_ranks, degree)
+    graph = graph or config.graph
+    if degree > 1 and graph != "auto":
+        shape = AttentionShape(seq_len, heads, kv_heads, head_dim or 1, dtype_bytes)
+        return compile_head_parallel(topology, cp_ranks, shape, degree, graph, causal=causal, head_groups=groups,
+                                     stagger=stagger)
     kv_plan = None
     if len(groups) > 1:
         placement = group_placement(cp_ranks, groups, seq_len, causal)
@@ -214,6 +227,8 @@ class FCPRuntime:
     hp_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> HeadParallelGroups
     hp_plans: dict[tuple, HeadParallelPlan] = field(default_factory=dict)
     hp_degree: int | None = None  # settled by setup_fcp (auto: the planner's choice)
+    schedule: ScheduleChoice | None = None  # the planner's choice settled by setup_fcp (None: none made)
+    micro_batch: int = 1  # sequences per attention call (prices --fcp-kv-memory-budget in bytes)
 
     def head_parallel_degree(self) -> int:
         """The head-parallel degree of this run (``--fcp-head-parallel``, ``auto`` settled at setup;
@@ -232,16 +247,23 @@ class FCPRuntime:
         ranks = tuple(dist.get_process_group_ranks(group))
         key = (ranks, bool(causal), int(s_local), int(heads), int(kv_heads))
         if key not in self.hp_plans:
-            self.hp_plans[key] = build_head_parallel_plan(
-                self.config, self.topology, ranks, degree, s_local * len(ranks), causal=causal, heads=heads,
-                kv_heads=kv_heads, head_dim=self.plan_args.get("head_dim"),
-                dtype_bytes=self.plan_args.get("dtype_bytes", 2))
+            self.hp_plans[key] = self._build_stage(ranks, degree, s_local * len(ranks), causal, heads, kv_heads)
         plan = self.hp_plans[key]
         groups = self.hp_groups.get(ranks) or HeadParallelGroups.of_cp_group(plan, group)
         if groups is None:
             raise FCPStateError(f"the head-parallel process groups of CP group {list(ranks)} were not created: "
                                 "call setup_fcp() on every rank of the job (it creates them collectively)")
         return plan, groups
+
+    def _build_stage(self, ranks: tuple[int, ...], degree: int, seq_len: int, causal: bool, heads: int,
+                     kv_heads: int) -> HeadParallelPlan:
+        """A CP group's head-parallel plan: with a settled schedule its graph and stagger, else the
+        configured graph (Note [The runtime runs the planner's choice])."""
+        c = self.schedule
+        return build_head_parallel_plan(
+            self.config, self.topology, ranks, degree, seq_len, causal=causal, heads=heads, kv_heads=kv_heads,
+            head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2),
+            graph=c.graph if c is not None else None, stagger=c.stagger if c is not None else 1)
 
     def report_layer(self, layer: int, fallback_reason: str | None = None, *, cp_group: Any = None) -> dict:
         """Record (and log at INFO, once per layer and state) what serves ``layer``'s CP attention:
@@ -254,7 +276,9 @@ class FCPRuntime:
                      "plan": None if plan is None else plan.name,
                      "cp_ranks": None if plan is None else list(plan.ranks),
                      "rounds": None if plan is None else len(plan.rounds),
-                     "head_parallel": self.head_parallel_degree()}
+                     "head_parallel": self.head_parallel_degree(),
+                     "schedule": None if self.schedule is None else self.schedule.label,
+                     "predicted_ms": None if self.schedule is None else round(self.schedule.total_s * 1e3, 4)}
         if self.layer_report.get(layer) != entry:
             self.layer_report[layer] = entry
             if entry["attention"] == "fcp":
@@ -305,11 +329,16 @@ class FCPRuntime:
     def parts_per_chunk(self, s_local: int) -> int:
         """Sub-blocks per zigzag chunk for a local sequence of ``s_local`` tokens (2 chunks).
 
+        At the settled length with a settled schedule: the planner's choice (Note [The runtime
+        runs the planner's choice]). Otherwise (no shapes at setup, or another length) the rule:
         ``--fcp-block-tokens 0`` (the default) means whole chunks, except where the backward may
         re-send KV (``--fcp-backward-kv`` auto or resend, cp > 2): there each chunk is cut in two,
         which balances the backward waves' work (Note [Backward waves]; in the cost model fwd+bwd
         goes from 1.43x to 1.005x one-pass keep on dgx-h100:2 at 128K, the forward unchanged). An odd
         chunk is cut into halves one token apart (Note [Sub-block sizes] in planning/blocks.py)."""
+        c = self.schedule
+        if c is not None and s_local * self.layout.cp == c.seq_len:
+            return c.parts
         chunk = s_local // 2
         if (self.config.block_tokens == 0 and self.config.backward_kv != "keep" and self.layout.cp > 2
                 and chunk >= 2):
@@ -359,7 +388,10 @@ class FCPRuntime:
         return self.plan(ranks, causal=causal, parts_per_chunk=self.parts_per_chunk(s_local))
 
     def _build(self, cp_ranks: tuple[int, ...], causal: bool, parts: int) -> Plan:
-        return build_group_plan(self.config, self.topology, cp_ranks, causal=causal,
+        """A plain (no head-parallel stage) plan: a = 1's settled graph, else the configured one."""
+        c = self.schedule
+        config = self.config.replace(graph=c.graph) if c is not None and c.degree == 1 else self.config
+        return build_group_plan(config, self.topology, cp_ranks, causal=causal,
                                 parts_per_chunk=parts, seq_len=self.seq_len, **self.plan_args)
 
     def summary(self, rank: int | None = None) -> str:
@@ -374,7 +406,18 @@ class FCPRuntime:
                 f"cp={self.layout.cp} tp={self.layout.tp} groups={len(groups)}"
                 + (f" head_parallel={self.head_parallel_degree()} (the KV stage runs its own plan across "
                    f"head groups)" if self.head_parallel_degree() > 1 else ""))
+        if self.schedule is not None:
+            head += "\nschedule: " + self.schedule.describe()
+        hp = next((p for k, p in self.hp_plans.items() if k[0] == ranks and k[1] and p.kv_plan), None)
+        if hp is not None:  # the KV stage of rank's head shard (member 0's by default)
+            stage = hp.kv_plan_for(hp.position(rank)[1] if rank in hp.ranks else 0)
+            return head + f"\nKV stage across {hp.num_groups} head groups of {hp.degree}:\n" + stage.round_table()
         return head + "\n" + plan.round_table()
+
+    def schedule_report(self) -> dict | None:
+        """The settled schedule as plain data (None without one): degree, graph, parts, stagger,
+        predicted fwd+bwd milliseconds, the runner-up."""
+        return schedule_report(self.schedule)
 
 
 _RUNTIME: FCPRuntime | None = None  # process-wide, like megatron's parallel_state
@@ -390,11 +433,16 @@ def setup_fcp(
     dtype_bytes: int = 2,
     layout: MegatronLayout | None = None,
     groups: dict[tuple[int, ...], Any] | None = None,
+    micro_batch: int = 1,
 ) -> FCPRuntime:
     """Settle FCP for this process: validate, build + verify every CP group's causal plan.
 
     Call on every rank after ``initialize_model_parallel`` and before building the model (the
     defaults read ``parallel_state``; ``layout``/``groups`` let tests and tools pass their own).
+    With the shapes known the head-parallel degree, graph and block size are the planner's choice
+    under the flags given (Note [The runtime runs the planner's choice] in
+    :mod:`megatron_fcp.patches.schedule`; ``micro_batch``: sequences per call, which prices an
+    explicit ``--fcp-kv-memory-budget``).
     Raises ``ValueError``/``PlanError`` naming the flag to change before any communication.
     Then the ranks of this rank's live CP group agree on :func:`setup_fingerprint` (one bounded
     collective; skipped without a live group): ranks configured differently raise
@@ -415,23 +463,28 @@ def setup_fcp(
     runtime = FCPRuntime(
         config, layout, topology, seq_len,
         plan_args=dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
-        groups=dict(groups or {}),
+        groups=dict(groups or {}), micro_batch=micro_batch,
     )
-    parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
-    degree = config.head_parallel_degree(layout.cp)  # ValueError naming the flag, before anything else
-    if config.head_parallel == "auto":
-        degree = _auto_head_parallel(runtime, seq_len, heads, kv_heads, head_dim, dtype_bytes)
-    runtime.hp_degree = degree
+    if seq_len is not None:
+        config.parts_per_chunk(seq_len // (2 * layout.cp))  # ValueError naming the flag, before anything else
+    degree = config.head_parallel_degree(layout.cp)
+    tp_heads, tp_kv = (heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)) if heads is not None else (0, 0)
     if degree > 1 and heads is not None:
-        tp_heads, tp_kv = heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)
         try:
             check_head_parallel(tp_heads, tp_kv, degree, layout.cp)
         except ValueError as exc:
             raise ValueError(f"--fcp-head-parallel {degree} with {tp_heads} query / {tp_kv} KV heads per "
                              f"tensor-parallel rank: {exc}") from exc
+    runtime.schedule = settle_schedule(config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
+                                       head_dim=head_dim, dtype_bytes=dtype_bytes, micro_batch=micro_batch)
+    degree = runtime.hp_degree = runtime.schedule.degree if runtime.schedule is not None else degree
+    parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     if layout.cp > 1:
         for cp_ranks in layout.cp_groups():
             runtime.plans[(cp_ranks, True, parts)] = runtime._build(cp_ranks, True, parts)
+            if degree > 1 and heads is not None and seq_len is not None:  # the stage's plan at the settled length
+                key = (cp_ranks, True, seq_len // layout.cp, tp_heads, tp_kv)
+                runtime.hp_plans[key] = runtime._build_stage(cp_ranks, degree, seq_len, True, tp_heads, tp_kv)
         _agree_at_setup(runtime, parts)
         if 1 < degree < layout.cp and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() == layout.world:
@@ -455,6 +508,7 @@ def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int
         "shapes": tuple((k, v) for k, v in sorted(runtime.plan_args.items()) if k != "dtype_bytes"),
         "dtype_bytes": runtime.plan_args.get("dtype_bytes"),
         "config": tuple(sorted(config.items())),
+        "schedule": None if runtime.schedule is None else runtime.schedule.label,
         "plan": (plan.name, plan.ranks, plan.causal, plan.parts_per_chunk, plan.rounds),
     }
 
@@ -474,36 +528,6 @@ def _agree_at_setup(runtime: FCPRuntime, parts: int) -> None:
                   timeout_s=runtime.config.timeout_s)
             logger.info("FCP setup agreed across CP group %s", list(cp_ranks))
             return
-
-
-def _auto_head_parallel(runtime: FCPRuntime, seq_len, heads, kv_heads, head_dim, dtype_bytes: int) -> int:
-    """``--fcp-head-parallel auto``: the planner's degree for this run's shape and topology, chosen by
-    predicted forward + backward time (:func:`~megatron_fcp.planning.choose_head_parallel`, dK/dV
-    partials in the params dtype, ``dtype_bytes``, as the executor sends them) for CP group 0;
-    every CP group of a run has the same shape and every rank computes the same answer. 1 when CP
-    is off or the shapes are not known at setup."""
-    from megatron_fcp.planning.cost import AttentionShape  # noqa: PLC0415
-    from megatron_fcp.planning.head_parallel_choose import choose_head_parallel  # noqa: PLC0415
-
-    layout = runtime.layout
-    if layout.cp == 1 or seq_len is None or heads is None or head_dim is None:
-        return 1
-    tp_heads, tp_kv = heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)
-    cp_ranks = layout.cp_groups()[0]
-    try:
-        hp = choose_head_parallel(runtime.topology, cp_ranks,
-                                  AttentionShape(seq_len, tp_heads, tp_kv, head_dim, dtype_bytes), causal=True,
-                                  grad_dtype_bytes=dtype_bytes)
-    except ValueError as exc:  # no valid degree > 1 for these heads on this topology: plain FCP
-        logger.info("FCP head-parallel auto: degree 1 (%s)", exc)
-        return 1
-    degree = hp.degree
-    if degree > 1 and hp.head_groups != consecutive_head_groups(cp_ranks, degree):
-        logger.info("FCP head-parallel auto: the planner's head groups %s are not consecutive CP ranks; the "
-                    "stage uses consecutive ones", hp.head_groups)
-    logger.info("FCP head-parallel auto: degree %d of CP %d (predicted fwd+bwd per candidate: %s)", degree,
-                layout.cp, ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in (hp.auto or ())[:8]))
-    return degree
 
 
 def _create_head_parallel_groups(runtime: FCPRuntime, degree: int) -> None:

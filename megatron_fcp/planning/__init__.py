@@ -41,7 +41,8 @@ from megatron_fcp.planning.builders import (
 )
 from megatron_fcp.planning.compare import compare, compare_head_parallel, compare_packed
 from megatron_fcp.planning.head_parallel import HeadParallelPlan
-from megatron_fcp.planning.head_parallel_choose import build_head_parallel_plan, choose_head_parallel
+from megatron_fcp.planning.head_parallel_choose import (ScheduleChoice, build_head_parallel_plan, choose_head_parallel,
+                                                        choose_schedule)
 from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel, simulate_te
 from megatron_fcp.planning.rounds import plan_delta
 from megatron_fcp.planning.compile import compile_plan
@@ -69,6 +70,7 @@ from megatron_fcp.planning.packed_cost import (
 )
 from megatron_fcp.planning.placement import Placement, Span, lognormal_lengths, place_packed
 from megatron_fcp.planning.plan import SIMPLE_PLANS, AutoChoice, Plan, full_plan, ring_plan
+from megatron_fcp.planning.waves import WaveBackward
 
 __all__ = [
     "AUTO_CANDIDATES", "BUILDERS", "GRAPH_CHOICES", "SIMPLE_PLANS", "AttentionShape", "AutoChoice",
@@ -80,5 +82,5 @@ __all__ = [
     "Placement", "Span", "place_packed", "lognormal_lengths", "compare_packed", "simulate_plan_backward",
     "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "HeadParallelPlan", "build_head_parallel_plan",
     "choose_head_parallel", "compare_head_parallel", "lower_bound_all", "simulate_head_parallel", "simulate_te",
-    "plan_delta", "thd_padded_lengths", "thd_rank_work", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
+    "plan_delta", "ScheduleChoice", "choose_schedule", "WaveBackward", "thd_padded_lengths", "thd_rank_work", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
 ]

@@ -1,9 +1,10 @@
 """Choosing the head-parallel degree, the KV-stage graph and the block size on the cost model.
 Pure, no torch.
 
-:func:`choose_head_parallel` is what the runtime calls (topology, CP ranks, an AttentionShape,
-causal); :func:`build_head_parallel_plan` is the general entry point (``degree`` and ``graph``
-fixed or ``"auto"``).
+:func:`choose_schedule` is what the Megatron runtime calls (topology, CP ranks, an AttentionShape,
+the flags it was given as constraints, the backward it will run); :func:`choose_head_parallel`
+(the benchmarks') and :func:`build_head_parallel_plan` (``degree``, ``graph`` and
+``parts_per_chunk`` fixed or ``"auto"``) return the plan alone.
 
 Note [Choosing the head-parallel degree]
 ----------------------------------------
@@ -11,7 +12,9 @@ Candidates: every degree ``a`` whose head groups fit inside nodes and whose head
 (:func:`~megatron_fcp.planning.head_parallel_compile.head_parallel_degrees`; ``a = 1`` is plain FCP),
 times every graph of :data:`~megatron_fcp.planning.builders.AUTO_CANDIDATES` for the KV stage (one
 candidate when ``a`` is the whole group: nothing left to distribute). Each is timed forward and
-backward (:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`) and the best by
+backward (:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`; the backward in
+one pass from kept KV, or, given a :class:`~megatron_fcp.planning.waves.WaveBackward` as the
+Megatron runtime passes, wave by wave with KV kept or re-sent as the executor will run it) and the best by
 ``objective`` is kept (:func:`~megatron_fcp.planning.cost.pick_best`: least total, ties within 0.1%
 broken by communication). Then, for ``a = 1``, sub-blocks of 2, 4 and 8 parts per chunk (no smaller
 than ``min_block_tokens``; a part count that does not divide the chunk cuts it into parts of
@@ -28,7 +31,7 @@ block all the way round).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from megatron_fcp.planning.builders import AUTO_CANDIDATES
@@ -37,9 +40,11 @@ from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.head_parallel import HeadParallelPlan
 from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, head_parallel_degrees
 from megatron_fcp.planning.head_parallel_cost import check_pass, simulate_head_parallel
+from megatron_fcp.planning.waves import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates"]
+__all__ = ["build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates", "ScheduleChoice",
+           "choose_schedule"]
 
 
 def _label(hp: HeadParallelPlan, graph: str, parts: int, stagger: int = 1) -> str:
@@ -61,10 +66,14 @@ def head_parallel_candidates(
     round_overhead_s: float = 0.0,
     min_block_tokens: int = 256,
     grad_dtype_bytes: int | None = None,
+    backward: WaveBackward | None = None,
 ) -> list[tuple[SimResult, HeadParallelPlan]]:
     """Every candidate of Note [Choosing the head-parallel degree] as ``(SimResult, plan)``, the
-    sub-block candidates of the best ``a = 1`` plan last. ``grad_dtype_bytes``: the dK/dV partials'
-    bytes per element (default ``shape.dtype_bytes``: the executor sends them in the input dtype)."""
+    sub-block candidates of the best ``a = 1`` plan last. ``meta`` of each: ``label``, ``builder``
+    (the KV-stage graph's builder name), ``stagger``. ``grad_dtype_bytes``: the dK/dV partials'
+    bytes per element (default ``shape.dtype_bytes``: the executor sends them in the input dtype).
+    ``backward``: how the backward is timed
+    (:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`; None: one pass)."""
     check_pass(pass_)
     if objective not in ("comm", "total"):
         raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
@@ -85,7 +94,7 @@ def head_parallel_candidates(
     if not isinstance(fixed_parts, int) or fixed_parts < 1:
         raise ValueError(f"parts_per_chunk: must be an integer >= 1 or auto, got {parts_per_chunk!r}")
     kw = dict(pass_=pass_, causal=causal, compute_model=compute_model, round_overhead_s=round_overhead_s,
-              grad_dtype_bytes=grad_dtype_bytes)
+              grad_dtype_bytes=grad_dtype_bytes, backward=backward)
     out: list[tuple[SimResult, HeadParallelPlan]] = []
     for a in degrees:
         whole = a == cp or len(ranks) // a == 1
@@ -95,7 +104,7 @@ def head_parallel_candidates(
             parts = fixed_parts if a == 1 else 1
             hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, parts_per_chunk=parts)
             res = simulate_head_parallel(hp, topo, padded, **kw)
-            res.meta["label"] = _label(hp, res.meta["graph"], parts)
+            res.meta.update(label=_label(hp, res.meta["graph"], parts), builder=g, stagger=1)
             out.append((res, hp))
     if parts_per_chunk == "auto":  # a > 1: the best graph of each degree with its chunks staggered
         for a in degrees:
@@ -106,9 +115,11 @@ def head_parallel_candidates(
             for st in (2, 4, 8):
                 if st > 2 * a:
                     continue
-                hp = compile_head_parallel(topo, ranks, padded, a, best_res.meta["graph"], causal=causal, stagger=st)
+                hp = compile_head_parallel(topo, ranks, padded, a, best_res.meta["builder"], causal=causal,
+                                           stagger=st)
                 res = simulate_head_parallel(hp, topo, padded, **kw)
-                res.meta["label"] = _label(hp, res.meta["graph"], 1, st)
+                res.meta.update(label=_label(hp, res.meta["graph"], 1, st), builder=best_res.meta["builder"],
+                                stagger=st)
                 out.append((res, hp))
     ones = [c for c in out if c[1].degree == 1]
     if parts_per_chunk == "auto" and ones:
@@ -117,10 +128,10 @@ def head_parallel_candidates(
         for p in (2, 4, 8):  # p need not divide the chunk: parts of floor/ceil size (Note [Sub-block sizes])
             if chunk // p < min_block_tokens:
                 continue
-            hp = compile_head_parallel(topo, ranks, padded, 1, best_res.meta["graph"], causal=causal,
+            hp = compile_head_parallel(topo, ranks, padded, 1, best_res.meta["builder"], causal=causal,
                                        parts_per_chunk=p)
             res = simulate_head_parallel(hp, topo, padded, **kw)
-            res.meta["label"] = _label(hp, res.meta["graph"], p)
+            res.meta.update(label=_label(hp, res.meta["graph"], p), builder=best_res.meta["builder"], stagger=1)
             out.append((res, hp))
     return out
 
@@ -140,6 +151,7 @@ def build_head_parallel_plan(
     round_overhead_s: float = 0.0,
     min_block_tokens: int = 256,
     grad_dtype_bytes: int | None = None,
+    backward: WaveBackward | None = None,
 ) -> HeadParallelPlan:
     """A verified :class:`HeadParallelPlan` for the CP group ``cp_ranks`` on ``topology``.
 
@@ -148,7 +160,8 @@ def build_head_parallel_plan(
     With everything fixed the plan is compiled directly; otherwise every candidate is timed for
     ``pass_`` and the best by ``objective`` is returned, with ``auto`` recording each candidate's
     predicted seconds (Note [Choosing the head-parallel degree]). ``shape.seq_len`` is padded to a
-    multiple of ``2 * cp`` as Megatron pads."""
+    multiple of ``2 * cp`` as Megatron pads. ``backward``: price the backward as the executor runs
+    it (a :class:`~megatron_fcp.planning.waves.WaveBackward`) instead of in one pass (None)."""
     if degree != "auto" and graph != "auto" and parts_per_chunk != "auto":
         topo = load_topology(topology)
         padded, _ = pad_for_zigzag(shape, len(check_cp_ranks(topo, cp_ranks)))
@@ -157,19 +170,88 @@ def build_head_parallel_plan(
     cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
                                      parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
                                      objective=objective, pass_=pass_, round_overhead_s=round_overhead_s,
-                                     min_block_tokens=min_block_tokens, grad_dtype_bytes=grad_dtype_bytes)
+                                     min_block_tokens=min_block_tokens, grad_dtype_bytes=grad_dtype_bytes,
+                                     backward=backward)
     _, best = pick_best(cands, objective)
     metric = "total_s" if objective == "total" else "comm_s"
     return _with_auto(best, tuple((r.meta["label"], getattr(r, metric)) for r, _ in cands))
 
 
 def choose_head_parallel(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
-                         causal: bool = True, grad_dtype_bytes: int | None = None) -> HeadParallelPlan:
-    """The runtime's entry point: degree, graph and block size chosen by predicted forward+backward
-    time at the default compute model (Note [Choosing the head-parallel degree]). ``grad_dtype_bytes``:
-    the dK/dV partials' bytes per element (default ``shape.dtype_bytes``: the executor returns them
-    in the input dtype, as TE's ring returns dKV)."""
-    return build_head_parallel_plan(topology, cp_ranks, shape, causal=causal, grad_dtype_bytes=grad_dtype_bytes)
+                         causal: bool = True, grad_dtype_bytes: int | None = None,
+                         backward: WaveBackward | None = None) -> HeadParallelPlan:
+    """Degree, graph and block size chosen by predicted forward+backward time at the default
+    compute model (Note [Choosing the head-parallel degree]). ``grad_dtype_bytes``: the dK/dV
+    partials' bytes per element (default ``shape.dtype_bytes``: the executor returns them in the
+    input dtype, as TE's ring returns dKV). ``backward``: None
+    prices the one-pass backward from kept KV (the benchmarks' model); the Megatron runtime calls
+    :func:`choose_schedule` with the backward it will run."""
+    return build_head_parallel_plan(topology, cp_ranks, shape, causal=causal, grad_dtype_bytes=grad_dtype_bytes,
+                                    backward=backward)
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """What :func:`choose_schedule` chose: ``plan`` (over the CP ranks it was asked for; ``auto``:
+    every candidate's predicted seconds), its head-parallel ``degree``, the KV-stage ``graph`` (a
+    builder name; for ``a = cp`` there is no stage and it is unused), ``parts`` per zigzag chunk
+    (``a = 1``), ``stagger`` (``a > 1``), the predicted ``total_s`` = ``fwd_s`` + ``bwd_s`` and the
+    ``backward_kv`` mode they were priced with (None: the one-pass model), ``seq_len`` (padded as
+    Megatron pads) and ``runner_up``: the best other candidate as ``(label, total_s)``, or None."""
+
+    plan: HeadParallelPlan
+    degree: int
+    graph: str
+    parts: int
+    stagger: int
+    label: str
+    total_s: float
+    fwd_s: float
+    bwd_s: float
+    backward_kv: str | None
+    seq_len: int
+    runner_up: tuple[str, float] | None = None
+
+    def describe(self) -> str:
+        """One line: the choice, its predicted time and the runner-up's."""
+        kv = f", backward {self.backward_kv} in waves" if self.backward_kv else ""
+        up = f"; runner-up {self.runner_up[0]} {self.runner_up[1] * 1e3:.4g} ms" if self.runner_up else ""
+        return (f"{self.label}: predicted fwd+bwd {self.total_s * 1e3:.4g} ms (fwd {self.fwd_s * 1e3:.4g} + bwd "
+                f"{self.bwd_s * 1e3:.4g}{kv}){up}")
+
+
+def choose_schedule(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    degree: "int | str" = "auto",
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    grad_dtype_bytes: int | None = None,
+    backward: WaveBackward | None = None,
+    compute_model: ComputeModel | None = None,
+) -> ScheduleChoice:
+    """The Megatron runtime's entry point: :func:`head_parallel_candidates` under the given
+    constraints (``degree``, ``graph``, ``parts_per_chunk``: fixed values or ``"auto"``), timed
+    forward + backward (``backward``: as the executor will run it), the best by predicted total
+    (:func:`~megatron_fcp.planning.cost.pick_best`), as a :class:`ScheduleChoice`. The same plan as
+    :func:`build_head_parallel_plan` with the same arguments. Pure: every rank gets the same answer.
+    Raises ValueError when a fixed ``degree`` does not fit the topology and head counts."""
+    cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
+                                     parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
+                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward)
+    res, hp = pick_best(cands, "total")
+    others = [c for c in cands if c[0] is not res]
+    up = pick_best(others, "total")[0] if others else None
+    return ScheduleChoice(
+        plan=_with_auto(hp, tuple((r.meta["label"], r.total_s) for r, _ in cands)), degree=hp.degree,
+        graph=res.meta["builder"], parts=res.meta["parts_per_chunk"], stagger=res.meta["stagger"],
+        label=res.meta["label"], total_s=res.total_s, fwd_s=res.meta["fwd_total_s"], bwd_s=res.meta["bwd_total_s"],
+        backward_kv=res.meta.get("backward_kv") if backward is not None and hp.kv_plan is not None else None,
+        seq_len=pad_for_zigzag(shape, hp.cp)[0].seq_len,
+        runner_up=None if up is None else (up.meta["label"], up.total_s))
 
 
 def _with_auto(hp: HeadParallelPlan, auto: tuple) -> HeadParallelPlan:

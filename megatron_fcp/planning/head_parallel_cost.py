@@ -27,6 +27,14 @@ reversed trees in the input dtype, as the executor sends them, in the executor's
 all-to-alls are exposed, as in Transformer Engine.
 ``a = 1`` is plain FCP (no all-to-all); ``a = cp`` is TE's ``a2a`` (no KV stage).
 
+That backward is one pass from kept KV. The executor walks it in waves (Note [Backward waves] in
+:mod:`megatron_fcp.attention.backward_waves`), keeping or re-sending KV; given ``backward`` (a
+:class:`~megatron_fcp.planning.waves.WaveBackward`) the KV stage's backward is timed that way
+(:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`), which is what the Megatron
+runtime prices its choice with. It can differ a lot: with whole chunks a wave gives some ranks
+twice the work of others (128K on ``dgx-h100:2``, a = 1, hierarchical: backward 55 ms in one pass,
+88 ms in waves; two parts per chunk: 55.5 ms).
+
 Note [Lower bound over schedule families]
 -----------------------------------------
 The bound :func:`lower_bound_all` reports is the least, over every head-parallel degree ``a`` the
@@ -75,10 +83,13 @@ from megatron_fcp.planning.head_parallel_compile import (
 )
 from megatron_fcp.planning.packed_cost import (
     BACKWARD_FLOP_RATIO,
+    simulate_backward_waves,
     simulate_plan_backward,
     simulate_te_a2a_p2p_thd,
     simulate_te_p2p_thd,
 )
+from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.waves import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "simulate_te", "lower_bound_all",
@@ -127,13 +138,17 @@ def simulate_head_parallel(
     backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
     grad_dtype_bytes: int | None = None,
     name: str = "fcp",
+    backward: WaveBackward | None = None,
 ) -> SimResult:
     """Time ``hp`` for ``pass_`` (``fwd``, ``bwd`` or ``fwd+bwd``); see Note [Head-parallel cost].
     ``meta``: ``graph``, ``head_parallel`` (the degree), ``parts_per_chunk``, ``kv_replication``,
     ``pass``, and per pass ``fwd_total_s`` / ``bwd_total_s`` where computed. ``grad_dtype_bytes``:
     bytes per element of the dK/dV partials the KV stage returns (default ``shape.dtype_bytes``: the
     input dtype, what the executor sends, as Transformer Engine's ring sends dKV; 4 prices FP32
-    partials)."""
+    partials). ``backward``: None times the KV stage's backward in one pass from kept KV; a
+    :class:`~megatron_fcp.planning.waves.WaveBackward` times it as the executor runs it, wave by wave
+    with KV kept or re-sent as the executor decides (:func:`_wave_backward`; ``meta["backward_kv"]``
+    is the mode priced)."""
     check_pass(pass_)
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
@@ -160,12 +175,34 @@ def simulate_head_parallel(
     if pass_ in ("bwd", "fwd+bwd"):
         kv = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
                                     round_overhead_s=round_overhead_s, name=name, grad_dtype_bytes=grad_dtype_bytes)
+        if backward is not None and hp.kv_plan is not None and sp.rounds:  # a = cp: no executor, no waves
+            kv = _wave_backward(kv, sp, topo, sshape, cm, backward, grad_dtype_bytes, round_overhead_s)
+            meta["backward_kv"] = kv.meta["backward_kv"]
         bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
         meta["bwd_total_s"] = bwd.total_s
         meta["bwd_comm_s"] = bwd.comm_s
         out.append(bwd)
     meta["transfers"] = sp.num_transfers()
     return combine(name, out, meta)
+
+
+def _wave_backward(one_pass: SimResult, sp: Plan, topo: Topology, shape: AttentionShape, cm: ComputeModel,
+                   backward: WaveBackward, grad_dtype_bytes: int, round_overhead_s: float) -> SimResult:
+    """The KV stage's backward as the executor runs it
+    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves` on the stage plan ``sp``: all
+    ``a`` stages at once, each cut into the waves its executor walks; ``one_pass``: the same
+    stage's one-pass backward, whose dK/dV bytes the waves send too). ``total_s`` is the waves'
+    time, ``compute_s`` the sum over waves of the busiest rank's, ``comm_s`` the reductions and
+    re-sends; ``backward_kv`` in ``meta`` is the mode the executor picks for ``backward``."""
+    w = simulate_backward_waves(sp, topo, shape, compute_model=cm, backward_kv=backward.backward_kv,
+                                grad_dtype_bytes=grad_dtype_bytes, round_overhead_s=round_overhead_s,
+                                kv_memory_budget=backward.kv_memory_budget, micro_batch=backward.micro_batch)
+    one_pass.meta.update(backward_kv=w["backward_kv"], backward_waves=w["waves"], resend_s=w["resend_s"],
+                         one_pass_bwd_s=one_pass.total_s)
+    one_pass.total_s = w["bwd_s"]
+    one_pass.compute_s = float(sum(w["wave_compute_s"]))
+    one_pass.comm_s = float(sum(w["wave_reduce_s"]) + w["resend_s"])
+    return one_pass
 
 
 def simulate_te(

@@ -90,7 +90,7 @@ from megatron_fcp.planning.blocks import part_tokens
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.waves import plan_waves, restrict
+from megatron_fcp.planning.waves import RING_BUDGET, choose_backward_kv, plan_waves, restrict
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -409,6 +409,8 @@ def simulate_backward_waves(
     grad_dtype_bytes: int | None = None,
     round_overhead_s: float = 0.0,
     budget: int | None = None,
+    kv_memory_budget: int = RING_BUDGET,
+    micro_batch: int = 1,
 ) -> dict:
     """The executor's backward as it runs: wave by wave (Note [Backward waves] in
     :mod:`megatron_fcp.attention.backward_waves`), three waves in flight: wave w-1's dK/dV
@@ -420,9 +422,12 @@ def simulate_backward_waves(
     ``wave_reduce_s``, ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
     backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
     ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard).
-    ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``)."""
-    if backward_kv not in ("keep", "resend"):
-        raise ValueError(f"backward_kv: must be 'keep' or 'resend', got {backward_kv!r}")
+    ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``).
+    ``backward_kv="auto"``: keep or resend as the executor decides
+    (:func:`~megatron_fcp.planning.waves.choose_backward_kv`, ``kv_memory_budget`` bytes per rank
+    against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced."""
+    if backward_kv not in ("auto", "keep", "resend"):
+        raise ValueError(f"backward_kv: must be 'auto', 'keep' or 'resend', got {backward_kv!r}")
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     pl, cp = plan.placement, plan.cp
@@ -434,6 +439,7 @@ def simulate_backward_waves(
         block_tokens = lambda blk: part_tokens(zshape.seq_len, cp, plan.parts_per_chunk, blk.part)  # noqa: E731
     kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
     size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731
+    backward_kv = choose_backward_kv(backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget)
     waves = plan_waves(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     comp, red, fetch, held = [], [], [], []
@@ -459,5 +465,5 @@ def simulate_backward_waves(
     else:
         held_max = max((held[i].get(r, 0.0) + (held[i + 1].get(r, 0.0) if i + 1 < W else 0.0)
                         for i in range(W) for r in plan.ranks), default=0.0)
-    return {"bwd_s": total, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp, "wave_reduce_s": red,
+    return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp, "wave_reduce_s": red,
             "wave_resend_s": fetch, "held_kv_bytes_max": held_max}

@@ -21,6 +21,11 @@ sends them and readers in plan order. A delivery joins the wave while
 A relay on the path that needs the block computes it there too when its work allows. The first
 delivery of a wave always fits (a block larger than the budget forms a wave of its own). Local
 blocks fill each rank's spare work. :func:`restrict` is the plan cut to one wave.
+
+Whether the waves re-send KV or start from what the forward kept is :func:`choose_backward_kv`'s
+(Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`); it reads only the plan, so
+the planner decides it as every rank does. :class:`WaveBackward` tells the cost model to price a
+candidate with that backward (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.cost import _block_pairs
 from megatron_fcp.planning.plan import Plan
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "block_work"]
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
+           "kept_bytes_per_rank", "choose_backward_kv", "WaveBackward"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,12 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
     cap = max([work(x, b) for x in plan.ranks for b in left[x]] + [work(x, b) for x in plan.ranks for b in local[x]]
               + [0.0])
     size = {b: block_bytes(b) for b in plan.blocks()}
+    slot: dict[tuple[int, Transfer], int] = {}                     # (round, transfer) -> its place in the round
+    for r, rnd in enumerate(plan.rounds):
+        for i, t in enumerate(rnd):
+            slot.setdefault((r, t), i)
+    lightest = {x: sorted(left[x], key=lambda b, x=x: work(x, b)) for x in plan.ranks}  # least work first
+    first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
     waves = []
     while any(left.values()) or any(local.values()):
         load: dict[int, int] = {}
@@ -112,9 +124,13 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
 
         mins: dict[int, float] = {}
 
-        def min_work(x: int) -> float:
+        def min_work(x: int) -> float:  # least work of a delivery x still has to do
             if x not in mins:
-                mins[x] = min((work(x, b) for b in left[x]), default=0.0)
+                lst, i = lightest[x], first_left[x]
+                while i < len(lst) and lst[i] not in left[x]:
+                    i += 1
+                first_left[x] = i
+                mins[x] = work(x, lst[i]) if i < len(lst) else 0.0
             return mins[x]
 
         def take(b: Block, x: int) -> None:
@@ -152,7 +168,7 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
         for x in plan.ranks:                                     # own blocks fill spare work
             while local[x] and (not comp.get(x, 0.0) or comp[x] + work(x, local[x][0]) <= cap):
                 take(local[x].pop(0), x)
-        transfers = tuple(sorted(carried.values(), key=lambda rt: (rt[0], plan.rounds[rt[0]].index(rt[1]))))
+        transfers = tuple(sorted(carried.values(), key=lambda rt: (rt[0], slot[rt])))
         waves.append(Wave(transfers, frozenset(computes)))
     waves = tuple(waves)
     if cache_key is not None:
@@ -166,7 +182,85 @@ _WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
 
 
 def restrict(plan: Plan, wave: Wave) -> Plan:
-    """The plan's rounds that carry ``wave``, with only its transfers (not a complete plan: it
-    delivers only this wave; for the cost model)."""
-    rounds = tuple(tuple(t for t in plan.rounds[r] if wave.has(r, t)) for r in wave.rounds)
-    return replace(plan, rounds=rounds, name=f"{plan.name}/wave")
+    """The plan's rounds that carry ``wave``, with only its transfers in plan order (not a complete
+    plan: it delivers only this wave; for the cost model). ``wave.transfers`` is in plan order
+    (:func:`plan_waves` sorts it by round and place in the round), so it is grouped by round."""
+    rounds: dict[int, list[Transfer]] = {}
+    for r, t in wave.transfers:
+        rounds.setdefault(r, []).append(t)
+    return replace(plan, rounds=tuple(tuple(rounds[r]) for r in wave.rounds), name=f"{plan.name}/wave")
+
+
+# ---- keep or resend (Note [Backward KV modes] in megatron_fcp.attention.kv_memory) ----------------
+BACKWARD_KV_MODES = ("auto", "keep", "resend")
+RING_BUDGET = -1
+"""``kv_memory_budget`` value meaning "what the ring holds": one KV pair the size of the rank's shard."""
+
+
+def kept_bytes_per_rank(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
+    """Bytes of received KV each rank would save for backward under ``keep`` (its need set)."""
+    return {r: sum(block_bytes(b) for b in plan.needs(r)) for r in plan.ranks}
+
+
+def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int], budget: int = RING_BUDGET,
+                       *, cache_key: Hashable = None) -> str:
+    """``"keep"`` or ``"resend"`` for ``mode`` (Note [Backward KV modes] in
+    :mod:`megatron_fcp.attention.kv_memory`); the same answer on every rank.
+
+    block_bytes: bytes of one block's K and V. budget: bytes per rank, or :data:`RING_BUDGET`
+    (each rank's own KV bytes). cache_key: what ``block_bytes`` depends on besides the plan (e.g.
+    the shard's shape and dtype); with it the answer is computed once per plan object and key
+    (every layer of a model calls this with the same settled plan).
+    """
+    if mode not in BACKWARD_KV_MODES:
+        raise ValueError(f"backward_kv must be one of {BACKWARD_KV_MODES}, got {mode!r} (--fcp-backward-kv)")
+    if mode != "auto":
+        return mode
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < RING_BUDGET:
+        raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {budget!r} "
+                         "(--fcp-kv-memory-budget)")
+    key = (id(plan), budget, cache_key)
+    hit = _DECISIONS.get(key)
+    if cache_key is not None and hit is not None and hit[0]() is plan:
+        return hit[1]
+    kept = kept_bytes_per_rank(plan, block_bytes)
+    decision = "keep"
+    for r in plan.ranks:
+        limit = budget if budget != RING_BUDGET else sum(block_bytes(b) for b in plan.local_blocks(r))
+        if kept[r] > limit:
+            decision = "resend"
+            break
+    if cache_key is not None:
+        if len(_DECISIONS) > 1024:
+            _DECISIONS.clear()
+        _DECISIONS[key] = (weakref.ref(plan), decision)
+    return decision
+
+
+_DECISIONS: dict[tuple, tuple[weakref.ref, str]] = {}  # (id(plan), budget, key) -> (plan ref, decision)
+
+
+@dataclass(frozen=True)
+class WaveBackward:
+    """The backward the executor runs, for pricing a plan: wave by wave (Note [Backward waves] in
+    :mod:`megatron_fcp.attention.backward_waves`), KV kept or re-sent as :func:`choose_backward_kv`
+    decides for ``backward_kv`` (``--fcp-backward-kv``) and ``kv_memory_budget``
+    (``--fcp-kv-memory-budget``, bytes per rank or :data:`RING_BUDGET`). ``micro_batch``: sequences
+    per attention call; it scales a block's bytes, so it matters only against a budget in bytes
+    (the ring's budget scales with it). Cost models take ``backward=None`` for the plain one-pass
+    backward with kept KV (:func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward`)."""
+
+    backward_kv: str = "auto"
+    kv_memory_budget: int = RING_BUDGET
+    micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backward_kv not in BACKWARD_KV_MODES:
+            raise ValueError(f"backward_kv must be one of {BACKWARD_KV_MODES}, got {self.backward_kv!r} "
+                             "(--fcp-backward-kv)")
+        b = self.kv_memory_budget
+        if not isinstance(b, int) or isinstance(b, bool) or b < RING_BUDGET:
+            raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {b!r} "
+                             "(--fcp-kv-memory-budget)")
+        if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool) or self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be an integer >= 1, got {self.micro_batch!r} (--micro-batch-size)")
