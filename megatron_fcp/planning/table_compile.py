@@ -236,29 +236,39 @@ def ring_table(cg, causal: bool, P: int) -> TransferTable:
     cp = len(cg.ranks)
     nb = 2 * cp * P
     idx_t, blk_t = small_int(cp), small_int(nb)
-    last = np.zeros(2 * cp, dtype=np.int64)  # hops each block travels
+    last = np.zeros(2 * cp, dtype=np.int64)  # hops each block travels: to its farthest reader
     step = max(1, BATCH_CELLS // max(cp, 1))
     dist = np.arange(cp)
     for b0 in range(0, 2 * cp, step):
         bb = np.arange(b0, min(b0 + step, 2 * cp))
         own = bb >> 1
         reader = _readers(dist, own, bb & 1, causal)                                # [B, cp]
-        hops = (dist[None, :] - own[:, None]) % cp
-        last[bb] = np.where(reader, hops, 0).max(axis=1)
+        below = reader & (dist[None, :] < own[:, None])  # readers reached after wrapping around
+        top_below = cp - 1 - np.argmax(below[:, ::-1], axis=1)
+        top = cp - 1 - np.argmax(reader[:, ::-1], axis=1)
+        last[bb] = np.where(below.any(axis=1), top_below - own + cp, np.where(reader.any(axis=1), top - own, 0))
     R = int(last.max(initial=0))
-    order = np.arange(2 * cp)
-    counts = [P * int(np.count_nonzero(last > k)) for k in range(R)]
+    counts = P * (2 * cp - np.searchsorted(np.sort(last), np.arange(R), side="right"))  # blocks with last > k
     starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     T = int(starts[-1])
     src, dst, blk = np.empty(T, idx_t), np.empty(T, idx_t), np.empty(T, blk_t)
-    parts = np.arange(P)
-    for k in range(R):
-        b = order[last > k]
-        s = ((b >> 1) + k) % cp
-        a, e = int(starts[k]), int(starts[k + 1])
-        src[a:e] = np.repeat(s, P)
-        dst[a:e] = np.repeat((s + 1) % cp, P)
-        blk[a:e] = (b[:, None] * P + parts[None, :]).ravel()
+    # between two distinct values of ``last`` the same blocks travel: rounds x blocks x parts grids
+    bounds = sorted({0, R, *last[(last > 0) & (last < R)].tolist()})
+    wrap = (np.arange(2 * cp + 1) % max(cp, 1)).astype(idx_t)               # CP index of position x mod cp
+    for lo, hi in zip(bounds, bounds[1:]):
+        active = np.flatnonzero(last > lo)                                   # [A] blocks, source order
+        own = np.repeat(active >> 1, P)[None, :]                             # [1, A*P]
+        b = (active[:, None] * P + np.arange(P)[None, :]).reshape(1, -1)     # [1, A*P] block ids
+        G = max(1, BATCH_CELLS // (len(active) * P))
+        for k0 in range(lo, hi, G):
+            ks = np.arange(k0, min(k0 + G, hi))[:, None]
+            grid = (len(ks), own.shape[1])
+            a, e = int(starts[k0]), int(starts[k0 + len(ks)])
+            hop = own + ks                                                   # [G, A*P]: i + k
+            np.take(wrap, hop, out=src[a:e].reshape(grid))
+            hop += 1
+            np.take(wrap, hop, out=dst[a:e].reshape(grid))
+            blk[a:e].reshape(grid)[...] = b
     return TransferTable(starts, src, dst, blk)
 
 
