@@ -7,7 +7,9 @@ sets] in :mod:`megatron_fcp.planning.needs`. A *transfer* sends one block betwee
 
 from __future__ import annotations
 
+import gc
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Sequence
@@ -15,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["PlanError", "Block", "Transfer", "blocks_of", "zigzag_chunk_index", "make_transfer", "make_transfers",
-           "transfers_from_columns", "cp_index_of"]
+           "transfers_from_columns", "cp_index_of", "gc_paused"]
 
 
 class PlanError(ValueError):
@@ -128,3 +130,16 @@ def cp_index_of(ranks: Sequence[int]):
         return np.where(sorted_r[pos] == g, order[pos], -1)
 
     return index_of_sparse
+
+
+@contextmanager
+def gc_paused():
+    """Pause the cyclic GC while ~10^6 plan objects are created (none form cycles); without this,
+    generation sweeps over the growing plan cost more than creating it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

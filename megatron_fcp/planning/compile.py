@@ -32,14 +32,12 @@ Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non
 
 from __future__ import annotations
 
-import gc
 import heapq
-from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_fcp.planning.blocks import Block, PlanError, Transfer, make_transfer, make_transfers
+from megatron_fcp.planning.blocks import Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers
 from megatron_fcp.planning.graph import CommGraph, runs_of
 from megatron_fcp.planning.needs import readers
 from megatron_fcp.planning.placement import Placement
@@ -48,19 +46,6 @@ from megatron_fcp.planning.rounds import colour_rounds
 from megatron_fcp.planning.table import table_rounds
 
 __all__ = ["compile_plan"]
-
-
-@contextmanager
-def _gc_paused():
-    """Pause the cyclic GC while ~10^6 plan objects are created (none form cycles); without this,
-    generation sweeps over the growing plan cost more than creating it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def compile_plan(
@@ -98,7 +83,7 @@ def compile_plan(
     :mod:`megatron_fcp.planning.table`): the same rounds, materialised on first access of
     ``plan.rounds``. False builds objects as before (tests compare the two).
     """
-    with _gc_paused():
+    with gc_paused():
         return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing,
                         stagger_blocks, columnar)
 

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_fcp.planning.blocks import Block, PlanError, Transfer, transfers_from_columns
+from megatron_fcp.planning.blocks import Block, PlanError, Transfer, gc_paused, transfers_from_columns
 
 __all__ = ["TransferTable", "block_layout", "table_rounds", "table_from_rounds", "table_columns", "small_int"]
 
@@ -127,10 +127,12 @@ def table_rounds(table: TransferTable, ranks: Sequence[int], chunks: np.ndarray,
     blocks = _block_objects(ranks, np.asarray(chunks), P)
     get = blocks.__getitem__
     out = []
-    for k in range(table.num_rounds):
-        sl = table.rows(k)
-        out.append(tuple(transfers_from_columns(rank_arr[table.src[sl]].tolist(), rank_arr[table.dst[sl]].tolist(),
-                                                list(map(get, table.block[sl].tolist())))))
+    with gc_paused():
+        for k in range(table.num_rounds):
+            sl = table.rows(k)
+            out.append(tuple(transfers_from_columns(rank_arr[table.src[sl]].tolist(),
+                                                    rank_arr[table.dst[sl]].tolist(),
+                                                    list(map(get, table.block[sl].tolist())))))
     return tuple(out)
 
 
