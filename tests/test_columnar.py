@@ -330,6 +330,21 @@ def test_random_mutations_get_verify_plans_messages(name, piece, monkeypatch):
 FAULTS = ("more than once", "never receives", "before it has arrived", "sends to itself", "sent back to its owner")
 
 
+def test_one_ranks_view_comes_from_the_table_alone():
+    plan = build_plan("dgx-h100:40", range(300), "hierarchical", parts_per_chunk=2)
+    assert plan.table is not None
+    views = {r: plan.rank_rounds(r) for r in (0, 7, 133, 299)}
+    assert plan.__dict__["_rounds"] is None  # no other rank's transfers were built
+    assert plan.rank_rounds(7) is views[7]  # cached
+    for r, view in views.items():
+        assert view == tuple((tuple(t for t in rnd if t.src == r), tuple(t for t in rnd if t.dst == r))
+                             for rnd in plan.rounds)
+        assert all(plan.sends(r, k) == s and plan.recvs(r, k) == v for k, (s, v) in enumerate(view))
+    assert pickle.loads(pickle.dumps(plan)).__dict__.get("_rank_rounds") is None  # a cache is not state
+    small = build_plan("dgx-h100:1", range(4), "full")
+    assert small.sends(9, 0) == () and small.recvs(0, 0) == tuple(t for t in small.rounds[0] if t.dst == 0)
+
+
 def test_the_1024_rank_plan_is_verified_without_objects():
     plan = build_plan("dgx-h100:128", range(1024), "hierarchical")
     assert plan.table is not None and plan.verified and plan.__dict__["_rounds"] is None

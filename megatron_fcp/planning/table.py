@@ -40,7 +40,8 @@ import numpy as np
 
 from megatron_fcp.planning.blocks import Block, PlanError, Transfer, gc_paused, transfers_from_columns
 
-__all__ = ["TransferTable", "block_layout", "table_rounds", "table_from_rounds", "table_columns", "small_int"]
+__all__ = ["TransferTable", "block_layout", "table_rounds", "table_rank_rounds", "table_from_rounds", "table_columns",
+           "small_int"]
 
 
 def small_int(max_value: int) -> np.dtype:
@@ -134,6 +135,25 @@ def table_rounds(table: TransferTable, ranks: Sequence[int], chunks: np.ndarray,
                                                     rank_arr[table.dst[sl]].tolist(),
                                                     list(map(get, table.block[sl].tolist())))))
     return tuple(out)
+
+
+def table_rank_rounds(table: TransferTable, ranks: Sequence[int], chunks: np.ndarray, P: int, i: int):
+    """Per round, ``(sends, receives)`` of CP rank ``i`` as ``Transfer`` tuples in plan order, built
+    from the rows that name it (``src == i`` or ``dst == i``) without the rest of the plan."""
+    rows = np.flatnonzero((table.src == i) | (table.dst == i))
+    k_of = np.searchsorted(table.round_starts, rows, side="right") - 1
+    rank_arr = np.asarray(ranks, dtype=np.int64)
+    blocks = _block_objects(ranks, np.asarray(chunks), P)
+    mine = transfers_from_columns(rank_arr[table.src[rows]].tolist(), rank_arr[table.dst[rows]].tolist(),
+                                  list(map(blocks.__getitem__, table.block[rows].tolist())))
+    per_round: list[tuple[list, list]] = [([], []) for _ in range(table.num_rounds)]
+    for k, sends, receives, t in zip(k_of.tolist(), (table.src[rows] == i).tolist(),
+                                     (table.dst[rows] == i).tolist(), mine):
+        if sends:
+            per_round[k][0].append(t)
+        if receives:
+            per_round[k][1].append(t)
+    return tuple((tuple(s), tuple(r)) for s, r in per_round)
 
 
 def table_from_rounds(rounds, ranks: Sequence[int], chunks: np.ndarray, P: int) -> TransferTable:
