@@ -21,6 +21,12 @@ Note [Compiling a plan]
    plan order, so an NVLink block should not queue behind one still crossing the network).
 5. *Verify.* The plan is checked by :meth:`Plan.verify` (with the port limits) before return.
 
+Above :data:`CHECK_TREES_MAX_CP` ranks without port limits every edge lands on its due round and
+the builders of ``hierarchical``, ``ring`` and ``full`` write those rounds as numpy columns (Note
+[Compiling to a table] in :mod:`megatron_fcp.planning.table_compile`); a plan of more than
+:data:`BALANCE_MAX_TRANSFERS` transfers keeps them as a table (Note [Columnar plans] in
+:mod:`megatron_fcp.planning.table`), a smaller one is turned into objects and ordered by step 4.
+
 The backward pass uses :meth:`Plan.backward_rounds` (rounds reversed, transfers flipped): the
 same trees reduce dK/dV towards each owner.
 

@@ -24,9 +24,19 @@ The compiler writes a table for large groups (:mod:`megatron_fcp.planning.table_
 contract every consumer reads: a table-backed plan materialises it on first access and caches it,
 so small plans, the executor and the cost model see exactly what they saw before.
 
-Example (2 nodes x 2 ranks, ``hierarchical``, non-causal, P = 1; ranks 0,1 | 2,3)::
+Example: ``build_plan("dgx-h100:2", [0, 1, 8, 9], "hierarchical", causal=False)`` (two nodes of two
+CP ranks; block id = owner's CP index * 2 + chunk)::
 
-    round 0: rows 0..7   src 0 0 1 1 2 2 3 3   dst 1 2 0 3 3 0 2 1   block 0 0 2 2 4 4 6 6 ...
+    round_starts  0 16 24
+    round 0  src  0 0 1 1 2 2 3 3 | 0 0 1 1 2 2 3 3      (NVLink first, then the rails)
+             dst  1 1 0 0 3 3 2 2 | 2 2 3 3 0 0 1 1
+           block  0 1 2 3 4 5 6 7 | 0 1 2 3 4 5 6 7
+    round 1  src  2 2 3 3 0 0 1 1                        (each relay fans out what crossed)
+             dst  3 3 2 2 1 1 0 0
+           block  0 1 2 3 4 5 6 7
+
+i.e. ``round 0: 0->1:B(r0,c0,p0), 0->1:B(r0,c1,p0), ..., 9->1:B(r9,c1,p0)``, ``round 1:
+8->9:B(r0,c0,p0), ...`` in ``Plan.round_table()``.
 """
 
 from __future__ import annotations
