@@ -22,6 +22,7 @@ from megatron_fcp.planning import (
     build_plan,
     compile_plan,
     full_plan,
+    place_packed,
     ring_plan,
     simulate_plan,
 )
@@ -29,7 +30,7 @@ from megatron_fcp.planning import table_verify
 from megatron_fcp.planning.builders import EntryGraph, _node_groups, entry_position
 from megatron_fcp.planning.compile import _sources, _waves
 from megatron_fcp.planning.graph import CommGraph
-from megatron_fcp.planning.table import TransferTable, table_from_rounds, table_rounds
+from megatron_fcp.planning.table import TransferTable, block_layout, table_from_rounds, table_rounds
 from megatron_fcp.planning.verify import verify_plan
 from megatron_fcp.topology import load_topology
 
@@ -216,9 +217,10 @@ def _from_rows(rows: list[list[int]], n_rounds: int) -> TransferTable:
     return TransferTable(np.concatenate(([0], np.cumsum(counts))), cols[0].copy(), cols[1].copy(), cols[2].copy())
 
 
-def _mutate(table: TransferTable, cp: int, P: int, rng: random.Random) -> TransferTable:
+def _mutate(table: TransferTable, plan: Plan, rng: random.Random) -> TransferTable:
     """One of: drop a row, duplicate one (same or later round), move one a round earlier, send one
-    elsewhere, to its own sender, or back to the block's owner (zigzag block ids)."""
+    elsewhere, to its own sender, or back to the block's owner."""
+    cp, owner_of = plan.cp, block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[1]
     rows, R = _rows(table), table.num_rounds
     i = rng.randrange(len(rows))
     k, s, d, b = rows[i]
@@ -238,7 +240,7 @@ def _mutate(table: TransferTable, cp: int, P: int, rng: random.Random) -> Transf
     elif kind == "self":
         rows[i][2] = s
     else:
-        rows[i][2] = b // (2 * P)
+        rows[i][2] = int(owner_of[b])
     return _from_rows(rows, R)
 
 
@@ -264,6 +266,9 @@ PLANS = {
                                              causal=False, parts_per_chunk=2),
     "ring": lambda: ring_plan([3, 7, 1, 12, 5], causal=True, parts_per_chunk=2),
     "full": lambda: full_plan(range(6), causal=True),
+    "packed": lambda: build_plan("dgx-h100:2", [0, 1, 2, 8, 9], "entry",  # blocks per rank differ
+                                 placement=place_packed([3000, 500, 9000, 1200, 700, 4000], 5, causal=True,
+                                                        block_tokens=1024)),
 }
 
 
@@ -318,9 +323,9 @@ def test_random_mutations_get_verify_plans_messages(name, piece, monkeypatch):
     rng = random.Random(f"{name}/{piece}")
     outcomes = set()
     for _ in range(150):
-        bad = _mutate(table, plan.cp, plan.parts_per_chunk, rng)
+        bad = _mutate(table, plan, rng)
         if rng.random() < 0.3:  # two faults: the first in plan order is reported
-            bad = _mutate(bad, plan.cp, plan.parts_per_chunk, rng)
+            bad = _mutate(bad, plan, rng)
         fast, ref = _both(plan, bad)
         assert fast == ref
         outcomes |= {kind for kind in FAULTS if fast is not None and kind in fast}

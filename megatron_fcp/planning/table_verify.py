@@ -160,8 +160,9 @@ def _raise_first_fault(plan: "Plan", table: TransferTable, owner_of: np.ndarray,
     """
     cp, P, ranks = plan.cp, plan.parts_per_chunk, plan.ranks
     offset = np.concatenate(([0], np.cumsum(plan.chunks_per_rank() * P)[:-1]))
-    never = np.iinfo(np.int64).max
-    arrived = np.full(nb * cp, never, dtype=np.int64)
+    dt = _arrival_dtype(table.num_rounds)
+    never = np.iinfo(dt).max
+    arrived = np.full(nb * cp, never, dtype=dt)  # [nb * cp]: a round each block reached each rank in
 
     def block(b: int) -> Block:
         o = int(owner_of[b])
