@@ -66,6 +66,7 @@ def _group(kind: str, world: int, cp: int) -> list[int]:
     ("dgx-h100:40", "range", 270, "ring", True, 1),
     ("dgx-h100:40", "shuffled", 260, "ring", False, 2),
     ("dgx-h100:40", "range", 264, "full", True, 2),
+    ("dgx-h100:64", "range", 512, "hierarchical", True, 2),
 ], ids=repr)
 def test_large_groups_compile_to_a_table_with_the_object_plans_rounds(case):
     preset, kind, cp, graph, causal, parts = case
@@ -101,6 +102,15 @@ def test_small_groups_table_waves_equal_object_waves(nodes, data, graph, causal,
     table = cg.builder.wave_table(cg, causal, parts)
     assert table is not None
     assert table_rounds(table, cg.ranks, np.full(len(ranks), 2), parts) == _object_waves(cg, causal, parts)
+
+
+@pytest.mark.parametrize("cp", [16, 64, 128, 256])
+@pytest.mark.parametrize("graph,causal,parts", [("hierarchical", True, 1), ("hierarchical", False, 2),
+                                                ("ring", True, 2), ("full", False, 1)])
+def test_table_waves_equal_object_waves_up_to_256_ranks(cp, graph, causal, parts):
+    cg = build_graph(load_topology(f"dgx-h100:{max(cp // 8, 1)}"), range(cp), graph)
+    table = cg.builder.wave_table(cg, causal, parts)
+    assert table_rounds(table, cg.ranks, np.full(cp, 2), parts) == _object_waves(cg, causal, parts)
 
 
 def test_builders_without_table_trees_give_none():
