@@ -13,19 +13,25 @@ compiler (``compile._waves`` over ``tree_runs``):
 
 * ``hierarchical`` (:func:`hierarchical_table`): over the group flattened node by node
   (``_RailLayout``), a batch of blocks becomes boolean matrices ``[blocks, cp]``: *readers*
-  (``needs_chunk``), ``home`` (on the owner's node) and ``is_relay`` (the member on the owner's
-  rail, per distinct ``(rail, node size, chunk)``). Depth 1 is ``home & readers`` plus, on every
-  other node with a reader, its relay; depth 2 is every other reader off the home node, sent by
-  its node's relay. ``np.nonzero`` lists both in tree order. With ``P`` parts round ``k`` holds
-  part ``k-1``'s depth-2 edges and then part ``k``'s depth-1 edges of each block, merged by
-  position arithmetic.
+  (``needs_chunk``), one *relay* column per node (the member on the owner's rail, per distinct
+  ``(rail, node size, chunk)``) and the home node's columns. Depth 1 is the home node's readers
+  plus, on every other node with a reader, its relay; depth 2 is every other reader off the home
+  node, sent by its node's relay. ``np.flatnonzero`` lists both in tree order. With ``P`` parts
+  round ``k`` holds part ``k-1``'s depth-2 edges and then part ``k``'s depth-1 edges of each
+  block, merged by position arithmetic. Example, two nodes of two ranks, non-causal, the block of
+  CP rank 0 (flat order 0 1 | 2 3, rail 0)::
+
+      readers   . x | x x      depth 1: 1 (home reader), 2 (node 1's relay)
+      relay     x . | x .      depth 2: 3, sent by 2
+
 * ``ring`` (:func:`ring_table`): the block of CP rank ``i`` crosses hop ``k`` (``i+k -> i+k+1``)
-  in round ``k`` until its farthest reader; all parts in the same round.
+  in round ``k`` until its farthest reader; all parts in the same round. Between two changes of
+  the set of blocks still travelling a pass writes a ``rounds x blocks`` grid.
 * ``full`` (:func:`full_table`): part ``p`` of every block goes from its owner to its readers (CP
   order) in round ``p``.
 
 The graphs' edge lists are arrays too (:func:`hierarchical_edges`, :func:`full_edges`), in the
-order the Python builders listed them: a 8,192-rank rail graph has 8.4M edges.
+order the Python builders listed them: an 8,192-rank rail graph has 8.4M edges.
 """
 
 from __future__ import annotations
