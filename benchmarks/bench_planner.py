@@ -3,7 +3,7 @@
 Writes ``benchmarks/results/planner.json`` (gitignored) and prints a summary. Pure CPU, no
 processes; about a minute on a quiet 2-core machine::
 
-    python benchmarks/bench_planner.py [--out benchmarks/results/planner.json] [--quick]
+    python benchmarks/bench_planner.py [--out benchmarks/results/planner.json] [--quick] [--scale-only]
 
 Sections of the JSON:
 
@@ -17,6 +17,9 @@ Sections of the JSON:
 * ``scale_1024``: compile + verify time of a 1,024-rank plan (``total_s``, ``compile_s``,
   ``verify_s``: runs, best and median of 3; one fresh-process run; target < 2 s) and the
   DESIGN.md extrapolation (128 x 8 DGX-H100, 4 MB blocks, no compute): flat ring vs rail-striped.
+* ``scale_8192``: the same timings for 8,192 ranks (1,024 x dgx-h100, ~100M transfers kept as a
+  columnar table, docs/planner.md), the fresh process's peak RSS and the table's bytes; target < 10 s.
+  ``--scale-only`` runs just the two scale sections and merges them into an existing JSON.
 * ``other_presets``: pcie-box and single-uplink for reference.
 """
 
@@ -98,10 +101,14 @@ def bytes_ratios() -> dict:
 COMPILE_VERIFY_TARGET_S = 2.0
 """Target: compiling and verifying a 1,024-rank plan takes under 2 s on the 2-core dev machine."""
 
+COMPILE_VERIFY_8192_TARGET_S = 10.0
+"""Target: compiling and verifying an 8,192-rank plan takes under 10 s on the same machine."""
+
 _FRESH = (
-    "import time; from megatron_fcp.planning import build_plan; from megatron_fcp.topology import load_topology; "
-    "t = load_topology('dgx-h100:128'); t0 = time.perf_counter(); build_plan(t, range(1024), 'hierarchical'); "
-    "print(time.perf_counter() - t0)"
+    "import resource, sys, time; from megatron_fcp.planning import build_plan; "
+    "from megatron_fcp.topology import load_topology; cp = int(sys.argv[1]); "
+    "t = load_topology(f'dgx-h100:{cp // 8}'); t0 = time.perf_counter(); build_plan(t, range(cp), 'hierarchical'); "
+    "print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
 )
 
 
@@ -109,13 +116,13 @@ def _stats(times: list[float]) -> dict:
     return {"runs": times, "best": min(times), "median": statistics.median(times)}
 
 
-def scale_1024(repeats: int) -> dict:
-    """1,024 ranks (128 x dgx-h100, hierarchical, causal): ``total_s`` is ``build_plan`` (compile
-    + verify, as the plugin calls it), ``compile_s`` / ``verify_s`` the two halves timed apart;
-    each best and median of ``repeats`` in this process, plus one run in a fresh interpreter
-    (cold allocator, as a training job meets it)."""
-    topo = load_topology("dgx-h100:128")
-    ranks = tuple(range(1024))
+def _scale(cp: int, repeats: int, target_s: float) -> tuple[dict, object]:
+    """``cp`` ranks (``cp / 8`` x dgx-h100, hierarchical, causal): ``total_s`` is ``build_plan``
+    (compile + verify, as the plugin calls it), ``compile_s`` / ``verify_s`` the two halves timed
+    apart; each best and median of ``repeats`` in this process, plus one run in a fresh
+    interpreter (cold allocator, as a training job meets it) with its peak resident memory."""
+    topo = load_topology(f"dgx-h100:{cp // 8}")
+    ranks = tuple(range(cp))
     total, comp, ver = [], [], []
     plan = None
     for _ in range(repeats):
@@ -132,8 +139,30 @@ def scale_1024(repeats: int) -> dict:
         plan.verify()
         comp.append(t1 - t0)
         ver.append(time.perf_counter() - t1)
-    fresh = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, check=True,
+    fresh = subprocess.run([sys.executable, "-c", _FRESH, str(cp)], capture_output=True, text=True, check=True,
                            cwd=Path(__file__).resolve().parents[1])
+    fresh_s, fresh_rss = fresh.stdout.split()
+    total_s = _stats(total)
+    return {
+        "total_s": total_s,
+        "compile_s": _stats(comp),
+        "verify_s": _stats(ver),
+        "fresh_process_total_s": float(fresh_s),
+        "fresh_process_peak_rss_bytes": int(fresh_rss),
+        "target_s": target_s,
+        "under_target": total_s["best"] < target_s,
+        "transfers": plan.num_transfers(),
+        "rounds": plan.num_rounds,
+        "columnar": plan.table is not None,
+        "table_bytes": plan.table.nbytes if plan.table is not None else None,
+        "cpus": os.cpu_count(),
+        "loadavg_1min": os.getloadavg()[0],
+    }, topo
+
+
+def scale_1024(repeats: int) -> dict:
+    """:func:`_scale` at 1,024 ranks, and DESIGN.md's extrapolation (flat ring vs rail-striped)."""
+    out, topo = _scale(1024, repeats, COMPILE_VERIFY_TARGET_S)
     # DESIGN.md's extrapolation: 4 MB blocks (1,024 tokens x 8 KV heads x 128 x bf16 x K,V), no compute
     shape = AttentionShape(2 * 1024 * 1024, heads=8, kv_heads=8)
     hier = build_plan(topo, range(1024), "hierarchical", causal=False)
@@ -141,21 +170,22 @@ def scale_1024(repeats: int) -> dict:
     r_h = simulate_plan(hier, topo, shape, compute=False)
     sim_s = time.perf_counter() - t0
     r_r = simulate_plan(ring_plan(range(1024), causal=False), topo, shape, compute=False)
-    total_s = _stats(total)
-    return {
-        "total_s": total_s,
-        "compile_s": _stats(comp),
-        "verify_s": _stats(ver),
-        "fresh_process_total_s": float(fresh.stdout.strip()),
-        "target_s": COMPILE_VERIFY_TARGET_S,
-        "under_target": total_s["best"] < COMPILE_VERIFY_TARGET_S,
-        "transfers": plan.num_transfers(),
-        "rounds": len(plan.rounds),
-        "cpus": os.cpu_count(),
-        "loadavg_1min": os.getloadavg()[0],
-        "extrapolation_4MB_blocks": {"ring_comm_s": r_r.comm_s, "hierarchical_comm_s": r_h.comm_s,
-                                     "ratio": r_r.comm_s / r_h.comm_s, "simulate_s": sim_s},
-    }
+    out["extrapolation_4MB_blocks"] = {"ring_comm_s": r_r.comm_s, "hierarchical_comm_s": r_h.comm_s,
+                                       "ratio": r_r.comm_s / r_h.comm_s, "simulate_s": sim_s}
+    return out
+
+
+def scale_8192(repeats: int) -> dict:
+    """:func:`_scale` at 8,192 ranks (1,024 x dgx-h100; ~100M transfers in a columnar table)."""
+    return _scale(8192, repeats, COMPILE_VERIFY_8192_TARGET_S)[0]
+
+
+def _print_scale(cp: int, s: dict) -> None:
+    print(f"{cp} ranks, {s['transfers']} transfers: compile+verify best {s['total_s']['best']:.2f} s, median "
+          f"{s['total_s']['median']:.2f} s (compile {s['compile_s']['best']:.2f}, verify {s['verify_s']['best']:.2f}; "
+          f"fresh process {s['fresh_process_total_s']:.2f} s, peak RSS "
+          f"{s['fresh_process_peak_rss_bytes'] / 2 ** 30:.2f} GiB; target < {s['target_s']:.0f} s: "
+          f"{'met' if s['under_target'] else 'MISSED'}; load {s['loadavg_1min']:.1f} on {s['cpus']} cpus)")
 
 
 def other_presets() -> dict:
@@ -169,8 +199,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "planner.json"))
     ap.add_argument("--quick", action="store_true", help="fewer sequence lengths and one 1,024-rank repeat")
+    ap.add_argument("--scale-only", action="store_true",
+                    help="only the scale_1024 and scale_8192 sections, merged into the JSON at --out")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    repeats = 1 if args.quick else 3
+    if args.scale_only:
+        out = Path(args.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result["scale_1024"] = scale_1024(repeats)
+        result["scale_8192"] = scale_8192(repeats)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        _print_scale(1024, result["scale_1024"])
+        _print_scale(8192, result["scale_8192"])
+        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+        return 0
     result = {
         "shape": {"seq_len": SHAPE.seq_len, "heads": SHAPE.heads, "kv_heads": SHAPE.kv_heads,
                   "head_dim": SHAPE.head_dim, "dtype_bytes": SHAPE.dtype_bytes},
@@ -181,7 +225,8 @@ def main() -> int:
         "bytes": bytes_ratios(),
         "round_overhead": {f"{us}us": {p: r["fcp_comm_over_lower_bound"] for p, r in headline("comm", us * 1e-6).items()}
                            for us in (2, 5)},
-        "scale_1024": scale_1024(1 if args.quick else 3),
+        "scale_1024": scale_1024(repeats),
+        "scale_8192": scale_8192(repeats),
         "other_presets": other_presets(),
     }
     result["wall_s"] = time.perf_counter() - t0
@@ -207,13 +252,11 @@ def main() -> int:
           {k: round(v, 3) for k, v in result["bytes"]["dgx-h100:2"].items()})
     print("fcp/LB with per-round overhead:", result["round_overhead"])
     s = result["scale_1024"]
-    print(f"1024 ranks, {s['transfers']} transfers: compile+verify best {s['total_s']['best']:.2f} s, median "
-          f"{s['total_s']['median']:.2f} s (compile {s['compile_s']['best']:.2f}, verify {s['verify_s']['best']:.2f}; "
-          f"fresh process {s['fresh_process_total_s']:.2f} s; target < {s['target_s']:.0f} s: "
-          f"{'met' if s['under_target'] else 'MISSED'}; load {s['loadavg_1min']:.1f} on {s['cpus']} cpus); "
-          f"4 MB blocks: ring {s['extrapolation_4MB_blocks']['ring_comm_s'] * 1e3:.1f} ms vs hierarchical "
-          f"{s['extrapolation_4MB_blocks']['hierarchical_comm_s'] * 1e3:.1f} ms "
+    _print_scale(1024, s)
+    print(f"  4 MB blocks at 1024 ranks: ring {s['extrapolation_4MB_blocks']['ring_comm_s'] * 1e3:.1f} ms vs "
+          f"hierarchical {s['extrapolation_4MB_blocks']['hierarchical_comm_s'] * 1e3:.1f} ms "
           f"({s['extrapolation_4MB_blocks']['ratio']:.1f}x)")
+    _print_scale(8192, result["scale_8192"])
     print(f"wrote {out} in {result['wall_s']:.1f} s")
     return 0
 

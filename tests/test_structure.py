@@ -96,7 +96,9 @@ def test_no_module_over_600_lines(module):
 PLANNING_LAYERS = [
     ("blocks", "megatron_layout"),
     ("needs", "placement"),     # the causal need rule; packed batches and their need sets
-    ("verify", "graph", "rounds"),  # proofs of a plan; graphs over a CP group; rounds vs Delta (edge colouring)
+    ("verify", "graph", "rounds", "table"),  # proofs of a plan; graphs over a CP group; rounds vs Delta (edge
+                                #   colouring); a plan's transfers as columns
+    ("table_verify", "table_compile"),  # proofs of a columnar plan; columnar graphs and waves for large groups
     ("plan",),                  # the plan contract
     ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
     ("builders", "compile", "waves"),  # graph strategies; graph -> plan; backward waves of a plan

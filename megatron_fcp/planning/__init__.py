@@ -7,6 +7,9 @@ Modules depend on each other in one direction only (a test checks there is no im
     needs       the causal need rule (which blocks a CP rank must receive)
     placement   packed batches: documents as token spans per rank, document need sets, place_packed
     verify      prove a plan executable and complete
+    table       TransferTable: a plan's transfers as numpy columns (large groups)
+    table_verify, table_compile
+                prove a table-backed plan; the compiler's waves and rail graphs as columns
     plan        the plan contract: Plan (+ ring_plan, full_plan)            <- the executor reads this
     graph       CommGraph and multicast-tree helpers over one CP group
     builders    graph builders and the one registry of graph names
@@ -45,6 +48,7 @@ from megatron_fcp.planning.head_parallel_choose import (ScheduleChoice, build_he
                                                         choose_schedule)
 from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel, simulate_te
 from megatron_fcp.planning.rounds import plan_delta
+from megatron_fcp.planning.table import TransferTable
 from megatron_fcp.planning.compile import compile_plan
 from megatron_fcp.planning.cost import (
     AttentionShape,
@@ -76,7 +80,7 @@ __all__ = [
     "AUTO_CANDIDATES", "BUILDERS", "GRAPH_CHOICES", "SIMPLE_PLANS", "AttentionShape", "AutoChoice",
     "BalancedGraph", "Block", "CommGraph", "ComputeModel", "FullGraph", "GraphBuilder", "HierarchicalGraph",
     "LeaderGraph", "MegatronLayout", "Plan", "PlanError", "RingGraph", "SimResult", "SpanningGraph",
-    "Transfer", "blocks_of", "build_graph", "build_plan", "check_cp_ranks", "compare", "compile_plan",
+    "Transfer", "TransferTable", "blocks_of", "build_graph", "build_plan", "check_cp_ranks", "compare", "compile_plan",
     "full_plan", "get_builder", "need_set", "needs_chunk", "parse_tokens", "ring_plan", "simulate_plan",
     "zigzag_chunk_index", "lower_bound", "simulate_te_a2a_p2p", "simulate_te_p2p", "causal_pairs",
     "Placement", "Span", "place_packed", "lognormal_lengths", "compare_packed", "simulate_plan_backward",

@@ -23,13 +23,17 @@ what the model prices is what the executor sends.
 
 from __future__ import annotations
 
+import gc
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Sequence
 
+import numpy as np
+
 __all__ = ["PlanError", "Block", "Transfer", "blocks_of", "zigzag_chunk_index", "part_span", "part_tokens",
-           "check_parts", "make_transfer", "make_transfers"]
+           "check_parts", "make_transfer", "make_transfers", "transfers_from_columns", "cp_index_of", "gc_paused"]
 
 
 class PlanError(ValueError):
@@ -125,3 +129,56 @@ def make_transfers(srcs: Sequence[int], dsts: Sequence[int], block: Block) -> li
     deque(map(_SET_DST, out, dsts), maxlen=0)
     deque(map(_SET_BLOCK, out, repeat(block, n)), maxlen=0)
     return out
+
+
+def transfers_from_columns(srcs: Sequence[int], dsts: Sequence[int], blocks: Sequence[Block]) -> list[Transfer]:
+    """``[Transfer(s, d, b) for s, d, b in zip(srcs, dsts, blocks)]`` built as :func:`make_transfers`
+    builds them (a columnar plan's rounds are materialised this way)."""
+    n = len(srcs)
+    if len(dsts) != n or len(blocks) != n:
+        raise ValueError(f"transfers_from_columns: {n} sources, {len(dsts)} destinations, {len(blocks)} blocks")
+    out = list(map(_object_new, repeat(Transfer, n)))
+    deque(map(_SET_SRC, out, srcs), maxlen=0)
+    deque(map(_SET_DST, out, dsts), maxlen=0)
+    deque(map(_SET_BLOCK, out, blocks), maxlen=0)
+    return out
+
+
+def cp_index_of(ranks: Sequence[int]):
+    """Vectorised map global rank -> CP index (``-1`` for a rank outside the group).
+
+    Algorithm: a lookup table over ``[min(ranks), max(ranks)]`` when that span is small (at most
+    ``64 * cp + 1024`` entries: every real CP group), else a binary search over the sorted ranks.
+    """
+    r = np.asarray(ranks, dtype=np.int64)
+    lo, hi = int(r.min()), int(r.max())
+    if hi - lo < 64 * len(r) + 1024:
+        table = np.full(hi - lo + 2, -1, dtype=np.int64)  # last entry: every rank out of range
+        table[r - lo] = np.arange(len(r))
+
+        def index_of(g: np.ndarray) -> np.ndarray:
+            off = np.subtract(g, lo, dtype=np.int64).view(np.uint64)  # below lo: huge
+            return table[np.minimum(off, hi - lo + 1, out=off)]
+
+        return index_of
+    order = np.argsort(r, kind="stable")
+    sorted_r = r[order]
+
+    def index_of_sparse(g: np.ndarray) -> np.ndarray:
+        pos = np.minimum(np.searchsorted(sorted_r, g), len(r) - 1)
+        return np.where(sorted_r[pos] == g, order[pos], -1)
+
+    return index_of_sparse
+
+
+@contextmanager
+def gc_paused():
+    """Pause the cyclic GC while ~10^6 plan objects are created (none form cycles); without this,
+    generation sweeps over the growing plan cost more than creating it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

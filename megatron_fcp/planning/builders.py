@@ -46,6 +46,8 @@ from megatron_fcp.planning.graph import (
     runs_of,
     steiner_tree,
 )
+from megatron_fcp.planning.table import TransferTable
+from megatron_fcp.planning.table_compile import full_edges, full_table, hierarchical_edges, hierarchical_table, ring_table
 from megatron_fcp.topology import Topology
 
 __all__ = [
@@ -107,6 +109,11 @@ class GraphBuilder:
         """``(depth, srcs, dsts)`` runs of the tree; builders may override to skip edge tuples."""
         return runs_of(*self.tree_with_depths(cg, owner, dests, chunk))
 
+    def wave_table(self, cg: CommGraph, causal: bool, parts_per_chunk: int) -> TransferTable | None:
+        """The ASAP waves of this builder's zigzag trees as columns (Note [Compiling to a table] in
+        :mod:`megatron_fcp.planning.table_compile`), or None: the compiler then builds objects."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -119,6 +126,9 @@ class RingGraph(GraphBuilder):
 
     def _edges(self, topo, ranks):
         return [(r, ranks[(i + 1) % len(ranks)]) for i, r in enumerate(ranks)], {}
+
+    def wave_table(self, cg, causal, parts_per_chunk):
+        return ring_table(cg, causal, parts_per_chunk)
 
     def tree(self, cg, owner, dests, chunk=0):
         ranks, cp = cg.ranks, len(cg.ranks)
@@ -134,7 +144,10 @@ class FullGraph(GraphBuilder):
     name = "full"
 
     def _edges(self, topo, ranks):
-        return [(a, b) for a in ranks for b in ranks if a != b], {}
+        return full_edges(ranks), {}
+
+    def wave_table(self, cg, causal, parts_per_chunk):
+        return full_table(cg, causal, parts_per_chunk) if cg.pipeline_parts else None
 
     def tree(self, cg, owner, dests, chunk=0):
         return [(owner, d) for d in dests]
@@ -191,6 +204,9 @@ class EntryGraph(FullGraph):
 
     def tree_runs(self, cg, owner, dests, chunk=0):
         return runs_of(*self.tree_with_depths(cg, owner, dests, chunk))
+
+    def wave_table(self, cg, causal, parts_per_chunk):
+        return None  # its trees differ from full's
 
 
 def entry_position(rail: int, home_size: int, size: int, chunk: int) -> int:
@@ -256,21 +272,24 @@ class HierarchicalGraph(GraphBuilder):
     name = "hierarchical"
 
     def _edges(self, topo, ranks):
+        """Full mesh per node, then each rank's rail peers: ``(a, node's member at entry_position(..))``
+        for every other node and chunk, in the order ``table_compile.hierarchical_edges`` documents."""
         groups = _node_groups(topo, ranks)
-        edges = [(a, b) for members in groups.values() for a in members for b in members if a != b]
         pos = {r: k for members in groups.values() for k, r in enumerate(members)}
         node_of = {r: topo.node_of(r) for r in ranks}
-        for a in ranks:
-            home_size = len(groups[node_of[a]])
-            for node, members in groups.items():
-                if node != node_of[a]:
-                    for chunk in (0, 1):
-                        edges.append((a, members[entry_position(pos[a], home_size, len(members), chunk)]))
-        return edges, {"groups": groups, "pos": pos, "node_of": node_of, "rails": _RailLayout(groups)}
+        lay = _RailLayout(groups)
+        edges = hierarchical_edges(lay, lay.positions(ranks))
+        return edges, {"groups": groups, "pos": pos, "node_of": node_of, "rails": lay}
 
     def _exit(self, cg: CommGraph, owner: int, chunk: int) -> int:
         """Rank of the owner's node whose rail carries the owner's ``chunk`` off the node."""
         return owner
+
+    def wave_table(self, cg, causal, parts_per_chunk):
+        """Columns of the waves when every chunk leaves on its owner's rail (:meth:`tree_runs`)."""
+        if not cg.pipeline_parts or any(self._exit(cg, o, c) != o for o in cg.ranks for c in (0, 1)):
+            return None
+        return hierarchical_table(cg, causal, parts_per_chunk)
 
     def tree(self, cg, owner, dests, chunk=0):
         return self.tree_with_depths(cg, owner, dests, chunk)[0]

@@ -21,6 +21,12 @@ Note [Compiling a plan]
    plan order, so an NVLink block should not queue behind one still crossing the network).
 5. *Verify.* The plan is checked by :meth:`Plan.verify` (with the port limits) before return.
 
+Above :data:`CHECK_TREES_MAX_CP` ranks without port limits every edge lands on its due round and
+the builders of ``hierarchical``, ``ring`` and ``full`` write those rounds as numpy columns (Note
+[Compiling to a table] in :mod:`megatron_fcp.planning.table_compile`); a plan of more than
+:data:`BALANCE_MAX_TRANSFERS` transfers keeps them as a table (Note [Columnar plans] in
+:mod:`megatron_fcp.planning.table`), a smaller one is turned into objects and ordered by step 4.
+
 The backward pass uses :meth:`Plan.backward_rounds` (rounds reversed, transfers flipped): the
 same trees reduce dK/dV towards each owner.
 
@@ -32,34 +38,20 @@ Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non
 
 from __future__ import annotations
 
-import gc
 import heapq
-from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_fcp.planning.blocks import Block, PlanError, Transfer, make_transfer, make_transfers
+from megatron_fcp.planning.blocks import Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers
 from megatron_fcp.planning.graph import CommGraph, runs_of
 from megatron_fcp.planning.needs import readers
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import Plan
 from megatron_fcp.planning.rounds import colour_rounds
+from megatron_fcp.planning.table import table_rounds
 
 __all__ = ["compile_plan"]
-
-
-@contextmanager
-def _gc_paused():
-    """Pause the cyclic GC while ~10^6 plan objects are created (none form cycles); without this,
-    generation sweeps over the growing plan cost more than creating it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def compile_plan(
@@ -74,6 +66,7 @@ def compile_plan(
     placement: Placement | None = None,
     packing: str = "list",
     stagger_blocks: int = 1,
+    columnar: bool = True,
 ) -> Plan:
     """Compile a CommGraph into a Plan; see Note [Compiling a plan].
 
@@ -88,10 +81,17 @@ def compile_plan(
 
     ``placement``: a packed batch's blocks per CP rank (CP order = ``cg.ranks``); each block then
     gets its own tree to the ranks its documents need, and ``parts_per_chunk`` must be 1.
+
+    ``columnar`` (default True): where plain waves are placed (above :data:`CHECK_TREES_MAX_CP`
+    ranks, no port limits, zigzag) and the builder writes them as columns
+    (``GraphBuilder.wave_table``: ``hierarchical``, ``ring``, ``full``), a plan of more than
+    :data:`BALANCE_MAX_TRANSFERS` transfers keeps them in a table (Note [Columnar plans] in
+    :mod:`megatron_fcp.planning.table`): the same rounds, materialised on first access of
+    ``plan.rounds``. False builds objects as before (tests compare the two).
     """
-    with _gc_paused():
+    with gc_paused():
         return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing,
-                        stagger_blocks)
+                        stagger_blocks, columnar)
 
 
 def _sources(ranks, causal: bool, placement: Placement | None):
@@ -111,7 +111,7 @@ def _sources(ranks, causal: bool, placement: Placement | None):
 
 
 def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing="list",
-             stagger_blocks=1) -> Plan:
+             stagger_blocks=1, columnar=True) -> Plan:
     if not isinstance(stagger_blocks, int) or stagger_blocks < 1 or (stagger_blocks > 1 and placement is None):
         raise PlanError(f"stagger_blocks: an integer >= 1, above 1 only over a placement (zigzag plans stagger "
                         f"sub-blocks: parts_per_chunk), got {stagger_blocks!r}")
@@ -134,7 +134,18 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
     check = len(ranks) <= CHECK_TREES_MAX_CP
     P = parts_per_chunk
     limited = max_sends is not None or max_recvs is not None
-    if not check and not limited:
+    sizes = cg.meta.get("kv_sizes")
+    header = dict(name=cg.name, max_sends=max_sends, max_recvs=max_recvs, placement=placement,
+                  kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None)
+    table = None
+    if not check and not limited and placement is None and columnar and cg.builder is not None:
+        table = cg.builder.wave_table(cg, causal, P)  # the waves below, as columns (or None)
+    if table is not None and table.num_transfers > BALANCE_MAX_TRANSFERS:
+        plan = Plan(ranks, None, causal, P, table=table, **header)
+        return plan.verify(max_sends=max_sends, max_recvs=max_recvs) if verify else plan
+    if table is not None:
+        plan_rounds = table_rounds(table, ranks, np.full(len(ranks), 2), P)  # small: objects, then reordered
+    elif not check and not limited:
         # large group: trees as runs of equal depth straight into waves (no per-edge tuples)
         runs = [(owner, chunk, [(d + chunk % stagger_blocks, us, vs) for d, us, vs in cg.tree_runs(owner, dests, chunk)])
                 for owner, chunk, dests in _sources(ranks, causal, placement)]
@@ -162,10 +173,7 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
         plan_rounds = plan_rounds[:-1]  # trailing rounds left empty (zigzag plans keep them: golden digests)
     if sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
         plan_rounds = _fast_links_first(cg, plan_rounds)
-    sizes = cg.meta.get("kv_sizes")
-    plan = Plan(ranks, plan_rounds, causal, P, name=cg.name, max_sends=max_sends, max_recvs=max_recvs,
-                kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None,
-                placement=placement)
+    plan = Plan(ranks, plan_rounds, causal, P, **header)
     if verify:
         plan.verify(max_sends=max_sends, max_recvs=max_recvs)
     return plan

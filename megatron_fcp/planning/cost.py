@@ -328,17 +328,9 @@ def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_
 
 
 def _plan_arrays(plan: Plan):
-    """(round, src, dst, owner, chunk, part) integer arrays of every transfer, plan order."""
-    counts = [len(r) for r in plan.rounds]
-    flat = [t for r in plan.rounds for t in r]
-    T = len(flat)
-    rnd = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    src = np.fromiter((t.src for t in flat), dtype=np.int64, count=T)
-    dst = np.fromiter((t.dst for t in flat), dtype=np.int64, count=T)
-    owner = np.fromiter((t.block.owner for t in flat), dtype=np.int64, count=T)
-    chunk = np.fromiter((t.block.chunk for t in flat), dtype=np.int64, count=T)
-    part = np.fromiter((t.block.part for t in flat), dtype=np.int64, count=T)
-    return rnd, src, dst, owner, chunk, part
+    """(round, src, dst, owner, chunk, part) integer arrays of every transfer, plan order (read from
+    a table-backed plan's columns without building its rounds)."""
+    return plan.transfer_columns()
 
 
 def simulate_plan(
@@ -386,7 +378,7 @@ def simulate_plan(
 
     # aggregate bytes per (round, src, dst), then load the routes
     idx = _ResourceIndex(topo)
-    n_rounds = len(plan.rounds)
+    n_rounds = plan.num_rounds
     per_round_ids, per_round_bytes, lat = [], [], []
     if len(rnd):
         key = (rnd * cp + np.fromiter((pos[s] for s in src), np.int64, len(src))) * cp + \

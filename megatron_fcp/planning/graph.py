@@ -13,12 +13,12 @@ heuristic here (:func:`steiner_tree`).
 from __future__ import annotations
 
 import heapq
-from itertools import chain
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import networkx as nx
 import numpy as np
 
+from megatron_fcp.planning.blocks import cp_index_of
 from megatron_fcp.topology import Topology, TopologyError
 
 if TYPE_CHECKING:
@@ -35,10 +35,11 @@ class CommGraph:
     """A builder's graph over the CP group ``ranks`` (global ranks in CP order).
 
     Builders hand over their edges as a list (``edges``, in insertion order, self-loops and
-    repeats dropped); the networkx graph (``graph``, edge attributes from the topology) is built
-    on first use, since compiling a plan only needs the builder's trees: a 1,024-rank rail graph
-    has ~137K edges that a plain compile never looks up. A CommGraph can also wrap a ready
-    ``nx.DiGraph``.
+    repeats dropped) or as an integer array ``[E, 2]`` of distinct edges (self-loops dropped; the
+    list is then built on first use of :attr:`edges`: an 8,192-rank rail graph has 8.4M edges);
+    the networkx graph (``graph``, edge attributes from the topology) is built on first use, since
+    compiling a plan only needs the builder's trees: a 1,024-rank rail graph has ~137K edges that a
+    plain compile never looks up. A CommGraph can also wrap a ready ``nx.DiGraph``.
     """
 
     def __init__(
@@ -63,14 +64,34 @@ class CommGraph:
         """Whether sub-blocks of one chunk are staggered over rounds (pipelining relays)."""
         self.meta = meta if meta is not None else {}
         self._graph = graph
-        self._edges = None if edges is None else list(dict.fromkeys((a, b) for a, b in edges if a != b))
+        self._edge_array = None
+        if isinstance(edges, np.ndarray):
+            arr = np.asarray(edges).reshape(-1, 2)
+            if arr.dtype.kind not in "iu":
+                raise ValueError(f"graph {name!r}: an edge array must hold integers, got {arr.dtype}")
+            loops = arr[:, 0] == arr[:, 1]
+            self._edge_array, self._edges = (arr[~loops] if loops.any() else arr), None
+        else:
+            self._edges = None if edges is None else list(dict.fromkeys((a, b) for a, b in edges if a != b))
 
     @property
     def edges(self) -> list[tuple[int, int]]:
         """Directed edges ``(a, b)`` in insertion order."""
         if self._edges is None:
-            self._edges = list(self._graph.edges)
+            if self._edge_array is not None:
+                self._edges = list(map(tuple, self._edge_array.tolist()))
+            else:
+                self._edges = list(self._graph.edges)
         return self._edges
+
+    def edge_array(self) -> np.ndarray:
+        """The edges as an integer ``[E, 2]`` array (insertion order)."""
+        if self._edge_array is None:
+            self._edge_array = np.array(self.edges, dtype=np.int64).reshape(-1, 2)
+        return self._edge_array
+
+    def num_edges(self) -> int:
+        return len(self._edge_array) if self._edge_array is not None else len(self.edges)
 
     @property
     def graph(self) -> nx.DiGraph:
@@ -78,12 +99,12 @@ class CommGraph:
         if self._graph is None:
             g = nx.DiGraph()
             g.add_nodes_from(self.ranks)
-            g.add_edges_from((a, b, _edge_attrs(self.topology, a, b)) for a, b in self._edges)
+            g.add_edges_from((a, b, _edge_attrs(self.topology, a, b)) for a, b in self.edges)
             self._graph = g
         return self._graph
 
     def __repr__(self) -> str:
-        return f"CommGraph({self.name!r}, cp={len(self.ranks)}, edges={len(self.edges)})"
+        return f"CommGraph({self.name!r}, cp={len(self.ranks)}, edges={self.num_edges()})"
 
     def tree(self, owner: int, dests: Sequence[int], chunk: int = 0) -> TreeEdges:
         """Multicast tree from ``owner`` to ``dests`` (for the owner's zigzag ``chunk``) using only
@@ -123,18 +144,20 @@ class CommGraph:
         rank (strong connectivity). Errors name the smallest rank ``ranks[0]`` cannot reach, else
         the first rank in CP order that cannot reach ``ranks[0]``.
         """
-        ranks, edges = self.ranks, self.edges
-        vertices = set(self._graph.nodes) if self._graph is not None else set(chain(ranks, chain.from_iterable(edges)))
+        ranks = self.ranks
+        flat = self.edge_array().ravel()
+        ends = cp_index_of(ranks)(flat)  # CP index of every end, -1 outside the group
+        if self._graph is not None:
+            vertices = set(self._graph.nodes)
+        else:  # the vertices of an edge list are the ranks and the edges' ends
+            vertices = set(ranks) if (ends >= 0).all() else set(ranks) | set(flat[ends < 0].tolist())
         if vertices != set(ranks):
             extra = sorted(vertices - set(ranks))
             missing = sorted(set(ranks) - vertices)
             raise ValueError(f"graph {self.name!r}: vertices must be the CP group; extra {extra}, missing {missing}")
         if len(ranks) < 2:
             return self
-        r = np.asarray(ranks, dtype=np.int64)
-        order = np.argsort(r)
-        flat = np.fromiter(chain.from_iterable(edges), dtype=np.int64, count=2 * len(edges))
-        ends = order[np.searchsorted(r[order], flat)].reshape(-1, 2)  # CP index of both ends
+        ends = ends.reshape(-1, 2)
         lost = _unreached(len(ranks), ends[:, 0], ends[:, 1])
         if lost.any():
             first = min(ranks[i] for i in np.nonzero(lost)[0])

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_fcp.planning.blocks import Block, PlanError
+from megatron_fcp.planning.blocks import Block, PlanError, cp_index_of
 
 if TYPE_CHECKING:
     from megatron_fcp.planning.plan import Plan
 
-__all__ = ["verify_plan", "verify_reference"]
+__all__ = ["verify_plan", "verify_reference", "check_header", "missing_error", "port_error"]
 
 
 def verify_reference(plan: "Plan") -> None:
@@ -84,15 +84,7 @@ def verify_plan(plan: "Plan", max_sends: int | None, max_recvs: int | None) -> N
     classify each transfer (:func:`_transfer_faults`); raise the first fault in plan order, then
     incompleteness (:func:`_check_complete`), then port limits (:func:`_check_ports`).
     """
-    ranks = plan.ranks
-    if len(set(ranks)) != len(ranks):
-        raise PlanError(f"plan ranks repeat: {list(ranks)}")
-    P = plan.parts_per_chunk
-    if P < 1:
-        raise PlanError(f"parts_per_chunk must be >= 1, got {P}")
-    for name, v in (("max_sends", max_sends), ("max_recvs", max_recvs)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise PlanError(f"{name}: must be None or an integer >= 1, got {v!r}")
+    check_header(plan, max_sends, max_recvs)
     try:
         cols = _transfer_columns(plan)
     except (TypeError, ValueError, OverflowError, AttributeError):
@@ -104,6 +96,17 @@ def verify_plan(plan: "Plan", max_sends: int | None, max_recvs: int | None) -> N
     _raise_first_fault(plan, cols, faults)
     _check_complete(plan, faults["first"] < len(cols["flat"]))
     _check_ports(plan, cols, max_sends, max_recvs)
+
+
+def check_header(plan: "Plan", max_sends: int | None, max_recvs: int | None) -> None:
+    """Distinct ranks, ``parts_per_chunk >= 1``, port limits None or integers >= 1."""
+    if len(set(plan.ranks)) != len(plan.ranks):
+        raise PlanError(f"plan ranks repeat: {list(plan.ranks)}")
+    if plan.parts_per_chunk < 1:
+        raise PlanError(f"parts_per_chunk must be >= 1, got {plan.parts_per_chunk}")
+    for name, v in (("max_sends", max_sends), ("max_recvs", max_recvs)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise PlanError(f"{name}: must be None or an integer >= 1, got {v!r}")
 
 
 def _transfer_columns(plan: "Plan") -> dict:
@@ -124,7 +127,7 @@ def _transfer_columns(plan: "Plan") -> dict:
     _, first_of, inverse = np.unique(obj_ids, return_index=True, return_inverse=True)
     uniq = [flat[i].block for i in first_of.tolist()]
     n = len(uniq)
-    index_of = _cp_index_of(plan.ranks)
+    index_of = cp_index_of(plan.ranks)
     own_u = index_of(np.fromiter(map(attrgetter("owner"), uniq), dtype=np.int64, count=n))
     chunk_u = np.fromiter(map(attrgetter("chunk"), uniq), dtype=np.int64, count=n)
     part_u = np.fromiter(map(attrgetter("part"), uniq), dtype=np.int64, count=n)
@@ -132,33 +135,6 @@ def _transfer_columns(plan: "Plan") -> dict:
     return {"flat": flat, "rnd": rnd, "src_g": src_g, "dst_g": dst_g, "src_i": index_of(src_g),
             "dst_i": index_of(dst_g), "own_i": own_u[inverse], "chunk": chunk_u[inverse],
             "part": part_u[inverse]}
-
-
-def _cp_index_of(ranks: tuple[int, ...]):
-    """Vectorised map global rank -> CP index (``-1`` for a rank outside the group).
-
-    Algorithm: a lookup table over ``[min(ranks), max(ranks)]`` when that span is small (at most
-    ``64 * cp + 1024`` entries: every real CP group), else a binary search over the sorted ranks.
-    """
-    r = np.asarray(ranks, dtype=np.int64)
-    lo, hi = int(r.min()), int(r.max())
-    if hi - lo < 64 * len(r) + 1024:
-        table = np.full(hi - lo + 2, -1, dtype=np.int64)  # last entry: every rank out of range
-        table[r - lo] = np.arange(len(r))
-
-        def index_of(g: np.ndarray) -> np.ndarray:
-            off = g - lo
-            return table[np.where((off < 0) | (off > hi - lo), hi - lo + 1, off)]
-
-        return index_of
-    order = np.argsort(r, kind="stable")
-    sorted_r = r[order]
-
-    def index_of_sparse(g: np.ndarray) -> np.ndarray:
-        pos = np.minimum(np.searchsorted(sorted_r, g), len(r) - 1)
-        return np.where(sorted_r[pos] == g, order[pos], -1)
-
-    return index_of_sparse
 
 
 def _transfer_faults(plan: "Plan", cols: dict) -> dict:
@@ -230,21 +206,26 @@ def _check_complete(plan: "Plan", received: np.ndarray) -> None:
 
     ``received[dst_index * nb + b]`` says whether block id ``b`` arrived at that rank.
     """
-    ranks, P, cp = plan.ranks, plan.parts_per_chunk, plan.cp
-    chunks = plan.chunks_per_rank()
-    nb = int(chunks.sum()) * P
+    cp = plan.cp
+    nb = int(plan.chunks_per_rank().sum()) * plan.parts_per_chunk
     need = plan.need_matrix()
     missing = need & ~received.reshape(cp, nb)
     if missing.any():
         jr = int(np.argmax(missing.any(axis=1)))
-        miss_b = np.nonzero(missing[jr])[0]
-        owner_of = np.repeat(np.arange(cp), chunks * P)
-        offset = np.concatenate(([0], np.cumsum(chunks * P)[:-1]))
-        blocks_missing = sorted(Block(ranks[owner_of[b]], int(b - offset[owner_of[b]]) // P,
-                                      int(b - offset[owner_of[b]]) % P) for b in miss_b)
-        raise PlanError(
-            f"rank {ranks[jr]} never receives {blocks_missing[0]} (and {len(blocks_missing) - 1} more needed blocks)"
-        )
+        raise missing_error(plan, jr, np.nonzero(missing[jr])[0])
+
+
+def missing_error(plan: "Plan", jr: int, miss_b: np.ndarray) -> PlanError:
+    """The incompleteness error: CP rank ``jr`` never receives block ids ``miss_b``; names the
+    smallest missing block."""
+    ranks, P, chunks = plan.ranks, plan.parts_per_chunk, plan.chunks_per_rank()
+    owner_of = np.repeat(np.arange(plan.cp), chunks * P)
+    offset = np.concatenate(([0], np.cumsum(chunks * P)[:-1]))
+    blocks_missing = sorted(Block(ranks[owner_of[b]], int(b - offset[owner_of[b]]) // P,
+                                  int(b - offset[owner_of[b]]) % P) for b in miss_b)
+    return PlanError(
+        f"rank {ranks[jr]} never receives {blocks_missing[0]} (and {len(blocks_missing) - 1} more needed blocks)"
+    )
 
 
 def _check_ports(plan: "Plan", cols: dict, max_sends: int | None, max_recvs: int | None) -> None:
@@ -257,7 +238,10 @@ def _check_ports(plan: "Plan", cols: dict, max_sends: int | None, max_recvs: int
         if c.max() > limit:
             at = int(np.argmax(c > limit))
             k, r = divmod(at, cp)
-            raise PlanError(
-                f"round {k}: rank {plan.ranks[r]} posts {int(c[at])} {what}, over the port limit of {limit} "
-                f"(max_{'sends' if what == 'sends' else 'recvs'})"
-            )
+            raise port_error(plan, k, r, int(c[at]), limit, what)
+
+
+def port_error(plan: "Plan", k: int, r: int, count: int, limit: int, what: str) -> PlanError:
+    """The port-limit error: CP rank ``r`` posts ``count`` ``what`` ("sends"/"receives") in round ``k``."""
+    return PlanError(f"round {k}: rank {plan.ranks[r]} posts {count} {what}, over the port limit of {limit} "
+                     f"(max_{'sends' if what == 'sends' else 'recvs'})")
