@@ -110,3 +110,31 @@ def test_megatron_runtime_cuts_chunks_in_two_where_backward_may_resend():
     assert parts(base.replace(backward_kv="keep"), 4) == 1
     assert parts(base, 2) == 1                                  # cp = 2: auto keeps within the ring's budget
     assert parts(base.replace(block_tokens=4), 4) == 4          # 16-token chunks cut into 4-token blocks
+
+
+def test_balanced_waves_pick_the_least_makespan_then_the_fewest_waves():
+    """Note [Balanced waves]: on a packed plan whose need sets fit the byte budget, the 1x work cap
+    alone made five waves; the unbounded cap makes one with the least makespan (every rank's total)."""
+    from megatron_fcp.planning import build_plan, lognormal_lengths
+    from megatron_fcp.planning import waves as W
+    from megatron_fcp.planning.placement import place_packed
+
+    lengths = lognormal_lengths(8.0, 1.2, 32768 * 16, 0)
+    pl = place_packed(lengths, 16, block_tokens=4096)
+    plan = build_plan("dgx-h100:2", range(16), "entry", placement=pl)
+    tok = {(plan.ranks[i], b): s.tokens for i, b, s in pl.block_list()}
+    size = lambda blk: tok[(blk.owner, blk.chunk)] * 4096  # noqa: E731
+    work = W.block_work(plan)
+    budget = W.wave_budget(plan, size)
+    packs = {k: W._pack(plan, size, budget, work, k) for k in W.WAVE_CAP_SCALES}
+    spans = {k: W._makespan(p, work) for k, p in packs.items()}
+    waves = W.plan_waves(plan, size)
+    assert W._makespan(waves, work) == min(spans.values())
+    assert len(packs[1.0]) > 1 and len(waves) == 1  # the cap alone had cut it
+    totals = {x: sum(work(x, b) for b in plan.needs(x)) + sum(work(x, b) for b in plan.local_blocks(x))
+              for x in plan.ranks}
+    assert W._makespan(waves, work) == pytest.approx(max(totals.values()))
+    # every delivery exactly once, whatever the cap
+    for pack in packs.values():
+        done = [c for w in pack for c in w.computes]
+        assert len(done) == len(set(done)) == sum(len(plan.needs(x)) + len(plan.local_blocks(x)) for x in plan.ranks)
