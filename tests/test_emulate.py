@@ -17,8 +17,10 @@ from megatron_fcp.emulate import netns
 from megatron_fcp.emulate.report import assemble, progress_printer, table
 from megatron_fcp.emulate.sleep_kernel import Sleeper, SleepKernel, count_pairs
 from megatron_fcp.emulate.spec import ClusterSpec, address_plan, emulated_topology, format_rate, parse_rate
-from megatron_fcp.emulate.workloads import WorkloadShape, lower_bounds, make_workloads
-from megatron_fcp.planning import ComputeModel
+from megatron_fcp.emulate.workloads import (FcpWorkload, HeadParallelWorkload, WorkloadShape, executor_backward_kv,
+                                             executor_block_bytes, lower_bounds, make_workloads)
+from megatron_fcp.planning import ComputeModel, WaveBackward, choose_schedule
+from megatron_fcp.planning.packed_cost import simulate_backward_waves, simulate_plan_backward
 
 RUN_KEYS = {"workload", "median_s", "min_s", "max_s", "comm_s", "compute_s", "predicted_s", "lower_bound_s",
             "nodes", "ranks_per_node", "nic", "intra", "inter", "seq", "heads", "kv_heads", "head_dim", "causal",
@@ -170,14 +172,14 @@ def test_workloads_plans_predictions_and_the_hook():
     te = by["te-a2a-p2p"]
     assert te.unavailable is None and te.hp_plan.degree == 2 and te.hp_plan.head_groups == ((0, 1), (2, 3))
     assert te.hp_plan.kv_plan.name == "ring" and te.backward_kv == "keep"
-    assert by["fcp-hp"].hp_plan.auto  # the planner's choice, every candidate recorded
+    assert by["fcp-hp"].hp_plan.auto and by["fcp-hp"].info["choice"]["label"]  # every candidate recorded
     assert by["fcp-auto"].plan.name in ("hierarchical", "full", "ring", "leader", "spanning")
     assert by["fcp-ring"].plan.name == "ring"
     pred = {w.name: w.predict(topo, cm) for w in ws}
     from megatron_fcp.planning import simulate_head_parallel
 
-    # the model of what runs (keep, partials in the KV dtype) and TE's own model: the same forward
-    want = simulate_head_parallel(te.hp_plan, topo, shape.attention(), compute_model=cm)
+    # the model of what runs (keep, wave by wave, partials in the KV dtype) and TE's own model: the same forward
+    want = simulate_head_parallel(te.hp_plan, topo, shape.attention(), compute_model=cm, backward=WaveBackward("keep"))
     assert pred["te-a2a-p2p"]["predicted_s"] == pytest.approx(want.total_s, rel=1e-12)
     assert pred["te-a2a-p2p"]["predicted_fwd_s"] == pytest.approx(pred["te-a2a-p2p"]["predicted_te_model_fwd_s"],
                                                                  rel=1e-4)
@@ -185,7 +187,8 @@ def test_workloads_plans_predictions_and_the_hook():
     assert pred["fcp-hp"]["predicted_s"] <= pred["fcp-auto"]["predicted_s"] * 1.0001  # a = 1 is a candidate
     b = lower_bounds(shape, topo, cm, None)
     assert b["lower_bound_s"] <= min(p["predicted_s"] for p in pred.values())
-    assert b["lower_bound_fp32_grads_s"] >= b["lower_bound_s"]
+    assert b["lower_bound_comm_s"] == pytest.approx(2 * b["lower_bound_comm_fwd_s"])  # dK/dV in the KV's bytes
+    assert "lower_bound_fp32_grads_s" not in b
     with pytest.raises(ValueError, match="--workloads"):
         make_workloads(["fcp-nope"], shape, topo)
     with pytest.raises(ValueError, match="@keep"):
@@ -198,6 +201,97 @@ def test_workloads_plans_predictions_and_the_hook():
     assert (keep.backward_kv, resend.backward_kv) == ("keep", "resend")
     assert four.plan.parts_per_chunk == 4 and four.plan.name == "hierarchical"
     assert keep.predict(topo, cm)["predicted_s"] < resend.predict(topo, cm)["predicted_s"]
+
+
+# (nodes, ranks per node, workload, shape): the choice is a = 2 with stagger 4 (keep), a = 1 with 2
+# parts (auto re-sends) and a = 1 whole chunks (@resend)
+HP_CASES = [(2, 2, "fcp-hp", WorkloadShape(1024, 4, 4, 32)), (2, 2, "fcp-hp", WorkloadShape(8192, 2, 1, 32)),
+            (2, 2, "fcp-hp@resend", WorkloadShape(1024, 4, 1, 32))]
+
+
+@pytest.mark.parametrize("nodes, rpn, name, shape", HP_CASES)
+def test_fcp_hp_runs_what_the_runtime_chooses(nodes, rpn, name, shape):
+    """fcp-hp is choose_schedule's choice with the executor's backward (what settle_schedule asks
+    for), on the emulated compute model: the same plan (degree, graph, parts, stagger), the same
+    backward KV mode, and a prediction equal to the choice's predicted time."""
+    spec = ClusterSpec(nodes, rpn, "rail", prefix="fcpe1x")
+    topo, cm = emulated_topology(spec), ComputeModel(flops=400e12 / spec.time_scale, kernel_overhead_s=0.0)
+    w = make_workloads([name], shape, topo, cm)[0]
+    mode = name.partition("@")[2] or "auto"
+    ranks = tuple(range(topo.world))
+    choice = choose_schedule(topo, ranks, shape.attention(), causal=True, grad_dtype_bytes=2,
+                             backward=WaveBackward(mode), compute_model=cm)
+    assert w.info["choice"]["label"] == choice.label and w.info["head_parallel"] == choice.degree
+    assert w.info["choice"]["runner_up"]["label"] == choice.runner_up[0]
+    assert w.info["choice"]["predicted_ms"] == pytest.approx(choice.total_s * 1e3, abs=1e-4)
+    assert w.backward_kv == choice.backward_kv and "note" not in w.info  # the executor's mode is the one priced
+    if choice.degree == 1:
+        assert isinstance(w, FcpWorkload) and w.placement is None
+        want = choice.plan.kv_plan_for(0)
+        assert (w.plan.rounds, w.plan.ranks, w.plan.parts_per_chunk) == (want.rounds, want.ranks, choice.parts)
+    else:
+        assert isinstance(w, HeadParallelWorkload) and w.hp_plan == choice.plan and w.info["stagger"] == choice.stagger
+    pred = w.predict(topo, cm)
+    assert pred["predicted_s"] == pytest.approx(choice.total_s, rel=1e-9)
+    assert pred["predicted_bwd_s"] == pytest.approx(choice.bwd_s, rel=1e-9)
+    assert pred["predicted_bwd_waves"] >= 1
+
+
+def test_predictions_price_the_wave_backward():
+    """FCP's predicted backward is simulate_backward_waves' total for the plan and mode that run (not
+    the one-pass model); each workload's mode is the executor's (choose_backward_kv on the block
+    bytes its layout has), which the cost model's own auto decision matches."""
+    spec, topo, cm, shape, ws = _prepared()
+    att = shape.attention()
+    for name in ("fcp-auto", "fcp-auto@keep", "fcp-auto@resend", "fcp-ring/3"):
+        w = make_workloads([name], shape, topo, cm)[0]
+        waves = simulate_backward_waves(w.plan, topo, att, compute_model=cm, backward_kv=w.backward_kv)
+        pred = w.predict(topo, cm)
+        assert pred["predicted_bwd_s"] == pytest.approx(waves["bwd_s"], rel=1e-12)
+        assert pred["predicted_bwd_waves"] == waves["waves"] and pred["predicted_resend_s"] == waves["resend_s"]
+        one = simulate_plan_backward(w.plan, topo, att, compute_model=cm, backward_kv=w.backward_kv)
+        assert pred["predicted_bwd_s"] != pytest.approx(one.total_s, rel=1e-6)
+        auto = simulate_backward_waves(w.plan, topo, att, compute_model=cm, backward_kv="auto")["backward_kv"]
+        assert executor_backward_kv("auto", w.plan, 1024, 4, 32) == auto
+    resend = make_workloads(["fcp-auto@resend"], shape, topo, cm)[0].predict(topo, cm)
+    assert resend["predicted_resend_s"] > 0
+    packed = make_workloads(["fcp-auto"], WorkloadShape(1024, 4, 4, 32, True, (300, 40, 679, 5), block_tokens=256),
+                            topo, cm)[0]
+    waves = simulate_backward_waves(packed.plan, topo, packed.shape.attention(), compute_model=cm, backward_kv="auto")
+    assert packed.backward_kv == waves["backward_kv"]
+    assert packed.predict(topo, cm)["predicted_bwd_s"] == pytest.approx(waves["bwd_s"], rel=1e-12)
+
+
+def test_executor_block_bytes_are_the_layouts():
+    """The bytes the workloads decide keep / resend with are the executor's (``build_executor``: the
+    layout's block tokens times one token's K and V): uneven zigzag parts, a packed placement and a
+    head-parallel KV stage (group placement, the stage's KV heads)."""
+    from megatron_fcp.attention.layout import PlacementLayout, ZigzagLayout
+    from megatron_fcp.planning.cost import pad_for_zigzag
+    from megatron_fcp.planning.head_parallel_compile import stage_shape
+
+    spec, topo, cm, shape, ws = _prepared()
+    per_token = 2 * shape.kv_heads * shape.head_dim * 2
+    plan = make_workloads(["fcp-ring/3"], shape, topo, cm)[0].plan        # 128-token chunks: parts 43, 43, 42
+    size = executor_block_bytes(plan, 1024, shape.kv_heads, shape.head_dim)
+    for r in plan.ranks:
+        lay = ZigzagLayout(plan.ranks, r, 1024 // plan.cp, 3, True)
+        assert {size(b) for b in plan.local_blocks(r)} == {43 * per_token, 42 * per_token}
+        assert all(size(b) == lay.block_tokens(b) * per_token for b in plan.blocks())
+    packed = WorkloadShape(1024, 4, 4, 32, True, (300, 40, 679, 5), block_tokens=256)
+    plan = make_workloads(["fcp-auto"], packed, topo, cm)[0].plan
+    size = executor_block_bytes(plan, 1024, 4, 32)
+    for r in plan.ranks:
+        lay = PlacementLayout(plan.placement, plan.ranks, r)
+        assert all(size(b) == lay.block_tokens(b) * per_token for b in plan.blocks())
+    hp = next(w for w in ws if w.name == "fcp-hp").hp_plan
+    assert hp.degree == 2
+    stage = hp.kv_plan_for(0)
+    kv_heads = stage_shape(hp, pad_for_zigzag(shape.attention(), hp.cp)[0]).kv_heads
+    size = executor_block_bytes(stage, 1024, kv_heads, shape.head_dim)
+    for r in stage.ranks:
+        lay = PlacementLayout(stage.placement, stage.ranks, r)
+        assert all(size(b) == lay.block_tokens(b) * 2 * kv_heads * shape.head_dim * 2 for b in stage.blocks())
 
 
 def test_packed_workloads_use_the_placement_and_tes_padding():

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward-kv", choices=("auto", "keep", "resend"), default="auto",
                    help="FCP's backward KV mode, as --fcp-backward-kv (default auto)")
     p.add_argument("--workloads", default="te-p2p,te-a2a-p2p,fcp-auto,fcp-hp",
-                   help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default te-p2p,te-a2a-p2p,fcp-auto,fcp-hp; fcp-hp: the planner's head-parallel choice)")
+                   help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default te-p2p,te-a2a-p2p,fcp-auto,fcp-hp; fcp-hp: the schedule the plugin's runtime settles)")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per workload, alternating "
                                                            "between workloads (default 5)")
     p.add_argument("--component-repeats", type=int, default=2,

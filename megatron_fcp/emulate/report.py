@@ -4,8 +4,8 @@ One entry of ``runs`` per workload (the issue's keys; seconds, forward + backwar
 
     workload, available (and reason), median_s, min_s, max_s, times_s (every repeat, in run order),
     comm_s, compute_s (medians of the communication-only and compute-only runs), predicted_s,
-    predicted_comm_s, predicted_compute_s, prediction_error (median / predicted - 1),
-    lower_bound_s, lower_bound_fp32_grads_s, of_lower_bound (median / lower_bound_s),
+    predicted_comm_s, predicted_compute_s (FCP: also predicted_bwd_waves, predicted_resend_s),
+    prediction_error (median / predicted - 1), lower_bound_s, of_lower_bound (median / lower_bound_s),
     compute_to_comm (predicted compute over predicted communication: the regime),
     speedup_vs_te_p2p, the cluster (nodes, ranks_per_node, nic, intra, inter) and the workload
     (seq, heads, kv_heads, head_dim, causal, doc_lengths) named like the flags, and ``info``
@@ -45,7 +45,6 @@ def assemble(cluster, shape, workloads, predictions: dict, bounds: dict, measure
         p = pred.get("predicted_s")
         e["prediction_error"] = e["median_s"] / p - 1 if e["median_s"] and p else None
         e["lower_bound_s"] = bounds["lower_bound_s"]
-        e["lower_bound_fp32_grads_s"] = bounds["lower_bound_fp32_grads_s"]
         e["of_lower_bound"] = e["median_s"] / bounds["lower_bound_s"] if e["median_s"] else None
         pc, pm = pred.get("predicted_compute_s"), pred.get("predicted_comm_s")
         e["compute_to_comm"] = pc / pm if pc is not None and pm else None
@@ -71,8 +70,7 @@ def table(result: dict) -> str:
             f"{c['inter']} (time scale {c['time_scale']:.0f}); seq {w['seq']}"
             + (f" in {len(docs)} documents" if docs else "")
             + f", heads {w['heads']}/{w['kv_heads']}, head_dim {w['head_dim']}, "
-            f"{'causal' if w['causal'] else 'full'}; lower bound {b['lower_bound_s']:.3f} s "
-            f"(fp32 dK/dV {b['lower_bound_fp32_grads_s']:.3f} s)")
+            f"{'causal' if w['causal'] else 'full'}; lower bound {b['lower_bound_s']:.3f} s")
     cols = ("workload", "median", "min-max", "comm", "compute", "predicted", "err", "/LB", "vs te-p2p", "graph")
     rows = [cols]
     for r in result["runs"]:

@@ -9,11 +9,16 @@ Workload names (``--workloads``):
   a node's ranks one head group, the KV stage a ``ring`` over the head groups, received KV kept
   for backward (bf16 dK/dV partials back along the ring, as TE's dKV). See
   Note [te-a2a-p2p on the head-parallel engine]. Packed batches (THD) are predicted only;
-* ``fcp-hp``: the plugin's default since ``--fcp-head-parallel auto``: the planner's head-parallel
-  choice (:func:`~megatron_fcp.planning.build_head_parallel_plan` on the emulated cluster: degree,
-  KV-stage graph, stagger or sub-blocks, forward + backward, partials in the KV dtype) run by the same
-  engine; ``--backward-kv`` and the ``@keep`` / ``@resend`` suffix as for ``fcp-*``. Degree 1 runs
-  as plain FCP over the chosen plan (an :class:`FcpWorkload`, as the plugin does). Zigzag only (no ``/P`` suffix: the planner picks the blocks);
+* ``fcp-hp``: what the plugin runs by default: the schedule the Megatron runtime settles
+  (:func:`~megatron_fcp.patches.schedule.settle_schedule`), i.e.
+  :func:`~megatron_fcp.planning.choose_schedule` on the emulated cluster with the emulated compute
+  model and the backward the executor runs (:class:`~megatron_fcp.planning.waves.WaveBackward`:
+  wave by wave, KV kept or re-sent as ``--backward-kv`` / the ``@keep`` / ``@resend`` suffix
+  decide against the ring's memory, partials in bf16): degree, KV-stage graph, parts per chunk
+  (degree 1) or stagger (degree > 1). Degree 1 runs as plain FCP over the chosen plan with its
+  parts (an :class:`FcpWorkload`, as the plugin does), degree > 1 the head-parallel engine over the
+  chosen plan. ``info["choice"]`` is the runtime's report of it (label, predicted ms, runner-up).
+  Zigzag only (no ``/P`` suffix: the planner picks the blocks);
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
   (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
   with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD). A
@@ -23,16 +28,21 @@ Workload names (``--workloads``):
 
 Predictions are the cost model's forward + backward on the emulated cluster's Topology
 (:func:`~megatron_fcp.emulate.spec.emulated_topology`) with the emulated FLOP/s and no launch
-overhead (as the sleep kernel charges). The *lower bound* of a configuration is the physical limit
-with perfect overlap: ``max(compute, communication)`` where compute is the total attention work
-spread evenly over the ranks (forward + backward) and communication the need-set lower bound of
-the forward KV exchange (:func:`~megatron_fcp.planning.lower_bound`; over a placement the one of
+overhead (as the sleep kernel charges). FCP's backward (``fcp-*`` and every KV stage) is priced
+as the executor runs it, wave by wave
+(:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`), in the backward KV mode the
+executor picks (:func:`executor_backward_kv`; the workload decides it once, as every rank would,
+and hands it to the ranks).
+
+The *lower bound* of a configuration is the physical limit with perfect overlap:
+``max(compute, communication)`` where compute is the total attention work spread evenly over the
+ranks (forward + backward) and communication the need-set lower bound of the forward KV exchange
+(:func:`~megatron_fcp.planning.lower_bound`; over a placement the one of
 :func:`~megatron_fcp.planning.compare.packed_need_stats`) plus the same for the dK/dV reduction at
 the KV's bytes per element, what our executor sends (partials summed in FP32, sent in the input
-dtype, as TE's ring). ``lower_bound_fp32_grads_s`` is the same bound with dK/dV at 4 bytes (what
-the executor sent before its partials travelled in the input dtype). ``lower_bound_all_families_s``
-is the bound over every schedule family (head-parallel degrees included,
-:func:`~megatron_fcp.planning.lower_bound_all`, dK/dV at the KV's bytes) with the same compute.
+dtype, as TE's ring). ``lower_bound_all_families_s`` is the bound over every schedule family
+(head-parallel degrees included, :func:`~megatron_fcp.planning.lower_bound_all`, dK/dV at the
+KV's bytes) with the same compute.
 
 Note [te-a2a-p2p on the head-parallel engine]
 ---------------------------------------------
@@ -43,15 +53,16 @@ causal, node 0 sends only its early chunks; TE sends every chunk. The forward ti
 (the other direction carries everything and sets the round), which the model shows (forward
 predictions equal to TE's own model, ``predicted_te_model_s`` beside). Backward: TE runs the ring
 again carrying KV and bf16 dKV; here the KV is kept from forward and the bf16 partials go back
-along the reversed ring (TE's dKV bytes, without its KV), in the executor's order (dK/dV sent
-after the block's gradient, not overlapped with the next). ``predicted_s`` is the model of what
-runs (:func:`predict_head_parallel`).
+along the reversed ring (TE's dKV bytes, without its KV), wave by wave as the executor runs its
+backward (Note [Backward waves]: a wave's reduction overlaps the next wave's gradients, not the
+other waves' reductions). ``predicted_s`` is the model of what runs (:func:`predict_head_parallel`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from megatron_fcp.planning import (
     BUILDERS,
@@ -64,26 +75,27 @@ from megatron_fcp.planning import (
     lower_bound,
     place_packed,
     simulate_plan,
-    simulate_plan_backward,
     simulate_te_a2a_p2p,
     simulate_te_a2a_p2p_thd,
     simulate_te_p2p,
     simulate_te_p2p_thd,
 )
+from megatron_fcp.planning.blocks import Block, part_tokens
 from megatron_fcp.planning.compare import packed_need_stats
-from megatron_fcp.planning.cost import pad_for_zigzag, simulate_rounds
+from megatron_fcp.planning.cost import pad_for_zigzag
 from megatron_fcp.planning.head_parallel import HeadParallelPlan
-from megatron_fcp.planning.head_parallel_choose import build_head_parallel_plan
-from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_plan, stage_shape
-from megatron_fcp.planning.head_parallel_cost import a2a_messages, combine, lower_bound_all
-from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO
+from megatron_fcp.planning.head_parallel_choose import ScheduleChoice, choose_schedule
+from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_shape
+from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel
+from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO, simulate_backward_waves
+from megatron_fcp.planning.waves import WaveBackward, choose_backward_kv
 from megatron_fcp.topology import Topology
 
 __all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "WORKLOAD_NAMES",
-           "make_workloads", "lower_bounds", "predict_head_parallel"]
+           "make_workloads", "lower_bounds", "predict_head_parallel", "executor_block_bytes", "executor_backward_kv",
+           "fcp_hp_choice"]
 
 DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for; dK/dV partials too
-FP32_BYTES = 4   # lower_bound_fp32_grads_s: dK/dV partials had they travelled in FP32
 
 #: Every workload name ``--workloads`` accepts.
 WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp", *(f"fcp-{g}" for g in BUILDERS))
@@ -132,15 +144,19 @@ class Workload:
         raise NotImplementedError
 
 
-def _sum(fwd, bwd, extra_comm: float = 0.0) -> dict:
+def _sum(fwd, bwd) -> dict:
     return {"predicted_s": fwd.total_s + bwd.total_s, "predicted_fwd_s": fwd.total_s, "predicted_bwd_s": bwd.total_s,
-            "predicted_comm_s": fwd.comm_s + bwd.comm_s + extra_comm,
-            "predicted_compute_s": fwd.compute_s + bwd.compute_s}
+            "predicted_comm_s": fwd.comm_s + bwd.comm_s, "predicted_compute_s": fwd.compute_s + bwd.compute_s}
 
 
 @dataclass
 class FcpWorkload(Workload):
-    """``fcp-<graph>`` / ``fcp-auto``: our executor over ``plan`` (over ``placement`` when packed)."""
+    """``fcp-<graph>`` / ``fcp-auto``: our executor over ``plan`` (over ``placement`` when packed).
+
+    ``predict``: the forward (:func:`~megatron_fcp.planning.simulate_plan`) and the backward the
+    executor runs, wave by wave with ``backward_kv``
+    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`; its reductions and, under
+    ``resend``, its re-sends counted as communication)."""
 
     plan: Plan | None = None
     placement: Placement | None = None
@@ -149,8 +165,11 @@ class FcpWorkload(Workload):
     def predict(self, topo: Topology, cm: ComputeModel) -> dict:
         shape = self.shape.attention()
         fwd = simulate_plan(self.plan, topo, shape, compute_model=cm)
-        bwd = simulate_plan_backward(self.plan, topo, shape, compute_model=cm, backward_kv=self.backward_kv)
-        return _sum(fwd, bwd, bwd.meta["resend_s"])
+        w = simulate_backward_waves(self.plan, topo, shape, compute_model=cm, backward_kv=self.backward_kv)
+        return {"predicted_s": fwd.total_s + w["bwd_s"], "predicted_fwd_s": fwd.total_s, "predicted_bwd_s": w["bwd_s"],
+                "predicted_comm_s": fwd.comm_s + sum(w["wave_reduce_s"]) + w["resend_s"],
+                "predicted_compute_s": fwd.compute_s + sum(w["wave_compute_s"]),
+                "predicted_bwd_waves": w["waves"], "predicted_resend_s": w["resend_s"]}
 
 
 @dataclass
@@ -171,29 +190,28 @@ class TeP2PWorkload(Workload):
 
 def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionShape, causal: bool, cm: ComputeModel,
                           backward_kv: str) -> dict:
-    """Forward + backward of ``hp`` as the engine runs it: all-to-all in, the KV stage
-    (:func:`~megatron_fcp.planning.head_parallel_compile.stage_plan`, every stage at once), all-to-all
-    out, exposed (Note [Head-parallel cost]); backward with ``backward_kv`` (keep / resend), dK/dV
-    partials in the KV dtype (the executor's)."""
-    att, _ = pad_for_zigzag(att, hp.cp)
-    sp = stage_plan(hp, att.seq_len, causal)
-    sshape = stage_shape(hp, att) if hp.degree > 1 else att
-
-    def a2a(which: str) -> list:
-        return [simulate_rounds(topo, [a2a_messages(hp, att, which)], 0.0, name=which)] if hp.degree > 1 else []
-
-    kv_f = simulate_plan(sp, topo, sshape, compute_model=cm)
-    kv_b = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_kv=backward_kv)
-    fwd = combine("hp", a2a("qkv") + [kv_f] + a2a("q"))
-    bwd = combine("hp", a2a("q") + [kv_b] + a2a("qkv"))
-    return _sum(fwd, bwd, kv_b.meta["resend_s"])
+    """Forward + backward of ``hp`` as the engine runs it
+    (:func:`~megatron_fcp.planning.simulate_head_parallel`: all-to-all in, the KV stage with every
+    stage at once, all-to-all out, exposed; Note [Head-parallel cost]), the KV stage's backward wave
+    by wave with ``backward_kv`` (keep / resend, :class:`~megatron_fcp.planning.waves.WaveBackward`),
+    dK/dV partials in the KV dtype (the executor's): the model ``choose_schedule`` ranks with."""
+    res = simulate_head_parallel(hp, topo, att, causal=causal, compute_model=cm, backward=WaveBackward(backward_kv))
+    m = res.meta
+    out = {"predicted_s": res.total_s, "predicted_fwd_s": m["fwd_total_s"], "predicted_bwd_s": m["bwd_total_s"],
+           "predicted_comm_s": res.comm_s, "predicted_compute_s": res.compute_s}
+    if "backward_waves" in m:  # a KV stage ran (a < cp)
+        out.update(predicted_bwd_waves=m["backward_waves"], predicted_resend_s=m["resend_s"])
+    return out
 
 
-def _hp_backward_kv(mode: str, hp: HeadParallelPlan) -> str:
-    """The backward KV mode the engine's KV stage picks (every block is one chunk: uniform sizes)."""
-    from megatron_fcp.attention.kv_memory import choose_backward_kv  # torch-free decision, lives with the engine
-
-    return "keep" if hp.kv_plan is None else choose_backward_kv(mode, hp.kv_plan_for(0), lambda blk: 1)
+def _hp_backward_kv(shape: WorkloadShape, hp: HeadParallelPlan) -> str:
+    """The backward KV mode the engine's KV stage picks: :func:`executor_backward_kv` on stage 0's
+    plan (every stage decides alike), the stage's KV heads, the padded sequence."""
+    if hp.kv_plan is None:  # a = cp: no KV stage, nothing kept or re-sent
+        return "keep"
+    att, _ = pad_for_zigzag(shape.attention(), hp.cp)
+    return executor_backward_kv(shape.backward_kv, hp.kv_plan_for(0), att.seq_len, stage_shape(hp, att).kv_heads,
+                                shape.head_dim)
 
 
 @dataclass
@@ -272,22 +290,46 @@ def _te_a2a_p2p(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...]) ->
     return w
 
 
+def fcp_hp_choice(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], cm: ComputeModel) -> ScheduleChoice:
+    """What the Megatron runtime settles for this shape and cluster
+    (:func:`~megatron_fcp.patches.schedule.settle_schedule` under ``--fcp-head-parallel auto
+    --fcp-graph auto --fcp-block-tokens 0``): :func:`~megatron_fcp.planning.choose_schedule` with
+    the backward the executor runs (``--fcp-backward-kv`` = ``shape.backward_kv``, the ring's memory
+    budget, ``b = 1``), partials in bf16, timed on the emulated compute model ``cm``."""
+    return choose_schedule(topo, ranks, shape.attention(), causal=shape.causal, grad_dtype_bytes=DTYPE_BYTES,
+                           backward=WaveBackward(shape.backward_kv), compute_model=cm)
+
+
+def _choice_info(choice: ScheduleChoice) -> dict:
+    """The choice as the runtime reports it (``schedule_report``: label, runner-up, predicted ms)."""
+    from megatron_fcp.patches.schedule import schedule_report  # torch-free: the plugin's own report
+
+    return {"choice": schedule_report(choice), "auto_candidates": dict(choice.plan.auto or ())}
+
+
 def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], cm: ComputeModel) -> Workload:
-    """The planner's head-parallel choice; degree 1 runs as an :class:`FcpWorkload` (as the plugin does)."""
+    """What the plugin runs (:func:`fcp_hp_choice`): degree 1 an :class:`FcpWorkload` over the chosen
+    plan with its parts (the runtime's plain plan), degree > 1 the head-parallel engine over it."""
     if shape.doc_lengths:
         return HeadParallelWorkload(name, shape, ranks, unavailable="not available: the head-parallel engine runs "
                                     "Megatron's zigzag layout, not packed batches (THD)")
-    hp = build_head_parallel_plan(topo, ranks, shape.attention(), causal=shape.causal, compute_model=cm)
+    choice = fcp_hp_choice(shape, topo, ranks, cm)
+    hp = choice.plan
     if hp.degree == 1:  # as the plugin does: no head-parallel stage, plain FCP over the chosen plan
         plan = hp.kv_plan_for(0)
-        w = FcpWorkload(name, shape, ranks, plan=plan)
-        w.backward_kv = _backward_kv_mode(shape, plan, None)
+        w: Workload = FcpWorkload(name, shape, ranks, plan=plan, backward_kv=_backward_kv_mode(shape, plan, None))
         w.info = {"graph": plan.name, "head_parallel": 1, "rounds": len(plan.rounds),
                   "transfers": plan.num_transfers(), "parts_per_chunk": plan.parts_per_chunk,
-                  "backward_kv": w.backward_kv, "auto_candidates": dict(hp.auto or ())}
-        return w
-    w = HeadParallelWorkload(name, shape, ranks, hp_plan=hp, backward_kv=_hp_backward_kv(shape.backward_kv, hp))
-    w.info = _hp_info(w)
+                  "backward_kv": w.backward_kv}
+    else:
+        w = HeadParallelWorkload(name, shape, ranks, hp_plan=hp, backward_kv=_hp_backward_kv(shape, hp))
+        w.info = {**_hp_info(w), "stagger": choice.stagger}
+        if choice.stagger > 1:
+            w.info["graph"] += f", stagger {choice.stagger}"
+    w.info.update(_choice_info(choice))
+    if choice.backward_kv is not None and choice.backward_kv != w.backward_kv:  # both read the same plan: never
+        w.info["note"] = (f"the planner priced backward {choice.backward_kv}, the executor runs {w.backward_kv} "
+                          "(predicted_s prices what runs)")
     return w
 
 
@@ -309,18 +351,30 @@ def _fcp(name: str, graph: str, shape: WorkloadShape, topo: Topology, ranks: tup
     return w
 
 
-def _backward_kv_mode(shape: WorkloadShape, plan: Plan, placement: Placement | None) -> str:
-    """The backward KV mode the executor will pick (``auto``: keep while it fits the ring's memory)."""
-    from megatron_fcp.attention.kv_memory import choose_backward_kv  # torch-free decision, lives with the engine
+def executor_block_bytes(plan: Plan, seq_len: int, kv_heads: int, head_dim: int) -> Callable[[Block], int]:
+    """Bytes of one block's K and V as the executor counts them (``build_executor``: the layout's
+    block tokens times K and V of one token): the placement's span, or the zigzag sub-block of a
+    ``seq_len``-token sequence (parts of floor/ceil size), ``kv_heads`` x ``head_dim`` in bf16, b = 1."""
+    per_token = 2 * kv_heads * head_dim * DTYPE_BYTES
+    if plan.placement is not None:
+        tok = {(plan.ranks[i], b): s.tokens for i, b, s in plan.placement.block_list()}
+        return lambda blk: tok[(blk.owner, blk.chunk)] * per_token
+    return lambda blk: part_tokens(seq_len, plan.cp, plan.parts_per_chunk, blk.part) * per_token
 
-    per_token = 2 * shape.kv_heads * shape.head_dim * DTYPE_BYTES
-    if placement is not None:
-        tok = {(plan.ranks[i], b): s.tokens for i, b, s in placement.block_list()}
-        size = lambda blk: tok[(blk.owner, blk.chunk)] * per_token  # noqa: E731
-    else:
-        padded = -(-shape.seq // (2 * plan.cp)) * (2 * plan.cp)
-        size = lambda blk: padded // (2 * plan.cp * plan.parts_per_chunk) * per_token  # noqa: E731
-    return choose_backward_kv(shape.backward_kv, plan, size)
+
+def executor_backward_kv(mode: str, plan: Plan, seq_len: int, kv_heads: int, head_dim: int) -> str:
+    """The backward KV mode ``fcp_attention_with_lse`` picks for ``plan`` (``build_executor``):
+    :func:`~megatron_fcp.planning.waves.choose_backward_kv` against the ring's budget with
+    :func:`executor_block_bytes`. The cost model decides the same way
+    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves` given ``"auto"``)."""
+    return choose_backward_kv(mode, plan, executor_block_bytes(plan, seq_len, kv_heads, head_dim))
+
+
+def _backward_kv_mode(shape: WorkloadShape, plan: Plan, placement: Placement | None) -> str:
+    """:func:`executor_backward_kv` for an ``fcp-*`` workload over ``plan`` (over its placement when
+    packed; else the zigzag padded to a multiple of ``2 * cp``, as the runner's shards are)."""
+    seq = sum(shape.doc_lengths) if placement is not None else -(-shape.seq // (2 * plan.cp)) * (2 * plan.cp)
+    return executor_backward_kv(shape.backward_kv, plan, seq, shape.kv_heads, shape.head_dim)
 
 
 def _parse_name(name: str) -> tuple[str, str | None, int | None] | None:
@@ -365,9 +419,9 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology,
 
 
 def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placement_plan: Plan | None = None) -> dict:
-    """The configuration's lower bounds (module docstring): ``lower_bound_s`` (dK/dV at the KV's bytes),
-    ``lower_bound_fp32_grads_s`` and their parts. ``placement_plan``: a plan over the placement
-    (packed batches; any graph, only its placement is used)."""
+    """The configuration's lower bounds (module docstring): ``lower_bound_s`` (dK/dV at the KV's
+    bytes) and its parts. ``placement_plan``: a plan over the placement (packed batches; any graph,
+    only its placement is used)."""
     att = shape.attention()
     ranks = tuple(range(topo.world))
     N = len(ranks)
@@ -381,10 +435,9 @@ def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placeme
         pairs = float(causal_pairs(0, S, 0, S, shape.causal))
     flop_s = 4.0 * att.heads * att.head_dim / cm.flops
     compute = pairs / N * flop_s * (1 + BACKWARD_FLOP_RATIO)
-    comm = comm_fwd * (1 + DTYPE_BYTES / DTYPE_BYTES)
-    comm32 = comm_fwd * (1 + FP32_BYTES / DTYPE_BYTES)
-    out = {"lower_bound_s": max(compute, comm), "lower_bound_fp32_grads_s": max(compute, comm32),
-           "lower_bound_compute_s": compute, "lower_bound_comm_s": comm, "lower_bound_comm_fwd_s": comm_fwd}
+    comm = 2 * comm_fwd  # the dK/dV reduction moves the forward's bytes back (partials in the KV dtype)
+    out = {"lower_bound_s": max(compute, comm), "lower_bound_compute_s": compute, "lower_bound_comm_s": comm,
+           "lower_bound_comm_fwd_s": comm_fwd}
     if not shape.doc_lengths:  # every family (head-parallel degrees too); comm then compute, as the KV-only bound
         fam = lower_bound_all(topo, ranks, att, causal=shape.causal, pass_="fwd+bwd")
         out["lower_bound_all_families_s"] = max(compute, fam["lower_bound_s"])
