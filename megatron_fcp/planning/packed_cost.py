@@ -90,6 +90,7 @@ from megatron_fcp.planning.blocks import part_tokens
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.wave_timeline import wave_timeline
 from megatron_fcp.planning.waves import RING_BUDGET, choose_backward_kv, plan_waves, restrict
 from megatron_fcp.topology import Topology, load_topology
 
@@ -411,13 +412,17 @@ def simulate_backward_waves(
     budget: int | None = None,
     kv_memory_budget: int = RING_BUDGET,
     micro_batch: int = 1,
+    buffered_sends: bool = False,
 ) -> dict:
     """The executor's backward as it runs: wave by wave (Note [Backward waves] in
     :mod:`megatron_fcp.attention.backward_waves`), three waves in flight: wave w-1's dK/dV
-    reduction, wave w's gradients and (``"resend"``) wave w+1's re-send overlap, the slowest sets
-    the pace: ``resend(0) + sum over w of max(reduce(w-1), compute(w), resend(w+1))``. Per wave,
-    on the plan cut to it (:func:`~megatron_fcp.planning.waves.restrict`): compute is the busiest
-    rank's (:func:`simulate_plan_backward`'s), reduce and resend the rounds' communication alone.
+    reduction, wave w's gradients and (``"resend"``) wave w+1's re-send overlap. ``bwd_s`` follows
+    every rank through the executor's loop, no barrier between waves (Note [Wave pipeline
+    timeline] in :mod:`megatron_fcp.planning.wave_timeline`; ``buffered_sends``: a wait returns
+    without the rank's sends, as gloo over TCP does; default they are waited until they arrive,
+    as NCCL's are). Per wave, on the plan cut to it (:func:`~megatron_fcp.planning.waves.restrict`),
+    for reports: compute is the busiest rank's (:func:`simulate_plan_backward`'s), reduce and
+    resend the rounds' communication alone.
     Returns ``bwd_s``, ``resend_s`` (re-send alone, summed), ``waves``, per-wave ``wave_compute_s``,
     ``wave_reduce_s``, ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
     backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
@@ -457,9 +462,22 @@ def simulate_backward_waves(
                 got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
         held.append(got)
     W = len(waves)
-    total = (fetch[0] if W else 0.0) + sum(
-        max(red[i - 1] if i else 0.0, comp[i] if i < W else 0.0, fetch[i + 1] if i + 1 < W else 0.0)
-        for i in range(W + 1))
+    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * BACKWARD_FLOP_RATIO
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    if pl is not None:
+        pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
+    else:
+        pairs = lambda x, blk: int(_block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
+                                                pos[blk.owner], blk.chunk, blk.part, plan.causal))
+    grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+
+    def job_s(x: int, blk) -> float:
+        p = pairs(x, blk)
+        return p * flop_s + cm.kernel_overhead_s if p else 0.0
+
+    total = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
+                          job_s=job_s, resend=backward_kv == "resend", round_overhead_s=round_overhead_s,
+                          buffered_sends=buffered_sends)["total_s"]
     if backward_kv == "keep":
         held_max = max((sum(size(b) for b in plan.needs(r)) for r in plan.ranks), default=0)
     else:

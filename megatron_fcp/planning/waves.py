@@ -112,14 +112,39 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
             w = memo[(x, b)] = work_of(x, b)
         return w
 
-    cands = [(_makespan(c, work), c) for c in (_pack(plan, block_bytes, budget, work, k) for k in WAVE_CAP_SCALES)]
-    best = min(m for m, _ in cands)  # Note [Balanced waves]: least makespan; near ties, fewest waves
+    cands = [(_pace(c, work, block_bytes, plan), c)
+             for c in (_pack(plan, block_bytes, budget, work, k) for k in WAVE_CAP_SCALES)]
+    best = min(m for m, _ in cands)  # Note [Balanced waves]: least pace; near ties, fewest waves
     waves = min((c for c in cands if c[0] <= best * (1 + WAVE_TIE)), key=lambda c: (len(c[1]), c[0]))[1]
     if cache_key is not None:
         if len(_WAVES) > 1024:
             _WAVES.clear()
         _WAVES[key] = (weakref.ref(plan), waves)
     return waves
+
+
+def _pace(waves: tuple[Wave, ...], work: Callable[[int, Block], float], block_bytes: Callable[[Block], int],
+          plan: Plan) -> float:
+    """Sum over waves of the larger of the busiest rank's work and the most bytes a rank receives in
+    the wave, each relative to the whole backward's (busiest rank's total work, most bytes a rank
+    receives over the plan): 1.0 when every wave is as balanced as the one pass (Note [Balanced waves])."""
+    total = dict.fromkeys(plan.ranks, 0.0)
+    for b, x in (c for wave in waves for c in wave.computes):
+        total[x] += work(x, b)
+    got = dict.fromkeys(plan.ranks, 0)
+    for _, t in plan.transfers():
+        got[t.dst] += block_bytes(t.block)
+    w_all, b_all = max(total.values(), default=0.0) or 1.0, max(got.values(), default=0) or 1
+    pace = 0.0
+    for wave in waves:
+        comp: dict[int, float] = {}
+        for b, x in wave.computes:
+            comp[x] = comp.get(x, 0.0) + work(x, b)
+        recv: dict[int, int] = {}
+        for _, t in wave.transfers:
+            recv[t.dst] = recv.get(t.dst, 0) + block_bytes(t.block)
+        pace += max(max(comp.values(), default=0.0) / w_all, max(recv.values(), default=0) / b_all)
+    return pace
 
 
 def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> float:
@@ -217,7 +242,7 @@ def _pack(plan: Plan, block_bytes: Callable[[Block], int], budget: int, work: Ca
 
 _WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
 
-WAVE_CAP_SCALES = (1.0, 2.0, float("inf"))
+WAVE_CAP_SCALES = (1.0, 2.0, 4.0, float("inf"))
 """Work caps :func:`plan_waves` tries, in units of the largest single delivery (Note [Balanced waves])."""
 WAVE_TIE = 0.01
 """Makespans within this fraction tie; the packing with fewer waves wins."""
