@@ -220,7 +220,7 @@ def test_fcp_hp_runs_what_the_runtime_chooses(nodes, rpn, name, shape):
     mode = name.partition("@")[2] or "auto"
     ranks = tuple(range(topo.world))
     choice = choose_schedule(topo, ranks, shape.attention(), causal=True, grad_dtype_bytes=2,
-                             backward=WaveBackward(mode), compute_model=cm)
+                             backward=WaveBackward(mode, buffered_sends=True), compute_model=cm)
     assert w.info["choice"]["label"] == choice.label and w.info["head_parallel"] == choice.degree
     assert w.info["choice"]["runner_up"]["label"] == choice.runner_up[0]
     assert w.info["choice"]["predicted_ms"] == pytest.approx(choice.total_s * 1e3, abs=1e-4)
@@ -245,7 +245,8 @@ def test_predictions_price_the_wave_backward():
     att = shape.attention()
     for name in ("fcp-auto", "fcp-auto@keep", "fcp-auto@resend", "fcp-ring/3"):
         w = make_workloads([name], shape, topo, cm)[0]
-        waves = simulate_backward_waves(w.plan, topo, att, compute_model=cm, backward_kv=w.backward_kv)
+        waves = simulate_backward_waves(w.plan, topo, att, compute_model=cm, backward_kv=w.backward_kv,
+                                        buffered_sends=True)  # the emulator's gloo over TCP
         pred = w.predict(topo, cm)
         assert pred["predicted_bwd_s"] == pytest.approx(waves["bwd_s"], rel=1e-12)
         assert pred["predicted_bwd_waves"] == waves["waves"] and pred["predicted_resend_s"] == waves["resend_s"]
@@ -257,7 +258,8 @@ def test_predictions_price_the_wave_backward():
     assert resend["predicted_resend_s"] > 0
     packed = make_workloads(["fcp-auto"], WorkloadShape(1024, 4, 4, 32, True, (300, 40, 679, 5), block_tokens=256),
                             topo, cm)[0]
-    waves = simulate_backward_waves(packed.plan, topo, packed.shape.attention(), compute_model=cm, backward_kv="auto")
+    waves = simulate_backward_waves(packed.plan, topo, packed.shape.attention(), compute_model=cm, backward_kv="auto",
+                                    buffered_sends=True)
     assert packed.backward_kv == waves["backward_kv"]
     assert packed.predict(topo, cm)["predicted_bwd_s"] == pytest.approx(waves["bwd_s"], rel=1e-12)
 

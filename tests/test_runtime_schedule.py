@@ -58,8 +58,8 @@ def test_wave_backward_prices_what_the_executor_runs():
     one_halves = simulate_head_parallel(halves, "dgx-h100:2", shape)
     assert waves.meta["backward_kv"] == halved.meta["backward_kv"] == "resend"
     assert one.meta["fwd_total_s"] == waves.meta["fwd_total_s"]  # the forward is the same
-    assert 1.32 < waves.total_s / one.total_s < 1.38               # "1.35x" with whole chunks
-    assert 1.0 < halved.total_s / one_halves.total_s < 1.01        # "1.005x" with two parts
+    assert 1.36 < waves.total_s / one.total_s < 1.42               # "1.39x" with whole chunks
+    assert 1.07 < halved.total_s / one_halves.total_s < 1.11       # "1.09x" with two parts
     keep = simulate_head_parallel(whole, "dgx-h100:2", shape, backward=WaveBackward("keep"))
     assert keep.meta["backward_kv"] == "keep" and keep.total_s <= waves.total_s
 
@@ -85,11 +85,12 @@ def test_auto_decides_keep_or_resend_as_the_executor_does():
 
 def test_the_benchmarks_default_is_unchanged():
     """choose_head_parallel without ``backward`` prices the one-pass backward, as before (a = 2 at
-    32K on dgx-h100:2); the wave backward the runtime runs picks differently there."""
+    32K on dgx-h100:2); the wave backward the runtime runs picks differently there (a = 4, its
+    4-rank KV stage re-sent in waves, 2% ahead of a = 8, which has no KV stage)."""
     shape = AttentionShape(32768, 32, 8, 128, 2)
     assert choose_head_parallel("dgx-h100:2", range(16), shape).degree == 2
     runtime = choose_schedule("dgx-h100:2", range(16), shape, backward=WaveBackward())
-    assert runtime.degree == 8 and runtime.backward_kv == "keep"
+    assert runtime.degree == 4 and runtime.backward_kv == "resend"
 
 
 # ---- the runtime runs the choice ---------------------------------------------------------------------------
@@ -108,8 +109,8 @@ def test_runtime_runs_the_choice_with_uneven_parts():
 
 
 @pytest.mark.parametrize("topology, cp, seq, tp, label", [
-    ("dgx-h100:2", 16, 32768, 1, "a=8 graph=ring parts=1"),
-    ("single-uplink:2", 16, 2 * 16 * ODD_CHUNK, 1, "a=8 graph=ring parts=1 stagger=2"),
+    ("dgx-h100:2", 16, 32768, 1, "a=4 graph=hierarchical parts=1"),
+    ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, "a=4 graph=leader parts=1 stagger=8"),
     ("dgx-h100:2", 8, 32768, 2, None),
 ])
 def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, tp, label):

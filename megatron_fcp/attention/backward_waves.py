@@ -32,12 +32,14 @@ larger than half a shard (a packed batch's may be: it then forms a wave of its o
 partials: two waves' (reducing and computing), accumulated in FP32; the buffers a wave's returns
 arrive in are in the input dtype (half of FP32's bytes for BF16/FP16).
 
-Cost. ``plan_waves`` also caps a rank's work per wave at the largest single delivery's, so with
-sub-blocks (``parts_per_chunk`` >= 2) every rank computes about the same per wave and the waves'
-compute adds up to the one-pass backward's; the reductions and re-sends hide behind it
-(:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`). With whole chunks under
-causal zigzag a wave gives some ranks twice the work of others (the busiest ranks add up to about
-1.5x the one-pass compute).
+Cost. ``plan_waves`` also caps a rank's work per wave (Note [Balanced waves]), so with sub-blocks
+(``parts_per_chunk`` >= 2) every rank computes about the same per wave and the waves' compute adds
+up to about the one-pass backward's; the reductions and re-sends run behind it
+(:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`, which follows every rank
+through this loop: Note [Wave pipeline timeline] in planning/wave_timeline.py). Each step waits
+its reduction round before the next share of gradients, so a step lasts the longer of the two on
+the slower of the rank's partners. With whole chunks under causal zigzag a wave gives some ranks
+twice the work of others (the busiest ranks add up to about 1.5x the one-pass compute).
 
 Posts. Reduction rounds use phase ``"backward"``, re-sends ``"resend"``, both with the plan's round
 index; every rank walks the same sequence of posts, so messages between a pair match in order.

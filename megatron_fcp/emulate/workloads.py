@@ -155,7 +155,8 @@ class FcpWorkload(Workload):
 
     ``predict``: the forward (:func:`~megatron_fcp.planning.simulate_plan`) and the backward the
     executor runs, wave by wave with ``backward_kv``
-    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`; its reductions and, under
+    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves` with ``buffered_sends``:
+    gloo's send is complete once the kernel's socket buffer holds it; its reductions and, under
     ``resend``, its re-sends counted as communication)."""
 
     plan: Plan | None = None
@@ -165,7 +166,8 @@ class FcpWorkload(Workload):
     def predict(self, topo: Topology, cm: ComputeModel) -> dict:
         shape = self.shape.attention()
         fwd = simulate_plan(self.plan, topo, shape, compute_model=cm)
-        w = simulate_backward_waves(self.plan, topo, shape, compute_model=cm, backward_kv=self.backward_kv)
+        w = simulate_backward_waves(self.plan, topo, shape, compute_model=cm, backward_kv=self.backward_kv,
+                                    buffered_sends=True)  # gloo over TCP: a send completes once buffered
         return {"predicted_s": fwd.total_s + w["bwd_s"], "predicted_fwd_s": fwd.total_s, "predicted_bwd_s": w["bwd_s"],
                 "predicted_comm_s": fwd.comm_s + sum(w["wave_reduce_s"]) + w["resend_s"],
                 "predicted_compute_s": fwd.compute_s + sum(w["wave_compute_s"]),
@@ -195,7 +197,8 @@ def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionSh
     stage at once, all-to-all out, exposed; Note [Head-parallel cost]), the KV stage's backward wave
     by wave with ``backward_kv`` (keep / resend, :class:`~megatron_fcp.planning.waves.WaveBackward`),
     dK/dV partials in the KV dtype (the executor's): the model ``choose_schedule`` ranks with."""
-    res = simulate_head_parallel(hp, topo, att, causal=causal, compute_model=cm, backward=WaveBackward(backward_kv))
+    res = simulate_head_parallel(hp, topo, att, causal=causal, compute_model=cm,
+                                 backward=WaveBackward(backward_kv, buffered_sends=True))  # gloo over TCP
     m = res.meta
     out = {"predicted_s": res.total_s, "predicted_fwd_s": m["fwd_total_s"], "predicted_bwd_s": m["bwd_total_s"],
            "predicted_comm_s": res.comm_s, "predicted_compute_s": res.compute_s}
@@ -295,9 +298,10 @@ def fcp_hp_choice(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], 
     (:func:`~megatron_fcp.patches.schedule.settle_schedule` under ``--fcp-head-parallel auto
     --fcp-graph auto --fcp-block-tokens 0``): :func:`~megatron_fcp.planning.choose_schedule` with
     the backward the executor runs (``--fcp-backward-kv`` = ``shape.backward_kv``, the ring's memory
-    budget, ``b = 1``), partials in bf16, timed on the emulated compute model ``cm``."""
+    budget, ``b = 1``), partials in bf16, timed on the emulated compute model ``cm``, sends
+    buffered as gloo's over TCP are (``WaveBackward.buffered_sends``)."""
     return choose_schedule(topo, ranks, shape.attention(), causal=shape.causal, grad_dtype_bytes=DTYPE_BYTES,
-                           backward=WaveBackward(shape.backward_kv), compute_model=cm)
+                           backward=WaveBackward(shape.backward_kv, buffered_sends=True), compute_model=cm)
 
 
 def _choice_info(choice: ScheduleChoice) -> dict:
