@@ -112,9 +112,10 @@ def test_megatron_runtime_cuts_chunks_in_two_where_backward_may_resend():
     assert parts(base.replace(block_tokens=4), 4) == 4          # 16-token chunks cut into 4-token blocks
 
 
-def test_balanced_waves_pick_the_least_makespan_then_the_fewest_waves():
+def test_balanced_waves_pick_the_least_pace_then_the_fewest_waves():
     """Note [Balanced waves]: on a packed plan whose need sets fit the byte budget, the 1x work cap
-    alone made five waves; the unbounded cap makes one with the least makespan (every rank's total)."""
+    alone made five waves; a larger cap makes one with the least pace and makespan (every rank's
+    total)."""
     from megatron_fcp.planning import build_plan, lognormal_lengths
     from megatron_fcp.planning import waves as W
     from megatron_fcp.planning.placement import place_packed
@@ -128,8 +129,10 @@ def test_balanced_waves_pick_the_least_makespan_then_the_fewest_waves():
     budget = W.wave_budget(plan, size)
     packs = {k: W._pack(plan, size, budget, work, k) for k in W.WAVE_CAP_SCALES}
     spans = {k: W._makespan(p, work) for k, p in packs.items()}
+    paces = {k: W._pace(p, work, size, plan) for k, p in packs.items()}
     waves = W.plan_waves(plan, size)
     assert W._makespan(waves, work) == min(spans.values())
+    assert W._pace(waves, work, size, plan) == min(paces.values()) == pytest.approx(1.0)
     assert len(packs[1.0]) > 1 and len(waves) == 1  # the cap alone had cut it
     totals = {x: sum(work(x, b) for b in plan.needs(x)) + sum(work(x, b) for b in plan.local_blocks(x))
               for x in plan.ranks}
@@ -138,3 +141,96 @@ def test_balanced_waves_pick_the_least_makespan_then_the_fewest_waves():
     for pack in packs.values():
         done = [c for w in pack for c in w.computes]
         assert len(done) == len(set(done)) == sum(len(plan.needs(x)) + len(plan.local_blocks(x)) for x in plan.ranks)
+
+
+def _rail_2x4():
+    """The emulated rail-2x4-mha configuration's fcp-auto plan (hierarchical, whole chunks), its
+    topology, attention shape, compute model and the executor's block bytes."""
+    from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
+    from megatron_fcp.emulate.workloads import WorkloadShape, executor_block_bytes, make_workloads
+    from megatron_fcp.planning import ComputeModel
+
+    spec = ClusterSpec(2, 4, "rail", 360e6, 40e6)
+    topo = emulated_topology(spec)
+    cm = ComputeModel(flops=400e12 / spec.time_scale, kernel_overhead_s=0.0)
+    shape = WorkloadShape(4096, heads=4, kv_heads=4, head_dim=64)
+    plan = make_workloads(["fcp-auto"], shape, topo, cm)[0].plan
+    att = shape.attention()
+    return plan, topo, att, cm, executor_block_bytes(plan, att.seq_len, att.kv_heads, att.head_dim)
+
+
+def test_pace_lets_fine_sub_blocks_fill_the_byte_budget():
+    """Note [Balanced waves]: dgx-a100:3, cp = 24, 8 uneven parts per chunk. The 1x work cap alone
+    gives every rank one or two small blocks per wave (195 waves, each paying its reduction's
+    rounds); the least pace fills the byte budget about 4x better. Every delivery once, within the
+    budget; the same waves from an equal plan built again (deterministic)."""
+    from megatron_fcp.planning import waves as W
+    from megatron_fcp.planning.blocks import part_tokens
+
+    def build():
+        return build_plan("dgx-a100:3", range(24), "hierarchical", parts_per_chunk=8)
+
+    plan = build()
+    size = lambda b: part_tokens(131088, 24, 8, b.part) * 4096  # noqa: E731
+    budget = wave_budget(plan, size)
+    work = block_work(plan)
+    waves = plan_waves(plan, size)
+    _check(plan, waves, size, budget)
+    assert len(W._pack(plan, size, budget, work, 1.0)) > 3 * len(waves)
+    assert plan_waves(build(), size) == waves
+    got = max(sum(size(t.block) for _, t in plan.transfers() if t.dst == x) for x in plan.ranks)
+    assert len(waves) >= got / budget  # no wave brings a rank more than the budget
+
+
+def test_rail_waves_are_as_few_as_the_byte_budget_allows():
+    """rail-2x4-mha (the emulated benchmark): the budget is one whole chunk, and a CP rank of node
+    0 receives 14 (relays included), so 14 waves is the least any packing can do; plan_waves
+    makes 14 (the 1x cap made 16), each rank receiving at most one block per wave."""
+    from megatron_fcp.planning import waves as W
+
+    plan, _, _, _, size = _rail_2x4()
+    budget = wave_budget(plan, size)
+    waves = plan_waves(plan, size)
+    _check(plan, waves, size, budget)
+    got = max(sum(size(t.block) for _, t in plan.transfers() if t.dst == x) for x in plan.ranks)
+    assert got == 14 * budget and len(waves) == 14
+    assert len(W._pack(plan, size, budget, block_work(plan), 1.0)) == 16
+
+
+def test_the_wave_timeline_has_no_barrier_between_waves():
+    """Note [Wave pipeline timeline] on rail-2x4-mha: with gloo's buffered sends the ranks run ahead
+    of a wave whose dK/dV crosses one slow rail, so keep's backward is under half the lock-step sum
+    (reduce, compute and re-send of each wave in step); waiting for sends only slows it; resend
+    costs more than keep; every result key the reports read is there."""
+    from megatron_fcp.planning.packed_cost import simulate_backward_waves
+
+    plan, topo, att, cm, _ = _rail_2x4()
+    runs = {(m, b): simulate_backward_waves(plan, topo, att, compute_model=cm, backward_kv=m, buffered_sends=b)
+            for m in ("keep", "resend") for b in (False, True)}
+    keep = runs[("keep", True)]
+    assert set(keep) == {"bwd_s", "backward_kv", "resend_s", "waves", "wave_compute_s", "wave_reduce_s",
+                         "wave_resend_s", "held_kv_bytes_max"}
+    W = keep["waves"]
+    red, comp = keep["wave_reduce_s"], keep["wave_compute_s"]
+    lockstep = sum(max(red[i - 1] if i else 0.0, comp[i] if i < W else 0.0) for i in range(W + 1))
+    assert keep["bwd_s"] < 0.5 * lockstep
+    assert keep["bwd_s"] < runs[("keep", False)]["bwd_s"]
+    assert keep["bwd_s"] < runs[("resend", True)]["bwd_s"] < runs[("resend", False)]["bwd_s"]
+    assert keep["bwd_s"] >= max(sum(comp) / plan.cp, max(red))  # no faster than its parts
+
+
+def test_held_kv_under_resend_stays_within_a_shard_on_a_packed_cp64_plan():
+    """cp = 64 packed (lognormal 8.0/1.2, 32K tokens per rank, 4096-token blocks, entry graph on
+    dgx-h100:8): two consecutive waves' received KV on any rank is at most the largest shard's (the
+    budget is half of it and every block is smaller), far below keep's need set."""
+    from megatron_fcp.planning import AttentionShape, lognormal_lengths
+    from megatron_fcp.planning.packed_cost import simulate_backward_waves
+
+    pl = place_packed(lognormal_lengths(8.0, 1.2, 32768 * 64, 0), 64, block_tokens=4096)
+    plan = build_plan("dgx-h100:8", range(64), "entry", placement=pl)
+    shape = AttentionShape(1, 64, 8, 128, 2)
+    per_token = shape.kv_bytes(1)
+    shard = max(pl.tokens(i) for i in range(64)) * per_token
+    resend = simulate_backward_waves(plan, "dgx-h100:8", shape, backward_kv="resend")
+    keep = simulate_backward_waves(plan, "dgx-h100:8", shape, backward_kv="keep")
+    assert 0 < resend["held_kv_bytes_max"] <= shard < keep["held_kv_bytes_max"]

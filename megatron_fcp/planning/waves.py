@@ -28,14 +28,19 @@ Waves run in turn, so the backward's compute is about the *makespan* sum over wa
 rank's work in the wave, not the busiest rank's total. A tight work cap keeps ranks in step but, on
 a packed batch (blocks of very different work), strands a few ranks' last deliveries in nearly
 empty waves; where every rank's need set fits the byte budget anyway, the cap alone creates waves.
-So :func:`plan_waves` packs with the cap at 1x, 2x and unbounded times the largest delivery
-(:data:`WAVE_CAP_SCALES`) and keeps the least makespan, and among makespans within 1%
-(:data:`WAVE_TIE`) the fewest waves. The byte budget binds every candidate alike. In the cost model
-(resend, GQA 64:8, 32K tokens per rank, lognormal 8.0/1.2): the backward of a cp = 16 packed plan
-on dgx-h100:2 falls from 65.1 ms in 5 waves to 52.8 ms in one, cp = 64 on dgx-h100:8 from 110.0 to
-98.1 ms (4 waves); zigzag plans keep their waves where the 1x cap was already best (two parts per
-chunk) and improve where it was not (hierarchical, whole chunks, 128K on dgx-h100:2: 88.4 to 82.1 ms).
-The choice reads only the plan and block sizes, so every rank and the cost model make it alike.
+With fine sub-blocks it starves the communication instead: at 8 parts per chunk a rank takes one
+or two small blocks per wave against a budget of eight, and every wave pays its reduction's rounds
+(dgx-a100:3, cp = 24: 195 waves). So :func:`plan_waves` packs with the cap at 1x, 2x, 4x and
+unbounded times the largest delivery (:data:`WAVE_CAP_SCALES`) and keeps the least *pace*: the sum
+over waves of the larger of the busiest rank's work and the most bytes a rank receives in the wave,
+each relative to the whole backward's (1.0: every wave as balanced as the one pass); among paces
+within 1% (:data:`WAVE_TIE`), the fewest waves. The byte budget binds every candidate alike. In the
+cost model (resend; Note [Wave pipeline timeline] in planning/wave_timeline.py, NCCL's sends): the
+cp = 24 plan (131,088 tokens, GQA 32:8) takes 55 waves and 63.1 ms instead of 96.6 ms; a cp = 16
+packed plan on dgx-h100:2 (GQA 64:8, 32K tokens per rank, lognormal 8.0/1.2) one wave and 52.8 ms
+(5 waves, 57.2 ms at the 1x cap), cp = 64 on dgx-h100:8 4 waves and 92.2 ms (8 waves, 100.2 ms);
+zigzag plans at 128K on dgx-h100:2 keep the waves they had. The choice reads only the plan and
+block sizes, so every rank and the cost model make it alike.
 
 Whether the waves re-send KV or start from what the forward kept is :func:`choose_backward_kv`'s
 (Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`); it reads only the plan, so
