@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fcp.emulate.bench import BenchConfig, run_bench  # noqa: E402
+from megatron_fcp.emulate.bench import BenchConfig, prepare, run_bench  # noqa: E402
 from megatron_fcp.emulate.report import plot, progress_printer, table  # noqa: E402
 from megatron_fcp.emulate.spec import ClusterSpec  # noqa: E402
 from megatron_fcp.emulate.workloads import WorkloadShape  # noqa: E402
@@ -57,7 +57,7 @@ CONFIGS = {
     "rail-2x4-mha-p4": _cfg(2, 4, MHA, ("te-p2p", "fcp-auto/4", "fcp-auto@keep/4")),
     "rail-4x2-mha-p4": _cfg(4, 2, MHA, ("te-p2p", "fcp-auto/4", "fcp-auto@keep/4")),
     **{f"sweep-2x4-{s // 1024}k": _cfg(2, 4, WorkloadShape(s, heads=16, kv_heads=2, head_dim=32),
-                                       ("te-p2p", "fcp-auto", KEEP), component_repeats=1) for s in SWEEP},
+                                       ("te-p2p", "fcp-auto", KEEP, "fcp-hp"), component_repeats=1) for s in SWEEP},
 }
 
 
@@ -171,7 +171,7 @@ def plot_sweep(sweep: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, color in (("fcp-auto", "#48c"), (KEEP, "#2a6")):
+    for name, color in (("fcp-auto", "#48c"), (KEEP, "#2a6"), ("fcp-hp", "#a4c")):
         pts = [(res["workload"]["seq"] // 8, _run(res, name), _run(res, "te-p2p")) for res in sweep]
         pts = [p for p in pts if p[1] and p[2]]
         ax2.plot([x for x, _, _ in pts], [t["median_s"] / r["median_s"] for _, r, t in pts], "o-", color=color,
@@ -184,7 +184,7 @@ def plot_sweep(sweep: list[dict], path: str) -> None:
     ax2.set_xlabel("tokens per rank")
     ax2.set_ylabel("speed-up over te-p2p (forward + backward)")
     ax2.legend(fontsize=7)
-    for name, color in (("te-p2p", "#c44"), ("fcp-auto", "#48c"), (KEEP, "#2a6")):
+    for name, color in (("te-p2p", "#c44"), ("fcp-auto", "#48c"), (KEEP, "#2a6"), ("fcp-hp", "#a4c")):
         pts = [(res["workload"]["seq"] // (res["cluster"]["nodes"] * res["cluster"]["ranks_per_node"]), _run(res, name))
                for res in sweep]
         pts = [(x, r) for x, r in pts if r]
@@ -234,6 +234,31 @@ def markdown(out: dict) -> str:
     return "\n".join(lines)
 
 
+def repredict(res: dict, cfg: BenchConfig) -> None:
+    """Today's predictions and lower bounds for the runs of ``res`` (measured with ``cfg``), in place.
+    Refuses a run whose plan today differs from the one measured (graph, rounds or backward mode)."""
+    _, _, workloads, bounds, predictions = prepare(cfg)
+    by_name = {w.name: w for w in workloads}
+    res["bounds"] = bounds
+    for r in res["runs"]:
+        w = by_name[r["workload"]]
+        for key in ("graph", "rounds", "backward_kv", "parts_per_chunk", "choice"):
+            was, now = r["info"].get(key), w.info.get(key)
+            if key == "choice" and was is not None:
+                was, now = was.get("label"), (now or {}).get("label")
+            if key in r["info"] and now != was:
+                raise ValueError(f"{r['workload']}: today's plan differs from the measured one in {key} "
+                                 f"({now!r} vs {was!r}); measure again instead")
+        r.update(predictions[w.name])
+        p, m = r.get("predicted_s"), r.get("median_s")
+        r["prediction_error"] = m / p - 1 if m and p else None
+        r["lower_bound_s"] = bounds["lower_bound_s"]
+        r["of_lower_bound"] = m / bounds["lower_bound_s"] if m else None
+        pc, pm = r.get("predicted_compute_s"), r.get("predicted_comm_s")
+        r["compute_to_comm"] = pc / pm if pc is not None and pm else None
+        r["info"] = {**r["info"], **{k: v for k, v in w.info.items() if k not in r["info"]}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "emulated.json"))
@@ -242,7 +267,22 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true", help="add to the configurations already in --out")
     ap.add_argument("--markdown", action="store_true",
                     help="re-score --out's targets, print its runs as a markdown table, redraw the sweep, exit")
+    ap.add_argument("--repredict", action="store_true",
+                    help="recompute --out's predictions and lower bounds with today's cost model (the measured "
+                         "times stay), re-score the targets, exit; plans must be the ones measured")
     args = ap.parse_args()
+    if args.repredict:
+        with open(args.out) as f:
+            out = json.load(f)
+        for name, res in out["configs"].items():
+            repredict(res, CONFIGS[name])
+        out.update({k: v for k, v in _summary(out["configs"], out.get("errors", {}), 0.0).items()
+                    if k not in ("wall_s", "configs", "errors")})
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        for res in out["configs"].values():
+            print(table(res))
+        return 0
     if args.markdown:
         with open(args.out) as f:
             out = json.load(f)
