@@ -288,8 +288,9 @@ def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
     ranks = group_ranks
     cases = {
         "odd_seq": (dict(q=t(s=5), k=t(s=5, h=2), v=t(s=5, h=2)), {}, "multiple of 2\\*cp"),
-        "parts_do_not_divide": (dict(q=t(s=6), k=t(s=6), v=t(s=6)),
-                                dict(plan=ring_plan(ranks, True, parts_per_chunk=2)), "2\\*cp\\*parts_per_chunk"),
+        # uneven parts are fine (Note [Sub-block sizes]); more parts than a chunk has tokens are not
+        "more_parts_than_tokens": (dict(q=t(s=6), k=t(s=6), v=t(s=6)),
+                                   dict(plan=ring_plan(ranks, True, parts_per_chunk=4)), "parts_per_chunk <= 3"),
         "heads": (dict(q=t(h=4), k=t(h=3), v=t(h=3)), {}, "multiple of KV heads"),
         "dtype": (dict(q=t(), k=t(dtype=torch.float64), v=t()), {}, "dtypes differ"),
         "device": (dict(q=t(), k=t(device="meta"), v=t()), {}, "different devices"),
