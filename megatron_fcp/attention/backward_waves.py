@@ -36,7 +36,11 @@ completed and was added); the result adds the waves' sums in wave order. The pos
 follow one queue, the same on every rank, so messages between a pair match in post order
 (gloo, NCCL and the in-process transport all match by post order). A transport whose ``test``
 cannot tell (the base class answers False) still works: its rounds then move at the blocking
-finish only.
+finish only. On CUDA the host reaches a job boundary once the job's kernels are *launched*; an
+NCCL round posted behind them tests complete only when the device got there, so a host far ahead
+of the device sees few rounds done and leaves them to the finish (where the compute stream waits
+for each): the overlap the cost model prices assumes the host observes job ends (CPU/gloo does;
+GPU not measured).
 
 Under ``keep`` the blocks come from what the forward saved and nothing is fetched.
 
@@ -234,7 +238,8 @@ class _Pump:
 
     def finish(self, chains: list) -> None:
         """Wait until every round of ``chains`` is posted and complete (and all posts before)."""
-        last = max((i for i, c in enumerate(self.order) if any(c is x for x in chains)), default=-1)
+        last = max((i for i in range(self.k, len(self.order)) if any(self.order[i] is x for x in chains)),
+                   default=-1)
         while self.k <= last:
             c = self.order[self.k]
             c.complete()

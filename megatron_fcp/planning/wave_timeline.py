@@ -124,7 +124,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
 
         def finish(chains: set):
             nonlocal k
-            last = max((i for i, (c, _) in enumerate(order) if c in chains), default=-1)
+            last = max((i for i in range(k, len(order)) if order[i][0] in chains), default=-1)
             while k <= last:
                 chain, key = order[k]
                 if pending.get(chain):
