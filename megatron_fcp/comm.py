@@ -5,6 +5,15 @@ The executor (:mod:`megatron_fcp.attention.function`) talks to a :class:`Transpo
     handle = transport.post(round_sends, round_recvs, round_index=k, phase="forward")
     ...                                   # compute while the round is in flight
     transport.wait(handle)                # raises CommTimeout naming round / peer / block
+    transport.test(handle)                # non-blocking: True once the round is complete
+
+``test`` lets a caller make progress between compute jobs (the wave backward advances its
+reductions and re-sends on it: Note [Backward waves]). True means every send and receive of the
+round has completed; the caller then still calls ``wait`` (it moves staged receives into place,
+orders the current CUDA stream behind NCCL's and raises on failure), which returns at once. The
+base class answers False ("unknown"): a caller must then fall back to ``wait`` at a point where
+blocking is acceptable -- correct, only less overlap. Wrappers forward ``test`` to the inner
+transport (:class:`SerialTransport`: True, its rounds complete at post).
 
 ``round_sends`` / ``round_recvs`` are this rank's ``(Transfer, tensor)`` pairs of one round in plan
 order (a receive's tensor is the preallocated buffer). In the backward pass the executor hands
@@ -86,6 +95,11 @@ class Transport:
     def wait(self, handle: Handle) -> None:
         raise NotImplementedError
 
+    def test(self, handle: Handle) -> bool:
+        """Non-blocking: has every operation of the posted round completed? False if unknown."""
+        del handle
+        return False
+
 
 def _describe(kind: str, t: Transfer) -> str:
     return f"{'send to' if kind == 'send' else 'receive from'} rank {t.dst if kind == 'send' else t.src} of {t.block}"
@@ -134,6 +148,11 @@ class GlooTransport(Transport):
             buf.copy_(host)
         handle.staged.clear()
         handle.keep_alive.clear()
+
+    def test(self, handle: Handle) -> bool:
+        """``Work.is_completed()`` of every operation (a failed one counts as completed: ``wait``
+        then raises). A send is complete once gloo has handed its bytes to the socket."""
+        return all(work.is_completed() for _, _, work in handle.works)
 
 
 _STAGING_LOGGED = False
@@ -193,6 +212,12 @@ class NcclTransport(Transport):
             work.wait()  # current stream waits on the NCCL stream
         handle.keep_alive.clear()
 
+    def test(self, handle: Handle) -> bool:
+        """``Work.is_completed()``: the NCCL kernels of the round have finished on the device (a
+        host-side query of the work's end event; no synchronisation). The caller's ``wait`` then
+        orders its current stream behind the side stream."""
+        return all(work.is_completed() for _, _, work in handle.works)
+
 
 def default_transport(group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
     """NCCL transport for an NCCL group on CUDA, otherwise the gloo transport; a
@@ -216,6 +241,9 @@ class TransportWrapper(Transport):
     def wait(self, handle: Handle) -> None:
         self.inner.wait(handle)
 
+    def test(self, handle: Handle) -> bool:
+        return self.inner.test(handle)
+
 
 class SerialTransport(TransportWrapper):
     """Waits for each round as soon as it is posted: communication and compute never overlap.
@@ -231,6 +259,10 @@ class SerialTransport(TransportWrapper):
 
     def wait(self, handle: Handle) -> None:
         del handle  # already complete
+
+    def test(self, handle: Handle) -> bool:
+        del handle
+        return True
 
 
 class DelayTransport(TransportWrapper):

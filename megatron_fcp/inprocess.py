@@ -8,12 +8,16 @@ the agreement step run unchanged. ``torch.distributed`` is not used (nor patched
 
 Note [In-process transfers]
 ---------------------------
-A message is keyed by ``(phase, round, src, dst)`` and queued in post order, so the i-th send
-from A to B in a round meets the i-th receive on B from A (the contract of every transport)::
+A message is keyed by ``(phase, round, src, dst)`` and numbered in post order under its key, and
+a receive gets the next number under its key when *posted*, so the i-th send posted from A to B
+meets the i-th receive posted on B from A (the contract of every transport, as gloo and NCCL match
+by post order) -- even when the receives are waited in another order (the wave backward's
+reductions of two waves share round indices and may complete out of order)::
 
     post (sender)     put (transfer, tensor, ready event) in the mailbox    # no copy yet
-    post (receiver)   nothing: the receive buffer waits in the handle
-    wait (receiver)   take each message in order (bounded), check it is the transfer the plan
+    post (receiver)   number the receive; the receive buffer waits in the handle
+    test (either)     every receive's message is in the mailbox, every send taken (non-blocking)
+    wait (receiver)   take each numbered message (bounded), check it is the transfer the plan
                       says, then copy it into the buffer:
                         CPU:  buf.copy_(tensor)
                         CUDA: my stream waits for the ready event; copy on my stream;
@@ -39,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -103,7 +106,8 @@ class InProcessGroup:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"in-process groups run on 'cpu' or 'cuda', got {self.device}")
         self._cond = threading.Condition()
-        self._mail: dict[tuple, deque[_Message]] = {}
+        self._mail: dict[tuple, _Message] = {}             # (key, n): the n-th message sent under key
+        self._posted: dict[tuple, int] = {}                # (key, "send" | "recv") -> how many posted
         self._failed: _Failure | None = None
         self._gathers: dict[int, _Gather] = {}
         self._gather_calls = {r: 0 for r in ranks}
@@ -145,20 +149,25 @@ class InProcessGroup:
             self._cond.wait(left)
 
     # -- mailbox -------------------------------------------------------------------------------
+    def _number(self, key: tuple, kind: str) -> int:
+        """The post-order number of this send or receive under ``key`` (phase, round, src, dst): the
+        n-th receive posted matches the n-th send posted, whatever order the receives are waited in."""
+        with self._cond:
+            n = self._posted.get((key, kind), 0)
+            self._posted[(key, kind)] = n + 1
+            return n
+
     def _put(self, key: tuple, msg: _Message) -> None:
         with self._cond:
-            self._mail.setdefault(key, deque()).append(msg)
+            self._mail[(key, self._number(key, "send"))] = msg
             self._cond.notify_all()
 
     def _take(self, me: int, key: tuple, deadline: float, where: str) -> _Message | None:
+        """The receive numbered ``key[-1]`` of ``key[:-1]``: wait for its message and take it."""
         with self._cond:
-            if not self._wait_until(me, lambda: bool(self._mail.get(key)), deadline, where):
+            if not self._wait_until(me, lambda: key in self._mail, deadline, where):
                 return None
-            queue = self._mail[key]
-            msg = queue.popleft()
-            if not queue:
-                del self._mail[key]
-            return msg
+            return self._mail.pop(key)
 
     def _mark_taken(self, msg: _Message) -> None:
         with self._cond:
@@ -168,6 +177,16 @@ class InProcessGroup:
     def _await_taken(self, me: int, msg: _Message, deadline: float, where: str) -> bool:
         with self._cond:
             return self._wait_until(me, lambda: msg.taken, deadline, where)
+
+    def _complete(self, me: int, handle) -> bool:
+        """Would ``wait(handle)`` of rank ``me`` return without blocking? (its ``test``)"""
+        with self._cond:
+            if self._failed is not None:
+                return True
+            for kind, t, item in handle.works:
+                if (kind == "recv" and item[1] not in self._mail) or (kind == "send" and not item.taken):
+                    return False
+            return True
 
     # -- all-gather (agreement) ----------------------------------------------------------------
     def _all_gather(self, me: int, obj: Any, timeout_s: float, what: str) -> list[Any]:
@@ -298,7 +317,8 @@ class InProcessTransport(Transport):
         for t, buf in round_recvs:
             if t.dst != self.rank:
                 raise ValueError(f"rank {self.rank} posted a receive of {t} addressed to rank {t.dst}")
-            h.works.append(("recv", t, buf))
+            key = (phase, round_index, t.src, t.dst)
+            h.works.append(("recv", t, (buf, (key, self.group._number(key, "recv")))))
             h.keep_alive.append(buf)
         for t, x in round_sends:
             if t.src != self.rank:
@@ -314,12 +334,13 @@ class InProcessTransport(Transport):
         for kind, t, item in handle.works:
             where = f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} (rank {self.rank})"
             if kind == "recv":
-                msg = self.group._take(self.rank, (handle.phase, handle.round_index, t.src, t.dst), deadline, where)
+                buf, numbered = item
+                msg = self.group._take(self.rank, numbered, deadline, where)
                 if msg is None:
                     raise CommTimeout(f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} did not "
                                       f"arrive within {self.timeout_s:g} s (in-process group {list(self.group.ranks)}); "
                                       f"is rank {t.src} running the same plan?")
-                self._receive(msg, t, item, stream)
+                self._receive(msg, t, buf, stream)
             else:
                 if not self.group._await_taken(self.rank, item, deadline, where):
                     raise CommTimeout(f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} was not "
@@ -328,6 +349,11 @@ class InProcessTransport(Transport):
                 if stream is not None and item.done is not None:
                     stream.wait_event(item.done)  # the receiver's copy has run before I touch the buffer
         handle.keep_alive.clear()
+
+    def test(self, handle: Handle) -> bool:
+        """Every receive's numbered message is in the mailbox and every send
+        has been taken by its receiver. Non-blocking; a failed group answers True (``wait`` raises)."""
+        return self.group._complete(self.rank, handle)
 
     def _receive(self, msg: _Message, t: Transfer, buf: torch.Tensor, stream) -> None:
         x = msg.tensor

@@ -198,3 +198,36 @@ def test_auto_decides_once_per_plan_and_shape():
     assert choose_backward_kv("auto", plan, size, budget=150, cache_key="s64") == "resend"  # budget is in the key
     assert len(calls) > n
     assert choose_backward_kv("auto", ring_plan((0, 1), causal=True), size, cache_key="s64") == "keep"
+
+
+def test_timing_never_changes_the_bits():
+    """The wave backward advances its reductions and re-sends on ``transport.test`` between jobs
+    (Note [Backward waves]); how far they get depends on timing, the arithmetic must not. Random
+    message delays, and a transport whose ``test`` never knows (the base answer: rounds move only
+    at the blocking finish), give bitwise the plain run's out, lse, dq, dk, dv (hierarchical 2 x 2
+    with sub-blocks: relays and several waves; resend)."""
+    from megatron_fcp.attention.harness import harness_attention
+    from megatron_fcp.comm import DelayTransport, Transport, TransportWrapper
+
+    class Unknowing(TransportWrapper):
+        test = Transport.test                                    # always False: "unknown"
+
+    full, placement, plan = case_setup("hier", "fp32")
+    runs = {}
+    for name, wrap in (("plain", None),
+                       ("delayed", lambda r, t: DelayTransport(t, _delay(r))),
+                       ("unknowing", lambda r, t: Unknowing(t))):
+        res = harness_attention(*full, cp=4, plan=plan, causal=True, placement=placement, backward_kv="resend",
+                                transport=wrap)
+        runs[name] = [r.tensors() for r in res.ranks]
+    for name in ("delayed", "unknowing"):
+        for a, b in zip(runs["plain"], runs[name]):
+            for q in ("out", "lse", "dq", "dk", "dv"):
+                assert torch.equal(a[q], b[q]), (name, q)
+
+
+def _delay(rank: int):
+    import random
+
+    rng = random.Random(rank)
+    return lambda: rng.uniform(0.0, 3e-4)

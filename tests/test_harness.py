@@ -47,6 +47,43 @@ def test_blocks_travel_in_plan_order_between_threads():
     assert got[0].data_ptr() != a.data_ptr()  # copied into the receiver's own buffer
 
 
+def test_test_is_non_blocking_and_receives_match_posts_waited_in_any_order():
+    """``test`` is False until the peer's send is posted (receiver) or taken (sender), then True;
+    two rounds under the same (phase, round, pair) -- two waves' reductions -- meet their sends
+    in post order even when the receiver waits the second first."""
+    t = Transfer(0, 1, Block(0, 0))
+    first, second = torch.full((3,), 1.0), torch.full((3,), 2.0)
+    posted, taken = threading.Event(), threading.Event()
+
+    def fn(h):
+        tr = h.transport(5.0)
+        if h.rank == 0:
+            posted.wait(5)                                       # the receiver tested before any send
+            a = tr.post([(t, first)], [], round_index=1, phase="backward")
+            b = tr.post([(t, second)], [], round_index=1, phase="backward")
+            early = tr.test(a)                                   # not taken yet
+            taken.wait(5)
+            done = tr.test(a) and tr.test(b)
+            tr.wait(a)
+            tr.wait(b)
+            return early, done
+        bufs = [torch.empty(3), torch.empty(3)]
+        a = tr.post([], [(t, bufs[0])], round_index=1, phase="backward")
+        b = tr.post([], [(t, bufs[1])], round_index=1, phase="backward")
+        before = tr.test(a)
+        posted.set()
+        while not tr.test(b):
+            time.sleep(0.001)
+        tr.wait(b)                                               # the second posted, waited first
+        tr.wait(a)
+        taken.set()
+        return before, bufs
+
+    (early, done), (before, bufs) = run_ranks(2, fn)
+    assert before is False and early is False and done is True
+    assert torch.equal(bufs[0], first) and torch.equal(bufs[1], second)
+
+
 def test_a_receive_that_never_arrives_raises_comm_timeout_naming_phase_round_peer_block():
     def fn(h):
         if h.rank == 2:

@@ -8,20 +8,39 @@ it reads only the plan and the block sizes). A wave carries the plan transfers o
 each of its blocks' owner to its readers (relays included); a block may reach some readers in one
 wave and others later, its reduction tree then cut into one subtree per wave. Both backward KV
 modes walk the same waves, so dq and every dK/dV partial are summed in the same order (bitwise
-equal results). Three waves are in flight at once::
+equal results). Compute runs back to back; the communication progresses between jobs::
 
     resend only: fetch(wave 0)
-    for w = 0 .. W:                                 # one step per reverse round of wave w-1
-        reduce(w-1)  |  compute(w)  |  resend only: fetch(w+1)
-        wave w-1's local dK/dV are added into the result (wave order); its other partials dropped
+    for w = 0 .. W:
+        queue reduce(w-1) and, resend only, fetch(w+1): their rounds interleaved behind what is left
+        for each of this rank's jobs of wave w:
+            poll: while the next queued round's predecessor *in its own chain* tests complete
+                  (``transport.test``, non-blocking): wait it (returns at once), use its receives,
+                  post the next round
+            compute the job
+        finish (blocking): fetch(w+1) and reduce(w-2); reduce(w-1) may run on into wave w+1
+        a finished wave's local dK/dV are added into the result (wave order); its other partials dropped
 
-* ``fetch`` re-sends a wave's KV along its transfers, one round per step (a relay forwards only
-  what it has received; it drops a block it only passes on once its last send is posted);
-* ``compute`` runs this rank's deliveries of the wave, spread over the steps, each received block
-  freed once computed; its dK/dV partials go into the wave's own table;
+* ``fetch`` re-sends a wave's KV along its transfers, one round after another (a relay forwards
+  only what it has received; it drops a block it only passes on once its last send is posted);
+* ``compute`` runs this rank's deliveries of the wave (received blocks in plan order, then its
+  own), each received block freed once computed; its dK/dV partials go into the wave's own table;
 * ``reduce`` returns the wave's partials along its rounds reversed (Note [Backward pipeline]):
   a relay adds its own partial and what its children returned (FP32), then sends the sum up in
   the input dtype (rounded once per hop, as TE's ring rounds once per step).
+
+Determinism. Timing decides only *when* a round is posted, never what is added in which order:
+dq sums the jobs in their fixed order; a wave's table gets its own partials (computed in wave w)
+then each reverse round's receives in list order (a round is posted only after the one before it
+completed and was added); the result adds the waves' sums in wave order. The posts themselves
+follow one queue, the same on every rank, so messages between a pair match in post order
+(gloo, NCCL and the in-process transport all match by post order). A transport whose ``test``
+cannot tell (the base class answers False) still works: its rounds then move at the blocking
+finish only. On CUDA the host reaches a job boundary once the job's kernels are *launched*; an
+NCCL round posted behind them tests complete only when the device got there, so a host far ahead
+of the device sees few rounds done and leaves them to the finish (where the compute stream waits
+for each): the overlap the cost model prices assumes the host observes job ends (CPU/gloo does;
+GPU not measured).
 
 Under ``keep`` the blocks come from what the forward saved and nothing is fetched.
 
@@ -29,17 +48,20 @@ Memory. A rank holds received KV of at most two waves (w computing, w+1 arriving
 brings a rank at most half of the largest shard's K and V, so the two hold no more than
 Transformer Engine's ring has in flight beside its own KV (one shard) -- unless a single block is
 larger than half a shard (a packed batch's may be: it then forms a wave of its own). dK/dV
-partials: two waves' (reducing and computing), accumulated in FP32; the buffers a wave's returns
-arrive in are in the input dtype (half of FP32's bytes for BF16/FP16).
+partials: three waves' tables (w-2 and w-1 reducing, w computing), accumulated in FP32 -- one
+wave's more than a loop that finishes each reduction within the next wave, the price of letting
+a reduction run on; the buffers a round's returns arrive in are in the input dtype (half of
+FP32's bytes for BF16/FP16), one round per chain in flight.
 
 Cost. ``plan_waves`` also caps a rank's work per wave (Note [Balanced waves]), so with sub-blocks
 (``parts_per_chunk`` >= 2) every rank computes about the same per wave and the waves' compute adds
 up to about the one-pass backward's; the reductions and re-sends run behind it
 (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`, which follows every rank
-through this loop: Note [Wave pipeline timeline] in planning/wave_timeline.py). Each step waits
-its reduction round before the next share of gradients, so a step lasts the longer of the two on
-the slower of the rank's partners. With whole chunks under causal zigzag a wave gives some ranks
-twice the work of others (the busiest ranks add up to about 1.5x the one-pass compute).
+through this loop: Note [Wave pipeline timeline] in planning/wave_timeline.py). A round in flight
+is noticed at the next job boundary, so a reduction advances at most one round per job of the
+ranks on its path; it catches up in the blocking finish one wave later. With whole chunks under
+causal zigzag a wave gives some ranks twice the work of others (the busiest ranks add up to
+about 1.5x the one-pass compute).
 
 Posts. Reduction rounds use phase ``"backward"``, re-sends ``"resend"``, both with the plan's round
 index; every rank walks the same sequence of posts, so messages between a pair match in order.
@@ -78,8 +100,8 @@ class _Held:
 
 
 class _Fetch:
-    """Re-sends one wave's KV (``resend``): the plan's forward rounds restricted to the wave,
-    advanced one round per :meth:`step` (wait the round in flight, then post the next one)."""
+    """Re-sends one wave's KV (``resend``): the plan's forward rounds restricted to the wave, posted
+    one after another (:meth:`complete` the round in flight, then :meth:`post_next`)."""
 
     def __init__(self, ex, wave: Wave, k: torch.Tensor, v: torch.Tensor, held: _Held) -> None:
         self.ex, self.wave, self.k, self.held = ex, wave, k, held
@@ -97,11 +119,13 @@ class _Fetch:
         self.i, self.pending = 0, None
         self.wait_s, self.bytes_sent = 0.0, 0
 
-    def done(self) -> bool:
-        return self.i == len(self.wave.rounds) and self.pending is None
+    def left(self) -> int:
+        """Rounds still to post."""
+        return len(self.wave.rounds) - self.i
 
-    def step(self) -> None:
-        ex, wave = self.ex, self.wave
+    def complete(self) -> None:
+        """Wait for the round in flight (if any) and keep what it brought."""
+        ex = self.ex
         if self.pending is not None:
             handle, recvs = self.pending
             self.wait_s += ex._wait(handle)
@@ -109,17 +133,25 @@ class _Fetch:
             for t, buf in recvs:
                 self.have[t.block] = self.relaying[t.block] = buf
                 self.held.add(_nbytes(buf))
-                if (t.block, ex.rank) in wave.computes:
+                if (t.block, ex.rank) in self.wave.computes:
                     self.needed[t.block] = buf
-        nxt = wave.rounds[self.i] if self.i < len(wave.rounds) else None
-        if nxt is not None:
-            sends = [(t, self.have[t.block]) for t in ex.plan.sends(ex.rank, nxt) if wave.has(nxt, t)]
-            recvs = [(t, torch.empty(ex._kv_shape(t.block, self.k), dtype=self.k.dtype, device=self.k.device))
-                     for t in ex.plan.recvs(ex.rank, nxt) if wave.has(nxt, t)]
-            self.bytes_sent += sum(_nbytes(x) for _, x in sends)
-            self.pending = (ex.transport.post(sends, recvs, round_index=nxt, phase="resend"), recvs)
-            self.i += 1
-        posted = nxt if nxt is not None else math.inf
+        if not self.left():
+            self._drop(math.inf)
+            self.have.clear()  # local stacks: every send of the wave is complete
+
+    def post_next(self) -> None:
+        """Post the next round (the one before it must be complete): forward what I have."""
+        ex, wave = self.ex, self.wave
+        nxt = wave.rounds[self.i]
+        sends = [(t, self.have[t.block]) for t in ex.plan.sends(ex.rank, nxt) if wave.has(nxt, t)]
+        recvs = [(t, torch.empty(ex._kv_shape(t.block, self.k), dtype=self.k.dtype, device=self.k.device))
+                 for t in ex.plan.recvs(ex.rank, nxt) if wave.has(nxt, t)]
+        self.bytes_sent += sum(_nbytes(x) for _, x in sends)
+        self.pending = (ex.transport.post(sends, recvs, round_index=nxt, phase="resend"), recvs)
+        self.i += 1
+        self._drop(nxt)
+
+    def _drop(self, posted: float) -> None:
         for b in [b for b in self.relaying if self.last.get(b, -1) <= posted]:
             buf = self.relaying.pop(b)  # passed on (a posted send holds its buffer until waited)
             del self.have[b]
@@ -127,9 +159,10 @@ class _Fetch:
                 self.held.alive -= _nbytes(buf)
 
     def finish(self) -> None:
-        while not self.done():
-            self.step()
-        self.have.clear()  # local stacks: every send of the wave is complete
+        while self.left():
+            self.complete()
+            self.post_next()
+        self.complete()
 
     def release(self, block: Block) -> None:
         """The block's backward is computed: drop it (unless a later round of the wave forwards it)."""
@@ -138,15 +171,83 @@ class _Fetch:
             self.held.alive -= _nbytes(buf)
 
 
-def _split(items: list, n: int) -> list[list]:
-    """``items`` in ``n`` consecutive parts of nearly equal length (earlier parts one longer)."""
-    q, r = divmod(len(items), n)
-    out, i = [], 0
-    for j in range(n):
-        m = q + (j < r)
-        out.append(items[i:i + m])
-        i += m
-    return out
+class _Reduce:
+    """Returns one wave's dK/dV partials along its rounds reversed, one round after another:
+    :meth:`post_next` sends this rank's sums of the next round, :meth:`complete` waits for the
+    round in flight and adds what it received into the wave's table (in the round's list order)."""
+
+    def __init__(self, ex, wave: Wave, table: dict, post: Callable, add: Callable) -> None:
+        self.ex, self.wave, self.table, self._post, self._add = ex, wave, table, post, add
+        self.rounds = list(reversed(wave.rounds))
+        self.i, self.pending = 0, None
+        self.wait_s = 0.0
+
+    def left(self) -> int:
+        return len(self.rounds) - self.i
+
+    def complete(self) -> None:
+        if self.pending is None:
+            return
+        handle, recvs = self.pending
+        self.wait_s += self.ex._wait(handle)
+        self.pending = None
+        for t, buf in recvs:
+            self._add(self.table, t.block, buf)
+
+    def post_next(self) -> None:
+        self.pending = self._post(self.wave, self.table, self.rounds[self.i])
+        self.i += 1
+
+
+class _Pump:
+    """Advances the reductions and re-sends in flight while a wave computes.
+
+    Their posts follow one fixed order, the same on every rank: per wave w, reduce round 0 of
+    w-1, fetch round 0 of w+1, reduce round 1, fetch round 1, ..., then the longer one's rest,
+    appended behind what earlier waves left (:meth:`extend`). So messages between a pair match in
+    order whatever the timing (gloo and NCCL match a pair's messages by post order). The next post
+    is made once the round before it *in its own chain* is complete: :meth:`poll` asks
+    ``transport.test`` (non-blocking) and stops at the first round still in flight; :meth:`finish`
+    waits until given chains are through. A completed round is always waited (``wait``) before
+    its receives are used."""
+
+    def __init__(self, ex) -> None:
+        self.ex, self.order, self.k = ex, [], 0
+        self.chains: list = []
+
+    def extend(self, chains: list) -> None:
+        n = max((c.left() for c in chains), default=0)
+        self.order += [c for j in range(n) for c in chains if j < c.left()]
+        self.chains += chains
+
+    def _ready(self, c) -> bool:
+        return c.pending is None or self.ex.transport.test(c.pending[0])
+
+    def poll(self) -> None:
+        while self.k < len(self.order):
+            c = self.order[self.k]
+            if not self._ready(c):
+                break
+            c.complete()
+            c.post_next()
+            self.k += 1
+        for c in self.chains:                                    # a chain's last round: nothing behind it
+            if not c.left() and c.pending is not None and self._ready(c):
+                c.complete()
+        self.chains = [c for c in self.chains if c.left() or c.pending is not None]
+
+    def finish(self, chains: list) -> None:
+        """Wait until every round of ``chains`` is posted and complete (and all posts before)."""
+        last = max((i for i in range(self.k, len(self.order)) if any(self.order[i] is x for x in chains)),
+                   default=-1)
+        while self.k <= last:
+            c = self.order[self.k]
+            c.complete()
+            c.post_next()
+            self.k += 1
+        for c in chains:
+            c.complete()
+        self.chains = [c for c in self.chains if c.left() or c.pending is not None]
 
 
 def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Tensor,
@@ -204,33 +305,39 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         fetch = _Fetch(ex, waves[0], k, v, held)
         fetch.finish()
     prev: tuple[Wave, dict] | None = None                        # computed, its dK/dV still to reduce
+    pump = _Pump(ex)
+    reducing: list[_Reduce] = []                                 # waves' reductions not yet settled, in order
+
+    def settle(all_: bool = False) -> None:
+        # a finished reduction: its non-local partials are sent (drop them); its local sums join
+        # the result in wave order
+        while reducing and (all_ or (not reducing[0].left() and reducing[0].pending is None)):
+            r = reducing.pop(0)
+            out["wait_s"] += r.wait_s
+            for b in ex.local_blocks:
+                if b in r.table:
+                    add(grads, b, r.table[b])
+
     for w in range(len(waves) + 1):
         cur = waves[w] if w < len(waves) else None
         nxt = _Fetch(ex, waves[w + 1], k, v, held) if resend and w + 1 < len(waves) else None
-        rounds = list(reversed(prev[0].rounds)) if prev is not None else []
-        steps = max(len(rounds), 1)
-        todo = _split(jobs(cur), steps) if cur is not None else [[] for _ in range(steps)]
+        red = _Reduce(ex, prev[0], prev[1], post, add) if prev is not None else None
+        older = list(reducing)                                   # wave w-2's reduction (if not settled)
+        if red is not None:
+            reducing.append(red)
+        pump.extend([c for c in (red, nxt) if c is not None])
         g_cur: dict[Block, torch.Tensor] = {}
-        for j in range(steps):                                   # reduce w-1 | compute w | fetch w+1
-            pending = post(prev[0], prev[1], rounds[j]) if j < len(rounds) else None
-            if nxt is not None:
-                nxt.step()
-            for b in todo[j]:
-                run_job(b, fetch, g_cur)
-            if pending is not None:
-                handle, recvs = pending
-                out["wait_s"] += ex._wait(handle)
-                for t, buf in recvs:
-                    add(prev[1], t.block, buf)
-        if nxt is not None:
-            nxt.finish()
+        for b in (jobs(cur) if cur is not None else []):         # compute w | reduce w-2, w-1 | fetch w+1
+            pump.poll()
+            settle()
+            run_job(b, fetch, g_cur)
+        # before wave w+1 computes: its KV is here and wave w-2's reduction is through (w-1's may
+        # run on into wave w+1); after the last wave, everything
+        pump.finish(([nxt] if nxt is not None else []) + (older if cur is not None else list(reducing)))
+        settle(all_=cur is None)
         if fetch is not None:
             out["wait_s"] += fetch.wait_s
             out["resend_bytes"] += fetch.bytes_sent
-        if prev is not None:                                     # its non-local partials are sent: drop
-            for b in ex.local_blocks:
-                if b in prev[1]:
-                    add(grads, b, prev[1][b])
         prev = (cur, g_cur) if cur is not None else None
         fetch = nxt
     out["peak"] = held.peak

@@ -40,11 +40,12 @@ nor has children returns zeros (the plan lists the transfer; a ring does exactly
 adds all returns into its local dK/dV::
 
     waves: the plan's deliveries, split (Note [Backward waves] in backward_waves)
-    for w = 0 .. W:  one step per reverse round k of wave w-1 (its rounds, last to first)
-        post(reverse round k of w-1)                  # relays: own partial + children's returns
-        resend: advance wave w+1's re-send by one round
-        compute a share of wave w's blocks            # overlaps both
-        wait(reverse round k);  add returned partials
+    for w = 0 .. W:  reverse rounds of wave w-1 (last to first), resend: wave w+1's re-send
+        for each of this rank's blocks of wave w:     # back to back
+            between blocks: a round in flight that tests complete is waited, its returned
+            partials added, the next round posted  # relays: own partial + children's returns
+            compute the block
+        finish wave w+1's re-send and wave w-2's reduction (w-1's may run on)
 
 Precision on the wire: partials are computed and summed in FP32 (FP64 for FP64 inputs), but each
 travels in the *input* dtype, as Transformer Engine's ring sends dKV: a partial (or a relay's sum

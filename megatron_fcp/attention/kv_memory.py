@@ -18,8 +18,8 @@ every block it computed on again. Two ways to have them:
   block is larger than half of it). ``keep`` walks the same waves (without the re-send), so the
   arithmetic and its order are the same: ``resend`` and ``keep`` give bitwise identical outputs
   and gradients for a fixed plan. Cost (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`,
-  128K tokens on ``dgx-h100:2``): fwd+bwd 1.09x keep's one-pass backward with two parts per
-  chunk, 1.39x with whole chunks (causal zigzag: per wave some ranks have twice the work of others).
+  128K tokens on ``dgx-h100:2``): fwd+bwd 1.07x keep's one-pass backward with two parts per
+  chunk, 1.33x with whole chunks (causal zigzag: per wave some ranks have twice the work of others).
 * ``auto`` -- ``keep`` while the kept bytes fit the budget on *every* rank of the group, else
   ``resend``. The choice must be the same on all ranks (re-sending needs the senders), so it is
   taken from the plan, which every rank holds whole, not from one rank's own needs.

@@ -50,6 +50,9 @@ class NullTransport(Transport):
     def wait(self, handle: Handle) -> None:
         return None
 
+    def test(self, handle: Handle) -> bool:
+        return True
+
 
 class Runner:
     """``run(kernel, transport)``: one forward + backward of this rank's share of the workload."""

@@ -334,7 +334,7 @@ class FCPRuntime:
         ``--fcp-block-tokens 0`` (the default) means whole chunks, except where the backward may
         re-send KV (``--fcp-backward-kv`` auto or resend, cp > 2): there each chunk is cut in two,
         which balances the backward waves' work (Note [Backward waves]; in the cost model fwd+bwd
-        goes from 1.39x to 1.09x one-pass keep on dgx-h100:2 at 128K, the forward unchanged). An odd
+        goes from 1.33x to 1.07x one-pass keep on dgx-h100:2 at 128K, the forward unchanged). An odd
         chunk is cut into halves one token apart (Note [Sub-block sizes] in planning/blocks.py)."""
         c = self.schedule
         if c is not None and s_local * self.layout.cp == c.seq_len:

@@ -415,8 +415,9 @@ def simulate_backward_waves(
     buffered_sends: bool = False,
 ) -> dict:
     """The executor's backward as it runs: wave by wave (Note [Backward waves] in
-    :mod:`megatron_fcp.attention.backward_waves`), three waves in flight: wave w-1's dK/dV
-    reduction, wave w's gradients and (``"resend"``) wave w+1's re-send overlap. ``bwd_s`` follows
+    :mod:`megatron_fcp.attention.backward_waves`): wave w's gradients back to back, the dK/dV
+    reductions of waves w-1 (and w-2) and (``"resend"``) wave w+1's re-send advanced between jobs
+    as their rounds complete. ``bwd_s`` follows
     every rank through the executor's loop, no barrier between waves (Note [Wave pipeline
     timeline] in :mod:`megatron_fcp.planning.wave_timeline`; ``buffered_sends``: a wait returns
     without the rank's sends, as gloo over TCP does; default they are waited until they arrive,

@@ -10,22 +10,28 @@ others still reduce, and reductions of consecutive waves overlap where their lin
 (on a rail cluster wave w's dK/dV crosses one rail while wave w+1's crosses another). Each rank
 runs, one thread, in order::
 
-    resend: for r in wave 0's rounds: post fetch r (after waiting r-1); wait the last
-    for w = 0 .. W:                                   rounds = wave w-1's rounds, reversed
-        for step j (max(len(rounds), 1) steps):
-            post reduce rounds[j]                      (its sends and receives in that round, if any)
-            resend: wait fetch of w+1's round in flight, post its next round
-            compute this rank's j-th share of wave w's jobs (received blocks in plan order, then own)
-            wait reduce rounds[j]
-        resend: finish wave w+1's fetch (wait, post next, ... wait the last)
+    resend: post wave 0's fetch rounds one after another (each after the one before completed)
+    for w = 0 .. W:
+        queue reduce(w-1) (rounds reversed) and resend: fetch(w+1), interleaved, behind the rest
+        for each job of wave w (received blocks in plan order, then own):
+            poll: while the head of the queue's predecessor in its own chain is complete at the
+                  rank's clock (test), post the head
+            compute the job
+        finish: post the queue up to fetch(w+1)'s last round and reduce(w-2)'s, waiting for each
+                predecessor, then wait those chains' last rounds (reduce(w-1) runs on)
 
 A job takes its query-key pairs times the backward's seconds per pair, plus one kernel launch. A
 message starts when both ends have posted it and then holds each resource of its route for its
 bytes over the resource's bandwidth, first come first served (a resource busy with an earlier
 message delays it); it arrives a route latency later. Messages are resolved in order of start
 time, after every rank has run as far as it can (a rank blocks at a wait whose messages are not
-all resolved), so a message never takes a resource before one that started earlier. The result
-is the last rank's end. The lock-step sum ``fetch(0) + sum_w max(reduce(w-1), compute(w),
+all resolved), so a message never takes a resource before one that started earlier. A test at
+clock t answers False once a message of it starts at or after t, else waits (in the simulation,
+not in simulated time) until its messages are resolved and compares their arrival with t. The
+result is the last rank's end. (The executor before polling ran one step per reverse round:
+post round j, compute the j-th equal share of the jobs, wait round j; a step lasted the longer of
+the two on the slower partner, and a rank's compute waited for its partners' reductions.) The
+lock-step sum ``fetch(0) + sum_w max(reduce(w-1), compute(w),
 fetch(w+1))`` (the model before this one) put a barrier after every wave; it cannot see that a
 wave whose reduction is one slow link's transfer delays only the ranks on that transfer's path.
 """
@@ -42,17 +48,6 @@ from megatron_fcp.planning.waves import Wave
 from megatron_fcp.topology import Topology
 
 __all__ = ["wave_timeline"]
-
-
-def _split(items: list, n: int) -> list[list]:
-    """``items`` in ``n`` consecutive parts, earlier parts one longer (the executor's ``_split``)."""
-    q, r = divmod(len(items), n)
-    out, i = [], 0
-    for j in range(n):
-        m = q + (j < r)
-        out.append(items[i:i + m])
-        i += m
-    return out
 
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
@@ -99,50 +94,61 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     W = len(waves)
 
     def program(x: int):
-        """The executor's loop for rank ``x`` as ops: ("post", ids), ("wait", ids), ("compute", s)."""
+        """The executor's loop for rank ``x`` as ops: ("post", ids), ("wait", ids), ("compute", s),
+        ("test", ids) (answered through ``send``: are they all complete at the rank's clock?)."""
         def ids(key):
             return posts.get(key, {}).get(x, [])
 
-        def fetch_steps(w: int):  # _Fetch.step, one per call: wait the round in flight, post the next
-            pending = None
-            for r in waves[w].rounds:
-                if pending:
-                    yield ("wait", pending)
-                pending = ids(("kv", w, r))
-                if pending:
-                    yield ("post", pending)
-                yield None                                    # one step done
-            if pending:
-                yield ("wait", pending)
-            yield None
+        order: list[tuple[tuple, tuple]] = []        # the executor's _Pump: (chain, message key) in post order
+        pending: dict[tuple, list[int]] = {}         # chain -> its round in flight
+        k = 0
+
+        def extend(*chains: list) -> None:
+            order.extend((c[j][:2], c[j]) for j in range(max(map(len, chains))) for c in chains if j < len(c))
+
+        def poll():
+            nonlocal k
+            while k < len(order):
+                chain, key = order[k]
+                p = pending.get(chain)
+                if p:
+                    if not (yield ("test", p)):
+                        break
+                    yield ("wait", p)
+                pending[chain] = ids(key)
+                if pending[chain]:
+                    yield ("post", pending[chain])
+                k += 1
+            # (the executor also tests each chain's last round here, to settle a wave's sums early;
+            # that changes no time: a complete round's wait returns at once, later or now)
+
+        def finish(chains: set):
+            nonlocal k
+            last = max((i for i in range(k, len(order)) if order[i][0] in chains), default=-1)
+            while k <= last:
+                chain, key = order[k]
+                if pending.get(chain):
+                    yield ("wait", pending[chain])
+                pending[chain] = ids(key)
+                if pending[chain]:
+                    yield ("post", pending[chain])
+                k += 1
+            for chain in chains:
+                if pending.get(chain):
+                    yield ("wait", pending.pop(chain))
 
         if resend and W:
-            for op in fetch_steps(0):
-                if op is not None:
-                    yield op
+            extend([("kv", 0, r) for r in waves[0].rounds])
+            yield from finish({("kv", 0)})
         for w in range(W + 1):
-            rounds = list(reversed(waves[w - 1].rounds)) if w else []
-            steps = max(len(rounds), 1)
-            todo = _split(jobs[x][w], steps) if w < W else [[] for _ in range(steps)]
-            nxt = fetch_steps(w + 1) if resend and w + 1 < W else None
-            nxt_done = nxt is None
-            for j in range(steps):
-                red = ids(("red", w - 1, rounds[j])) if j < len(rounds) else []
-                if red:
-                    yield ("post", red)
-                if not nxt_done:
-                    for op in nxt:
-                        if op is None:
-                            break
-                        yield op
-                for b in todo[j]:
-                    yield ("compute", job_s(x, b))
-                if red:
-                    yield ("wait", red)
-            if not nxt_done:
-                for op in nxt:
-                    if op is not None:
-                        yield op
+            red = [("red", w - 1, r) for r in reversed(waves[w - 1].rounds)] if w else []
+            kv = [("kv", w + 1, r) for r in waves[w + 1].rounds] if resend and w + 1 < W else []
+            extend(red, kv)
+            for b in (jobs[x][w] if w < W else []):
+                yield from poll()
+                yield ("compute", job_s(x, b))
+            # before wave w+1: its KV is here, wave w-2's reduction through (w-1's runs on); at the end, all
+            yield from finish({("kv", w + 1), ("red", w - 2)} if w < W else {("red", w - 1), ("red", w - 2)})
 
     n_msgs = len(m_src)
     posted: list[list[float]] = [[] for _ in range(n_msgs)]
@@ -155,20 +161,43 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     runnable = list(reversed(ranks))
     order: list[tuple[int, float]] = []
 
+    answer: dict[int, bool | None] = {}
+    tested: dict[int, list[int]] = {}                       # rank -> the messages its pending test asks about
+
+    def verdict(x: int, arg: list[int]) -> bool | None:
+        """A test at ``x``'s clock: False once a message starts at or after it, True/False once all
+        are resolved, None (undecided: the rank waits for the simulation to catch up) otherwise."""
+        for i in arg:
+            if len(posted[i]) == 2 and max(posted[i]) >= clock[x]:
+                return False
+        if all(fin[i] is not None for i in arg):
+            return max(fin[i] for i in arg) <= clock[x]
+        return None
+
     def run(x: int) -> None:
         g = gens[x]
         while True:
-            op = next(g, None)
-            if op is None:
+            try:
+                op = g.send(answer.pop(x, None))
+            except StopIteration:
                 return
             kind, arg = op
-            if kind == "compute":
+            if kind == "test":
+                if buffered_sends:
+                    arg = [i for i in arg if m_dst[i] == x]
+                v = verdict(x, arg) if arg else True
+                if v is None:
+                    tested[x] = arg
+                    return
+                answer[x] = v
+            elif kind == "compute":
                 clock[x] += arg
             elif kind == "post":
                 for i in arg:
                     posted[i].append(clock[x])
                     if len(posted[i]) == 2:
                         heapq.heappush(heap, (max(posted[i]), i))
+                        wake(m_src[i] if m_src[i] != x else m_dst[i])
             else:  # wait
                 if buffered_sends:
                     arg = [i for i in arg if m_dst[i] == x]
@@ -178,6 +207,16 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
                     blocked[x] = arg
                     return
                 clock[x] = max(clock[x], max(fin[i] for i in arg))
+
+    def wake(x: int) -> None:
+        """A message of ``x`` was posted by both ends or resolved: decide ``x``'s pending test."""
+        arg = tested.get(x)
+        if arg is not None:
+            v = verdict(x, arg)
+            if v is not None:
+                del tested[x]
+                answer[x] = v
+                runnable.append(x)
 
     while True:
         while runnable:
@@ -197,8 +236,10 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
                 del blocked[x]
                 clock[x] = max(clock[x], max(fin[k] for k in arg))
                 runnable.append(x)
-    if blocked:
-        raise RuntimeError(f"wave timeline: ranks {sorted(blocked)} wait on messages never posted (a bug)")
+            wake(x)
+    if blocked or tested:
+        raise RuntimeError(f"wave timeline: ranks {sorted(set(blocked) | set(tested))} wait on messages never "
+                           f"posted (a bug)")
     out = {"total_s": max(clock.values(), default=0.0), "end_s": [clock[x] for x in ranks]}
     if trace:
         out["messages"] = [(*m_key[i], m_src[i], m_dst[i], s, fin[i]) for i, s in order]
