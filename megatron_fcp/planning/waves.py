@@ -142,25 +142,24 @@ def _pace(waves: tuple[Wave, ...], work: Callable[[int, Block], float], block_by
     w_all, b_all = max(total.values(), default=0.0) or 1.0, max(got.values(), default=0) or 1
     pace = 0.0
     for wave in waves:
-        comp: dict[int, float] = {}
-        for b, x in wave.computes:
-            comp[x] = comp.get(x, 0.0) + work(x, b)
         recv: dict[int, int] = {}
         for _, t in wave.transfers:
             recv[t.dst] = recv.get(t.dst, 0) + block_bytes(t.block)
-        pace += max(max(comp.values(), default=0.0) / w_all, max(recv.values(), default=0) / b_all)
+        pace += max(_busiest(wave, work) / w_all, max(recv.values(), default=0) / b_all)
     return pace
+
+
+def _busiest(wave: Wave, work: Callable[[int, Block], float]) -> float:
+    """The busiest rank's gradient work in ``wave``."""
+    comp: dict[int, float] = {}
+    for b, x in wave.computes:
+        comp[x] = comp.get(x, 0.0) + work(x, b)
+    return max(comp.values(), default=0.0)
 
 
 def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> float:
     """Sum over waves of the busiest rank's gradient work in it (the waves' compute, run in turn)."""
-    total = 0.0
-    for wave in waves:
-        comp: dict[int, float] = {}
-        for b, x in wave.computes:
-            comp[x] = comp.get(x, 0.0) + work(x, b)
-        total += max(comp.values(), default=0.0)
-    return total
+    return sum(_busiest(wave, work) for wave in waves)
 
 
 def _pack(plan: Plan, block_bytes: Callable[[Block], int], budget: int, work: Callable[[int, Block], float],
