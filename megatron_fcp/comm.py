@@ -118,16 +118,22 @@ class GlooTransport(Transport):
 
     def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
         h = Handle(phase, round_index)
-        for t, buf in round_recvs:  # receives first: see the module docstring
-            host = _host(buf, stage=True)
-            if host is not buf:                                  # staged: copied to buf in wait()
-                h.staged.append((host, buf))
-            h.works.append(("recv", t, dist.irecv(host, src=t.src, group=self.group)))
-            h.keep_alive.append(host)
-        for t, tensor in round_sends:
-            tensor = _host(tensor.contiguous(), stage=True, copy=True)
-            h.works.append(("send", t, dist.isend(tensor, dst=t.dst, group=self.group)))
-            h.keep_alive.append(tensor)
+        kind, t = "recv", None
+        try:
+            for t, buf in round_recvs:  # receives first: see the module docstring
+                host = _host(buf, stage=True)
+                if host is not buf:                                  # staged: copied to buf in wait()
+                    h.staged.append((host, buf))
+                h.works.append(("recv", t, dist.irecv(host, src=t.src, group=self.group)))
+                h.keep_alive.append(host)
+            kind = "send"
+            for t, tensor in round_sends:
+                tensor = _host(tensor.contiguous(), stage=True, copy=True)
+                h.works.append(("send", t, dist.isend(tensor, dst=t.dst, group=self.group)))
+                h.keep_alive.append(tensor)
+        except RuntimeError as e:  # gloo refuses a post to a peer whose connection is gone
+            raise CommTimeout(f"{phase} round {round_index}: {_describe(kind, t)} failed when posted ({e}); is that "
+                              f"rank alive and running the same plan? (the group is unusable after this)") from e
         return h
 
     def wait(self, handle: Handle) -> None:

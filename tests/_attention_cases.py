@@ -101,21 +101,28 @@ def _flip(t):
 def count_problems(transport, plan, rank, kv_bytes, grad_bytes, wire_dtype=None) -> list[str]:
     """Compare what the transport saw with the plan per round: forward ``plan.sends/recvs`` (in plan
     order); backward the dK/dV returns of the backward waves (``planning.waves.plan_waves``: each
-    wave's transfers flipped, as a set per round). ``kv_bytes``/``grad_bytes``: bytes of every
+    wave's transfers flipped, as a set per round), or for a ring the streaming chain's partials and
+    homes per step (``planning.chains.chain_steps``, in order). ``kv_bytes``/``grad_bytes``: bytes of every
     message, or a function of its block (blocks of a packed batch differ in size). ``wire_dtype``:
     the dtype every message must travel in, KV and dK/dV partials alike (the input dtype)."""
+    from megatron_fcp.planning.chains import chain_steps
     from megatron_fcp.planning.waves import plan_waves
 
-    waves = plan_waves(plan, kv_bytes if callable(kv_bytes) else (lambda b: kv_bytes))
+    size = kv_bytes if callable(kv_bytes) else (lambda b: kv_bytes)
+    steps = chain_steps(plan, size)          # a ring streams (Note [Streaming chain backward]), in keep mode here
+    waves = plan_waves(plan, size) if steps is None else ()
     problems = []
     expected_total = 0
-    for r in range(len(plan.rounds)):
+    for r in range(max(len(plan.rounds), len(steps or ()))):
         carried = [t for w in waves for rr, t in w.transfers if rr == r]
+        msgs = steps[r].grad + steps[r].home if steps is not None and r < len(steps) else ()
         want = {
-            ("forward", "send"): plan.sends(rank, r),
-            ("forward", "recv"): plan.recvs(rank, r),
-            ("backward", "send"): tuple(_flip(t) for t in carried if t.dst == rank),
-            ("backward", "recv"): tuple(_flip(t) for t in carried if t.src == rank),
+            ("forward", "send"): plan.sends(rank, r) if r < len(plan.rounds) else (),
+            ("forward", "recv"): plan.recvs(rank, r) if r < len(plan.rounds) else (),
+            ("backward", "send"): tuple(_flip(t) for t in carried if t.dst == rank) + tuple(t for t in msgs
+                                                                                          if t.src == rank),
+            ("backward", "recv"): tuple(_flip(t) for t in carried if t.src == rank) + tuple(t for t in msgs
+                                                                                          if t.dst == rank),
         }
         for (phase, kind), expected in want.items():
             got = transport.transfers(phase, r, kind)

@@ -123,7 +123,16 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
         # partials of several waves: Note [Backward waves])
         bwd = {(p.round_index, Transfer(p.transfer.dst, p.transfer.src, p.transfer.block))
                for p in transport.posted if p.phase == "backward"}
-        res["stage_posts"] = ((len(fwd), set(fwd) == want, bwd == want), (len(want), True, True))
+        from megatron_fcp.planning.chains import chain_steps
+
+        steps = chain_steps(plan_j, lambda b: 1)   # chains stream instead (Note [Streaming chain backward])
+        if steps is not None:
+            bwd = {(p.round_index, p.transfer) for p in transport.posted if p.phase == "backward"}
+            want_bwd = {(s, t) for s, st in enumerate(steps) for t in st.grad + st.home if rank in (t.src, t.dst)}
+            bwd = bwd == want_bwd and bool(want_bwd)
+        else:
+            bwd = bwd == want
+        res["stage_posts"] = ((len(fwd), set(fwd) == want, bwd), (len(want), True, True))
     if case.dtype == "fp64":
         again = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
                                             hp_plan=hp, groups=hp_groups.get(key), causal=case.causal)

@@ -1,9 +1,11 @@
 """Fault drills on real gloo processes: a CP rank SIGKILLed in the middle of attention.
 
 One world of 6 processes, two CP groups of 3 side by side: in {0, 1, 2} rank 1 kills itself
-(SIGKILL) as it posts forward round 1, in {3, 4, 5} rank 4 kills itself as it posts the second
-backward round. Every other rank of each group must raise CommTimeout naming phase, round, peer,
-block and plan within ``timeout + 10 s``, and no process may be left behind. The warm-up call of
+(SIGKILL) as it posts forward round 1, in {3, 4, 5} rank 4 kills itself as it posts its first
+backward round (the ring's streaming backward, step 0). Every other rank of each group must raise
+CommTimeout naming phase, round, peer, block and plan within ``timeout + 10 s`` -- whether it
+finds the peer gone while waiting or already when posting (gloo refuses a send to a closed
+connection) -- and no process may be left behind. The warm-up call of
 each group agrees on the plan, so the drill's call skips the agreement and dies in the transfers.
 """
 

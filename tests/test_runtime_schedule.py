@@ -85,22 +85,31 @@ def test_auto_decides_keep_or_resend_as_the_executor_does():
 
 def test_the_benchmarks_default_is_unchanged():
     """choose_head_parallel without ``backward`` prices the one-pass backward, as before (a = 2 at
-    32K on dgx-h100:2); the wave backward the runtime runs picks differently there (a = 4, its
-    4-rank KV stage re-sent in waves, 2% ahead of a = 8, which has no KV stage)."""
+    32K on dgx-h100:2, a hierarchical KV stage); the backward the runtime runs picks differently
+    there: a = 2 with a ring KV stage, whose backward streams (Note [Streaming chain backward];
+    a hierarchical stage's would re-send in waves), 0.5% ahead of a = 4's ring."""
     shape = AttentionShape(32768, 32, 8, 128, 2)
-    assert choose_head_parallel("dgx-h100:2", range(16), shape).degree == 2
+    hp = choose_head_parallel("dgx-h100:2", range(16), shape)
+    assert hp.degree == 2 and hp.kv_plan.name == "hierarchical"
     runtime = choose_schedule("dgx-h100:2", range(16), shape, backward=WaveBackward())
-    assert runtime.degree == 4 and runtime.backward_kv == "resend"
+    assert (runtime.degree, runtime.plan.kv_plan.name, runtime.backward_kv) == (2, "ring", "resend")
+    assert runtime.runner_up[0].startswith("a=4 graph=ring")
 
 
 # ---- the runtime runs the choice ---------------------------------------------------------------------------
 def test_runtime_runs_the_choice_with_uneven_parts():
-    """dgx-h100:1, cp = 8, chunks of 2731 tokens: the planner picks a = 1 with uneven parts per
-    chunk (resend in waves); the runtime's settled plan of every CP group is the planner's."""
+    """dgx-h100:1, cp = 8, chunks of 2731 tokens, ``--fcp-graph full``: the planner picks a = 1 with
+    uneven parts per chunk (resend in waves); the runtime's settled plan of every CP group is the
+    planner's. (Unconstrained it picks the ring, whose backward streams whole chunks.)"""
     seq = 2 * 8 * ODD_CHUNK
-    want = choose_schedule("dgx-h100:1", range(8), AttentionShape(seq, 32, 8, 128, 2), backward=WaveBackward())
+    shape = AttentionShape(seq, 32, 8, 128, 2)
+    ring = choose_schedule("dgx-h100:1", range(8), shape, backward=WaveBackward())
+    assert ring.label == "a=1 graph=ring parts=1" and ring.backward_form == "chain"
+    assert "backward resend streamed hop by hop" in ring.describe()
+    want = choose_schedule("dgx-h100:1", range(8), shape, graph="full", backward=WaveBackward())
     assert (want.degree, want.backward_kv) == (1, "resend") and want.parts > 1 and ODD_CHUNK % want.parts
-    rt = _setup("dgx-h100:1", 8, seq)
+    assert want.backward_form == "waves"
+    rt = _setup("dgx-h100:1", 8, seq, graph="full")
     assert rt.schedule == want and rt.head_parallel_degree() == 1
     assert rt.parts_per_chunk(seq // 8) == want.parts
     plan = rt.plans[(tuple(range(8)), True, want.parts)]
@@ -109,9 +118,9 @@ def test_runtime_runs_the_choice_with_uneven_parts():
 
 
 @pytest.mark.parametrize("topology, cp, seq, tp, label", [
-    ("dgx-h100:2", 16, 32768, 1, "a=4 graph=hierarchical parts=1"),
+    ("dgx-h100:2", 16, 32768, 1, "a=2 graph=ring parts=1"),
     ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, "a=4 graph=leader parts=1 stagger=8"),
-    ("dgx-h100:2", 8, 32768, 2, None),
+    ("single-uplink:2", 8, 32768, 2, None),
 ])
 def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, tp, label):
     """Degree, KV-stage graph and stagger: the runtime's stage plan of CP group 0 (built at setup)
@@ -167,10 +176,11 @@ def test_no_shapes_no_choice():
 
 def test_the_choice_is_logged_reported_and_agreed(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_fcp"):
-        rt = _setup("dgx-h100:1", 8, 2 * 8 * ODD_CHUNK)
+        rt = _setup("dgx-h100:1", 8, 2 * 8 * ODD_CHUNK, graph="full")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FCP schedule")]
     assert len(lines) == 1 and rt.schedule.label in lines[0] and "runner-up" in lines[0], lines
     assert "predicted fwd+bwd" in lines[0] and "backward resend in waves" in lines[0]
+    assert rt.schedule_report()["backward_form"] == "waves"
     summary = rt.summary(0)
     assert f"schedule: {rt.schedule.label}" in summary and "runner-up" in summary
     report = rt.schedule_report()

@@ -44,6 +44,10 @@ GPU not measured).
 
 Under ``keep`` the blocks come from what the forward saved and nothing is fetched.
 
+A plan whose blocks all travel chains (the ring) does not use waves: it streams one hop per step
+(Note [Streaming chain backward] in :mod:`megatron_fcp.planning.chains`; the executor picks by
+:func:`~megatron_fcp.planning.chains.chain_steps`, as the cost model does).
+
 Memory. A rank holds received KV of at most two waves (w computing, w+1 arriving); each wave
 brings a rank at most half of the largest shard's K and V, so the two hold no more than
 Transformer Engine's ring has in flight beside its own KV (one shard) -- unless a single block is
@@ -147,7 +151,7 @@ class _Fetch:
         recvs = [(t, torch.empty(ex._kv_shape(t.block, self.k), dtype=self.k.dtype, device=self.k.device))
                  for t in ex.plan.recvs(ex.rank, nxt) if wave.has(nxt, t)]
         self.bytes_sent += sum(_nbytes(x) for _, x in sends)
-        self.pending = (ex.transport.post(sends, recvs, round_index=nxt, phase="resend"), recvs)
+        self.pending = (ex._post(sends, recvs, round_index=nxt, phase="resend"), recvs)
         self.i += 1
         self._drop(nxt)
 
@@ -283,7 +287,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         recvs = [(_flip(t), torch.empty(ex._kv_shape(t.block, k), dtype=wire, device=k.device))
                  for t in plan.sends(rank, r) if wave.has(r, t)]
         out["bytes_sent"] += sum(_nbytes(x) for _, x in sends)
-        return ex.transport.post(sends, recvs, round_index=r, phase="backward"), recvs
+        return ex._post(sends, recvs, round_index=r, phase="backward"), recvs
 
     def jobs(wave: Wave) -> list[Block]:
         """This rank's gradients in ``wave``: received blocks in plan order, then its own."""

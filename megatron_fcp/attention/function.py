@@ -71,6 +71,8 @@ import torch
 
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.backward_waves import plan_waves, run_backward_waves
+from megatron_fcp.attention.backward_chain import run_backward_chain
+from megatron_fcp.planning.chains import chain_steps
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
@@ -206,13 +208,23 @@ class _Executor:
         if self.stats is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def _post(self, sends, recvs, *, round_index: int, phase: str):
+        try:
+            return self.transport.post(sends, recvs, round_index=round_index, phase=phase)
+        except CommTimeout as exc:  # a peer already gone: the same words as a failed wait
+            raise self._with_plan(exc) from exc
+
+    def _with_plan(self, exc: CommTimeout) -> CommTimeout:
+        """``exc`` with what only the executor knows: the plan."""
+        return CommTimeout(f"{exc} [plan {self.plan.name!r} over CP ranks {list(self.plan.ranks)}, "
+                           f"{self.num_rounds} rounds, on rank {self.rank}]")
+
     def _wait(self, handle) -> float:
         t0 = time.perf_counter()
         try:
             self.transport.wait(handle)
         except CommTimeout as exc:  # add what only the executor knows: the plan
-            raise CommTimeout(f"{exc} [plan {self.plan.name!r} over CP ranks {list(self.plan.ranks)}, "
-                              f"{self.num_rounds} rounds, on rank {self.rank}]") from exc
+            raise self._with_plan(exc) from exc
         return time.perf_counter() - t0
 
     def _kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]:
@@ -257,7 +269,7 @@ class _Executor:
             recvs = [(t, torch.empty(self._kv_shape(t.block, k), dtype=k.dtype, device=k.device))
                      for t in self.plan.recvs(self.rank, r)]
             bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
-            return self.transport.post(sends, recvs, round_index=r, phase=phase), recvs
+            return self._post(sends, recvs, round_index=r, phase=phase), recvs
 
         pending = post(0) if self.num_rounds else None
         on_local({b: have[b] for b in self.local_blocks})
@@ -364,9 +376,14 @@ class _Executor:
             return torch.stack([dk_b, dv_b])                                     # [2, blk, b, h_kv, d]
 
         per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
-        waves = plan_waves(self.plan, lambda blk: lay.block_tokens(blk) * per_token,
-                           cache_key=(tuple(k.shape), per_token, id(getattr(lay, "placement", None))))
-        res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype)  # partials sent in q's dtype
+        size = lambda blk: lay.block_tokens(blk) * per_token  # noqa: E731
+        key = (tuple(k.shape), per_token, id(getattr(lay, "placement", None)))
+        waves = chain_steps(self.plan, size, cache_key=key)  # a ring: Note [Streaming chain backward]
+        if waves is not None:
+            res = run_backward_chain(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype)
+        else:
+            waves = plan_waves(self.plan, size, cache_key=key)
+            res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype)  # partials in q's dtype
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
             held = res["peak"] if kept is None else sum(x.numel() * x.element_size() for x in kept.values())

@@ -7,7 +7,8 @@ CP group 0, with the run's shape (``--seq-length``, query and KV heads per tenso
 head dim, the parameters' dtype). It asks
 :func:`~megatron_fcp.planning.head_parallel_choose.choose_schedule` for the best candidate of
 Note [Choosing the head-parallel degree] by predicted forward + backward time, the backward priced
-as the executor will run it: wave by wave (Note [Backward waves]), KV kept or re-sent as
+as the executor will run it: a ring streamed hop by hop (Note [Streaming chain backward]), other
+graphs wave by wave (Note [Backward waves]), KV kept or re-sent as
 ``--fcp-backward-kv`` / ``--fcp-kv-memory-budget`` decide for each candidate's plan
 (:class:`~megatron_fcp.planning.waves.WaveBackward`). The flags are the constraints:
 
@@ -91,6 +92,7 @@ def schedule_report(choice: ScheduleChoice | None) -> dict | None:
         return None
     return {"label": choice.label, "head_parallel": choice.degree, "graph": choice.graph, "parts": choice.parts,
             "stagger": choice.stagger, "seq_len": choice.seq_len, "backward_kv": choice.backward_kv,
+            "backward_form": choice.backward_form,
             "predicted_ms": round(choice.total_s * 1e3, 4), "predicted_fwd_ms": round(choice.fwd_s * 1e3, 4),
             "predicted_bwd_ms": round(choice.bwd_s * 1e3, 4),
             "runner_up": None if choice.runner_up is None else

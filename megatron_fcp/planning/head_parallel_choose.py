@@ -197,7 +197,9 @@ class ScheduleChoice:
     builder name; for ``a = cp`` there is no stage and it is unused), ``parts`` per zigzag chunk
     (``a = 1``), ``stagger`` (``a > 1``), the predicted ``total_s`` = ``fwd_s`` + ``bwd_s`` and the
     ``backward_kv`` mode they were priced with (None: the one-pass model), ``seq_len`` (padded as
-    Megatron pads) and ``runner_up``: the best other candidate as ``(label, total_s)``, or None."""
+    Megatron pads), ``runner_up``: the best other candidate as ``(label, total_s)``, or None, and
+    ``backward_form``: ``"chain"`` where the KV stage is a ring whose backward streams (Note
+    [Streaming chain backward] in planning/chains.py), ``"waves"`` otherwise (None: one pass)."""
 
     plan: HeadParallelPlan
     degree: int
@@ -211,10 +213,12 @@ class ScheduleChoice:
     backward_kv: str | None
     seq_len: int
     runner_up: tuple[str, float] | None = None
+    backward_form: str | None = None   # "chain" (a ring's streaming backward) or "waves"; None: one pass
 
     def describe(self) -> str:
         """One line: the choice, its predicted time and the runner-up's."""
-        kv = f", backward {self.backward_kv} in waves" if self.backward_kv else ""
+        form = "streamed hop by hop" if self.backward_form == "chain" else "in waves"
+        kv = f", backward {self.backward_kv} {form}" if self.backward_kv else ""
         up = f"; runner-up {self.runner_up[0]} {self.runner_up[1] * 1e3:.4g} ms" if self.runner_up else ""
         return (f"{self.label}: predicted fwd+bwd {self.total_s * 1e3:.4g} ms (fwd {self.fwd_s * 1e3:.4g} + bwd "
                 f"{self.bwd_s * 1e3:.4g}{kv}){up}")
@@ -251,7 +255,8 @@ def choose_schedule(
         label=res.meta["label"], total_s=res.total_s, fwd_s=res.meta["fwd_total_s"], bwd_s=res.meta["bwd_total_s"],
         backward_kv=res.meta.get("backward_kv") if backward is not None and hp.kv_plan is not None else None,
         seq_len=pad_for_zigzag(shape, hp.cp)[0].seq_len,
-        runner_up=None if up is None else (up.meta["label"], up.total_s))
+        runner_up=None if up is None else (up.meta["label"], up.total_s),
+        backward_form=res.meta.get("backward_form") if backward is not None and hp.kv_plan is not None else None)
 
 
 def _with_auto(hp: HeadParallelPlan, auto: tuple) -> HeadParallelPlan:

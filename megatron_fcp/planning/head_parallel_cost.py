@@ -178,6 +178,7 @@ def simulate_head_parallel(
         if backward is not None and hp.kv_plan is not None and sp.rounds:  # a = cp: no executor, no waves
             kv = _wave_backward(kv, sp, topo, sshape, cm, backward, grad_dtype_bytes, round_overhead_s)
             meta["backward_kv"] = kv.meta["backward_kv"]
+            meta["backward_form"] = kv.meta["backward_form"]
         bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
         meta["bwd_total_s"] = bwd.total_s
         meta["bwd_comm_s"] = bwd.comm_s
@@ -199,7 +200,7 @@ def _wave_backward(one_pass: SimResult, sp: Plan, topo: Topology, shape: Attenti
                                 kv_memory_budget=backward.kv_memory_budget, micro_batch=backward.micro_batch,
                                 buffered_sends=backward.buffered_sends)
     one_pass.meta.update(backward_kv=w["backward_kv"], backward_waves=w["waves"], resend_s=w["resend_s"],
-                         one_pass_bwd_s=one_pass.total_s)
+                         one_pass_bwd_s=one_pass.total_s, backward_form=w.get("backward", "waves"))
     one_pass.total_s = w["bwd_s"]
     one_pass.compute_s = float(sum(w["wave_compute_s"]))
     one_pass.comm_s = float(sum(w["wave_reduce_s"]) + w["resend_s"])

@@ -87,6 +87,7 @@ from megatron_fcp.planning.cost import (
     simulate_rounds,
 )
 from megatron_fcp.planning.blocks import part_tokens
+from megatron_fcp.planning.chains import chain_steps, chain_timeline
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
@@ -446,6 +447,23 @@ def simulate_backward_waves(
     kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
     size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731
     backward_kv = choose_backward_kv(backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget)
+    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * BACKWARD_FLOP_RATIO
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    if pl is not None:
+        pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
+    else:
+        pairs = lambda x, blk: int(_block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
+                                                pos[blk.owner], blk.chunk, blk.part, plan.causal))
+    grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+
+    def job_s(x: int, blk) -> float:
+        p = pairs(x, blk)
+        return p * flop_s + cm.kernel_overhead_s if p else 0.0
+
+    steps = chain_steps(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))
+    if steps is not None:  # Note [Streaming chain backward]
+        return _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok, job_s,
+                               round_overhead_s, plan)
     waves = plan_waves(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     comp, red, fetch, held = [], [], [], []
@@ -463,19 +481,6 @@ def simulate_backward_waves(
                 got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
         held.append(got)
     W = len(waves)
-    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * BACKWARD_FLOP_RATIO
-    pos = {r: i for i, r in enumerate(plan.ranks)}
-    if pl is not None:
-        pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
-    else:
-        pairs = lambda x, blk: int(_block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
-                                                pos[blk.owner], blk.chunk, blk.part, plan.causal))
-    grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
-
-    def job_s(x: int, blk) -> float:
-        p = pairs(x, blk)
-        return p * flop_s + cm.kernel_overhead_s if p else 0.0
-
     total = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
                           job_s=job_s, resend=backward_kv == "resend", round_overhead_s=round_overhead_s,
                           buffered_sends=buffered_sends)["total_s"]
@@ -486,3 +491,26 @@ def simulate_backward_waves(
                         for i in range(W) for r in plan.ranks), default=0.0)
     return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp, "wave_reduce_s": red,
             "wave_resend_s": fetch, "held_kv_bytes_max": held_max}
+
+
+def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,
+                    plan: Plan) -> dict:
+    """:func:`simulate_backward_waves`'s result for a chain plan (Note [Streaming chain backward]
+    in :mod:`megatron_fcp.planning.chains`): ``waves`` counts the steps; held KV under resend is
+    the most a rank receives in two consecutive steps (keep: its need set)."""
+    resend = backward_kv == "resend"
+    res = chain_timeline(steps, topo, kv_bytes=size, grad_bytes=grad_bytes, job_s=job_s, resend=resend,
+                         round_overhead_s=round_overhead_s)
+    if resend:
+        got = [{} for _ in steps]
+        for g, st in zip(got, steps):
+            for t in st.kv:
+                g[t.dst] = g.get(t.dst, 0) + size(t.block)
+        held_max = max((got[i].get(r, 0) + got[i + 1].get(r, 0) for i in range(len(steps) - 1)
+                        for r in plan.ranks), default=0)
+    else:
+        held_max = max((sum(size(b) for b in plan.needs(r)) for r in plan.ranks), default=0)
+    return {"bwd_s": res["total_s"], "backward_kv": backward_kv, "resend_s": res["resend_s"], "waves": len(steps),
+            "wave_compute_s": res["compute_s"], "wave_reduce_s": res["comm_s"],
+            "wave_resend_s": [0.0] * len(steps), "held_kv_bytes_max": held_max, "backward": "chain"}
+

@@ -1,0 +1,193 @@
+"""The streaming backward of a plan whose blocks travel in chains (the ring). Pure, no ``torch``.
+
+Note [Streaming chain backward]
+-------------------------------
+In a ring plan every block travels a *chain*: its owner sends it to one rank, that rank forwards
+it to one more, and so on to its last reader (no rank sends a block twice). The wave backward
+(Note [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`) re-sends each wave's
+blocks from their owners and returns every partial along the whole path, so a block read k hops
+away crosses k links twice in *every* wave that needs it: on a ring of n ranks the backward moves
+O(n^2) blocks per link where Transformer Engine's ring moves O(n) (priced: pcie-box, one node,
+cp = 8, 128K, GQA 32:8: 0.289 s against the one-pass ring's 0.110 s). A chain streams instead, as
+TE's ring does: each rank passes the block on once and the dK/dV partial follows it, one hop
+behind, accumulating::
+
+    owner v0 -> v1 -> ... -> vk          KV (resend only: the forward's transfers again)
+    acc_1 = p_1; acc_i = p_i + acc_(i-1) (FP32, sent in the input dtype: rounded once per hop)
+    vk -> v0                             the chain's sum goes home; the owner adds its own partial
+
+**Steps.** The plan's rounds are cut into *sub-rounds* in plan order, each bringing a rank at most
+``budget`` bytes of K and V (:func:`~megatron_fcp.planning.waves.wave_budget`, half the largest
+shard; a larger block alone). With J sub-rounds the backward runs steps 0 .. J+1; step s posts
+one round of messages, computes, then waits for them:
+
+* KV: sub-round s's transfers (resend only; under ``keep`` the blocks come from the forward);
+* compute: the blocks received in sub-round s-1 that the rank reads (plan order); at step 0 the
+  rank's own blocks up to half their work, the rest at the last step (so the first sub-round's
+  KV and the last homes overlap work);
+* partials: for a hop ``v_i -> v_(i+1)`` of sub-round j (i >= 1), ``acc_i`` at step j+1: v_i
+  computed its partial at step j_i + 1 <= j and received ``acc_(i-1)`` at the end of that step;
+  no message while no rank of v_1..v_i reads the block (pure relays so far);
+* home: ``vk -> v0`` at step j_k + 2, when vk has its partial and ``acc_(k-1)``.
+
+A rank holds received KV of two sub-rounds (computing s-1, receiving s: one shard, as the waves'
+two half-shard waves) plus a relayed block until its forward is posted; partials until they are
+sent. Both KV modes walk the same steps, so ``keep`` and ``resend`` agree bit for bit (a relay's
+``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
+
+**Cost** (:func:`simulate_backward_chain`): lock-step like the model of TE's ring
+(:func:`~megatron_fcp.planning.packed_cost._ring_backward`): each step lasts the longer of its
+busiest rank's compute and its messages' time under contention.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from megatron_fcp.planning.blocks import Block, Transfer
+from megatron_fcp.planning.cost import simulate_rounds
+from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.waves import block_work, wave_budget
+from megatron_fcp.topology import Topology
+
+__all__ = ["ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline"]
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One step of the streaming chain backward (Note [Streaming chain backward]). Every rank
+    derives the same steps from the plan, so the i-th message between a pair matches in order."""
+
+    kv: tuple[Transfer, ...]                  # KV hops (resend), plan order
+    grad: tuple[Transfer, ...]                # accumulated dK/dV partial, v_i -> v_(i+1)
+    home: tuple[Transfer, ...]                # a chain's sum, its last reader -> the owner
+    computes: tuple[tuple[Block, int], ...]   # (block, rank): gradient jobs of the step, in order
+
+
+def chain_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
+    """The largest shard's K and V: a sub-round brings a rank at most that, so two sub-rounds alive
+    hold what Transformer Engine's ring backward allocates (two buffers of one shard's KV)."""
+    return 2 * wave_budget(plan, block_bytes)
+
+
+def chain_routes(plan: Plan) -> dict[Block, tuple[tuple[int, Transfer], ...]] | None:
+    """Each block's transfers in plan order when every block travels a chain (its owner and each
+    reader send it at most once, each hop from the rank the block last reached), else None."""
+    routes: dict[Block, list[tuple[int, Transfer]]] = {}
+    for r, t in plan.transfers():
+        hops = routes.setdefault(t.block, [])
+        at = hops[-1][1].dst if hops else t.block.owner
+        if t.src != at:
+            return None
+        hops.append((r, t))
+    return {b: tuple(h) for b, h in routes.items()}
+
+
+def _sub_rounds(plan: Plan, routes: dict, block_bytes: Callable[[Block], int], budget: int) -> dict[Transfer, int]:
+    """Sub-round index of every transfer: each plan round cut, in plan order, so that a rank
+    receives at most ``budget`` bytes per sub-round (a larger block alone)."""
+    sub: dict[Transfer, int] = {}
+    base = 0
+    for rnd in plan.rounds:
+        slot: dict[int, int] = {}       # dst -> its current sub-round (relative)
+        got: dict[int, int] = {}        # dst -> bytes in it
+        for t in rnd:
+            n = block_bytes(t.block)
+            j = slot.get(t.dst, 0)
+            if got.get(t.dst, 0) and got[t.dst] + n > budget:
+                j, got[t.dst] = j + 1, 0
+            slot[t.dst] = j
+            got[t.dst] = got.get(t.dst, 0) + n
+            sub[t] = base + j
+        base += max(slot.values(), default=-1) + 1
+    return sub
+
+
+def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
+                cache_key: Hashable = None) -> tuple[ChainStep, ...] | None:
+    """The steps of Note [Streaming chain backward], or None when the plan's blocks do not all
+    travel chains (or nothing travels). ``block_bytes``: one block's K and V; ``budget``: bytes a
+    rank receives per sub-round (default half the largest shard). cache_key: what ``block_bytes``
+    depends on besides the plan; with it the steps are computed once per plan object and key."""
+    key = (id(plan), budget, cache_key)
+    hit = _STEPS.get(key)
+    if cache_key is not None and hit is not None and hit[0]() is plan:
+        return hit[1]
+    steps = _build(plan, block_bytes, budget)
+    if cache_key is not None:
+        if len(_STEPS) > 1024:
+            _STEPS.clear()
+        _STEPS[key] = (weakref.ref(plan), steps)
+    return steps
+
+
+_STEPS: dict[tuple, tuple[weakref.ref, tuple[ChainStep, ...] | None]] = {}
+
+
+def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None) -> tuple[ChainStep, ...] | None:
+    routes = chain_routes(plan)
+    if not routes:
+        return None
+    if budget is None:
+        budget = chain_budget(plan, block_bytes)
+    sub = _sub_rounds(plan, routes, block_bytes, budget)
+    J = max(sub.values()) + 1
+    S = J + 2                                                    # steps 0 .. J+1
+    kv: list[list[Transfer]] = [[] for _ in range(S)]
+    grad: list[list[Transfer]] = [[] for _ in range(S)]
+    home: list[list[Transfer]] = [[] for _ in range(S)]
+    comp: list[list[tuple[Block, int]]] = [[] for _ in range(S)]
+    needs = {x: plan.needs(x) for x in plan.ranks}
+    for _, t in plan.transfers():                                # plan order within each step
+        kv[sub[t]].append(t)
+        if t.block in needs[t.dst]:
+            comp[sub[t] + 1].append((t.block, t.dst))
+    for b, hops in routes.items():
+        read = False
+        for i, (_, t) in enumerate(hops):
+            read = read or t.block in needs[t.dst]
+            if i + 1 < len(hops):
+                if read:                                         # acc_i: v_i -> v_(i+1), one step behind the KV
+                    nxt = hops[i + 1][1]
+                    grad[sub[nxt] + 1].append(nxt)
+            elif read:
+                home[sub[t] + 2].append(Transfer(t.dst, b.owner, b))
+    work = block_work(plan)
+    for x in plan.ranks:                                         # own blocks: half the work first, the rest last
+        own = list(plan.local_blocks(x))
+        total, done, first = sum(work(x, b) for b in own), 0.0, []
+        for b in own:
+            if first and done + work(x, b) > total / 2:
+                break
+            first.append(b)
+            done += work(x, b)
+        comp[0] += [(b, x) for b in first]
+        comp[S - 1] += [(b, x) for b in own[len(first):]]
+    return tuple(ChainStep(tuple(kv[s]), tuple(grad[s]), tuple(home[s]), tuple(comp[s])) for s in range(S))
+
+
+def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Callable[[Block], float],
+                   grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
+                   round_overhead_s: float = 0.0) -> dict:
+    """Lock-step time of ``steps`` (Note [Streaming chain backward]): per step the longer of the
+    busiest rank's jobs and the step's messages (KV when ``resend``, partials, homes) under
+    contention. Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
+    messages alone, summed)."""
+    total = resend_s = 0.0
+    comps, comms = [], []
+    for st in steps:
+        busy: dict[int, float] = {}
+        for b, x in st.computes:
+            busy[x] = busy.get(x, 0.0) + job_s(x, b)
+        c = max(busy.values(), default=0.0)
+        msgs = [(t.src, t.dst, grad_bytes(t.block)) for t in st.grad + st.home]
+        kvm = [(t.src, t.dst, kv_bytes(t.block)) for t in st.kv] if resend else []
+        m = simulate_rounds(topo, [msgs + kvm], round_overhead_s).comm_s if msgs or kvm else 0.0
+        if kvm:
+            resend_s += simulate_rounds(topo, [kvm], round_overhead_s).comm_s
+        comps.append(c)
+        comms.append(m)
+        total += max(c, m)
+    return {"total_s": total, "compute_s": comps, "comm_s": comms, "resend_s": resend_s}
