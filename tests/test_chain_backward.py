@@ -41,6 +41,27 @@ def test_ring_blocks_travel_chains_and_trees_do_not():
     assert chain_steps(ring_plan((0,), causal=True), lambda b: 1) is None          # nothing travels
 
 
+def test_only_balanced_chains_stream():
+    """A zigzag ring keeps every rank in step (pace 1.0: each step one owner's two chunks); a packed
+    batch's ring does not (big blocks reach ranks at different steps: pace 4.9), so it runs in
+    waves -- the cost model priced its streaming backward at 3x the waves' (cp = 16, lognormal
+    8.0/1.2)."""
+    from megatron_fcp.planning import lognormal_lengths, place_packed
+    from megatron_fcp.planning.chains import CHAIN_PACE, _build
+    from megatron_fcp.planning.packed_cost import simulate_backward_waves
+
+    for cp, parts in ((4, 1), (8, 2), (16, 1)):
+        assert chain_steps(ring_plan(range(cp), True, parts), lambda b: 100) is not None
+    shape = AttentionShape(1, 64, 8, 128, 2)
+    pl = place_packed(lognormal_lengths(8.0, 1.2, 32768 * 16, 0), 16)
+    plan = build_plan("dgx-h100:2", range(16), "ring", placement=pl)
+    assert chain_routes(plan) is not None and chain_steps(plan, _size(plan)) is None
+    assert _build(plan, _size(plan), None, math.inf) is not None      # a chain, but unbalanced
+    assert 1.25 < CHAIN_PACE < 4  # staggered stage rings stream, packed rings (4-14) do not
+    waves = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="resend")
+    assert waves.get("backward", "waves") == "waves"
+
+
 def _plans():
     yield "ring8", ring_plan(range(8), causal=True)
     yield "ring5-noncausal-3parts", ring_plan(range(5), causal=False, parts_per_chunk=3)
@@ -69,7 +90,7 @@ def build_graph_2x4():
 @pytest.mark.parametrize("name, plan", list(_plans()), ids=lambda x: x if isinstance(x, str) else "")
 def test_steps_keep_every_hop_in_order(name, plan):
     size = _size(plan)
-    steps = chain_steps(plan, size)
+    steps = chain_steps(plan, size, pace=math.inf)   # the order of hops, balanced or not
     assert steps is not None, name
     at: dict = {}                                   # (kind, block, rank or hop) -> step
     for s, st in enumerate(steps):
@@ -154,20 +175,28 @@ def test_streaming_ring_matches_fp64_reference_and_keep_is_resend(name, cp, part
         assert r.stats.resend_bytes_sent == 0
 
 
-def test_streaming_ring_over_a_packed_batch_matches_the_reference():
-    """THD placement, documents kept whole or split, ring graph: per-document FP64 reference."""
-    plan, pl = _placement_ring(4)
-    q, k, v, do = _inputs("packed", pl.total_tokens, 4, 2, packed=True)
+@pytest.mark.parametrize("docs, block_tokens, causal", [([64, 64], 8, True), ([60, 4], 4, False)])
+def test_streaming_ring_over_a_packed_batch_matches_the_reference(docs, block_tokens, causal):
+    """THD placements whose ring streams (balanced: documents split evenly, or no causal mask):
+    per-document FP64 reference for out, lse, dq, dk, dv; keep and resend bit for bit."""
+    from megatron_fcp.planning import build_graph, place_packed
+    from megatron_fcp.topology import load_topology
+
+    pl = place_packed(docs, 4, block_tokens=block_tokens, causal=causal)
+    plan = compile_plan(build_graph(load_topology("pcie-box:1"), [0, 1, 2, 3], "ring"), causal=causal, placement=pl)
+    assert chain_steps(plan, _size(plan)) is not None
+    q, k, v, do = _inputs(f"packed{docs}", pl.total_tokens, 4, 2, packed=True)
     scale = 1.0 / math.sqrt(q.shape[-1])
     outs = []
     for mode in ("keep", "resend"):
-        res = harness_attention(q, k, v, do, cp=4, plan=plan, placement=pl, causal=True, softmax_scale=scale,
-                                backward_kv=mode)
+        res = harness_attention(q, k, v, do, cp=4, plan=plan, placement=pl, causal=causal, softmax_scale=scale,
+                                backward_kv=mode, stats=True)
+        assert all(r.stats.backward_waves == len(chain_steps(plan, _size(plan))) for r in res.ranks)
         outs.append(res)
         start = 0
         for n_tok in pl.doc_lengths:
             sl = slice(start, start + n_tok)
-            ref = reference_attention(*(x[sl].unsqueeze(1) for x in (q, k, v)), causal=True, scale=scale,
+            ref = reference_attention(*(x[sl].unsqueeze(1) for x in (q, k, v)), causal=causal, scale=scale,
                                       dout=do[sl].unsqueeze(1))
             for n in QUANTITIES:
                 got = res.gathered(n)

@@ -35,7 +35,17 @@ two half-shard waves) plus a relayed block until its forward is posted; partials
 sent. Both KV modes walk the same steps, so ``keep`` and ``resend`` agree bit for bit (a relay's
 ``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
 
-**Cost** (:func:`simulate_backward_chain`): lock-step like the model of TE's ring
+**Balance.** Steps run in lock-step with the forward's rounds, so a rank's work per step is set by
+the plan: a zigzag ring (or a head-parallel stage's ring of zigzag chunks) gives every rank one
+owner's two chunks per step, equal work; a packed batch's blocks differ and reach ranks at different
+steps, and the busiest rank of each step adds up (a cp = 16 packed ring, lognormal 8.0/1.2: 4.9x
+the busiest rank's work, 3x the waves' backward). :func:`chain_steps` keeps the chain only while the
+sum over steps of the busiest rank's work stays within :data:`CHAIN_PACE` of the busiest rank's
+total; otherwise the plan runs in waves. (A staggered stage ring's milder imbalance, up to 1.25,
+is priced by the lock-step cost model like any other step.) The test
+reads only the plan, so every rank and the cost model decide alike.
+
+**Cost** (:func:`chain_timeline`): lock-step like the model of TE's ring
 (:func:`~megatron_fcp.planning.packed_cost._ring_backward`): each step lasts the longer of its
 busiest rank's compute and its messages' time under contention.
 """
@@ -52,7 +62,7 @@ from megatron_fcp.planning.plan import Plan
 from megatron_fcp.planning.waves import block_work, wave_budget
 from megatron_fcp.topology import Topology
 
-__all__ = ["ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline"]
+__all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline"]
 
 
 @dataclass(frozen=True)
@@ -106,16 +116,18 @@ def _sub_rounds(plan: Plan, routes: dict, block_bytes: Callable[[Block], int], b
 
 
 def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
-                cache_key: Hashable = None) -> tuple[ChainStep, ...] | None:
+                cache_key: Hashable = None, pace: float | None = None) -> tuple[ChainStep, ...] | None:
     """The steps of Note [Streaming chain backward], or None when the plan's blocks do not all
-    travel chains (or nothing travels). ``block_bytes``: one block's K and V; ``budget``: bytes a
+    travel chains, nothing travels, or the steps would unbalance the work (:data:`CHAIN_PACE`). ``block_bytes``: one block's K and V; ``budget``: bytes a
     rank receives per sub-round (default half the largest shard). cache_key: what ``block_bytes``
-    depends on besides the plan; with it the steps are computed once per plan object and key."""
-    key = (id(plan), budget, cache_key)
+    depends on besides the plan; with it the steps are computed once per plan object and key.
+    ``pace``: the balance limit (default :data:`CHAIN_PACE`; ``math.inf`` keeps any chain plan)."""
+    pace = CHAIN_PACE if pace is None else pace
+    key = (id(plan), budget, cache_key, pace)
     hit = _STEPS.get(key)
     if cache_key is not None and hit is not None and hit[0]() is plan:
         return hit[1]
-    steps = _build(plan, block_bytes, budget)
+    steps = _build(plan, block_bytes, budget, pace)
     if cache_key is not None:
         if len(_STEPS) > 1024:
             _STEPS.clear()
@@ -126,7 +138,8 @@ def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | N
 _STEPS: dict[tuple, tuple[weakref.ref, tuple[ChainStep, ...] | None]] = {}
 
 
-def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None) -> tuple[ChainStep, ...] | None:
+def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
+           pace: float) -> tuple[ChainStep, ...] | None:
     routes = chain_routes(plan)
     if not routes:
         return None
@@ -165,7 +178,32 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None) 
             done += work(x, b)
         comp[0] += [(b, x) for b in first]
         comp[S - 1] += [(b, x) for b in own[len(first):]]
+    if _pace(comp, work) > pace:
+        return None
     return tuple(ChainStep(tuple(kv[s]), tuple(grad[s]), tuple(home[s]), tuple(comp[s])) for s in range(S))
+
+
+CHAIN_PACE = 1.5
+"""The most a chain backward's steps may add to the busiest rank's work (:func:`_pace`); above it
+the plan runs in waves (Note [Streaming chain backward], "Balance"): zigzag rings are at 1.0,
+head-parallel stage rings staggered over 2-8 rounds at 1.03-1.25, packed batches' rings at 4-14."""
+
+
+def _pace(comp: list[list[tuple[Block, int]]], work: Callable[[int, Block], float]) -> float:
+    """Sum over steps of the busiest rank's work in the step, over the busiest rank's total: 1.0 when
+    the steps keep every rank in step (a zigzag ring: each step a rank computes one owner's two
+    chunks, work 2 either way), more when big blocks reach different ranks at different steps."""
+    total: dict[int, float] = {}
+    steps = 0.0
+    for jobs in comp:
+        busy: dict[int, float] = {}
+        for b, x in jobs:
+            w = work(x, b)
+            busy[x] = busy.get(x, 0.0) + w
+            total[x] = total.get(x, 0.0) + w
+        steps += max(busy.values(), default=0.0)
+    top = max(total.values(), default=0.0)
+    return steps / top if top else 1.0
 
 
 def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Callable[[Block], float],
