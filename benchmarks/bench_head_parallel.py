@@ -4,7 +4,8 @@ time) against Transformer Engine's ``p2p`` and ``a2a+p2p`` on the cost model, ov
 Writes ``benchmarks/results/head_parallel.json`` (committed; rewritten after every cell) and prints a
 summary::
 
-    python benchmarks/bench_head_parallel.py [--out PATH] [--quick] [--resume] [--skip-grid] [--section bound]
+    python benchmarks/bench_head_parallel.py [--out PATH] [--quick] [--resume] [--skip-grid]
+                                             [--section bound|runtime|runtime-grid]
 
 Grid: presets dgx-a100, dgx-h100, pcie-box, single-uplink x nodes {1, 2, 3, 4, 8} x heads {MHA 32:32,
 GQA 32:8, GQA 32:2} x sequence {32K, 128K, 1M}, cp = every GPU; plus, for nodes >= 2, an *uneven* CP
@@ -13,7 +14,10 @@ te-a2a-p2p (or why TE cannot run it), auto's choice and its predicted total with
 in bf16, the input dtype, as the executor sends them (and as TE's ring sends dKV); ``auto_over_best_te``
 must be <= 1.01. Then the geometric-mean speedup over each baseline, FCP comm against the lower bound
 over families on the headline clusters (128K-256K), rounds vs the edge-colouring bound Delta for
-every builder, and the head-parallel planning time at 1,024 ranks.
+every builder, and the head-parallel planning time at 1,024 ranks. ``--section runtime`` prices what
+the Megatron runtime runs (its choice with the executor's backward: a ring streamed hop by hop, other
+graphs in waves) on 36 cells (~2 min); ``--section runtime-grid`` the same on the whole grid (every
+cell above; written after each cell, ``--resume`` continues).
 """
 
 from __future__ import annotations
@@ -133,41 +137,58 @@ def summary(rows: list[dict], quick: bool = False) -> dict:
     }
 
 
-def runtime_choice(nodes_list=(1, 2, 4), seqs=(128 * 1024,)) -> dict:
+def runtime_choice(nodes_list=(1, 2, 4), seqs=(128 * 1024,), uneven: bool = False, out: Path | None = None,
+                   key: str = "runtime_choice", done: list[dict] | None = None) -> dict:
     """The Megatron runtime's own choice (``choose_schedule`` with the backward the executor runs:
-    waves, keep or resend as ``auto`` decides; Note [The runtime runs the planner's choice]) against
-    the faster TE schedule, on a subset of the grid (even groups). The grid above prices FCP's
-    backward in one pass from kept KV; this section prices what runs."""
-    rows = []
+    a ring streamed hop by hop, other graphs in waves, keep or resend as ``auto`` decides; Note [The
+    runtime runs the planner's choice]) against the faster TE schedule, on a subset of the grid
+    (even groups; ``uneven``: the grid's uneven groups too). The grid above prices FCP's backward in
+    one pass from kept KV; this section prices what runs. With ``out`` the JSON's ``key`` is
+    rewritten after each cell (``done``: cells already measured, kept)."""
+    rows = list(done or [])
+    seen = {(r["preset"], r["nodes"], r.get("group", "even"), r["heads"], r["kv_heads"], r["seq"]) for r in rows}
     for nodes in nodes_list:
         for preset in PRESETS:
-            ranks = groups(preset, nodes)[0][1]
             topo = load_topology(f"{preset}:{nodes}")
-            for heads, kv in HEADS:
-                for seq in seqs:
-                    shape = AttentionShape(seq, heads, kv, 128, 2)
-                    te = {}
-                    for name in ("te-p2p", "te-a2a-p2p"):
-                        try:
-                            te[name] = simulate_te(name, topo, ranks, shape).total_s
-                        except ValueError:
-                            te[name] = None
-                    best = min(v for v in te.values() if v is not None)
-                    t0 = time.perf_counter()
-                    c = choose_schedule(topo, ranks, shape, backward=WaveBackward())
-                    rows.append({"preset": preset, "nodes": nodes, "cp": len(ranks), "heads": heads, "kv_heads": kv,
-                                 "seq": seq, "choice": c.label, "backward_kv": c.backward_kv,
-                                 "choice_total_s": c.total_s, **{f"{k}_total_s": v for k, v in te.items()},
-                                 "choice_over_best_te": c.total_s / best, "plan_s": time.perf_counter() - t0})
-                    r = rows[-1]
-                    print(f"runtime {preset}:{nodes} {heads}:{kv} seq={seq}: {c.label} ({c.backward_kv}) "
-                          f"{r['choice_over_best_te']:.3f}x best TE ({r['plan_s']:.1f} s)", flush=True)
+            for kind, ranks in groups(preset, nodes)[:2 if uneven else 1]:
+                for heads, kv in HEADS:
+                    for seq in seqs:
+                        if (preset, nodes, kind, heads, kv, seq) in seen:
+                            continue
+                        rows.append(_runtime_cell(topo, preset, nodes, kind, ranks, heads, kv, seq))
+                        if out is not None:
+                            _write(out, {key: _runtime_summary(rows)})
+    return _runtime_summary(rows)
+
+
+def _runtime_cell(topo, preset: str, nodes: int, kind: str, ranks: list[int], heads: int, kv: int, seq: int) -> dict:
+    shape = AttentionShape(seq, heads, kv, 128, 2)
+    te = {}
+    for name in ("te-p2p", "te-a2a-p2p"):
+        try:
+            te[name] = simulate_te(name, topo, ranks, shape).total_s
+        except ValueError:
+            te[name] = None
+    best = min(v for v in te.values() if v is not None)
+    t0 = time.perf_counter()
+    c = choose_schedule(topo, ranks, shape, backward=WaveBackward())
+    r = {"preset": preset, "nodes": nodes, "group": kind, "cp": len(ranks), "heads": heads, "kv_heads": kv,
+         "seq": seq, "choice": c.label, "backward_kv": c.backward_kv, "backward_form": c.backward_form,
+         "choice_total_s": c.total_s, **{f"{k}_total_s": v for k, v in te.items()},
+         "choice_over_best_te": c.total_s / best, "plan_s": time.perf_counter() - t0}
+    print(f"runtime {preset}:{nodes} {kind} {heads}:{kv} seq={seq}: {c.label} ({c.backward_kv}, {c.backward_form}) "
+          f"{r['choice_over_best_te']:.3f}x best TE ({r['plan_s']:.1f} s)", flush=True)
+    return r
+
+
+def _runtime_summary(rows: list[dict]) -> dict:
     ratio = [r["choice_over_best_te"] for r in rows]
     return {"cells": rows, "never_slower_within_1pct": all(x <= TOLERANCE for x in ratio),
             "violations": [r for r in rows if r["choice_over_best_te"] > TOLERANCE],
             "worst": max(rows, key=lambda r: r["choice_over_best_te"]),
             "geomean_speedup_over_best_te": geomean([1 / x for x in ratio]),
-            "geomean_speedup_over_te_p2p": geomean([r["te-p2p_total_s"] / r["choice_total_s"] for r in rows])}
+            "geomean_speedup_over_te_p2p": geomean([r["te-p2p_total_s"] / r["choice_total_s"] for r in rows]),
+            "plan_s_max": max(r["plan_s"] for r in rows)}
 
 
 def bound_ratios() -> dict:
@@ -219,14 +240,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--resume", action="store_true", help="keep the cells already in --out")
     ap.add_argument("--skip-grid", action="store_true", help="only the bound ratios and rounds vs Delta")
-    ap.add_argument("--section", choices=("all", "bound", "runtime"), default="all",
+    ap.add_argument("--section", choices=("all", "bound", "runtime", "runtime-grid"), default="all",
                     help="bound: rewrite only bound_ratios in --out (every other key kept as it is); "
-                         "runtime: only runtime_choice (the runtime's wave-priced choice vs TE)")
+                         "runtime: only runtime_choice (the runtime's as-run choice vs TE, 36 cells); "
+                         "runtime-grid: runtime_choice_grid, the same on the whole grid (--resume keeps cells)")
     args = ap.parse_args()
     out = Path(args.out)
     t0 = time.perf_counter()
     if args.section == "runtime":
         _write(out, {"runtime_choice": runtime_choice()})
+        print(f"{time.perf_counter() - t0:.0f} s")
+        return
+    if args.section == "runtime-grid":
+        done = json.loads(out.read_text()).get("runtime_choice_grid", {}).get("cells", []) \
+            if args.resume and out.exists() else []
+        res = runtime_choice(NODES, SEQS, uneven=True, out=out, key="runtime_choice_grid", done=done)
+        print(json.dumps({k: v for k, v in res.items() if k not in ("cells", "violations")}, indent=1))
         print(f"{time.perf_counter() - t0:.0f} s")
         return
     if args.section == "bound":

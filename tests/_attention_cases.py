@@ -109,7 +109,8 @@ def count_problems(transport, plan, rank, kv_bytes, grad_bytes, wire_dtype=None)
     from megatron_fcp.planning.waves import plan_waves
 
     size = kv_bytes if callable(kv_bytes) else (lambda b: kv_bytes)
-    steps = chain_steps(plan, size)          # a ring streams (Note [Streaming chain backward]), in keep mode here
+    # a ring streams (Note [Streaming chain backward]); these cases run keep: from the first sub-round on
+    steps = chain_steps(plan, size, first_kept=True)
     waves = plan_waves(plan, size) if steps is None else ()
     problems = []
     expected_total = 0

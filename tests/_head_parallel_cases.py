@@ -125,7 +125,8 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
                for p in transport.posted if p.phase == "backward"}
         from megatron_fcp.planning.chains import chain_steps
 
-        steps = chain_steps(plan_j, lambda b: 1)   # chains stream instead (Note [Streaming chain backward])
+        # chains stream instead (Note [Streaming chain backward]); keep (the default) from the first sub-round on
+        steps = chain_steps(plan_j, lambda b: 1, first_kept=True)
         if steps is not None:
             bwd = {(p.round_index, p.transfer) for p in transport.posted if p.phase == "backward"}
             want_bwd = {(s, t) for s, st in enumerate(steps) for t in st.grad + st.home if rank in (t.src, t.dst)}

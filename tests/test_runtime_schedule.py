@@ -32,10 +32,10 @@ def _no_runtime():
     reset_fcp()
 
 
-def _setup(topology: str, cp: int, seq_len: int, tp: int = 1, **cfg):
+def _setup(topology: str, cp: int, seq_len: int, tp: int = 1, heads: dict = GQA, **cfg):
     layout = MegatronLayout(world=cp * tp, tp=tp, cp=cp)
     return setup_fcp(FCPConfig(enabled=True, topology=topology, **cfg), layout=layout, groups={}, seq_len=seq_len,
-                     **GQA)
+                     **heads)
 
 
 def _same_plan(a, b) -> bool:
@@ -87,13 +87,13 @@ def test_the_benchmarks_default_is_unchanged():
     """choose_head_parallel without ``backward`` prices the one-pass backward, as before (a = 2 at
     32K on dgx-h100:2, a hierarchical KV stage); the backward the runtime runs picks differently
     there: a = 2 with a ring KV stage, whose backward streams (Note [Streaming chain backward];
-    a hierarchical stage's would re-send in waves), 0.5% ahead of a = 4's ring."""
+    a hierarchical stage's would re-send in waves), 0.2% ahead of a = 8's ring (TE's a2a+p2p)."""
     shape = AttentionShape(32768, 32, 8, 128, 2)
     hp = choose_head_parallel("dgx-h100:2", range(16), shape)
     assert hp.degree == 2 and hp.kv_plan.name == "hierarchical"
     runtime = choose_schedule("dgx-h100:2", range(16), shape, backward=WaveBackward())
     assert (runtime.degree, runtime.plan.kv_plan.name, runtime.backward_kv) == (2, "ring", "resend")
-    assert runtime.runner_up[0].startswith("a=4 graph=ring")
+    assert runtime.runner_up[0].startswith("a=8 graph=ring")
 
 
 # ---- the runtime runs the choice ---------------------------------------------------------------------------
@@ -117,23 +117,26 @@ def test_runtime_runs_the_choice_with_uneven_parts():
     assert rt.parts_per_chunk(seq // 8 - 2) == 2  # another length: FCPRuntime's rule (resend at cp > 2)
 
 
-@pytest.mark.parametrize("topology, cp, seq, tp, label", [
-    ("dgx-h100:2", 16, 32768, 1, "a=2 graph=ring parts=1"),
-    ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, "a=4 graph=leader parts=1 stagger=8"),
-    ("single-uplink:2", 8, 32768, 2, None),
+MHA = dict(heads=32, kv_heads=32, head_dim=128)
+
+
+@pytest.mark.parametrize("topology, cp, seq, tp, heads, label", [
+    ("dgx-h100:2", 16, 32768, 1, GQA, "a=2 graph=ring parts=1"),
+    ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, MHA, "a=8 graph=ring parts=1 stagger=4"),
+    ("single-uplink:2", 8, 32768, 2, GQA, None),
 ])
-def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, tp, label):
+def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, tp, heads, label):
     """Degree, KV-stage graph and stagger: the runtime's stage plan of CP group 0 (built at setup)
     is the planner's, every other CP group's the same schedule on its own ranks; tp = 2 chooses
     for the heads each tensor-parallel rank holds."""
-    rt = _setup(topology, cp, seq, tp=tp)
+    rt = _setup(topology, cp, seq, tp=tp, heads=heads)
     ranks = MegatronLayout(world=cp * tp, tp=tp, cp=cp).cp_groups()
-    want = choose_schedule(topology, ranks[0], AttentionShape(seq, 32 // tp, 8 // tp, 128, 2),
-                           backward=WaveBackward())
+    h, hk = heads["heads"] // tp, heads["kv_heads"] // tp
+    want = choose_schedule(topology, ranks[0], AttentionShape(seq, h, hk, 128, 2), backward=WaveBackward())
     assert rt.schedule == want and (label is None or want.label == label)
     assert rt.head_parallel_degree() == want.degree > 1 and rt.parts_per_chunk(seq // cp) == 1
     for group in ranks:
-        hp = rt.hp_plans[(group, True, seq // cp, 32 // tp, 8 // tp)]
+        hp = rt.hp_plans[(group, True, seq // cp, h, hk)]
         assert hp.degree == want.degree and hp.ranks == group
         if group == ranks[0]:
             assert hp == want.plan  # head groups, KV-stage plan (graph, stagger) and replication

@@ -33,16 +33,19 @@ def _nbytes(x: torch.Tensor) -> int:
 def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: torch.Tensor,
                        kept: dict[Block, torch.Tensor] | None,
                        compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
-                       wire_dtype: torch.dtype | None = None) -> dict:
+                       wire_dtype: torch.dtype | None = None, resend: bool | None = None) -> dict:
     """Backward over ``steps`` (same contract as
     :func:`~megatron_fcp.attention.backward_waves.run_backward_waves`): ``compute(block, kv)`` adds
     the block's dq and returns its dK/dV partial ``[2, blk, b, h_kv, d]`` in ``grad_dtype``;
     partials travel in ``wire_dtype`` (default ``grad_dtype``) and accumulate in ``grad_dtype``.
-    ``kept`` None: re-send the KV. Returns ``grads`` (local blocks' dK/dV), ``wait_s``,
-    ``bytes_sent`` (partials), ``resend_bytes`` and ``peak`` (received KV bytes alive at once)."""
+    ``kept``: the blocks the forward saved (all it needs under ``keep``; under ``resend`` with the
+    first sub-round kept, that sub-round's; None: none). ``resend`` (default: ``kept is None``):
+    the steps' KV messages run. Returns ``grads`` (local blocks' dK/dV), ``wait_s``,
+    ``bytes_sent`` (partials), ``resend_bytes`` and ``peak`` (KV received in backward alive at once)."""
     rank, lay = ex.rank, ex.layout
     wire = grad_dtype if wire_dtype is None else wire_dtype
-    resend = kept is None
+    resend = kept is None if resend is None else resend
+    kept = kept or {}
     local = set(ex.local_blocks)
     own: dict[Block, torch.Tensor] = {}                 # my partial of my own blocks
     acc: dict[Block, torch.Tensor] = {}                 # a chain's running sum, held until sent on
@@ -53,11 +56,14 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
     alive = peak = 0
     for st in steps:
         for t in st.kv:
-            if resend and t.src == rank and t.block.owner != rank:
+            if resend and t.src == rank and t.block.owner != rank and t.block not in kept:
                 uses[t.block] = uses.get(t.block, 0) + 1
         for b, x in st.computes:
-            if resend and x == rank and b not in local:
+            if resend and x == rank and b not in local and b not in kept:
                 uses[b] = uses.get(b, 0) + 1
+
+    def kv_of(b: Block) -> torch.Tensor:
+        return kept[b] if b in kept else have[b]
 
     def stack(b: Block) -> torch.Tensor:
         sl = lay.local_slice(b)
@@ -80,9 +86,9 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
         if resend:
             for t in st.kv:
                 if t.src == rank:
-                    sends.append((t, stack(t.block) if t.block.owner == rank else have[t.block]))
+                    sends.append((t, stack(t.block) if t.block.owner == rank else kv_of(t.block)))
                     out["resend_bytes"] += _nbytes(sends[-1][1])
-                    if t.block.owner != rank:
+                    if t.block.owner != rank and t.block not in kept:
                         forwarded.append(t.block)
                 elif t.dst == rank:                     # counted from allocation: TE's ring holds two such buffers
                     recvs.append(("kv", t, empty(t.block, k.dtype)))
@@ -105,8 +111,8 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
             if b in local:
                 add(own, b, compute(b, stack(b)))
             else:
-                add(acc, b, compute(b, have[b] if resend else kept[b]))
-                if resend:
+                add(acc, b, compute(b, kv_of(b)))
+                if resend and b not in kept:
                     used(b)
         out["wait_s"] += ex._wait(handle)
         for kind, t, buf in recvs:

@@ -10,7 +10,7 @@ wave and others later, its reduction tree then cut into one subtree per wave. Bo
 modes walk the same waves, so dq and every dK/dV partial are summed in the same order (bitwise
 equal results). Compute runs back to back; the communication progresses between jobs::
 
-    resend only: fetch(wave 0)
+    wave 0's own blocks (resend: while fetch(wave 0) runs, advanced between jobs)
     for w = 0 .. W:
         queue reduce(w-1) and, resend only, fetch(w+1): their rounds interleaved behind what is left
         for each of this rank's jobs of wave w:
@@ -289,10 +289,12 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         out["bytes_sent"] += sum(_nbytes(x) for _, x in sends)
         return ex._post(sends, recvs, round_index=r, phase="backward"), recvs
 
-    def jobs(wave: Wave) -> list[Block]:
-        """This rank's gradients in ``wave``: received blocks in plan order, then its own."""
+    def jobs(wave: Wave, first: bool = False) -> list[Block]:
+        """This rank's gradients in ``wave``: received blocks in plan order, then its own (the first
+        wave: its own first, computed while the wave's KV arrives)."""
         got = [t.block for r, t in wave.transfers if t.dst == rank and (t.block, rank) in wave.computes]
-        return got + [b for b in ex.local_blocks if (b, rank) in wave.computes]
+        own = [b for b in ex.local_blocks if (b, rank) in wave.computes]
+        return own + got if first else got + own
 
     def run_job(b: Block, fetch: _Fetch | None, g: dict) -> None:
         if b in local:
@@ -304,12 +306,21 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         else:
             add(g, b, compute(b, kept[b]))
 
+    # the first wave's own blocks are computed while its KV arrives (both modes: the same job order)
+    pump = _Pump(ex)
+    first = jobs(waves[0], first=True) if waves else []
+    n_own = sum(1 for b in first if b in local)
+    g_first: dict[Block, torch.Tensor] = {}
     fetch = None
     if resend and waves:
         fetch = _Fetch(ex, waves[0], k, v, held)
-        fetch.finish()
+        pump.extend([fetch])
+    for b in first[:n_own]:
+        pump.poll()
+        run_job(b, fetch, g_first)
+    if fetch is not None:
+        pump.finish([fetch])
     prev: tuple[Wave, dict] | None = None                        # computed, its dK/dV still to reduce
-    pump = _Pump(ex)
     reducing: list[_Reduce] = []                                 # waves' reductions not yet settled, in order
 
     def settle(all_: bool = False) -> None:
@@ -330,8 +341,9 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         if red is not None:
             reducing.append(red)
         pump.extend([c for c in (red, nxt) if c is not None])
-        g_cur: dict[Block, torch.Tensor] = {}
-        for b in (jobs(cur) if cur is not None else []):         # compute w | reduce w-2, w-1 | fetch w+1
+        g_cur: dict[Block, torch.Tensor] = g_first if w == 0 else {}
+        todo = first[n_own:] if w == 0 else (jobs(cur) if cur is not None else [])
+        for b in todo:                                           # compute w | reduce w-2, w-1 | fetch w+1
             pump.poll()
             settle()
             run_job(b, fetch, g_cur)

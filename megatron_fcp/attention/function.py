@@ -72,7 +72,7 @@ import torch
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.backward_waves import plan_waves, run_backward_waves
 from megatron_fcp.attention.backward_chain import run_backward_chain
-from megatron_fcp.planning.chains import chain_steps
+from megatron_fcp.planning.chains import chain_steps, first_received, keeps_first
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
@@ -197,6 +197,8 @@ class _Executor:
         self.local_blocks = layout.local_blocks
         self.num_rounds = len(plan.rounds)
         self.backward_kv = "keep"  # or "resend": set by fcp_attention_with_lse
+        self.first_kept = False    # a ring's backward starts from the forward's first sub-round (chains.keeps_first)
+        self.keep_first: frozenset | None = None  # resend: the blocks of it this rank keeps
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
         for r, rnd in enumerate(plan.rounds):
             for t in rnd:
@@ -248,13 +250,14 @@ class _Executor:
     # -- forward -------------------------------------------------------------------------------
     def _distribute(self, k: torch.Tensor, v: torch.Tensor, phase: str,
                     on_local: Callable[[dict], None], on_received: Callable[[Block, torch.Tensor], None],
-                    kept: dict | None = None):
+                    kept: dict | None = None, relay_keep: frozenset | None = None):
         """Run the plan's forward rounds for this rank: post round r+1 before handling round r's
         arrivals (overlap), call ``on_local(local_kv)`` while round 0 is in flight and
         ``on_received(block, kv)`` for each needed block in plan order. A received block is
         dropped as soon as it is handled and forwarded (``on_received`` keeps what it wants, in
-        ``kept``: still alive after the drop). Returns (seconds waited, bytes sent, peak bytes of
-        received KV alive at once)."""
+        ``kept``: still alive after the drop; ``relay_keep``: blocks this rank only relays that go
+        into ``kept`` too). Returns (seconds waited, bytes sent, peak bytes of received KV alive
+        at once)."""
         lay = self.layout
         have: dict[Block, torch.Tensor] = {}
         for b in self.local_blocks:
@@ -284,6 +287,8 @@ class _Executor:
             for t, buf in recvs:
                 if t.block in self.needs:
                     on_received(t.block, buf)
+                elif relay_keep is not None and t.block in relay_keep:
+                    kept[t.block] = buf                      # a ring's first sub-round, forwarded in backward
             for t, buf in recvs:  # posted sends keep their buffers alive until waited on
                 if self._last_send.get(t.block, -1) <= r + 1 and t.block not in local:
                     del have[t.block]
@@ -291,10 +296,19 @@ class _Executor:
                         alive -= buf.numel() * buf.element_size()
         return wait_s, bytes_sent, peak
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True):
+    def forward_saving(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grads: bool):
+        """:meth:`forward` keeping what :meth:`backward` needs when ``grads``: under ``keep`` the
+        need set; under ``resend`` nothing (None: backward re-sends every block), or for a ring
+        whose first sub-round fits the budget that sub-round (Note [Streaming chain backward])."""
+        out, lse, kept = self.forward(q, k, v, keep_blocks=self.backward_kv == "keep" and grads,
+                                      keep_only=self.keep_first if grads else None)
+        return out, lse, kept if self.backward_kv == "keep" or self.keep_first is not None else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True,
+                keep_only: frozenset | None = None):
         """Returns (out [n,b,h,d] compute dtype, lse [b,h,n] compute dtype, received blocks kept
         for backward; none when ``keep_blocks`` is False (no input needs a gradient, or the
-        backward re-sends KV))."""
+        backward re-sends KV) except those in ``keep_only`` (a ring's first sub-round))."""
         t_start = time.perf_counter()
         compute_s = 0.0
         lay, hk = self.layout, k.shape[2]
@@ -324,10 +338,11 @@ class _Executor:
 
         def on_received(block: Block, buf: torch.Tensor) -> None:
             compute(block, buf)
-            if keep_blocks:
+            if keep_blocks or (keep_only is not None and block in keep_only):
                 kept[block] = buf
 
-        wait_s, bytes_sent, peak = self._distribute(k, v, "forward", compute_local, on_received, kept)
+        wait_s, bytes_sent, peak = self._distribute(k, v, "forward", compute_local, on_received, kept,
+                                                    relay_keep=keep_only)
         out, lse = acc.result()
         if self.stats is not None:
             self.stats.forward_total_s += time.perf_counter() - t_start
@@ -378,15 +393,18 @@ class _Executor:
         per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
         size = lambda blk: lay.block_tokens(blk) * per_token  # noqa: E731
         key = (tuple(k.shape), per_token, id(getattr(lay, "placement", None)))
-        waves = chain_steps(self.plan, size, cache_key=key)  # a ring: Note [Streaming chain backward]
+        # a ring: Note [Streaming chain backward]
+        waves = chain_steps(self.plan, size, cache_key=key, first_kept=self.first_kept)
         if waves is not None:
-            res = run_backward_chain(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype)
+            res = run_backward_chain(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,
+                                     resend=self.backward_kv == "resend")
         else:
             waves = plan_waves(self.plan, size, cache_key=key)
             res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype)  # partials in q's dtype
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
-            held = res["peak"] if kept is None else sum(x.numel() * x.element_size() for x in kept.values())
+            saved = sum(x.numel() * x.element_size() for x in (kept or {}).values())
+            held = saved + (res["peak"] if self.backward_kv == "resend" else 0)
             self.stats.resend_bytes_sent += res["resend_bytes"]
             self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
             self.stats.backward_peak_kv_bytes = max(self.stats.backward_peak_kv_bytes, held)
@@ -410,10 +428,8 @@ class _FCPAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, executor: _Executor):
-        keep = executor.backward_kv == "keep" and any(ctx.needs_input_grad[:3])
-        out, lse, kept = executor.forward(q, k, v, keep_blocks=keep)
-        ctx.executor, ctx.out_acc, ctx.lse = executor, out, lse
-        ctx.kept = kept if executor.backward_kv == "keep" else None  # None: backward re-sends the KV
+        out, lse, kept = executor.forward_saving(q, k, v, any(ctx.needs_input_grad[:3]))
+        ctx.executor, ctx.out_acc, ctx.lse, ctx.kept = executor, out, lse, kept
         ctx.save_for_backward(q, k, v)
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
@@ -493,6 +509,11 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
                               kv_memory_budget, cache_key=(tuple(q.shape), per_token, id(placement)))
     executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
     executor.backward_kv = mode
+    size = lambda blk: layout.block_tokens(blk) * per_token  # noqa: E731
+    executor.first_kept = keeps_first(backward_kv, mode, plan_obj, size, kv_memory_budget,
+                                      cache_key=(tuple(q.shape), per_token, id(placement)))
+    if executor.first_kept and mode == "resend":
+        executor.keep_first = frozenset(first_received(plan_obj, size).get(rank, ()))
     return executor
 
 

@@ -149,13 +149,12 @@ def harness_attention(
             if thd:  # the engine runs THD as b = 1, like fcp_attention_with_lse
                 ql, kl, vl = (x.unsqueeze(1) for x in (ql, kl, vl))               # [t, 1, h(_kv), d]
                 dl = dl.unsqueeze(1) if dl is not None else None
-            keep = ex.backward_kv == "keep" and dl is not None  # what _FCPAttentionFunction.forward keeps
-            out_acc, lse, kept = ex.forward(ql, kl, vl, keep_blocks=keep)         # compute dtype
-            kept_bytes = sum(x.numel() * x.element_size() for x in kept.values()) if keep else 0
+            out_acc, lse, kept = ex.forward_saving(ql, kl, vl, dl is not None)   # what autograd saves; compute dtype
+            kept_bytes = sum(x.numel() * x.element_size() for x in kept.values()) if kept else 0
             out = out_acc.to(ql.dtype)
             grads = (None, None, None)
             if dl is not None:
-                grads = ex.backward(dl, ql, kl, vl, out_acc, lse, kept if ex.backward_kv == "keep" else None)
+                grads = ex.backward(dl, ql, kl, vl, out_acc, lse, kept)
         if thd:
             out, lse = out.squeeze(1), lse.squeeze(0)                              # [t, h, d], [h, t]
             grads = tuple(g.squeeze(1) if g is not None else None for g in grads)

@@ -17,23 +17,33 @@ behind, accumulating::
     vk -> v0                             the chain's sum goes home; the owner adds its own partial
 
 **Steps.** The plan's rounds are cut into *sub-rounds* in plan order, each bringing a rank at most
-``budget`` bytes of K and V (:func:`~megatron_fcp.planning.waves.wave_budget`, half the largest
-shard; a larger block alone). With J sub-rounds the backward runs steps 0 .. J+1; step s posts
-one round of messages, computes, then waits for them:
+one shard's K and V (:func:`chain_budget`; a larger block alone). With J sub-rounds the backward
+runs steps 0 .. J+1; step s posts one round of messages, computes, then waits for them:
 
 * KV: sub-round s's transfers (resend only; under ``keep`` the blocks come from the forward);
-* compute: the blocks received in sub-round s-1 that the rank reads (plan order); at step 0 the
-  rank's own blocks up to half their work, the rest at the last step (so the first sub-round's
-  KV and the last homes overlap work);
+* compute: the blocks received in sub-round s-1 that the rank reads (plan order); the rank's own
+  blocks at the last step, while the chains' sums come home (as TE's ring computes its own KV
+  last);
 * partials: for a hop ``v_i -> v_(i+1)`` of sub-round j (i >= 1), ``acc_i`` at step j+1: v_i
   computed its partial at step j_i + 1 <= j and received ``acc_(i-1)`` at the end of that step;
   no message while no rank of v_1..v_i reads the block (pure relays so far);
 * home: ``vk -> v0`` at step j_k + 2, when vk has its partial and ``acc_(k-1)``.
 
-A rank holds received KV of two sub-rounds (computing s-1, receiving s: one shard, as the waves'
-two half-shard waves) plus a relayed block until its forward is posted; partials until they are
-sent. Both KV modes walk the same steps, so ``keep`` and ``resend`` agree bit for bit (a relay's
-``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
+**The first sub-round.** Step 0 above only brings KV: nothing to compute until it lands. TE's ring
+avoids that step by saving the forward's last received KV for its backward. Here the forward may
+keep what a rank receives in the first sub-round (``first_kept``; at most one shard): the steps
+then shift by one (KV of sub-round j at step j-1, its compute at step j, ``acc`` at step j_(i+1),
+home at j_k + 1): J+1 steps, TE's count. ``keep`` always runs this way (everything is kept);
+``auto`` does when every rank's first sub-round fits ``--fcp-kv-memory-budget`` (the ring's: its own
+shard; :func:`keeps_first`); an explicit ``resend`` keeps nothing and pays the step. The jobs and
+their order are the same in every variant, so ``keep``, ``resend`` and ``auto`` agree bit for bit
+(a relay's ``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
+
+**Memory.** Within backward a rank holds received KV of two sub-rounds (computing and arriving,
+counted from the receive buffer's allocation: two shards) plus, with ``first_kept``, the saved
+first sub-round (one shard) -- the three shards of KV TE's ring backward holds (its saved buffer
+and the two it allocates); partials until they are sent. Between the passes: nothing, or the
+first sub-round (TE: its last received shard).
 
 **Balance.** Steps run in lock-step with the forward's rounds, so a rank's work per step is set by
 the plan: a zigzag ring (or a head-parallel stage's ring of zigzag chunks) gives every rank one
@@ -47,7 +57,10 @@ reads only the plan, so every rank and the cost model decide alike.
 
 **Cost** (:func:`chain_timeline`): lock-step like the model of TE's ring
 (:func:`~megatron_fcp.planning.packed_cost._ring_backward`): each step lasts the longer of its
-busiest rank's compute and its messages' time under contention.
+busiest rank's compute (one kernel launch per owner, as TE's model charges one per step) and its
+messages' time under contention. With the first sub-round kept a zigzag ring (a = 1) or a
+head-parallel stage ring (a = ranks per node) prices exactly as TE's p2p or a2a+p2p backward, or
+less where the ring prunes relays past a block's last reader.
 """
 
 from __future__ import annotations
@@ -59,10 +72,11 @@ from typing import Callable, Hashable
 from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.cost import simulate_rounds
 from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.waves import block_work, wave_budget
+from megatron_fcp.planning.waves import RING_BUDGET, block_work, wave_budget
 from megatron_fcp.topology import Topology
 
-__all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline"]
+__all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline",
+           "first_received", "keeps_first"]
 
 
 @dataclass(frozen=True)
@@ -116,18 +130,21 @@ def _sub_rounds(plan: Plan, routes: dict, block_bytes: Callable[[Block], int], b
 
 
 def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
-                cache_key: Hashable = None, pace: float | None = None) -> tuple[ChainStep, ...] | None:
+                cache_key: Hashable = None, pace: float | None = None,
+                first_kept: bool = False) -> tuple[ChainStep, ...] | None:
     """The steps of Note [Streaming chain backward], or None when the plan's blocks do not all
     travel chains, nothing travels, or the steps would unbalance the work (:data:`CHAIN_PACE`). ``block_bytes``: one block's K and V; ``budget``: bytes a
     rank receives per sub-round (default half the largest shard). cache_key: what ``block_bytes``
     depends on besides the plan; with it the steps are computed once per plan object and key.
-    ``pace``: the balance limit (default :data:`CHAIN_PACE`; ``math.inf`` keeps any chain plan)."""
+    ``pace``: the balance limit (default :data:`CHAIN_PACE`; ``math.inf`` keeps any chain plan).
+    ``first_kept``: the first sub-round's blocks are kept from the forward (Note [Streaming chain
+    backward], "The first sub-round"): one step fewer."""
     pace = CHAIN_PACE if pace is None else pace
-    key = (id(plan), budget, cache_key, pace)
+    key = (id(plan), budget, cache_key, pace, first_kept)
     hit = _STEPS.get(key)
     if cache_key is not None and hit is not None and hit[0]() is plan:
         return hit[1]
-    steps = _build(plan, block_bytes, budget, pace)
+    steps = _build(plan, block_bytes, budget, pace, first_kept)
     if cache_key is not None:
         if len(_STEPS) > 1024:
             _STEPS.clear()
@@ -139,7 +156,7 @@ _STEPS: dict[tuple, tuple[weakref.ref, tuple[ChainStep, ...] | None]] = {}
 
 
 def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
-           pace: float) -> tuple[ChainStep, ...] | None:
+           pace: float, first_kept: bool = False) -> tuple[ChainStep, ...] | None:
     routes = chain_routes(plan)
     if not routes:
         return None
@@ -147,16 +164,18 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
         budget = chain_budget(plan, block_bytes)
     sub = _sub_rounds(plan, routes, block_bytes, budget)
     J = max(sub.values()) + 1
-    S = J + 2                                                    # steps 0 .. J+1
+    d = 0 if first_kept else 1                                   # KV one step ahead of its compute
+    S = J + 1 + d                                                # steps 0 .. J (+1 without the kept first)
     kv: list[list[Transfer]] = [[] for _ in range(S)]
     grad: list[list[Transfer]] = [[] for _ in range(S)]
     home: list[list[Transfer]] = [[] for _ in range(S)]
     comp: list[list[tuple[Block, int]]] = [[] for _ in range(S)]
     needs = {x: plan.needs(x) for x in plan.ranks}
     for _, t in plan.transfers():                                # plan order within each step
-        kv[sub[t]].append(t)
+        if sub[t] - 1 + d >= 0:                                  # (kept first: sub-round 0 came with the forward)
+            kv[sub[t] - 1 + d].append(t)
         if t.block in needs[t.dst]:
-            comp[sub[t] + 1].append((t.block, t.dst))
+            comp[sub[t] + d].append((t.block, t.dst))
     for b, hops in routes.items():
         read = False
         for i, (_, t) in enumerate(hops):
@@ -164,23 +183,50 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
             if i + 1 < len(hops):
                 if read:                                         # acc_i: v_i -> v_(i+1), one step behind the KV
                     nxt = hops[i + 1][1]
-                    grad[sub[nxt] + 1].append(nxt)
+                    grad[sub[nxt] + d].append(nxt)
             elif read:
-                home[sub[t] + 2].append(Transfer(t.dst, b.owner, b))
+                home[sub[t] + 1 + d].append(Transfer(t.dst, b.owner, b))
     work = block_work(plan)
-    for x in plan.ranks:                                         # own blocks: half the work first, the rest last
-        own = list(plan.local_blocks(x))
-        total, done, first = sum(work(x, b) for b in own), 0.0, []
-        for b in own:
-            if first and done + work(x, b) > total / 2:
-                break
-            first.append(b)
-            done += work(x, b)
-        comp[0] += [(b, x) for b in first]
-        comp[S - 1] += [(b, x) for b in own[len(first):]]
+    for x in plan.ranks:                                         # own blocks last, as TE's ring computes its own
+        comp[S - 1] += [(b, x) for b in plan.local_blocks(x)]
     if _pace(comp, work) > pace:
         return None
     return tuple(ChainStep(tuple(kv[s]), tuple(grad[s]), tuple(home[s]), tuple(comp[s])) for s in range(S))
+
+
+def first_received(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, tuple[Block, ...]]:
+    """Blocks each rank receives in the first sub-round, in plan order: what ``first_kept`` keeps
+    from the forward (the plan's chains; empty for a plan that is not one)."""
+    routes = chain_routes(plan)
+    if not routes:
+        return {}
+    sub = _sub_rounds(plan, routes, block_bytes, chain_budget(plan, block_bytes))
+    out: dict[int, list[Block]] = {}
+    for _, t in plan.transfers():
+        if sub[t] == 0:
+            out.setdefault(t.dst, []).append(t.block)
+    return {r: tuple(b) for r, b in out.items()}
+
+
+def keeps_first(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
+                kv_memory_budget: int = RING_BUDGET, *, cache_key: Hashable = None) -> bool:
+    """Whether a chain plan's backward starts from the first sub-round kept from the forward (Note
+    [Streaming chain backward], "The first sub-round"). ``requested``: ``--fcp-backward-kv``;
+    ``decided``: what :func:`~megatron_fcp.planning.waves.choose_backward_kv` made of it. ``keep``:
+    yes (everything is kept); ``auto`` deciding ``resend``: when every rank's first sub-round fits
+    ``kv_memory_budget`` (the ring's: its own shard); an explicit ``resend`` keeps nothing. Reads
+    only the plan and block sizes: every rank and the cost model decide alike."""
+    if decided == "keep":
+        return True
+    if requested != "auto" or chain_steps(plan, block_bytes, cache_key=cache_key) is None:
+        return False
+    got = first_received(plan, block_bytes)
+    for r in plan.ranks:
+        limit = kv_memory_budget if kv_memory_budget != RING_BUDGET else \
+            sum(block_bytes(b) for b in plan.local_blocks(r))
+        if sum(block_bytes(b) for b in got.get(r, ())) > limit:
+            return False
+    return True
 
 
 CHAIN_PACE = 1.5
@@ -208,17 +254,21 @@ def _pace(comp: list[list[tuple[Block, int]]], work: Callable[[int, Block], floa
 
 def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Callable[[Block], float],
                    grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
-                   round_overhead_s: float = 0.0) -> dict:
+                   round_overhead_s: float = 0.0, launch_s: float = 0.0) -> dict:
     """Lock-step time of ``steps`` (Note [Streaming chain backward]): per step the longer of the
     busiest rank's jobs and the step's messages (KV when ``resend``, partials, homes) under
-    contention. Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
+    contention. ``job_s``: a job's compute; ``launch_s``: one kernel launch per rank, owner and
+    step (the convention of the forward's and TE's models: one call per owner's blocks of a
+    round). Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
     messages alone, summed)."""
     total = resend_s = 0.0
     comps, comms = [], []
     for st in steps:
         busy: dict[int, float] = {}
+        owners: set = set()
         for b, x in st.computes:
-            busy[x] = busy.get(x, 0.0) + job_s(x, b)
+            busy[x] = busy.get(x, 0.0) + job_s(x, b) + (launch_s if (x, b.owner) not in owners else 0.0)
+            owners.add((x, b.owner))
         c = max(busy.values(), default=0.0)
         msgs = [(t.src, t.dst, grad_bytes(t.block)) for t in st.grad + st.home]
         kvm = [(t.src, t.dst, kv_bytes(t.block)) for t in st.kv] if resend else []

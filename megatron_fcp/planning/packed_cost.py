@@ -87,7 +87,7 @@ from megatron_fcp.planning.cost import (
     simulate_rounds,
 )
 from megatron_fcp.planning.blocks import part_tokens
-from megatron_fcp.planning.chains import chain_steps, chain_timeline
+from megatron_fcp.planning.chains import chain_steps, chain_timeline, first_received, keeps_first
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
@@ -446,6 +446,7 @@ def simulate_backward_waves(
         block_tokens = lambda blk: part_tokens(zshape.seq_len, cp, plan.parts_per_chunk, blk.part)  # noqa: E731
     kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
     size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731
+    requested = backward_kv
     backward_kv = choose_backward_kv(backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget)
     flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * BACKWARD_FLOP_RATIO
     pos = {r: i for i, r in enumerate(plan.ranks)}
@@ -460,10 +461,18 @@ def simulate_backward_waves(
         p = pairs(x, blk)
         return p * flop_s + cm.kernel_overhead_s if p else 0.0
 
-    steps = chain_steps(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))
+    key = ("cost", kv_tok, shape.seq_len)
+    first = keeps_first(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget,
+                        cache_key=key + (micro_batch,))
+    steps = chain_steps(plan, size, budget, cache_key=key, first_kept=first)
     if steps is not None:  # Note [Streaming chain backward]
-        return _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok, job_s,
-                               round_overhead_s, plan)
+        out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
+                              lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s)
+        got = first_received(plan, size) if first and backward_kv == "resend" else {}
+        out["first_kept"] = first
+        out["held_between_passes_bytes_max"] = max((sum(size(b) for b in got.get(r, ())) for r in plan.ranks),
+                                                   default=0) if backward_kv == "resend" else out["held_kv_bytes_max"]
+        return out
     waves = plan_waves(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     comp, red, fetch, held = [], [], [], []
@@ -494,13 +503,13 @@ def simulate_backward_waves(
 
 
 def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,
-                    plan: Plan) -> dict:
+                    plan: Plan, launch_s: float) -> dict:
     """:func:`simulate_backward_waves`'s result for a chain plan (Note [Streaming chain backward]
     in :mod:`megatron_fcp.planning.chains`): ``waves`` counts the steps; held KV under resend is
     the most a rank receives in two consecutive steps (keep: its need set)."""
     resend = backward_kv == "resend"
     res = chain_timeline(steps, topo, kv_bytes=size, grad_bytes=grad_bytes, job_s=job_s, resend=resend,
-                         round_overhead_s=round_overhead_s)
+                         round_overhead_s=round_overhead_s, launch_s=launch_s)
     if resend:
         got = [{} for _ in steps]
         for g, st in zip(got, steps):

@@ -10,10 +10,11 @@ others still reduce, and reductions of consecutive waves overlap where their lin
 (on a rail cluster wave w's dK/dV crosses one rail while wave w+1's crosses another). Each rank
 runs, one thread, in order::
 
-    resend: post wave 0's fetch rounds one after another (each after the one before completed)
+    wave 0's own jobs (resend: while wave 0's fetch rounds are posted one after another, each
+                       after the one before completed, polled between jobs)
     for w = 0 .. W:
         queue reduce(w-1) (rounds reversed) and resend: fetch(w+1), interleaved, behind the rest
-        for each job of wave w (received blocks in plan order, then own):
+        for each job of wave w (received blocks in plan order, then own; wave 0: the rest):
             poll: while the head of the queue's predecessor in its own chain is complete at the
                   rank's clock (test), post the head
             compute the job
@@ -87,10 +88,14 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
             if resend:
                 add(("kv", w, r), t.src, t.dst, kv_bytes(t.block))
     jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
-    for wave in waves:
+    n_own = dict.fromkeys(ranks, 0)                 # the first wave's own jobs, run while its KV arrives
+    for w, wave in enumerate(waves):
         for x in ranks:
             got = [t.block for _, t in wave.transfers if t.dst == x and (t.block, x) in wave.computes]
-            jobs[x].append(got + [b for b in plan.local_blocks(x) if (b, x) in wave.computes])
+            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
+            jobs[x].append(own + got if w == 0 else got + own)
+            if w == 0:
+                n_own[x] = len(own)
     W = len(waves)
 
     def program(x: int):
@@ -139,12 +144,16 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
 
         if resend and W:
             extend([("kv", 0, r) for r in waves[0].rounds])
+        for b in (jobs[x][0][:n_own[x]] if W else []):
+            yield from poll()
+            yield ("compute", job_s(x, b))
+        if resend and W:
             yield from finish({("kv", 0)})
         for w in range(W + 1):
             red = [("red", w - 1, r) for r in reversed(waves[w - 1].rounds)] if w else []
             kv = [("kv", w + 1, r) for r in waves[w + 1].rounds] if resend and w + 1 < W else []
             extend(red, kv)
-            for b in (jobs[x][w] if w < W else []):
+            for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else []):
                 yield from poll()
                 yield ("compute", job_s(x, b))
             # before wave w+1: its KV is here, wave w-2's reduction through (w-1's runs on); at the end, all
