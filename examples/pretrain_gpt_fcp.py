@@ -474,8 +474,8 @@ def train(
             say(f"KV per layer (rank 0, last micro-batch): backward_kv={m['backward_kv']}, held between forward "
                 f"and backward {m['saved_kv_bytes']} B, peak received {m['peak_kv_bytes']} B (within backward "
                 f"{m['backward_peak_kv_bytes']} B), re-sent "
-                f"{m['resend_bytes_sent']} B; Transformer Engine's ring holds 0 B between the passes, "
-                f"{m['ring_in_flight_kv_bytes']} B in flight")
+                f"{m['resend_bytes_sent']} B; Transformer Engine's ring saves its last received shard "
+                f"({m['ring_in_flight_kv_bytes']} B) between the passes and holds that much in flight")
         metrics = {"losses": losses, "grad_norms": grad_norms, "fcp": info, "seconds": elapsed}
         if args.metrics_json and rank == 0:
             with open(args.metrics_json, "w", encoding="utf-8") as fh:

@@ -24,6 +24,11 @@ every block it computed on again. Two ways to have them:
   ``resend``. The choice must be the same on all ranks (re-sending needs the senders), so it is
   taken from the plan, which every rank holds whole, not from one rank's own needs.
 
+A ring plan's backward does not run in waves: it streams one hop per step as Transformer Engine's
+ring does (Note [Streaming chain backward] in :mod:`megatron_fcp.planning.chains`), and under
+``auto`` keeps what each rank receives in the first sub-round when that fits the budget (one
+shard: TE's ring saves its last received shard for its backward), which saves one step.
+
 The default budget (``RING_BUDGET``) is what the ring holds in flight beyond its own KV: one more
 KV pair the size of the rank's own shard. So ``auto`` never holds more received KV between the
 passes than the ring holds at any time; with cp = 2 causal it keeps (rank 0 needs exactly one

@@ -121,7 +121,7 @@ def _table(out: dict, shape, topo, ranks) -> str:
             f"({kv['resend']['waves']} waves), fwd+bwd {kv['resend']['fwd_bwd_s'] * 1e3:.3f} ms "
             f"({kv['resend_vs_keep']:.3f}x keep, {kv['resend_vs_one_pass_keep']:.3f}x keep's one-pass backward "
             f"{kv['keep']['one_pass_fwd_bwd_s'] * 1e3:.3f} ms); "
-            f"TE's ring holds 0 ({kv['ring_in_flight_kv_bytes'] / 1e6:.1f} MB in flight)")
+            f"TE's ring saves its last received shard ({kv['ring_in_flight_kv_bytes'] / 1e6:.1f} MB)")
     if "fcp" in s and "te-p2p" in s and s["fcp"]["comm_s"] > 0:
         lines.append("")
         lines.append(f"fcp vs te-p2p: comm {s['te-p2p']['comm_s'] / s['fcp']['comm_s']:.2f}x faster, "

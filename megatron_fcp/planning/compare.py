@@ -189,8 +189,9 @@ def backward_kv_costs(plan, topology: "Topology | str", shape: AttentionShape, f
     forward+backward seconds, the most received KV any rank holds between the passes
     (``held_kv_bytes_max``) and within backward (``backward_held_kv_bytes_max``); beside them the
     one-pass backward (the whole plan reversed at once, :func:`simulate_plan_backward`: what keep
-    cost before backward ran in waves) and what Transformer Engine's ring holds (no received KV
-    between the passes; one KV pair the size of a rank's shard in flight at any time)."""
+    cost before backward ran in waves) and what Transformer Engine's ring holds (between the passes
+    its last received shard; one more KV pair the size of a rank's shard in flight). A ring plan's
+    backward streams (Note [Streaming chain backward] in :mod:`megatron_fcp.planning.chains`)."""
     out: dict = {}
     for mode in ("keep", "resend"):
         bwd = simulate_backward_waves(plan, topology, shape, compute_model=compute_model, backward_kv=mode,
