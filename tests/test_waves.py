@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_fcp.planning import build_plan, place_packed
+from megatron_fcp.planning import AttentionShape, build_plan, place_packed
+from megatron_fcp.planning.packed_cost import simulate_backward_waves
 from megatron_fcp.planning.waves import block_work, plan_waves, restrict, wave_budget
 
 BUILDERS = ("ring", "full", "hierarchical", "leader", "spanning", "entry")
@@ -209,7 +210,8 @@ def test_the_wave_timeline_has_no_barrier_between_waves():
             for m in ("keep", "resend") for b in (False, True)}
     keep = runs[("keep", True)]
     assert set(keep) == {"bwd_s", "backward_kv", "resend_s", "waves", "wave_compute_s", "wave_reduce_s",
-                         "wave_resend_s", "held_kv_bytes_max"}
+                         "wave_resend_s", "held_kv_bytes_max", "first_kept", "backward",
+                         "held_between_passes_bytes_max"}
     W = keep["waves"]
     red, comp = keep["wave_reduce_s"], keep["wave_compute_s"]
     lockstep = sum(max(red[i - 1] if i else 0.0, comp[i] if i < W else 0.0) for i in range(W + 1))
@@ -234,3 +236,26 @@ def test_held_kv_under_resend_stays_within_a_shard_on_a_packed_cp64_plan():
     resend = simulate_backward_waves(plan, "dgx-h100:8", shape, backward_kv="resend")
     keep = simulate_backward_waves(plan, "dgx-h100:8", shape, backward_kv="keep")
     assert 0 < resend["held_kv_bytes_max"] <= shard < keep["held_kv_bytes_max"]
+
+
+def test_auto_keeps_the_first_wave_where_it_fits_the_ring_budget():
+    """Under auto (the ring's budget) the forward saves what the first wave computes (at most one
+    shard: Transformer Engine's ring saves its last received shard), so backward starts without
+    re-sending it; an explicit resend saves nothing and fetches it first. dgx-h100:2, cp = 16,
+    128K GQA 32:8, hierarchical with two parts per chunk."""
+    from megatron_fcp.planning.chains import first_kept_blocks, keeps_first
+
+    shape = AttentionShape(131072, 32, 8, 128, 2)
+    plan = build_plan("dgx-h100:2", range(16), "hierarchical", parts_per_chunk=2)
+    auto = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="auto")
+    bare = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="resend")
+    assert (auto["backward_kv"], auto["first_kept"], bare["first_kept"]) == ("resend", True, False)
+    assert auto["backward"] == bare["backward"] == "waves" and auto["waves"] == bare["waves"]
+    shard = 131072 // 16 * 2 * 8 * 128 * 2 * 2                      # a rank's K and V, bf16
+    assert 0 < auto["held_between_passes_bytes_max"] <= shard and bare["held_between_passes_bytes_max"] == 0
+    assert auto["bwd_s"] < bare["bwd_s"] and auto["resend_s"] < bare["resend_s"]
+    size = lambda b: 100  # noqa: E731
+    got = first_kept_blocks(plan, size)
+    assert keeps_first("auto", "resend", plan, size) and not keeps_first("resend", "resend", plan, size)
+    assert not keeps_first("auto", "resend", plan, size, kv_memory_budget=0)
+    assert all(b.owner != r for r, blocks in got.items() for b in blocks)

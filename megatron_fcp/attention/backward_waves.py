@@ -10,7 +10,8 @@ wave and others later, its reduction tree then cut into one subtree per wave. Bo
 modes walk the same waves, so dq and every dK/dV partial are summed in the same order (bitwise
 equal results). Compute runs back to back; the communication progresses between jobs::
 
-    wave 0's own blocks (resend: while fetch(wave 0) runs, advanced between jobs)
+    wave 0's own blocks (resend: while fetch(wave 0) runs, advanced between jobs; auto keeps
+    wave 0's blocks from the forward where they fit the budget: no fetch)
     for w = 0 .. W:
         queue reduce(w-1) and, resend only, fetch(w+1): their rounds interleaved behind what is left
         for each of this rank's jobs of wave w:
@@ -257,17 +258,21 @@ class _Pump:
 def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Tensor,
                        kept: dict[Block, torch.Tensor] | None,
                        compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
-                       wire_dtype: torch.dtype | None = None) -> dict:
+                       wire_dtype: torch.dtype | None = None, resend: bool | None = None,
+                       first_kept: bool = False) -> dict:
     """Backward over ``waves`` (Note [Backward waves]). ``compute(block, kv)`` adds a block's dq and
     returns its dK/dV partial ``[2, blk, b, h_kv, d]`` in ``grad_dtype`` (the accumulation dtype).
     A partial is cast to ``wire_dtype`` (default ``grad_dtype``; the executor passes the input
     dtype) just before it is sent; a received one is added into a ``grad_dtype`` accumulator, so a
-    relay's sum is rounded once per hop. ``kept`` None: re-send the KV. Returns ``grads`` (the
+    relay's sum is rounded once per hop. ``kept`` None: re-send the KV. ``resend`` (default ``kept
+    is None``) with ``first_kept``: the first wave's blocks are in ``kept`` (saved by the forward,
+    :func:`~megatron_fcp.planning.chains.keeps_first`), the later waves re-sent. Returns ``grads`` (the
     local blocks' complete dK/dV in ``grad_dtype``: each wave's sum, added in wave order), wait
     seconds, bytes sent (dK/dV; re-sent KV apart) and the peak received KV bytes alive."""
     plan, rank, lay = ex.plan, ex.rank, ex.layout
     wire = grad_dtype if wire_dtype is None else wire_dtype
-    resend = kept is None
+    resend = kept is None if resend is None else resend
+    kept = kept or {}
     held = _Held()
     local = set(ex.local_blocks)
     grads: dict[Block, torch.Tensor] = {}
@@ -300,11 +305,11 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         if b in local:
             sl = lay.local_slice(b)
             add(g, b, compute(b, torch.stack([k[sl], v[sl]])))
-        elif resend:
+        elif b in kept:                                          # keep, or the first wave kept
+            add(g, b, compute(b, kept[b]))
+        else:
             add(g, b, compute(b, fetch.needed[b]))
             fetch.release(b)
-        else:
-            add(g, b, compute(b, kept[b]))
 
     # the first wave's own blocks are computed while its KV arrives (both modes: the same job order)
     pump = _Pump(ex)
@@ -312,7 +317,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
     n_own = sum(1 for b in first if b in local)
     g_first: dict[Block, torch.Tensor] = {}
     fetch = None
-    if resend and waves:
+    if resend and waves and not first_kept:
         fetch = _Fetch(ex, waves[0], k, v, held)
         pump.extend([fetch])
     for b in first[:n_own]:

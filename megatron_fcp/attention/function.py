@@ -72,7 +72,7 @@ import torch
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.backward_waves import plan_waves, run_backward_waves
 from megatron_fcp.attention.backward_chain import run_backward_chain
-from megatron_fcp.planning.chains import chain_steps, first_received, keeps_first
+from megatron_fcp.planning.chains import chain_steps, first_kept_blocks, keeps_first
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
@@ -400,7 +400,8 @@ class _Executor:
                                      resend=self.backward_kv == "resend")
         else:
             waves = plan_waves(self.plan, size, cache_key=key)
-            res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype)  # partials in q's dtype
+            res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,  # partials in q's dtype
+                                     resend=self.backward_kv == "resend", first_kept=self.first_kept)
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
             saved = sum(x.numel() * x.element_size() for x in (kept or {}).values())
@@ -513,7 +514,8 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
     executor.first_kept = keeps_first(backward_kv, mode, plan_obj, size, kv_memory_budget,
                                       cache_key=(tuple(q.shape), per_token, id(placement)))
     if executor.first_kept and mode == "resend":
-        executor.keep_first = frozenset(first_received(plan_obj, size).get(rank, ()))
+        executor.keep_first = frozenset(first_kept_blocks(plan_obj, size, cache_key=(
+            tuple(q.shape), per_token, id(placement))).get(rank, ()))
     return executor
 
 

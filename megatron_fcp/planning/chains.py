@@ -72,11 +72,11 @@ from typing import Callable, Hashable
 from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.cost import simulate_rounds
 from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.waves import RING_BUDGET, block_work, wave_budget
+from megatron_fcp.planning.waves import RING_BUDGET, block_work, plan_waves, wave_budget
 from megatron_fcp.topology import Topology
 
 __all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline",
-           "first_received", "keeps_first"]
+           "first_kept_blocks", "first_received", "keeps_first"]
 
 
 @dataclass(frozen=True)
@@ -208,19 +208,36 @@ def first_received(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int,
     return {r: tuple(b) for r, b in out.items()}
 
 
+def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
+                      cache_key: Hashable = None) -> dict[int, tuple[Block, ...]]:
+    """What each rank would keep from the forward for the backward's first step: a chain plan's
+    first sub-round (:func:`first_received`, relayed blocks too: they go on from there), any other
+    plan's first wave of received deliveries (Note [Backward waves])."""
+    if chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
+        return first_received(plan, block_bytes)
+    waves = plan_waves(plan, block_bytes, cache_key=cache_key)
+    out: dict[int, list[Block]] = {}
+    for _, t in (waves[0].transfers if waves else ()):
+        if (t.block, t.dst) in waves[0].computes and t.block not in out.get(t.dst, ()):
+            out.setdefault(t.dst, []).append(t.block)
+    return {r: tuple(b) for r, b in out.items()}
+
+
 def keeps_first(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
                 kv_memory_budget: int = RING_BUDGET, *, cache_key: Hashable = None) -> bool:
-    """Whether a chain plan's backward starts from the first sub-round kept from the forward (Note
-    [Streaming chain backward], "The first sub-round"). ``requested``: ``--fcp-backward-kv``;
-    ``decided``: what :func:`~megatron_fcp.planning.waves.choose_backward_kv` made of it. ``keep``:
-    yes (everything is kept); ``auto`` deciding ``resend``: when every rank's first sub-round fits
-    ``kv_memory_budget`` (the ring's: its own shard); an explicit ``resend`` keeps nothing. Reads
-    only the plan and block sizes: every rank and the cost model decide alike."""
+    """Whether the backward starts from its first step's KV kept from the forward (a chain's first
+    sub-round, Note [Streaming chain backward], "The first sub-round"; another plan's first wave,
+    Note [Backward waves]). ``requested``: ``--fcp-backward-kv``; ``decided``: what
+    :func:`~megatron_fcp.planning.waves.choose_backward_kv` made of it. ``keep``: yes (everything is
+    kept); ``auto`` deciding ``resend``: when every rank's part (:func:`first_kept_blocks`) fits
+    ``kv_memory_budget`` (the ring's: its own shard; Transformer Engine's ring saves its last
+    received shard); an explicit ``resend`` keeps nothing. Reads only the plan and block sizes:
+    every rank and the cost model decide alike."""
     if decided == "keep":
         return True
-    if requested != "auto" or chain_steps(plan, block_bytes, cache_key=cache_key) is None:
+    if requested != "auto":
         return False
-    got = first_received(plan, block_bytes)
+    got = first_kept_blocks(plan, block_bytes, cache_key=cache_key)
     for r in plan.ranks:
         limit = kv_memory_budget if kv_memory_budget != RING_BUDGET else \
             sum(block_bytes(b) for b in plan.local_blocks(r))

@@ -87,7 +87,7 @@ from megatron_fcp.planning.cost import (
     simulate_rounds,
 )
 from megatron_fcp.planning.blocks import part_tokens
-from megatron_fcp.planning.chains import chain_steps, chain_timeline, first_received, keeps_first
+from megatron_fcp.planning.chains import chain_steps, chain_timeline, first_kept_blocks, keeps_first
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
@@ -462,13 +462,13 @@ def simulate_backward_waves(
         return p * flop_s + cm.kernel_overhead_s if p else 0.0
 
     key = ("cost", kv_tok, shape.seq_len)
-    first = keeps_first(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget,
-                        cache_key=key + (micro_batch,))
+    first = budget is None and keeps_first(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch,
+                                           kv_memory_budget, cache_key=key + (micro_batch,))
     steps = chain_steps(plan, size, budget, cache_key=key, first_kept=first)
     if steps is not None:  # Note [Streaming chain backward]
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
                               lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s)
-        got = first_received(plan, size) if first and backward_kv == "resend" else {}
+        got = first_kept_blocks(plan, size, cache_key=key) if first and backward_kv == "resend" else {}
         out["first_kept"] = first
         out["held_between_passes_bytes_max"] = max((sum(size(b) for b in got.get(r, ())) for r in plan.ranks),
                                                    default=0) if backward_kv == "resend" else out["held_kv_bytes_max"]
@@ -492,14 +492,18 @@ def simulate_backward_waves(
     W = len(waves)
     total = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
                           job_s=job_s, resend=backward_kv == "resend", round_overhead_s=round_overhead_s,
-                          buffered_sends=buffered_sends)["total_s"]
+                          buffered_sends=buffered_sends, first_kept=first)["total_s"]
     if backward_kv == "keep":
         held_max = max((sum(size(b) for b in plan.needs(r)) for r in plan.ranks), default=0)
     else:
         held_max = max((held[i].get(r, 0.0) + (held[i + 1].get(r, 0.0) if i + 1 < W else 0.0)
                         for i in range(W) for r in plan.ranks), default=0.0)
-    return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp, "wave_reduce_s": red,
-            "wave_resend_s": fetch, "held_kv_bytes_max": held_max}
+    got = first_kept_blocks(plan, size, cache_key=key) if first and backward_kv == "resend" else {}
+    between = max((sum(size(b) for b in got.get(r, ())) for r in plan.ranks), default=0)
+    return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch[1:] if first else fetch), "waves": W,
+            "wave_compute_s": comp, "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max,
+            "first_kept": first, "backward": "waves",
+            "held_between_passes_bytes_max": between if backward_kv == "resend" else held_max}
 
 
 def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,

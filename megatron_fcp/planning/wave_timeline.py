@@ -53,12 +53,14 @@ __all__ = ["wave_timeline"]
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
                   grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
-                  round_overhead_s: float = 0.0, buffered_sends: bool = False, trace: bool = False) -> dict:
+                  round_overhead_s: float = 0.0, buffered_sends: bool = False, trace: bool = False,
+                  first_kept: bool = False) -> dict:
     """Simulate the executor's wave loop (Note [Wave pipeline timeline]). ``kv_bytes``/``grad_bytes``:
     a block's K and V on the wire (re-send) and its dK/dV partial (reduction); ``job_s(rank, block)``:
     seconds of one gradient job. ``buffered_sends``: a rank's wait returns without its sends
     (gloo over TCP: a send is complete once the kernel has its bytes); default, a send is waited
-    until it arrives (NCCL). Returns ``total_s`` (the last rank's end) and ``end_s`` per rank;
+    until it arrives (NCCL). ``first_kept``: the first wave's KV was kept by the forward (no fetch).
+    Returns ``total_s`` (the last rank's end) and ``end_s`` per rank;
     ``trace``: also ``messages``, ``(phase, wave, round, src, dst, start, finish)`` in start order."""
     idx = _ResourceIndex(topo)
     ranks = list(plan.ranks)
@@ -85,7 +87,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     for w, wave in enumerate(waves):
         for r, t in wave.transfers:
             add(("red", w, r), t.dst, t.src, grad_bytes(t.block))   # reverse: the reader returns dK/dV
-            if resend:
+            if resend and not (first_kept and w == 0):
                 add(("kv", w, r), t.src, t.dst, kv_bytes(t.block))
     jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
     n_own = dict.fromkeys(ranks, 0)                 # the first wave's own jobs, run while its KV arrives
@@ -142,12 +144,13 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
                 if pending.get(chain):
                     yield ("wait", pending.pop(chain))
 
-        if resend and W:
+        fetch0 = resend and W and not first_kept
+        if fetch0:
             extend([("kv", 0, r) for r in waves[0].rounds])
         for b in (jobs[x][0][:n_own[x]] if W else []):
             yield from poll()
             yield ("compute", job_s(x, b))
-        if resend and W:
+        if fetch0:
             yield from finish({("kv", 0)})
         for w in range(W + 1):
             red = [("red", w - 1, r) for r in reversed(waves[w - 1].rounds)] if w else []
