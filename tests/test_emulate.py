@@ -240,13 +240,16 @@ def test_fcp_hp_runs_what_the_runtime_chooses(nodes, rpn, name, shape):
 def test_predictions_price_the_wave_backward():
     """FCP's predicted backward is simulate_backward_waves' total for the plan and mode that run (not
     the one-pass model); each workload's mode is the executor's (choose_backward_kv on the block
-    bytes its layout has), which the cost model's own auto decision matches."""
+    bytes its layout has), which the cost model's own auto decision matches; the runner passes the
+    mode as given (``executor_kv``), so auto's kept first step is priced as it runs."""
     spec, topo, cm, shape, ws = _prepared()
     att = shape.attention()
     for name in ("fcp-auto", "fcp-auto@keep", "fcp-auto@resend", "fcp-ring/3"):
         w = make_workloads([name], shape, topo, cm)[0]
-        waves = simulate_backward_waves(w.plan, topo, att, compute_model=cm, backward_kv=w.backward_kv,
+        # the mode as given (auto may keep the backward's first step: Note [Streaming chain backward])
+        waves = simulate_backward_waves(w.plan, topo, att, compute_model=cm, backward_kv=w.executor_kv,
                                         buffered_sends=True)  # the emulator's gloo over TCP
+        assert waves["backward_kv"] == w.backward_kv
         pred = w.predict(topo, cm)
         assert pred["predicted_bwd_s"] == pytest.approx(waves["bwd_s"], rel=1e-12)
         assert pred["predicted_bwd_waves"] == waves["waves"] and pred["predicted_resend_s"] == waves["resend_s"]

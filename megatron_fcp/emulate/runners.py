@@ -86,7 +86,7 @@ class _Fcp(Runner):
         w = self.w
         out, _ = fcp_attention_with_lse(self.q, self.k, self.v, cp_group=self.group, plan=w.plan,
                                         causal=w.shape.causal, transport=transport, kernel=kernel,
-                                        placement=w.placement, backward_kv=w.backward_kv, agreement=None)
+                                        placement=w.placement, backward_kv=w.executor_kv, agreement=None)
         return out
 
 
@@ -141,7 +141,7 @@ class _HeadParallel(Runner):
         w = self.w
         return head_parallel.fcp_head_parallel_attention(
             self.q, self.k, self.v, cp_group=self.group, hp_plan=w.hp_plan, groups=self.groups,
-            causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.backward_kv, agreement=None)
+            causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.executor_kv, agreement=None)
 
     def run(self, kernel, transport) -> None:
         with _no_all_to_all() if isinstance(transport, NullTransport) else contextlib.nullcontext():

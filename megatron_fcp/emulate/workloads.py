@@ -162,11 +162,17 @@ class FcpWorkload(Workload):
     plan: Plan | None = None
     placement: Placement | None = None
     backward_kv: str = "keep"  # the mode the executor will choose (decided here, once, like the ranks)
+    requested_kv: str | None = None  # --fcp-backward-kv as given (auto may keep the first step); None: backward_kv
+
+    @property
+    def executor_kv(self) -> str:
+        """What the runner passes as ``backward_kv`` and the prediction prices."""
+        return self.requested_kv or self.backward_kv
 
     def predict(self, topo: Topology, cm: ComputeModel) -> dict:
         shape = self.shape.attention()
         fwd = simulate_plan(self.plan, topo, shape, compute_model=cm)
-        w = simulate_backward_waves(self.plan, topo, shape, compute_model=cm, backward_kv=self.backward_kv,
+        w = simulate_backward_waves(self.plan, topo, shape, compute_model=cm, backward_kv=self.executor_kv,
                                     buffered_sends=True)  # gloo over TCP: a send completes once buffered
         return {"predicted_s": fwd.total_s + w["bwd_s"], "predicted_fwd_s": fwd.total_s, "predicted_bwd_s": w["bwd_s"],
                 "predicted_comm_s": fwd.comm_s + sum(w["wave_reduce_s"]) + w["resend_s"],
@@ -228,6 +234,11 @@ class HeadParallelWorkload(Workload):
 
     hp_plan: HeadParallelPlan | None = None
     backward_kv: str = "keep"
+    requested_kv: str | None = None  # as FcpWorkload's
+
+    @property
+    def executor_kv(self) -> str:
+        return self.requested_kv or self.backward_kv
 
     def _te_model(self, topo: Topology, cm: ComputeModel) -> dict:
         s = self.shape
@@ -251,7 +262,7 @@ class HeadParallelWorkload(Workload):
         if self.hp_plan is None:
             return te or {"predicted_s": None}
         out = predict_head_parallel(self.hp_plan, topo, self.shape.attention(), self.shape.causal, cm,
-                                    self.backward_kv)
+                                    self.executor_kv)
         if te.get("predicted_s") is not None:
             out.update(predicted_te_model_s=te["predicted_s"], predicted_te_model_fwd_s=te["predicted_fwd_s"],
                        predicted_te_model_bwd_s=te["predicted_bwd_s"])
@@ -321,12 +332,14 @@ def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, .
     hp = choice.plan
     if hp.degree == 1:  # as the plugin does: no head-parallel stage, plain FCP over the chosen plan
         plan = hp.kv_plan_for(0)
-        w: Workload = FcpWorkload(name, shape, ranks, plan=plan, backward_kv=_backward_kv_mode(shape, plan, None))
+        w: Workload = FcpWorkload(name, shape, ranks, plan=plan, backward_kv=_backward_kv_mode(shape, plan, None),
+                                  requested_kv=shape.backward_kv)
         w.info = {"graph": plan.name, "head_parallel": 1, "rounds": len(plan.rounds),
                   "transfers": plan.num_transfers(), "parts_per_chunk": plan.parts_per_chunk,
                   "backward_kv": w.backward_kv}
     else:
-        w = HeadParallelWorkload(name, shape, ranks, hp_plan=hp, backward_kv=_hp_backward_kv(shape, hp))
+        w = HeadParallelWorkload(name, shape, ranks, hp_plan=hp, backward_kv=_hp_backward_kv(shape, hp),
+                                 requested_kv=shape.backward_kv)
         w.info = {**_hp_info(w), "stagger": choice.stagger}
         if choice.stagger > 1:
             w.info["graph"] += f", stagger {choice.stagger}"
@@ -346,7 +359,7 @@ def _fcp(name: str, graph: str, shape: WorkloadShape, topo: Topology, ranks: tup
                           dtype_bytes=DTYPE_BYTES, objective="total", placement=placement)
     except (ValueError, TypeError) as e:
         return FcpWorkload(name, shape, ranks, unavailable=f"not available: {e}")
-    w = FcpWorkload(name, shape, ranks, plan=plan, placement=placement)
+    w = FcpWorkload(name, shape, ranks, plan=plan, placement=placement, requested_kv=shape.backward_kv)
     w.backward_kv = _backward_kv_mode(shape, plan, placement)
     w.info = {"graph": plan.name, "rounds": len(plan.rounds), "transfers": plan.num_transfers(),
               "parts_per_chunk": plan.parts_per_chunk, "backward_kv": w.backward_kv}
