@@ -109,7 +109,7 @@ def chain_routes(plan: Plan) -> dict[Block, tuple[tuple[int, Transfer], ...]] | 
     return {b: tuple(h) for b, h in routes.items()}
 
 
-def _sub_rounds(plan: Plan, routes: dict, block_bytes: Callable[[Block], int], budget: int) -> dict[Transfer, int]:
+def _sub_rounds(plan: Plan, block_bytes: Callable[[Block], int], budget: int) -> dict[Transfer, int]:
     """Sub-round index of every transfer: each plan round cut, in plan order, so that a rank
     receives at most ``budget`` bytes per sub-round (a larger block alone)."""
     sub: dict[Transfer, int] = {}
@@ -162,7 +162,7 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
         return None
     if budget is None:
         budget = chain_budget(plan, block_bytes)
-    sub = _sub_rounds(plan, routes, block_bytes, budget)
+    sub = _sub_rounds(plan, block_bytes, budget)
     J = max(sub.values()) + 1
     d = 0 if first_kept else 1                                   # KV one step ahead of its compute
     S = J + 1 + d                                                # steps 0 .. J (+1 without the kept first)
@@ -200,7 +200,7 @@ def first_received(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int,
     routes = chain_routes(plan)
     if not routes:
         return {}
-    sub = _sub_rounds(plan, routes, block_bytes, chain_budget(plan, block_bytes))
+    sub = _sub_rounds(plan, block_bytes, chain_budget(plan, block_bytes))
     out: dict[int, list[Block]] = {}
     for _, t in plan.transfers():
         if sub[t] == 0:
