@@ -20,7 +20,8 @@ behind, accumulating::
 one shard's K and V (:func:`chain_budget`; a larger block alone). With J sub-rounds the backward
 runs steps 0 .. J+1; step s posts one round of messages, computes, then waits for them:
 
-* KV: sub-round s's transfers (resend only; under ``keep`` the blocks come from the forward);
+* KV: sub-round s's transfers (resend only; under ``keep`` the blocks come from the forward), but
+  not a hop past a block's last reader (a plan may carry it on; backward has no use for it);
 * compute: the blocks received in sub-round s-1 that the rank reads (plan order); the rank's own
   blocks at the last step, while the chains' sums come home (as TE's ring computes its own KV
   last);
@@ -171,8 +172,9 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
     home: list[list[Transfer]] = [[] for _ in range(S)]
     comp: list[list[tuple[Block, int]]] = [[] for _ in range(S)]
     needs = {x: plan.needs(x) for x in plan.ranks}
+    live = _live_hops(routes, needs)
     for _, t in plan.transfers():                                # plan order within each step
-        if sub[t] - 1 + d >= 0:                                  # (kept first: sub-round 0 came with the forward)
+        if t in live and sub[t] - 1 + d >= 0:                    # (kept first: sub-round 0 came with the forward)
             kv[sub[t] - 1 + d].append(t)
         if t.block in needs[t.dst]:
             comp[sub[t] + d].append((t.block, t.dst))
@@ -194,16 +196,31 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
     return tuple(ChainStep(tuple(kv[s]), tuple(grad[s]), tuple(home[s]), tuple(comp[s])) for s in range(S))
 
 
+def _live_hops(routes: dict, needs: dict) -> set[Transfer]:
+    """The hops whose KV the backward needs: those with a reader at or after their destination (a
+    plan may carry a block on past its last reader; backward does not re-send that)."""
+    live: set[Transfer] = set()
+    for b, hops in routes.items():
+        read = False
+        for _, t in reversed(hops):
+            read = read or b in needs[t.dst]
+            if read:
+                live.add(t)
+    return live
+
+
 def first_received(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, tuple[Block, ...]]:
-    """Blocks each rank receives in the first sub-round, in plan order: what ``first_kept`` keeps
-    from the forward (the plan's chains; empty for a plan that is not one)."""
+    """Blocks each rank receives in the first sub-round that backward needs (it reads them or
+    passes them on to a reader), in plan order: what ``first_kept`` keeps from the forward (the
+    plan's chains; empty for a plan that is not one)."""
     routes = chain_routes(plan)
     if not routes:
         return {}
     sub = _sub_rounds(plan, block_bytes, chain_budget(plan, block_bytes))
+    live = _live_hops(routes, {x: plan.needs(x) for x in plan.ranks})
     out: dict[int, list[Block]] = {}
     for _, t in plan.transfers():
-        if sub[t] == 0:
+        if sub[t] == 0 and t in live:
             out.setdefault(t.dst, []).append(t.block)
     return {r: tuple(b) for r, b in out.items()}
 
