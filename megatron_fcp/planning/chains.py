@@ -134,8 +134,9 @@ def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | N
                 cache_key: Hashable = None, pace: float | None = None,
                 first_kept: bool = False) -> tuple[ChainStep, ...] | None:
     """The steps of Note [Streaming chain backward], or None when the plan's blocks do not all
-    travel chains, nothing travels, or the steps would unbalance the work (:data:`CHAIN_PACE`). ``block_bytes``: one block's K and V; ``budget``: bytes a
-    rank receives per sub-round (default half the largest shard). cache_key: what ``block_bytes``
+    travel chains, nothing travels, or the steps would unbalance the work (:data:`CHAIN_PACE`).
+    ``block_bytes``: one block's K and V; ``budget``: bytes a rank receives per sub-round (default
+    :func:`chain_budget`, the largest shard). cache_key: what ``block_bytes``
     depends on besides the plan; with it the steps are computed once per plan object and key.
     ``pace``: the balance limit (default :data:`CHAIN_PACE`; ``math.inf`` keeps any chain plan).
     ``first_kept``: the first sub-round's blocks are kept from the forward (Note [Streaming chain
