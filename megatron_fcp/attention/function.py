@@ -506,16 +506,14 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
     else:
         layout = PlacementLayout(placement, plan_obj.ranks, rank)
     per_token = 2 * math.prod(k.shape[1:]) * k.element_size()  # K and V of one token
-    mode = choose_backward_kv(backward_kv, plan_obj, lambda blk: layout.block_tokens(blk) * per_token,
-                              kv_memory_budget, cache_key=(tuple(q.shape), per_token, id(placement)))
+    size = lambda blk: layout.block_tokens(blk) * per_token  # noqa: E731
+    key = (tuple(q.shape), per_token, id(placement))
+    mode = choose_backward_kv(backward_kv, plan_obj, size, kv_memory_budget, cache_key=key)
     executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
     executor.backward_kv = mode
-    size = lambda blk: layout.block_tokens(blk) * per_token  # noqa: E731
-    executor.first_kept = keeps_first(backward_kv, mode, plan_obj, size, kv_memory_budget,
-                                      cache_key=(tuple(q.shape), per_token, id(placement)))
+    executor.first_kept = keeps_first(backward_kv, mode, plan_obj, size, kv_memory_budget, cache_key=key)
     if executor.first_kept and mode == "resend":
-        executor.keep_first = frozenset(first_kept_blocks(plan_obj, size, cache_key=(
-            tuple(q.shape), per_token, id(placement))).get(rank, ()))
+        executor.keep_first = frozenset(first_kept_blocks(plan_obj, size, cache_key=key).get(rank, ()))
     return executor
 
 

@@ -464,16 +464,16 @@ def simulate_backward_waves(
     key = ("cost", kv_tok, shape.seq_len)
     first = budget is None and keeps_first(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch,
                                            kv_memory_budget, cache_key=key + (micro_batch,))
+    # received KV saved from the forward, per rank: keep its need set, auto (resend) the first step's
+    got = first_kept_blocks(plan, size, cache_key=key) if first and backward_kv == "resend" else {}
+    saved = {r: sum(size(b) for b in (plan.needs(r) if backward_kv == "keep" else got.get(r, ()))) for r in plan.ranks}
     steps = chain_steps(plan, size, budget, cache_key=key, first_kept=first)
     if steps is not None:  # Note [Streaming chain backward]
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
-                              lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s)
-        got = first_kept_blocks(plan, size, cache_key=key) if first and backward_kv == "resend" else {}
-        out["first_kept"] = first
-        out["held_between_passes_bytes_max"] = max((sum(size(b) for b in got.get(r, ())) for r in plan.ranks),
-                                                   default=0) if backward_kv == "resend" else out["held_kv_bytes_max"]
-        return out
-    waves = plan_waves(plan, size, budget, cache_key=("cost", kv_tok, shape.seq_len))
+                              lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s,
+                              saved)
+        return {**out, "first_kept": first, "held_between_passes_bytes_max": max(saved.values(), default=0)}
+    waves = plan_waves(plan, size, budget, cache_key=key)
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     comp, red, fetch, held = [], [], [], []
     for w in waves:
@@ -493,24 +493,24 @@ def simulate_backward_waves(
     total = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
                           job_s=job_s, resend=backward_kv == "resend", round_overhead_s=round_overhead_s,
                           buffered_sends=buffered_sends, first_kept=first)["total_s"]
+    if first and fetch:
+        fetch[0], held[0] = 0.0, {}                              # the first wave came with the forward
     if backward_kv == "keep":
-        held_max = max((sum(size(b) for b in plan.needs(r)) for r in plan.ranks), default=0)
-    else:
-        held_max = max((held[i].get(r, 0.0) + (held[i + 1].get(r, 0.0) if i + 1 < W else 0.0)
+        held_max = max(saved.values(), default=0)
+    else:  # two consecutive waves re-sent, beside what the forward saved
+        held_max = max((saved[r] + held[i].get(r, 0.0) + (held[i + 1].get(r, 0.0) if i + 1 < W else 0.0)
                         for i in range(W) for r in plan.ranks), default=0.0)
-    got = first_kept_blocks(plan, size, cache_key=key) if first and backward_kv == "resend" else {}
-    between = max((sum(size(b) for b in got.get(r, ())) for r in plan.ranks), default=0)
-    return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch[1:] if first else fetch), "waves": W,
-            "wave_compute_s": comp, "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max,
-            "first_kept": first, "backward": "waves",
-            "held_between_passes_bytes_max": between if backward_kv == "resend" else held_max}
+    return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp,
+            "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
+            "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0)}
 
 
 def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,
-                    plan: Plan, launch_s: float) -> dict:
+                    plan: Plan, launch_s: float, saved: dict) -> dict:
     """:func:`simulate_backward_waves`'s result for a chain plan (Note [Streaming chain backward]
     in :mod:`megatron_fcp.planning.chains`): ``waves`` counts the steps; held KV under resend is
-    the most a rank receives in two consecutive steps (keep: its need set)."""
+    what the forward saved (``saved``, per rank) and the most a rank receives in two consecutive
+    steps (keep: its need set)."""
     resend = backward_kv == "resend"
     res = chain_timeline(steps, topo, kv_bytes=size, grad_bytes=grad_bytes, job_s=job_s, resend=resend,
                          round_overhead_s=round_overhead_s, launch_s=launch_s)
@@ -519,10 +519,10 @@ def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, j
         for g, st in zip(got, steps):
             for t in st.kv:
                 g[t.dst] = g.get(t.dst, 0) + size(t.block)
-        held_max = max((got[i].get(r, 0) + got[i + 1].get(r, 0) for i in range(len(steps) - 1)
+        held_max = max((saved[r] + got[i].get(r, 0) + got[i + 1].get(r, 0) for i in range(len(steps) - 1)
                         for r in plan.ranks), default=0)
     else:
-        held_max = max((sum(size(b) for b in plan.needs(r)) for r in plan.ranks), default=0)
+        held_max = max(saved.values(), default=0)
     return {"bwd_s": res["total_s"], "backward_kv": backward_kv, "resend_s": res["resend_s"], "waves": len(steps),
             "wave_compute_s": res["compute_s"], "wave_reduce_s": res["comm_s"],
             "wave_resend_s": [0.0] * len(steps), "held_kv_bytes_max": held_max, "backward": "chain"}
