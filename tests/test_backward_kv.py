@@ -245,3 +245,61 @@ def _delay(rank: int):
 
     rng = random.Random(rank)
     return lambda: rng.uniform(0.0, 3e-4)
+
+
+@pytest.mark.parametrize("docs", ([33, 5, 5], [3, 2, 33, 7]), ids=("relay-sends-what-it-kept", "relay-fetched-again"))
+def test_auto_keeps_the_first_wave_rank_by_rank(docs):
+    """A packed plan whose first wave fits some ranks' own shard and not others' (hierarchical on
+    2 x 2, 4-token blocks): under auto those ranks keep their part from the forward and the rest of
+    the first wave is re-sent (Note [Backward waves], "The first wave"). A relay that kept a block
+    sends it on from what it kept; one that did not gets it again. FP64 per-document reference for
+    out, lse, dq, dk, dv; keep, resend and auto bit for bit; auto re-sends exactly the later waves
+    and the first wave's cut, and the cost model prices the same cut."""
+    from megatron_fcp.attention.harness import harness_attention, per_document_reference
+    from megatron_fcp.planning import build_plan, place_packed
+    from megatron_fcp.planning.packed_cost import simulate_backward_waves
+    from megatron_fcp.planning.chains import first_kept_blocks, first_keepers, first_wave_fetch
+    from megatron_fcp.planning.cost import AttentionShape
+    from megatron_fcp.planning.waves import plan_waves
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples/configs/topology_2x2.yaml"))
+    pl = place_packed(docs, 4, block_tokens=4)
+    plan = build_plan(topo, range(4), "hierarchical", placement=pl)
+    h, hk, d = 4, 2, 8
+    per_token = 2 * hk * d * 8                                          # K and V, FP64
+    tokens = {(plan.ranks[i], b): sp.tokens for i, b, sp in pl.block_list()}
+    size = lambda b: tokens[(b.owner, b.chunk)] * per_token  # noqa: E731
+    keepers = first_keepers("auto", "resend", plan, size)
+    assert 0 < len(keepers) < 4
+    cut = first_wave_fetch(plan, size, keepers)
+    waves = plan_waves(plan, size)
+    kept = first_kept_blocks(plan, size)
+    assert 0 < len(cut.transfers) < len(waves[0].transfers)
+    relays = [t for _, t in cut.transfers if t.src != t.block.owner]
+    assert relays and all(any(u.dst == t.src and u.block == t.block for _, u in cut.transfers)
+                          or t.block in kept.get(t.src, ()) for t in relays)
+
+    g = torch.Generator().manual_seed(len(docs))
+    q, k, v, do = (torch.randn(pl.total_tokens, n, d, generator=g, dtype=torch.float64) for n in (h, hk, hk, h))
+    scale = d ** -0.5
+    runs = {mode: harness_attention(q, k, v, do, cp=4, plan=plan, placement=pl, softmax_scale=scale,
+                                    backward_kv=mode, stats=True) for mode in MODES}
+    ref = per_document_reference(q, k, v, do, docs, True, scale)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        got = runs["auto"].gathered(name)
+        assert (got - ref[name]).abs().max().item() <= 1e-12 * max(1.0, ref[name].abs().max().item()), name
+        for mode in ("keep", "resend"):
+            assert all(torch.equal(getattr(a, name), getattr(b, name))
+                       for a, b in zip(runs["auto"].ranks, runs[mode].ranks)), (mode, name)
+    for r in runs["auto"].ranks:
+        own = sum(size(b) for b in plan.local_blocks(r.rank))
+        want = sum(size(b) for b in kept.get(r.rank, ())) if r.rank in keepers else 0
+        assert r.backward_kv == "resend" and r.kept_bytes == want <= own, (r.rank, r.kept_bytes, want, own)
+    again = sum(size(t.block) for w in (cut, *waves[1:]) for _, t in w.transfers)
+    assert sum(r.stats.resend_bytes_sent for r in runs["auto"].ranks) == again
+    assert again < sum(r.stats.resend_bytes_sent for r in runs["resend"].ranks)
+    priced = simulate_backward_waves(plan, topo, AttentionShape(pl.total_tokens, h, hk, d, 8), backward_kv="auto")
+    assert (priced["first_kept"], priced["first_kept_ranks"]) == (False, len(keepers))
+    assert priced["wave_resend_s"][0] > 0 and priced["held_between_passes_bytes_max"] == max(
+        sum(size(b) for b in kept.get(x, ())) for x in keepers)

@@ -210,7 +210,7 @@ def test_the_wave_timeline_has_no_barrier_between_waves():
             for m in ("keep", "resend") for b in (False, True)}
     keep = runs[("keep", True)]
     assert set(keep) == {"bwd_s", "backward_kv", "resend_s", "waves", "wave_compute_s", "wave_reduce_s",
-                         "wave_resend_s", "held_kv_bytes_max", "first_kept", "backward",
+                         "wave_resend_s", "held_kv_bytes_max", "first_kept", "first_kept_ranks", "backward",
                          "held_between_passes_bytes_max"}
     W = keep["waves"]
     red, comp = keep["wave_reduce_s"], keep["wave_compute_s"]

@@ -72,7 +72,7 @@ import torch
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.backward_waves import plan_waves, run_backward_waves
 from megatron_fcp.attention.backward_chain import run_backward_chain
-from megatron_fcp.planning.chains import chain_steps, first_kept_blocks, keeps_first
+from megatron_fcp.planning.chains import chain_steps, first_kept_blocks, first_keepers, first_wave_fetch
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
@@ -199,6 +199,7 @@ class _Executor:
         self.backward_kv = "keep"  # or "resend": set by fcp_attention_with_lse
         self.first_kept = False    # a ring's backward starts from the forward's first sub-round (chains.keeps_first)
         self.keep_first: frozenset | None = None  # resend: the blocks of it this rank keeps
+        self.first_keepers: frozenset = frozenset()  # resend: the ranks that keep theirs (chains.first_keepers)
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
         for r, rnd in enumerate(plan.rounds):
             for t in rnd:
@@ -400,8 +401,11 @@ class _Executor:
                                      resend=self.backward_kv == "resend")
         else:
             waves = plan_waves(self.plan, size, cache_key=key)
+            partial = first_wave_fetch(self.plan, size, self.first_keepers, cache_key=key) \
+                if self.backward_kv == "resend" else None
             res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,  # partials in q's dtype
-                                     resend=self.backward_kv == "resend", first_kept=self.first_kept)
+                                     resend=self.backward_kv == "resend", first_kept=self.first_kept,
+                                     first_fetch=partial)
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
             saved = sum(x.numel() * x.element_size() for x in (kept or {}).values())
@@ -511,9 +515,12 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
     mode = choose_backward_kv(backward_kv, plan_obj, size, kv_memory_budget, cache_key=key)
     executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
     executor.backward_kv = mode
-    executor.first_kept = keeps_first(backward_kv, mode, plan_obj, size, kv_memory_budget, cache_key=key)
-    if executor.first_kept and mode == "resend":
-        executor.keep_first = frozenset(first_kept_blocks(plan_obj, size, cache_key=key).get(rank, ()))
+    keepers = first_keepers(backward_kv, mode, plan_obj, size, kv_memory_budget, cache_key=key)
+    executor.first_kept = len(keepers) == len(plan_obj.ranks)
+    if mode == "resend" and keepers:
+        executor.first_keepers = keepers
+        if rank in keepers:
+            executor.keep_first = frozenset(first_kept_blocks(plan_obj, size, cache_key=key).get(rank, ()))
     return executor
 
 

@@ -73,11 +73,11 @@ from typing import Callable, Hashable
 from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.cost import simulate_rounds
 from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.waves import RING_BUDGET, block_work, plan_waves, wave_budget
+from megatron_fcp.planning.waves import RING_BUDGET, Wave, block_work, first_fetch, plan_waves, wave_budget
 from megatron_fcp.topology import Topology
 
 __all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline",
-           "first_kept_blocks", "first_received", "keeps_first"]
+           "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch", "keeps_first"]
 
 
 @dataclass(frozen=True)
@@ -241,27 +241,51 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
     return {r: tuple(b) for r, b in out.items()}
 
 
+def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
+                  kv_memory_budget: int = RING_BUDGET, *, cache_key: Hashable = None) -> frozenset[int]:
+    """The ranks whose backward starts from their first step's KV kept from the forward (a chain's
+    first sub-round, Note [Streaming chain backward], "The first sub-round"; another plan's first
+    wave, Note [Backward waves], "The first wave"). ``requested``: ``--fcp-backward-kv``;
+    ``decided``: what :func:`~megatron_fcp.planning.waves.choose_backward_kv` made of it. ``keep``:
+    every rank (everything is kept); an explicit ``resend``: none; ``auto`` deciding ``resend``: each
+    rank whose part (:func:`first_kept_blocks`) fits ``kv_memory_budget`` (the ring's: its own
+    shard; Transformer Engine's ring saves its last received shard) -- for a chain plan all ranks
+    or none (its steps shift for everyone at once), for waves each rank on its own (the others'
+    part of the first wave is re-sent: :func:`~megatron_fcp.planning.waves.first_fetch`). Reads
+    only the plan and block sizes: every rank and the cost model decide alike."""
+    if decided == "keep":
+        return frozenset(plan.ranks)
+    if requested != "auto":
+        return frozenset()
+    got = first_kept_blocks(plan, block_bytes, cache_key=cache_key)
+    fits = frozenset(r for r in plan.ranks if sum(block_bytes(b) for b in got.get(r, ())) <= (
+        kv_memory_budget if kv_memory_budget != RING_BUDGET else sum(block_bytes(b) for b in plan.local_blocks(r))))
+    if len(fits) < len(plan.ranks) and chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
+        return frozenset()
+    return fits
+
+
 def keeps_first(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
                 kv_memory_budget: int = RING_BUDGET, *, cache_key: Hashable = None) -> bool:
-    """Whether the backward starts from its first step's KV kept from the forward (a chain's first
-    sub-round, Note [Streaming chain backward], "The first sub-round"; another plan's first wave,
-    Note [Backward waves]). ``requested``: ``--fcp-backward-kv``; ``decided``: what
-    :func:`~megatron_fcp.planning.waves.choose_backward_kv` made of it. ``keep``: yes (everything is
-    kept); ``auto`` deciding ``resend``: when every rank's part (:func:`first_kept_blocks`) fits
-    ``kv_memory_budget`` (the ring's: its own shard; Transformer Engine's ring saves its last
-    received shard); an explicit ``resend`` keeps nothing. Reads only the plan and block sizes:
-    every rank and the cost model decide alike."""
-    if decided == "keep":
-        return True
-    if requested != "auto":
-        return False
+    """Whether *every* rank starts from its first step's KV kept (:func:`first_keepers`): a chain's
+    steps then shift by one, and no wave re-sends its first wave."""
+    return len(first_keepers(requested, decided, plan, block_bytes, kv_memory_budget,
+                             cache_key=cache_key)) == len(plan.ranks)
+
+
+def first_wave_fetch(plan: Plan, block_bytes: Callable[[Block], int], keepers: frozenset[int], *,
+                     cache_key: Hashable = None) -> Wave | None:
+    """A wave plan's first wave cut to what is re-sent when only ``keepers`` (:func:`first_keepers`,
+    neither none nor all) kept theirs (:func:`~megatron_fcp.planning.waves.first_fetch`); None when
+    nothing or everything was kept, or the plan streams as chains."""
+    if not keepers or len(keepers) == len(plan.ranks) or \
+            chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
+        return None
+    waves = plan_waves(plan, block_bytes, cache_key=cache_key)
+    if not waves:
+        return None
     got = first_kept_blocks(plan, block_bytes, cache_key=cache_key)
-    for r in plan.ranks:
-        limit = kv_memory_budget if kv_memory_budget != RING_BUDGET else \
-            sum(block_bytes(b) for b in plan.local_blocks(r))
-        if sum(block_bytes(b) for b in got.get(r, ())) > limit:
-            return False
-    return True
+    return first_fetch(waves[0], {r: got.get(r, ()) for r in keepers})
 
 
 CHAIN_PACE = 1.5

@@ -87,7 +87,7 @@ from megatron_fcp.planning.cost import (
     simulate_rounds,
 )
 from megatron_fcp.planning.blocks import part_tokens
-from megatron_fcp.planning.chains import chain_steps, chain_timeline, first_kept_blocks, keeps_first
+from megatron_fcp.planning.chains import chain_steps, chain_timeline, first_kept_blocks, first_keepers, first_wave_fetch
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
@@ -462,17 +462,20 @@ def simulate_backward_waves(
         return p * flop_s + cm.kernel_overhead_s if p else 0.0
 
     key = ("cost", kv_tok, shape.seq_len)
-    first = budget is None and keeps_first(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch,
-                                           kv_memory_budget, cache_key=key + (micro_batch,))
+    keepers = first_keepers(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget,
+                            cache_key=key + (micro_batch,)) if budget is None else frozenset()
+    first = len(keepers) == len(plan.ranks)
     # received KV saved from the forward, per rank: keep its need set, auto (resend) the first step's
-    got = first_kept_blocks(plan, size, cache_key=key) if first and backward_kv == "resend" else {}
-    saved = {r: sum(size(b) for b in (plan.needs(r) if backward_kv == "keep" else got.get(r, ()))) for r in plan.ranks}
+    got = first_kept_blocks(plan, size, cache_key=key) if keepers and backward_kv == "resend" else {}
+    saved = {r: sum(size(b) for b in (plan.needs(r) if backward_kv == "keep" else got.get(r, ()) if r in keepers
+                                      else ())) for r in plan.ranks}
     steps = chain_steps(plan, size, budget, cache_key=key, first_kept=first)
     if steps is not None:  # Note [Streaming chain backward]
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
                               lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s,
                               saved)
-        return {**out, "first_kept": first, "held_between_passes_bytes_max": max(saved.values(), default=0)}
+        return {**out, "first_kept": first, "first_kept_ranks": len(keepers),
+                "held_between_passes_bytes_max": max(saved.values(), default=0)}
     waves = plan_waves(plan, size, budget, cache_key=key)
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     comp, red, fetch, held = [], [], [], []
@@ -490,11 +493,19 @@ def simulate_backward_waves(
                 got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
         held.append(got)
     W = len(waves)
+    partial = first_wave_fetch(plan, size, keepers, cache_key=key) if backward_kv == "resend" else None
     total = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
                           job_s=job_s, resend=backward_kv == "resend", round_overhead_s=round_overhead_s,
-                          buffered_sends=buffered_sends, first_kept=first)["total_s"]
+                          buffered_sends=buffered_sends, first_kept=first, first_fetch=partial)["total_s"]
     if first and fetch:
         fetch[0], held[0] = 0.0, {}                              # the first wave came with the forward
+    elif partial is not None and fetch:                          # the keepers' part came with the forward
+        sub = restrict(plan, partial)
+        fetch[0] = simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s \
+            if sub.rounds else 0.0
+        held[0] = {}
+        for t in (t for rnd in sub.rounds for t in rnd):
+            held[0][t.dst] = held[0].get(t.dst, 0.0) + size(t.block)
     if backward_kv == "keep":
         held_max = max(saved.values(), default=0)
     else:  # two consecutive waves re-sent, beside what the forward saved
@@ -502,6 +513,7 @@ def simulate_backward_waves(
                         for i in range(W) for r in plan.ranks), default=0.0)
     return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp,
             "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
+            "first_kept_ranks": len(keepers),
             "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0)}
 
 

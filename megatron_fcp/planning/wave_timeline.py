@@ -54,12 +54,14 @@ __all__ = ["wave_timeline"]
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
                   grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
                   round_overhead_s: float = 0.0, buffered_sends: bool = False, trace: bool = False,
-                  first_kept: bool = False) -> dict:
+                  first_kept: bool = False, first_fetch: Wave | None = None) -> dict:
     """Simulate the executor's wave loop (Note [Wave pipeline timeline]). ``kv_bytes``/``grad_bytes``:
     a block's K and V on the wire (re-send) and its dK/dV partial (reduction); ``job_s(rank, block)``:
     seconds of one gradient job. ``buffered_sends``: a rank's wait returns without its sends
     (gloo over TCP: a send is complete once the kernel has its bytes); default, a send is waited
-    until it arrives (NCCL). ``first_kept``: the first wave's KV was kept by the forward (no fetch).
+    until it arrives (NCCL). ``first_kept``: the first wave's KV was kept by the forward (no fetch);
+    ``first_fetch``: only some ranks kept theirs, this part of the first wave is re-sent
+    (:func:`~megatron_fcp.planning.waves.first_fetch`).
     Returns ``total_s`` (the last rank's end) and ``end_s`` per rank;
     ``trace``: also ``messages``, ``(phase, wave, round, src, dst, start, finish)`` in start order."""
     idx = _ResourceIndex(topo)
@@ -84,11 +86,12 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
         by.setdefault(src, []).append(i)
         by.setdefault(dst, []).append(i)
 
+    fetched = [wave if w or first_fetch is None else first_fetch for w, wave in enumerate(waves)]
     for w, wave in enumerate(waves):
         for r, t in wave.transfers:
             add(("red", w, r), t.dst, t.src, grad_bytes(t.block))   # reverse: the reader returns dK/dV
-            if resend and not (first_kept and w == 0):
-                add(("kv", w, r), t.src, t.dst, kv_bytes(t.block))
+        for r, t in (fetched[w].transfers if resend and not (first_kept and w == 0) else ()):
+            add(("kv", w, r), t.src, t.dst, kv_bytes(t.block))
     jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
     n_own = dict.fromkeys(ranks, 0)                 # the first wave's own jobs, run while its KV arrives
     for w, wave in enumerate(waves):
@@ -146,7 +149,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
 
         fetch0 = resend and W and not first_kept
         if fetch0:
-            extend([("kv", 0, r) for r in waves[0].rounds])
+            extend([("kv", 0, r) for r in fetched[0].rounds])
         for b in (jobs[x][0][:n_own[x]] if W else []):
             yield from poll()
             yield ("compute", job_s(x, b))

@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable
+from typing import Callable, Collection, Hashable, Mapping
 
 from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.cost import _block_pairs
 from megatron_fcp.planning.plan import Plan
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
            "kept_bytes_per_rank", "choose_backward_kv", "WaveBackward"]
 
 
@@ -260,6 +260,24 @@ def restrict(plan: Plan, wave: Wave) -> Plan:
     for r, t in wave.transfers:
         rounds.setdefault(r, []).append(t)
     return replace(plan, rounds=tuple(tuple(rounds[r]) for r in wave.rounds), name=f"{plan.name}/wave")
+
+
+def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
+    """The part of the first wave that is re-sent when some ranks kept theirs from the forward
+    (``kept``: rank -> the blocks it kept; Note [Backward waves], "The first wave"). A transfer goes
+    again when its receiver computes the block in the wave and did not keep it, or forwards it on
+    a transfer that goes again (a relay that kept a block sends it from what it kept). Same
+    computes as ``wave``; reads only the wave, so every rank and the cost model cut it alike."""
+    wanted: set[tuple[Block, int]] = set()        # (block, rank): the rank must hold it again
+    again: list[tuple[int, Transfer]] = []
+    for r, t in reversed(wave.transfers):
+        b, d = t.block, t.dst
+        if b in kept.get(d, ()) or ((b, d) not in wave.computes and (b, d) not in wanted):
+            continue
+        again.append((r, t))
+        if t.src != b.owner:
+            wanted.add((b, t.src))
+    return Wave(tuple(reversed(again)), wave.computes)
 
 
 # ---- keep or resend (Note [Backward KV modes] in megatron_fcp.attention.kv_memory) ----------------
