@@ -48,10 +48,11 @@ CONFIGS = {
     "rail-4x2-mha": _cfg(4, 2, MHA, ("te-p2p", "te-a2a-p2p", "fcp-auto", KEEP, *HP)),
     "rail-2x4-gqa-8:2": _cfg(2, 4, WorkloadShape(4096, heads=8, kv_heads=2, head_dim=64),
                              ("te-p2p", "te-a2a-p2p", "fcp-auto", KEEP, *HP)),
-    "shared-2x4-mha": _cfg(2, 4, MHA, ("te-p2p", "fcp-auto", KEEP, *BUILDERS), nic="shared"),
+    "shared-2x4-mha": _cfg(2, 4, MHA, ("te-p2p", "fcp-auto", KEEP, "fcp-hp", *BUILDERS), nic="shared"),
     "one-node-1x4-mha": _cfg(1, 4, MHA, ("te-p2p", "te-a2a-p2p", "fcp-auto", KEEP, "fcp-full", *HP)),
     "packed-2x4-lognormal": _cfg(2, 4, replace(MHA, doc_lengths=tuple(lognormal_lengths(6.0, 1.0, 8192, 0)),
-                                                block_tokens=1024), ("te-p2p", "te-a2a-p2p", "fcp-auto", KEEP)),
+                                                block_tokens=1024), ("te-p2p", "te-a2a-p2p", "fcp-auto", KEEP,
+                                                                     "fcp-hp")),
     # the real CPU kernels instead of the sleep: reported, never a headline (8 ranks share 2 cores)
     "rail-2x4-mha-cpu": replace(_cfg(2, 4, MHA, ("te-p2p", "fcp-auto")), compute="cpu"),
     "rail-2x4-mha-p4": _cfg(2, 4, MHA, ("te-p2p", "fcp-auto/4", "fcp-auto@keep/4")),

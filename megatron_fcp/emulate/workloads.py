@@ -18,7 +18,8 @@ Workload names (``--workloads``):
   (degree 1) or stagger (degree > 1). Degree 1 runs as plain FCP over the chosen plan with its
   parts (an :class:`FcpWorkload`, as the plugin does), degree > 1 the head-parallel engine over the
   chosen plan. ``info["choice"]`` is the runtime's report of it (label, predicted ms, runner-up).
-  Zigzag only (no ``/P`` suffix: the planner picks the blocks);
+  No ``/P`` suffix: the planner picks the blocks. A packed batch has no choice to settle (degree
+  1, graph ``auto`` over the placement, as the runtime plans it per micro-batch): ``fcp-auto``'s run;
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
   (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
   with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD). A
@@ -322,12 +323,17 @@ def _choice_info(choice: ScheduleChoice) -> dict:
     return {"choice": schedule_report(choice), "auto_candidates": dict(choice.plan.auto or ())}
 
 
-def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], cm: ComputeModel) -> Workload:
+def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], cm: ComputeModel,
+            placement: Placement | None = None) -> Workload:
     """What the plugin runs (:func:`fcp_hp_choice`): degree 1 an :class:`FcpWorkload` over the chosen
-    plan with its parts (the runtime's plain plan), degree > 1 the head-parallel engine over it."""
+    plan with its parts (the runtime's plain plan), degree > 1 the head-parallel engine over it. A
+    packed batch: the runtime has no choice to make (:mod:`megatron_fcp.patches.schedule`: degree 1,
+    the configured graph, ``auto``, planned per micro-batch over the placement), so ``fcp-auto``'s
+    run under this name."""
     if shape.doc_lengths:
-        return HeadParallelWorkload(name, shape, ranks, unavailable="not available: the head-parallel engine runs "
-                                    "Megatron's zigzag layout, not packed batches (THD)")
+        w = _fcp(name, "auto", shape, topo, ranks, placement)
+        w.info.update(head_parallel=1, note="packed batch: the runtime runs degree 1, graph auto over the placement")
+        return w
     choice = fcp_hp_choice(shape, topo, ranks, cm)
     hp = choice.plan
     if hp.degree == 1:  # as the plugin does: no head-parallel stage, plain FCP over the chosen plan
@@ -429,7 +435,7 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology,
             base, mode, parts = _parse_name(n)
             own = replace(shape, backward_kv=mode or shape.backward_kv, parts=parts or shape.parts)
             if base == "fcp-hp":
-                out.append(_fcp_hp(n, own, topo, ranks, compute_model or ComputeModel()))
+                out.append(_fcp_hp(n, own, topo, ranks, compute_model or ComputeModel(), placement))
             else:
                 out.append(_fcp(n, base[len("fcp-"):], own, topo, ranks, placement))
     return out
