@@ -13,8 +13,8 @@ import torch
 
 TOPO = "examples/configs/topology_2x2.yaml"
 CASES = [("ring", "fp64"), ("ring", "fp32"), ("ring", "bf16"), ("hier", "fp64"), ("hier", "fp32"),
-         ("full", "bf16"), ("hier", "bf16"), ("packed", "fp32"), ("packed", "bf16")]
-GLOO_CASES = [("hier", "fp32"), ("packed", "fp32")]
+         ("full", "bf16"), ("hier", "bf16"), ("packed", "fp32"), ("packed", "bf16"), ("packed-partial", "fp64")]
+GLOO_CASES = [("hier", "fp32"), ("packed", "fp32"), ("packed-partial", "fp64")]
 MODES = ("keep", "resend", "auto")
 
 
@@ -36,8 +36,11 @@ def case_setup(name: str, dt: str):
 
     topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), TOPO))
     g = torch.Generator().manual_seed(zlib.crc32((name + dt).encode()))  # the same in every process
-    if name == "packed":
-        placement = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8)
+    if name.startswith("packed"):
+        # packed-partial: under auto ranks 1-3 keep their part of the first wave, rank 0's is re-sent
+        # (a relay sends on what it kept: test_auto_keeps_the_first_wave_rank_by_rank)
+        placement = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8) if name == "packed" else \
+            place_packed([33, 5, 5], 4, block_tokens=4)
         t = placement.total_tokens
         full = [torch.randn(t, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
         return full, placement, build_plan(topo, range(4), "hierarchical", placement=placement)

@@ -86,6 +86,25 @@ def test_resend_holds_no_received_kv_between_passes(request, source, case):
     assert all(r["auto"]["stats"]["backward_kv"] == "resend" for r in results)
 
 
+@pytest.mark.parametrize("source", ["harness", pytest.param("gloo", marks=_DIST)])
+def test_auto_keeps_part_of_the_first_wave_through_autograd(request, source):
+    """packed-partial: under auto the ranks whose part of the first wave fits their own shard keep
+    it (through autograd on the gloo group: what the graph holds), the others keep nothing and get
+    theirs again; auto is bitwise keep and resend, and re-sends less than resend."""
+    results = _per_rank(request, source, "packed-partial-fp64")
+    held = [r["auto"]["held"] for r in results]
+    assert held[0] == 0 and all(0 < h <= r["auto"]["local_kv"] for h, r in zip(held[1:], results[1:])), held
+    for rank, r in enumerate(results):
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert torch.equal(r["auto"][name], r["keep"][name]), (rank, name)
+    sent = {m: sum(r[m]["stats"]["resend_bytes_sent"] for r in results) for m in ("auto", "resend")}
+    assert 0 < sent["auto"] < sent["resend"], sent
+    if source == "gloo":  # real processes give bitwise the harness's results (the harness runs this plan
+        # against the FP64 reference in test_auto_keeps_the_first_wave_rank_by_rank)
+        for r, h in zip(results, _per_rank(request, "harness", "packed-partial-fp64")):
+            assert all(torch.equal(r["auto"][n], h["auto"][n]) for n in ("out", "lse", "dq", "dk", "dv"))
+
+
 @pytest.mark.parametrize("name", ("ring", "hier", "packed"))
 def test_backward_partials_travel_in_the_input_dtype(harness, name):
     """dK/dV partials are summed in FP32 but sent in the input dtype (Note [Backward pipeline]), as
