@@ -157,7 +157,8 @@ class GlooTransport(Transport):
 
     def test(self, handle: Handle) -> bool:
         """``Work.is_completed()`` of every operation (a failed one counts as completed: ``wait``
-        then raises). A send is complete once gloo has handed its bytes to the socket."""
+        then raises). A send is complete once the peer has posted the matching receive and gloo has
+        handed its bytes to the socket."""
         return all(work.is_completed() for _, _, work in handle.works)
 
 

@@ -157,7 +157,7 @@ class FcpWorkload(Workload):
     ``predict``: the forward (:func:`~megatron_fcp.planning.simulate_plan`) and the backward the
     executor runs, wave by wave with ``backward_kv``
     (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves` with ``buffered_sends``:
-    gloo's send is complete once the kernel's socket buffer holds it; its reductions and, under
+    gloo's send is complete once its receiver has posted and the socket holds it; its reductions and, under
     ``resend``, its re-sends counted as communication)."""
 
     plan: Plan | None = None
@@ -174,7 +174,7 @@ class FcpWorkload(Workload):
         shape = self.shape.attention()
         fwd = simulate_plan(self.plan, topo, shape, compute_model=cm)
         w = simulate_backward_waves(self.plan, topo, shape, compute_model=cm, backward_kv=self.executor_kv,
-                                    buffered_sends=True)  # gloo over TCP: a send completes once buffered
+                                    buffered_sends=True)  # gloo over TCP: a send completes once its receive is posted
         return {"predicted_s": fwd.total_s + w["bwd_s"], "predicted_fwd_s": fwd.total_s, "predicted_bwd_s": w["bwd_s"],
                 "predicted_comm_s": fwd.comm_s + sum(w["wave_reduce_s"]) + w["resend_s"],
                 "predicted_compute_s": fwd.compute_s + sum(w["wave_compute_s"]),

@@ -420,8 +420,9 @@ def simulate_backward_waves(
     reductions of waves w-1 (and w-2) and (``"resend"``) wave w+1's re-send advanced between jobs
     as their rounds complete. ``bwd_s`` follows
     every rank through the executor's loop, no barrier between waves (Note [Wave pipeline
-    timeline] in :mod:`megatron_fcp.planning.wave_timeline`; ``buffered_sends``: a wait returns
-    without the rank's sends, as gloo over TCP does; default they are waited until they arrive,
+    timeline] in :mod:`megatron_fcp.planning.wave_timeline`; ``buffered_sends``: a wait on the
+    rank's sends returns once their receivers have posted, as gloo over TCP does; default they are
+    waited until they arrive,
     as NCCL's are). Per wave, on the plan cut to it (:func:`~megatron_fcp.planning.waves.restrict`),
     for reports: compute is the busiest rank's (:func:`simulate_plan_backward`'s), reduce and
     resend the rounds' communication alone.

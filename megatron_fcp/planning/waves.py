@@ -336,8 +336,9 @@ class WaveBackward:
     decides for ``backward_kv`` (``--fcp-backward-kv``) and ``kv_memory_budget``
     (``--fcp-kv-memory-budget``, bytes per rank or :data:`RING_BUDGET`). ``micro_batch``: sequences
     per attention call; it scales a block's bytes, so it matters only against a budget in bytes
-    (the ring's budget scales with it). ``buffered_sends``: a rank's wait returns without its sends
-    (gloo over TCP, the emulated cluster); default, as NCCL, a send is waited until it arrives
+    (the ring's budget scales with it). ``buffered_sends``: a rank's wait on its sends returns once
+    their receivers have posted (gloo over TCP, the emulated cluster: the socket takes the bytes
+    then); default, as NCCL, a send is waited until it arrives
     (Note [Wave pipeline timeline] in :mod:`megatron_fcp.planning.wave_timeline`). Cost models take
     ``backward=None`` for the plain one-pass backward with kept KV
     (:func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward`)."""
