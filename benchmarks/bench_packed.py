@@ -126,8 +126,10 @@ def _time_row(name: str, topo: str, ranks, lengths, targets: dict) -> dict:
     # plugin's default ``auto`` decides), priced by following every rank (Note [Wave pipeline timeline])
     waves = simulate_backward_waves(out["plan"], topo, SHAPE, backward_kv="auto")
     run = s["fcp"]["fwd"]["total_s"] + waves["bwd_s"]
-    kept = f", first wave kept on {waves['first_kept_ranks']} of {len(ranks)} ranks" if waves["first_kept_ranks"] else ""
-    row["fcp_as_run"] = {"backward": f"waves ({waves['waves']}, {waves['backward_kv']}{kept})", "bwd_total_s": waves["bwd_s"],
+    kept = f", first wave kept on {waves['first_kept_ranks']} of {len(ranks)} ranks" if waves["first_kept_ranks"] \
+        else ""
+    row["fcp_as_run"] = {"backward": f"waves ({waves['waves']}, {waves['backward_kv']}{kept})",
+                         "bwd_total_s": waves["bwd_s"],
                          "fwd_bwd_total_s": run, **{f"speedup_vs_{b}": _target(s[b]["fwd_bwd"]["total_s"] / run, ">=", bound)
                                                    for b, bound in targets.items() if b in s and "error" not in s[b]}}
     # what-if: an executor that sends each dK/dV partial as soon as it is complete (not what runs)

@@ -243,7 +243,7 @@ def test_auto_keeps_the_first_wave_where_it_fits_the_ring_budget():
     shard: Transformer Engine's ring saves its last received shard), so backward starts without
     re-sending it; an explicit resend saves nothing and fetches it first. dgx-h100:2, cp = 16,
     128K GQA 32:8, hierarchical with two parts per chunk."""
-    from megatron_fcp.planning.chains import first_kept_blocks, keeps_first
+    from megatron_fcp.planning.chains import first_kept_blocks, first_keepers
 
     shape = AttentionShape(131072, 32, 8, 128, 2)
     plan = build_plan("dgx-h100:2", range(16), "hierarchical", parts_per_chunk=2)
@@ -256,8 +256,10 @@ def test_auto_keeps_the_first_wave_where_it_fits_the_ring_budget():
     assert auto["bwd_s"] < bare["bwd_s"] and auto["resend_s"] < bare["resend_s"]
     size = lambda b: 100  # noqa: E731
     got = first_kept_blocks(plan, size)
-    assert keeps_first("auto", "resend", plan, size) and not keeps_first("resend", "resend", plan, size)
-    assert not keeps_first("auto", "resend", plan, size, kv_memory_budget=0)
+    assert first_keepers("auto", "resend", plan, size) == frozenset(plan.ranks)
+    assert first_keepers("resend", "resend", plan, size) == frozenset()
+    assert first_keepers("auto", "resend", plan, size, kv_memory_budget=0) == frozenset(
+        r for r in plan.ranks if not got.get(r))                 # only ranks that receive nothing in wave 0
     assert all(b.owner != r for r, blocks in got.items() for b in blocks)
 
 

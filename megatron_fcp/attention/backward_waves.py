@@ -280,7 +280,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
     dtype) just before it is sent; a received one is added into a ``grad_dtype`` accumulator, so a
     relay's sum is rounded once per hop. ``kept`` None: re-send the KV. ``resend`` (default ``kept
     is None``) with ``first_kept``: the first wave's blocks are in ``kept`` (saved by the forward,
-    :func:`~megatron_fcp.planning.chains.keeps_first`), the later waves re-sent; ``first_fetch``
+    every rank in :func:`~megatron_fcp.planning.chains.first_keepers`), the later waves re-sent; ``first_fetch``
     instead: only some ranks kept theirs (:func:`~megatron_fcp.planning.chains.first_keepers`;
     this rank's part, if any, is in ``kept``), the first wave's fetch re-sends this part of it
     (:func:`~megatron_fcp.planning.chains.first_wave_fetch`). Returns ``grads`` (the

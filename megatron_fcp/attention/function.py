@@ -197,7 +197,7 @@ class _Executor:
         self.local_blocks = layout.local_blocks
         self.num_rounds = len(plan.rounds)
         self.backward_kv = "keep"  # or "resend": set by fcp_attention_with_lse
-        self.first_kept = False    # a ring's backward starts from the forward's first sub-round (chains.keeps_first)
+        self.first_kept = False    # every rank starts from the forward's first step (chains.first_keepers: all)
         self.keep_first: frozenset | None = None  # resend: the blocks of it this rank keeps
         self.first_keepers: frozenset = frozenset()  # resend: the ranks that keep theirs (chains.first_keepers)
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it

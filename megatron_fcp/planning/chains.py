@@ -36,7 +36,7 @@ keep what a rank receives in the first sub-round (``first_kept``; at most one sh
 then shift by one (KV of sub-round j at step j-1, its compute at step j, ``acc`` at step j_(i+1),
 home at j_k + 1): J+1 steps, TE's count. ``keep`` always runs this way (everything is kept);
 ``auto`` does when every rank's first sub-round fits ``--fcp-kv-memory-budget`` (the ring's: its own
-shard; :func:`keeps_first`); an explicit ``resend`` keeps nothing and pays the step. The jobs and
+shard; :func:`first_keepers`); an explicit ``resend`` keeps nothing and pays the step. The jobs and
 their order are the same in every variant, so ``keep``, ``resend`` and ``auto`` agree bit for bit
 (a relay's ``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
 
@@ -77,7 +77,7 @@ from megatron_fcp.planning.waves import RING_BUDGET, Wave, block_work, first_fet
 from megatron_fcp.topology import Topology
 
 __all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "chain_timeline",
-           "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch", "keeps_first"]
+           "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch"]
 
 
 @dataclass(frozen=True)
@@ -263,14 +263,6 @@ def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callabl
     if len(fits) < len(plan.ranks) and chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
         return frozenset()
     return fits
-
-
-def keeps_first(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
-                kv_memory_budget: int = RING_BUDGET, *, cache_key: Hashable = None) -> bool:
-    """Whether *every* rank starts from its first step's KV kept (:func:`first_keepers`): a chain's
-    steps then shift by one, and no wave re-sends its first wave."""
-    return len(first_keepers(requested, decided, plan, block_bytes, kv_memory_budget,
-                             cache_key=cache_key)) == len(plan.ranks)
 
 
 def first_wave_fetch(plan: Plan, block_bytes: Callable[[Block], int], keepers: frozenset[int], *,

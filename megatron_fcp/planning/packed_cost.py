@@ -479,6 +479,16 @@ def simulate_backward_waves(
                 "held_between_passes_bytes_max": max(saved.values(), default=0)}
     waves = plan_waves(plan, size, budget, cache_key=key)
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
+    resend = backward_kv == "resend"
+
+    def refetch(sub: Plan) -> tuple[float, dict[int, float]]:
+        """Re-sending ``sub``'s KV: its communication alone, and the bytes it brings each rank."""
+        got: dict[int, float] = {}
+        for t in (t for rnd in sub.rounds for t in rnd):
+            got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
+        return (simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
+                if sub.rounds and resend else 0.0), got
+
     comp, red, fetch, held = [], [], [], []
     for w in waves:
         sub = restrict(plan, w)
@@ -486,27 +496,18 @@ def simulate_backward_waves(
                                      round_overhead_s=round_overhead_s, computes=w.computes)
         comp.append(one.compute_s)
         red.append(one.comm_s if sub.rounds else 0.0)
-        fetch.append(simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
-                     if sub.rounds and backward_kv == "resend" else 0.0)
-        got: dict[int, float] = {}
-        for rnd in sub.rounds:
-            for t in rnd:
-                got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
+        f, got = refetch(sub)
+        fetch.append(f)
         held.append(got)
     W = len(waves)
-    partial = first_wave_fetch(plan, size, keepers, cache_key=key) if backward_kv == "resend" else None
+    partial = first_wave_fetch(plan, size, keepers, cache_key=key) if resend else None
     total = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
-                          job_s=job_s, resend=backward_kv == "resend", round_overhead_s=round_overhead_s,
+                          job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
                           buffered_sends=buffered_sends, first_kept=first, first_fetch=partial)["total_s"]
     if first and fetch:
         fetch[0], held[0] = 0.0, {}                              # the first wave came with the forward
     elif partial is not None and fetch:                          # the keepers' part came with the forward
-        sub = restrict(plan, partial)
-        fetch[0] = simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s \
-            if sub.rounds else 0.0
-        held[0] = {}
-        for t in (t for rnd in sub.rounds for t in rnd):
-            held[0][t.dst] = held[0].get(t.dst, 0.0) + size(t.block)
+        fetch[0], held[0] = refetch(restrict(plan, partial))
     if backward_kv == "keep":
         held_max = max(saved.values(), default=0)
     else:  # two consecutive waves re-sent, beside what the forward saved

@@ -58,8 +58,8 @@ from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.cost import _block_pairs
 from megatron_fcp.planning.plan import Plan
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
-           "kept_bytes_per_rank", "choose_backward_kv", "WaveBackward"]
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "block_work", "BACKWARD_KV_MODES",
+           "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv", "WaveBackward"]
 
 
 @dataclass(frozen=True)
