@@ -322,3 +322,45 @@ def test_auto_keeps_the_first_wave_rank_by_rank(docs):
     assert (priced["first_kept"], priced["first_kept_ranks"]) == (False, len(keepers))
     assert priced["wave_resend_s"][0] > 0 and priced["held_between_passes_bytes_max"] == max(
         sum(size(b) for b in kept.get(x, ())) for x in keepers)
+
+
+def test_a_single_wave_runs_half_its_own_jobs_after_the_wave():
+    """One wave (a packed batch on 2 x 2, the direct plan): each rank computes the first half of its own
+    blocks while the wave's KV arrives and the rest after the wave's received blocks, while the
+    wave's dK/dV partials return (leading_own_jobs); those partials join the result after the
+    wave's sum, in a fixed place. FP64 per-document reference for out, lse, dq, dk, dv; keep,
+    resend and auto bit for bit; random message delays change no bit."""
+    from megatron_fcp.attention.harness import harness_attention, per_document_reference
+    from megatron_fcp.comm import DelayTransport
+    from megatron_fcp.planning import build_plan, place_packed
+    from megatron_fcp.planning.chains import chain_steps
+    from megatron_fcp.planning.waves import leading_own_jobs, plan_waves
+    from megatron_fcp.topology import load_topology
+
+    docs = [17, 17, 13, 5, 2, 17, 1, 13, 13]
+    topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples/configs/topology_2x2.yaml"))
+    pl = place_packed(docs, 4, block_tokens=4)
+    plan = build_plan(topo, range(4), "full", placement=pl)
+    h, hk, d = 4, 2, 8
+    tokens = {(plan.ranks[i], b): sp.tokens for i, b, sp in pl.block_list()}
+    size = lambda b: tokens[(b.owner, b.chunk)] * 2 * hk * d * 8  # noqa: E731
+    waves = plan_waves(plan, size)
+    assert chain_steps(plan, size) is None and len(waves) == 1 and waves[0].transfers
+    own = {r: sum((b, r) in waves[0].computes for b in plan.local_blocks(r)) for r in plan.ranks}
+    assert all(own[r] >= 2 and leading_own_jobs(own[r], 1) < own[r] for r in plan.ranks), own
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v, do = (torch.randn(pl.total_tokens, n, d, generator=g, dtype=torch.float64) for n in (h, hk, hk, h))
+    scale = d ** -0.5
+    runs = {mode: harness_attention(q, k, v, do, cp=4, plan=plan, placement=pl, softmax_scale=scale,
+                                    backward_kv=mode, stats=True) for mode in MODES}
+    runs["delayed"] = harness_attention(q, k, v, do, cp=4, plan=plan, placement=pl, softmax_scale=scale,
+                                        backward_kv="resend", transport=lambda r, t: DelayTransport(t, _delay(r)))
+    ref = per_document_reference(q, k, v, do, docs, True, scale)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        got = runs["auto"].gathered(name)
+        assert (got - ref[name]).abs().max().item() <= 1e-12 * max(1.0, ref[name].abs().max().item()), name
+        for mode in ("keep", "resend", "delayed"):
+            assert all(torch.equal(getattr(a, name), getattr(b, name))
+                       for a, b in zip(runs["auto"].ranks, runs[mode].ranks)), (mode, name)
+    assert [r.stats.backward_waves for r in runs["resend"].ranks] == [1] * 4, [r.stats.backward_waves for r in runs["resend"].ranks]

@@ -11,7 +11,9 @@ modes walk the same waves, so dq and every dK/dV partial are summed in the same 
 equal results). Compute runs back to back; the communication progresses between jobs::
 
     wave 0's own blocks (resend: while fetch(wave 0) runs, advanced between jobs; under auto
-    the ranks whose part of wave 0 fits the budget kept it from the forward: see "The first wave")
+    the ranks whose part of wave 0 fits the budget kept it from the forward: see "The first wave";
+    a single wave: only the first half of them, the rest after it, while its reduction returns:
+    leading_own_jobs; their partials join the result after every wave's sum)
     for w = 0 .. W:
         queue reduce(w-1) and, resend only, fetch(w+1): their rounds interleaved behind what is left
         for each of this rank's jobs of wave w:
@@ -92,7 +94,7 @@ from typing import Callable
 import torch
 
 from megatron_fcp.planning.blocks import Block, Transfer
-from megatron_fcp.planning.waves import Wave, plan_waves, wave_budget
+from megatron_fcp.planning.waves import Wave, leading_own_jobs, plan_waves, wave_budget
 
 __all__ = ["Wave", "plan_waves", "wave_budget", "run_backward_waves"]  # waves: megatron_fcp.planning.waves
 
@@ -328,10 +330,15 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
             add(g, b, compute(b, fetch.needed[b]))
             fetch.release(b)
 
-    # the first wave's own blocks are computed while its KV arrives (both modes: the same job order)
+    # the first wave's own blocks are computed while its KV arrives (every mode: the same job order);
+    # with one wave, half of them wait for the end, while its reduction returns (leading_own_jobs)
     pump = _Pump(ex)
     first = jobs(waves[0], first=True) if waves else []
     n_own = sum(1 for b in first if b in local)
+    lead = leading_own_jobs(n_own, len(waves))
+    first, last = first[:lead] + first[n_own:], first[lead:n_own]
+    n_own = lead
+    g_last: dict[Block, torch.Tensor] = {}                       # their partials: added after every wave's sum
     g_first: dict[Block, torch.Tensor] = {}
     fetch = None
     if resend and waves and not first_kept:
@@ -363,8 +370,8 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         if red is not None:
             reducing.append(red)
         pump.extend([c for c in (red, nxt) if c is not None])
-        g_cur: dict[Block, torch.Tensor] = g_first if w == 0 else {}
-        todo = first[n_own:] if w == 0 else (jobs(cur) if cur is not None else [])
+        g_cur: dict[Block, torch.Tensor] = g_first if w == 0 else g_last if cur is None else {}
+        todo = first[n_own:] if w == 0 else (jobs(cur) if cur is not None else last)
         for b in todo:                                           # compute w | reduce w-2, w-1 | fetch w+1
             pump.poll()
             settle()
@@ -378,5 +385,8 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
             out["resend_bytes"] += fetch.bytes_sent
         prev = (cur, g_cur) if cur is not None else None
         fetch = nxt
+    for b in ex.local_blocks:                                    # in a fixed place: after every wave's sum
+        if b in g_last:
+            add(grads, b, g_last[b])
     out["peak"] = held.peak
     return out

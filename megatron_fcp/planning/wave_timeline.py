@@ -11,7 +11,8 @@ others still reduce, and reductions of consecutive waves overlap where their lin
 runs, one thread, in order::
 
     wave 0's own jobs (resend: while wave 0's fetch rounds are posted one after another, each
-                       after the one before completed, polled between jobs)
+                       after the one before completed, polled between jobs; one wave: the first
+                       half of them, the rest after the wave: leading_own_jobs)
     for w = 0 .. W:
         queue reduce(w-1) (rounds reversed) and resend: fetch(w+1), interleaved, behind the rest
         for each job of wave w (received blocks in plan order, then own; wave 0: the rest):
@@ -51,7 +52,7 @@ from typing import Callable, Sequence
 from megatron_fcp.planning.blocks import Block
 from megatron_fcp.planning.cost import _ResourceIndex
 from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.waves import Wave
+from megatron_fcp.planning.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology
 
 __all__ = ["wave_timeline"]
@@ -99,16 +100,18 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
             add(("red", w, r), t.dst, t.src, grad_bytes(t.block))   # reverse: the reader returns dK/dV
         for r, t in (fetched[w].transfers if resend and not (first_kept and w == 0) else ()):
             add(("kv", w, r), t.src, t.dst, kv_bytes(t.block))
+    W = len(waves)
     jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
     n_own = dict.fromkeys(ranks, 0)                 # the first wave's own jobs, run while its KV arrives
+    last: dict[int, list[Block]] = {x: [] for x in ranks}   # the rest of them, run after the last wave
     for w, wave in enumerate(waves):
         for x in ranks:
             got = [t.block for _, t in wave.transfers if t.dst == x and (t.block, x) in wave.computes]
             own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
-            jobs[x].append(own + got if w == 0 else got + own)
             if w == 0:
-                n_own[x] = len(own)
-    W = len(waves)
+                n_own[x] = leading_own_jobs(len(own), W)
+                own, last[x] = own[:n_own[x]], own[n_own[x]:]
+            jobs[x].append(own + got if w == 0 else got + own)
 
     def program(x: int):
         """The executor's loop for rank ``x`` as ops: ("post", ids), ("wait", ids), ("compute", s),
@@ -166,7 +169,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
             red = [("red", w - 1, r) for r in reversed(waves[w - 1].rounds)] if w else []
             kv = [("kv", w + 1, r) for r in waves[w + 1].rounds] if resend and w + 1 < W else []
             extend(red, kv)
-            for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else []):
+            for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]):
                 yield from poll()
                 yield ("compute", job_s(x, b))
             # before wave w+1: its KV is here, wave w-2's reduction through (w-1's runs on); at the end, all

@@ -58,7 +58,8 @@ from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.cost import _block_pairs
 from megatron_fcp.planning.plan import Plan
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "block_work", "BACKWARD_KV_MODES",
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "block_work",
+           "BACKWARD_KV_MODES",
            "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv", "WaveBackward"]
 
 
@@ -78,6 +79,16 @@ class Wave:
     def has(self, round_index: int, t: Transfer) -> bool:
         """Whether the wave carries transfer ``t`` of plan round ``round_index``."""
         return (round_index, t) in self._tset
+
+
+def leading_own_jobs(n_own: int, n_waves: int) -> int:
+    """How many of a rank's ``n_own`` own jobs in the first wave run first, while the first wave's KV
+    arrives (Note [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`); the rest run
+    last, while the last reduction returns. With several waves all run first (later waves' jobs
+    hide the reductions); a single wave's reduction has nothing after it but what is left of the
+    own jobs, so half of them (rounded up) run first and half last: a packed cp = 16 batch on
+    dgx-h100:2 (one wave) 70.9 -> 69.2 ms modelled, TP = 8 with one CP rank per node 59.2 -> 56.8 ms."""
+    return n_own if n_waves > 1 else (n_own + 1) // 2
 
 
 def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
