@@ -140,6 +140,9 @@ class HeadParallelPlan:
     kv_plan: Plan | None
     kv_replication: int = 1
     auto: tuple[tuple[str, float], ...] | None = field(default=None, compare=False)
+    #: member -> kv_plan_for(member): one Plan object per stage, so the executor's per-plan caches
+    #: (backward waves, backward KV decision) hit on every later call instead of re-planning.
+    _stage_plans: dict[int, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         cp = len(self.ranks)
@@ -191,5 +194,11 @@ class HeadParallelPlan:
         return self
 
     def kv_plan_for(self, member: int) -> Plan | None:
-        """:attr:`kv_plan` on the global ranks of head shard ``member``'s KV stage."""
-        return None if self.kv_plan is None else relabel_plan(self.kv_plan, self.kv_stage_ranks(member))
+        """:attr:`kv_plan` on the global ranks of head shard ``member``'s KV stage; the same object on
+        every call (the executor caches its backward waves and KV decision per plan object)."""
+        if self.kv_plan is None:
+            return None
+        plan = self._stage_plans.get(member)
+        if plan is None:
+            plan = self._stage_plans[member] = relabel_plan(self.kv_plan, self.kv_stage_ranks(member))
+        return plan
