@@ -55,6 +55,9 @@ CONFIGS = {
                                                                      "fcp-hp")),
     # the real CPU kernels instead of the sleep: reported, never a headline (8 ranks share 2 cores)
     "rail-2x4-mha-cpu": replace(_cfg(2, 4, MHA, ("te-p2p", "fcp-auto")), compute="cpu"),
+    # the host sleeping inside each kernel call (the first measurements): CPU work adds to the kernels
+    "rail-2x4-mha-blocking": replace(_cfg(2, 4, MHA, ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp")),
+                                     compute="blocking-sleep"),
     "rail-2x4-mha-p4": _cfg(2, 4, MHA, ("te-p2p", "fcp-auto/4", "fcp-auto@keep/4")),
     "rail-4x2-mha-p4": _cfg(4, 2, MHA, ("te-p2p", "fcp-auto/4", "fcp-auto@keep/4")),
     **{f"sweep-2x4-{s // 1024}k": _cfg(2, 4, WorkloadShape(s, heads=16, kv_heads=2, head_dim=32),
@@ -132,7 +135,8 @@ def prediction_target(results: dict) -> dict:
     """Cost-model prediction within 15% of the measured median, on every measured run (the sleep
     kernel's runs: with ``--compute cpu`` the model's GPU compute is not what runs)."""
     errs = [(k, r["workload"], r["prediction_error"]) for k, res in results.items() for r in res["runs"]
-            if r["available"] and r["prediction_error"] is not None and res["assumptions"]["compute"] == "sleep"]
+            if r["available"] and r["prediction_error"] is not None
+            and res["assumptions"]["compute"] in ("sleep", "blocking-sleep")]
     worst = max(errs, key=lambda e: abs(e[2]), default=None)
     return {"value": {"worst": worst, "runs": len(errs), "over_15pct": [e for e in errs if abs(e[2]) > 0.15]},
             "target": "|median / predicted - 1| <= 0.15", "met": all(abs(e[2]) <= 0.15 for e in errs)}

@@ -15,7 +15,7 @@ import torch
 
 from megatron_fcp.emulate import netns
 from megatron_fcp.emulate.report import assemble, progress_printer, table
-from megatron_fcp.emulate.sleep_kernel import Sleeper, SleepKernel, count_pairs
+from megatron_fcp.emulate.sleep_kernel import Sleeper, SleepKernel, VirtualStream, count_pairs
 from megatron_fcp.emulate.spec import ClusterSpec, address_plan, emulated_topology, format_rate, parse_rate
 from megatron_fcp.emulate.workloads import (FcpWorkload, HeadParallelWorkload, WorkloadShape, executor_backward_kv,
                                              executor_block_bytes, lower_bounds, make_workloads)
@@ -136,6 +136,59 @@ def test_sleep_kernel_sleeps_the_cost_models_time():
     _, lse = kern.forward(q, kv, kv, pos, pos + 100, True, 0.25)  # nothing visible: lse -inf, no sleep
     assert bool(torch.isneginf(lse).all()) and kern.modelled_s == pytest.approx(3.5 * expected)
     assert SleepKernel(0.0).seconds(10**9, 1, 8, 64) == 0.0
+
+
+def test_sleep_kernel_on_a_stream_returns_at_once_and_synchronize_waits():
+    """Note [The emulated GPU stream]: a launch queues the block's seconds and returns; the host
+    waits only in synchronize, until the queued seconds (from the first launch) have passed."""
+    flops = 4.0 * 1 * 4 * 16 / 2e-5  # 2e-5 s per visible pair: 36 pairs = 0.72 ms forward, 1.8 ms backward
+    stream = VirtualStream()
+    kern = SleepKernel(flops, stream=stream)
+    q = torch.zeros(8, 1, 4, 16, dtype=torch.bfloat16)
+    pos = torch.arange(8)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out, lse = kern.forward(q, q, q, pos, pos, True, 0.25)
+        kern.backward(q, q, q, q, out, lse, pos, pos, True, 0.25)
+    launched = time.perf_counter() - t0
+    assert kern.modelled_s == pytest.approx(10 * 3.5 * 36 * 2e-5) and stream.launched_s == pytest.approx(kern.modelled_s)
+    assert launched < 0.5 * kern.modelled_s                    # nothing slept inside the calls
+    kern.synchronize()
+    assert time.perf_counter() - t0 >= kern.modelled_s - 1e-4  # the device's queue is done
+    t1 = time.perf_counter()
+    kern.synchronize()                                         # idle: returns at once
+    assert time.perf_counter() - t1 < 0.005
+    kern.reset()
+    assert kern.modelled_s == 0.0 and stream.launched_s == 0.0 and stream.busy_until == 0.0
+    stream.launch(0.01)                                        # after idle time, work starts now
+    assert stream.busy_until >= time.perf_counter() + 0.005
+
+
+def test_device_sync_transport_waits_only_before_sending_computed_data():
+    from megatron_fcp.comm import Handle, Transport
+    from megatron_fcp.emulate.runners import DeviceSyncTransport
+
+    class Kernel:
+        syncs = 0
+
+        def synchronize(self):
+            self.syncs += 1
+
+    class Inner(Transport):
+        def post(self, round_sends, round_recvs, *, round_index, phase="forward"):
+            return Handle(phase, round_index)
+
+        def wait(self, handle):
+            return None
+
+    kern = Kernel()
+    tr = DeviceSyncTransport(Inner(), kern)
+    x = torch.zeros(2)
+    for phase, sends, syncs in (("forward", [(None, x)], 0), ("resend", [(None, x)], 0), ("backward", [], 0),
+                                ("backward", [(None, x)], 1), ("te-backward", [(None, x)], 2),
+                                ("te-forward", [(None, x)], 2)):
+        tr.wait(tr.post(sends, [], round_index=0, phase=phase))
+        assert kern.syncs == syncs, phase
 
 
 def _shape(h, d):

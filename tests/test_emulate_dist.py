@@ -76,7 +76,7 @@ def test_worker_loop_runs_head_parallel_workloads():
         assert all(t > 0 for m in times[name].values() for t in m)
 
 
-@pytest.mark.parametrize("compute, docs", [("sleep", (300, 20, 200)), ("cpu", None)])
+@pytest.mark.parametrize("compute, docs", [("sleep", (300, 20, 200)), ("blocking-sleep", None), ("cpu", None)])
 def test_worker_loop_alternates_and_times_every_mode(compute, docs):
     from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
     from megatron_fcp.emulate.workloads import WorkloadShape, make_workloads
@@ -85,10 +85,13 @@ def test_worker_loop_alternates_and_times_every_mode(compute, docs):
     shape = WorkloadShape(256, 2, 1, 16, True, docs, block_tokens=128)
     wl = make_workloads(["te-p2p", "fcp-auto"], shape, topo)
     job = {"workloads": wl, "repeats": 2, "component_repeats": 1, "warmup": 1, "compute": compute,
-           "flops": 1e12, "timeout_s": 60}
+           "flops": 1e9, "timeout_s": 60}
     res = run_gloo(_emulate_cases.worker_job, 2, job, timeout_s=120)
     times = res[0]["times"]
     for name in ("te-p2p", "fcp-auto"):
         assert len(times[name]["overlap"]) == 2 and len(times[name]["comm"]) == 1 and len(times[name]["compute"]) == 1
         assert all(t > 0 for m in times[name].values() for t in m)
-    assert (set(res[0]["modelled_compute_s"]) == {"te-p2p", "fcp-auto"}) == (compute == "sleep")
+    modelled = res[0]["modelled_compute_s"]
+    assert (set(modelled) == {"te-p2p", "fcp-auto"}) == (compute != "cpu")
+    for name, seconds in modelled.items():  # the timer stops when the (emulated) device is done
+        assert seconds > 0.005 and min(times[name]["overlap"] + times[name]["compute"]) >= seconds - 1e-3

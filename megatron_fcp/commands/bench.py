@@ -7,8 +7,9 @@ Examples (as root; needs ``ip`` and ``tc``)::
     megatron-fcp bench --emulate --nodes 2 --ranks-per-node 4 --doc-lengths lognormal:6,1.0,16k --json out.json
 
 Every rank is a network namespace, links are shaped veth pairs, the ranks run real gloo; the block
-kernel is a sleep of the cost model's GPU time stretched by the cluster's time scale
-(``--compute cpu`` runs the real CPU kernels instead; never the headline). Prints a table (with a
+kernel is a sleep of the cost model's GPU time stretched by the cluster's time scale, on an
+emulated GPU stream that leaves the host free (``--compute blocking-sleep``: inside the call;
+``--compute cpu`` runs the real CPU kernels instead; never the headline). Prints a table (with a
 progress bar while it runs) and, with ``--json``, writes every run (docs/emulator.md).
 """
 
@@ -55,8 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                            "between workloads (default 5)")
     p.add_argument("--component-repeats", type=int, default=2,
                    help="communication-only and compute-only runs per workload (default 2)")
-    p.add_argument("--compute", choices=("sleep", "cpu"), default="sleep",
-                   help="sleep: the modelled GPU time (default); cpu: the real CPU kernels (not comparable)")
+    p.add_argument("--compute", choices=("sleep", "blocking-sleep", "cpu"), default="sleep",
+                   help="sleep: the modelled GPU time on an emulated GPU stream, the host free meanwhile (default); "
+                        "blocking-sleep: the host sleeps inside each kernel call; cpu: the real CPU kernels "
+                        "(not comparable)")
     p.add_argument("--tflops", type=float, default=400.0,
                    help="GPU attention TFLOP/s the sleep stands for, before the time scale (default 400)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is killed (default 1800)")

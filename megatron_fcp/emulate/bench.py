@@ -30,7 +30,12 @@ from megatron_fcp.emulate.workloads import FcpWorkload, WorkloadShape, lower_bou
 from megatron_fcp.planning import ComputeModel
 from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO
 
-__all__ = ["BenchConfig", "prepare", "run_bench"]
+__all__ = ["BenchConfig", "COMPUTE_MODES", "prepare", "run_bench"]
+
+#: how the block kernel runs: "sleep" launches its modelled seconds on an emulated GPU stream (the
+#: default), "blocking-sleep" sleeps inside the call, "cpu" computes on the CPU (Note [The emulated
+#: GPU stream] in megatron_fcp.emulate.sleep_kernel)
+COMPUTE_MODES = ("sleep", "blocking-sleep", "cpu")
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.component_repeats < 0 or self.warmup < 0:
             raise ValueError("--repeats must be >= 1, --component-repeats and --warmup >= 0")
-        if self.compute not in ("sleep", "cpu"):
-            raise ValueError(f"--compute: {self.compute!r} is not 'sleep' or 'cpu'")
+        if self.compute not in COMPUTE_MODES:
+            raise ValueError(f"--compute: {self.compute!r} is not one of {', '.join(COMPUTE_MODES)}")
         if not self.tflops > 0:
             raise ValueError(f"--tflops: must be > 0, got {self.tflops}")
 

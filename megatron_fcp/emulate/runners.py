@@ -20,6 +20,11 @@ rank builds the same runners in the same order, so every rank creates every grou
 order), the KV stage uses the worker's transport (peers are global ranks). Its all-to-alls are
 gloo collectives, not transport rounds: for the compute-only timing they are replaced, for that
 run only, by a local exchange that moves nothing (:func:`_no_all_to_all`).
+
+With the emulated GPU stream (Note [The emulated GPU stream] in
+:mod:`megatron_fcp.emulate.sleep_kernel`) the runner waits for the emulated device where a GPU
+runtime would: :class:`DeviceSyncTransport` before every backward post that sends computed data,
+:func:`_synced_all_to_all` before each head-parallel all-to-all, and :meth:`Runner.run` at the end.
 """
 
 from __future__ import annotations
@@ -30,11 +35,11 @@ import torch
 
 from megatron_fcp.attention import head_parallel
 from megatron_fcp.attention.function import fcp_attention_with_lse
-from megatron_fcp.comm import Handle, Transport
+from megatron_fcp.comm import Handle, Transport, TransportWrapper
 from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
 from megatron_fcp.emulate.workloads import FcpWorkload, HeadParallelWorkload, TeP2PWorkload, Workload
 
-__all__ = ["NullTransport", "Runner", "make_runner"]
+__all__ = ["DeviceSyncTransport", "NullTransport", "Runner", "make_runner"]
 
 DTYPE = torch.bfloat16
 
@@ -54,6 +59,29 @@ class NullTransport(Transport):
         return True
 
 
+class DeviceSyncTransport(TransportWrapper):
+    """Waits for the kernel's emulated device before a post that sends what the kernels computed:
+    the backward phases (dK/dV partials, TE's KV + dKV), as NCCL's stream waits on the compute
+    stream's event. Forward KV, relays and re-sent KV go at once."""
+
+    COMPUTED = frozenset({"backward", "te-backward"})
+
+    def __init__(self, inner: Transport, kernel) -> None:
+        super().__init__(inner)
+        self.kernel = kernel
+
+    def post(self, round_sends, round_recvs, *, round_index: int, phase: str = "forward") -> Handle:
+        if round_sends and phase in self.COMPUTED:
+            self.kernel.synchronize()
+        return self.inner.post(round_sends, round_recvs, round_index=round_index, phase=phase)
+
+
+def _synchronize(kernel) -> None:
+    sync = getattr(kernel, "synchronize", None)
+    if sync is not None:
+        sync()
+
+
 class Runner:
     """``run(kernel, transport)``: one forward + backward of this rank's share of the workload."""
 
@@ -67,8 +95,11 @@ class Runner:
     def run(self, kernel, transport) -> None:
         for x in (self.q, self.k, self.v):
             x.grad = None
+        if getattr(kernel, "stream", None) is not None:
+            transport = DeviceSyncTransport(transport, kernel)
         out = self.attention(kernel, transport)
         out.backward(self.dout)
+        _synchronize(kernel)                         # the timer stops when the device is done
 
 
 class _Fcp(Runner):
@@ -124,6 +155,23 @@ def _no_all_to_all():
         head_parallel._HeadComm.exchange = original
 
 
+@contextlib.contextmanager
+def _synced_all_to_all(kernel):
+    """Each head-parallel all-to-all waits for the emulated device first (out and dQ|dK|dV are
+    computed; Q|K|V and dO find it idle)."""
+    original = head_parallel._HeadComm.exchange
+
+    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        kernel.synchronize()
+        return original(self, x, what)
+
+    head_parallel._HeadComm.exchange = exchange
+    try:
+        yield
+    finally:
+        head_parallel._HeadComm.exchange = original
+
+
 class _HeadParallel(Runner):
     """``te-a2a-p2p`` / ``fcp-hp``: the head-parallel engine over ``w.hp_plan`` (module docstring)."""
 
@@ -144,7 +192,11 @@ class _HeadParallel(Runner):
             causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.executor_kv, agreement=None)
 
     def run(self, kernel, transport) -> None:
-        with _no_all_to_all() if isinstance(transport, NullTransport) else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if isinstance(transport, NullTransport):
+                stack.enter_context(_no_all_to_all())
+            if getattr(kernel, "stream", None) is not None:
+                stack.enter_context(_synced_all_to_all(kernel))
             super().run(kernel, transport)
 
 

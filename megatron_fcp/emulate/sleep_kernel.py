@@ -18,8 +18,25 @@ overhead per block of the cost model is left out here *and* in the emulator's pr
 emulated shapes are small, and a stretched launch (50 ms at a time scale of 10,000) would dwarf
 the FLOP-proportional work the shapes stand for.
 
-A :class:`Sleeper` keeps the sum of the sleeps of one timed run on target: each sleep is shortened
-by what earlier ones overslept (``time.sleep`` wakes late, more so on a loaded machine).
+Note [The emulated GPU stream]
+------------------------------
+A GPU kernel launch returns at once: the host goes on (merges, posting the next transfers, the
+next launch) while the device computes, and the host waits for the device only where it needs a
+result. By default (``--compute sleep``) the kernel is emulated that way: a :class:`VirtualStream`
+holds the time the emulated GPU is busy until; a launch moves that time on by the block's seconds
+(starting no earlier than now) and returns at once, and :meth:`VirtualStream.synchronize` sleeps
+until then. The emulator synchronizes where a GPU runtime would wait for the device before data
+leaves the rank: before a backward post that sends (dK/dV partials depend on the kernels; NCCL's
+stream would wait on the compute stream's event), before each head-parallel all-to-all (out and
+dQ|dK|dV are computed), and at the end of the timed forward + backward (``cuda.synchronize``
+before the timer stops): :mod:`megatron_fcp.emulate.runners`. Forward KV transfers and relays
+never wait, as on a GPU. So the executor's own CPU work (merges, bookkeeping, autograd) overlaps
+the emulated kernels as it overlaps real ones, instead of adding to them.
+
+``--compute blocking-sleep`` (the emulator's first measurements) sleeps inside the kernel call
+instead: the host is busy for the block's time, and CPU work adds to the kernels. A
+:class:`Sleeper` keeps the sum of the sleeps of one timed run on target there: each sleep is
+shortened by what earlier ones overslept (``time.sleep`` wakes late, more so on a loaded machine).
 
 Outputs have the right shapes and dtypes and are zero (``lse`` 0 where a row sees a key of the
 block, -inf where it sees none), so merges, reductions and transfers run on real tensors.
@@ -34,7 +51,7 @@ import torch
 
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 
-__all__ = ["count_pairs", "Sleeper", "SleepKernel"]
+__all__ = ["count_pairs", "Sleeper", "SleepKernel", "VirtualStream"]
 
 _DOC_STRIDE = 1 << 40  # document id * stride + position: one sort key for (document, position)
 
@@ -74,28 +91,63 @@ class Sleeper:
         self.slept_s += time.perf_counter() - t0
 
 
+class VirtualStream:
+    """An emulated GPU stream (Note [The emulated GPU stream]): :meth:`launch` queues seconds of work
+    and returns at once; :meth:`synchronize` sleeps until the queue is done."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.busy_until = 0.0      # perf_counter time the queued work ends
+        self.launched_s = 0.0      # seconds launched since reset
+        self.waited_s = 0.0        # seconds the host slept in synchronize since reset
+
+    def launch(self, seconds: float) -> None:
+        self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
+        self.launched_s += seconds
+
+    def synchronize(self) -> None:
+        owed = self.busy_until - time.perf_counter()
+        if owed > 0:
+            t0 = time.perf_counter()
+            time.sleep(owed)
+            self.waited_s += time.perf_counter() - t0
+
+
 class SleepKernel(BlockKernel):
     """Sleeps for the modelled GPU time of each block (module docstring); any dtype and device.
 
     flops: emulated FLOP/s (GPU FLOP/s / time scale); ``0`` or ``inf`` sleeps not at all (the
-    "communication only" runs). backward_ratio: backward over forward FLOPs. ``modelled_s`` sums the
-    requested sleeps (what the cost model would charge) since the last :meth:`reset`.
+    "communication only" runs). backward_ratio: backward over forward FLOPs. stream: a
+    :class:`VirtualStream` to launch the seconds on (the call returns at once; Note [The emulated GPU
+    stream]); None sleeps inside the call (``blocking-sleep``). ``modelled_s`` sums the requested
+    seconds (what the cost model would charge) since the last :meth:`reset`.
     """
 
     name = "sleep"
     documents = True
 
-    def __init__(self, flops: float, backward_ratio: float = 2.5, sleeper: Sleeper | None = None) -> None:
+    def __init__(self, flops: float, backward_ratio: float = 2.5, sleeper: Sleeper | None = None,
+                 stream: VirtualStream | None = None) -> None:
         if not (flops >= 0):
             raise ValueError(f"flops: must be >= 0 (0 = no compute), got {flops!r}")
         self.flops = float(flops)
         self.backward_ratio = float(backward_ratio)
         self.sleeper = sleeper or Sleeper()
+        self.stream = stream
         self.modelled_s = 0.0
 
     def reset(self) -> None:
         self.sleeper.reset()
+        if self.stream is not None:
+            self.stream.reset()
         self.modelled_s = 0.0
+
+    def synchronize(self) -> None:
+        """Wait for the emulated GPU (no-op when blocking: every call already slept)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def check(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
@@ -111,7 +163,10 @@ class SleepKernel(BlockKernel):
         s = self.seconds(int(counts.sum()), b, h, d, backward)
         self.modelled_s += s
         if s > 0:
-            self.sleeper.sleep(s)
+            if self.stream is not None:
+                self.stream.launch(s)
+            else:
+                self.sleeper.sleep(s)
 
     def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_doc=None, k_doc=None, **prep):
         n, b, h, d = q.shape

@@ -4,7 +4,8 @@ Started by :mod:`megatron_fcp.emulate.launcher` inside the rank's namespace with
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (rank 0's address) and ``GLOO_SOCKET_IFNAME``.
 
 The job (a pickled dict from :mod:`megatron_fcp.emulate.bench`): ``workloads`` (available ones),
-``repeats``, ``component_repeats``, ``warmup``, ``compute`` (``"sleep"`` or ``"cpu"``), ``flops``
+``repeats``, ``component_repeats``, ``warmup``, ``compute`` (``"sleep"``: the emulated GPU stream,
+``"blocking-sleep"`` or ``"cpu"``; Note [The emulated GPU stream]), ``flops``
 (emulated FLOP/s), ``timeout_s``. Order of the timed runs, alternating so that drift on the shared
 machine hits every workload alike::
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_fcp.comm import GlooTransport
 from megatron_fcp.emulate.runners import NullTransport, make_runner
-from megatron_fcp.emulate.sleep_kernel import SleepKernel
+from megatron_fcp.emulate.sleep_kernel import SleepKernel, VirtualStream
 
 MODES = ("overlap", "comm", "compute")
 
@@ -45,7 +46,8 @@ def _kernels(job: dict):
         from megatron_fcp.attention.fused import CpuFlashKernel
 
         return ("cpu-flash" if CpuFlashKernel.available() else "math"), zero
-    return SleepKernel(job["flops"]), zero
+    stream = VirtualStream() if job["compute"] == "sleep" else None  # "blocking-sleep": sleep in the call
+    return SleepKernel(job["flops"], stream=stream), zero
 
 
 def _timed(fn) -> float:
