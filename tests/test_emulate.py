@@ -72,6 +72,11 @@ def test_setup_commands_shape_every_link_both_ways(nic):
     rates = {c[c.index("rate") + 1] for c in cmds if c[0] == "tc" and "classid" in c and c[c.index("classid") + 1] == "1:1"}
     assert rates == {"360mbit", "40mbit"}
     assert all(not any(x.startswith("10.") and not x.startswith("10.213.") for x in c) for c in cmds)
+    # Note [Quick ACKs]: every route of every rank acknowledges at once (no 40 ms delayed ACKs)
+    routes = [c for c in cmds if c[3:5] == ["route", "replace"]]
+    assert len(routes) == (2 if nic == "rail" else 1) * 4 and all(c[-2:] == ["quickack", "1"] for c in routes)
+    devs = sorted(c[c.index("dev") + 1] for c in routes)
+    assert devs == (["eth0"] * 4 + ["ib0"] * 4 if nic == "rail" else ["eth0"] * 4)
 
 
 def test_emulated_topology_matches_the_layout():
