@@ -79,7 +79,11 @@ def _inputs(case: Case, cp: int):
 
 
 def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> dict:
-    from megatron_fcp.attention.head_parallel import fcp_head_parallel_attention, fcp_head_parallel_attention_with_lse
+    from megatron_fcp.attention.head_parallel import (
+        _HeadComm,
+        fcp_head_parallel_attention,
+        fcp_head_parallel_attention_with_lse,
+    )
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_split
     from megatron_fcp.attention.stats import FCPStats
@@ -100,13 +104,31 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
                        for n in QUANTITIES}
     hp = make_hp_plan(ranks, case.degree, q.shape[0], case.causal, case.kv, *case.heads, swapped=case.swapped)
     key = "swapped" if case.swapped else case.degree
-    transport = CountingTransport(GlooTransport(dist.group.WORLD if case.degree == 1 else hp_groups[key].kv_group,
-                                                timeout_s=60)) if hp.kv_plan is not None else None
+    order: list[str] = []  # all-to-alls finished and stage rounds posted, in order
+
+    class Ordered(CountingTransport):
+        def post(self, round_sends, round_recvs, *, round_index, phase="forward"):
+            order.append(f"post {phase} {round_index}")
+            return super().post(round_sends, round_recvs, round_index=round_index, phase=phase)
+
+    transport = Ordered(GlooTransport(dist.group.WORLD if case.degree == 1 else hp_groups[key].kv_group,
+                                      timeout_s=60)) if hp.kv_plan is not None else None
     stats = FCPStats()
     ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
-    out, lse = fcp_head_parallel_attention_with_lse(
-        ql, kl, vl, cp_group=group, hp_plan=hp, groups=hp_groups.get(key), causal=case.causal,
-        kernel=case.kernel, transport=transport, stats=stats)
+    finish = _HeadComm.finish
+
+    def logged_finish(self, p, out=None):
+        order.append(p.what)
+        return finish(self, p, out)
+
+    _HeadComm.finish = logged_finish
+    try:
+        out, lse = fcp_head_parallel_attention_with_lse(
+            ql, kl, vl, cp_group=group, hp_plan=hp, groups=hp_groups.get(key), causal=case.causal,
+            kernel=case.kernel, transport=transport, stats=stats)
+    finally:
+        _HeadComm.finish = finish
+    res["a2a_order"] = order
     out.backward(zigzag_split(do, cp, idx))
     got = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
@@ -138,6 +160,10 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
         again = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
                                             hp_plan=hp, groups=hp_groups.get(key), causal=case.causal)
         res["out_only_equal"] = bool(torch.equal(again, got["out"]))
+        serial = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
+                                             hp_plan=hp, groups=hp_groups.get(key), causal=case.causal,
+                                             overlap_q=False)  # one Q|K|V all-to-all, TE's order
+        res["serial_q_equal"] = bool(torch.equal(serial, got["out"]))
     return res
 
 

@@ -236,8 +236,11 @@ def test_workloads_plans_predictions_and_the_hook():
     pred = {w.name: w.predict(topo, cm) for w in ws}
     from megatron_fcp.planning import simulate_head_parallel
 
-    # the model of what runs (keep, wave by wave, partials in the KV dtype) and TE's own model: the same forward
-    want = simulate_head_parallel(te.hp_plan, topo, shape.attention(), compute_model=cm, backward=WaveBackward("keep"))
+    # the model of what runs (keep, wave by wave, partials in the KV dtype, one Q|K|V all-to-all as TE
+    # posts it) and TE's own model: the same forward
+    assert not te.overlap_q and by["fcp-hp"].overlap_q
+    want = simulate_head_parallel(te.hp_plan, topo, shape.attention(), compute_model=cm, backward=WaveBackward("keep"),
+                                  overlap_q=False)
     assert pred["te-a2a-p2p"]["predicted_s"] == pytest.approx(want.total_s, rel=1e-12)
     assert pred["te-a2a-p2p"]["predicted_fwd_s"] == pytest.approx(pred["te-a2a-p2p"]["predicted_te_model_fwd_s"],
                                                                  rel=1e-4)

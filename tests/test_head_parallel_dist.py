@@ -89,9 +89,26 @@ def test_all_to_all_bytes(results, case):
     assert (fwd > 0) == (case.degree > 1)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_q_all_to_all_goes_behind_the_kv_stage(results, case):
+    """Note [Q's all-to-all behind the KV stage]: with a KV stage, K|V's all-to-all, then the stage's
+    first round posted, then Q's all-to-all finished; without one (a = cp), one Q|K|V all-to-all."""
+    for r in results:
+        order = r[case.name]["a2a_order"]
+        if case.degree == 1:
+            assert order and all(e.startswith("post") for e in order)   # no all-to-all at all
+        elif case.degree == 4:  # one head group: no KV stage
+            assert order[:2] == ["q|k|v forward", "out forward"]
+        else:
+            assert order.index("k|v forward") < order.index("post forward 0") < order.index("q forward")
+            assert "q|k|v forward" not in order
+
+
 def test_out_only_entry_point_matches(results):
     checked = [r[c.name]["out_only_equal"] for c in CASES for r in results if "out_only_equal" in r[c.name]]
     assert len(checked) == 4 * sum(c.dtype == "fp64" for c in CASES) and all(checked)
+    serial = [r[c.name]["serial_q_equal"] for c in CASES for r in results if "serial_q_equal" in r[c.name]]
+    assert len(serial) == len(checked) and all(serial)  # overlap_q=False (TE's order): bitwise the same out
 
 
 def test_groups_are_the_plans(results):

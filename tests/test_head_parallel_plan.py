@@ -66,13 +66,16 @@ def test_ring_over_node_groups_is_te_a2a_p2p(preset, causal):
     n = int(preset.split(":")[1])
     ranks = range(8 * n)
     hp = compile_head_parallel(preset, ranks, GQA, 8, "ring", causal=causal)
-    ours = simulate_head_parallel(hp, preset, GQA, pass_="fwd", causal=causal)
+    ours = simulate_head_parallel(hp, preset, GQA, pass_="fwd", causal=causal, overlap_q=False)  # TE's order
     te = simulate_te_a2a_p2p(preset, ranks, GQA, causal=causal)
     assert ours.comm_s == pytest.approx(te.comm_s, rel=1e-12)
     if causal:  # the pruned ring lands some blocks earlier: never later, within 0.1%
         assert te.total_s * 0.999 <= ours.total_s <= te.total_s * (1 + 1e-12) and ours.bytes < te.bytes
     else:
         assert ours.total_s == pytest.approx(te.total_s, rel=1e-9) and ours.bytes == te.bytes
+    engine = simulate_head_parallel(hp, preset, GQA, pass_="fwd", causal=causal)  # Q's a2a behind the stage
+    # never slower but for the second all-to-all's latency (microseconds) where compute is the bound
+    assert engine.total_s <= ours.total_s * 1.001 and engine.bytes == pytest.approx(ours.bytes)
 
 
 def test_degree_cp_is_te_a2a_on_one_node():
@@ -95,6 +98,35 @@ def test_all_to_all_bytes_forward_and_backward_with_kv_replication():
     both = simulate_head_parallel(hp, "dgx-h100:1", shape, pass_="fwd+bwd")
     assert fwd.bytes == pytest.approx(8 * 7 * (q + kv + q) / 8)
     assert both.bytes == pytest.approx(2 * fwd.bytes)
+
+
+def test_q_all_to_all_behind_the_kv_stage_is_priced():
+    """Note [Q's all-to-all behind the KV stage]: K|V's all-to-all first, the stage's transfers then,
+    its compute only once Q's all-to-all is in too; the bytes are the one Q|K|V all-to-all's."""
+    from megatron_fcp.planning import ComputeModel, simulate_plan
+    from megatron_fcp.planning.head_parallel_cost import a2a_messages
+
+    shape = AttentionShape(8 * 1024, 16, 16, 128, 2)
+    hp = compile_head_parallel("dgx-h100:2", range(16), shape, 8, "ring")
+    msgs = {w: a2a_messages(hp, shape, w) for w in ("qkv", "q", "kv")}
+    assert [m[:2] for m in msgs["kv"]] == [m[:2] for m in msgs["qkv"]]
+    assert all(a[2] + b[2] == pytest.approx(c[2]) for a, b, c in zip(msgs["q"], msgs["kv"], msgs["qkv"]))
+    with pytest.raises(ValueError, match="'qkv', 'q' or 'kv'"):
+        a2a_messages(hp, shape, "dq")
+    q_in = (8 - 1) * msgs["q"][0][2] / 450e9                  # Q's all-to-all alone over NVLink4
+    for flops, bound in ((1e17, "comm"), (1e12, "compute")):
+        cm = ComputeModel(flops=flops)
+        over = simulate_head_parallel(hp, "dgx-h100:2", shape, pass_="fwd", compute_model=cm)
+        serial = simulate_head_parallel(hp, "dgx-h100:2", shape, pass_="fwd", compute_model=cm, overlap_q=False)
+        assert over.bytes == pytest.approx(serial.bytes)
+        if bound == "comm":  # Q's all-to-all hidden behind the stage's transfers, no more
+            assert serial.total_s - q_in * 1.01 <= over.total_s < serial.total_s - q_in * 0.5
+        else:                # compute from Q's arrival either way: the second all-to-all's latency only
+            assert over.total_s == pytest.approx(serial.total_s, rel=1e-3)
+    sp = stage_plan(hp, shape.seq_len, True)
+    base = simulate_plan(sp, "dgx-h100:2", shape, compute_model=ComputeModel(flops=1e12))
+    late = simulate_plan(sp, "dgx-h100:2", shape, compute_model=ComputeModel(flops=1e12), compute_from_s=0.5)
+    assert late.comm_s == base.comm_s and late.total_s == pytest.approx(base.total_s + 0.5)  # compute-bound
 
 
 @pytest.mark.parametrize("preset,ranks", [("dgx-h100:2", 16), ("dgx-h100:2", 12), ("pcie-box:2", 16),

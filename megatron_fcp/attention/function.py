@@ -200,6 +200,7 @@ class _Executor:
         self.first_kept = False    # every rank starts from the forward's first step (chains.first_keepers: all)
         self.keep_first: frozenset | None = None  # resend: the blocks of it this rank keeps
         self.first_keepers: frozenset = frozenset()  # resend: the ranks that keep theirs (chains.first_keepers)
+        self.q_ready: Callable[[], None] | None = None  # forward: called once before q is first read
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
         for r, rnd in enumerate(plan.rounds):
             for t in rnd:
@@ -333,7 +334,9 @@ class _Executor:
             self._sync(q.device)
             compute_s += time.perf_counter() - t0
 
-        def compute_local(local_kv: dict) -> None:
+        def compute_local(local_kv: dict) -> None:  # round 0 is posted: q may arrive now
+            if self.q_ready is not None:
+                self.q_ready()
             for b in self.local_blocks:
                 compute(b, local_kv[b])
 
@@ -453,6 +456,7 @@ def fcp_attention_with_lse(
     stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "auto",
     placement: Placement | None = None, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False,
+    q_ready: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs):
     ``[b, h, s_local]`` for zigzag shards, ``[h, t_local]`` over a ``placement`` (THD).
@@ -471,11 +475,16 @@ def fcp_attention_with_lse(
     already (the Megatron packed path agrees once per micro-batch). Every rank of the group must
     pass the same kind of ``agreement``.
     check_numerics: raise :class:`FCPNumericsError` if out is not finite or lse has NaN/+inf.
+    q_ready: called once in the forward after the first round is posted and before q's values are
+    first read, so q may still be arriving when the call starts (the head-parallel stage posts Q's
+    all-to-all behind K|V's: Note [Q's all-to-all behind the KV stage] in
+    :mod:`megatron_fcp.attention.head_parallel`).
     """
     executor = build_executor(q, k, v, cp_group=cp_group, plan=plan, causal=causal, softmax_scale=softmax_scale,
                               transport=transport, stats=stats, timeout_s=timeout_s, kernel=kernel,
                               placement=placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
                               agreement=agreement)
+    executor.q_ready = q_ready
     if placement is None:
         out, lse = _FCPAttentionFunction.apply(q, k, v, executor)
     else:

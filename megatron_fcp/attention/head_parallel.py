@@ -22,10 +22,23 @@ copies' gradients back). Then, per rank of head group ``g``, member ``j``::
     local  (G == 1, Ulysses / TE's a2a): the block kernel over the whole sequence at once
     a2a    out [a*s, b, h/a, d] -> [s, b, h, d] (and lse [b, h/a, a*s] -> [b, h, s] if asked)
 
+Note [Q's all-to-all behind the KV stage]
+-----------------------------------------
+With a KV stage (``G > 1``) the forward's first all-to-all moves K|V only; Q's is posted right
+after and left in flight while the stage posts its first round, so Q crosses the intra-node links
+while the first KV blocks cross the inter-node ones (on a rail cluster, disjoint links). The stage
+calls ``q_ready`` (:meth:`_HeadComm.finish_pending`) once its round 0 is posted and before it first
+reads q (:func:`~megatron_fcp.attention.function.fcp_attention_with_lse`); the pending a2a is
+finished on any error too. The bytes are those of the one Q|K|V all-to-all; the backward is
+unchanged (one dQ|dK|dV all-to-all). The cost model prices it the same way
+(:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`: the stage's compute
+starts after Q's all-to-all, its transfers after K|V's). ``G == 1`` (Ulysses) keeps one all-to-all.
+
 Backward is the mirror, by autograd: dO a2a to head shards, the stage's backward (dK/dV reduced
 along the reversed trees, partials sent in the input dtype: Note [Backward pipeline]), one a2a of dQ|dK|dV back, replicated KV heads summed. Each a2a is one
 autograd function whose backward is the inverse permutation, so every rank issues the same
-collectives in the same order (forward: qkv, [stage], out, lse; backward: dout, [stage], dqkv).
+collectives in the same order (forward: qkv, or with a KV stage k|v then q (in flight while the
+stage starts), [stage], out, lse; backward: dout, [stage], dqkv).
 
 Bytes per rank and direction (E = element size): the Q/K/V a2a sends ``(a-1)/a * s*b*(h + 2H)*d*E``,
 the O a2a ``(a-1)/a * s*b*h*d*E`` (LSE: ``(a-1)/a * s*b*h`` FP32 values when returned); the KV
@@ -154,8 +167,21 @@ def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, hea
 # ---------------------------------------------------------------------------------------------
 # the all-to-alls
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class _Pending:
+    """An all-to-all in flight: ``recv`` [a, ...] in the group's slot order, filled once ``work``
+    completes (``work`` None: already there)."""
+
+    recv: torch.Tensor
+    work: Any
+    what: str
+    nbytes: int
+
+
 class _HeadComm:
-    """One head group's all-to-all: member order <-> the group's rank order, bounded waits."""
+    """One head group's all-to-all: member order <-> the group's rank order, bounded waits.
+    ``pending`` holds Q's all-to-all while the KV stage starts (Note [Q's all-to-all behind the KV
+    stage])."""
 
     def __init__(self, group: Any, members: tuple[int, ...], timeout_s: float, stats: FCPStats | None) -> None:
         self.group, self.timeout_s, self.stats = group, timeout_s, stats
@@ -165,23 +191,47 @@ class _HeadComm:
         self.inv = [self.perm.index(m) for m in range(self.a)]  # member index -> group slot
         self.identity = self.perm == list(range(self.a))
         self.gloo = dist.get_backend(group) == "gloo"
+        self.pending: tuple[_Pending, torch.Tensor] | None = None
 
-    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """x [a, ...] (slot m for member m) -> [a, ...] (slot m received from member m)."""
+    def start(self, x: torch.Tensor, what: str) -> _Pending:
+        """Post the all-to-all of x [a, ...] (slot m for member m); :meth:`finish` waits for it."""
         send = (x if self.identity else x[self.perm]).contiguous()
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        try:
-            ok = work.wait(timeout=timedelta(seconds=self.timeout_s)) if self.gloo else work.wait()
-        except RuntimeError as exc:
-            raise CommTimeout(f"head-parallel all-to-all ({what}) over ranks {dist.get_process_group_ranks(self.group)} "
-                              f"failed or did not complete within {self.timeout_s:g} s ({exc}); is every rank of "
-                              f"the head group alive and running the same layer?") from exc
-        if ok is False:
-            raise CommTimeout(f"head-parallel all-to-all ({what}) failed")
+        return _Pending(recv, work, what, (self.a - 1) * send[0].numel() * send.element_size())
+
+    def finish(self, p: _Pending, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Wait (bounded) for ``p``; returns [a, ...] with slot m received from member m (written
+        into ``out`` when given)."""
+        if p.work is not None:
+            try:
+                ok = p.work.wait(timeout=timedelta(seconds=self.timeout_s)) if self.gloo else p.work.wait()
+            except RuntimeError as exc:
+                raise CommTimeout(f"head-parallel all-to-all ({p.what}) over ranks "
+                                  f"{dist.get_process_group_ranks(self.group)} failed or did not complete within "
+                                  f"{self.timeout_s:g} s ({exc}); is every rank of the head group alive and running "
+                                  f"the same layer?") from exc
+            if ok is False:
+                raise CommTimeout(f"head-parallel all-to-all ({p.what}) failed")
         if self.stats is not None:
-            self.stats.head_parallel_bytes_sent += (self.a - 1) * send[0].numel() * send.element_size()
-        return recv if self.identity else recv[self.inv]
+            self.stats.head_parallel_bytes_sent += p.nbytes
+        y = p.recv if self.identity else p.recv[self.inv]
+        if out is None:
+            return y
+        if out.data_ptr() != y.data_ptr():  # filled as the wire fills a receive buffer: not an autograd write
+            out.data.view_as(y).copy_(y)
+        return out
+
+    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """x [a, ...] (slot m for member m) -> [a, ...] (slot m received from member m)."""
+        return self.finish(self.start(x, what))
+
+    def finish_pending(self) -> None:
+        """Complete the deferred all-to-all (Q's), if any: called by the KV stage before it reads q."""
+        if self.pending is not None:
+            p, out = self.pending
+            self.pending = None
+            self.finish(p, out)
 
     def to_heads(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """x [s, b, a, w, d] (w = sum(widths): shard m's heads) -> [a*s, b, w, d]: all members'
@@ -199,17 +249,27 @@ class _HeadComm:
 
 class _QKVToHeads(torch.autograd.Function):
     """q [s,b,h,d], k/v [s,b,H,d] -> [a*s, b, h/a | H/a | H/a, d] of this member's head shard;
-    backward: one a2a of dq|dk|dv back."""
+    backward: one a2a of dq|dk|dv back. ``defer_q``: K|V's all-to-all first, then Q's posted and
+    left in flight (``comm.pending``; the returned q is filled by ``comm.finish_pending()``): Note
+    [Q's all-to-all behind the KV stage]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: _HeadComm):
+    def forward(ctx, q, k, v, comm: _HeadComm, defer_q: bool = False):
         s, b, h, d = q.shape
         a, big_h = comm.a, k.shape[2]
         ctx.comm, ctx.widths = comm, (h // a, big_h // a, big_h // a)
-        packed = torch.cat([x.reshape(s, b, a, x.shape[2] // a, d) for x in (q, k, v)], dim=3)  # [s,b,a,w,d]
-        y = comm.to_heads(packed, "q|k|v forward")                  # [a*s, b, w, d]
-        ctx.shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
-        return tuple(t.contiguous() for t in torch.split(y, ctx.widths, dim=2))
+        ctx.shape, ctx.dtype, ctx.device = (a * s, b, sum(ctx.widths), d), q.dtype, q.device
+        if not defer_q:
+            packed = torch.cat([x.reshape(s, b, a, x.shape[2] // a, d) for x in (q, k, v)], dim=3)  # [s,b,a,w,d]
+            y = comm.to_heads(packed, "q|k|v forward")                  # [a*s, b, w, d]
+            return tuple(t.contiguous() for t in torch.split(y, ctx.widths, dim=2))
+        packed = torch.cat([x.reshape(s, b, a, big_h // a, d) for x in (k, v)], dim=3)            # [s,b,a,2H/a,d]
+        kv = comm.to_heads(packed, "k|v forward")                                                # [a*s, b, 2H/a, d]
+        pending = comm.start(q.reshape(s, b, a, h // a, d).permute(2, 0, 1, 3, 4), "q forward")  # [a, s, b, h/a, d]
+        qs = pending.recv if comm.identity else torch.empty_like(pending.recv)
+        comm.pending = (pending, qs)
+        ks, vs = (t.contiguous() for t in torch.split(kv, ctx.widths[1:], dim=2))
+        return qs.view(a * s, b, h // a, d), ks, vs
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -220,7 +280,7 @@ class _QKVToHeads(torch.autograd.Function):
         s, b, _, d = x.shape
         x = x.view(s, b, ctx.comm.a, sum(ctx.widths), d)
         parts = torch.split(x, ctx.widths, dim=3)                               # [s, b, a, w_i, d]
-        return (*(p.reshape(s, b, -1, d) for p in parts), None)
+        return (*(p.reshape(s, b, -1, d) for p in parts), None, None)
 
 
 class _OutToSeq(torch.autograd.Function):
@@ -359,6 +419,7 @@ def fcp_head_parallel_attention_with_lse(
     kernel: str | BlockKernel = "auto", transport: Transport | None = None, stats: FCPStats | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False, return_lse: bool = True,
+    overlap_q: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention of this rank's zigzag shard through the head-parallel stage.
 
@@ -371,7 +432,9 @@ def fcp_head_parallel_attention_with_lse(
     ``a = cp``). transport / backward_kv / kv_memory_budget / stats: the KV stage's, as in
     :func:`~megatron_fcp.attention.function.fcp_attention_with_lse` (stats also counts the
     all-to-all bytes). Returns out [s_local, b, h, d] in q's dtype (differentiable in q, k, v) and
-    lse [b, h, s_local] (FP32, FP64 for FP64 inputs), or None with ``return_lse=False``. Raises
+    lse [b, h, s_local] (FP32, FP64 for FP64 inputs), or None with ``return_lse=False``.
+    overlap_q: with a KV stage, send Q's all-to-all behind the stage's start (Note [Q's all-to-all
+    behind the KV stage]; False: one Q|K|V all-to-all first, Transformer Engine's order). Raises
     ValueError naming the fix before any communication on bad input.
     """
     rank, g, j, rep, scale, kern, groups = _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale,
@@ -382,7 +445,7 @@ def fcp_head_parallel_attention_with_lse(
             "shape": (tuple(q.shape), tuple(k.shape)), "dtype": str(q.dtype), "causal": causal,
             "softmax_scale": scale, "kernel": kern.name, "return_lse": return_lse,
             "head_parallel": (hp_plan.ranks, hp_plan.degree, hp_plan.head_groups, hp_plan.kv_replication),
-            "kv_plan": None if kv is None else (kv.name, kv.ranks, kv.rounds),
+            "kv_plan": None if kv is None else (kv.name, kv.ranks, kv.rounds), "overlap_q": overlap_q,
         }, cp_group, what="fcp head-parallel attention", timeout_s=timeout_s)
     s, b, h, d = q.shape
     a = hp_plan.degree
@@ -405,18 +468,22 @@ def fcp_head_parallel_attention_with_lse(
         if rep > 1:  # GQA with h_kv not divisible by a: repeat each KV head (grads summed back)
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)   # [s, b, H, d]
         comm = _HeadComm(groups.head_group, hp_plan.head_groups[g], timeout_s, stats)
-        qs, ks, vs = _QKVToHeads.apply(q, k, v, comm)                # [a*s, b, h/a | H/a | H/a, d]
+        stage = hp_plan.kv_plan is not None                          # G > 1: Q's a2a behind the stage's start
+        qs, ks, vs = _QKVToHeads.apply(q, k, v, comm, stage and overlap_q)  # [a*s, b, h/a | H/a | H/a, d]
         n, hq, hk = a * s, h // a, k.shape[2] // a
-        if hp_plan.kv_plan is None:  # G == 1: the whole sequence is here for h/a heads
+        if not stage:  # G == 1: the whole sequence is here for h/a heads
             pos = _group_positions(hp_plan, hp_plan.head_groups[g], s)
             o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, causal, scale)
         else:
             plan_j = hp_plan.kv_plan_for(j)
-            o3, l3 = fcp_attention_with_lse(
-                qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d), cp_group=groups.kv_group,
-                plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
-                timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
-                kv_memory_budget=kv_memory_budget, agreement=agreement)
+            try:
+                o3, l3 = fcp_attention_with_lse(
+                    qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d), cp_group=groups.kv_group,
+                    plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
+                    timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
+                    kv_memory_budget=kv_memory_budget, agreement=agreement, q_ready=comm.finish_pending)
+            finally:
+                comm.finish_pending()                                # never leave Q's a2a behind (errors too)
             o_st, l_st = o3.view(n, b, hq, d), l3.view(b, hq, n)      # [a*s, b, h/a, d], [b, h/a, a*s]
         out = _OutToSeq.apply(o_st, comm)                               # [s, b, h, d]
         lse = None

@@ -143,33 +143,34 @@ class _TeP2P(Runner):
 @contextlib.contextmanager
 def _no_all_to_all():
     """The head-parallel all-to-alls exchange nothing (zeros of the right shape) inside the block."""
-    original = head_parallel._HeadComm.exchange
+    original = head_parallel._HeadComm.start
 
-    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        return torch.zeros_like(x)                                    # [a, ...] as received
+    def start(self, x: torch.Tensor, what: str):
+        recv = torch.zeros(x.shape, dtype=x.dtype, device=x.device)        # [a, ...] as received (contiguous)
+        return head_parallel._Pending(recv, None, what, 0)
 
-    head_parallel._HeadComm.exchange = exchange
+    head_parallel._HeadComm.start = start
     try:
         yield
     finally:
-        head_parallel._HeadComm.exchange = original
+        head_parallel._HeadComm.start = original
 
 
 @contextlib.contextmanager
 def _synced_all_to_all(kernel):
     """Each head-parallel all-to-all waits for the emulated device first (out and dQ|dK|dV are
     computed; Q|K|V and dO find it idle)."""
-    original = head_parallel._HeadComm.exchange
+    original = head_parallel._HeadComm.start
 
-    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
+    def start(self, x: torch.Tensor, what: str):
         kernel.synchronize()
         return original(self, x, what)
 
-    head_parallel._HeadComm.exchange = exchange
+    head_parallel._HeadComm.start = start
     try:
         yield
     finally:
-        head_parallel._HeadComm.exchange = original
+        head_parallel._HeadComm.start = original
 
 
 class _HeadParallel(Runner):
@@ -189,7 +190,8 @@ class _HeadParallel(Runner):
         w = self.w
         return head_parallel.fcp_head_parallel_attention(
             self.q, self.k, self.v, cp_group=self.group, hp_plan=w.hp_plan, groups=self.groups,
-            causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.executor_kv, agreement=None)
+            causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.executor_kv, agreement=None,
+            overlap_q=w.overlap_q)
 
     def run(self, kernel, transport) -> None:
         with contextlib.ExitStack() as stack:

@@ -198,13 +198,15 @@ class TeP2PWorkload(Workload):
 
 
 def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionShape, causal: bool, cm: ComputeModel,
-                          backward_kv: str) -> dict:
+                          backward_kv: str, overlap_q: bool = True) -> dict:
     """Forward + backward of ``hp`` as the engine runs it
     (:func:`~megatron_fcp.planning.simulate_head_parallel`: all-to-all in, the KV stage with every
     stage at once, all-to-all out, exposed; Note [Head-parallel cost]), the KV stage's backward wave
     by wave with ``backward_kv`` (keep / resend, :class:`~megatron_fcp.planning.waves.WaveBackward`),
-    dK/dV partials in the KV dtype (the executor's): the model ``choose_schedule`` ranks with."""
-    res = simulate_head_parallel(hp, topo, att, causal=causal, compute_model=cm,
+    dK/dV partials in the KV dtype (the executor's): the model ``choose_schedule`` ranks with.
+    ``overlap_q``: Q's all-to-all behind the stage's start (the engine's default; False for
+    ``te-a2a-p2p``, which posts one Q|K|V all-to-all as TE does)."""
+    res = simulate_head_parallel(hp, topo, att, causal=causal, compute_model=cm, overlap_q=overlap_q,
                                  backward=WaveBackward(backward_kv, buffered_sends=True))  # gloo over TCP
     m = res.meta
     out = {"predicted_s": res.total_s, "predicted_fwd_s": m["fwd_total_s"], "predicted_bwd_s": m["bwd_total_s"],
@@ -238,6 +240,11 @@ class HeadParallelWorkload(Workload):
     requested_kv: str | None = None  # as FcpWorkload's
 
     @property
+    def overlap_q(self) -> bool:
+        """Q's all-to-all behind the KV stage's start: the engine's (``fcp-hp``), not TE's schedule."""
+        return self.name != "te-a2a-p2p"
+
+    @property
     def executor_kv(self) -> str:
         return self.requested_kv or self.backward_kv
 
@@ -263,7 +270,7 @@ class HeadParallelWorkload(Workload):
         if self.hp_plan is None:
             return te or {"predicted_s": None}
         out = predict_head_parallel(self.hp_plan, topo, self.shape.attention(), self.shape.causal, cm,
-                                    self.executor_kv)
+                                    self.executor_kv, overlap_q=self.overlap_q)
         if te.get("predicted_s") is not None:
             out.update(predicted_te_model_s=te["predicted_s"], predicted_te_model_fwd_s=te["predicted_fwd_s"],
                        predicted_te_model_bwd_s=te["predicted_bwd_s"])

@@ -342,8 +342,12 @@ def simulate_plan(
     compute_model: ComputeModel | None = None,
     round_overhead_s: float = 0.0,
     name: str | None = None,
+    compute_from_s: float = 0.0,
 ) -> SimResult:
     """Simulate a forward pass of ``plan`` (comm, compute, overlapped total); see Note [Cost model].
+    ``compute_from_s``: no rank computes before then (its queries are still arriving: the
+    head-parallel stage's Q all-to-all, Note [Q's all-to-all behind the KV stage]); transfers start
+    at 0.
 
     Block bytes follow ``shape`` and each block's own tokens (sub-blocks of a chunk differ by one
     token when ``parts_per_chunk`` does not divide it), scaled per owner by ``plan.kv_sizes`` when a
@@ -446,7 +450,7 @@ def simulate_plan(
     local += cm.kernel_overhead_s
     busy = local + np.bincount(q_i, weights=recv_t, minlength=cp)
     order = np.lexsort((np.arange(len(q_i)), q_i))  # by rank, plan order within rank
-    ends = local.copy()
+    ends = local + compute_from_s
     q_sorted, a_sorted, t_sorted = q_i[order], arrival[order], recv_t[order]
     bounds = np.searchsorted(q_sorted, np.arange(cp + 1))
     for r in range(cp):

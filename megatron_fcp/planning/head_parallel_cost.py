@@ -24,7 +24,11 @@ links) with ``h/a`` query and ``rep * h_kv / a`` KV heads, forward through
 :func:`~megatron_fcp.planning.cost.simulate_plan` (overlapped with compute) and backward through
 :func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward` (dK/dV partials along the
 reversed trees in the input dtype, as the executor sends them, in the executor's order). The
-all-to-alls are exposed, as in Transformer Engine.
+all-to-alls are exposed, as in Transformer Engine, but for one: with a KV stage the engine sends
+K|V's part of the forward's first all-to-all ahead and Q's behind the stage's start (Note [Q's
+all-to-all behind the KV stage] in :mod:`megatron_fcp.attention.head_parallel`), so the stage's
+transfers start after K|V's all-to-all and its compute after Q's too (``overlap_q``; its links
+are the intra-node ones, taken as free of the stage's traffic).
 ``a = 1`` is plain FCP (no all-to-all); ``a = cp`` is TE's ``a2a`` (no KV stage).
 
 That backward is one pass from kept KV. The executor walks it in waves (Note [Backward waves] in
@@ -48,8 +52,11 @@ planner may use (``a = 1``: KV distribution alone), of that family's bound for t
   carry gradients, counted in the KV dtype (TE's ring returns dKV in the input dtype, and so does
   FCP's executor: the bound is the least any compared schedule could send).
 
-A family's stages run one after another, so its bound is their sum. Ulysses-style schedules move Q
-and O instead of all KV, which is why a KV-only bound (the old one) could sit above them.
+A family's stages run one after another, so its bound is their sum, but for Q's part of the
+forward's first all-to-all when there is a KV stage: it can cross the intra-node links while the
+stage moves KV (Note [Q's all-to-all behind the KV stage]), so the forward counts K|V's part only.
+Ulysses-style schedules move Q and O instead of all KV, which is why a KV-only bound (the old one)
+could sit above them.
 """
 
 from __future__ import annotations
@@ -120,9 +127,13 @@ def combine(name: str, parts: Sequence[SimResult], meta: dict | None = None) -> 
 
 def a2a_messages(hp: HeadParallelPlan, shape: AttentionShape, which: str) -> list[tuple[int, int, float]]:
     """``(src, dst, bytes)`` of one all-to-all of ``hp``'s head groups; see Note [Head-parallel cost].
-    ``which``: ``"qkv"`` (forward in, and dQ/dK/dV backward out) or ``"q"`` (O out, dO in)."""
+    ``which``: ``"qkv"`` (forward in, and dQ/dK/dV backward out), ``"q"`` (Q in, O out, dO in) or
+    ``"kv"`` (K|V in, ahead of Q: Note [Q's all-to-all behind the KV stage])."""
+    if which not in ("qkv", "q", "kv"):
+        raise ValueError(f"which: 'qkv', 'q' or 'kv', got {which!r}")
     a, L2 = hp.degree, shape.seq_len / hp.cp
-    per = shape.q_bytes(L2) / a + (shape.kv_bytes(L2) * hp.kv_replication / a if which == "qkv" else 0.0)
+    per = (shape.q_bytes(L2) / a if which != "kv" else 0.0) + \
+        (shape.kv_bytes(L2) * hp.kv_replication / a if which != "q" else 0.0)
     return [(s, d, per) for g in hp.head_groups for s in g for d in g if s != d]
 
 
@@ -139,8 +150,12 @@ def simulate_head_parallel(
     grad_dtype_bytes: int | None = None,
     name: str = "fcp",
     backward: WaveBackward | None = None,
+    overlap_q: bool = True,
 ) -> SimResult:
     """Time ``hp`` for ``pass_`` (``fwd``, ``bwd`` or ``fwd+bwd``); see Note [Head-parallel cost].
+    ``overlap_q`` (the engine's default): with a KV stage, K|V's all-to-all first and Q's behind the
+    stage's start (the stage computes once Q is in; Note [Q's all-to-all behind the KV stage]);
+    False: one Q|K|V all-to-all before the stage (TE's a2a+p2p).
     ``meta``: ``graph``, ``head_parallel`` (the degree), ``parts_per_chunk``, ``kv_replication``,
     ``pass``, and per pass ``fwd_total_s`` / ``bwd_total_s`` where computed. ``grad_dtype_bytes``:
     bytes per element of the dK/dV partials the KV stage returns (default ``shape.dtype_bytes``: the
@@ -167,8 +182,16 @@ def simulate_head_parallel(
         meta["padded_seq_len"] = shape.seq_len
     out = []
     if pass_ in ("fwd", "fwd+bwd"):
-        kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
-        fwd = combine(name, rounds("qkv", "a2a-in") + [kv] + rounds("q", "a2a-out"))
+        if overlap_q and a2a and hp.kv_plan is not None:
+            q_in = rounds("q", "a2a-in-q")[0]            # on the intra links while the stage's KV moves
+            kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name,
+                               compute_from_s=q_in.total_s)
+            hidden = SimResult("a2a-in-q", 0.0, 0.0, 0.0, q_in.bytes, q_in.rounds, dict(q_in.resource_bytes),
+                               dict(q_in.resource_bandwidth))   # its bytes count, its time is in the stage's
+            fwd = combine(name, rounds("kv", "a2a-in-kv") + [hidden, kv] + rounds("q", "a2a-out"))
+        else:
+            kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
+            fwd = combine(name, rounds("qkv", "a2a-in") + [kv] + rounds("q", "a2a-out"))
         meta["fwd_total_s"] = fwd.total_s
         meta["fwd_comm_s"] = fwd.comm_s
         out.append(fwd)
@@ -305,8 +328,9 @@ def lower_bound_all(
             t_small = (a - 1) * a2a_messages(hp, shape, "q")[0][2] / b
             stage_f = _stage_bound(topo, hp, shape, causal, shape.dtype_bytes) if hp.kv_plan is not None else 0.0
             stage_b = _stage_bound(topo, hp, shape, causal, grad_dtype_bytes) if hp.kv_plan is not None else 0.0
-            t = {"fwd": t_big + stage_f + t_small, "bwd": t_small + stage_b + t_big,
-                 "fwd+bwd": 2 * (t_big + t_small) + stage_f + stage_b}[pass_]
+            t_in = t_big - t_small if hp.kv_plan is not None else t_big  # Q's part may hide behind the stage
+            t = {"fwd": t_in + stage_f + t_small, "bwd": t_small + stage_b + t_big,
+                 "fwd+bwd": t_in + 2 * t_small + t_big + stage_f + stage_b}[pass_]
         per_degree[a] = t
     best = min(per_degree, key=per_degree.get)
     return {**kv_only, "lower_bound_s": per_degree[best], "degree": best, "per_degree": per_degree,
