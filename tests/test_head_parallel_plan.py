@@ -127,6 +127,8 @@ def test_q_all_to_all_behind_the_kv_stage_is_priced():
     base = simulate_plan(sp, "dgx-h100:2", shape, compute_model=ComputeModel(flops=1e12))
     late = simulate_plan(sp, "dgx-h100:2", shape, compute_model=ComputeModel(flops=1e12), compute_from_s=0.5)
     assert late.comm_s == base.comm_s and late.total_s == pytest.approx(base.total_s + 0.5)  # compute-bound
+    with pytest.raises(ValueError, match="compute_from_s"):
+        simulate_plan(sp, "dgx-h100:2", shape, compute_from_s=-1.0)
 
 
 @pytest.mark.parametrize("preset,ranks", [("dgx-h100:2", 16), ("dgx-h100:2", 12), ("pcie-box:2", 16),

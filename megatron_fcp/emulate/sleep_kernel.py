@@ -100,19 +100,14 @@ class VirtualStream:
 
     def reset(self) -> None:
         self.busy_until = 0.0      # perf_counter time the queued work ends
-        self.launched_s = 0.0      # seconds launched since reset
-        self.waited_s = 0.0        # seconds the host slept in synchronize since reset
 
     def launch(self, seconds: float) -> None:
         self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
-        self.launched_s += seconds
 
     def synchronize(self) -> None:
         owed = self.busy_until - time.perf_counter()
         if owed > 0:
-            t0 = time.perf_counter()
             time.sleep(owed)
-            self.waited_s += time.perf_counter() - t0
 
 
 class SleepKernel(BlockKernel):

@@ -356,6 +356,8 @@ def simulate_plan(
     batch) ``shape.seq_len`` is not used: each block's bytes and each rank's work come from the
     placement's token spans and document masks.
     """
+    if not compute_from_s >= 0:
+        raise ValueError(f"compute_from_s: seconds >= 0, got {compute_from_s!r}")
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     cp, P = plan.cp, plan.parts_per_chunk
