@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from megatron_fcp.emulate import netns
-from megatron_fcp.emulate.report import assemble, progress_printer, table
+from megatron_fcp.emulate import netns, probe
+from megatron_fcp.emulate.report import assemble, link_probe_line, progress_printer, table
 from megatron_fcp.emulate.sleep_kernel import Sleeper, SleepKernel, VirtualStream, count_pairs
-from megatron_fcp.emulate.spec import ClusterSpec, address_plan, emulated_topology, format_rate, parse_rate
+from megatron_fcp.emulate.spec import GOODPUT, ClusterSpec, address_plan, emulated_topology, format_rate, parse_rate
 from megatron_fcp.emulate.workloads import (FcpWorkload, HeadParallelWorkload, WorkloadShape, executor_backward_kv,
                                              executor_block_bytes, lower_bounds, make_workloads)
 from megatron_fcp.planning import ComputeModel, WaveBackward, choose_schedule
@@ -77,6 +77,39 @@ def test_setup_commands_shape_every_link_both_ways(nic):
     assert len(routes) == (2 if nic == "rail" else 1) * 4 and all(c[-2:] == ["quickack", "1"] for c in routes)
     devs = sorted(c[c.index("dev") + 1] for c in routes)
     assert devs == (["eth0"] * 4 + ["ib0"] * 4 if nic == "rail" else ["eth0"] * 4)
+
+
+def test_links_have_no_burst_credit():
+    """Note [Link bursts]: every htb class has a 4 KB bucket and every veth end, both sides of every
+    cable, sends packets of at most 16 KB, so an idle link is no faster than its rate."""
+    spec = ClusterSpec(2, 2, "rail", prefix="fcpe1x")
+    cmds = netns.setup_commands(spec)
+    classes = [c for c in cmds if c[0] == "tc" and c[3:5] == ["class", "add"]]
+    assert classes and all(c[c.index("burst") + 1] == "4kb" and c[c.index("cburst") + 1] == "4kb" for c in classes)
+    added = [c for c in cmds if c[3:5] == ["link", "add"] and "veth" in c]
+    veths = {(c[2], c[5]) for c in added} | {(c[c.index("netns") + 1], c[c.index("name") + 1]) for c in added}
+    gso = {(c[2], c[5]) for c in cmds if c[3:5] == ["link", "set"] and "gso_max_size" in c}
+    assert len(veths) == 2 * 8 and gso == veths  # 4 ranks x (eth0 + ib0), both ends
+    assert all(c[-1] == str(netns.GSO_MAX_SIZE) == "16384" for c in cmds if "gso_max_size" in c)
+
+
+@pytest.mark.parametrize("nodes, rpn, pairs", [(2, 4, [("intra", 0, 1), ("inter", 0, 4)]), (1, 4, [("intra", 0, 1)]),
+                                               (4, 1, [("inter", 0, 1)])])
+def test_link_probe_pairs_and_summary(nodes, rpn, pairs):
+    spec = ClusterSpec(nodes, rpn, "rail", 360e6, 40e6)
+    assert probe.probe_pairs(spec) == pairs
+    topo = emulated_topology(spec)
+    rate = {"intra": 360e6 / 8 * GOODPUT, "inter": 40e6 / 8 * GOODPUT}
+    fake = [{"link": link, "src": s, "dst": d, "bytes": 65536, "times_s": [2 * 65536 / rate[link], 65536 / rate[link],
+                                                                             0.5]}
+            for link, s, d in pairs]
+    out = probe.summarize(fake, topo)
+    for e, (link, _, _) in zip(out, pairs):
+        assert e["modelled_s"] == pytest.approx(65536 / rate[link])  # the route's narrowest link, no latency
+        assert e["median_s"] == sorted(e["times_s"])[1] and e["ratio"] == pytest.approx(e["median_s"] / e["modelled_s"])
+    line = link_probe_line(out)
+    assert line.startswith("links, one message alone, measured / modelled: ") and all(p[0] in line for p in pairs)
+    assert link_probe_line([]) == ""
 
 
 def test_emulated_topology_matches_the_layout():
@@ -445,6 +478,8 @@ def test_smoke_run_brings_up_measures_and_tears_down():
         assert r["available"] and r["median_s"] > 0 and r["comm_s"] > 0 and r["compute_s"] >= 0
         assert math.isfinite(r["predicted_s"]) and r["lower_bound_s"] > 0
     assert res["setup_s"] > 0 and res["teardown_s"] >= 0
+    probed = {(e["link"], e["bytes"]) for e in res["link_probe"] if e["median_s"] > 0 and e["modelled_s"] > 0}
+    assert probed == {(link, n) for link in ("intra", "inter") for n in probe.PROBE_BYTES}
     assert not _children("megatron_fcp.emulate.worker")  # every rank process reaped
 
 

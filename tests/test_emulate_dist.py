@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_fcp.emulate.probe import PROBE_BYTES, PROBE_REPEATS
 from megatron_fcp.launch import run_gloo
 from tests import _emulate_cases
 
@@ -85,9 +86,17 @@ def test_worker_loop_alternates_and_times_every_mode(compute, docs):
     shape = WorkloadShape(256, 2, 1, 16, True, docs, block_tokens=128)
     wl = make_workloads(["te-p2p", "fcp-auto"], shape, topo)
     job = {"workloads": wl, "repeats": 2, "component_repeats": 1, "warmup": 1, "compute": compute,
-           "flops": 1e9, "timeout_s": 60}
+           "flops": 1e9, "timeout_s": 60, "probe": [("intra", 0, 1)] if compute == "sleep" else []}
     res = run_gloo(_emulate_cases.worker_job, 2, job, timeout_s=120)
     times = res[0]["times"]
+    # Note [Link probe]: rank 1 timed rank 0's isolated messages, every size, gathered on every rank
+    probe = res[0]["link_probe"]
+    assert probe == res[1]["link_probe"]
+    if compute == "sleep":
+        assert [(e["link"], e["src"], e["dst"], e["bytes"]) for e in probe] == [("intra", 0, 1, n) for n in PROBE_BYTES]
+        assert all(len(e["times_s"]) == PROBE_REPEATS and min(e["times_s"]) > 0 for e in probe)
+    else:
+        assert probe == []
     for name in ("te-p2p", "fcp-auto"):
         assert len(times[name]["overlap"]) == 2 and len(times[name]["comm"]) == 1 and len(times[name]["compute"]) == 1
         assert all(t > 0 for m in times[name].values() for t in m)

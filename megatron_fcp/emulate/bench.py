@@ -24,6 +24,7 @@ from typing import Callable
 
 from megatron_fcp.emulate.launcher import run_ranks
 from megatron_fcp.emulate.netns import EmulatedCluster, check_prerequisites, run_prefix
+from megatron_fcp.emulate.probe import probe_pairs, summarize
 from megatron_fcp.emulate.report import assemble
 from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
 from megatron_fcp.emulate.workloads import FcpWorkload, WorkloadShape, lower_bounds, make_workloads
@@ -93,7 +94,7 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
     runnable = [w for w in workloads if w.unavailable is None]
     job = {"workloads": runnable, "repeats": cfg.repeats, "component_repeats": cfg.component_repeats,
            "warmup": cfg.warmup, "compute": cfg.compute, "flops": cfg.emulated_flops,
-           "timeout_s": min(cfg.timeout_s, 600.0)}
+           "timeout_s": min(cfg.timeout_s, 600.0), "probe": probe_pairs(cfg.cluster)}
     measured: dict = {"times": {}, "modelled_compute_s": {}}
     setup_s = teardown_s = 0.0
     if runnable:
@@ -111,6 +112,7 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
             with open(out_path) as f:
                 measured = json.load(f)
     meta = {"setup_s": setup_s, "teardown_s": teardown_s, "wall_s": time.perf_counter() - t_start,
+            "link_probe": summarize(measured.get("link_probe", []), topo),
             "assumptions": {
                 "tflops": cfg.tflops, "emulated_flops": cfg.emulated_flops, "time_scale": cfg.cluster.time_scale,
                 "backward_flop_ratio": BACKWARD_FLOP_RATIO, "kernel_overhead_s": 0.0, "compute": cfg.compute,

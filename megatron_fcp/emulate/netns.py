@@ -12,6 +12,25 @@ so a link behaves full duplex like NVLink or IB) and the bulk class 1:20 feeds a
 (:data:`BULK_LIMIT`: lossless, as those fabrics are).
 This kernel has no ``netem``: links add no latency beyond veth's own.
 
+Note [Link bursts]
+------------------
+NVLink and InfiniBand move a message at their rate whether the link was idle or not; a token bucket
+does not: an idle ``htb`` class collects ``burst`` bytes of credit and lets them through at veth
+speed, and a class with credit left sends a whole packet however large (veth hands it GSO packets up
+to 64 KB). With the probe's ``burst 64kb`` an isolated message after an idle spell crossed a
+40 Mbit/s link far faster than the rate (measured on this machine, receiver posted first, median
+of 4: 64 KB in 1.0 ms instead of 13.1 ms, 128 KB in 14.7 ms instead of 26.2 ms; a 1 MB message
+4.6% fast), while a ring that keeps its links busy got no credit. A schedule of sparse messages (a
+wave's re-send, a reduction, an all-to-all) was measured faster than the links allow, and the cost
+model looked 15-28% pessimistic there (rail 2x4 GQA ``fcp-auto``: 0.372 s measured, 0.516 s
+predicted). Now every class has a 4 KB bucket (:data:`BURST`) and every veth end sends packets of
+at most 16 KB (``gso_max_size``, :data:`GSO_MAX_SIZE`): 16 KB takes 3.1 ms (3.3 ms at the rate),
+64 KB 13.0 ms, 128 KB 26.2 ms and 1 MB 217.8 ms (1.04x the raw rate: the goodput the model assumes,
+1448 payload bytes per 1514), and that GQA run 0.524 s against the same 0.516 s. (8 KB packets
+cost the host more: all-to-all-heavy runs took 4-7% longer.)
+:func:`~megatron_fcp.emulate.probe.run_probe` measures it at the start of every benchmark run
+(``link_probe`` in the JSON; Note [Link probe]).
+
 Note [Quick ACKs]
 -----------------
 Every route a rank has (the node's /24 over ``eth0``, the rest over ``ib0``; shared: the /16 over
@@ -52,7 +71,12 @@ __all__ = [
     "EmulatedCluster",
 ]
 
-BURST = "64kb"
+BURST = "4kb"
+"""Each htb class's token bucket: small, so an idle link sends no faster than its rate (Note [Link
+bursts]). 64 KB let a 64 KB message through an idle 40 Mbit/s link in 1.0 ms instead of 13.1 ms."""
+GSO_MAX_SIZE = 16384
+"""The largest (GSO) packet a veth hands its qdisc, so the most a message gains on an idle bucket
+(Note [Link bursts])."""
 BULK_LIMIT = "16mb"
 """The bulk class's queue: deep enough that no packet is dropped (NVLink and InfiniBand are lossless,
 credit-based). With 2 MB, 16 flows at once through one shared uplink overflowed it: drops, TCP
@@ -126,7 +150,9 @@ def _cable(ns_a: str, dev_a: str, ns_b: str, dev_b: str, bits: float) -> list[li
     """A veth pair ``ns_a:dev_a`` -- ``ns_b:dev_b`` (``dev_b`` joins ``br0`` of ``ns_b``), both ends shaped."""
     return ([["ip", "-n", ns_b, "link", "add", dev_b, "type", "veth", "peer", "name", dev_a, "netns", ns_a],
              ["ip", "-n", ns_b, "link", "set", dev_b, "master", "br0", "up"],
-             ["ip", "-n", ns_a, "link", "set", dev_a, "up"]]
+             ["ip", "-n", ns_a, "link", "set", dev_a, "up"],
+             ["ip", "-n", ns_a, "link", "set", dev_a, "gso_max_size", str(GSO_MAX_SIZE)],
+             ["ip", "-n", ns_b, "link", "set", dev_b, "gso_max_size", str(GSO_MAX_SIZE)]]
             + shaping_commands(ns_a, dev_a, bits) + shaping_commands(ns_b, dev_b, bits))
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-__all__ = ["assemble", "table", "plot", "progress_printer"]
+__all__ = ["assemble", "table", "link_probe_line", "plot", "progress_printer"]
 
 
 def _stats(xs: Sequence[float]) -> dict:
@@ -84,7 +84,19 @@ def table(result: dict) -> str:
                      _f(r["of_lower_bound"], "{:.2f}"), _f(r["speedup_vs_te_p2p"], "{:.2f}x"), graph))
     width = [max(len(str(row[i])) for row in rows) for i in range(len(cols))]
     lines = [head] + ["  ".join(str(x).ljust(width[i]) for i, x in enumerate(row)).rstrip() for row in rows]
-    return "\n".join(lines)
+    probe = link_probe_line(result.get("link_probe", []))
+    return "\n".join(lines + ([probe] if probe else []))
+
+
+def link_probe_line(probe: Sequence[dict]) -> str:
+    """One line: each probed link's isolated messages, measured over modelled (Note [Link probe])."""
+    by: dict[str, list[str]] = {}
+    for e in probe:
+        if e.get("ratio") is not None:
+            by.setdefault(e["link"], []).append(f"{e['bytes'] // 1024}K {e['ratio']:.2f}x")
+    if not by:
+        return ""
+    return "links, one message alone, measured / modelled: " + "; ".join(f"{k} {', '.join(v)}" for k, v in by.items())
 
 
 def plot(results: "dict | list[dict]", path: str, titles: "Sequence[str] | None" = None) -> None:

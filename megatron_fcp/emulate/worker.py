@@ -9,6 +9,7 @@ The job (a pickled dict from :mod:`megatron_fcp.emulate.bench`): ``workloads`` (
 (emulated FLOP/s), ``timeout_s``. Order of the timed runs, alternating so that drift on the shared
 machine hits every workload alike::
 
+    link probe: isolated messages on each kind of link (Note [Link probe] in probe.py), job["probe"]
     warm-up: each workload once (connections, allocator), not timed
     for rep in 0 .. repeats-1:
         for each workload: overlapped
@@ -17,7 +18,7 @@ machine hits every workload alike::
 A run's time is the slowest rank's (all ranks leave a barrier, time forward + backward, and the
 maximum is all-reduced). Rank 0 prints one progress line per timed run (``@progress done total
 workload mode``) and writes ``{"times": {workload: {mode: [seconds...]}}, "modelled_compute_s":
-{workload: seconds}}`` to OUT.json.
+{workload: seconds}, "link_probe": [...]}`` to OUT.json.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.comm import GlooTransport
+from megatron_fcp.emulate.probe import run_probe
 from megatron_fcp.emulate.runners import NullTransport, make_runner
 from megatron_fcp.emulate.sleep_kernel import SleepKernel, VirtualStream
 
@@ -65,6 +67,7 @@ def run(job: dict) -> dict:
     gloo = GlooTransport(group, job["timeout_s"])
     null = NullTransport()
     kernel, zero = _kernels(job)
+    probe = run_probe(job["probe"]) if job.get("probe") else []
     runners = {w.name: make_runner(w, rank, group) for w in job["workloads"]}
     names = list(runners)
     plan = [("warmup", n) for n in names for _ in range(job["warmup"])]
@@ -90,7 +93,7 @@ def run(job: dict) -> dict:
         done += 1
         if rank == 0:
             print(f"@progress {done} {len(timed)} {name} {mode} {dt:.4f}", flush=True)
-    return {"times": times, "modelled_compute_s": modelled}
+    return {"times": times, "modelled_compute_s": modelled, "link_probe": probe}
 
 
 def main(argv: list[str] | None = None) -> int:
