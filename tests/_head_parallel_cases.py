@@ -218,6 +218,28 @@ def _timeout_probe(rank: int, hp_groups: dict) -> str | None:
         torch.zeros(2, 3), "probe"))
 
 
+def _pairwise_all_to_all_check(rank: int) -> tuple[bool, bool]:
+    """Note [All-to-all on gloo]: the engine's per-peer all-to-all gives what ``all_to_all_single``
+    gives, bitwise; and through ``_HeadComm`` a member order other than the group's is honoured
+    (slot m goes to member m, slot m of the result came from member m)."""
+    from datetime import timedelta
+
+    from megatron_fcp.attention.head_parallel import _HeadComm, _pairwise_all_to_all
+
+    group = dist.group.WORLD
+    order = tuple(dist.get_process_group_ranks(group))
+    x = torch.randn(4, 3, 5, dtype=torch.float64)                                 # [a, ...]: slot i for rank i
+    want, got = torch.empty_like(x), torch.empty_like(x)
+    dist.all_to_all_single(want, x, group=group)
+    assert _pairwise_all_to_all(got, x, group, order).wait(timedelta(seconds=60))
+    members = (2, 0, 3, 1)
+    me = members.index(rank)
+    mine = torch.stack([torch.full((3, 5), 100.0 * rank + m, dtype=torch.float64) for m in range(4)])
+    y = _HeadComm(group, members, 60.0, None).exchange(mine, "check")          # [a, 3, 5]
+    expect = torch.stack([torch.full((3, 5), 100.0 * members[m] + me, dtype=torch.float64) for m in range(4)])
+    return torch.equal(got, want), torch.equal(y, expect)
+
+
 def worker(rank: int, world: int, cases: list) -> dict:
     from megatron_fcp.attention.head_parallel import create_head_parallel_groups
 
@@ -232,5 +254,6 @@ def worker(rank: int, world: int, cases: list) -> dict:
     results.update({c.name: _run_case(c, dist.group.WORLD, ranks, rank, hp_groups) for c in cases})
     results["groups"] = {"head": dist.get_process_group_ranks(hp_groups[2].head_group),
                          "kv": dist.get_process_group_ranks(hp_groups[2].kv_group)}
+    results["pairwise_a2a"] = _pairwise_all_to_all_check(rank)
     results["timeout"] = _timeout_probe(rank, hp_groups)
     return results

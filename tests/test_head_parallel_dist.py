@@ -125,6 +125,12 @@ def test_bad_input_raises_before_any_communication(results):
             assert re.search(expect, msg), f"{name}: {msg!r} does not mention {expect!r}"
 
 
+def test_all_to_all_on_gloo_is_per_peer_and_exact(results):
+    """Note [All-to-all on gloo]: isend/irecv per peer equals all_to_all_single bitwise, and a head
+    group listed in another order than the process group's gets each slot to its member."""
+    assert [r["pairwise_a2a"] for r in results] == [(True, True)] * 4
+
+
 def test_bounded_all_to_all_wait_names_the_head_group(results):
     msg = results[0]["timeout"]
     assert msg is not None and "head-parallel all-to-all (probe) over ranks [0, 1]" in msg, msg
