@@ -17,9 +17,9 @@ and ``ranks_per_node``, the same rail, across nodes) and each size of :data:`PRO
 :func:`summarize` sets each median beside the cost model's time for the same message on the
 emulated Topology (bytes over the route's narrowest bandwidth, at the goodput the model assumes,
 plus its latency): ``ratio`` = measured / modelled. Measured on this machine over the 14
-configurations of ``benchmarks/bench_emulated.py``: inter 64 KB 0.94-0.97, 256 KB 0.95-1.00;
-intra messages carry 0.3-0.9 ms of host and kernel time the model leaves out (16 KB 1.8-3.3x,
-64 KB 1.1-1.4x, 256 KB 1.0-1.1x).
+configurations of ``benchmarks/bench_emulated.py`` (2026-12-01): inter 64 KB 0.94-0.96, 256 KB
+0.95-1.00; intra messages carry 0.3-0.9 ms of host and kernel time the model leaves out (16 KB
+2.0-3.2x, 64 KB 1.15-1.5x, 256 KB 1.03-1.09x).
 """
 
 from __future__ import annotations
