@@ -31,7 +31,7 @@ from typing import Sequence
 from megatron_fcp.emulate.spec import ClusterSpec
 from megatron_fcp.topology import Topology
 
-__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "IDLE_S", "probe_pairs", "run_probe", "summarize"]
+__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "IDLE_S", "probe_pairs", "run_probe", "modelled_s", "summarize"]
 
 PROBE_BYTES = (16384, 65536, 262144)
 """Message sizes probed: a small KV block, a typical one, a large one (bytes)."""
@@ -90,7 +90,7 @@ def modelled_s(topo: Topology, src: int, dst: int, nbytes: int) -> float:
     """The cost model's time for one message alone on its route: bytes over the narrowest resource,
     plus the route's latency."""
     route = topo.route(src, dst)
-    return nbytes / min(r.bandwidth for r in route.resources) + route.latency
+    return nbytes / route.bandwidth + route.latency
 
 
 def summarize(measured: Sequence[dict], topo: Topology) -> list[dict]:
