@@ -8,8 +8,10 @@ every run and every target (its value and a ``met`` flag) and a plot beside it. 
     python benchmarks/bench_emulated.py [--out benchmarks/results/emulated.json] [--only NAME,...]
 
 Links: intra 360 Mbit/s, inter 40 Mbit/s (9:1, NVLink4 450 GB/s to one NDR NIC's 50 GB/s; time
-scale 10,000; 400 TFLOP/s become 40 GFLOP/s of sleep). 5 alternating repeats per workload, 2 of
-communication only and compute only. About 25 minutes on 2 busy cores.
+scale 10,000; 400 TFLOP/s become 40 GFLOP/s of sleep), halved or quartered for a configuration whose
+fastest predicted step is under half a second (:func:`~megatron_fcp.emulate.bench.paced`, Note [Rates
+the host keeps up with]). 5 alternating repeats per workload, 2 of communication only and compute
+only. About 28 minutes on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fcp.emulate.bench import BenchConfig, prepare, run_bench  # noqa: E402
+from megatron_fcp.emulate.bench import BenchConfig, paced, predict_calibrated, prepare, run_bench  # noqa: E402
 from megatron_fcp.emulate.report import plot, progress_printer, table  # noqa: E402
-from megatron_fcp.emulate.spec import ClusterSpec  # noqa: E402
+from megatron_fcp.emulate.spec import ClusterSpec, parse_rate  # noqa: E402
 from megatron_fcp.emulate.workloads import WorkloadShape  # noqa: E402
 from megatron_fcp.planning import lognormal_lengths  # noqa: E402
 
@@ -196,20 +198,23 @@ def plot_sweep(sweep: list[dict], path: str) -> None:
         if not pts:
             continue
         xs = [x for x, _ in pts]
-        med = [r["median_s"] for _, r in pts]
-        ax.errorbar(xs, med, yerr=[[m - r["min_s"] for m, (_, r) in zip(med, pts)],
-                                   [r["max_s"] - m for m, (_, r) in zip(med, pts)]],
+        ms = [1e3 / res["cluster"]["time_scale"] for res in sweep if _run(res, name)]  # emulated s -> real ms
+        med = [r["median_s"] * m for (_, r), m in zip(pts, ms)]
+        ax.errorbar(xs, med, yerr=[[md - r["min_s"] * m for md, (_, r), m in zip(med, pts, ms)],
+                                   [r["max_s"] * m - md for md, (_, r), m in zip(med, pts, ms)]],
                     marker="o", color=color, label=f"{name} measured", capsize=3)
-        ax.plot(xs, [r["predicted_s"] for _, r in pts], ls=":", color=color, label=f"{name} predicted")
+        ax.plot(xs, [r["predicted_s"] * m for (_, r), m in zip(pts, ms)], ls=":", color=color,
+                label=f"{name} predicted")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank (2 x 4 rail, GQA 16:2, d=32)")
-    ax.set_ylabel("forward + backward (s, emulated)")
+    ax.set_ylabel("forward + backward (ms on the DGX-H100 pair it stands for)")
     for res in sweep:
         te = _run(res, "te-p2p")
         if te and te.get("compute_to_comm") is not None:
             x = res["workload"]["seq"] // 8
-            ax.annotate(f"c:c {te['compute_to_comm']:.2f}", (x, te["median_s"]), textcoords="offset points",
+            y = te["median_s"] * 1e3 / res["cluster"]["time_scale"]
+            ax.annotate(f"c:c {te['compute_to_comm']:.2f}", (x, y), textcoords="offset points",
                         xytext=(4, -12), fontsize=7)
     ax.legend(fontsize=7)
     ax.set_title("te-p2p vs FCP from communication- to compute-bound", fontsize=9)
@@ -223,9 +228,10 @@ def markdown(out: dict) -> str:
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
 
-    lines = ["| configuration | workload | median s | min-max | comm s | compute s | predicted s | error | "
-             "/ LB | vs te-p2p | compute:comm | graph |", "|" + "---|" * 12]
-    for name, res in out["configs"].items():
+    lines = ["| configuration | time scale | workload | median s | min-max | comm s | compute s | predicted s | error | "
+             "/ LB | vs te-p2p | compute:comm | graph |", "|" + "---|" * 13]
+    for cname, res in out["configs"].items():
+        name = f"{cname} | {res['cluster']['time_scale']:.0f}"
         for r in res["runs"]:
             if not r["available"]:
                 lines.append(f"| {name} | {r['workload']} | n/a | | | | {f(r.get('predicted_s'))} | | | | | "
@@ -242,7 +248,8 @@ def markdown(out: dict) -> str:
 def repredict(res: dict, cfg: BenchConfig) -> None:
     """Today's predictions and lower bounds for the runs of ``res`` (measured with ``cfg``), in place.
     Refuses a run whose plan today differs from the one measured (graph, rounds or backward mode)."""
-    _, _, workloads, bounds, predictions = prepare(cfg)
+    _, cm, workloads, bounds, nominal = prepare(cfg)
+    predictions, res["latency_fit"] = predict_calibrated(cfg, workloads, cm, nominal, res.get("link_probe", []))
     by_name = {w.name: w for w in workloads}
     res["bounds"] = bounds
     for r in res["runs"]:
@@ -280,7 +287,9 @@ def main() -> int:
         with open(args.out) as f:
             out = json.load(f)
         for name, res in out["configs"].items():
-            repredict(res, CONFIGS[name])
+            c = res["cluster"]  # the rates it was measured at
+            repredict(res, replace(CONFIGS[name], cluster=replace(CONFIGS[name].cluster, intra_bps=parse_rate(c["intra"]),
+                                                                   inter_bps=parse_rate(c["inter"]))))
         out.update({k: v for k, v in _summary(out["configs"], out.get("errors", {}), 0.0).items()
                     if k not in ("wall_s", "configs", "errors")})
         with open(args.out, "w") as f:
@@ -308,7 +317,7 @@ def main() -> int:
         started -= old.get("wall_s", 0.0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in names:
-        cfg = CONFIGS[name]
+        cfg = paced(CONFIGS[name])  # Note [Rates the host keeps up with]
         if args.repeats:
             cfg = replace(cfg, repeats=args.repeats, component_repeats=min(cfg.component_repeats, args.repeats))
         print(f"== {name}", file=sys.stderr, flush=True)

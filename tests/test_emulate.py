@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -110,6 +111,35 @@ def test_link_probe_pairs_and_summary(nodes, rpn, pairs):
     line = link_probe_line(out)
     assert line.startswith("links, one message alone, measured / modelled: ") and all(p[0] in line for p in pairs)
     assert link_probe_line([]) == ""
+    fitted = link_probe_line(out, {"intra_latency_s": 4e-4, "inter_latency_s": 0.0})
+    assert fitted.startswith(line) and fitted.endswith("; fitted latency (in predicted) intra 0.40 ms, inter 0.00 ms")
+
+
+@pytest.mark.parametrize("nic", ["rail", "shared"])
+def test_probe_fitted_latency(nic):
+    spec = ClusterSpec(2, 4, nic, 360e6, 40e6)
+    nominal = emulated_topology(spec)
+    alpha = {"intra": 4e-4, "inter": 1e-3}
+    pairs = probe.probe_pairs(spec)
+    # one message alone costs its bytes at the modelled goodput plus alpha (plus the intra alpha on a
+    # shared uplink's route, which crosses the node's switch too); one outlier per size
+    fake = []
+    for link, s, d in pairs:
+        extra = alpha[link] + (alpha["intra"] if link == "inter" and nic == "shared" else 0.0)
+        for n in probe.PROBE_BYTES:
+            t = probe.modelled_s(nominal, s, d, n) + extra
+            fake.append({"link": link, "src": s, "dst": d, "bytes": n, "times_s": [t, t, 5 * t]})
+    topo, fit = probe.calibrated_topology(spec, fake)
+    assert fit == pytest.approx({"intra_latency_s": 4e-4, "inter_latency_s": 1e-3})
+    assert topo.route(0, 1).latency == pytest.approx(4e-4)  # a route, not each of its two links, pays alpha
+    assert topo.route(0, 4).latency == pytest.approx(1e-3 + (4e-4 if nic == "shared" else 0.0))
+    assert topo.route(0, 1).bandwidth == nominal.route(0, 1).bandwidth
+    for e in fake:  # the calibrated model prices every probed message as measured
+        assert probe.modelled_s(topo, e["src"], e["dst"], e["bytes"]) == pytest.approx(e["times_s"][0])
+    # links running faster than the model (inter goodput) and a run without a probe fit no latency
+    fast = [{**e, "times_s": [0.9 * probe.modelled_s(nominal, e["src"], e["dst"], e["bytes"])]} for e in fake]
+    assert probe.calibrated_topology(spec, fast)[1] == {"intra_latency_s": 0.0, "inter_latency_s": 0.0}
+    assert probe.calibrated_topology(spec, [])[1] == {"intra_latency_s": 0.0, "inter_latency_s": 0.0}
 
 
 def test_emulated_topology_matches_the_layout():
@@ -434,6 +464,51 @@ def test_result_json_shape_and_table():
     assert "te-a2a-p2p" in text and "n/a" in text and "lower bound" in text
 
 
+def test_calibrated_predictions_keep_the_plans_and_add_the_latency():
+    from megatron_fcp.emulate.bench import BenchConfig, predict_calibrated, prepare
+
+    cfg = BenchConfig(ClusterSpec(2, 2, "rail", 360e6, 40e6), WorkloadShape(1024, 4, 4, 32, True, None, block_tokens=256),
+                      ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp"))
+    topo, cm, ws, _, nominal = prepare(cfg)
+    plans = {w.name: (w.info.get("graph"), w.info.get("rounds"), w.info.get("backward_kv")) for w in ws}
+    same, fit0 = predict_calibrated(cfg, ws, cm, nominal, [])
+    assert fit0 == {"intra_latency_s": 0.0, "inter_latency_s": 0.0}
+    for w in ws:
+        assert same[w.name]["predicted_s"] == pytest.approx(nominal[w.name]["predicted_s"])
+        assert same[w.name]["predicted_nominal_s"] == nominal[w.name]["predicted_s"]
+    slow = [{"link": "intra", "src": 0, "dst": 1, "bytes": n,
+             "times_s": [probe.modelled_s(topo, 0, 1, n) + 2e-3]} for n in probe.PROBE_BYTES]
+    cal, fit = predict_calibrated(cfg, ws, cm, nominal, slow)
+    assert fit["intra_latency_s"] == pytest.approx(2e-3) and fit["inter_latency_s"] == 0.0
+    for w in ws:  # every schedule here sends inside a node: each pays the latency, none is re-planned
+        assert cal[w.name]["predicted_s"] > nominal[w.name]["predicted_s"]
+        assert cal[w.name]["predicted_nominal_s"] == nominal[w.name]["predicted_s"]
+    assert {w.name: (w.info.get("graph"), w.info.get("rounds"), w.info.get("backward_kv")) for w in ws} == plans
+
+
+def test_paced_rates_keep_the_ratio_the_plans_and_the_regime():
+    from megatron_fcp.emulate.bench import MAX_SLOWDOWN, BenchConfig, paced, prepare
+
+    shape = WorkloadShape(1024, 4, 4, 32, True, None, block_tokens=256)
+    fast = BenchConfig(ClusterSpec(2, 2, "rail", 360e6, 40e6), shape, ("te-p2p", "fcp-auto", "fcp-hp"))
+    _, _, ws, _, pred = prepare(fast)
+    fastest = min(p["predicted_s"] for p in pred.values())
+    assert fastest < 0.5 / MAX_SLOWDOWN  # a short step: divided by the most allowed
+    slow = paced(fast)
+    assert slow.cluster.intra_bps == 360e6 / MAX_SLOWDOWN and slow.cluster.inter_bps == 40e6 / MAX_SLOWDOWN
+    assert slow.cluster.time_scale == pytest.approx(MAX_SLOWDOWN * fast.cluster.time_scale)
+    assert slow.emulated_flops == pytest.approx(fast.emulated_flops / MAX_SLOWDOWN)
+    _, _, ws2, _, pred2 = prepare(slow)
+    for a, b in zip(ws, ws2):  # the same plans; every time stretched by the same factor
+        assert (a.info.get("graph"), a.info.get("rounds"), (a.info.get("choice") or {}).get("label")) == \
+            (b.info.get("graph"), b.info.get("rounds"), (b.info.get("choice") or {}).get("label"))
+        assert pred2[a.name]["predicted_s"] == pytest.approx(MAX_SLOWDOWN * pred[a.name]["predicted_s"], rel=1e-9)
+    # a step already long enough keeps its rates; the real CPU kernels are never paced
+    assert paced(fast, min_step_s=fastest) == fast
+    assert paced(fast, min_step_s=1.5 * fastest).cluster.intra_bps == 180e6
+    assert paced(replace(fast, compute="cpu")) == replace(fast, compute="cpu")
+
+
 def test_head_parallel_runs_in_the_json():
     spec, topo, cm, shape, ws = _prepared()
     preds = {w.name: w.predict(topo, cm) for w in ws}
@@ -480,6 +555,8 @@ def test_smoke_run_brings_up_measures_and_tears_down():
     assert res["setup_s"] > 0 and res["teardown_s"] >= 0
     probed = {(e["link"], e["bytes"]) for e in res["link_probe"] if e["median_s"] > 0 and e["modelled_s"] > 0}
     assert probed == {(link, n) for link in ("intra", "inter") for n in probe.PROBE_BYTES}
+    assert set(res["latency_fit"]) == {"intra_latency_s", "inter_latency_s"} and min(res["latency_fit"].values()) >= 0
+    assert all(r["predicted_nominal_s"] <= r["predicted_s"] + 1e-12 for r in res["runs"])  # latency only adds
     assert not _children("megatron_fcp.emulate.worker")  # every rank process reaped
 
 

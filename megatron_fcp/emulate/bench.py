@@ -9,7 +9,9 @@
 3. bring the cluster up (:class:`~megatron_fcp.emulate.netns.EmulatedCluster`), run one worker per
    rank in its namespace (:func:`~megatron_fcp.emulate.launcher.run_ranks`), tear the cluster down
    whatever happens;
-4. assemble the JSON (:func:`~megatron_fcp.emulate.report.assemble`).
+4. price the same plans again on the Topology with the link probe's per-message latency
+   (:func:`predict_calibrated`, Note [Probe-fitted latency] in :mod:`megatron_fcp.emulate.probe`);
+5. assemble the JSON (:func:`~megatron_fcp.emulate.report.assemble`).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from typing import Callable
 
 from megatron_fcp.emulate.launcher import run_ranks
 from megatron_fcp.emulate.netns import EmulatedCluster, check_prerequisites, run_prefix
-from megatron_fcp.emulate.probe import probe_pairs, summarize
+from megatron_fcp.emulate.probe import calibrated_topology, probe_pairs, summarize
 from megatron_fcp.emulate.report import assemble
 from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
 from megatron_fcp.emulate.workloads import FcpWorkload, WorkloadShape, lower_bounds, make_workloads
 from megatron_fcp.planning import ComputeModel
 from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO
 
-__all__ = ["BenchConfig", "COMPUTE_MODES", "prepare", "run_bench"]
+__all__ = ["BenchConfig", "COMPUTE_MODES", "MIN_STEP_S", "MAX_SLOWDOWN", "paced", "prepare", "predict_calibrated",
+           "run_bench"]
 
 #: how the block kernel runs: "sleep" launches its modelled seconds on an emulated GPU stream (the
 #: default), "blocking-sleep" sleeps inside the call, "cpu" computes on the CPU (Note [The emulated
@@ -84,6 +87,54 @@ def prepare(cfg: BenchConfig):
     return topo, cm, workloads, bounds, predictions
 
 
+#: Note [Rates the host keeps up with]: the shortest predicted step a configuration may have, and
+#: the most its rates are divided by to get there
+MIN_STEP_S = 0.5
+MAX_SLOWDOWN = 4
+
+
+def paced(cfg: BenchConfig, min_step_s: float = MIN_STEP_S, max_slowdown: int = MAX_SLOWDOWN) -> BenchConfig:
+    """``cfg`` with both link rates divided by the smallest power of two ``k <= max_slowdown`` that makes
+    its fastest workload's predicted step (forward + backward) at least ``min_step_s`` emulated seconds.
+
+    Note [Rates the host keeps up with]
+    -----------------------------------
+    Eight ranks share two cores. Each rank's host work per step (the executor's Python, gloo's
+    sends and receives, the kernels' bookkeeping: about 20-25 ms of CPU at 256 tokens per rank) does
+    not shrink with the links' rates, while every emulated time grows as the rates fall. At 360 / 40
+    Mbit/s a step of 0.08-0.3 s is host-bound: 256 tokens per rank measured +75% against the model for
+    ``fcp-hp`` (eight ranks' CPU alone needs 92 ms of the two cores), 2x4 MHA ``fcp-hp`` +13%, and a
+    16 KB intra message alone 2-3x its bytes' time (Note [Link probe]); at a quarter of the rates the
+    same runs measured +12%, -3% and 1.0x. Dividing both rates by ``k`` keeps the 9:1 ratio and
+    multiplies the time scale (and the sleep kernels) by ``k``: the regime, the plans and every ratio
+    between workloads stay as they are (the planning Topology has no latency), only the host's share
+    of a step shrinks. ``k`` stops at ``max_slowdown`` (lower rates shape small packets less faithfully:
+    at 10 Mbit/s an inter 16 KB message runs 0.77x its bytes' time) and every configuration's JSON says
+    its rates and time scale. ``--compute cpu`` keeps its rates (its kernels are real CPU work, not
+    scaled sleeps)."""
+    if cfg.compute == "cpu":
+        return cfg
+    _, _, workloads, _, predictions = prepare(cfg)
+    steps = [predictions[w.name]["predicted_s"] for w in workloads
+             if w.unavailable is None and predictions[w.name].get("predicted_s")]
+    fastest, k = min(steps, default=min_step_s), 1
+    while fastest * k < min_step_s and 2 * k <= max_slowdown:
+        k *= 2
+    c = cfg.cluster
+    return replace(cfg, cluster=replace(c, intra_bps=c.intra_bps / k, inter_bps=c.inter_bps / k))
+
+
+def predict_calibrated(cfg: BenchConfig, workloads, cm, nominal: dict, probe: list) -> tuple[dict, dict]:
+    """Each workload's prediction on the Topology with the probe-fitted latencies (its plan unchanged),
+    with ``predicted_nominal_s`` (``nominal``: :func:`prepare`'s, on the planning Topology, latency 0)
+    beside ``predicted_s``; and the fit. ``probe``: :func:`~megatron_fcp.emulate.probe.run_probe`'s
+    entries (none: the fit is 0 and the two predictions agree)."""
+    topo, fit = calibrated_topology(cfg.cluster, probe)
+    out = {w.name: {**w.predict(topo, cm), "predicted_nominal_s": nominal[w.name].get("predicted_s")}
+           for w in workloads}
+    return out, fit
+
+
 def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None) -> dict:
     """Run ``cfg`` on an emulated cluster (module docstring); returns the result dict (``runs`` ...)."""
     check_prerequisites()
@@ -111,8 +162,10 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                 teardown_s = cluster.teardown_s
             with open(out_path) as f:
                 measured = json.load(f)
+    probe = measured.get("link_probe", [])
+    predictions, fit = predict_calibrated(cfg, workloads, cm, predictions, probe)
     meta = {"setup_s": setup_s, "teardown_s": teardown_s, "wall_s": time.perf_counter() - t_start,
-            "link_probe": summarize(measured.get("link_probe", []), topo),
+            "link_probe": summarize(probe, topo), "latency_fit": fit,
             "assumptions": {
                 "tflops": cfg.tflops, "emulated_flops": cfg.emulated_flops, "time_scale": cfg.cluster.time_scale,
                 "backward_flop_ratio": BACKWARD_FLOP_RATIO, "kernel_overhead_s": 0.0, "compute": cfg.compute,

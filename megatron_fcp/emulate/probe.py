@@ -20,6 +20,26 @@ plus its latency): ``ratio`` = measured / modelled. Measured on this machine ove
 configurations of ``benchmarks/bench_emulated.py`` (2026-12-01): inter 64 KB 0.94-0.96, 256 KB
 0.95-1.00; intra messages carry 0.3-0.9 ms of host and kernel time the model leaves out (16 KB
 2.0-3.2x, 64 KB 1.15-1.5x, 256 KB 1.03-1.09x).
+
+Note [Probe-fitted latency]
+---------------------------
+The cost model is alpha-beta: a message of ``n`` bytes on a route takes ``latency + n / bandwidth``
+(the latency once per round or per message, Note [Cost model]). The emulated links' bandwidth is
+set by ``tc`` and the model has it (at TCP goodput); their alpha is not set anywhere: it is what
+one message costs the two cores, the ranks' TCP stacks and the bridges, about 0.3-0.6 ms inside a
+node and nothing measurable across (the inter links run at or slightly above the modelled goodput).
+:func:`fit_latency` takes it from the probe of the same run, with the bandwidth held at the
+model's::
+
+    alpha(kind) = max(0, median over the probed sizes of (measured - bytes / bandwidth))
+
+intra first; the inter alpha is then fitted over what the intra alpha leaves (a ``shared`` uplink's
+route crosses the node's switch too). :func:`calibrated_topology` is the emulated Topology with
+those latencies; the benchmark's ``predicted_s`` is the cost model on it, for the plans made on the
+nominal Topology (latency 0: the planner's choices do not depend on this machine's CPU), and
+``predicted_nominal_s`` is the prediction without it. Both are predictions: the workloads' own
+times are never used. (0.5 ms emulated is 50 ns at the time scale of 10,000: far below a real
+link's microseconds, so the fit adds no latency regime the emulator does not have.)
 """
 
 from __future__ import annotations
@@ -28,10 +48,11 @@ import statistics
 import time
 from typing import Sequence
 
-from megatron_fcp.emulate.spec import ClusterSpec
+from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
 from megatron_fcp.topology import Topology
 
-__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "IDLE_S", "probe_pairs", "run_probe", "modelled_s", "summarize"]
+__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "IDLE_S", "probe_pairs", "run_probe", "modelled_s", "summarize",
+           "fit_latency", "calibrated_topology"]
 
 PROBE_BYTES = (16384, 65536, 262144)
 """Message sizes probed: a small KV block, a typical one, a large one (bytes)."""
@@ -101,3 +122,21 @@ def summarize(measured: Sequence[dict], topo: Topology) -> list[dict]:
         model = modelled_s(topo, e["src"], e["dst"], e["bytes"])
         out.append({**e, "median_s": med, "modelled_s": model, "ratio": med / model if med is not None else None})
     return out
+
+
+def fit_latency(measured: Sequence[dict], topo: Topology, link: str) -> float:
+    """The per-message seconds of ``link`` ("intra" / "inter") beyond the model's time on ``topo``
+    (Note [Probe-fitted latency]): the median over the probed sizes of measured - modelled, at least
+    0; 0 when the run did not probe that link."""
+    extra = [statistics.median(e["times_s"]) - modelled_s(topo, e["src"], e["dst"], e["bytes"])
+             for e in measured if e["link"] == link and e["times_s"]]
+    return max(0.0, statistics.median(extra)) if extra else 0.0
+
+
+def calibrated_topology(spec: ClusterSpec, measured: Sequence[dict]) -> tuple[Topology, dict]:
+    """The emulated Topology with the probe-fitted latencies (Note [Probe-fitted latency]) and the
+    fit ``{"intra_latency_s", "inter_latency_s"}`` (route latencies, seconds)."""
+    intra = fit_latency(measured, emulated_topology(spec), "intra")
+    inter = fit_latency(measured, emulated_topology(spec, intra_latency_s=intra), "inter")
+    fit = {"intra_latency_s": intra, "inter_latency_s": inter}
+    return emulated_topology(spec, intra_latency_s=intra, inter_latency_s=inter), fit

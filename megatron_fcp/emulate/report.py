@@ -4,7 +4,8 @@ One entry of ``runs`` per workload (the issue's keys; seconds, forward + backwar
 
     workload, available (and reason), median_s, min_s, max_s, times_s (every repeat, in run order),
     comm_s, compute_s (medians of the communication-only and compute-only runs), predicted_s,
-    predicted_comm_s, predicted_compute_s (FCP: also predicted_bwd_waves, predicted_resend_s),
+    predicted_comm_s, predicted_compute_s (FCP: also predicted_bwd_waves, predicted_resend_s), all on
+    the Topology with the link probe's per-message latency, and predicted_nominal_s (without it),
     prediction_error (median / predicted - 1), lower_bound_s, of_lower_bound (median / lower_bound_s),
     compute_to_comm (predicted compute over predicted communication: the regime),
     speedup_vs_te_p2p, the cluster (nodes, ranks_per_node, nic, intra, inter) and the workload
@@ -84,19 +85,24 @@ def table(result: dict) -> str:
                      _f(r["of_lower_bound"], "{:.2f}"), _f(r["speedup_vs_te_p2p"], "{:.2f}x"), graph))
     width = [max(len(str(row[i])) for row in rows) for i in range(len(cols))]
     lines = [head] + ["  ".join(str(x).ljust(width[i]) for i, x in enumerate(row)).rstrip() for row in rows]
-    probe = link_probe_line(result.get("link_probe", []))
+    probe = link_probe_line(result.get("link_probe", []), result.get("latency_fit"))
     return "\n".join(lines + ([probe] if probe else []))
 
 
-def link_probe_line(probe: Sequence[dict]) -> str:
-    """One line: each probed link's isolated messages, measured over modelled (Note [Link probe])."""
+def link_probe_line(probe: Sequence[dict], fit: "dict | None" = None) -> str:
+    """One line: each probed link's isolated messages, measured over modelled (Note [Link probe]), and
+    the per-message latency fitted from them that ``predicted`` includes (Note [Probe-fitted latency])."""
     by: dict[str, list[str]] = {}
     for e in probe:
         if e.get("ratio") is not None:
             by.setdefault(e["link"], []).append(f"{e['bytes'] // 1024}K {e['ratio']:.2f}x")
     if not by:
         return ""
-    return "links, one message alone, measured / modelled: " + "; ".join(f"{k} {', '.join(v)}" for k, v in by.items())
+    line = "links, one message alone, measured / modelled: " + "; ".join(f"{k} {', '.join(v)}" for k, v in by.items())
+    if fit:
+        line += (f"; fitted latency (in predicted) intra {fit['intra_latency_s'] * 1e3:.2f} ms, "
+                 f"inter {fit['inter_latency_s'] * 1e3:.2f} ms")
+    return line
 
 
 def plot(results: "dict | list[dict]", path: str, titles: "Sequence[str] | None" = None) -> None:

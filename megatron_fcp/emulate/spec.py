@@ -24,7 +24,8 @@ The same cluster as a :class:`~megatron_fcp.topology.Topology` (:func:`emulated_
 two directions of that link); rail NIC ``nic{i}`` hangs off GPU ``i`` (its ib0), shared NIC
 ``nic0`` hangs off the bridge (the uplink). Bandwidths are the *goodput* of the shaped rate (TCP
 payload of a 1500-byte MTU frame: 1448 of 1514 wire bytes, measured 46.9 of 50 MB/s at 400 Mbit/s),
-latencies zero (veth adds microseconds; the kernel here has no ``netem``).
+latencies zero for planning (veth adds microseconds; the kernel here has no ``netem``); predictions
+price the per-message time the link probe measures (Note [Probe-fitted latency]).
 
 Time scale: the emulated intra rate stands for NVLink4 (450 GB/s per direction), so one emulated
 second is ``1 / time_scale`` real seconds with ``time_scale = 450e9 / (intra bytes/s)`` (360 Mbit/s
@@ -156,19 +157,25 @@ def address_plan(spec: ClusterSpec) -> list[RankAddress]:
             for n in range(spec.nodes) for l in range(spec.ranks_per_node)]
 
 
-def emulated_topology(spec: ClusterSpec) -> Topology:
-    """The cluster as the cost model sees it (Note [Emulated cluster]); bandwidths in bytes/s."""
+def emulated_topology(spec: ClusterSpec, intra_latency_s: float = 0.0, inter_latency_s: float = 0.0) -> Topology:
+    """The cluster as the cost model sees it (Note [Emulated cluster]); bandwidths in bytes/s.
+
+    ``intra_latency_s`` / ``inter_latency_s``: the per-message time of one message alone on an intra /
+    inter route beyond its bytes (0 by default: planning; the link probe's fit for predictions, Note
+    [Probe-fitted latency] in :mod:`megatron_fcp.emulate.probe`). A route crosses two links of its
+    kind (up to the switch and down, or NIC to NIC), so each link gets half."""
     g = spec.ranks_per_node
     intra = spec.intra_bps / 8 * GOODPUT
     inter = spec.inter_bps / 8 * GOODPUT
+    lat_link, lat_nic = intra_latency_s / 2, inter_latency_s / 2
     free = 1000 * max(intra, inter)  # an unshaped hop (ib0 is the NIC itself; bridge to uplink)
-    links = [Link(f"gpu{i}", "nvswitch", "nvswitch", intra, 0.0) for i in range(g)]
+    links = [Link(f"gpu{i}", "nvswitch", "nvswitch", intra, lat_link) for i in range(g)]
     if spec.nic == "rail":
         links += [Link(f"gpu{i}", f"nic{i}", "pcie", free, 0.0) for i in range(g)]
-        nics = tuple(Nic(f"nic{i}", "ethernet", inter, 0.0) for i in range(g))
+        nics = tuple(Nic(f"nic{i}", "ethernet", inter, lat_nic) for i in range(g))
         layout = NodeLayout(g, tuple(links), nics, tuple(range(g)), "emulated-rail")
     else:
         links.append(Link("nvswitch", "nic0", "pcie", free, 0.0))
-        layout = NodeLayout(g, tuple(links), (Nic("nic0", "ethernet", inter, 0.0),), (), "emulated-shared")
+        layout = NodeLayout(g, tuple(links), (Nic("nic0", "ethernet", inter, lat_nic),), (), "emulated-shared")
     name = f"emulated-{spec.nic}:{spec.nodes}x{g}"
     return Topology(name, layout, spec.nodes, (), 0.0)
