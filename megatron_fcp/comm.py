@@ -24,7 +24,9 @@ B in a round matches the i-th receive on B from A.
 Implementations:
 * :class:`GlooTransport` — ordered ``irecv``/``isend``: all receives of the round are posted
   *before* any send (gloo keeps one FIFO per pair; a receive posted after a bulk send serialises a
-  bidirectional exchange, measured at half the bandwidth each way). Waits are bounded.
+  bidirectional exchange, measured at half the bandwidth each way). Waits are bounded; each round
+  is waited from its post on by a watcher thread, so that ``test`` can answer (gloo's own
+  ``is_completed`` cannot: Note [Testing a gloo round] in :mod:`megatron_fcp.gloo_watch`).
 * :class:`NcclTransport` — ``batch_isend_irecv`` issued from a side stream after an event that
   orders it behind the producer of the send buffers; ``wait`` makes the current stream wait for
   the round. Gated on CUDA + NCCL; small and reviewed, not exercised on this CPU machine.
@@ -47,6 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_fcp.gloo_watch import RoundWatch
 from megatron_fcp.groups import VirtualGroup
 from megatron_fcp.planning.blocks import Transfer
 
@@ -84,6 +87,7 @@ class Handle:
     works: list[tuple[str, Transfer, Any]] = field(default_factory=list)  # (kind, transfer, work)
     keep_alive: list[torch.Tensor] = field(default_factory=list)         # buffers in flight
     staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (host, device) receives
+    watch: Any = None  # gloo: the RoundWatch that waits the works (Note [Testing a gloo round])
 
 
 class Transport:
@@ -134,9 +138,22 @@ class GlooTransport(Transport):
         except RuntimeError as e:  # gloo refuses a post to a peer whose connection is gone
             raise CommTimeout(f"{phase} round {round_index}: {_describe(kind, t)} failed when posted ({e}); is that "
                               f"rank alive and running the same plan? (the group is unusable after this)") from e
+        if h.works:  # waited at once on a watcher thread, so that test() can answer
+            h.watch = RoundWatch(lambda: self._wait_works(h))
         return h
 
     def wait(self, handle: Handle) -> None:
+        if handle.watch is not None:
+            handle.watch.wait()
+        else:
+            self._wait_works(handle)
+        for host, buf in handle.staged:
+            buf.copy_(host)
+        handle.staged.clear()
+        handle.keep_alive.clear()
+
+    def _wait_works(self, handle: Handle) -> None:
+        """Wait every work of ``handle``, bounded by ``timeout_s`` from now; CommTimeout on failure."""
         deadline = time.monotonic() + self.timeout_s
         for kind, t, work in handle.works:
             left = max(deadline - time.monotonic(), 0.001)
@@ -150,16 +167,13 @@ class GlooTransport(Transport):
                 ) from e
             if ok is False:
                 raise CommTimeout(f"{handle.phase} round {handle.round_index}: {_describe(kind, t)} failed")
-        for host, buf in handle.staged:
-            buf.copy_(host)
-        handle.staged.clear()
-        handle.keep_alive.clear()
 
     def test(self, handle: Handle) -> bool:
-        """``Work.is_completed()`` of every operation (a failed one counts as completed: ``wait``
-        then raises). A send is complete once the peer has posted the matching receive and gloo has
-        handed its bytes to the socket."""
-        return all(work.is_completed() for _, _, work in handle.works)
+        """Has the round's watch waited every operation (a failed one counts: ``wait`` then raises)?
+        gloo's own ``Work.is_completed()`` stays False until ``wait`` (Note [Testing a gloo round]).
+        A send is complete once the peer has posted the matching receive and gloo has handed its
+        bytes to the socket."""
+        return handle.watch is None or handle.watch.done()
 
 
 _STAGING_LOGGED = False

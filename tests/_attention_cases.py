@@ -368,6 +368,35 @@ def _timeout_probe(rank: int) -> str | None:
     return expect_timeout(rank, probe)
 
 
+def _test_probe(rank: int) -> dict | None:
+    """Ranks 0 and 1 exchange 64 KB both ways, rank 1 posting 0.3 s late: ``test`` must say False
+    before the peer posts and True once the bytes moved, without any ``wait`` (gloo's own
+    ``is_completed`` stays False until ``wait``: Note [Testing a gloo round])."""
+    import time
+
+    from megatron_fcp.comm import GlooTransport
+    from megatron_fcp.planning import Block, Transfer
+
+    dist.barrier()
+    if rank > 1:
+        return None
+    peer = 1 - rank
+    transport = GlooTransport(dist.group.WORLD, timeout_s=30)
+    send = torch.full((16384,), float(rank + 1))
+    recv = torch.zeros(16384)
+    if rank == 1:
+        time.sleep(0.3)
+    h = transport.post([(Transfer(rank, peer, Block(rank, 0)), send)], [(Transfer(peer, rank, Block(peer, 0)), recv)],
+                       round_index=0)
+    early = transport.test(h)
+    t0 = time.monotonic()
+    while not transport.test(h) and time.monotonic() - t0 < 10:
+        time.sleep(0.005)
+    late = transport.test(h)
+    transport.wait(h)  # returns at once; moves nothing more
+    return {"early": early, "late": late, "received": float(recv[0]), "all_same": bool((recv == recv[0]).all())}
+
+
 def worker(rank: int, world: int, cases: list) -> dict:
     torch.manual_seed(1234 + rank)
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -389,5 +418,6 @@ def worker(rank: int, world: int, cases: list) -> dict:
     from _harness_cases import gloo_bitwise
 
     results["bitwise"] = gloo_bitwise(*groups["cp4"], rank)  # the harness must reproduce these bit for bit
-    results["timeout"] = _timeout_probe(rank)
+    results["test"] = _test_probe(rank)
+    results["timeout"] = _timeout_probe(rank)  # last: the group is unusable after a timeout
     return results

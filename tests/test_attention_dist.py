@@ -151,5 +151,14 @@ def test_bounded_wait_names_round_peer_and_block(gloo):
 
 
 @_DIST
+def test_gloo_test_sees_a_round_complete_without_wait(gloo):
+    r0, r1 = gloo[0]["test"], gloo[1]["test"]
+    assert r0["early"] is False  # rank 1 had not posted yet
+    assert r0["late"] is True and r1["late"] is True  # before either called wait
+    assert (r0["received"], r1["received"]) == (2.0, 1.0) and r0["all_same"] and r1["all_same"]
+    assert gloo[2]["test"] is None and gloo[3]["test"] is None
+
+
+@_DIST
 def test_nccl_transport_refuses_a_gloo_group(gloo):
     assert all("use GlooTransport" in r["nccl_gate"] for r in gloo), gloo[0]["nccl_gate"]

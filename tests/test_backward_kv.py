@@ -236,24 +236,37 @@ def test_auto_decides_once_per_plan_and_shape():
 def test_timing_never_changes_the_bits():
     """The wave backward advances its reductions and re-sends on ``transport.test`` between jobs
     (Note [Backward waves]); how far they get depends on timing, the arithmetic must not. Random
-    message delays, and a transport whose ``test`` never knows (the base answer: rounds move only
-    at the blocking finish), give bitwise the plain run's out, lse, dq, dk, dv (hierarchical 2 x 2
-    with sub-blocks: relays and several waves; resend)."""
+    message delays, a transport whose ``test`` never knows (the base answer: rounds move only
+    at the blocking finish), and a kernel whose device the pump waits for before polling (Note
+    [Polling on the device's clock]) give bitwise the plain run's out, lse, dq, dk, dv
+    (hierarchical 2 x 2 with sub-blocks: relays and several waves; resend)."""
     from megatron_fcp.attention.harness import harness_attention
     from megatron_fcp.comm import DelayTransport, Transport, TransportWrapper
+
+    from megatron_fcp.attention.kernels import MathKernel
 
     class Unknowing(TransportWrapper):
         test = Transport.test                                    # always False: "unknown"
 
+    class Syncing(MathKernel):
+        """Records the device waits of Note [Polling on the device's clock] (CPU: nothing to wait for)."""
+        devices: list = []
+
+        def synchronize(self, device=None):
+            self.devices.append(device)
+
     full, placement, plan = case_setup("hier", "fp32")
     runs = {}
-    for name, wrap in (("plain", None),
-                       ("delayed", lambda r, t: DelayTransport(t, _delay(r))),
-                       ("unknowing", lambda r, t: Unknowing(t))):
+    for name, wrap, kernel in (("plain", None, "math"),
+                               ("delayed", lambda r, t: DelayTransport(t, _delay(r)), "math"),
+                               ("unknowing", lambda r, t: Unknowing(t), "math"),
+                               ("device-clock", None, Syncing())):
         res = harness_attention(*full, cp=4, plan=plan, causal=True, placement=placement, backward_kv="resend",
-                                transport=wrap)
+                                transport=wrap, kernel=kernel)
         runs[name] = [r.tensors() for r in res.ranks]
-    for name in ("delayed", "unknowing"):
+    # the pump waited for the device before its polls (rounds queued), on the tensors' device
+    assert Syncing.devices and set(Syncing.devices) == {torch.device("cpu")}
+    for name in ("delayed", "unknowing", "device-clock"):
         for a, b in zip(runs["plain"], runs[name]):
             for q in ("out", "lse", "dq", "dk", "dv"):
                 assert torch.equal(a[q], b[q]), (name, q)

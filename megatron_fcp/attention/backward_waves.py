@@ -39,11 +39,25 @@ completed and was added); the result adds the waves' sums in wave order. The pos
 follow one queue, the same on every rank, so messages between a pair match in post order
 (gloo, NCCL and the in-process transport all match by post order). A transport whose ``test``
 cannot tell (the base class answers False) still works: its rounds then move at the blocking
-finish only. On CUDA the host reaches a job boundary once the job's kernels are *launched*; an
-NCCL round posted behind them tests complete only when the device got there, so a host far ahead
-of the device sees few rounds done and leaves them to the finish (where the compute stream waits
-for each): the overlap the cost model prices assumes the host observes job ends (CPU/gloo does;
-GPU not measured).
+finish only (gloo's own ``is_completed`` cannot tell: :class:`~megatron_fcp.comm.GlooTransport`
+waits each round on a watcher thread, Note [Testing a gloo round] in :mod:`megatron_fcp.gloo_watch`).
+
+Note [Polling on the device's clock]
+------------------------------------
+The cost model's rank polls at the *end* of each job (Note [Wave pipeline timeline]). On a device
+that runs kernels asynchronously (CUDA; the emulator's GPU stream) the host reaches the job
+boundary once the job is *launched*: it polls long before the device gets there, finds the rounds
+it waits for still in flight (their partners' devices are behind too), launches the next jobs, and
+when it finally posts, the send waits for every kernel launched so far -- a reduction hop a job or
+more late. So when the pump has rounds queued, :meth:`_Pump.poll` first waits for the device to
+finish what was launched (``kernel.synchronize(device)``: the current CUDA stream; the emulated
+stream; nothing on CPU), then tests and posts: the host observes job ends, as priced. The price is
+the host's own time between that wait and the next launch (the poll and the next job's setup), a
+gap in the device's work the model does not count. Measured on the emulated 2 x 4 cluster (90 / 10
+Mbit/s, GQA 8:2, 4K tokens; gloo ``test`` working in both): ``fcp-hp@keep`` 1.209 -> 1.071 s
+(model 1.046 s), ``fcp-hp`` 1.410 -> 1.304 s (1.215 s), ``fcp-auto@keep`` 1.457 -> 1.384 s
+(1.470 s). Not measured on a GPU; a launch-ahead design (record an event per job, post each
+round behind the event of the job that produced it) would avoid the gap.
 
 Under ``keep`` the blocks come from what the forward saved and nothing is fetched.
 
@@ -232,8 +246,9 @@ class _Pump:
     waits until given chains are through. A completed round is always waited (``wait``) before
     its receives are used."""
 
-    def __init__(self, ex) -> None:
-        self.ex, self.order, self.k = ex, [], 0
+    def __init__(self, ex, device: torch.device) -> None:
+        self.ex, self.order, self.k, self.device = ex, [], 0, device
+        self.sync = getattr(ex.kernel, "synchronize", None)  # BlockKernel's; a duck-typed kernel may lack it
         self.chains: list = []
 
     def extend(self, chains: list) -> None:
@@ -245,6 +260,8 @@ class _Pump:
         return c.pending is None or self.ex.transport.test(c.pending[0])
 
     def poll(self) -> None:
+        if self.k < len(self.order) and self.sync is not None:  # rounds queued: on the device's clock
+            self.sync(self.device)                                    # (Note [Polling on the device's clock])
         while self.k < len(self.order):
             c = self.order[self.k]
             if not self._ready(c):
@@ -332,7 +349,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
 
     # the first wave's own blocks are computed while its KV arrives (every mode: the same job order);
     # with one wave, half of them wait for the end, while its reduction returns (leading_own_jobs)
-    pump = _Pump(ex)
+    pump = _Pump(ex, k.device)
     first = jobs(waves[0], first=True) if waves else []
     n_own = sum(1 for b in first if b in local)
     lead = leading_own_jobs(n_own, len(waves))

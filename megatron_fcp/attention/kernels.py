@@ -321,6 +321,13 @@ class BlockKernel:
     def prepare_backward(self, q: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, h_kv: int) -> dict:
         return {}
 
+    def synchronize(self, device: "torch.device | None" = None) -> None:
+        """Wait until every kernel launched so far has run (Note [Polling on the device's clock] in
+        :mod:`megatron_fcp.attention.backward_waves`): ``device``'s current CUDA stream; on CPU the
+        kernels ran in the call, nothing to wait for."""
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
     def forward(self, q, k, v, q_pos, k_pos, causal: bool, scale: float, **prep):
         raise NotImplementedError
 

@@ -139,8 +139,9 @@ class SleepKernel(BlockKernel):
             self.stream.reset()
         self.modelled_s = 0.0
 
-    def synchronize(self) -> None:
-        """Wait for the emulated GPU (no-op when blocking: every call already slept)."""
+    def synchronize(self, device: "torch.device | None" = None) -> None:
+        """Wait for the emulated GPU (no-op when blocking: every call already slept); ``device`` is
+        unused (the emulated stream is the kernel's own)."""
         if self.stream is not None:
             self.stream.synchronize()
 

@@ -1,0 +1,59 @@
+"""RoundWatch: a posted round is waited on a watcher thread so that ``test`` can answer; the caller's
+``wait`` re-raises what the wait raised, and waits the round itself when every watcher is busy
+(Note [Testing a gloo round]). The real gloo round is in tests/test_attention_dist.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megatron_fcp import gloo_watch
+from megatron_fcp.comm import CommTimeout
+from megatron_fcp.gloo_watch import RoundWatch
+
+
+def _until(pred, timeout_s: float = 5.0) -> bool:
+    t0 = time.monotonic()
+    while not pred() and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.002)
+    return pred()
+
+
+def test_a_watcher_waits_the_round_and_done_says_so():
+    release = threading.Event()
+    seen = []
+    watch = RoundWatch(lambda: (release.wait(5), seen.append(threading.current_thread().name)))
+    time.sleep(0.05)
+    assert not watch.done()  # still in flight
+    release.set()
+    assert _until(watch.done)
+    watch.wait()  # at once
+    assert seen and seen[0].startswith("fcp-gloo-watch-")  # waited on a watcher, not by the caller
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("fcp-gloo-watch-"))
+
+
+def test_wait_reraises_the_watchers_error():
+    def fail():
+        raise CommTimeout("backward round 2: receive from rank 3 of B(r3,c0,p0) did not complete")
+
+    watch = RoundWatch(fail)
+    assert _until(watch.done)  # a failed round counts as done: wait raises
+    with pytest.raises(CommTimeout, match="round 2: receive from rank 3"):
+        watch.wait()
+
+
+def test_the_caller_waits_a_round_no_watcher_took():
+    release = threading.Event()
+    busy = [RoundWatch(lambda: release.wait(5)) for _ in range(gloo_watch.WATCHERS)]
+    assert _until(lambda: all(w._claimed for w in busy))  # every watcher blocked on a round
+    ran_on = []
+    late = RoundWatch(lambda: ran_on.append(threading.current_thread().name))
+    assert not late.done()
+    late.wait()  # claimed by the caller: runs here, not behind the busy watchers
+    assert ran_on == [threading.current_thread().name] and late.done()
+    release.set()
+    for w in busy:
+        w.wait()
+    assert all(w.done() for w in busy)
