@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.gloo_watch import RoundWatch
+from megatron_fcp.gloo_watch import OnceWork, RoundWatch
 from megatron_fcp.groups import VirtualGroup
 from megatron_fcp.planning.blocks import Transfer
 
@@ -128,12 +128,12 @@ class GlooTransport(Transport):
                 host = _host(buf, stage=True)
                 if host is not buf:                                  # staged: copied to buf in wait()
                     h.staged.append((host, buf))
-                h.works.append(("recv", t, dist.irecv(host, src=t.src, group=self.group)))
+                h.works.append(("recv", t, OnceWork(dist.irecv(host, src=t.src, group=self.group))))
                 h.keep_alive.append(host)
             kind = "send"
             for t, tensor in round_sends:
                 tensor = _host(tensor.contiguous(), stage=True, copy=True)
-                h.works.append(("send", t, dist.isend(tensor, dst=t.dst, group=self.group)))
+                h.works.append(("send", t, OnceWork(dist.isend(tensor, dst=t.dst, group=self.group))))
                 h.keep_alive.append(tensor)
         except RuntimeError as e:  # gloo refuses a post to a peer whose connection is gone
             raise CommTimeout(f"{phase} round {round_index}: {_describe(kind, t)} failed when posted ({e}); is that "
@@ -145,8 +145,7 @@ class GlooTransport(Transport):
     def wait(self, handle: Handle) -> None:
         if handle.watch is not None:
             handle.watch.wait()
-        else:
-            self._wait_works(handle)
+        self._wait_works(handle)  # at once unless a wrapper added works after the watch ran (OnceWork)
         for host, buf in handle.staged:
             buf.copy_(host)
         handle.staged.clear()
@@ -173,7 +172,7 @@ class GlooTransport(Transport):
         gloo's own ``Work.is_completed()`` stays False until ``wait`` (Note [Testing a gloo round]).
         A send is complete once the peer has posted the matching receive and gloo has handed its
         bytes to the socket."""
-        return handle.watch is None or handle.watch.done()
+        return (handle.watch is None or handle.watch.done()) and all(w.is_completed() for _, _, w in handle.works)
 
 
 _STAGING_LOGGED = False

@@ -18,6 +18,12 @@ caller's own ``wait`` when every watcher is busy with other rounds (so a round i
 waiting behind rounds that might depend on it: no deadlock, only a ``test`` that says False a
 little longer). Errors (a timeout, a failed peer) raised in a watcher are re-raised by the
 caller's ``wait``. Daemon threads never hold the interpreter at exit.
+
+Every gloo work is held as a :class:`OnceWork`: waited once, later waits get that wait's answer. A
+gloo work must not be waited twice (the second ``wait`` waits for a second completion that never
+comes: measured, a send then timed out), and a round's works may be waited by its watcher, by a
+caller's ``wait`` and, when a wrapper merges rounds (``DelayTransport`` appends later sends'
+works to the first handle), by another round's watcher.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import queue
 import threading
 from typing import Callable
 
-__all__ = ["WATCHERS", "RoundWatch"]
+__all__ = ["WATCHERS", "OnceWork", "RoundWatch"]
 
 WATCHERS = 8
 """Watcher threads per process: more than the rounds a rank has in flight at once (the wave
@@ -35,6 +41,34 @@ backward: two reductions and a re-send; the forward: one round ahead)."""
 _queue: "queue.SimpleQueue[RoundWatch]" = queue.SimpleQueue()
 _started = 0
 _start_lock = threading.Lock()
+
+
+class OnceWork:
+    """A ``torch.distributed`` work waited at most once (module docstring): ``wait(timeout)`` waits it
+    the first time and returns (or raises) that answer every time; :meth:`is_completed` is True once
+    a wait has returned or raised."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+        self._lock = threading.Lock()
+        self._waited = False
+        self._result = None
+        self._error: BaseException | None = None
+
+    def wait(self, timeout=None):
+        with self._lock:  # a second waiter blocks here until the first has its answer
+            if not self._waited:
+                try:
+                    self._result = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+                except BaseException as exc:
+                    self._error = exc
+                self._waited = True
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._waited
 
 
 def _watcher() -> None:

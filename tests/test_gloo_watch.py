@@ -57,3 +57,33 @@ def test_the_caller_waits_a_round_no_watcher_took():
     for w in busy:
         w.wait()
     assert all(w.done() for w in busy)
+
+
+def test_a_work_is_waited_once_and_every_waiter_gets_that_answer():
+    class Work:
+        calls = 0
+
+        def wait(self, timeout=None):
+            Work.calls += 1
+            time.sleep(0.05)
+            return True
+
+    once = gloo_watch.OnceWork(Work())
+    assert not once.is_completed()
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(once.wait())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [True, True, True] and Work.calls == 1 and once.is_completed()
+
+    class Broken:
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection closed by peer")
+
+    bad = gloo_watch.OnceWork(Broken())
+    for _ in range(2):  # the first wait's error, every time
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            bad.wait()
+    assert bad.is_completed()
