@@ -105,7 +105,8 @@ def paced(cfg: BenchConfig, min_step_s: float = MIN_STEP_S, max_slowdown: int = 
     Mbit/s a step of 0.08-0.3 s is host-bound: 256 tokens per rank measured +75% against the model for
     ``fcp-hp`` (eight ranks' CPU alone needs 92 ms of the two cores), 2x4 MHA ``fcp-hp`` +13%, and a
     16 KB intra message alone 2-3x its bytes' time (Note [Link probe]); at a quarter of the rates the
-    same runs measured +12%, -3% and 1.0x. Dividing both rates by ``k`` keeps the 9:1 ratio and
+    256-token step measured +12% and the 16 KB message 1.0x, at half of them 2x4 MHA ``fcp-hp`` +3%
+    (same code, same plans). Dividing both rates by ``k`` keeps the 9:1 ratio and
     multiplies the time scale (and the sleep kernels) by ``k``: the regime, the plans and every ratio
     between workloads stay as they are (the planning Topology has no latency), only the host's share
     of a step shrinks. ``k`` stops at ``max_slowdown`` (lower rates shape small packets less faithfully:

@@ -33,7 +33,11 @@ starts: gloo's ``isend`` completes only once the peer has posted the matching re
 here: a 4 KiB .. 16 MiB send's wait returned when a receiver that posted 1 s late did), and the
 socket then takes the bytes. (Before, buffered sends were taken as complete at once; a rank ran
 ahead of a receiver that had not posted, and the emulated ``@keep`` hierarchical runs measured
-13-19% slower than priced; now 10-15%.) A test at
+13-19% slower than priced; now 10-15%. The executor itself did not poll as modelled then: on gloo
+``test`` never answered True (Note [Testing a gloo round] in :mod:`megatron_fcp.gloo_watch`), and on
+an asynchronous device the host polled at launch, not at the job's end (Note [Polling on the
+device's clock] in :mod:`megatron_fcp.attention.backward_waves`); with both fixed the emulated 2x4
+GQA head-parallel backward measured within 2-7% of this model, from +16%.) A test at
 clock t answers False once a message of it starts at or after t, else waits (in the simulation,
 not in simulated time) until its messages are resolved and compares their arrival with t. The
 result is the last rank's end. (The executor before polling ran one step per reverse round:
