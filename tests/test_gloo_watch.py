@@ -87,3 +87,41 @@ def test_a_work_is_waited_once_and_every_waiter_gets_that_answer():
         with pytest.raises(RuntimeError, match="closed by peer"):
             bad.wait()
     assert bad.is_completed()
+
+
+def test_a_batch_posts_every_receive_before_any_send(monkeypatch):
+    """Note [Receives first across rounds]: GlooTransport.post_batch; a wrapper that changes post()
+    posts round by round, one that does not passes the batch on."""
+    import torch
+
+    from megatron_fcp import comm
+    from megatron_fcp.comm import CountingTransport, GlooTransport, RoundPost, TransportWrapper
+    from megatron_fcp.planning import Block, Transfer
+
+    calls = []
+
+    class Done:
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(comm.dist, "irecv", lambda t, src, group: calls.append(("recv", src)) or Done())
+    monkeypatch.setattr(comm.dist, "isend", lambda t, dst, group: calls.append(("send", dst)) or Done())
+    x = torch.zeros(4)
+    reduce_ = RoundPost([(Transfer(4, 0, Block(4, 0)), x)], [], 1, "backward")          # send only
+    resend = RoundPost([], [(Transfer(0, 4, Block(0, 2)), x)], 1, "resend")             # receive only
+    relay = RoundPost([(Transfer(4, 5, Block(0, 2)), x)], [(Transfer(6, 4, Block(6, 0)), x)], 2, "backward")
+    tr = GlooTransport(group=None, timeout_s=5)
+    handles = tr.post_batch([reduce_, resend, relay])
+    assert calls == [("recv", 0), ("recv", 6), ("send", 0), ("send", 5)]
+    assert [(h.phase, h.round_index, [k for k, _, _ in h.works]) for h in handles] == [
+        ("backward", 1, ["send"]), ("resend", 1, ["recv"]), ("backward", 2, ["recv", "send"])]
+    for h in handles:
+        tr.wait(h)
+        assert tr.test(h)
+    calls.clear()
+    TransportWrapper(tr).post_batch([reduce_, resend])                    # passed on: receives first
+    assert calls == [("recv", 0), ("send", 0)]
+    calls.clear()
+    counting = CountingTransport(tr)                                      # changes post(): round by round
+    counting.post_batch([reduce_, resend])
+    assert calls == [("send", 0), ("recv", 0)] and counting.posts == 2

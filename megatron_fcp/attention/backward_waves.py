@@ -98,6 +98,9 @@ about 1.5x the one-pass compute).
 
 Posts. Reduction rounds use phase ``"backward"``, re-sends ``"resend"``, both with the plan's round
 index; every rank walks the same sequence of posts, so messages between a pair match in order.
+Rounds that become ready together (a poll, or a blocking finish and what tests complete behind it)
+go out as one batch (``transport.post_batch``): on gloo the batch's receives before its sends
+(Note [Receives first across rounds] in :mod:`megatron_fcp.comm`).
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ from typing import Callable
 
 import torch
 
+from megatron_fcp.comm import RoundPost
 from megatron_fcp.planning.blocks import Block, Transfer
 from megatron_fcp.planning.waves import Wave, leading_own_jobs, plan_waves, wave_budget
 
@@ -174,17 +178,25 @@ class _Fetch:
             self._drop(math.inf)
             self.have.clear()  # local stacks: every send of the wave is complete
 
-    def post_next(self) -> None:
-        """Post the next round (the one before it must be complete): forward what I have."""
+    def next_post(self) -> RoundPost:
+        """The next round (the one before it must be complete): forward what I have."""
         ex, wave = self.ex, self.wave
         nxt = wave.rounds[self.i]
         sends = [(t, self.have[t.block]) for t in ex.plan.sends(ex.rank, nxt) if wave.has(nxt, t)]
         recvs = [(t, torch.empty(ex._kv_shape(t.block, self.k), dtype=self.k.dtype, device=self.k.device))
                  for t in ex.plan.recvs(ex.rank, nxt) if wave.has(nxt, t)]
-        self.bytes_sent += sum(_nbytes(x) for _, x in sends)
-        self.pending = (ex._post(sends, recvs, round_index=nxt, phase="resend"), recvs)
+        return RoundPost(sends, recvs, nxt, "resend")
+
+    def attach(self, post: RoundPost, handle) -> None:
+        """``post`` (from :meth:`next_post`) is posted as ``handle``: it is the round in flight."""
+        self.bytes_sent += sum(_nbytes(x) for _, x in post.sends)
+        self.pending = (handle, list(post.recvs))
         self.i += 1
-        self._drop(nxt)
+        self._drop(post.round_index)
+
+    def post_next(self) -> None:
+        p = self.next_post()
+        self.attach(p, self.ex._post(p.sends, p.recvs, round_index=p.round_index, phase=p.phase))
 
     def _drop(self, posted: float) -> None:
         for b in [b for b in self.relaying if self.last.get(b, -1) <= posted]:
@@ -211,8 +223,8 @@ class _Reduce:
     :meth:`post_next` sends this rank's sums of the next round, :meth:`complete` waits for the
     round in flight and adds what it received into the wave's table (in the round's list order)."""
 
-    def __init__(self, ex, wave: Wave, table: dict, post: Callable, add: Callable) -> None:
-        self.ex, self.wave, self.table, self._post, self._add = ex, wave, table, post, add
+    def __init__(self, ex, wave: Wave, table: dict, prepare: Callable, add: Callable) -> None:
+        self.ex, self.wave, self.table, self._prepare, self._add = ex, wave, table, prepare, add
         self.rounds = list(reversed(wave.rounds))
         self.i, self.pending = 0, None
         self.wait_s = 0.0
@@ -229,9 +241,16 @@ class _Reduce:
         for t, buf in recvs:
             self._add(self.table, t.block, buf)
 
-    def post_next(self) -> None:
-        self.pending = self._post(self.wave, self.table, self.rounds[self.i])
+    def next_post(self) -> RoundPost:
+        return self._prepare(self.wave, self.table, self.rounds[self.i])
+
+    def attach(self, post: RoundPost, handle) -> None:
+        self.pending = (handle, list(post.recvs))
         self.i += 1
+
+    def post_next(self) -> None:
+        p = self.next_post()
+        self.attach(p, self.ex._post(p.sends, p.recvs, round_index=p.round_index, phase=p.phase))
 
 
 class _Pump:
@@ -262,17 +281,32 @@ class _Pump:
     def poll(self) -> None:
         if self.k < len(self.order) and self.sync is not None:  # rounds queued: on the device's clock
             self.sync(self.device)                                    # (Note [Polling on the device's clock])
-        while self.k < len(self.order):
-            c = self.order[self.k]
-            if not self._ready(c):
-                break
-            c.complete()
-            c.post_next()
-            self.k += 1
+        self._post_ready(self._take_ready([], len(self.order) - 1))
         for c in self.chains:                                    # a chain's last round: nothing behind it
             if not c.left() and c.pending is not None and self._ready(c):
                 c.complete()
         self.chains = [c for c in self.chains if c.left() or c.pending is not None]
+
+    def _take_ready(self, batch: list, last: int) -> list:
+        """Extend ``batch`` with the queue's next entries up to ``last`` while their round in flight
+        tests complete (completing it); each chain at most once (its next round waits for the one
+        this batch posts)."""
+        while self.k <= last:
+            c = self.order[self.k]
+            if any(c is x for x in batch) or not self._ready(c):
+                break
+            c.complete()
+            batch.append(c)
+            self.k += 1
+        return batch
+
+    def _post_ready(self, batch: list) -> None:
+        """Post the next round of every chain of ``batch`` at once: the batch's receives before its
+        sends (Note [Receives first across rounds] in :mod:`megatron_fcp.comm`)."""
+        if batch:
+            posts = [c.next_post() for c in batch]
+            for c, p, h in zip(batch, posts, self.ex._post_batch(posts)):
+                c.attach(p, h)
 
     def finish(self, chains: list) -> None:
         """Wait until every round of ``chains`` is posted and complete (and all posts before)."""
@@ -280,9 +314,9 @@ class _Pump:
                    default=-1)
         while self.k <= last:
             c = self.order[self.k]
-            c.complete()
-            c.post_next()
+            c.complete()                                              # blocking
             self.k += 1
+            self._post_ready(self._take_ready([c], last))           # with what is ready behind it
         for c in chains:
             c.complete()
         self.chains = [c for c in self.chains if c.left() or c.pending is not None]
@@ -318,7 +352,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         # x: a local partial (grad_dtype) or a received one (wire dtype): g holds grad_dtype
         g[block] = x.to(grad_dtype) if block not in g else g[block].add_(x)
 
-    def post(wave: Wave, g: dict, r: int):
+    def prepare(wave: Wave, g: dict, r: int) -> RoundPost:
         # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block,
         # rounded to the wire dtype here (once per hop)
         sends = [(_flip(t), g[t.block].to(wire) if t.block in g
@@ -328,7 +362,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         recvs = [(_flip(t), torch.empty(ex._kv_shape(t.block, k), dtype=wire, device=k.device))
                  for t in plan.sends(rank, r) if wave.has(r, t)]
         out["bytes_sent"] += sum(_nbytes(x) for _, x in sends)
-        return ex._post(sends, recvs, round_index=r, phase="backward"), recvs
+        return RoundPost(sends, recvs, r, "backward")
 
     def jobs(wave: Wave, first: bool = False) -> list[Block]:
         """This rank's gradients in ``wave``: received blocks in plan order, then its own (the first
@@ -382,7 +416,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
     for w in range(len(waves) + 1):
         cur = waves[w] if w < len(waves) else None
         nxt = _Fetch(ex, waves[w + 1], k, v, held) if resend and w + 1 < len(waves) else None
-        red = _Reduce(ex, prev[0], prev[1], post, add) if prev is not None else None
+        red = _Reduce(ex, prev[0], prev[1], prepare, add) if prev is not None else None
         older = list(reducing)                                   # wave w-2's reduction (if not settled)
         if red is not None:
             reducing.append(red)

@@ -218,6 +218,13 @@ class _Executor:
         except CommTimeout as exc:  # a peer already gone: the same words as a failed wait
             raise self._with_plan(exc) from exc
 
+    def _post_batch(self, posts):
+        """Several rounds at once (:meth:`~megatron_fcp.comm.Transport.post_batch`): one handle each."""
+        try:
+            return self.transport.post_batch(posts)
+        except CommTimeout as exc:
+            raise self._with_plan(exc) from exc
+
     def _with_plan(self, exc: CommTimeout) -> CommTimeout:
         """``exc`` with what only the executor knows: the plan."""
         return CommTimeout(f"{exc} [plan {self.plan.name!r} over CP ranks {list(self.plan.ranks)}, "

@@ -75,6 +75,11 @@ class DeviceSyncTransport(TransportWrapper):
             self.kernel.synchronize()
         return self.inner.post(round_sends, round_recvs, round_index=round_index, phase=phase)
 
+    def post_batch(self, posts):
+        if any(p.sends and p.phase in self.COMPUTED for p in posts):
+            self.kernel.synchronize()
+        return self.inner.post_batch(posts)
+
 
 def _synchronize(kernel) -> None:
     sync = getattr(kernel, "synchronize", None)
