@@ -208,7 +208,7 @@ def plot_sweep(sweep: list[dict], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank (2 x 4 rail, GQA 16:2, d=32)")
-    ax.set_ylabel("forward + backward (ms on the DGX-H100 pair it stands for)")
+    ax.set_ylabel("forward + backward (ms, the DGX-H100 pair)")
     for res in sweep:
         te = _run(res, "te-p2p")
         if te and te.get("compute_to_comm") is not None:

@@ -17,17 +17,20 @@ and ``ranks_per_node``, the same rail, across nodes) and each size of :data:`PRO
 :func:`summarize` sets each median beside the cost model's time for the same message on the
 emulated Topology (bytes over the route's narrowest bandwidth, at the goodput the model assumes,
 plus its latency): ``ratio`` = measured / modelled. Measured on this machine over the 14
-configurations of ``benchmarks/bench_emulated.py`` (2026-12-01): inter 64 KB 0.94-0.96, 256 KB
-0.95-1.00; intra messages carry 0.3-0.9 ms of host and kernel time the model leaves out (16 KB
-2.0-3.2x, 64 KB 1.15-1.5x, 256 KB 1.03-1.09x).
+configurations of ``benchmarks/bench_emulated.py`` (2026-12-01, last run): inter 64 KB 0.92-0.94,
+256 KB 0.94-0.99 (16 KB 0.76-0.85: the 4 KB token bucket is a larger share of a small message);
+intra at 360 Mbit/s 16 KB 1.24-1.75x, 64 KB 1.03-1.09x, 256 KB 0.99-1.01x (host and kernel time
+per message), at 180 and 90 Mbit/s 16 KB 0.89-1.2x. (The run before the gloo watcher threads:
+16 KB intra 2.0-3.2x.)
 
 Note [Probe-fitted latency]
 ---------------------------
 The cost model is alpha-beta: a message of ``n`` bytes on a route takes ``latency + n / bandwidth``
 (the latency once per round or per message, Note [Cost model]). The emulated links' bandwidth is
 set by ``tc`` and the model has it (at TCP goodput); their alpha is not set anywhere: it is what
-one message costs the two cores, the ranks' TCP stacks and the bridges, about 0.3-0.6 ms inside a
-node and nothing measurable across (the inter links run at or slightly above the modelled goodput).
+one message costs the two cores, the ranks' TCP stacks and the bridges: 0.05-0.14 ms inside a node
+at 360 Mbit/s in the last run (0.3-0.6 ms in the one before), 0 at lower rates, and nothing
+measurable across (the inter links run at or slightly above the modelled goodput).
 :func:`fit_latency` takes it from the probe of the same run, with the bandwidth held at the
 model's::
 
