@@ -220,8 +220,9 @@ class _Fetch:
 
 class _Reduce:
     """Returns one wave's dK/dV partials along its rounds reversed, one round after another:
-    :meth:`post_next` sends this rank's sums of the next round, :meth:`complete` waits for the
-    round in flight and adds what it received into the wave's table (in the round's list order)."""
+    :meth:`next_post` builds this rank's sums of the next round (the pump posts it and
+    :meth:`attach` es the handle), :meth:`complete` waits for the round in flight and adds what it
+    received into the wave's table (in the round's list order)."""
 
     def __init__(self, ex, wave: Wave, table: dict, prepare: Callable, add: Callable) -> None:
         self.ex, self.wave, self.table, self._prepare, self._add = ex, wave, table, prepare, add
@@ -247,10 +248,6 @@ class _Reduce:
     def attach(self, post: RoundPost, handle) -> None:
         self.pending = (handle, list(post.recvs))
         self.i += 1
-
-    def post_next(self) -> None:
-        p = self.next_post()
-        self.attach(p, self.ex._post(p.sends, p.recvs, round_index=p.round_index, phase=p.phase))
 
 
 class _Pump:
