@@ -43,8 +43,8 @@ def test_ring_blocks_travel_chains_and_trees_do_not():
 
 def test_only_balanced_chains_stream():
     """A zigzag ring keeps every rank in step (pace 1.0: each step one owner's two chunks); a packed
-    batch's ring does not (big blocks reach ranks at different steps: pace 4.9), so it runs in
-    waves -- the cost model priced its streaming backward at 3x the waves' (cp = 16, lognormal
+    batch's ring does not (big blocks reach ranks at different steps: pace 4.1), so it runs in
+    waves -- the cost model priced its streaming backward at 2.2x the waves' (cp = 16, lognormal
     8.0/1.2)."""
     from megatron_fcp.planning import lognormal_lengths, place_packed
     from megatron_fcp.planning.chains import CHAIN_PACE, _build
@@ -133,6 +133,39 @@ def test_steps_keep_every_hop_in_order(name, plan, first_kept):
         for t in st.kv:
             got.setdefault(t.dst, []).append(size(t.block))
         assert all(sum(v) <= budget or len(v) == 1 for v in got.values()), name
+
+
+def test_own_blocks_fill_the_steps_alike_in_every_mode():
+    """Note [Streaming chain backward], "Own blocks": a zigzag ring computes its own chunks at the last
+    step (every step's work is alike); a head-parallel stage ring staggered over 8 rounds (2 x 4
+    ranks, a = 4) spreads them over the steps after the first sub-round's compute, so no step holds
+    more work than the busiest remote step plus one own block. Both backward KV modes place every
+    job alike (a re-sending chain has one KV-only step more in front): the same jobs in the same
+    order, which is what makes them agree bit for bit."""
+    from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_plan
+    from megatron_fcp.planning.waves import block_work
+
+    ring = ring_plan(range(8), causal=True)
+    steps = chain_steps(ring, lambda b: 100, first_kept=True)
+    for x in ring.ranks:
+        own = [s for s, st in enumerate(steps) for b, y in st.computes if y == x and b.owner == x]
+        assert own == [len(steps) - 1] * 2, (x, own)
+
+    shape = AttentionShape(4096, 4, 4, 64, 2)
+    hp = compile_head_parallel("dgx-h100:2", [0, 1, 2, 3, 8, 9, 10, 11], shape, 4, "ring", causal=True, stagger=8)
+    plan = stage_plan(hp, shape.seq_len, True)
+    kept = chain_steps(plan, lambda b: 100, first_kept=True)
+    resend = chain_steps(plan, lambda b: 100, first_kept=False)
+    assert kept is not None and resend is not None
+    assert not resend[0].computes and [st.computes for st in resend[1:]] == [st.computes for st in kept]
+    work = block_work(plan)
+    for x in plan.ranks:
+        per_step = [[(b, work(x, b)) for b, y in st.computes if y == x] for st in kept]
+        own = [s for s, jobs in enumerate(per_step) for b, _ in jobs if b.owner == x]
+        assert len(own) == len(plan.local_blocks(x)) and min(own) >= 1 and len(set(own)) > 1, (x, own)
+        remote = max(sum(w for b, w in jobs if b.owner != x) for jobs in per_step)
+        biggest = max(work(x, b) for b in plan.local_blocks(x))
+        assert max(sum(w for _, w in jobs) for jobs in per_step) <= remote + biggest, (x, per_step)
 
 
 def _inputs(name: str, s: int, heads: int, kv_heads: int, b: int = 2, d: int = 8, packed: bool = False):

@@ -122,7 +122,7 @@ MHA = dict(heads=32, kv_heads=32, head_dim=128)
 
 @pytest.mark.parametrize("topology, cp, seq, tp, heads, label", [
     ("dgx-h100:2", 16, 32768, 1, GQA, "a=2 graph=ring parts=1"),
-    ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, MHA, "a=8 graph=ring parts=1 stagger=4"),
+    ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, MHA, "a=8 graph=ring parts=1 stagger=8"),
     ("single-uplink:2", 8, 32768, 2, GQA, None),
 ])
 def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, tp, heads, label):

@@ -406,6 +406,7 @@ class _Executor:
         key = (tuple(k.shape), per_token, id(getattr(lay, "placement", None)))
         # a ring: Note [Streaming chain backward]
         waves = chain_steps(self.plan, size, cache_key=key, first_kept=self.first_kept)
+        form = "chain" if waves is not None else "waves"
         if waves is not None:
             res = run_backward_chain(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,
                                      resend=self.backward_kv == "resend")
@@ -424,6 +425,7 @@ class _Executor:
             self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
             self.stats.backward_peak_kv_bytes = max(self.stats.backward_peak_kv_bytes, held)
             self.stats.backward_waves = len(waves)
+            self.stats.backward_form = form
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [n, b, h_kv, d]
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for b in self.local_blocks:

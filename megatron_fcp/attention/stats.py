@@ -31,6 +31,7 @@ class FCPStats:
     peak_kv_bytes: int = 0           # received KV alive at once within the call (forward or backward)
     backward_peak_kv_bytes: int = 0  # received KV alive at once within backward (kept, or re-sent waves)
     backward_waves: int = 0          # waves the backward ran (Note [Backward waves] in backward_waves)
+    backward_form: str | None = None  # "chain" (a ring's streaming steps) or "waves" (Note [Streaming chain backward])
     ring_kv_bytes: int = 0           # what TE's p2p ring holds in flight beside its own KV: one shard's K and V
     resend_bytes_sent: int = 0       # KV this rank re-sent in backward (resend mode)
     head_parallel_bytes_sent: int = 0  # head-parallel all-to-alls, forward and backward (attention.head_parallel)

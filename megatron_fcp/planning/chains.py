@@ -22,9 +22,8 @@ runs steps 0 .. J+1; step s posts one round of messages, computes, then waits fo
 
 * KV: sub-round s's transfers (resend only; under ``keep`` the blocks come from the forward), but
   not a hop past a block's last reader (a plan may carry it on; backward has no use for it);
-* compute: the blocks received in sub-round s-1 that the rank reads (plan order); the rank's own
-  blocks at the last step, while the chains' sums come home (as TE's ring computes its own KV
-  last);
+* compute: the blocks received in sub-round s-1 that the rank reads (plan order), and the rank's
+  own blocks where they fit (below, "Own blocks");
 * partials: for a hop ``v_i -> v_(i+1)`` of sub-round j (i >= 1), ``acc_i`` at step j+1: v_i
   computed its partial at step j_i + 1 <= j and received ``acc_(i-1)`` at the end of that step;
   no message while no rank of v_1..v_i reads the block (pure relays so far);
@@ -40,6 +39,23 @@ shard; :func:`first_keepers`); an explicit ``resend`` keeps nothing and pays the
 their order are the same in every variant, so ``keep``, ``resend`` and ``auto`` agree bit for bit
 (a relay's ``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
 
+**Own blocks.** A rank's own K and V are there from the start and their partials go nowhere, so
+their jobs may run at any step that computes anyway. They used to run at the last step, beside the
+chains' sums coming home (TE's ring computes one shard per step, its own among them). That is free
+when every step's compute is alike, but a head-parallel stage ring staggered over several rounds
+computes a sliver of remote work per step and owns ``a`` members' chunks: 2 x 4 ranks, MHA,
+stagger 4, the last step computed 67 ms (all own blocks) beside 55 ms of messages while the steps
+before it computed 17-34 ms beside 55 ms each. :func:`_place_own` now gives each own block, larger
+first, to the step with the least work so far (ties: the later step), among the steps after the
+first sub-round's compute (whose partials start the chains), counted from that sub-round so that
+every backward KV mode places alike (a re-sending ring without the first sub-round kept has one
+step more in front, KV only, which gets none). A zigzag ring keeps
+its own chunks at the last step (every step's work is the same, so ties send them there); the
+stage ring above spreads them over steps 1-4 and its backward prices 12 ms less (19 ms with
+stagger 8, which the planner then prefers: fwd+bwd 0.555 -> 0.523 s at 180 / 20 Mbit/s). Only
+where a job runs changes, not which jobs, so every backward KV mode still walks the same jobs in
+the same order and agrees bit for bit.
+
 **Memory.** Within backward a rank holds received KV of two sub-rounds (computing and arriving,
 counted from the receive buffer's allocation: two shards) plus, with ``first_kept``, the saved
 first sub-round (one shard) -- the three shards of KV TE's ring backward holds (its saved buffer
@@ -49,8 +65,8 @@ first sub-round (TE: its last received shard).
 **Balance.** Steps run in lock-step with the forward's rounds, so a rank's work per step is set by
 the plan: a zigzag ring (or a head-parallel stage's ring of zigzag chunks) gives every rank one
 owner's two chunks per step, equal work; a packed batch's blocks differ and reach ranks at different
-steps, and the busiest rank of each step adds up (a cp = 16 packed ring, lognormal 8.0/1.2: 4.9x
-the busiest rank's work, 3x the waves' backward). :func:`chain_steps` keeps the chain only while the
+steps, and the busiest rank of each step adds up (a cp = 16 packed ring, lognormal 8.0/1.2: 4.1x
+the busiest rank's work, 2.2x the waves' backward). :func:`chain_steps` keeps the chain only while the
 sum over steps of the busiest rank's work stays within :data:`CHAIN_PACE` of the busiest rank's
 total; otherwise the plan runs in waves. (A staggered stage ring's milder imbalance, up to 1.25,
 is priced by the lock-step cost model like any other step.) The test
@@ -190,11 +206,26 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
             elif read:
                 home[sub[t] + 1 + d].append(Transfer(t.dst, b.owner, b))
     work = block_work(plan)
-    for x in plan.ranks:                                         # own blocks last, as TE's ring computes its own
-        comp[S - 1] += [(b, x) for b in plan.local_blocks(x)]
+    _place_own(comp, plan, work, first=1 + d)               # after sub-round 0's compute, in every mode
     if _pace(comp, work) > pace:
         return None
     return tuple(ChainStep(tuple(kv[s]), tuple(grad[s]), tuple(home[s]), tuple(comp[s])) for s in range(S))
+
+
+def _place_own(comp: list[list[tuple[Block, int]]], plan: Plan, work: Callable[[int, Block], float],
+               first: int) -> None:
+    """Add every rank's own blocks to ``comp`` [step][(block, rank)], each to the step from ``first``
+    on where the rank has the least work so far (``work``; ties: the later step), larger blocks
+    first, ties in plan order (Note [Streaming chain backward], "Own blocks"). Reads only the plan:
+    every rank and the cost model place alike."""
+    S = len(comp)
+    for x in plan.ranks:
+        load = [sum(work(x, b) for b, y in comp[s] if y == x) for s in range(S)]
+        own = sorted(plan.local_blocks(x), key=lambda b: -work(x, b))
+        for b in own:
+            s = min(range(first, S), key=lambda i: (load[i], -i))
+            comp[s].append((b, x))
+            load[s] += work(x, b)
 
 
 def _live_hops(routes: dict, needs: dict) -> set[Transfer]:
@@ -283,7 +314,7 @@ def first_wave_fetch(plan: Plan, block_bytes: Callable[[Block], int], keepers: f
 CHAIN_PACE = 1.5
 """The most a chain backward's steps may add to the busiest rank's work (:func:`_pace`); above it
 the plan runs in waves (Note [Streaming chain backward], "Balance"): zigzag rings are at 1.0,
-head-parallel stage rings staggered over 2-8 rounds at 1.03-1.25, packed batches' rings at 4-14."""
+head-parallel stage rings staggered over 2-8 rounds at 1.06-1.25, packed batches' rings at 4-14."""
 
 
 def _pace(comp: list[list[tuple[Block, int]]], work: Callable[[int, Block], float]) -> float:
