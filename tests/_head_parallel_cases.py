@@ -79,11 +79,8 @@ def _inputs(case: Case, cp: int):
 
 
 def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> dict:
-    from megatron_fcp.attention.head_parallel import (
-        _HeadComm,
-        fcp_head_parallel_attention,
-        fcp_head_parallel_attention_with_lse,
-    )
+    from megatron_fcp.attention.head_parallel import fcp_head_parallel_attention, fcp_head_parallel_attention_with_lse
+    from megatron_fcp.attention.head_parallel_a2a import _HeadComm
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_split
     from megatron_fcp.attention.stats import FCPStats
@@ -111,25 +108,35 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
             order.append(f"post {phase} {round_index}")
             return super().post(round_sends, round_recvs, round_index=round_index, phase=phase)
 
+        def wait(self, handle):
+            order.append("wait")
+            return super().wait(handle)
+
     transport = Ordered(GlooTransport(dist.group.WORLD if case.degree == 1 else hp_groups[key].kv_group,
                                       timeout_s=60)) if hp.kv_plan is not None else None
     stats = FCPStats()
     ql, kl, vl = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
-    finish = _HeadComm.finish
+    finish, start = _HeadComm.finish, _HeadComm.start
 
     def logged_finish(self, p, out=None):
         order.append(p.what)
         return finish(self, p, out)
 
-    _HeadComm.finish = logged_finish
+    def logged_start(self, x, what):
+        order.append(f"start {what}")
+        return start(self, x, what)
+
+    _HeadComm.finish, _HeadComm.start = logged_finish, logged_start
     try:
         out, lse = fcp_head_parallel_attention_with_lse(
             ql, kl, vl, cp_group=group, hp_plan=hp, groups=hp_groups.get(key), causal=case.causal,
             kernel=case.kernel, transport=transport, stats=stats)
+        res["a2a_order"] = [e for e in order if not e.startswith("start ") and e != "wait"]
+        del order[:]
+        out.backward(zigzag_split(do, cp, idx))
     finally:
-        _HeadComm.finish = finish
-    res["a2a_order"] = order
-    out.backward(zigzag_split(do, cp, idx))
+        _HeadComm.finish, _HeadComm.start = finish, start
+    res["a2a_order_backward"] = list(order)
     got = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
     res["finite"] = all(bool(torch.isfinite(t).all()) for t in got.values())
@@ -160,10 +167,13 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
         again = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
                                             hp_plan=hp, groups=hp_groups.get(key), causal=case.causal)
         res["out_only_equal"] = bool(torch.equal(again, got["out"]))
-        serial = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
-                                             hp_plan=hp, groups=hp_groups.get(key), causal=case.causal,
-                                             overlap_q=False)  # one Q|K|V all-to-all, TE's order
+        qs, ks, vs = (zigzag_split(x, cp, idx).requires_grad_() for x in (q, k, v))
+        serial = fcp_head_parallel_attention(qs, ks, vs, cp_group=group, hp_plan=hp, groups=hp_groups.get(key),
+                                             causal=case.causal, overlap_q=False)  # one Q|K|V all-to-all, TE's order
         res["serial_q_equal"] = bool(torch.equal(serial, got["out"]))
+        serial.backward(zigzag_split(do, cp, idx))                      # one dQ|dK|dV all-to-all, TE's order
+        res["serial_grads_equal"] = all(bool(torch.equal(x.grad, got[n])) for n, x in
+                                        (("dq", qs), ("dk", ks), ("dv", vs)))
     return res
 
 
@@ -212,7 +222,7 @@ def _timeout_probe(rank: int, hp_groups: dict) -> str | None:
     CommTimeout naming the head group. Runs last: a timed-out gloo collective breaks the group."""
     from _attention_cases import expect_timeout
 
-    from megatron_fcp.attention.head_parallel import _HeadComm
+    from megatron_fcp.attention.head_parallel_a2a import _HeadComm
 
     return expect_timeout(rank, lambda: _HeadComm(hp_groups[2].head_group, (0, 1), 0.5, None).exchange(
         torch.zeros(2, 3), "probe"))
@@ -224,7 +234,7 @@ def _pairwise_all_to_all_check(rank: int) -> tuple[bool, bool]:
     (slot m goes to member m, slot m of the result came from member m)."""
     from datetime import timedelta
 
-    from megatron_fcp.attention.head_parallel import _HeadComm, _pairwise_all_to_all
+    from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _pairwise_all_to_all
 
     group = dist.group.WORLD
     order = tuple(dist.get_process_group_ranks(group))

@@ -104,11 +104,33 @@ def test_q_all_to_all_goes_behind_the_kv_stage(results, case):
             assert "q|k|v forward" not in order
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_dq_all_to_all_goes_ahead_of_dk_dv(results, case):
+    """Note [dQ's all-to-all ahead of dK|dV's]: with a KV stage, dQ's all-to-all is posted at the
+    stage's last job, before the stage's last round is waited, and dK|dV's after the stage; without
+    one (a = cp), one dQ|dK|dV all-to-all. (Bitwise the same gradients as TE's order:
+    test_out_only_entry_point_matches.)"""
+    for r in results:
+        order = r[case.name]["a2a_order_backward"]
+        if case.degree == 1:
+            assert not any(e.startswith("start ") for e in order)          # no all-to-all at all
+        elif case.degree == 4:
+            assert [e for e in order if e.startswith("start ")] == ["start dout backward", "start dq|dk|dv backward"]
+        else:
+            starts = [e for e in order if e.startswith("start ")]
+            assert starts == ["start dout backward", "start dq backward", "start dk|dv backward"], order
+            dq = order.index("start dq backward")
+            last_wait = len(order) - 1 - order[::-1].index("wait")
+            assert order.index("post backward 0") < dq < last_wait < order.index("start dk|dv backward"), order
+
+
 def test_out_only_entry_point_matches(results):
     checked = [r[c.name]["out_only_equal"] for c in CASES for r in results if "out_only_equal" in r[c.name]]
     assert len(checked) == 4 * sum(c.dtype == "fp64" for c in CASES) and all(checked)
     serial = [r[c.name]["serial_q_equal"] for c in CASES for r in results if "serial_q_equal" in r[c.name]]
     assert len(serial) == len(checked) and all(serial)  # overlap_q=False (TE's order): bitwise the same out
+    grads = [r[c.name]["serial_grads_equal"] for c in CASES for r in results if "serial_grads_equal" in r[c.name]]
+    assert len(grads) == len(checked) and all(grads)    # ... and the same dq, dk, dv
 
 
 def test_groups_are_the_plans(results):

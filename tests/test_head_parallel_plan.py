@@ -131,6 +131,33 @@ def test_q_all_to_all_behind_the_kv_stage_is_priced():
         simulate_plan(sp, "dgx-h100:2", shape, compute_from_s=-1.0)
 
 
+def test_dq_all_to_all_ahead_of_dk_dv_is_priced():
+    """Note [dQ's all-to-all ahead of dK|dV's]: timed with the executor's backward, dQ's all-to-all
+    starts at the stage's last job and only what outlasts the stage's tail adds to dK|dV's. On the
+    emulated 2 x 4 rail cluster (MHA, a = 4, a ring staggered over 8 rounds: the stage's last step
+    waits 27 ms for the last sums, dQ's all-to-all takes 9 ms) it is hidden whole; the bytes are
+    the one dQ|dK|dV all-to-all's; the one-pass backward keeps one all-to-all."""
+    from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
+    from megatron_fcp.planning import ComputeModel
+    from megatron_fcp.planning.cost import simulate_rounds
+    from megatron_fcp.planning.head_parallel_cost import a2a_messages
+    from megatron_fcp.planning.waves import WaveBackward
+
+    spec = ClusterSpec(2, 4, "rail", 180e6, 20e6)
+    topo, cm = emulated_topology(spec), ComputeModel(flops=400e12 / spec.time_scale, kernel_overhead_s=0.0)
+    shape = AttentionShape(4096, 4, 4, 64, 2)
+    hp = compile_head_parallel(topo, range(8), shape, 4, "ring", stagger=8)
+    dq_s = simulate_rounds(topo, [a2a_messages(hp, shape, "q")]).comm_s
+    kw = dict(pass_="bwd", compute_model=cm, backward=WaveBackward("keep", buffered_sends=True))
+    ahead = simulate_head_parallel(hp, topo, shape, **kw)
+    serial = simulate_head_parallel(hp, topo, shape, overlap_q=False, **kw)
+    assert ahead.bytes == pytest.approx(serial.bytes)
+    assert serial.total_s - ahead.total_s == pytest.approx(dq_s, rel=1e-6)      # hidden whole
+    one = dict(pass_="bwd", compute_model=cm)
+    assert simulate_head_parallel(hp, topo, shape, **one).total_s == pytest.approx(
+        simulate_head_parallel(hp, topo, shape, overlap_q=False, **one).total_s)
+
+
 @pytest.mark.parametrize("preset,ranks", [("dgx-h100:2", 16), ("dgx-h100:2", 12), ("pcie-box:2", 16),
                                           ("single-uplink:3", 24), ("dgx-a100:1", 8)])
 @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])

@@ -33,14 +33,16 @@ def _nbytes(x: torch.Tensor) -> int:
 def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: torch.Tensor,
                        kept: dict[Block, torch.Tensor] | None,
                        compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
-                       wire_dtype: torch.dtype | None = None, resend: bool | None = None) -> dict:
+                       wire_dtype: torch.dtype | None = None, resend: bool | None = None,
+                       jobs_done: Callable[[], None] | None = None) -> dict:
     """Backward over ``steps`` (same contract as
     :func:`~megatron_fcp.attention.backward_waves.run_backward_waves`): ``compute(block, kv)`` adds
     the block's dq and returns its dK/dV partial ``[2, blk, b, h_kv, d]`` in ``grad_dtype``;
     partials travel in ``wire_dtype`` (default ``grad_dtype``) and accumulate in ``grad_dtype``.
     ``kept``: the blocks the forward saved (all it needs under ``keep``; under ``resend`` with the
     first sub-round kept, that sub-round's; None: none). ``resend`` (default: ``kept is None``):
-    the steps' KV messages run. Returns ``grads`` (local blocks' dK/dV), ``wait_s``,
+    the steps' KV messages run. ``jobs_done``: called once, right after this rank's last job (before
+    that step's round is waited: dq is final then). Returns ``grads`` (local blocks' dK/dV), ``wait_s``,
     ``bytes_sent`` (partials), ``resend_bytes`` and ``peak`` (KV received in backward alive at once)."""
     rank, lay = ex.rank, ex.layout
     wire = grad_dtype if wire_dtype is None else wire_dtype
@@ -81,6 +83,9 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
     def empty(b: Block, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(ex._kv_shape(b, k), dtype=dtype, device=k.device)
 
+    last_job = max((s for s, st in enumerate(steps) for _, x in st.computes if x == rank), default=-1)
+    if last_job < 0 and jobs_done is not None:
+        jobs_done()
     for s, st in enumerate(steps):
         sends, recvs, forwarded = [], [], []
         if resend:
@@ -114,6 +119,8 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
                 add(acc, b, compute(b, kv_of(b)))
                 if resend and b not in kept:
                     used(b)
+        if s == last_job and jobs_done is not None:
+            jobs_done()
         out["wait_s"] += ex._wait(handle)
         for kind, t, buf in recvs:
             if kind == "kv":

@@ -323,7 +323,8 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
                        kept: dict[Block, torch.Tensor] | None,
                        compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
                        wire_dtype: torch.dtype | None = None, resend: bool | None = None,
-                       first_kept: bool = False, first_fetch: Wave | None = None) -> dict:
+                       first_kept: bool = False, first_fetch: Wave | None = None,
+                       jobs_done: Callable[[], None] | None = None) -> dict:
     """Backward over ``waves`` (Note [Backward waves]). ``compute(block, kv)`` adds a block's dq and
     returns its dK/dV partial ``[2, blk, b, h_kv, d]`` in ``grad_dtype`` (the accumulation dtype).
     A partial is cast to ``wire_dtype`` (default ``grad_dtype``; the executor passes the input
@@ -333,7 +334,8 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
     every rank in :func:`~megatron_fcp.planning.chains.first_keepers`), the later waves re-sent; ``first_fetch``
     instead: only some ranks kept theirs (:func:`~megatron_fcp.planning.chains.first_keepers`;
     this rank's part, if any, is in ``kept``), the first wave's fetch re-sends this part of it
-    (:func:`~megatron_fcp.planning.chains.first_wave_fetch`). Returns ``grads`` (the
+    (:func:`~megatron_fcp.planning.chains.first_wave_fetch`). ``jobs_done``: called once, right after
+    this rank's last job, before the last reductions are waited (dq is final then). Returns ``grads`` (the
     local blocks' complete dK/dV in ``grad_dtype``: each wave's sum, added in wave order), wait
     seconds, bytes sent (dK/dV; re-sent KV apart) and the peak received KV bytes alive."""
     plan, rank, lay = ex.plan, ex.rank, ex.layout
@@ -424,6 +426,8 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
             pump.poll()
             settle()
             run_job(b, fetch, g_cur)
+        if cur is None and jobs_done is not None:                # every job has run; the sums are on their way
+            jobs_done()
         # before wave w+1 computes: its KV is here and wave w-2's reduction is through (w-1's may
         # run on into wave w+1); after the last wave, everything
         pump.finish(([nxt] if nxt is not None else []) + (older if cur is not None else list(reducing)))

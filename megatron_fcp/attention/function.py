@@ -201,6 +201,7 @@ class _Executor:
         self.keep_first: frozenset | None = None  # resend: the blocks of it this rank keeps
         self.first_keepers: frozenset = frozenset()  # resend: the ranks that keep theirs (chains.first_keepers)
         self.q_ready: Callable[[], None] | None = None  # forward: called once before q is first read
+        self.dq_ready: Callable[[torch.Tensor], None] | None = None  # backward: called once with the final dq
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
         for r, rnd in enumerate(plan.rounds):
             for t in rnd:
@@ -401,6 +402,13 @@ class _Executor:
             compute_s += time.perf_counter() - t0
             return torch.stack([dk_b, dv_b])                                     # [2, blk, b, h_kv, d]
 
+        dq_out: list[torch.Tensor] = []
+
+        def jobs_done() -> None:  # every job has added its dq: hand it on before the last sums arrive
+            dq_out.append(dq.to(q.dtype))
+            self.dq_ready(dq_out[0])
+
+        done = jobs_done if self.dq_ready is not None else None
         per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
         size = lambda blk: lay.block_tokens(blk) * per_token  # noqa: E731
         key = (tuple(k.shape), per_token, id(getattr(lay, "placement", None)))
@@ -409,14 +417,14 @@ class _Executor:
         form = "chain" if waves is not None else "waves"
         if waves is not None:
             res = run_backward_chain(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,
-                                     resend=self.backward_kv == "resend")
+                                     resend=self.backward_kv == "resend", jobs_done=done)
         else:
             waves = plan_waves(self.plan, size, cache_key=key)
             partial = first_wave_fetch(self.plan, size, self.first_keepers, cache_key=key) \
                 if self.backward_kv == "resend" else None
             res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,  # partials in q's dtype
                                      resend=self.backward_kv == "resend", first_kept=self.first_kept,
-                                     first_fetch=partial)
+                                     first_fetch=partial, jobs_done=done)
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
             saved = sum(x.numel() * x.element_size() for x in (kept or {}).values())
@@ -437,7 +445,9 @@ class _Executor:
             self.stats.backward_compute_s += compute_s
             self.stats.backward_wait_s += wait_s
             self.stats.backward_bytes_sent += bytes_sent
-        return dq.to(q.dtype), dk, dv
+        if done is not None and not dq_out:
+            raise RuntimeError("FCP backward: the runner never reported its last job (dq_ready not called)")
+        return (dq_out[0] if dq_out else dq.to(q.dtype)), dk, dv
 
 
 class _FCPAttentionFunction(torch.autograd.Function):
@@ -465,7 +475,7 @@ def fcp_attention_with_lse(
     stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "auto",
     placement: Placement | None = None, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False,
-    q_ready: Callable[[], None] | None = None,
+    q_ready: Callable[[], None] | None = None, dq_ready: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs):
     ``[b, h, s_local]`` for zigzag shards, ``[h, t_local]`` over a ``placement`` (THD).
@@ -488,12 +498,17 @@ def fcp_attention_with_lse(
     first read, so q may still be arriving when the call starts (the head-parallel stage posts Q's
     all-to-all behind K|V's: Note [Q's all-to-all behind the KV stage] in
     :mod:`megatron_fcp.attention.head_parallel`).
+    dq_ready: called once in the backward with q's gradient (q's dtype and shape, the tensor the
+    backward then returns) as soon as the last block's job has added to it, before the last dK/dV
+    sums are waited for, so dq may leave while they arrive (the head-parallel stage posts dQ's
+    all-to-all there: Note [dQ's all-to-all ahead of dK|dV's] in
+    :mod:`megatron_fcp.attention.head_parallel`).
     """
     executor = build_executor(q, k, v, cp_group=cp_group, plan=plan, causal=causal, softmax_scale=softmax_scale,
                               transport=transport, stats=stats, timeout_s=timeout_s, kernel=kernel,
                               placement=placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
                               agreement=agreement)
-    executor.q_ready = q_ready
+    executor.q_ready, executor.dq_ready = q_ready, dq_ready
     if placement is None:
         out, lse = _FCPAttentionFunction.apply(q, k, v, executor)
     else:

@@ -34,6 +34,22 @@ unchanged (one dQ|dK|dV all-to-all). The cost model prices it the same way
 (:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`: the stage's compute
 starts after Q's all-to-all, its transfers after K|V's). ``G == 1`` (Ulysses) keeps one all-to-all.
 
+Note [dQ's all-to-all ahead of dK|dV's]
+---------------------------------------
+The backward's mirror of the note above. dQ is final once this rank's last block job has run;
+dK and dV only once the stage's last partial sums have come home, which on a communication-bound
+stage is most of a step later. So with a KV stage the stage's backward hands dQ over at its last
+job (``dq_ready`` of :func:`~megatron_fcp.attention.function.fcp_attention_with_lse`) and the
+engine posts dQ's all-to-all there (:meth:`_HeadComm.post_dq`), in flight while the stage waits;
+the all-to-all out then moves dK|dV only and takes dQ's with it (:meth:`_QKVToHeads.backward`).
+Every rank of a head group posts dQ's before dK|dV's, so the pairs match in order; the bytes
+are those of the one dQ|dK|dV all-to-all. The cost model prices it the same way
+(:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`: dQ's all-to-all starts
+at the stage's last job, dK|dV's after the stage; both on the intra-node links). ``overlap_q=False``
+(Transformer Engine's order) keeps one dQ|dK|dV all-to-all, as ``G == 1`` does. If the stage's
+backward fails after dQ's all-to-all was posted the error propagates and that all-to-all is left
+unwaited, as any collective of a failed step.
+
 Note [All-to-all on gloo]
 -------------------------
 On gloo the engine posts an all-to-all as one ``isend``/``irecv`` per peer of the head group, all in
@@ -45,10 +61,12 @@ of ``isend``/``irecv``; 4 ranks, 256 KB per peer: 30.7 ms against 25.5 ms; the l
 ``all_to_all_single``.
 
 Backward is the mirror, by autograd: dO a2a to head shards, the stage's backward (dK/dV reduced
-along the reversed trees, partials sent in the input dtype: Note [Backward pipeline]), one a2a of dQ|dK|dV back, replicated KV heads summed. Each a2a is one
-autograd function whose backward is the inverse permutation, so every rank issues the same
-collectives in the same order (forward: qkv, or with a KV stage k|v then q (in flight while the
-stage starts), [stage], out, lse; backward: dout, [stage], dqkv).
+along the reversed trees, partials sent in the input dtype: Note [Backward pipeline]), one a2a of
+dQ|dK|dV back (with a KV stage dQ's ahead, at the stage's last job, then dK|dV's: Note [dQ's
+all-to-all ahead of dK|dV's]), replicated KV heads summed. Each a2a is one autograd function whose
+backward is the inverse permutation, so every rank issues the same collectives in the same order
+(forward: qkv, or with a KV stage k|v then q (in flight while the stage starts), [stage], out,
+lse; backward: dout, [stage], dqkv, or with a KV stage dout, [stage, dq at its last job], dk|dv).
 
 Bytes per rank and direction (E = element size): the Q/K/V a2a sends ``(a-1)/a * s*b*(h + 2H)*d*E``,
 the O a2a ``(a-1)/a * s*b*h*d*E`` (LSE: ``(a-1)/a * s*b*h`` FP32 values when returned); the KV
@@ -68,7 +86,6 @@ the CP group itself serves and nothing needs creating.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
@@ -79,10 +96,11 @@ import torch.distributed as dist
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, fcp_attention_with_lse
 from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.kv_memory import RING_BUDGET
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport
+from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport
 from megatron_fcp.planning.blocks import zigzag_chunk_index
 from megatron_fcp.planning.head_parallel import HeadParallelPlan, check_head_parallel, group_placement
 
@@ -173,177 +191,6 @@ def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, hea
     sent = (a - 1) * per_shard * ((heads + 2 * big_h) // a + heads // a) * elem_bytes
     lse_bytes = 8 if elem_bytes == 8 else 4
     return sent + ((a - 1) * s_local * batch * (heads // a) * lse_bytes if with_lse else 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# the all-to-alls
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class _Pending:
-    """An all-to-all in flight: ``recv`` [a, ...] in the group's slot order, filled once ``work``
-    completes (``work`` None: already there)."""
-
-    recv: torch.Tensor
-    work: Any
-    what: str
-    nbytes: int
-
-
-class _PairWorks:
-    """The point-to-point works of one all-to-all on gloo, waited as one (Note [All-to-all on gloo]):
-    ``wait(timeout)`` bounds the whole exchange, not each work."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        for w in self.works:
-            if deadline is None:
-                ok = w.wait()
-            else:
-                ok = w.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-            if ok is False:
-                return False
-        return True
-
-
-def _pairwise_all_to_all(recv: torch.Tensor, send: torch.Tensor, group: Any, order: tuple[int, ...]) -> _PairWorks:
-    """recv[i] <- slot ``me`` of rank ``order[i]``'s send, as one isend/irecv per peer, all in flight
-    at once (Note [All-to-all on gloo]); ``send``/``recv`` [a, ...] in the group's slot order."""
-    me = order.index(dist.get_rank())
-    a = len(order)
-    recv[me].copy_(send[me])
-    works = []
-    for i in range(1, a):
-        src, dst = (me - i) % a, (me + i) % a
-        works.append(dist.irecv(recv[src], order[src], group=group))
-        works.append(dist.isend(send[dst], order[dst], group=group))
-    return _PairWorks(works)
-
-
-class _HeadComm:
-    """One head group's all-to-all: member order <-> the group's rank order, bounded waits.
-    ``pending`` holds Q's all-to-all while the KV stage starts (Note [Q's all-to-all behind the KV
-    stage]). On gloo the all-to-all is one isend/irecv per peer (Note [All-to-all on gloo])."""
-
-    def __init__(self, group: Any, members: tuple[int, ...], timeout_s: float, stats: FCPStats | None) -> None:
-        self.group, self.timeout_s, self.stats = group, timeout_s, stats
-        order = tuple(dist.get_process_group_ranks(group))
-        self.order = order
-        self.a = len(members)
-        self.perm = [members.index(r) for r in order]          # group slot i -> member index
-        self.inv = [self.perm.index(m) for m in range(self.a)]  # member index -> group slot
-        self.identity = self.perm == list(range(self.a))
-        self.gloo = dist.get_backend(group) == "gloo"
-        self.pending: tuple[_Pending, torch.Tensor] | None = None
-
-    def start(self, x: torch.Tensor, what: str) -> _Pending:
-        """Post the all-to-all of x [a, ...] (slot m for member m); :meth:`finish` waits for it."""
-        send = (x if self.identity else x[self.perm]).contiguous()
-        recv = torch.empty_like(send)
-        if self.gloo:
-            work = _pairwise_all_to_all(recv, send, self.group, self.order)
-        else:
-            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        return _Pending(recv, work, what, (self.a - 1) * send[0].numel() * send.element_size())
-
-    def finish(self, p: _Pending, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Wait (bounded) for ``p``; returns [a, ...] with slot m received from member m (written
-        into ``out`` when given)."""
-        if p.work is not None:
-            try:
-                ok = p.work.wait(timeout=timedelta(seconds=self.timeout_s)) if self.gloo else p.work.wait()
-            except RuntimeError as exc:
-                raise CommTimeout(f"head-parallel all-to-all ({p.what}) over ranks "
-                                  f"{dist.get_process_group_ranks(self.group)} failed or did not complete within "
-                                  f"{self.timeout_s:g} s ({exc}); is every rank of the head group alive and running "
-                                  f"the same layer?") from exc
-            if ok is False:
-                raise CommTimeout(f"head-parallel all-to-all ({p.what}) failed")
-        if self.stats is not None:
-            self.stats.head_parallel_bytes_sent += p.nbytes
-        y = p.recv if self.identity else p.recv[self.inv]
-        if out is None:
-            return y
-        if out.data_ptr() != y.data_ptr():  # filled as the wire fills a receive buffer: not an autograd write
-            out.data.view_as(y).copy_(y)
-        return out
-
-    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """x [a, ...] (slot m for member m) -> [a, ...] (slot m received from member m)."""
-        return self.finish(self.start(x, what))
-
-    def finish_pending(self) -> None:
-        """Complete the deferred all-to-all (Q's), if any: called by the KV stage before it reads q."""
-        if self.pending is not None:
-            p, out = self.pending
-            self.pending = None
-            self.finish(p, out)
-
-    def to_heads(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """x [s, b, a, w, d] (w = sum(widths): shard m's heads) -> [a*s, b, w, d]: all members'
-        tokens (member order) for this member's head shard."""
-        s, b, a, w, d = x.shape
-        y = self.exchange(x.permute(2, 0, 1, 3, 4), what)                       # [a, s, b, w, d]
-        return y.reshape(a * s, b, w, d)
-
-    def to_seq(self, y: torch.Tensor, what: str) -> torch.Tensor:
-        """y [a*s, b, w, d] (this member's heads, all members' tokens) -> [s, b, a*w, d]."""
-        n, b, w, d = y.shape
-        x = self.exchange(y.view(self.a, n // self.a, b, w, d), what)          # [a (shard), s, b, w, d]
-        return x.permute(1, 2, 0, 3, 4).reshape(n // self.a, b, self.a * w, d)
-
-
-class _QKVToHeads(torch.autograd.Function):
-    """q [s,b,h,d], k/v [s,b,H,d] -> [a*s, b, h/a | H/a | H/a, d] of this member's head shard;
-    backward: one a2a of dq|dk|dv back. ``defer_q``: K|V's all-to-all first, then Q's posted and
-    left in flight (``comm.pending``; the returned q is filled by ``comm.finish_pending()``): Note
-    [Q's all-to-all behind the KV stage]."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, comm: _HeadComm, defer_q: bool = False):
-        s, b, h, d = q.shape
-        a, big_h = comm.a, k.shape[2]
-        ctx.comm, ctx.widths = comm, (h // a, big_h // a, big_h // a)
-        ctx.shape, ctx.dtype, ctx.device = (a * s, b, sum(ctx.widths), d), q.dtype, q.device
-        if not defer_q:
-            packed = torch.cat([x.reshape(s, b, a, x.shape[2] // a, d) for x in (q, k, v)], dim=3)  # [s,b,a,w,d]
-            y = comm.to_heads(packed, "q|k|v forward")                  # [a*s, b, w, d]
-            return tuple(t.contiguous() for t in torch.split(y, ctx.widths, dim=2))
-        packed = torch.cat([x.reshape(s, b, a, big_h // a, d) for x in (k, v)], dim=3)            # [s,b,a,2H/a,d]
-        kv = comm.to_heads(packed, "k|v forward")                                                # [a*s, b, 2H/a, d]
-        pending = comm.start(q.reshape(s, b, a, h // a, d).permute(2, 0, 1, 3, 4), "q forward")  # [a, s, b, h/a, d]
-        qs = pending.recv if comm.identity else torch.empty_like(pending.recv)
-        comm.pending = (pending, qs)
-        ks, vs = (t.contiguous() for t in torch.split(kv, ctx.widths[1:], dim=2))
-        return qs.view(a * s, b, h // a, d), ks, vs
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        n, b, _, d = ctx.shape
-        grads = [g if g is not None else torch.zeros(n, b, w, d, dtype=ctx.dtype, device=ctx.device)
-                 for g, w in zip((dq, dk, dv), ctx.widths)]
-        x = ctx.comm.to_seq(torch.cat(grads, dim=2), "dq|dk|dv backward")     # [s, b, a*w, d]
-        s, b, _, d = x.shape
-        x = x.view(s, b, ctx.comm.a, sum(ctx.widths), d)
-        parts = torch.split(x, ctx.widths, dim=3)                               # [s, b, a, w_i, d]
-        return (*(p.reshape(s, b, -1, d) for p in parts), None, None)
-
-
-class _OutToSeq(torch.autograd.Function):
-    """out [a*s, b, h/a, d] -> [s, b, h, d]; backward: dout to head shards."""
-
-    @staticmethod
-    def forward(ctx, out, comm: _HeadComm):
-        ctx.comm = comm
-        return comm.to_seq(out, "out forward")
-
-    @staticmethod
-    def backward(ctx, dout):
-        s, b, h, d = dout.shape
-        a = ctx.comm.a
-        return ctx.comm.to_heads(dout.reshape(s, b, a, h // a, d), "dout backward"), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,7 +376,8 @@ def fcp_head_parallel_attention_with_lse(
                     qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d), cp_group=groups.kv_group,
                     plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
                     timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
-                    kv_memory_budget=kv_memory_budget, agreement=agreement, q_ready=comm.finish_pending)
+                    kv_memory_budget=kv_memory_budget, agreement=agreement, q_ready=comm.finish_pending,
+                    dq_ready=(lambda g: comm.post_dq(g.view(n, b, hq, d))) if overlap_q else None)
             finally:
                 comm.finish_pending()                                # never leave Q's a2a behind (errors too)
             o_st, l_st = o3.view(n, b, hq, d), l3.view(b, hq, n)      # [a*s, b, h/a, d], [b, h/a, a*s]

@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from megatron_fcp.attention import head_parallel
+from megatron_fcp.attention import head_parallel, head_parallel_a2a
 from megatron_fcp.attention.function import fcp_attention_with_lse
 from megatron_fcp.comm import Handle, Transport, TransportWrapper
 from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
@@ -148,34 +148,34 @@ class _TeP2P(Runner):
 @contextlib.contextmanager
 def _no_all_to_all():
     """The head-parallel all-to-alls exchange nothing (zeros of the right shape) inside the block."""
-    original = head_parallel._HeadComm.start
+    original = head_parallel_a2a._HeadComm.start
 
     def start(self, x: torch.Tensor, what: str):
         recv = torch.zeros(x.shape, dtype=x.dtype, device=x.device)        # [a, ...] as received (contiguous)
-        return head_parallel._Pending(recv, None, what, 0)
+        return head_parallel_a2a._Pending(recv, None, what, 0)
 
-    head_parallel._HeadComm.start = start
+    head_parallel_a2a._HeadComm.start = start
     try:
         yield
     finally:
-        head_parallel._HeadComm.start = original
+        head_parallel_a2a._HeadComm.start = original
 
 
 @contextlib.contextmanager
 def _synced_all_to_all(kernel):
     """Each head-parallel all-to-all waits for the emulated device first (out and dQ|dK|dV are
     computed; Q|K|V and dO find it idle)."""
-    original = head_parallel._HeadComm.start
+    original = head_parallel_a2a._HeadComm.start
 
     def start(self, x: torch.Tensor, what: str):
         kernel.synchronize()
         return original(self, x, what)
 
-    head_parallel._HeadComm.start = start
+    head_parallel_a2a._HeadComm.start = start
     try:
         yield
     finally:
-        head_parallel._HeadComm.start = original
+        head_parallel_a2a._HeadComm.start = original
 
 
 class _HeadParallel(Runner):

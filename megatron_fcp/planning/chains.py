@@ -342,8 +342,9 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
     contention. ``job_s``: a job's compute; ``launch_s``: one kernel launch per rank, owner and
     step (the convention of the forward's and TE's models: one call per owner's blocks of a
     round). Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
-    messages alone, summed)."""
-    total = resend_s = 0.0
+    messages alone, summed) and ``jobs_end_s`` (when the last step with jobs ends its compute: the
+    busiest rank's last job)."""
+    total = resend_s = jobs_end = 0.0
     comps, comms = [], []
     for st in steps:
         busy: dict[int, float] = {}
@@ -359,5 +360,7 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
             resend_s += simulate_rounds(topo, [kvm], round_overhead_s).comm_s
         comps.append(c)
         comms.append(m)
+        if st.computes:
+            jobs_end = total + c
         total += max(c, m)
-    return {"total_s": total, "compute_s": comps, "comm_s": comms, "resend_s": resend_s}
+    return {"total_s": total, "compute_s": comps, "comm_s": comms, "resend_s": resend_s, "jobs_end_s": jobs_end}

@@ -24,11 +24,15 @@ links) with ``h/a`` query and ``rep * h_kv / a`` KV heads, forward through
 :func:`~megatron_fcp.planning.cost.simulate_plan` (overlapped with compute) and backward through
 :func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward` (dK/dV partials along the
 reversed trees in the input dtype, as the executor sends them, in the executor's order). The
-all-to-alls are exposed, as in Transformer Engine, but for one: with a KV stage the engine sends
+all-to-alls are exposed, as in Transformer Engine, but for two: with a KV stage the engine sends
 K|V's part of the forward's first all-to-all ahead and Q's behind the stage's start (Note [Q's
 all-to-all behind the KV stage] in :mod:`megatron_fcp.attention.head_parallel`), so the stage's
-transfers start after K|V's all-to-all and its compute after Q's too (``overlap_q``; its links
-are the intra-node ones, taken as free of the stage's traffic).
+transfers start after K|V's all-to-all and its compute after Q's too; and the backward's last
+all-to-all sends dQ's part at the stage's last job, dK|dV's after the stage (Note [dQ's all-to-all
+ahead of dK|dV's]), so only what of dQ's outlasts the stage's tail (its end less its last job's
+end, ``jobs_end_s`` of the executor's backward timeline; timed only with a ``backward``: the
+one-pass backward keeps one dQ|dK|dV all-to-all) adds to dK|dV's (``overlap_q`` for both; the
+links are the intra-node ones, taken as free of the stage's traffic).
 ``a = 1`` is plain FCP (no all-to-all); ``a = cp`` is TE's ``a2a`` (no KV stage).
 
 That backward is one pass from kept KV. The executor walks it in waves (Note [Backward waves] in
@@ -53,8 +57,9 @@ planner may use (``a = 1``: KV distribution alone), of that family's bound for t
   FCP's executor: the bound is the least any compared schedule could send).
 
 A family's stages run one after another, so its bound is their sum, but for Q's part of the
-forward's first all-to-all when there is a KV stage: it can cross the intra-node links while the
-stage moves KV (Note [Q's all-to-all behind the KV stage]), so the forward counts K|V's part only.
+forward's first all-to-all and dQ's part of the backward's last when there is a KV stage: they can
+cross the intra-node links while the stage moves KV (Notes [Q's all-to-all behind the KV stage]
+and [dQ's all-to-all ahead of dK|dV's]), so those two count K|V's part only.
 Ulysses-style schedules move Q and O instead of all KV, which is why a KV-only bound (the old one)
 could sit above them.
 """
@@ -202,7 +207,15 @@ def simulate_head_parallel(
             kv = _wave_backward(kv, sp, topo, sshape, cm, backward, grad_dtype_bytes, round_overhead_s)
             meta["backward_kv"] = kv.meta["backward_kv"]
             meta["backward_form"] = kv.meta["backward_form"]
-        bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
+        jobs_end = kv.meta.pop("jobs_end_s", None)
+        if overlap_q and a2a and jobs_end is not None:  # dQ's all-to-all ahead of dK|dV's, from the last job
+            dq, dkv = rounds("q", "a2a-dq")[0], rounds("kv", "a2a-dkv")[0]
+            exposed = max(0.0, dq.total_s - (kv.total_s - jobs_end))   # what the stage's tail does not cover
+            dq_part = SimResult("a2a-dq", exposed, 0.0, exposed, dq.bytes, dq.rounds, dict(dq.resource_bytes),
+                                dict(dq.resource_bandwidth))
+            bwd = combine(name, rounds("q", "a2a-dout") + [kv, dq_part, dkv])
+        else:
+            bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
         meta["bwd_total_s"] = bwd.total_s
         meta["bwd_comm_s"] = bwd.comm_s
         out.append(bwd)
@@ -223,7 +236,8 @@ def _wave_backward(one_pass: SimResult, sp: Plan, topo: Topology, shape: Attenti
                                 kv_memory_budget=backward.kv_memory_budget, micro_batch=backward.micro_batch,
                                 buffered_sends=backward.buffered_sends)
     one_pass.meta.update(backward_kv=w["backward_kv"], backward_waves=w["waves"], resend_s=w["resend_s"],
-                         one_pass_bwd_s=one_pass.total_s, backward_form=w.get("backward", "waves"))
+                         one_pass_bwd_s=one_pass.total_s, backward_form=w.get("backward", "waves"),
+                         jobs_end_s=w["jobs_end_s"])
     one_pass.total_s = w["bwd_s"]
     one_pass.compute_s = float(sum(w["wave_compute_s"]))
     one_pass.comm_s = float(sum(w["wave_reduce_s"]) + w["resend_s"])
@@ -328,9 +342,12 @@ def lower_bound_all(
             t_small = (a - 1) * a2a_messages(hp, shape, "q")[0][2] / b
             stage_f = _stage_bound(topo, hp, shape, causal, shape.dtype_bytes) if hp.kv_plan is not None else 0.0
             stage_b = _stage_bound(topo, hp, shape, causal, grad_dtype_bytes) if hp.kv_plan is not None else 0.0
-            t_in = t_big - t_small if hp.kv_plan is not None else t_big  # Q's part may hide behind the stage
-            t = {"fwd": t_in + stage_f + t_small, "bwd": t_small + stage_b + t_big,
-                 "fwd+bwd": t_in + 2 * t_small + t_big + stage_f + stage_b}[pass_]
+            # Q's part of the first all-to-all may hide behind the stage, dQ's part of the last one
+            # behind the stage's last sums (Notes [Q's all-to-all behind the KV stage], [dQ's all-to-all
+            # ahead of dK|dV's])
+            t_kv = t_big - t_small if hp.kv_plan is not None else t_big
+            t = {"fwd": t_kv + stage_f + t_small, "bwd": t_small + stage_b + t_kv,
+                 "fwd+bwd": 2 * t_kv + 2 * t_small + stage_f + stage_b}[pass_]
         per_degree[a] = t
     best = min(per_degree, key=per_degree.get)
     return {**kv_only, "lower_bound_s": per_degree[best], "degree": best, "per_degree": per_degree,

@@ -426,7 +426,8 @@ def simulate_backward_waves(
     as NCCL's are). Per wave, on the plan cut to it (:func:`~megatron_fcp.planning.waves.restrict`),
     for reports: compute is the busiest rank's (:func:`simulate_plan_backward`'s), reduce and
     resend the rounds' communication alone.
-    Returns ``bwd_s``, ``resend_s`` (re-send alone, summed), ``waves``, per-wave ``wave_compute_s``,
+    Returns ``bwd_s``, ``jobs_end_s`` (when the last rank's last job ends), ``resend_s`` (re-send
+    alone, summed), ``waves``, per-wave ``wave_compute_s``,
     ``wave_reduce_s``, ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
     backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
     ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard).
@@ -501,9 +502,10 @@ def simulate_backward_waves(
         held.append(got)
     W = len(waves)
     partial = first_wave_fetch(plan, size, keepers, cache_key=key) if resend else None
-    total = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
-                          job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
-                          buffered_sends=buffered_sends, first_kept=first, first_fetch=partial)["total_s"]
+    timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
+                             job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
+                             buffered_sends=buffered_sends, first_kept=first, first_fetch=partial)
+    total = timeline["total_s"]
     if first and fetch:
         fetch[0], held[0] = 0.0, {}                              # the first wave came with the forward
     elif partial is not None and fetch:                          # the keepers' part came with the forward
@@ -515,7 +517,7 @@ def simulate_backward_waves(
                         for i in range(W) for r in plan.ranks), default=0.0)
     return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp,
             "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
-            "first_kept_ranks": len(keepers),
+            "first_kept_ranks": len(keepers), "jobs_end_s": max(timeline["jobs_end_s"], default=0.0),
             "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0)}
 
 
@@ -539,5 +541,6 @@ def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, j
         held_max = max(saved.values(), default=0)
     return {"bwd_s": res["total_s"], "backward_kv": backward_kv, "resend_s": res["resend_s"], "waves": len(steps),
             "wave_compute_s": res["compute_s"], "wave_reduce_s": res["comm_s"],
-            "wave_resend_s": [0.0] * len(steps), "held_kv_bytes_max": held_max, "backward": "chain"}
+            "wave_resend_s": [0.0] * len(steps), "held_kv_bytes_max": held_max, "backward": "chain",
+            "jobs_end_s": res["jobs_end_s"]}
 

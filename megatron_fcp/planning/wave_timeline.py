@@ -74,7 +74,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     until it arrives (NCCL). ``first_kept``: the first wave's KV was kept by the forward (no fetch);
     ``first_fetch``: only some ranks kept theirs, this part of the first wave is re-sent
     (:func:`~megatron_fcp.planning.waves.first_fetch`).
-    Returns ``total_s`` (the last rank's end) and ``end_s`` per rank;
+    Returns ``total_s`` (the last rank's end), ``end_s`` and ``jobs_end_s`` (its last job's end) per rank;
     ``trace``: also ``messages``, ``(phase, wave, round, src, dst, start, finish)`` in start order."""
     idx = _ResourceIndex(topo)
     ranks = list(plan.ranks)
@@ -183,6 +183,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     posted: list[list[float]] = [[] for _ in range(n_msgs)]
     fin: list[float | None] = [None] * n_msgs
     clock = {x: 0.0 for x in ranks}
+    jobs_end = {x: 0.0 for x in ranks}
     gens = {x: program(x) for x in ranks}
     blocked: dict[int, list[int]] = {}
     heap: list[tuple[float, int]] = []
@@ -233,6 +234,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
                 answer[x] = v
             elif kind == "compute":
                 clock[x] += arg
+                jobs_end[x] = clock[x]
             elif kind == "post":
                 for i in arg:
                     posted[i].append(clock[x])
@@ -290,7 +292,8 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     if blocked or tested:
         raise RuntimeError(f"wave timeline: ranks {sorted(set(blocked) | set(tested))} wait on messages never "
                            f"posted (a bug)")
-    out = {"total_s": max(clock.values(), default=0.0), "end_s": [clock[x] for x in ranks]}
+    out = {"total_s": max(clock.values(), default=0.0), "end_s": [clock[x] for x in ranks],
+           "jobs_end_s": [jobs_end[x] for x in ranks]}
     if trace:
         out["messages"] = [(*m_key[i], m_src[i], m_dst[i], s, fin[i]) for i, s in order]
     return out
