@@ -30,9 +30,9 @@ all-to-all behind the KV stage] in :mod:`megatron_fcp.attention.head_parallel`),
 transfers start after K|V's all-to-all and its compute after Q's too; and the backward's last
 all-to-all sends dQ's part at the stage's last job, dK|dV's after the stage (Note [dQ's all-to-all
 ahead of dK|dV's]), so only what of dQ's outlasts the stage's tail (its end less its last job's
-end, ``jobs_end_s`` of the executor's backward timeline; timed only with a ``backward``: the
-one-pass backward keeps one dQ|dK|dV all-to-all) adds to dK|dV's (``overlap_q`` for both; the
-links are the intra-node ones, taken as free of the stage's traffic).
+end, ``jobs_end_s`` of the backward's timeline, one pass or the executor's) adds to dK|dV's
+(``overlap_q`` for both; the links are the intra-node ones, taken as free of the stage's
+traffic).
 ``a = 1`` is plain FCP (no all-to-all); ``a = cp`` is TE's ``a2a`` (no KV stage).
 
 That backward is one pass from kept KV. The executor walks it in waves (Note [Backward waves] in

@@ -358,6 +358,7 @@ def simulate_plan_backward(
     eager_done = start + np.cumsum(C[:0:-1], axis=0)[::-1] if R else np.zeros((0, cp))  # [r, j]: C_j(R-1..r) done
     child: dict[tuple[int, object], float] = {}        # eager: (rank, block) -> its children's last return
     eager_end = np.zeros(cp)
+    jobs_end = start + C.sum(axis=0)                   # eager: compute never waits; executor: below
     for r in range(R - 1, -1, -1):
         msgs = []
         load: dict[int, float] = {}
@@ -388,6 +389,8 @@ def simulate_plan_backward(
         eager_end = np.maximum(eager_end, done)
         e = res.timeline[R - 1 - r]
         e["start_s"], e["end_s"] = (lo, hi) if msgs else (float(P.min()), float(P.min()))
+        if r == 0 and order == "executor":
+            jobs_end = P + C[0]                        # the last jobs (own blocks), before round 0's sums
         P = np.maximum(P + C[r], done)                 # P_j(r-1); after round 0: P_j(0) + own blocks
     ends = (P if order == "executor" else np.maximum(eager_end, start + C.sum(axis=0))) if R else start + C[0]
     res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
@@ -396,7 +399,8 @@ def simulate_plan_backward(
     held = [0.0 if backward_kv == "resend" or computes is not None
             else sum(block_tokens(b) for b in needs[r]) * kv_bytes for r in plan.ranks]
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
-                    backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held)
+                    backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held,
+                    jobs_end_s=float(jobs_end.max()) if cp else 0.0)
     return res
 
 
