@@ -19,9 +19,6 @@ import torch.distributed as dist
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import CommTimeout
 
-__all__ = ["_HeadComm", "_OutToSeq", "_Pending", "_QKVToHeads", "_pairwise_all_to_all"]
-
-
 @dataclass
 class _Pending:
     """An all-to-all in flight: ``recv`` [a, ...] in the group's slot order, filled once ``work``
@@ -128,7 +125,7 @@ class _HeadComm:
 
     def post_dq(self, dq: torch.Tensor) -> None:
         """Post dQ's all-to-all back to the sequence layout ahead of dK|dV's (Note [dQ's all-to-all
-        ahead of dK|dV's]): dq [a*s, b, h/a, d] (any view of it); :meth:`finish_dq` waits for it."""
+        ahead of dK|dV's]): dq [a*s, b, h/a, d]; :meth:`finish_dq` waits for it."""
         if self.pending_dq is not None:
             raise RuntimeError("head-parallel backward: dQ's all-to-all was posted twice")
         n = dq.shape[0]

@@ -51,8 +51,9 @@ first sub-round's compute (whose partials start the chains), counted from that s
 every backward KV mode places alike (a re-sending ring without the first sub-round kept has one
 step more in front, KV only, which gets none). A zigzag ring keeps
 its own chunks at the last step (every step's work is the same, so ties send them there); the
-stage ring above spreads them over steps 1-4 and its backward prices 12 ms less (19 ms with
-stagger 8, which the planner then prefers: fwd+bwd 0.555 -> 0.523 s at 180 / 20 Mbit/s). Only
+stage ring above spreads them over steps 1-4 and its backward prices 12 ms less (265 -> 253 ms;
+with stagger 8 276 -> 236 ms, which the planner then prefers: fwd+bwd 0.555 -> 0.523 s at
+180 / 20 Mbit/s). Only
 where a job runs changes, not which jobs, so every backward KV mode still walks the same jobs in
 the same order and agrees bit for bit.
 
