@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fcp.planning import AttentionShape, BUILDERS, build_graph, compile_plan  # noqa: E402
 from megatron_fcp.planning.head_parallel_choose import choose_schedule, head_parallel_candidates  # noqa: E402
-from megatron_fcp.planning.waves import WaveBackward  # noqa: E402
+from megatron_fcp.planning.program import WaveBackward  # noqa: E402
 from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_te  # noqa: E402
 from megatron_fcp.planning.cost import pick_best  # noqa: E402
 from megatron_fcp.planning.rounds import plan_delta  # noqa: E402

@@ -376,9 +376,12 @@ class CountingTransport(TransportWrapper):
         super().__init__(inner)
         self.posted: list[Posted] = []
         self.posts = 0  # number of post() calls, including empty rounds
+        self.rounds: list[tuple[str, int, tuple[Transfer, ...], tuple[Transfer, ...]]] = []  # per post():
+        # (phase, round, sends, receives) in post order
 
     def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
         self.posts += 1
+        self.rounds.append((phase, round_index, tuple(t for t, _ in round_sends), tuple(t for t, _ in round_recvs)))
         for kind, pairs in (("recv", round_recvs), ("send", round_sends)):
             for t, x in pairs:
                 self.posted.append(Posted(phase, round_index, kind, t, x.numel() * x.element_size(), x.dtype))

@@ -93,49 +93,35 @@ def _inputs(case: Case, cp: int):
     return [x.to(dt) for x in (q, k, v, do)]
 
 
-def _flip(t):
-    from megatron_fcp.planning import Transfer
-    return Transfer(t.dst, t.src, t.block)
+def count_problems(transport, plan, rank, kv_bytes, grad_bytes, wire_dtype=None, program=None) -> list[str]:
+    """Compare what the transport saw with the plan: forward ``plan.sends/recvs`` per round (in plan
+    order); backward every posted round (phase, round, sends, receives, in post order) against the
+    backward program the executor compiled (``program.posts(rank)``: Note [Backward program]).
+    ``kv_bytes``/``grad_bytes``: bytes of every message, or a function of its block (blocks of a
+    packed batch differ in size). ``wire_dtype``: the dtype every message must travel in, KV and
+    dK/dV partials alike (the input dtype)."""
+    from megatron_fcp.planning.program import ProgramPost
 
-
-def count_problems(transport, plan, rank, kv_bytes, grad_bytes, wire_dtype=None) -> list[str]:
-    """Compare what the transport saw with the plan per round: forward ``plan.sends/recvs`` (in plan
-    order); backward the dK/dV returns of the backward waves (``planning.waves.plan_waves``: each
-    wave's transfers flipped, as a set per round), or for a ring the streaming chain's partials and
-    homes per step (``planning.chains.chain_steps``, in order). ``kv_bytes``/``grad_bytes``: bytes of every
-    message, or a function of its block (blocks of a packed batch differ in size). ``wire_dtype``:
-    the dtype every message must travel in, KV and dK/dV partials alike (the input dtype)."""
-    from megatron_fcp.planning.chains import chain_steps
-    from megatron_fcp.planning.waves import plan_waves
-
-    size = kv_bytes if callable(kv_bytes) else (lambda b: kv_bytes)
-    # a ring streams (Note [Streaming chain backward]); these cases run keep: from the first sub-round on
-    steps = chain_steps(plan, size, first_kept=True)
-    waves = plan_waves(plan, size) if steps is None else ()
     problems = []
     expected_total = 0
-    for r in range(max(len(plan.rounds), len(steps or ()))):
-        carried = [t for w in waves for rr, t in w.transfers if rr == r]
-        msgs = steps[r].grad + steps[r].home if steps is not None and r < len(steps) else ()
-        want = {
-            ("forward", "send"): plan.sends(rank, r) if r < len(plan.rounds) else (),
-            ("forward", "recv"): plan.recvs(rank, r) if r < len(plan.rounds) else (),
-            ("backward", "send"): tuple(_flip(t) for t in carried if t.dst == rank) + tuple(t for t in msgs
-                                                                                          if t.src == rank),
-            ("backward", "recv"): tuple(_flip(t) for t in carried if t.src == rank) + tuple(t for t in msgs
-                                                                                          if t.dst == rank),
-        }
-        for (phase, kind), expected in want.items():
-            got = transport.transfers(phase, r, kind)
+    for r in range(len(plan.rounds)):
+        for kind, expected in (("send", plan.sends(rank, r)), ("recv", plan.recvs(rank, r))):
+            got = transport.transfers("forward", r, kind)
             expected_total += len(expected)
-            if phase == "backward":  # posted wave by wave (Note [Backward waves]): compare as sets
-                got, expected = sorted(got, key=str), sorted(expected, key=str)
             if got != expected:
-                problems.append(f"rank {rank} {phase} round {r} {kind}: got {got}, plan says {expected}")
+                problems.append(f"rank {rank} forward round {r} {kind}: got {got}, plan says {expected}")
+    posted = [ProgramPost(ph, i, sd, rv) for ph, i, sd, rv in transport.rounds if ph != "forward"]
+    want = list(program.posts(rank)) if program is not None else []
+    expected_total += sum(len(p.sends) + len(p.recvs) for p in want)
+    if posted != want:
+        bad = next(i for i, (a, b) in enumerate(zip(posted + [None] * len(want), want + [None] * len(posted)))
+                   if a != b)
+        problems.append(f"rank {rank} backward post {bad}: got {posted[bad] if bad < len(posted) else None}, "
+                        f"the program says {want[bad] if bad < len(want) else None}")
     if len(transport.posted) != expected_total:
         problems.append(f"rank {rank}: {len(transport.posted)} ops posted, plan lists {expected_total}")
     for p in transport.posted:
-        want_bytes = kv_bytes if p.phase == "forward" else grad_bytes
+        want_bytes = grad_bytes if p.phase == "backward" else kv_bytes
         want_bytes = want_bytes(p.transfer.block) if callable(want_bytes) else want_bytes
         if p.nbytes != want_bytes:
             problems.append(f"rank {rank}: {p} moves {p.nbytes} bytes, expected {want_bytes}")
@@ -189,8 +175,11 @@ def _rank_report(case: Case, setup: dict, cp: int, idx: int, rank: int, got: dic
     blk = q.shape[0] // cp // (2 * case.parts)
     elems = 2 * blk * q.shape[1] * hk * q.shape[3]
     # dK/dV partials travel in the input dtype, like the KV (Note [Backward pipeline])
+    from megatron_fcp.planning.program import BackwardPolicy, compile_backward
+    program = compile_backward(plan, 2 * q.shape[1] * hk * q.shape[3] * q.element_size(), BackwardPolicy(),
+                               seq_len=q.shape[0])                       # what the API's default compiles
     res["count_problems"] = count_problems(transport, plan, rank, elems * q.element_size(), elems * q.element_size(),
-                                           wire_dtype=q.dtype)
+                                           wire_dtype=q.dtype, program=program)
     return res
 
 

@@ -149,8 +149,11 @@ def _rank_report(case: ThdCase, setup: dict, pl, ranks: tuple, idx: int, got: di
     elems = lambda b: 2 * pl.blocks[ranks.index(b.owner)][b.chunk].tokens * hk * q.shape[-1]  # noqa: E731
     itemsize = got["out"].element_size()  # KV and dK/dV partials both travel in the input dtype
     res["sent"] = len([p for p in transport.posted if p.kind == "send"])
+    from megatron_fcp.planning.program import BackwardPolicy, compile_backward
+    program = compile_backward(plan, 2 * hk * q.shape[-1] * itemsize, BackwardPolicy())  # the API's default
     res["count_problems"] = count_problems(transport, plan, ranks[idx], lambda b: elems(b) * itemsize,
-                                           lambda b: elems(b) * itemsize, wire_dtype=got["out"].dtype)
+                                           lambda b: elems(b) * itemsize, wire_dtype=got["out"].dtype,
+                                           program=program)
     return res
 
 

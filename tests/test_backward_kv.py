@@ -123,7 +123,7 @@ def test_backward_partials_travel_in_the_input_dtype(harness, name):
 
 
 def test_choose_backward_kv_is_uniform_and_budgeted():
-    from megatron_fcp.attention.kv_memory import choose_backward_kv, kept_bytes_per_rank
+    from megatron_fcp.planning.waves import choose_backward_kv, kept_bytes_per_rank
     from megatron_fcp.planning import ring_plan
 
     plan = ring_plan((0, 1), causal=True)
@@ -221,7 +221,7 @@ def test_default_mode_holds_no_more_than_the_ring(builders, cp):
 def test_auto_decides_once_per_plan_and_shape():
     """Every layer calls with the same settled plan: the decision is computed once per plan object
     and cache key, recomputed for another key or another plan object."""
-    from megatron_fcp.attention.kv_memory import choose_backward_kv
+    from megatron_fcp.planning.waves import choose_backward_kv
     from megatron_fcp.planning import ring_plan
 
     plan = ring_plan((0, 1), causal=True)

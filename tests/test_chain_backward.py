@@ -272,7 +272,7 @@ def test_streaming_ring_prices_as_transformer_engines_ring(seq):
     (nothing saved) pays one step more, within 3% (2.4% at 128K)."""
     from megatron_fcp.planning.head_parallel_choose import build_head_parallel_plan
     from megatron_fcp.planning.head_parallel_cost import simulate_head_parallel, simulate_te
-    from megatron_fcp.planning.waves import WaveBackward
+    from megatron_fcp.planning.program import WaveBackward
 
     shape = AttentionShape(seq, 32, 8, 128, 2)
     for topo, ranks, degree, te in (("pcie-box:1", list(range(8)), 1, "te-p2p"),

@@ -18,8 +18,8 @@ from megatron_fcp.emulate import netns, probe
 from megatron_fcp.emulate.report import assemble, link_probe_line, progress_printer, table
 from megatron_fcp.emulate.sleep_kernel import Sleeper, SleepKernel, VirtualStream, count_pairs
 from megatron_fcp.emulate.spec import GOODPUT, ClusterSpec, address_plan, emulated_topology, format_rate, parse_rate
-from megatron_fcp.emulate.workloads import (FcpWorkload, HeadParallelWorkload, WorkloadShape, executor_backward_kv,
-                                             executor_block_bytes, lower_bounds, make_workloads)
+from megatron_fcp.emulate.workloads import (FcpWorkload, HeadParallelWorkload, WorkloadShape, executor_program,
+                                             lower_bounds, make_workloads)
 from megatron_fcp.planning import ComputeModel, WaveBackward, choose_schedule
 from megatron_fcp.planning.packed_cost import simulate_backward_waves, simulate_plan_backward
 
@@ -386,7 +386,7 @@ def test_predictions_price_the_wave_backward():
         one = simulate_plan_backward(w.plan, topo, att, compute_model=cm, backward_kv=w.backward_kv)
         assert pred["predicted_bwd_s"] != pytest.approx(one.total_s, rel=1e-6)
         auto = simulate_backward_waves(w.plan, topo, att, compute_model=cm, backward_kv="auto")["backward_kv"]
-        assert executor_backward_kv("auto", w.plan, 1024, 4, 32) == auto
+        assert executor_program("auto", w.plan, 1024, 4, 32).mode == auto
     resend = make_workloads(["fcp-auto@resend"], shape, topo, cm)[0].predict(topo, cm)
     assert resend["predicted_resend_s"] > 0
     packed = make_workloads(["fcp-auto"], WorkloadShape(1024, 4, 4, 32, True, (300, 40, 679, 5), block_tokens=256),
@@ -397,36 +397,29 @@ def test_predictions_price_the_wave_backward():
     assert packed.predict(topo, cm)["predicted_bwd_s"] == pytest.approx(waves["bwd_s"], rel=1e-12)
 
 
-def test_executor_block_bytes_are_the_layouts():
-    """The bytes the workloads decide keep / resend with are the executor's (``build_executor``: the
-    layout's block tokens times one token's K and V): uneven zigzag parts, a packed placement and a
-    head-parallel KV stage (group placement, the stage's KV heads)."""
+def test_plan_block_tokens_are_the_layouts():
+    """The one rule for a block's size (``Plan.block_tokens``, what the backward program and the
+    cost model count with) is the executor's receive buffer (the layout's block tokens): uneven
+    zigzag parts, a packed placement and a head-parallel KV stage (group placement)."""
     from megatron_fcp.attention.layout import PlacementLayout, ZigzagLayout
-    from megatron_fcp.planning.cost import pad_for_zigzag
-    from megatron_fcp.planning.head_parallel_compile import stage_shape
 
     spec, topo, cm, shape, ws = _prepared()
-    per_token = 2 * shape.kv_heads * shape.head_dim * 2
     plan = make_workloads(["fcp-ring/3"], shape, topo, cm)[0].plan        # 128-token chunks: parts 43, 43, 42
-    size = executor_block_bytes(plan, 1024, shape.kv_heads, shape.head_dim)
     for r in plan.ranks:
         lay = ZigzagLayout(plan.ranks, r, 1024 // plan.cp, 3, True)
-        assert {size(b) for b in plan.local_blocks(r)} == {43 * per_token, 42 * per_token}
-        assert all(size(b) == lay.block_tokens(b) * per_token for b in plan.blocks())
+        assert {plan.block_tokens(b, 1024) for b in plan.local_blocks(r)} == {43, 42}
+        assert all(plan.block_tokens(b, 1024) == lay.block_tokens(b) for b in plan.blocks())
     packed = WorkloadShape(1024, 4, 4, 32, True, (300, 40, 679, 5), block_tokens=256)
     plan = make_workloads(["fcp-auto"], packed, topo, cm)[0].plan
-    size = executor_block_bytes(plan, 1024, 4, 32)
     for r in plan.ranks:
         lay = PlacementLayout(plan.placement, plan.ranks, r)
-        assert all(size(b) == lay.block_tokens(b) * per_token for b in plan.blocks())
+        assert all(plan.block_tokens(b) == lay.block_tokens(b) for b in plan.blocks())
     hp = next(w for w in ws if w.name == "fcp-hp").hp_plan
     assert hp.degree == 2
     stage = hp.kv_plan_for(0)
-    kv_heads = stage_shape(hp, pad_for_zigzag(shape.attention(), hp.cp)[0]).kv_heads
-    size = executor_block_bytes(stage, 1024, kv_heads, shape.head_dim)
     for r in stage.ranks:
         lay = PlacementLayout(stage.placement, stage.ranks, r)
-        assert all(size(b) == lay.block_tokens(b) * 2 * kv_heads * shape.head_dim * 2 for b in stage.blocks())
+        assert all(stage.block_tokens(b) == lay.block_tokens(b) for b in stage.blocks())
 
 
 def test_packed_workloads_use_the_placement_and_tes_padding():

@@ -142,7 +142,7 @@ def test_dq_all_to_all_ahead_of_dk_dv_is_priced():
     from megatron_fcp.planning import ComputeModel
     from megatron_fcp.planning.cost import simulate_rounds
     from megatron_fcp.planning.head_parallel_cost import a2a_messages
-    from megatron_fcp.planning.waves import WaveBackward
+    from megatron_fcp.planning.program import WaveBackward
 
     spec = ClusterSpec(2, 4, "rail", 180e6, 20e6)
     topo, cm = emulated_topology(spec), ComputeModel(flops=400e12 / spec.time_scale, kernel_overhead_s=0.0)

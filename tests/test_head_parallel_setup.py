@@ -125,7 +125,7 @@ def test_auto_settles_the_planners_degree_at_setup():
     checks the rest of the choice); 1 without shapes or CP."""
     from megatron_fcp.planning.cost import AttentionShape
     from megatron_fcp.planning.head_parallel_choose import choose_schedule
-    from megatron_fcp.planning.waves import WaveBackward
+    from megatron_fcp.planning.program import WaveBackward
 
     cfg = FCPConfig(enabled=True, topology="dgx-h100:2")
     layout = MegatronLayout(world=16, cp=16)

@@ -18,7 +18,7 @@ from megatron_fcp.planning import AttentionShape, MegatronLayout, build_plan
 from megatron_fcp.planning.head_parallel_choose import choose_head_parallel, choose_schedule
 from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_plan
 from megatron_fcp.planning.head_parallel_cost import simulate_head_parallel
-from megatron_fcp.planning.waves import RING_BUDGET, WaveBackward
+from megatron_fcp.planning.program import RING_BUDGET, WaveBackward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GQA = dict(heads=32, kv_heads=8, head_dim=128)
@@ -204,7 +204,7 @@ _PROBE = """
 import hashlib
 from megatron_fcp.planning import AttentionShape
 from megatron_fcp.planning.head_parallel_choose import choose_schedule
-from megatron_fcp.planning.waves import WaveBackward
+from megatron_fcp.planning.program import WaveBackward
 c = choose_schedule("dgx-h100:1", range(8), AttentionShape(2 * 8 * 2731, 32, 8, 128, 2), backward=WaveBackward())
 print(c.describe(), hashlib.sha256(repr((c.plan.head_groups, c.plan.kv_plan.rounds, c.plan.auto)).encode()).hexdigest())
 """

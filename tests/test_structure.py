@@ -103,7 +103,8 @@ PLANNING_LAYERS = [
     ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
     ("builders", "compile", "waves"),  # graph strategies; graph -> plan; backward waves of a plan
     ("build", "wave_timeline", "chains"),  # planner entry point; the wave loop's timeline; a ring's streaming backward
-    ("baselines", "head_parallel_compile"),  # TE's schedules; head-parallel plans for a degree and graph
+    ("baselines", "head_parallel_compile", "program"),  # TE's schedules; head-parallel plans for a degree and graph;
+                                #   the backward program (every backward decision, once)
     ("packed_cost",),           # TE's schedules on packed documents (THD); backward of every schedule
     ("head_parallel_cost",),    # fwd/bwd of every schedule with the head-parallel stage; bound over families
     ("head_parallel_choose",),  # auto: degree, graph and block size by predicted fwd+bwd time

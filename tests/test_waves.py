@@ -148,7 +148,7 @@ def _rail_2x4():
     """The emulated rail-2x4-mha configuration's fcp-auto plan (hierarchical, whole chunks), its
     topology, attention shape, compute model and the executor's block bytes."""
     from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
-    from megatron_fcp.emulate.workloads import WorkloadShape, executor_block_bytes, make_workloads
+    from megatron_fcp.emulate.workloads import WorkloadShape, executor_program, make_workloads
     from megatron_fcp.planning import ComputeModel
 
     spec = ClusterSpec(2, 4, "rail", 360e6, 40e6)
@@ -157,7 +157,7 @@ def _rail_2x4():
     shape = WorkloadShape(4096, heads=4, kv_heads=4, head_dim=64)
     plan = make_workloads(["fcp-auto"], shape, topo, cm)[0].plan
     att = shape.attention()
-    return plan, topo, att, cm, executor_block_bytes(plan, att.seq_len, att.kv_heads, att.head_dim)
+    return plan, topo, att, cm, executor_program("auto", plan, att.seq_len, att.kv_heads, att.head_dim).block_bytes
 
 
 def test_pace_lets_fine_sub_blocks_fill_the_byte_budget():

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from megatron_fcp.attention.backward_waves import BackwardHost
 from megatron_fcp.planning.blocks import Block
 from megatron_fcp.planning.chains import ChainStep
 
@@ -30,7 +31,7 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: torch.Tensor,
+def run_backward_chain(ex: BackwardHost, steps: tuple[ChainStep, ...], k: torch.Tensor, v: torch.Tensor,
                        kept: dict[Block, torch.Tensor] | None,
                        compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
                        wire_dtype: torch.dtype | None = None, resend: bool | None = None,
@@ -81,7 +82,7 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
         g[b] = x.to(grad_dtype) if b not in g else g[b].add_(x)
 
     def empty(b: Block, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(ex._kv_shape(b, k), dtype=dtype, device=k.device)
+        return torch.empty(ex.kv_shape(b, k), dtype=dtype, device=k.device)
 
     last_job = max((s for s, st in enumerate(steps) for _, x in st.computes if x == rank), default=-1)
     if last_job < 0 and jobs_done is not None:
@@ -107,7 +108,7 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
                     sends.append((t, x))
                 elif t.dst == rank:
                     recvs.append((kind, t, empty(t.block, wire)))
-        handle = ex._post(sends, [(t, buf) for _, t, buf in recvs], round_index=s, phase="backward")
+        handle = ex.post(sends, [(t, buf) for _, t, buf in recvs], round_index=s, phase="backward")
         for b in forwarded:
             used(b)
         for b, x in st.computes:
@@ -121,7 +122,7 @@ def run_backward_chain(ex, steps: tuple[ChainStep, ...], k: torch.Tensor, v: tor
                     used(b)
         if s == last_job and jobs_done is not None:
             jobs_done()
-        out["wait_s"] += ex._wait(handle)
+        out["wait_s"] += ex.wait(handle)
         for kind, t, buf in recvs:
             if kind == "kv":
                 have[t.block] = buf

@@ -106,15 +106,40 @@ go out as one batch (``transport.post_batch``): on gloo the batch's receives bef
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from megatron_fcp.comm import RoundPost
 from megatron_fcp.planning.blocks import Block, Transfer
-from megatron_fcp.planning.waves import Wave, leading_own_jobs, plan_waves, wave_budget
+from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.waves import Wave, leading_own_jobs
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "run_backward_waves"]  # waves: megatron_fcp.planning.waves
+if TYPE_CHECKING:
+    from megatron_fcp.attention.kernels import BlockKernel
+    from megatron_fcp.attention.layout import ShardLayout
+
+__all__ = ["BackwardHost", "run_backward_waves"]
+
+
+class BackwardHost(Protocol):
+    """What a backward runner (:func:`run_backward_waves`,
+    :func:`~megatron_fcp.attention.backward_chain.run_backward_chain`) uses of the executor that
+    runs it: the plan and this rank's place in it, the shard layout, and the transport's verbs with
+    the plan named in their errors. The schedule itself comes from the backward program (Note
+    [Backward program] in :mod:`megatron_fcp.planning.program`)."""
+
+    plan: Plan
+    rank: int
+    layout: ShardLayout
+    local_blocks: tuple[Block, ...]
+    kernel: BlockKernel
+
+    def post(self, sends, recvs, *, round_index: int, phase: str): ...
+    def post_batch(self, posts: list[RoundPost]) -> list: ...
+    def wait(self, handle) -> float: ...
+    def test(self, handle) -> bool: ...
+    def kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]: ...
 
 
 def _flip(t: Transfer) -> Transfer:
@@ -140,7 +165,7 @@ class _Fetch:
     """Re-sends one wave's KV (``resend``): the plan's forward rounds restricted to the wave, posted
     one after another (:meth:`complete` the round in flight, then :meth:`post_next`)."""
 
-    def __init__(self, ex, wave: Wave, k: torch.Tensor, v: torch.Tensor, held: _Held,
+    def __init__(self, ex: BackwardHost, wave: Wave, k: torch.Tensor, v: torch.Tensor, held: _Held,
                  kept: dict[Block, torch.Tensor] | None = None) -> None:
         self.ex, self.wave, self.k, self.held = ex, wave, k, held
         self.have: dict[Block, torch.Tensor] = {}
@@ -167,7 +192,7 @@ class _Fetch:
         ex = self.ex
         if self.pending is not None:
             handle, recvs = self.pending
-            self.wait_s += ex._wait(handle)
+            self.wait_s += ex.wait(handle)
             self.pending = None
             for t, buf in recvs:
                 self.have[t.block] = self.relaying[t.block] = buf
@@ -183,7 +208,7 @@ class _Fetch:
         ex, wave = self.ex, self.wave
         nxt = wave.rounds[self.i]
         sends = [(t, self.have[t.block]) for t in ex.plan.sends(ex.rank, nxt) if wave.has(nxt, t)]
-        recvs = [(t, torch.empty(ex._kv_shape(t.block, self.k), dtype=self.k.dtype, device=self.k.device))
+        recvs = [(t, torch.empty(ex.kv_shape(t.block, self.k), dtype=self.k.dtype, device=self.k.device))
                  for t in ex.plan.recvs(ex.rank, nxt) if wave.has(nxt, t)]
         return RoundPost(sends, recvs, nxt, "resend")
 
@@ -196,7 +221,7 @@ class _Fetch:
 
     def post_next(self) -> None:
         p = self.next_post()
-        self.attach(p, self.ex._post(p.sends, p.recvs, round_index=p.round_index, phase=p.phase))
+        self.attach(p, self.ex.post(p.sends, p.recvs, round_index=p.round_index, phase=p.phase))
 
     def _drop(self, posted: float) -> None:
         for b in [b for b in self.relaying if self.last.get(b, -1) <= posted]:
@@ -224,7 +249,7 @@ class _Reduce:
     :meth:`attach` es the handle), :meth:`complete` waits for the round in flight and adds what it
     received into the wave's table (in the round's list order)."""
 
-    def __init__(self, ex, wave: Wave, table: dict, prepare: Callable, add: Callable) -> None:
+    def __init__(self, ex: BackwardHost, wave: Wave, table: dict, prepare: Callable, add: Callable) -> None:
         self.ex, self.wave, self.table, self._prepare, self._add = ex, wave, table, prepare, add
         self.rounds = list(reversed(wave.rounds))
         self.i, self.pending = 0, None
@@ -237,7 +262,7 @@ class _Reduce:
         if self.pending is None:
             return
         handle, recvs = self.pending
-        self.wait_s += self.ex._wait(handle)
+        self.wait_s += self.ex.wait(handle)
         self.pending = None
         for t, buf in recvs:
             self._add(self.table, t.block, buf)
@@ -262,7 +287,7 @@ class _Pump:
     waits until given chains are through. A completed round is always waited (``wait``) before
     its receives are used."""
 
-    def __init__(self, ex, device: torch.device) -> None:
+    def __init__(self, ex: BackwardHost, device: torch.device) -> None:
         self.ex, self.order, self.k, self.device = ex, [], 0, device
         self.sync = getattr(ex.kernel, "synchronize", None)  # BlockKernel's; a duck-typed kernel may lack it
         self.chains: list = []
@@ -273,7 +298,7 @@ class _Pump:
         self.chains += chains
 
     def _ready(self, c) -> bool:
-        return c.pending is None or self.ex.transport.test(c.pending[0])
+        return c.pending is None or self.ex.test(c.pending[0])
 
     def poll(self) -> None:
         if self.k < len(self.order) and self.sync is not None:  # rounds queued: on the device's clock
@@ -302,7 +327,7 @@ class _Pump:
         sends (Note [Receives first across rounds] in :mod:`megatron_fcp.comm`)."""
         if batch:
             posts = [c.next_post() for c in batch]
-            for c, p, h in zip(batch, posts, self.ex._post_batch(posts)):
+            for c, p, h in zip(batch, posts, self.ex.post_batch(posts)):
                 c.attach(p, h)
 
     def finish(self, chains: list) -> None:
@@ -319,7 +344,7 @@ class _Pump:
         self.chains = [c for c in self.chains if c.left() or c.pending is not None]
 
 
-def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Tensor,
+def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Tensor,
                        kept: dict[Block, torch.Tensor] | None,
                        compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
                        wire_dtype: torch.dtype | None = None, resend: bool | None = None,
@@ -355,10 +380,10 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
         # forward t: src -> me  ==> backward: me -> src, carrying my accumulated dKV of t.block,
         # rounded to the wire dtype here (once per hop)
         sends = [(_flip(t), g[t.block].to(wire) if t.block in g
-                  else torch.zeros(ex._kv_shape(t.block, k), dtype=wire, device=k.device))
+                  else torch.zeros(ex.kv_shape(t.block, k), dtype=wire, device=k.device))
                  for t in plan.recvs(rank, r) if wave.has(r, t)]
         # forward t: me -> dst  ==> backward: dst -> me, its partial dKV of t.block (wire dtype)
-        recvs = [(_flip(t), torch.empty(ex._kv_shape(t.block, k), dtype=wire, device=k.device))
+        recvs = [(_flip(t), torch.empty(ex.kv_shape(t.block, k), dtype=wire, device=k.device))
                  for t in plan.sends(rank, r) if wave.has(r, t)]
         out["bytes_sent"] += sum(_nbytes(x) for _, x in sends)
         return RoundPost(sends, recvs, r, "backward")

@@ -30,7 +30,7 @@ Note [Backward pipeline]
 Like flash-attn, the backward recomputes each block's scores from the saved ``q, k, v`` (the local
 shard), the final FP32 ``out`` and ``lse``, and the received KV blocks this rank computed on
 (saved in forward under ``backward_kv="keep"``, or re-sent wave by wave in backward under
-``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`). dQ stays
+``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.planning.program`). dQ stays
 local. dK/dV of a block flow back along the plan reversed: rounds run last to first and every
 transfer is flipped, so the receiver of a block returns its partial ``[2, blk, b, h_kv, d]`` dKV
 to the rank it got the block from. A relay first adds its own contribution and what its own
@@ -70,13 +70,11 @@ from typing import Callable, Union
 import torch
 
 from megatron_fcp.agreement import LastAgreed
-from megatron_fcp.attention.backward_waves import plan_waves, run_backward_waves
+from megatron_fcp.attention.backward_waves import run_backward_waves
 from megatron_fcp.attention.backward_chain import run_backward_chain
-from megatron_fcp.planning.chains import chain_steps, first_kept_blocks, first_keepers, first_wave_fetch
 from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
-from megatron_fcp.attention.kv_memory import RING_BUDGET, choose_backward_kv
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
@@ -86,6 +84,7 @@ from megatron_fcp.groups import group_membership
 from megatron_fcp.planning.blocks import Block
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import Plan
+from megatron_fcp.planning.program import RING_BUDGET, BackwardPolicy, BackwardProgram, compile_backward
 
 __all__ = [
     "fcp_attention",
@@ -190,18 +189,19 @@ class _Executor:
     placement; Note [Shard layouts]); tensors are ``[n, b, h, d]`` (THD runs as ``b = 1``)."""
 
     def __init__(self, plan: Plan, rank: int, transport: Transport, causal: bool, scale: float,
-                 layout: ShardLayout, stats: FCPStats | None, kernel: BlockKernel) -> None:
+                 layout: ShardLayout, stats: FCPStats | None, kernel: BlockKernel, program: BackwardProgram,
+                 q_ready: Callable[[], None] | None = None,
+                 dq_ready: Callable[[torch.Tensor], None] | None = None) -> None:
+        if program.plan is not plan:
+            raise ValueError("_Executor: the backward program was compiled for another plan")
         self.plan, self.rank, self.transport, self.kernel = plan, rank, transport, kernel
         self.causal, self.scale, self.layout, self.stats = causal, scale, layout, stats
+        self.program = program      # every backward decision (Note [Backward program])
         self.needs = plan.needs(rank)
         self.local_blocks = layout.local_blocks
         self.num_rounds = len(plan.rounds)
-        self.backward_kv = "keep"  # or "resend": set by fcp_attention_with_lse
-        self.first_kept = False    # every rank starts from the forward's first step (chains.first_keepers: all)
-        self.keep_first: frozenset | None = None  # resend: the blocks of it this rank keeps
-        self.first_keepers: frozenset = frozenset()  # resend: the ranks that keep theirs (chains.first_keepers)
-        self.q_ready: Callable[[], None] | None = None  # forward: called once before q is first read
-        self.dq_ready: Callable[[torch.Tensor], None] | None = None  # backward: called once with the final dq
+        self.q_ready = q_ready      # forward: called once before q is first read
+        self.dq_ready = dq_ready    # backward: called once with the final dq
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
         for r, rnd in enumerate(plan.rounds):
             for t in rnd:
@@ -213,13 +213,15 @@ class _Executor:
         if self.stats is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _post(self, sends, recvs, *, round_index: int, phase: str):
+    # -- what the backward runners use (the BackwardHost protocol of backward_waves) ------------
+    def post(self, sends, recvs, *, round_index: int, phase: str):
+        """Post one round of this rank's sends and receives (:meth:`~megatron_fcp.comm.Transport.post`)."""
         try:
             return self.transport.post(sends, recvs, round_index=round_index, phase=phase)
         except CommTimeout as exc:  # a peer already gone: the same words as a failed wait
             raise self._with_plan(exc) from exc
 
-    def _post_batch(self, posts):
+    def post_batch(self, posts):
         """Several rounds at once (:meth:`~megatron_fcp.comm.Transport.post_batch`): one handle each."""
         try:
             return self.transport.post_batch(posts)
@@ -231,7 +233,8 @@ class _Executor:
         return CommTimeout(f"{exc} [plan {self.plan.name!r} over CP ranks {list(self.plan.ranks)}, "
                            f"{self.num_rounds} rounds, on rank {self.rank}]")
 
-    def _wait(self, handle) -> float:
+    def wait(self, handle) -> float:
+        """Wait for a posted round; returns the seconds waited."""
         t0 = time.perf_counter()
         try:
             self.transport.wait(handle)
@@ -239,7 +242,11 @@ class _Executor:
             raise self._with_plan(exc) from exc
         return time.perf_counter() - t0
 
-    def _kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]:
+    def test(self, handle) -> bool:
+        """Whether a posted round is complete, without blocking (:meth:`~megatron_fcp.comm.Transport.test`)."""
+        return self.transport.test(handle)
+
+    def kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]:
         """[2, block tokens, b, h_kv, d]: K and V (or dK and dV) of ``block`` as one tensor."""
         return (2, self.layout.block_tokens(block), x.shape[1], x.shape[2], x.shape[3])
 
@@ -279,16 +286,16 @@ class _Executor:
         def post(r: int):
             nonlocal bytes_sent
             sends = [(t, have[t.block]) for t in self.plan.sends(self.rank, r)]
-            recvs = [(t, torch.empty(self._kv_shape(t.block, k), dtype=k.dtype, device=k.device))
+            recvs = [(t, torch.empty(self.kv_shape(t.block, k), dtype=k.dtype, device=k.device))
                      for t in self.plan.recvs(self.rank, r)]
             bytes_sent += sum(x.numel() * x.element_size() for _, x in sends)
-            return self._post(sends, recvs, round_index=r, phase=phase), recvs
+            return self.post(sends, recvs, round_index=r, phase=phase), recvs
 
         pending = post(0) if self.num_rounds else None
         on_local({b: have[b] for b in self.local_blocks})
         for r in range(self.num_rounds):
             handle, recvs = pending
-            wait_s += self._wait(handle)
+            wait_s += self.wait(handle)
             for t, buf in recvs:
                 have[t.block] = buf
                 alive += buf.numel() * buf.element_size()
@@ -310,9 +317,16 @@ class _Executor:
         """:meth:`forward` keeping what :meth:`backward` needs when ``grads``: under ``keep`` the
         need set; under ``resend`` nothing (None: backward re-sends every block), or for a ring
         whose first sub-round fits the budget that sub-round (Note [Streaming chain backward])."""
-        out, lse, kept = self.forward(q, k, v, keep_blocks=self.backward_kv == "keep" and grads,
-                                      keep_only=self.keep_first if grads else None)
-        return out, lse, kept if self.backward_kv == "keep" or self.keep_first is not None else None
+        prog = self.program
+        keep_first = prog.keep_first(self.rank)
+        out, lse, kept = self.forward(q, k, v, keep_blocks=prog.mode == "keep" and grads,
+                                      keep_only=keep_first if grads else None)
+        return out, lse, kept if prog.mode == "keep" or keep_first is not None else None
+
+    @property
+    def backward_kv(self) -> str:
+        """The backward KV mode this call runs (``"keep"`` or ``"resend"``: the program's)."""
+        return self.program.mode
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_blocks: bool = True,
                 keep_only: frozenset | None = None):
@@ -409,31 +423,23 @@ class _Executor:
             self.dq_ready(dq_out[0])
 
         done = jobs_done if self.dq_ready is not None else None
-        per_token = 2 * math.prod(k.shape[1:]) * k.element_size()                # K and V of one token
-        size = lambda blk: lay.block_tokens(blk) * per_token  # noqa: E731
-        key = (tuple(k.shape), per_token, id(getattr(lay, "placement", None)))
-        # a ring: Note [Streaming chain backward]
-        waves = chain_steps(self.plan, size, cache_key=key, first_kept=self.first_kept)
-        form = "chain" if waves is not None else "waves"
-        if waves is not None:
-            res = run_backward_chain(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,
-                                     resend=self.backward_kv == "resend", jobs_done=done)
-        else:
-            waves = plan_waves(self.plan, size, cache_key=key)
-            partial = first_wave_fetch(self.plan, size, self.first_keepers, cache_key=key) \
-                if self.backward_kv == "resend" else None
-            res = run_backward_waves(self, waves, k, v, kept, compute, cd, wire_dtype=q.dtype,  # partials in q's dtype
-                                     resend=self.backward_kv == "resend", first_kept=self.first_kept,
-                                     first_fetch=partial, jobs_done=done)
+        prog = self.program
+        if prog.steps is not None:                                  # a ring: Note [Streaming chain backward]
+            res = run_backward_chain(self, prog.steps, k, v, kept, compute, cd, wire_dtype=q.dtype,
+                                     resend=prog.resend, jobs_done=done)
+        else:                                                       # partials travel in q's dtype
+            res = run_backward_waves(self, prog.waves, k, v, kept, compute, cd, wire_dtype=q.dtype,
+                                     resend=prog.resend, first_kept=prog.first_kept,
+                                     first_fetch=prog.first_fetch, jobs_done=done)
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]
         if self.stats is not None:
             saved = sum(x.numel() * x.element_size() for x in (kept or {}).values())
-            held = saved + (res["peak"] if self.backward_kv == "resend" else 0)
+            held = saved + (res["peak"] if prog.resend else 0)
             self.stats.resend_bytes_sent += res["resend_bytes"]
             self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
             self.stats.backward_peak_kv_bytes = max(self.stats.backward_peak_kv_bytes, held)
-            self.stats.backward_waves = len(waves)
-            self.stats.backward_form = form
+            self.stats.backward_waves = len(prog.steps if prog.steps is not None else prog.waves)
+            self.stats.backward_form = prog.form
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [n, b, h_kv, d]
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for b in self.local_blocks:
@@ -473,7 +479,7 @@ def fcp_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
     causal: bool = True, softmax_scale: float | None = None, transport: Transport | None = None,
     stats: FCPStats | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, kernel: KernelLike = "auto",
-    placement: Placement | None = None, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
+    placement: Placement | None = None, backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False,
     q_ready: Callable[[], None] | None = None, dq_ready: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -484,10 +490,11 @@ def fcp_attention_with_lse(
     stats: an :class:`FCPStats` to add this call's times and bytes to (forward now, backward later).
     timeout_s: bound on each round's wait for the default transport, and on the agreement.
     kernel, plan, placement: see :func:`fcp_attention`.
-    backward_kv: ``"keep"`` (save received KV for backward: fastest, most memory), ``"resend"``
-    (re-send it in backward: hold no more than the ring) or ``"auto"`` (keep while every rank's
-    kept bytes fit ``kv_memory_budget``, bytes per rank, default the ring's); Note [Backward KV
-    modes] in :mod:`megatron_fcp.attention.kv_memory`. Outputs and gradients are bitwise the same.
+    backward_kv: ``"auto"`` (default, as the plugin's: keep while every rank's kept bytes fit
+    ``kv_memory_budget``, bytes per rank, default the ring's, else re-send with the first step kept
+    where it fits), ``"keep"`` (save received KV for backward: no KV traffic in backward, most
+    memory) or ``"resend"`` (re-send it in backward; keep nothing); Note [Backward KV modes] in
+    :mod:`megatron_fcp.planning.program`. Outputs and gradients are bitwise the same.
     agreement: before the first transfer of a plan on a group the CP ranks agree (one bounded
     collective) on the plan, shapes, dtypes, causal, scale and kernel; repeated calls with the same
     facts skip it (:class:`~megatron_fcp.agreement.LastAgreed`). ``None``: the caller agreed
@@ -507,8 +514,7 @@ def fcp_attention_with_lse(
     executor = build_executor(q, k, v, cp_group=cp_group, plan=plan, causal=causal, softmax_scale=softmax_scale,
                               transport=transport, stats=stats, timeout_s=timeout_s, kernel=kernel,
                               placement=placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
-                              agreement=agreement)
-    executor.q_ready, executor.dq_ready = q_ready, dq_ready
+                              agreement=agreement, q_ready=q_ready, dq_ready=dq_ready)
     if placement is None:
         out, lse = _FCPAttentionFunction.apply(q, k, v, executor)
     else:
@@ -520,11 +526,14 @@ def fcp_attention_with_lse(
 
 
 def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=None, transport=None, stats=None,
-                   timeout_s=DEFAULT_TIMEOUT_S, kernel="math", placement=None, backward_kv="keep",
-                   kv_memory_budget=RING_BUDGET, agreement=PLAN_AGREEMENT) -> _Executor:
+                   timeout_s=DEFAULT_TIMEOUT_S, kernel="math", placement=None, backward_kv="auto",
+                   kv_memory_budget=RING_BUDGET, agreement=PLAN_AGREEMENT, q_ready=None,
+                   dq_ready=None) -> _Executor:
     """What one :func:`fcp_attention_with_lse` call runs (same arguments): validate, agree, pick the
-    transport and backward KV mode, and return the plan executor. The in-process harness
-    (:mod:`megatron_fcp.attention.harness`) drives it directly instead of through autograd."""
+    transport, compile the backward program (Note [Backward program] in
+    :mod:`megatron_fcp.planning.program`) and return the plan executor, complete. The in-process
+    harness (:mod:`megatron_fcp.attention.harness`) drives it directly instead of through autograd."""
+    policy = BackwardPolicy(backward_kv, kv_memory_budget)          # bad values fail before any communication
     plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
                                                   placement)
     if agreement is not None:
@@ -542,19 +551,11 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
         layout: ShardLayout = ZigzagLayout(plan_obj.ranks, rank, q.shape[0], plan_obj.parts_per_chunk, causal)
     else:
         layout = PlacementLayout(placement, plan_obj.ranks, rank)
-    per_token = 2 * math.prod(k.shape[1:]) * k.element_size()  # K and V of one token
-    size = lambda blk: layout.block_tokens(blk) * per_token  # noqa: E731
-    key = (tuple(q.shape), per_token, id(placement))
-    mode = choose_backward_kv(backward_kv, plan_obj, size, kv_memory_budget, cache_key=key)
-    executor = _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj)
-    executor.backward_kv = mode
-    keepers = first_keepers(backward_kv, mode, plan_obj, size, kv_memory_budget, cache_key=key)
-    executor.first_kept = len(keepers) == len(plan_obj.ranks)
-    if mode == "resend" and keepers:
-        executor.first_keepers = keepers
-        if rank in keepers:
-            executor.keep_first = frozenset(first_kept_blocks(plan_obj, size, cache_key=key).get(rank, ()))
-    return executor
+    token_bytes = 2 * math.prod(k.shape[1:]) * k.element_size()       # K and V of one token, b sequences
+    program = compile_backward(plan_obj, token_bytes, policy,
+                               seq_len=None if placement is not None else q.shape[0] * plan_obj.cp)
+    return _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj, program,
+                     q_ready=q_ready, dq_ready=dq_ready)
 
 
 def fcp_attention(

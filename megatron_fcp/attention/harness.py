@@ -37,7 +37,7 @@ import torch
 from megatron_fcp.agreement import LastAgreed
 from megatron_fcp.attention.function import build_executor
 from megatron_fcp.attention.kernels import reference_attention
-from megatron_fcp.attention.kv_memory import RING_BUDGET
+from megatron_fcp.planning.program import RING_BUDGET, BackwardProgram
 from megatron_fcp.attention.layout import zigzag_split, zigzag_unsplit
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import Transport
@@ -67,6 +67,7 @@ class RankResult:
     stats: FCPStats | None
     backward_kv: str                            # "keep" | "resend", as decided for this call
     kept_bytes: int                             # received KV held from forward to backward
+    program: "BackwardProgram | None" = None    # the backward program the executor ran
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return {n: getattr(self, n) for n in QUANTITIES}
@@ -98,7 +99,7 @@ def harness_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None = None, *,
     cp: int | None = None, ranks: Sequence[int] | None = None, plan: Any = None, causal: bool = True,
     softmax_scale: float | None = None, kernel: Any = "math", placement: Placement | None = None,
-    backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET, device: "str | torch.device | None" = None,
+    backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET, device: "str | torch.device | None" = None,
     timeout_s: float = 60.0, transport: Callable[[int, Transport], Transport] | None = None,
     stats: bool = False, agree: bool = False,
 ) -> HarnessResult:
@@ -159,7 +160,7 @@ def harness_attention(
             out, lse = out.squeeze(1), lse.squeeze(0)                              # [t, h, d], [h, t]
             grads = tuple(g.squeeze(1) if g is not None else None for g in grads)
         return RankResult(h.rank, h.index, out, lse, *grads, transport=tr, stats=st, backward_kv=ex.backward_kv,
-                          kept_bytes=kept_bytes)
+                          kept_bytes=kept_bytes, program=ex.program)
 
     results = group.run(one_rank, timeout_s=timeout_s * 4)
     if device.type == "cuda":  # made on the ranks' streams, used on the caller's from now on

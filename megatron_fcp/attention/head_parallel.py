@@ -98,7 +98,7 @@ from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, fcp_at
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
-from megatron_fcp.attention.kv_memory import RING_BUDGET
+from megatron_fcp.planning.program import RING_BUDGET
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport
 from megatron_fcp.planning.blocks import zigzag_chunk_index
@@ -312,7 +312,7 @@ def fcp_head_parallel_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, hp_plan: HeadParallelPlan,
     groups: HeadParallelGroups | None = None, causal: bool = True, softmax_scale: float | None = None,
     kernel: str | BlockKernel = "auto", transport: Transport | None = None, stats: FCPStats | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "keep", kv_memory_budget: int = RING_BUDGET,
+    timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False, return_lse: bool = True,
     overlap_q: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

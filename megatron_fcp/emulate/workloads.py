@@ -12,7 +12,7 @@ Workload names (``--workloads``):
 * ``fcp-hp``: what the plugin runs by default: the schedule the Megatron runtime settles
   (:func:`~megatron_fcp.patches.schedule.settle_schedule`), i.e.
   :func:`~megatron_fcp.planning.choose_schedule` on the emulated cluster with the emulated compute
-  model and the backward the executor runs (:class:`~megatron_fcp.planning.waves.WaveBackward`:
+  model and the backward the executor runs (:class:`~megatron_fcp.planning.program.WaveBackward`:
   wave by wave, KV kept or re-sent as ``--backward-kv`` / the ``@keep`` / ``@resend`` suffix
   decide against the ring's memory, partials in bf16): degree, KV-stage graph, parts per chunk
   (degree 1) or stagger (degree > 1). Degree 1 runs as plain FCP over the chosen plan with its
@@ -32,8 +32,8 @@ Predictions are the cost model's forward + backward on the emulated cluster's To
 overhead (as the sleep kernel charges). FCP's backward (``fcp-*`` and every KV stage) is priced
 as the executor runs it, wave by wave
 (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`), in the backward KV mode the
-executor picks (:func:`executor_backward_kv`; the workload decides it once, as every rank would,
-and hands it to the ranks).
+executor picks (:func:`executor_program`: the executor's own backward program, Note [Backward
+program]; the workload compiles it once, as every rank would, and hands the mode to the ranks).
 
 The *lower bound* of a configuration is the physical limit with perfect overlap:
 ``max(compute, communication)`` where compute is the total attention work spread evenly over the
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from megatron_fcp.planning import (
     BUILDERS,
@@ -81,7 +80,6 @@ from megatron_fcp.planning import (
     simulate_te_p2p,
     simulate_te_p2p_thd,
 )
-from megatron_fcp.planning.blocks import Block, part_tokens
 from megatron_fcp.planning.compare import packed_need_stats
 from megatron_fcp.planning.cost import pad_for_zigzag
 from megatron_fcp.planning.head_parallel import HeadParallelPlan
@@ -89,11 +87,11 @@ from megatron_fcp.planning.head_parallel_choose import ScheduleChoice, choose_sc
 from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_shape
 from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel
 from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO, simulate_backward_waves
-from megatron_fcp.planning.waves import WaveBackward, choose_backward_kv
+from megatron_fcp.planning.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 
 __all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "WORKLOAD_NAMES",
-           "make_workloads", "lower_bounds", "predict_head_parallel", "executor_block_bytes", "executor_backward_kv",
+           "make_workloads", "lower_bounds", "predict_head_parallel", "executor_program",
            "fcp_hp_choice"]
 
 DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for; dK/dV partials too
@@ -202,7 +200,7 @@ def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionSh
     """Forward + backward of ``hp`` as the engine runs it
     (:func:`~megatron_fcp.planning.simulate_head_parallel`: all-to-all in, the KV stage with every
     stage at once, all-to-all out, exposed; Note [Head-parallel cost]), the KV stage's backward wave
-    by wave with ``backward_kv`` (keep / resend, :class:`~megatron_fcp.planning.waves.WaveBackward`),
+    by wave with ``backward_kv`` (keep / resend, :class:`~megatron_fcp.planning.program.WaveBackward`),
     dK/dV partials in the KV dtype (the executor's): the model ``choose_schedule`` ranks with.
     ``overlap_q``: Q's all-to-all behind the stage's start (the engine's default; False for
     ``te-a2a-p2p``, which posts one Q|K|V all-to-all as TE does)."""
@@ -217,13 +215,13 @@ def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionSh
 
 
 def _hp_backward_kv(shape: WorkloadShape, hp: HeadParallelPlan) -> str:
-    """The backward KV mode the engine's KV stage picks: :func:`executor_backward_kv` on stage 0's
+    """The backward KV mode the engine's KV stage picks: :func:`executor_program` on stage 0's
     plan (every stage decides alike), the stage's KV heads, the padded sequence."""
     if hp.kv_plan is None:  # a = cp: no KV stage, nothing kept or re-sent
         return "keep"
     att, _ = pad_for_zigzag(shape.attention(), hp.cp)
-    return executor_backward_kv(shape.backward_kv, hp.kv_plan_for(0), att.seq_len, stage_shape(hp, att).kv_heads,
-                                shape.head_dim)
+    return executor_program(shape.backward_kv, hp.kv_plan_for(0), att.seq_len, stage_shape(hp, att).kv_heads,
+                            shape.head_dim).mode
 
 
 @dataclass
@@ -381,30 +379,19 @@ def _fcp(name: str, graph: str, shape: WorkloadShape, topo: Topology, ranks: tup
     return w
 
 
-def executor_block_bytes(plan: Plan, seq_len: int, kv_heads: int, head_dim: int) -> Callable[[Block], int]:
-    """Bytes of one block's K and V as the executor counts them (``build_executor``: the layout's
-    block tokens times K and V of one token): the placement's span, or the zigzag sub-block of a
-    ``seq_len``-token sequence (parts of floor/ceil size), ``kv_heads`` x ``head_dim`` in bf16, b = 1."""
-    per_token = 2 * kv_heads * head_dim * DTYPE_BYTES
-    if plan.placement is not None:
-        tok = {(plan.ranks[i], b): s.tokens for i, b, s in plan.placement.block_list()}
-        return lambda blk: tok[(blk.owner, blk.chunk)] * per_token
-    return lambda blk: part_tokens(seq_len, plan.cp, plan.parts_per_chunk, blk.part) * per_token
-
-
-def executor_backward_kv(mode: str, plan: Plan, seq_len: int, kv_heads: int, head_dim: int) -> str:
-    """The backward KV mode ``fcp_attention_with_lse`` picks for ``plan`` (``build_executor``):
-    :func:`~megatron_fcp.planning.waves.choose_backward_kv` against the ring's budget with
-    :func:`executor_block_bytes`. The cost model decides the same way
-    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves` given ``"auto"``)."""
-    return choose_backward_kv(mode, plan, executor_block_bytes(plan, seq_len, kv_heads, head_dim))
+def executor_program(mode: str, plan: Plan, seq_len: int, kv_heads: int, head_dim: int) -> BackwardProgram:
+    """The backward program ``fcp_attention_with_lse`` compiles for ``plan`` (``build_executor``,
+    Note [Backward program]): ``mode`` against the ring's budget, blocks of a ``seq_len``-token
+    (padded) sequence or of the placement, ``kv_heads`` x ``head_dim`` in bf16, b = 1."""
+    return compile_backward(plan, 2 * kv_heads * head_dim * DTYPE_BYTES, BackwardPolicy(mode), seq_len=seq_len)
 
 
 def _backward_kv_mode(shape: WorkloadShape, plan: Plan, placement: Placement | None) -> str:
-    """:func:`executor_backward_kv` for an ``fcp-*`` workload over ``plan`` (over its placement when
-    packed; else the zigzag padded to a multiple of ``2 * cp``, as the runner's shards are)."""
+    """The mode of :func:`executor_program` for an ``fcp-*`` workload over ``plan`` (over its
+    placement when packed; else the zigzag padded to a multiple of ``2 * cp``, as the runner's
+    shards are)."""
     seq = sum(shape.doc_lengths) if placement is not None else -(-shape.seq // (2 * plan.cp)) * (2 * plan.cp)
-    return executor_backward_kv(shape.backward_kv, plan, seq, shape.kv_heads, shape.head_dim)
+    return executor_program(shape.backward_kv, plan, seq, shape.kv_heads, shape.head_dim).mode
 
 
 def _parse_name(name: str) -> tuple[str, str | None, int | None] | None:

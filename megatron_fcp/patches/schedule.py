@@ -10,7 +10,7 @@ Note [Choosing the head-parallel degree] by predicted forward + backward time, t
 as the executor will run it: a ring streamed hop by hop (Note [Streaming chain backward]), other
 graphs wave by wave (Note [Backward waves]), KV kept or re-sent as
 ``--fcp-backward-kv`` / ``--fcp-kv-memory-budget`` decide for each candidate's plan
-(:class:`~megatron_fcp.planning.waves.WaveBackward`). The flags are the constraints:
+(:class:`~megatron_fcp.planning.program.WaveBackward`). The flags are the constraints:
 
 ============================ ==================================================================
 flag                         effect on the search
@@ -46,7 +46,7 @@ from megatron_fcp.config import FCPConfig
 from megatron_fcp.planning import AttentionShape, MegatronLayout
 from megatron_fcp.planning.head_parallel import consecutive_head_groups
 from megatron_fcp.planning.head_parallel_choose import ScheduleChoice, choose_schedule
-from megatron_fcp.planning.waves import WaveBackward
+from megatron_fcp.planning.program import WaveBackward
 
 __all__ = ["settle_schedule", "schedule_report"]
 

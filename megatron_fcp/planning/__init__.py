@@ -74,7 +74,7 @@ from megatron_fcp.planning.packed_cost import (
 )
 from megatron_fcp.planning.placement import Placement, Span, lognormal_lengths, place_packed
 from megatron_fcp.planning.plan import SIMPLE_PLANS, AutoChoice, Plan, full_plan, ring_plan
-from megatron_fcp.planning.waves import WaveBackward
+from megatron_fcp.planning.program import WaveBackward
 
 __all__ = [
     "AUTO_CANDIDATES", "BUILDERS", "GRAPH_CHOICES", "SIMPLE_PLANS", "AttentionShape", "AutoChoice",

@@ -184,7 +184,7 @@ def compare_head_parallel(
 def backward_kv_costs(plan, topology: "Topology | str", shape: AttentionShape, forward: SimResult, *,
                       compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0) -> dict:
     """Memory against time of the two backward KV modes of one FCP plan (Note [Backward KV modes] in
-    :mod:`megatron_fcp.attention.kv_memory`), as the executor runs them: wave by wave
+    :mod:`megatron_fcp.planning.program`), as the executor runs them: wave by wave
     (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`). Per mode the backward and
     forward+backward seconds, the most received KV any rank holds between the passes
     (``held_kv_bytes_max``) and within backward (``backward_held_kv_bytes_max``); beside them the

@@ -13,7 +13,7 @@ Candidates: every degree ``a`` whose head groups fit inside nodes and whose head
 times every graph of :data:`~megatron_fcp.planning.builders.AUTO_CANDIDATES` for the KV stage (one
 candidate when ``a`` is the whole group: nothing left to distribute). Each is timed forward and
 backward (:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`; the backward in
-one pass from kept KV, or, given a :class:`~megatron_fcp.planning.waves.WaveBackward` as the
+one pass from kept KV, or, given a :class:`~megatron_fcp.planning.program.WaveBackward` as the
 Megatron runtime passes, wave by wave with KV kept or re-sent as the executor will run it) and the best by
 ``objective`` is kept (:func:`~megatron_fcp.planning.cost.pick_best`: least total, ties within 0.1%
 broken by communication). Then, for ``a = 1``, sub-blocks of 2, 4 and 8 parts per chunk (no smaller
@@ -40,7 +40,7 @@ from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.head_parallel import HeadParallelPlan
 from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, head_parallel_degrees
 from megatron_fcp.planning.head_parallel_cost import check_pass, simulate_head_parallel
-from megatron_fcp.planning.waves import WaveBackward
+from megatron_fcp.planning.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates", "ScheduleChoice",
@@ -161,7 +161,7 @@ def build_head_parallel_plan(
     ``pass_`` and the best by ``objective`` is returned, with ``auto`` recording each candidate's
     predicted seconds (Note [Choosing the head-parallel degree]). ``shape.seq_len`` is padded to a
     multiple of ``2 * cp`` as Megatron pads. ``backward``: price the backward as the executor runs
-    it (a :class:`~megatron_fcp.planning.waves.WaveBackward`) instead of in one pass (None)."""
+    it (a :class:`~megatron_fcp.planning.program.WaveBackward`) instead of in one pass (None)."""
     if degree != "auto" and graph != "auto" and parts_per_chunk != "auto":
         topo = load_topology(topology)
         padded, _ = pad_for_zigzag(shape, len(check_cp_ranks(topo, cp_ranks)))

@@ -37,7 +37,7 @@ traffic).
 
 That backward is one pass from kept KV. The executor walks it in waves (Note [Backward waves] in
 :mod:`megatron_fcp.attention.backward_waves`), keeping or re-sending KV; given ``backward`` (a
-:class:`~megatron_fcp.planning.waves.WaveBackward`) the KV stage's backward is timed that way
+:class:`~megatron_fcp.planning.program.WaveBackward`) the KV stage's backward is timed that way
 (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`), which is what the Megatron
 runtime prices its choice with. It can differ a lot: with whole chunks a wave gives some ranks
 twice the work of others (128K on ``dgx-h100:2``, a = 1, hierarchical: backward 55 ms in one pass,
@@ -101,7 +101,7 @@ from megatron_fcp.planning.packed_cost import (
     simulate_te_p2p_thd,
 )
 from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.waves import WaveBackward
+from megatron_fcp.planning.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "simulate_te", "lower_bound_all",
@@ -166,7 +166,7 @@ def simulate_head_parallel(
     bytes per element of the dK/dV partials the KV stage returns (default ``shape.dtype_bytes``: the
     input dtype, what the executor sends, as Transformer Engine's ring sends dKV; 4 prices FP32
     partials). ``backward``: None times the KV stage's backward in one pass from kept KV; a
-    :class:`~megatron_fcp.planning.waves.WaveBackward` times it as the executor runs it, wave by wave
+    :class:`~megatron_fcp.planning.program.WaveBackward` times it as the executor runs it, wave by wave
     with KV kept or re-sent as the executor decides (:func:`_wave_backward`; ``meta["backward_kv"]``
     is the mode priced)."""
     check_pass(pass_)

@@ -86,13 +86,13 @@ from megatron_fcp.planning.cost import (
     simulate_plan,
     simulate_rounds,
 )
-from megatron_fcp.planning.blocks import part_tokens
-from megatron_fcp.planning.chains import chain_steps, chain_timeline, first_kept_blocks, first_keepers, first_wave_fetch
+from megatron_fcp.planning.chains import chain_timeline
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.placement import check_doc_lengths
 from megatron_fcp.planning.plan import Plan
 from megatron_fcp.planning.wave_timeline import wave_timeline
-from megatron_fcp.planning.waves import RING_BUDGET, choose_backward_kv, plan_waves, restrict
+from megatron_fcp.planning.program import RING_BUDGET, BackwardPolicy, compile_backward
+from megatron_fcp.planning.waves import restrict
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -285,7 +285,7 @@ def simulate_plan_backward(
     first message start, last finish. ``grad_dtype_bytes``: bytes per element of the dK/dV partials
     on the wire (default ``shape.dtype_bytes``: the executor sends them in the input dtype).
 
-    ``backward_kv`` (Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`):
+    ``backward_kv`` (Note [Backward KV modes] in :mod:`megatron_fcp.planning.program`):
     ``"keep"`` starts from saved KV; ``"resend"`` first re-runs the forward rounds (KV in
     ``kv_dtype_bytes``, default ``shape.dtype_bytes``), overlapped with the local blocks'
     gradients, which both modes compute first. ``meta["held_kv_bytes"]``: per rank, the received
@@ -302,12 +302,9 @@ def simulate_plan_backward(
     check_cp_ranks(topo, plan.ranks)
     cp, R, P_ = plan.cp, len(plan.rounds), plan.parts_per_chunk
     pos = {r: i for i, r in enumerate(plan.ranks)}
-    if pl is not None:
-        tokens = {(plan.ranks[i], b): s.tokens for i, b, s in pl.block_list()}
-        block_tokens = lambda blk: tokens[(blk.owner, blk.chunk)]  # noqa: E731
-    else:
+    if pl is None:
         shape, _ = pad_for_zigzag(shape, cp)
-        block_tokens = lambda blk: part_tokens(shape.seq_len, cp, P_, blk.part)  # noqa: E731
+    block_tokens = lambda blk: plan.block_tokens(blk, shape.seq_len)  # noqa: E731
     grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes                  # partials travel in the input dtype
     per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
     nbytes = lambda t: block_tokens(t.block) * per_token  # noqa: E731
@@ -410,7 +407,7 @@ def simulate_backward_waves(
     shape: AttentionShape,
     *,
     compute_model: ComputeModel | None = None,
-    backward_kv: str = "resend",
+    backward_kv: str = "auto",
     kv_dtype_bytes: int | None = None,
     grad_dtype_bytes: int | None = None,
     round_overhead_s: float = 0.0,
@@ -437,23 +434,20 @@ def simulate_backward_waves(
     ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard).
     ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``).
     ``backward_kv="auto"``: keep or resend as the executor decides
-    (:func:`~megatron_fcp.planning.waves.choose_backward_kv`, ``kv_memory_budget`` bytes per rank
+    (:func:`~megatron_fcp.planning.program.compile_backward`, ``kv_memory_budget`` bytes per rank
     against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced."""
-    if backward_kv not in ("auto", "keep", "resend"):
-        raise ValueError(f"backward_kv: must be 'auto', 'keep' or 'resend', got {backward_kv!r}")
+    policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     pl, cp = plan.placement, plan.cp
-    if pl is not None:
-        tokens = {(plan.ranks[i], b): sp.tokens for i, b, sp in pl.block_list()}
-        block_tokens = lambda blk: tokens[(blk.owner, blk.chunk)]  # noqa: E731
-    else:
-        zshape, _ = pad_for_zigzag(shape, cp)
-        block_tokens = lambda blk: part_tokens(zshape.seq_len, cp, plan.parts_per_chunk, blk.part)  # noqa: E731
+    zshape = pad_for_zigzag(shape, cp)[0] if pl is None else shape
     kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
-    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731
-    requested = backward_kv
-    backward_kv = choose_backward_kv(backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget)
+    # the executor's program: its block bytes are micro_batch sequences' (Note [Backward program])
+    program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
+                               budget=None if budget is None else budget * micro_batch)
+    block_tokens = lambda blk: plan.block_tokens(blk, program.seq_len)  # noqa: E731
+    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
+    backward_kv = program.mode
     flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * BACKWARD_FLOP_RATIO
     pos = {r: i for i, r in enumerate(plan.ranks)}
     if pl is not None:
@@ -467,22 +461,16 @@ def simulate_backward_waves(
         p = pairs(x, blk)
         return p * flop_s + cm.kernel_overhead_s if p else 0.0
 
-    key = ("cost", kv_tok, shape.seq_len)
-    keepers = first_keepers(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget,
-                            cache_key=key + (micro_batch,)) if budget is None else frozenset()
-    first = len(keepers) == len(plan.ranks)
-    # received KV saved from the forward, per rank: keep its need set, auto (resend) the first step's
-    got = first_kept_blocks(plan, size, cache_key=key) if keepers and backward_kv == "resend" else {}
-    saved = {r: sum(size(b) for b in (plan.needs(r) if backward_kv == "keep" else got.get(r, ()) if r in keepers
-                                      else ())) for r in plan.ranks}
-    steps = chain_steps(plan, size, budget, cache_key=key, first_kept=first)
+    keepers, first = program.keepers, program.first_kept
+    saved = {r: sum(size(b) for b in program.kept(r)) for r in plan.ranks}   # received KV saved from the forward
+    steps = program.steps
     if steps is not None:  # Note [Streaming chain backward]
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
                               lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s,
                               saved)
         return {**out, "first_kept": first, "first_kept_ranks": len(keepers),
                 "held_between_passes_bytes_max": max(saved.values(), default=0)}
-    waves = plan_waves(plan, size, budget, cache_key=key)
+    waves = program.waves
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     resend = backward_kv == "resend"
 
@@ -505,7 +493,7 @@ def simulate_backward_waves(
         fetch.append(f)
         held.append(got)
     W = len(waves)
-    partial = first_wave_fetch(plan, size, keepers, cache_key=key) if resend else None
+    partial = program.first_fetch
     timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
                              job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
                              buffered_sends=buffered_sends, first_kept=first, first_fetch=partial)

@@ -24,7 +24,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from megatron_fcp.planning.blocks import Block, PlanError, Transfer, blocks_of
+from megatron_fcp.planning.blocks import Block, PlanError, Transfer, blocks_of, part_tokens
 from megatron_fcp.planning.needs import need_matrix, need_set
 from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.table import TransferTable, table_columns, table_rank_rounds, table_rounds
@@ -130,6 +130,17 @@ class Plan:
 
     def blocks(self) -> tuple[Block, ...]:
         return tuple(b for r in self.ranks for b in self.local_blocks(r))
+
+    def block_tokens(self, block: Block, seq_len: int | None = None) -> int:
+        """Tokens of ``block``: its span of the placement, or the zigzag sub-block of a ``seq_len``-token
+        global sequence (a multiple of ``2 * cp``: the padded one; parts of floor/ceil size, Note
+        [Sub-block sizes]). The one rule for a block's size: the executor's buffers, the backward
+        program and the cost model all count with it."""
+        if self.placement is not None:
+            return self.placement.blocks[self.cp_index(block.owner)][block.chunk].tokens
+        if seq_len is None:
+            raise ValueError("Plan.block_tokens: a zigzag plan needs seq_len (the padded global sequence)")
+        return part_tokens(seq_len, self.cp, self.parts_per_chunk, block.part)
 
     def chunks_per_rank(self) -> np.ndarray:
         """Chunks each CP rank owns (int64 ``[cp]``; each cut into ``parts_per_chunk`` blocks):

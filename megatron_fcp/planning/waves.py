@@ -43,9 +43,9 @@ zigzag plans at 128K on dgx-h100:2 keep the waves they had. The choice reads onl
 block sizes, so every rank and the cost model make it alike.
 
 Whether the waves re-send KV or start from what the forward kept is :func:`choose_backward_kv`'s
-(Note [Backward KV modes] in :mod:`megatron_fcp.attention.kv_memory`); it reads only the plan, so
-the planner decides it as every rank does. :class:`WaveBackward` tells the cost model to price a
-candidate with that backward (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`).
+(Note [Backward KV modes] in :mod:`megatron_fcp.planning.program`); it reads only the plan, so
+the planner decides it as every rank does; :func:`~megatron_fcp.planning.program.compile_backward`
+makes that and every other backward decision once (Note [Backward program]).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from megatron_fcp.planning.plan import Plan
 
 __all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "block_work",
            "BACKWARD_KV_MODES",
-           "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv", "WaveBackward"]
+           "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
     return Wave(tuple(reversed(again)), wave.computes)
 
 
-# ---- keep or resend (Note [Backward KV modes] in megatron_fcp.attention.kv_memory) ----------------
+# ---- keep or resend (Note [Backward KV modes] in megatron_fcp.planning.program) ----------------
 BACKWARD_KV_MODES = ("auto", "keep", "resend")
 RING_BUDGET = -1
 """``kv_memory_budget`` value meaning "what the ring holds": one KV pair the size of the rank's shard."""
@@ -305,7 +305,7 @@ def kept_bytes_per_rank(plan: Plan, block_bytes: Callable[[Block], int]) -> dict
 def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int], budget: int = RING_BUDGET,
                        *, cache_key: Hashable = None) -> str:
     """``"keep"`` or ``"resend"`` for ``mode`` (Note [Backward KV modes] in
-    :mod:`megatron_fcp.attention.kv_memory`); the same answer on every rank.
+    :mod:`megatron_fcp.planning.program`); the same answer on every rank.
 
     block_bytes: bytes of one block's K and V. budget: bytes per rank, or :data:`RING_BUDGET`
     (each rank's own KV bytes). cache_key: what ``block_bytes`` depends on besides the plan (e.g.
@@ -338,34 +338,3 @@ def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int
 
 
 _DECISIONS: dict[tuple, tuple[weakref.ref, str]] = {}  # (id(plan), budget, key) -> (plan ref, decision)
-
-
-@dataclass(frozen=True)
-class WaveBackward:
-    """The backward the executor runs, for pricing a plan: wave by wave (Note [Backward waves] in
-    :mod:`megatron_fcp.attention.backward_waves`), KV kept or re-sent as :func:`choose_backward_kv`
-    decides for ``backward_kv`` (``--fcp-backward-kv``) and ``kv_memory_budget``
-    (``--fcp-kv-memory-budget``, bytes per rank or :data:`RING_BUDGET`). ``micro_batch``: sequences
-    per attention call; it scales a block's bytes, so it matters only against a budget in bytes
-    (the ring's budget scales with it). ``buffered_sends``: a rank's wait on its sends returns once
-    their receivers have posted (gloo over TCP, the emulated cluster: the socket takes the bytes
-    then); default, as NCCL, a send is waited until it arrives
-    (Note [Wave pipeline timeline] in :mod:`megatron_fcp.planning.wave_timeline`). Cost models take
-    ``backward=None`` for the plain one-pass backward with kept KV
-    (:func:`~megatron_fcp.planning.packed_cost.simulate_plan_backward`)."""
-
-    backward_kv: str = "auto"
-    kv_memory_budget: int = RING_BUDGET
-    micro_batch: int = 1
-    buffered_sends: bool = False
-
-    def __post_init__(self) -> None:
-        if self.backward_kv not in BACKWARD_KV_MODES:
-            raise ValueError(f"backward_kv must be one of {BACKWARD_KV_MODES}, got {self.backward_kv!r} "
-                             "(--fcp-backward-kv)")
-        b = self.kv_memory_budget
-        if not isinstance(b, int) or isinstance(b, bool) or b < RING_BUDGET:
-            raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {b!r} "
-                             "(--fcp-kv-memory-budget)")
-        if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool) or self.micro_batch < 1:
-            raise ValueError(f"micro_batch must be an integer >= 1, got {self.micro_batch!r} (--micro-batch-size)")
