@@ -143,25 +143,15 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
     res["err"] = {n: (got[n].double() - local[n]).abs().max().item() for n in QUANTITIES}
     res["a2a_bytes"] = stats.head_parallel_bytes_sent
     if transport is not None:  # the KV stage ran exactly its plan's transfers (forward and backward)
-        from megatron_fcp.planning import Transfer
-
         plan_j = hp.kv_plan_for(hp.position(rank)[1])
         want = {(r, t) for r, t in plan_j.transfers() if rank in (t.src, t.dst)}
         fwd = [(p.round_index, p.transfer) for p in transport.posted if p.phase == "forward"]
-        # backward reduces along the same transfers reversed, wave by wave (a transfer may carry
-        # partials of several waves: Note [Backward waves])
-        bwd = {(p.round_index, Transfer(p.transfer.dst, p.transfer.src, p.transfer.block))
-               for p in transport.posted if p.phase == "backward"}
-        from megatron_fcp.planning.chains import chain_steps
+        # backward: exactly the posts of the program the stage's executor compiled (Note [Backward program])
+        from megatron_fcp.planning.program import ProgramPost, compiled_programs
 
-        # chains stream instead (Note [Streaming chain backward]); keep (the default) from the first sub-round on
-        steps = chain_steps(plan_j, lambda b: 1, first_kept=True)
-        if steps is not None:
-            bwd = {(p.round_index, p.transfer) for p in transport.posted if p.phase == "backward"}
-            want_bwd = {(s, t) for s, st in enumerate(steps) for t in st.grad + st.home if rank in (t.src, t.dst)}
-            bwd = bwd == want_bwd and bool(want_bwd)
-        else:
-            bwd = bwd == want
+        (program,) = compiled_programs(plan_j)
+        posted = [ProgramPost(ph, i, s, r) for ph, i, s, r in transport.rounds if ph != "forward"]
+        bwd = posted == list(program.posts(rank)) and any(p.sends or p.recvs for p in posted)
         res["stage_posts"] = ((len(fwd), set(fwd) == want, bwd), (len(want), True, True))
     if case.dtype == "fp64":
         again = fcp_head_parallel_attention(*(zigzag_split(x, cp, idx) for x in (q, k, v)), cp_group=group,
@@ -200,7 +190,7 @@ def _bad_inputs(group, ranks: tuple, hp_groups: dict) -> dict:
                   "not the CP group's ranks"),
         "degree": (lambda: HeadParallelPlan(ranks, 3, ((0, 1, 2), (3,)), None), {}, None, "groups of 3"),
         "kv_heads": (lambda: good, {}, (t(h=4), t(h=3), t(h=3)), "multiple of KV heads"),
-        "dtype": (lambda: good, {}, (t(), t(h=2, dtype=torch.float64), t(h=2)), "share one dtype"),
+        "dtype": (lambda: good, {}, (t(), t(h=2, dtype=torch.float64), t(h=2)), "dtypes differ"),
         "zigzag_parts": (lambda: make_hp_plan(ranks, 1, 64, True, "zigzag", 4, 2), {"groups": None},
                          (t(s=4), t(s=4, h=2), t(s=4, h=2)), "into 3 parts, more than it has tokens"),
     }

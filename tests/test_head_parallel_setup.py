@@ -12,7 +12,7 @@ import torch
 
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.args import add_fcp_args, fcp_config_from_args
-from megatron_fcp.patches.runtime import build_head_parallel_plan, reset_fcp, setup_fcp
+from megatron_fcp.patches.runtime import group_head_parallel_plan, reset_fcp, setup_fcp
 from megatron_fcp.planning import MegatronLayout
 from megatron_fcp.planning.head_parallel import group_placement
 from megatron_fcp.topology import load_topology
@@ -62,14 +62,14 @@ def test_runtime_plan_builder():
     topo = load_topology("dgx-h100:2")  # 2 nodes x 8: CP ranks 4..11 straddle the nodes
     ranks = tuple(range(4, 12))
     cfg = FCPConfig(enabled=True, graph="hierarchical")
-    hp = build_head_parallel_plan(cfg, topo, ranks, 4, 64, causal=True, heads=8, kv_heads=2)
+    hp = group_head_parallel_plan(cfg, topo, ranks, 4, 64, causal=True, heads=8, kv_heads=2)
     assert hp.head_groups == ((4, 5, 6, 7), (8, 9, 10, 11)) and hp.kv_replication == 2
     assert hp.kv_plan.ranks == (0, 1) and hp.kv_plan.placement == group_placement(ranks, hp.head_groups, 64, True)
     assert hp.kv_plan_for(3).ranks == (7, 11)
     hp.kv_plan_for(3).verify()
-    whole = build_head_parallel_plan(cfg, topo, ranks, 8, 64, causal=False, heads=8, kv_heads=8)
+    whole = group_head_parallel_plan(cfg, topo, ranks, 8, 64, causal=False, heads=8, kv_heads=8)
     assert whole.kv_plan is None and whole.num_groups == 1
-    none = build_head_parallel_plan(cfg, topo, ranks, 1, 64, causal=True, heads=8, kv_heads=8)
+    none = group_head_parallel_plan(cfg, topo, ranks, 1, 64, causal=True, heads=8, kv_heads=8)
     assert none.kv_plan.ranks == tuple(range(8)) and len(none.kv_plan.placement.blocks[0]) == 2
 
 
@@ -82,7 +82,7 @@ def test_stage_plan_is_one_object_so_the_executor_plans_backward_once():
     from megatron_fcp.planning.waves import choose_backward_kv, plan_waves
 
     topo = load_topology("dgx-h100:2")
-    hp = build_head_parallel_plan(FCPConfig(enabled=True, graph="hierarchical"), topo, tuple(range(4, 12)), 4, 64,
+    hp = group_head_parallel_plan(FCPConfig(enabled=True, graph="hierarchical"), topo, tuple(range(4, 12)), 4, 64,
                                   causal=True, heads=8, kv_heads=2)
     stage = hp.kv_plan_for(1)
     assert hp.kv_plan_for(1) is stage and hp.kv_plan_for(2) is not stage and stage.ranks == (5, 9)

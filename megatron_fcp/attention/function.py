@@ -127,12 +127,11 @@ def check_finite(out: torch.Tensor, lse: torch.Tensor, where: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # validation (before any communication)
 # ---------------------------------------------------------------------------------------------
-def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_scale,
-              kernel: KernelLike = "auto", placement: Placement | None = None):
-    """Check everything this rank can check locally; return (plan, rank, scale, kernel).
-
-    Zigzag: q, k, v are ``[s_local, b, h, d]``. Over a placement: THD ``[t_local, h, d]``."""
-    thd = placement is not None
+def check_qkv(q, k, v, *, thd: bool = False, softmax_scale: float | None = None) -> None:
+    """The checks every entry point makes of its tensors before any communication (this one and the
+    head-parallel stage's): ranks, one dtype and device, q and k/v agreeing on tokens, batch and
+    head size, query heads a multiple of KV heads, a positive finite scale. Zigzag tensors are
+    ``[s_local, b, heads, head_dim]``, THD ones (``thd``) ``[t_local, heads, head_dim]``."""
     ndim, dims = (3, "[t_local, heads, head_dim] (THD, no batch dim)") if thd else (4, "[s_local, b, heads, head_dim]")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != ndim:
@@ -157,12 +156,22 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
     if h_kv < 1 or h % h_kv != 0:
         raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); "
                          f"fix num_query_groups")
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
+
+
+def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_scale,
+              kernel: KernelLike = "auto", placement: Placement | None = None):
+    """Check everything this rank can check locally; return (plan, rank, scale, kernel).
+
+    Zigzag: q, k, v are ``[s_local, b, h, d]``. Over a placement: THD ``[t_local, h, d]``."""
+    thd = placement is not None
+    check_qkv(q, k, v, thd=thd, softmax_scale=softmax_scale)
+    s_local, d = q.shape[0], q.shape[-1]
     kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=q.shape[-1])
     if thd and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents); "
                          f"use kernel='auto' (or any fused kernel, or 'math') for a placement")
-    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
     group_ranks, rank = group_membership(cp_group)  # a process group or a VirtualGroup (groups.py)
     if rank not in group_ranks:
         raise ValueError(f"this rank {rank} is not in cp_group {list(group_ranks)}; pass this rank's CP group")

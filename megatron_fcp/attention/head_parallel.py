@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.agreement import LastAgreed
-from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, fcp_attention_with_lse
+from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
@@ -111,8 +111,6 @@ __all__ = [
     "fcp_head_parallel_attention_with_lse",
     "head_parallel_bytes",
 ]
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,26 +228,12 @@ def _group_positions(hp_plan: HeadParallelPlan, group: tuple[int, ...], s_local:
 # validation (before any communication) and the entry points
 # ---------------------------------------------------------------------------------------------
 def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor [s_local, b, heads, head_dim], got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        raise ValueError(f"q, k, v must share one dtype of {[str(d) for d in _DTYPES]}, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
+    check_qkv(q, k, v, softmax_scale=softmax_scale)                     # the tensors, as fcp_attention checks them
     s, b, h, d = q.shape
-    if k.shape != v.shape or k.shape[:2] != (s, b) or k.shape[3] != d:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [s_local, b, h_kv, d] with "
-                         f"q's s_local, b and d ({tuple(q.shape)})")
     if not isinstance(hp_plan, HeadParallelPlan):
         raise ValueError(f"hp_plan must be a megatron_fcp.planning.head_parallel.HeadParallelPlan, got "
                          f"{type(hp_plan).__name__}")
     h_kv = k.shape[2]
-    if h_kv < 1 or h % h_kv:
-        raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); fix "
-                         f"num_query_groups")
     rep = check_head_parallel(h, h_kv, hp_plan.degree, hp_plan.cp)
     if hp_plan.kv_replication != rep:
         raise ValueError(f"hp_plan was built with kv_replication={hp_plan.kv_replication} but h={h}, h_kv={h_kv} "
@@ -263,8 +247,6 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel)
     if hp_plan.num_groups > 1 and not zigzag and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents), which the "
                          f"KV stage's placement needs; use kernel='auto' (or any fused kernel, or 'math')")
-    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("torch.distributed is not initialised; call dist.init_process_group first")
     if cp_group is None:

@@ -32,10 +32,9 @@ from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.schedule import schedule_report, settle_schedule
 from megatron_fcp.planning import AttentionShape, MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
-from megatron_fcp.planning.head_parallel import (HeadParallelPlan, check_head_parallel, consecutive_head_groups,
-                                                 group_placement, relabel_plan)
+from megatron_fcp.planning.head_parallel import HeadParallelPlan, check_head_parallel, group_placement, relabel_plan
 from megatron_fcp.planning.head_parallel_choose import ScheduleChoice
-from megatron_fcp.planning.head_parallel_compile import compile_head_parallel
+from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, head_groups_for
 from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.topology import TopologyError, load_topology
 from megatron_fcp.topology import detect
@@ -46,7 +45,7 @@ __all__ = [
     "FCPRuntime",
     "resolve_topology",
     "build_group_plan",
-    "build_head_parallel_plan",
+    "group_head_parallel_plan",
     "rank_map_table",
     "setup_fcp",
     "setup_fingerprint",
@@ -153,12 +152,12 @@ def build_group_plan(
     return plan
 
 
-def build_head_parallel_plan(config: FCPConfig, topology: Any, cp_ranks: tuple[int, ...], degree: int, seq_len: int,
+def group_head_parallel_plan(config: FCPConfig, topology: Any, cp_ranks: tuple[int, ...], degree: int, seq_len: int,
                              *, causal: bool = True, heads: int, kv_heads: int, head_dim: int | None = None,
                              dtype_bytes: int = 2, graph: str | None = None, stagger: int = 1) -> HeadParallelPlan:
     """The head-parallel plan of one CP group (Note [Head-parallel stage] in
-    :mod:`megatron_fcp.planning.head_parallel`): head groups of ``degree`` consecutive CP ranks
-    (one node's ranks when CP ranks fill nodes in order) and the KV stage's plan over the group
+    :mod:`megatron_fcp.planning.head_parallel`): the planner's head groups
+    (:func:`~megatron_fcp.planning.head_parallel_compile.head_groups_for`) and the KV stage's plan over the group
     placement of ``seq_len`` tokens on virtual ranks (every stage runs the same schedule).
     ``graph`` (default: the configured one): a builder name compiles the stage as the planner
     does (:func:`~megatron_fcp.planning.head_parallel_compile.compile_head_parallel`, chunks
@@ -167,7 +166,7 @@ def build_head_parallel_plan(config: FCPConfig, topology: Any, cp_ranks: tuple[i
     ``heads`` / ``kv_heads``: this rank's (per tensor-parallel partition)."""
     cp_ranks = tuple(cp_ranks)
     rep = check_head_parallel(heads, kv_heads, degree, len(cp_ranks))
-    groups = consecutive_head_groups(cp_ranks, degree)
+    groups = head_groups_for(topology, cp_ranks, degree)
     graph = graph or config.graph
     if degree > 1 and graph != "auto":
         shape = AttentionShape(seq_len, heads, kv_heads, head_dim or 1, dtype_bytes)
@@ -260,7 +259,7 @@ class FCPRuntime:
         """A CP group's head-parallel plan: with a settled schedule its graph and stagger, else the
         configured graph (Note [The runtime runs the planner's choice])."""
         c = self.schedule
-        return build_head_parallel_plan(
+        return group_head_parallel_plan(
             self.config, self.topology, ranks, degree, seq_len, causal=causal, heads=heads, kv_heads=kv_heads,
             head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2),
             graph=c.graph if c is not None else None, stagger=c.stagger if c is not None else 1)
@@ -536,11 +535,11 @@ def _create_head_parallel_groups(runtime: FCPRuntime, degree: int) -> None:
     from megatron_fcp.attention.head_parallel import create_head_parallel_groups  # noqa: PLC0415
 
     cp_groups = runtime.layout.cp_groups()
-    mine = create_head_parallel_groups([consecutive_head_groups(r, degree) for r in cp_groups],
+    mine = create_head_parallel_groups([head_groups_for(runtime.topology, r, degree) for r in cp_groups],
                                        timeout_s=runtime.config.timeout_s)
     runtime.hp_groups = {r: g for r, g in zip(cp_groups, mine) if g is not None}
     logger.info("FCP head-parallel stage: degree %d, head groups of CP group 0: %s", degree,
-                consecutive_head_groups(cp_groups[0], degree))
+                head_groups_for(runtime.topology, cp_groups[0], degree))
 
 
 def _megatron_cp_group() -> Any:

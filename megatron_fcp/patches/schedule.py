@@ -44,7 +44,7 @@ from typing import Any
 
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.planning import AttentionShape, MegatronLayout
-from megatron_fcp.planning.head_parallel import consecutive_head_groups
+from megatron_fcp.planning.head_parallel_compile import head_groups_for
 from megatron_fcp.planning.head_parallel_choose import ScheduleChoice, choose_schedule
 from megatron_fcp.planning.program import WaveBackward
 
@@ -77,9 +77,9 @@ def settle_schedule(config: FCPConfig, layout: MegatronLayout, topology: Any, *,
     except ValueError as exc:  # an explicit degree the topology cannot place inside nodes
         logger.info("FCP schedule (%s): no planner choice (%s); the flags as given, defaults for the rest", flags, exc)
         return None
-    if choice.degree > 1 and choice.plan.head_groups != consecutive_head_groups(cp_ranks, choice.degree):
-        logger.warning("FCP schedule: the planner's head groups %s are not consecutive CP ranks; the stage uses "
-                       "consecutive ones", choice.plan.head_groups)
+    if choice.degree > 1 and choice.plan.head_groups != head_groups_for(topology, cp_ranks, choice.degree):
+        raise AssertionError(f"the planner's head groups {choice.plan.head_groups} are not the runtime's "
+                             f"(head_groups_for): one rule must decide them")   # an invariant, not user input
     logger.info("FCP schedule (%s) for %d tokens, %d/%d heads per TP rank, cp %d on %s: %s", flags, seq_len, tp_heads,
                 tp_kv, layout.cp, getattr(topology, "name", topology), choice.describe())
     return choice

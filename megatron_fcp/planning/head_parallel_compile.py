@@ -39,6 +39,7 @@ from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.head_parallel import (
     HeadParallelPlan,
     check_head_parallel,
+    consecutive_head_groups,
     group_placement,
     relabel_plan,
 )
@@ -94,6 +95,17 @@ def topology_head_groups(topology: "Topology | str", cp_ranks: Sequence[int], de
         raise ValueError(f"head-parallel degree {degree} must divide every node's CP rank count "
                          f"{[len(r) for r in runs]}; use one of {head_parallel_degrees(topo, ranks)}")
     return tuple(tuple(run[k:k + degree]) for run in runs for k in range(0, len(run), degree))
+
+
+def head_groups_for(topology: "Topology | str", cp_ranks: Sequence[int], degree: int) -> tuple[tuple[int, ...], ...]:
+    """The head groups a CP group runs with: the planner's (:func:`topology_head_groups`, inside
+    nodes) wherever ``degree`` fits every node's CP ranks; else (an explicit degree that crosses
+    nodes, which the planner does not price) ``degree`` consecutive CP ranks. The runtime builds
+    its stages and process groups with this, so it runs the groups the planner timed."""
+    try:
+        return topology_head_groups(topology, cp_ranks, degree)
+    except ValueError:
+        return consecutive_head_groups(cp_ranks, degree)
 
 
 def compile_head_parallel(

@@ -72,8 +72,8 @@ from megatron_fcp.planning.chains import ChainStep, chain_steps, first_kept_bloc
 from megatron_fcp.planning.plan import Plan
 from megatron_fcp.planning.waves import BACKWARD_KV_MODES, RING_BUDGET, Wave, choose_backward_kv, plan_waves
 
-__all__ = ["BackwardPolicy", "WaveBackward", "BackwardProgram", "ProgramPost", "compile_backward", "RING_BUDGET",
-           "BACKWARD_KV_MODES"]
+__all__ = ["BackwardPolicy", "WaveBackward", "BackwardProgram", "ProgramPost", "compile_backward", "compiled_programs",
+           "RING_BUDGET", "BACKWARD_KV_MODES"]
 
 
 @dataclass(frozen=True)
@@ -281,6 +281,14 @@ def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None
 
 _PROGRAMS: dict[int, tuple[weakref.ref, dict]] = {}  # id(plan) -> (plan ref, {key: program})
 _LOCK = threading.Lock()
+
+
+def compiled_programs(plan: Plan) -> tuple[BackwardProgram, ...]:
+    """The programs compiled for ``plan`` (this object) in this process so far, in compile order:
+    what ran, for reports and for tests that hold the recorded posts against it."""
+    with _LOCK:
+        per_plan = _PROGRAMS.get(id(plan))
+        return tuple(per_plan[1].values()) if per_plan is not None and per_plan[0]() is plan else ()
 
 
 def _compile(plan: Plan, token_bytes: int, policy: BackwardPolicy, seq_len: int | None,
