@@ -224,6 +224,7 @@ def uniform_topology(
     intra_gbytes_per_s: float = DEFAULT_UNIFORM_INTRA_GBYTES_PER_S,
     nic_gbytes_per_s: float = DEFAULT_NIC_GBYTES_PER_S,
     hosts: HostGroups | None = None,
+    nvlink_domain: int = 1,
 ) -> Topology:
     """The hostnames-only assumption: ``nodes`` nodes of ``gpus_per_node`` GPUs on one NVSwitch
     (``intra_gbytes_per_s`` GB/s per direction) with one NIC per GPU (``nic_gbytes_per_s``),
@@ -234,6 +235,10 @@ def uniform_topology(
             links.append(Link(f"gpu{i}", "nvswitch", "nvswitch", intra_gbytes_per_s * GB, _NVLINK_LATENCY))
         links.append(Link(f"gpu{i}", f"nic{i}", "pcie", DEFAULT_PCIE_GBYTES_PER_S["PIX"] * GB, _PCIE_LATENCY))
         nics.append(Nic(f"nic{i}", "ib", nic_gbytes_per_s * GB))
-    layout = NodeLayout(gpus_per_node, tuple(links), tuple(nics), tuple(range(gpus_per_node)), "uniform")
+    switch = "nvswitch" if nvlink_domain > 1 and gpus_per_node > 1 else ""
+    if nvlink_domain > 1 and not switch:
+        raise ValueError(f"nvlink_domain={nvlink_domain}: an NVLink domain of hosts needs several GPUs per host")
+    layout = NodeLayout(gpus_per_node, tuple(links), tuple(nics), tuple(range(gpus_per_node)), "uniform",
+                        domain_switch=switch)
     rank_map = _rank_map(hosts) if hosts is not None else ()
-    return Topology(f"uniform:{nodes}", layout, nodes, rank_map)
+    return Topology(f"uniform:{nodes}", layout, nodes, rank_map, nvlink_domain=nvlink_domain)
