@@ -192,10 +192,16 @@ def _nic_numa(
     nic_names: Sequence[str],
     gpu_numa: Sequence[int | None],
     nic_pairs: Mapping[frozenset, str],
-) -> dict[str, int | None]:
-    """NUMA node of each NIC: that of the GPUs it reaches without crossing sockets (path not SYS),
-    else that of a NIC it reaches without crossing sockets; None when neither tells (or they
-    disagree)."""
+) -> tuple[dict[str, int | None], bool]:
+    """NUMA node of each NIC and whether it was inferred from NIC order.
+
+    1. that of the GPUs it reaches without crossing sockets (path not SYS);
+    2. else that of a NIC it reaches without crossing sockets;
+    3. else, when no NIC is placed so (every GPU-NIC path SYS, as on a GB200 tray whose GPU
+       memory is a NUMA node of its own), the NIC groups that reach each other without SYS are
+       matched to the GPUs' NUMA nodes in order (lowest NIC index to the lowest node) when their
+       counts agree: an inference, reported by :func:`place_nics`.
+    None when nothing tells (or the sources disagree)."""
     numa: dict[str, int | None] = {}
     for n in nic_names:
         seen = {gpu_numa[g] for g, p in enumerate(gpu_nic_paths)
@@ -206,7 +212,21 @@ def _nic_numa(
             seen = {numa[m] for m in nic_names if m != n and numa[m] is not None
                     and nic_pairs.get(frozenset((n, m)), "SYS") != "SYS"}
             numa[n] = seen.pop() if len(seen) == 1 else None
-    return numa
+    nodes = sorted({x for x in gpu_numa if x is not None})
+    if nic_names and all(v is None for v in numa.values()) and len(nodes) > 1:
+        groups: list[list[str]] = []
+        for n in nic_names:
+            home = next((grp for grp in groups if any(nic_pairs.get(frozenset((n, m)), "SYS") != "SYS" for m in grp)), None)
+            if home is None:
+                groups.append([n])
+            else:
+                home.append(n)
+        if len(groups) == len(nodes):
+            for node_id, grp in zip(nodes, groups):
+                for n in grp:
+                    numa[n] = node_id
+            return numa, True
+    return numa, False
 
 
 def _cards(nic_names: Sequence[str], nic_pairs: Mapping[frozenset, str]) -> dict[str, int]:
@@ -246,7 +266,7 @@ def place_nics(
     NICs of one card while a NIC as close to them stays unused.
     """
     nic_pairs = nic_pairs or {}
-    numa = _nic_numa(gpu_nic_paths, nic_names, gpu_numa, nic_pairs)
+    numa, inferred = _nic_numa(gpu_nic_paths, nic_names, gpu_numa, nic_pairs)
     card = _cards(nic_names, nic_pairs)
     users: dict[str, list[tuple[int, str]]] = {n: [] for n in nic_names}
     card_users: dict[int, int] = {}
@@ -271,12 +291,18 @@ def place_nics(
         card_users[card[nic]] = card_users.get(card[nic], 0) + 1
         choice.append(nic)
         if len(closest) > 1 and _PATH_ORDER[best] not in _DIRECT_NIC_PATHS:
-            how = "its NUMA node, then card load" if gn is not None and numa[nic] is not None else "card load"
+            how = "its NUMA node, then card load" if gn is not None and numa[nic] == gn else "card load"
             guesses.append(
                 f"gpu{g} -> {nic}: a tie, {len(closest)} NICs equally close ({_PATH_ORDER[best]}: "
                 f"{', '.join(closest)}); picked by {how}, then order - fix with --gpu-nic "
                 f"NIC,NIC,... (one per GPU) or node.gpu_nic in the YAML (--yaml-out)"
             )
+    if inferred:
+        guesses.append(
+            "NIC NUMA nodes: no GPU reaches a NIC without crossing sockets, so the NIC groups "
+            f"{sorted(set(numa.values()))} were matched to the GPUs' NUMA nodes in NIC order - fix with --gpu-nic "
+            "or node.gpu_nic in the YAML if the NICs are numbered otherwise"
+        )
     for c in sorted(set(card.values())):
         members = [n for n in nic_names if card[n] == c and users[n]]
         on_card = [g for n in members for g, _ in users[n]]

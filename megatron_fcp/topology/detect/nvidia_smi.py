@@ -65,7 +65,7 @@ _NV_RE = re.compile(r"^NV(\d+)$")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # CSI sequences: colours, underline, reset
 _CELL_TOKENS = r"NV\d+|PIX|PXB|PHB|NODE|SYS|SOC|X"
 #: The affinity columns nvidia-smi prints after the device columns, recognised by their header.
-_AFFINITY_RE = re.compile(r"CPU\s*Affinity|NUMA\s*Affinity|GPU\s*NUMA\s*ID")
+_AFFINITY_RE = re.compile(r"CPU\s*Affinity|GPU\s*NUMA\s*ID|NUMA(?:\s*Affinity)?")
 #: Where a glued header chunk (``NIC8NIC9``, ``mlx5_0mlx5_1``) is cut: before every device-name
 #: prefix other than at its start.
 _NAME_CUT_RE = re.compile(r"(?<=.)(?=GPU\d|NIC\d|mlx\d|rdmap|hfi\d|bnxt_re|irdma|efa_|qedr|erdma|ionic)")
@@ -92,6 +92,7 @@ def _header(line: str, where: str) -> tuple[list[str], list[str]]:
     dev_part, tail = (line[: m.start()], line[m.start():]) if m else (line, "")
     columns = [name for chunk in dev_part.split() for name in _NAME_CUT_RE.split(chunk) if name]
     affinity = [re.sub(r"\s+", " ", a) for a in _AFFINITY_RE.findall(tail)]
+    affinity = ["NUMA Affinity" if a == "NUMA" else a for a in affinity]  # some guides shorten the header
     left = _AFFINITY_RE.sub("", tail).strip()
     if left:
         raise TopologyParseError(
@@ -116,13 +117,19 @@ def _split_row(line: str, columns: list[str]) -> tuple[list[str], list[str]]:
             tokens += piece.findall(chunk)
         elif not tail and tokens and chunk != "N/A" and re.fullmatch(r"[A-Z][A-Za-z0-9_]*", chunk):
             tokens.append(chunk)  # an unknown connection: _cell_token names it and its column
+        elif re.fullmatch(r"\d+N/A", chunk):  # NUMA Affinity glued to GPU NUMA ID: "0N/A"
+            tail += [chunk[:-3], "N/A"]
         else:
             tail.append(chunk)
     return tokens, tail
 
 
 def _numa_of(value: str) -> int | None:
-    return int(value) if value.isdigit() else None
+    """The GPU's home NUMA node from its NUMA Affinity value: ``0``, or the first node of a list
+    such as GB200's ``0,3-9,11-17`` (the CPU node first, then the GPU memory nodes); None for
+    ``N/A`` or a range."""
+    head = value.split(",", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def parse_nvidia_smi_topo(
@@ -167,6 +174,7 @@ def parse_nvidia_smi_topo(
 
     rows: dict[str, tuple[int, list[str]]] = {}
     numa: list[int | None] = [None] * n_gpu
+    guesses: list[str] = []
     legend: dict[str, str] = {}
     k = header_idx + 1
     while k < len(lines) and lines[k].strip() and not lines[k].strip().startswith("Legend"):
@@ -185,11 +193,13 @@ def parse_nvidia_smi_topo(
                 f"{columns[0]}..{columns[-1]}): {more} cannot be placed without guessing which column moved; {_FIX}"
             )
         if label in gpu_cols and len(tail) != len(affinity):
-            raise TopologyParseError(
-                f"{where}: {len(tail)} affinity value(s) {tail} for the {len(affinity)} affinity column(s) "
-                f"{affinity} of the header: a value is missing or extra; {_FIX}"
-            )
-        if label in gpu_cols and "NUMA Affinity" in affinity:
+            # affinity values are not paths: a missing one (Slurm prints no CPU Affinity for GPUs
+            # outside the job's cpuset) or a glued pair cannot shift a connection cell, but which
+            # value is which is unknown, so the NUMA node is not used
+            guesses.append(f"line {k + 1} ({label}): {len(tail)} affinity value(s) {tail} for the header's "
+                           f"{affinity}; {label}'s NUMA node is unknown, so NIC ties ignore it - fix with "
+                           f"--gpu-nic if a tie is reported")
+        elif label in gpu_cols and "NUMA Affinity" in affinity:
             numa[gpu_cols.index(label)] = _numa_of(tail[affinity.index("NUMA Affinity")])
         rows[label] = (k + 1, [_cell_token(c, f"{where} column {columns[m]}") for m, c in enumerate(cells)])
         k += 1
@@ -277,12 +287,13 @@ def parse_nvidia_smi_topo(
             switched[j] = max(switched[j], c)
     nic_pairs = {p: t for p, t in pcie_paths.items() if not any(v.startswith("gpu") for v in p)}
     # nvidia-smi lists the RDMA devices (ibverbs) only: every NIC column is an RDMA NIC
-    nics, gpu_nic, guesses = place_nics(gpu_nic_paths, nic_names, {}, gpu_numa=numa, nic_pairs=nic_pairs,
-                                        kinds={n: "ib" for n in nic_names})
-    if nic_names and any(not n.lower().startswith(("mlx", "rdmap", "efa", "hfi", "bnxt", "irdma")) for n in nic_names):
-        guesses += (f"NIC kind of {', '.join(n for n in nic_names if not n.lower().startswith(('mlx', 'rdmap', 'efa', 'hfi', 'bnxt', 'irdma')))}: "
-                    f"no device name in a NIC Legend; taken as RDMA (kind ib), as nvidia-smi lists RDMA devices only - "
-                    f"fix with node.nics[].kind in the YAML (--yaml-out)",)
+    nics, gpu_nic, placed = place_nics(gpu_nic_paths, nic_names, {}, gpu_numa=numa, nic_pairs=nic_pairs,
+                                       kinds={n: "ib" for n in nic_names})
+    guesses += placed
+    unnamed = [n for n in nic_names if re.fullmatch(r"NIC\d+", n)]
+    if unnamed:
+        guesses.append(f"NIC kind of {', '.join(unnamed)}: no device name (no NIC Legend); taken as RDMA (kind ib), "
+                       f"as nvidia-smi lists RDMA devices only - fix with node.nics[].kind in the YAML (--yaml-out)")
     return DetectedNode(
         num_gpus=n_gpu,
         pairs=pairs,
