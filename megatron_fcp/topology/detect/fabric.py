@@ -41,6 +41,8 @@ def read_nvlink_fabric(device: int = 0) -> str | None:
     except Exception as exc:  # NVMLError, AttributeError on old pynvml: no fabric info
         log.debug("no NVLink fabric info from NVML (%s)", exc)
         return None
+    if getattr(info, "state", 3) != 3:  # NVML_GPU_FABRIC_STATE_COMPLETED: registration finished
+        return None
     uuid = bytes(info.clusterUuid)
     if not any(uuid):
         return None

@@ -18,6 +18,12 @@ with NVSwitch the count is the GPU's links into the switch fabric, shared by all
 GPU whose NV counts add up to more than :data:`NVLINK_MAX_LINKS_PER_GPU` is switched, and a pair
 of switched GPUs is an ``nvswitch`` link; otherwise ``NV#`` is a direct bonded ``nvlink``.
 
+What real machines print, and how it is read (:func:`parse_nvidia_smi_topo`): ANSI escapes are
+stripped; adjacent cells and headers printed without a separator (``NODENODE``, ``NIC8NIC9``) are
+cut on the cell tokens and column names; the affinity columns are found by their header names; a
+row with a missing or extra cell is refused (its columns cannot be placed without guessing), never
+shifted; affinity values that do not fit the header only lose that GPU's NUMA node (reported).
+
 NIC placement follows Note [NIC placement] in :mod:`.node`.
 """
 
