@@ -111,3 +111,11 @@ def test_detect_domain_from_hosts_fabric_or_flag():
     pcie = Path(__file__).parent / "fixtures" / "nvidia_smi_topo_pcie_server.txt"
     with pytest.raises(ValueError, match="not on an NVSwitch"):
         D.detect_topology_report(nvidia_smi=pcie, nodes=2, nvlink_domain=2)
+
+
+def test_topo_command_nvlink_domain_flag(capsys):
+    from megatron_fcp.cli import main
+
+    tray = Path(__file__).parent / "fixtures" / "topo_corpus" / "gb200_tray_sglang11208.txt"
+    assert main(["topo", "--from-nvidia-smi", str(tray), "--nodes", "36", "--nvlink-domain", "18"]) == 0
+    assert "NVLink domains: 2 of 18 node(s) (72 GPUs) over 'nvswitch'" in capsys.readouterr().out
