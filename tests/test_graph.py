@@ -28,7 +28,8 @@ CPS = (2, 3, 4, 8, 16, 64)
 
 
 def topo_for(preset: str, cp: int):
-    return load_topology(f"{preset}:{max(2, math.ceil(cp / 8))}")
+    per_node = load_topology(f"{preset}:1").gpus_per_node  # 8 on HGX, 4 on an NVL72 tray
+    return load_topology(f"{preset}:{max(2, math.ceil(cp / per_node))}")
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -48,8 +48,9 @@ def forwards_later(plan: Plan) -> set[tuple[int, Block]]:
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_builder_preset_cp_compiles_and_verifies(preset):
+    per_node = load_topology(f"{preset}:1").gpus_per_node  # 8 on HGX, 4 on an NVL72 tray
     for cp in CPS:
-        topo = load_topology(f"{preset}:{max(2, math.ceil(cp / 8))}")
+        topo = load_topology(f"{preset}:{max(2, math.ceil(cp / per_node))}")
         ranks = list(range(cp))
         for name in sorted(BUILDERS):
             for causal in (True, False):

@@ -37,7 +37,7 @@ def test_presets_build_and_route_every_pair(name, nodes):
                 continue
             assert route.resources and route.bandwidth > 0 and route.latency > 0
             crosses = any(">net" in r.name or "net>" in r.name for r in route.resources)
-            assert crosses == (topo.node_of(a) != topo.node_of(b))
+            assert crosses == (topo.domain_of(a) != topo.domain_of(b))  # Note [NVLink domains]
             names = [r.name for r in route.resources]
             assert len(set(names)) == len(names), names  # no resource used twice on one path
 
@@ -90,7 +90,8 @@ def test_yaml_round_trip(tmp_path):
         serialize.to_yaml(topo, path)
         again = load_topology(str(path))
         assert again == topo
-        assert again.route(1, 9).resources == topo.route(1, 9).resources
+        last = topo.world - 1
+        assert again.route(1, last).resources == topo.route(1, last).resources
 
 
 def test_explicit_rank_map_overrides_torchrun_order(tmp_path):

@@ -133,13 +133,13 @@ def placement_lines(plan, topo, shape=NOMINAL_SHAPE) -> list[str]:
     recv_tok = (need * tok[None, :]).sum(axis=1)
     moved = sum(pl.blocks[plan.cp_index(t.block.owner)][t.block.chunk].tokens for _, t in plan.transfers())
     cross = sum(pl.blocks[plan.cp_index(t.block.owner)][t.block.chunk].tokens for _, t in plan.transfers()
-                if topo.node_of(t.src) != topo.node_of(t.dst))
+                if topo.domain_of(t.src) != topo.domain_of(t.dst))  # over NICs: between NVLink domains
     kv = shape.kv_bytes(1)
     lines = [pl.summary(),
              f"  block tokens <= {max(tok) if len(tok) else 0}; work max/mean {st['work_max_over_mean']:.3f}, "
              f"need max/mean {st['recv_max_over_mean']:.3f}",
              f"  KV moved: {moved} tokens = {moved * kv / 1e9:.3f} GB (exact need sets "
-             f"{st['exact_need_bytes'] / 1e9:.3f} GB), across nodes {cross * kv / 1e9:.3f} GB (node need "
+             f"{st['exact_need_bytes'] / 1e9:.3f} GB), across NICs {cross * kv / 1e9:.3f} GB (node need "
              f"{st['node_need_bytes'] / 1e9:.3f} GB); bytes at {shape.kv_heads} KV heads x {shape.head_dim} x "
              f"{shape.dtype_bytes} B",
              f"  rounds {len(plan.rounds)} vs delta {st['delta']} (the most blocks any rank sends or receives)",
@@ -199,6 +199,11 @@ def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
             f"{k} {v * 1e3:.3f} ms" for k, v in sorted(plan.auto.times, key=lambda kv: kv[1])))
     lines.append("  CP rank -> global rank (node.local): " + ", ".join(
         f"{i}:{r}(n{topo.node_of(r)}.{topo.local_rank_of(r)})" for i, r in enumerate(plan.ranks)))
+    moves = [t for rnd in plan.rounds for t in rnd]
+    over_nic = [t for t in moves if any(x.name.endswith(">net") for x in topo.route(t.src, t.dst).resources)]
+    lines.append(f"  transfers over NICs: {len(over_nic)} of {len(moves)} "
+                 f"({sum(1 for t in over_nic if topo.domain_of(t.src) != topo.domain_of(t.dst))} between NVLink "
+                 f"domains; {topo.domains} domain(s) of {topo.nvlink_domain} node(s))")
     lines.extend(_round_lines(plan.rounds, limit))
     if backward:
         lines.append("  backward (reversed rounds, transfers flipped: partial dK/dV flow back to owners):")

@@ -4,7 +4,9 @@ optionally write it as YAML for editing.
 Sources follow :func:`megatron_fcp.topology.detect.detect_topology`'s order: ``--topology`` >
 ``--from-nccl-xml`` > ``--from-nvidia-smi`` > ``nvidia-smi topo -m`` on this machine > a uniform
 assumption (logged). The printout shows the nodes and their ranks, the link kind and bottleneck
-bandwidth between every pair of local GPUs of node 0, and the NICs with the GPUs that use them.
+bandwidth between every pair of local GPUs of node 0, the NICs with the GPUs that use them, and
+every guess detection made, each with the flag or YAML key that fixes it (Note [Guesses are
+reported] in :mod:`megatron_fcp.topology.detect`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class _DeprecatedFlag(argparse.Action):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", metavar="PRESET:NODES|FILE.yaml",
-                   help="a preset (dgx-a100, dgx-h100, pcie-box, single-uplink) with a node count, or a YAML file; "
+                   help="a preset (dgx-a100, dgx-h100, hgx-b200, hgx-b300, gb200-nvl72, gb300-nvl72, pcie-box, "
+                        "single-uplink) with a node count (hosts; an NVL72 rack is 18), or a YAML file; "
                         "wins over every detected source")
     p.add_argument("--from-nvidia-smi", metavar="FILE", help="text saved from `nvidia-smi topo -m` on one node")
     p.add_argument("--from-nccl-xml", metavar="FILE",
@@ -64,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nic-gbytes-per-s", type=float, metavar="GB/s",
                    help="NIC bandwidth per direction in gigabytes/s, overriding the source (default: the source's, "
                         f"else {DEFAULT_NIC_GBYTES_PER_S:g} = HDR 200 Gb/s)")
+    p.add_argument("--gpu-nic", metavar="NIC,NIC,...",
+                   help="the NIC each GPU uses, one name per GPU in local-rank order (e.g. mlx5_0,mlx5_3,...), "
+                        "replacing the detected placement (see the guesses it prints)")
+    p.add_argument("--nvlink-domain", type=int, metavar="HOSTS",
+                   help="hosts per NVLink domain (GB200/GB300 NVL72: 18 trays); default from NVML's fabric info "
+                        "when gathered, else 1 (every host its own domain)")
     for old, new in _DEPRECATED_FLAGS.items():
         p.add_argument(old, type=float, dest=new.lstrip("-").replace("-", "_"), action=_DeprecatedFlag,
                        help=argparse.SUPPRESS)
@@ -145,14 +154,14 @@ def describe_source(node) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_fcp.topology.detect import TopologyParseError, detect_topology
+    from megatron_fcp.topology.detect import TopologyParseError, detect_topology_report
     from megatron_fcp.topology import TopologyError, serialize
 
     logging.basicConfig(level=logging.WARNING, format="megatron-fcp topo: %(message)s")
     given = [name for name, val in (("--topology", args.topology), ("--from-nccl-xml", args.from_nccl_xml),
                                     ("--from-nvidia-smi", args.from_nvidia_smi)) if val]
     try:
-        topo = detect_topology(
+        topo, guesses = detect_topology_report(
             args.topology,
             nccl_xml=args.from_nccl_xml,
             nvidia_smi=args.from_nvidia_smi,
@@ -162,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
             nvlink_gbytes_per_s_per_link=args.nvlink_gbytes_per_s,
             pcie_gbytes_per_s=args.pcie_gbytes_per_s,
             nic_gbytes_per_s=args.nic_gbytes_per_s,
+            gpu_nic=args.gpu_nic.split(",") if args.gpu_nic else None,
+            nvlink_domain=args.nvlink_domain,
         )
     except (TopologyError, TopologyParseError, ValueError, FileNotFoundError) as exc:
         print(f"megatron-fcp topo: error: {exc}", file=sys.stderr)
@@ -177,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"source: {used}")
     print(describe(topo))
+    if guesses:
+        print("\nguesses (not read from the machine; each names its fix):")
+        for line in guesses:
+            print(f"  - {line}")
     if given and given[0] != "--topology":
         from megatron_fcp.topology.detect import parse_nccl_topo_xml, parse_nvidia_smi_topo
 

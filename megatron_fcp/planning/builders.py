@@ -68,13 +68,21 @@ __all__ = [
 ]
 
 
+def _tier_of(topo: Topology, r: int) -> int:
+    """The fast tier a rank is in: its NVLink domain, which is its host unless an NVLink fabric spans
+    hosts (NVL72; Note [NVLink domains] in :mod:`megatron_fcp.topology.model`). Builders' "nodes"
+    are these tiers: full mesh inside, NIC rails between."""
+    return topo.domain_of(r)
+
+
 def _node_groups(topo: Topology, ranks: Sequence[int]) -> dict[int, list[int]]:
-    """CP ranks per node, each list sorted by local rank (the rail order)."""
+    """CP ranks per fast tier (:func:`_tier_of`), each list sorted by (host, local rank): the rail
+    order (position k of every tier uses the same local NIC)."""
     groups: dict[int, list[int]] = {}
     for r in ranks:
-        groups.setdefault(topo.node_of(r), []).append(r)
+        groups.setdefault(_tier_of(topo, r), []).append(r)
     for lst in groups.values():
-        lst.sort(key=topo.local_rank_of)
+        lst.sort(key=lambda r: (topo.node_of(r), topo.local_rank_of(r)))
     return groups
 
 
@@ -176,7 +184,7 @@ class EntryGraph(FullGraph):
         edges, _ = super()._edges(topo, ranks)
         groups = _node_groups(topo, ranks)
         pos = {r: k for members in groups.values() for k, r in enumerate(members)}
-        return edges, {"groups": groups, "pos": pos, "node_of": {r: topo.node_of(r) for r in ranks}}
+        return edges, {"groups": groups, "pos": pos, "node_of": {r: _tier_of(topo, r) for r in ranks}}
 
     def tree_with_depths(self, cg, owner, dests, chunk=0):
         meta = cg.meta
@@ -276,7 +284,7 @@ class HierarchicalGraph(GraphBuilder):
         for every other node and chunk, in the order ``table_compile.hierarchical_edges`` documents."""
         groups = _node_groups(topo, ranks)
         pos = {r: k for members in groups.values() for k, r in enumerate(members)}
-        node_of = {r: topo.node_of(r) for r in ranks}
+        node_of = {r: _tier_of(topo, r) for r in ranks}
         lay = _RailLayout(groups)
         edges = hierarchical_edges(lay, lay.positions(ranks))
         return edges, {"groups": groups, "pos": pos, "node_of": node_of, "rails": lay}
@@ -429,7 +437,7 @@ class LeaderGraph(GraphBuilder):
     def _edges(self, topo, ranks):
         groups = {}
         for r in ranks:
-            groups.setdefault(topo.node_of(r), []).append(r)  # CP order: leader = first CP rank
+            groups.setdefault(_tier_of(topo, r), []).append(r)  # CP order: leader = first CP rank
         edges = [(a, b) for members in groups.values() for a in members for b in members]
         leaders = {n: m[0] for n, m in groups.items()}
         edges += [(a, b) for a in leaders.values() for b in leaders.values()]
@@ -438,10 +446,10 @@ class LeaderGraph(GraphBuilder):
     def tree(self, cg, owner, dests, chunk=0):
         topo = cg.topology
         leaders = cg.meta["leaders"]
-        home = topo.node_of(owner)
+        home = _tier_of(topo, owner)
         by_node: dict[int, list[int]] = {}
         for d in dests:
-            by_node.setdefault(topo.node_of(d), []).append(d)
+            by_node.setdefault(_tier_of(topo, d), []).append(d)
         edges: TreeEdges = [(owner, d) for d in by_node.pop(home, [])]
         if not by_node:
             return edges

@@ -221,12 +221,13 @@ def _unreached(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 
 
 def _edge_attrs(topo: Topology | None, a: int, b: int) -> dict:
-    """Edge attributes from the route; cached per (same node, local a, local b) since every node
-    shares one layout (a 1,024-rank rail graph has ~130K edges but ~130 distinct routes)."""
+    """Edge attributes from the route; cached per (same node, same NVLink domain, local a, local b)
+    since every node shares one layout (a 1,024-rank rail graph has ~130K edges but ~130 distinct
+    routes)."""
     if topo is None:
         return {"cost": 1.0, "bandwidth": 1.0, "kind": "loopback"}
     (na, la), (nb, lb) = topo.rank_map[a], topo.rank_map[b]
-    key = ("edge-attrs", na == nb, la, lb)
+    key = ("edge-attrs", na == nb, topo.domain_of(a) == topo.domain_of(b), la, lb)
     attrs = topo._cache.get(key)
     if attrs is None:
         route = topo.route(a, b)

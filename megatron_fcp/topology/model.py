@@ -28,6 +28,21 @@ contention on exactly these names. Examples (``dgx-h100``, rail-aligned, one NIC
 
 and on ``single-uplink`` every GPU of a node shares ``n{k}:nic0>net``.
 
+Note [NVLink domains]
+---------------------
+A *host* (a ``node``: one OS, one ``nvidia-smi``, one rank-map entry) and an *NVLink domain* are
+different things on GB200/GB300 NVL72: 18 trays (hosts) of 4 GPUs share one NVLink switch fabric.
+``Topology.nvlink_domain`` is the number of consecutive hosts per domain (1: every host is its own
+domain, the default; 18 on an NVL72 rack); host ``n`` is in domain ``n // nvlink_domain``. The
+layout names its ``domain_switch`` vertex (``nvswitch``), which stands for the whole domain's
+non-blocking switch fabric. Two ranks on different hosts of one domain route
+
+    n{src}:gpu{a}>nvswitch, n{dst}:nvswitch>gpu{b}
+
+(each GPU's own NVLink port, shared with its intra-host traffic: the fast tier) and cross no NIC;
+ranks in different domains go through the NICs as above (the slow tier). Graph builders group CP
+ranks by domain (:meth:`Topology.domain_of`), not by host.
+
 Ranks are global ranks ``0..world-1``; ``rank_map[r] = (node, local_rank)``. The default follows
 torchrun: ``node = r // gpus_per_node``, ``local_rank = r % gpus_per_node``.
 """
@@ -155,7 +170,9 @@ class NodeLayout:
     """One machine: ``gpus`` GPU vertices ``gpu0..``, NICs, links; see Note [Topology model].
 
     ``gpu_nic[i]`` is the index into ``nics`` that local rank ``i`` uses for inter-node traffic;
-    empty means "the nearest NIC" (cheapest path, lowest index on ties).
+    empty means "the nearest NIC" (cheapest path, lowest index on ties). ``domain_switch`` names
+    the switch vertex that spans an NVLink domain of several hosts (Note [NVLink domains]); empty
+    when the host is its own domain.
     """
 
     gpus: int
@@ -163,6 +180,7 @@ class NodeLayout:
     nics: tuple[Nic, ...] = ()
     gpu_nic: tuple[int, ...] = ()
     name: str = ""
+    domain_switch: str = ""
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -207,6 +225,12 @@ class NodeLayout:
             for i, k in enumerate(self.gpu_nic):
                 if not 0 <= k < len(self.nics):
                     raise TopologyError(f"node.gpu_nic[{i}]: NIC index {k} out of range 0..{len(self.nics) - 1}")
+        if self.domain_switch:
+            if self.domain_switch not in linked or not self._is_transit(self.domain_switch):
+                raise TopologyError(f"node.domain_switch: {self.domain_switch!r} must be a switch vertex of node.links")
+            for i in range(self.gpus):
+                if self._path(_gpu(i), self.domain_switch) is None:
+                    raise TopologyError(f"node.domain_switch: gpu{i} cannot reach {self.domain_switch!r}")
         for i in range(1, self.gpus):
             if self._path(_gpu(0), _gpu(i)) is None:
                 raise TopologyError(f"node.links: gpu{i} is not connected to gpu0 (the node graph is disconnected)")
@@ -280,6 +304,11 @@ class NodeLayout:
             return ()
         return self._path(_gpu(a), _gpu(b))
 
+    def switch_path(self, gpu: int, inbound: bool = False) -> tuple[tuple[str, str, Link], ...]:
+        """Directed hops GPU -> the domain switch (or back when ``inbound``); Note [NVLink domains]."""
+        sw = self.domain_switch
+        return self._path(sw, _gpu(gpu)) if inbound else self._path(_gpu(gpu), sw)
+
     def nic_path(self, gpu: int, inbound: bool = False) -> tuple[tuple[str, str, Link], ...]:
         """Directed hops GPU -> its NIC (or NIC -> GPU when ``inbound``)."""
         nic = self.nics[self.gpu_nic[gpu]].name
@@ -291,7 +320,8 @@ class Topology:
     """A cluster: ``nodes`` copies of ``layout``, a non-blocking fabric, and a rank map.
 
     ``rank_map[r] = (node, local_rank)`` for global rank ``r``; default torchrun order. Use
-    :meth:`route` for the resources between two ranks (cached).
+    :meth:`route` for the resources between two ranks (cached). ``nvlink_domain`` is the number of
+    consecutive hosts per NVLink domain (Note [NVLink domains]).
     """
 
     name: str
@@ -299,11 +329,19 @@ class Topology:
     nodes: int = 1
     rank_map: tuple[tuple[int, int], ...] = ()
     fabric_latency: float = 1e-6
+    nvlink_domain: int = 1
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
             raise TopologyError(f"nodes: must be an integer >= 1, got {self.nodes!r}")
+        if not isinstance(self.nvlink_domain, int) or isinstance(self.nvlink_domain, bool) or self.nvlink_domain < 1:
+            raise TopologyError(f"nvlink_domain: hosts per NVLink domain must be an integer >= 1, got {self.nvlink_domain!r}")
+        if self.nvlink_domain > 1 and not self.layout.domain_switch:
+            raise TopologyError(
+                f"nvlink_domain: {self.nvlink_domain} hosts per NVLink domain but node.domain_switch is not set; "
+                f"name the NVSwitch vertex that spans the domain (e.g. domain_switch: nvswitch)"
+            )
         object.__setattr__(self, "fabric_latency", parse_latency(self.fabric_latency, "fabric_latency"))
         g = self.layout.gpus
         if not self.rank_map:
@@ -346,6 +384,14 @@ class Topology:
     def local_rank_of(self, r: int) -> int:
         return self.rank_map[r][1]
 
+    def domain_of(self, r: int) -> int:
+        """NVLink domain of rank ``r`` (Note [NVLink domains]): its host when ``nvlink_domain == 1``."""
+        return self.rank_map[r][0] // self.nvlink_domain
+
+    @property
+    def domains(self) -> int:
+        return -(-self.nodes // self.nvlink_domain)
+
     def ranks_of_node(self, node: int) -> tuple[int, ...]:
         return tuple(r for r, (n, _) in enumerate(self.rank_map) if n == node)
 
@@ -372,6 +418,8 @@ class Topology:
         (ns, ls), (nd, ld) = self.rank_map[src], self.rank_map[dst]
         if ns == nd:
             res = self._hops(ns, self.layout.gpu_path(ls, ld))
+        elif ns // self.nvlink_domain == nd // self.nvlink_domain:  # Note [NVLink domains]
+            res = self._hops(ns, self.layout.switch_path(ls)) + self._hops(nd, self.layout.switch_path(ld, inbound=True))
         else:
             lay = self.layout
             nic_s, nic_d = lay.nics[lay.gpu_nic[ls]], lay.nics[lay.gpu_nic[ld]]
@@ -431,6 +479,11 @@ class Topology:
             kinds.setdefault(ln.kind, []).append(ln.bandwidth)
         lines = [
             f"topology {self.name!r}: {self.nodes} node(s) x {lay.gpus} GPU(s) = {self.world} ranks",
+        ]
+        if self.nvlink_domain > 1:
+            lines.append(f"  NVLink domains: {self.domains} of {self.nvlink_domain} node(s) "
+                         f"({self.nvlink_domain * lay.gpus} GPUs) over {lay.domain_switch!r}; NICs only between domains")
+        lines += [
             "  links per node: " + ", ".join(
                 f"{len(v)} {k} ({_fmt_bw(min(v))}" + (f"..{_fmt_bw(max(v))}" if max(v) != min(v) else "") + "/dir)"
                 for k, v in sorted(kinds.items())
@@ -454,7 +507,8 @@ class Topology:
 
     def with_rank_map(self, rank_map: Iterable[tuple[int, int]]) -> "Topology":
         """Same cluster, explicit ``rank_map`` (e.g. from hostnames gathered at run time)."""
-        return Topology(self.name, self.layout, self.nodes, tuple(tuple(x) for x in rank_map), self.fabric_latency)
+        return Topology(self.name, self.layout, self.nodes, tuple(tuple(x) for x in rank_map), self.fabric_latency,
+                        self.nvlink_domain)
 
 
 def _fmt_bw(bw: float) -> str:

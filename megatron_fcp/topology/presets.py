@@ -14,17 +14,19 @@ from megatron_fcp.topology.errors import TopologyError
 from megatron_fcp.topology.model import Link, Nic, NodeLayout, Topology
 from megatron_fcp.topology.units import GB
 
-__all__ = ["PRESETS", "preset", "load_topology"]
+__all__ = ["PRESETS", "NVL72_TRAYS", "preset", "load_topology"]
 
 
-def _nvswitch_node(gpus: int, nvlink_bw: float, nic_bw: float, nic_kind: str, pcie_bw: float, name: str) -> NodeLayout:
-    """DGX-style: every GPU on one NVSwitch plane; NIC ``i`` next to GPU ``i`` (rail-aligned)."""
+def _nvswitch_node(gpus: int, nvlink_bw: float, nic_bw: float, nic_kind: str, pcie_bw: float, name: str,
+                   domain_switch: str = "") -> NodeLayout:
+    """DGX-style: every GPU on one NVSwitch plane; NIC ``i`` next to GPU ``i`` (rail-aligned).
+    ``domain_switch="nvswitch"`` when the plane spans several hosts (Note [NVLink domains])."""
     links = [Link(f"gpu{i}", "nvswitch", "nvswitch", nvlink_bw, 1e-6) for i in range(gpus)]
     nics = []
     for i in range(gpus):
         links.append(Link(f"gpu{i}", f"nic{i}", "pcie", pcie_bw, 1e-6))
         nics.append(Nic(f"nic{i}", nic_kind, nic_bw, 2e-6))
-    return NodeLayout(gpus, tuple(links), tuple(nics), tuple(range(gpus)), name)
+    return NodeLayout(gpus, tuple(links), tuple(nics), tuple(range(gpus)), name, domain_switch=domain_switch)
 
 
 def _dgx_a100(nodes: int = 1) -> Topology:
@@ -35,6 +37,37 @@ def _dgx_a100(nodes: int = 1) -> Topology:
 def _dgx_h100(nodes: int = 1) -> Topology:
     """DGX H100: 8 GPUs, NVSwitch (NVLink4 450 GB/s/dir), 8x NDR 400 Gb/s (50 GB/s) NICs, rail-aligned."""
     return Topology("dgx-h100", _nvswitch_node(8, 450 * GB, 50 * GB, "ib", 64 * GB, "dgx-h100"), nodes)
+
+
+def _hgx_b200(nodes: int = 1) -> Topology:
+    """HGX/DGX B200: 8 GPUs, NVSwitch (NVLink5, 18 links x 50 = 900 GB/s/dir), 8x ConnectX-7
+    400 Gb/s (50 GB/s) NICs, rail-aligned, PCIe 5.0 x16 (64 GB/s). Sources: docs/topology.md."""
+    return Topology("hgx-b200", _nvswitch_node(8, 900 * GB, 50 * GB, "ib", 64 * GB, "hgx-b200"), nodes)
+
+
+def _hgx_b300(nodes: int = 1) -> Topology:
+    """HGX/DGX B300: 8 GPUs, NVSwitch (NVLink5, 900 GB/s/dir), 8x ConnectX-8 800 Gb/s (100 GB/s)
+    NICs, rail-aligned, PCIe 6.0 x16 (128 GB/s raw). Sources: docs/topology.md."""
+    return Topology("hgx-b300", _nvswitch_node(8, 900 * GB, 100 * GB, "ib", 128 * GB, "hgx-b300"), nodes)
+
+
+NVL72_TRAYS = 18
+"""Compute trays (hosts) of one GB200/GB300 NVL72 rack: 18 x 4 GPUs = 72 in one NVLink domain."""
+
+
+def _gb200_nvl72(nodes: int = NVL72_TRAYS) -> Topology:
+    """GB200 NVL72: ``nodes`` compute trays (hosts) of 4 B200 GPUs; every 18 trays (a rack) are one
+    NVLink domain (NVLink5 900 GB/s/dir per GPU through the NVLink switch trays); 4x ConnectX-7
+    400 Gb/s (50 GB/s) NICs per tray, one per GPU, for traffic between racks. Sources: docs/topology.md."""
+    layout = _nvswitch_node(4, 900 * GB, 50 * GB, "ib", 64 * GB, "gb200-nvl72", domain_switch="nvswitch")
+    return Topology("gb200-nvl72", layout, nodes, nvlink_domain=NVL72_TRAYS)
+
+
+def _gb300_nvl72(nodes: int = NVL72_TRAYS) -> Topology:
+    """GB300 NVL72: as :func:`_gb200_nvl72` with B300 GPUs (NVLink5 900 GB/s/dir) and 4x
+    ConnectX-8 800 Gb/s (100 GB/s) NICs per tray. Sources: docs/topology.md."""
+    layout = _nvswitch_node(4, 900 * GB, 100 * GB, "ib", 64 * GB, "gb300-nvl72", domain_switch="nvswitch")
+    return Topology("gb300-nvl72", layout, nodes, nvlink_domain=NVL72_TRAYS)
 
 
 def _pcie_box(nodes: int = 1) -> Topology:
@@ -62,6 +95,10 @@ def _single_uplink(nodes: int = 2) -> Topology:
 PRESETS: dict[str, Callable[[int], Topology]] = {
     "dgx-a100": _dgx_a100,
     "dgx-h100": _dgx_h100,
+    "hgx-b200": _hgx_b200,
+    "hgx-b300": _hgx_b300,
+    "gb200-nvl72": _gb200_nvl72,
+    "gb300-nvl72": _gb300_nvl72,
     "pcie-box": _pcie_box,
     "single-uplink": _single_uplink,
 }
@@ -75,7 +112,7 @@ def preset(name: str, nodes: int = 1) -> Topology:
     if not isinstance(nodes, int) or nodes < 1:
         raise TopologyError(f"nodes: must be an integer >= 1, got {nodes!r}")
     topo = PRESETS[name](nodes)
-    return Topology(f"{name}:{nodes}", topo.layout, nodes, (), topo.fabric_latency)
+    return Topology(f"{name}:{nodes}", topo.layout, nodes, (), topo.fabric_latency, topo.nvlink_domain)
 
 
 def load_topology(spec: "str | Path | Topology") -> Topology:

@@ -3,7 +3,8 @@ dicts and YAML, with errors that name the field (``node.links[0].kind``) and the
 
 A file holds ``name``, ``nodes``, ``node`` (the :class:`~megatron_fcp.topology.model.NodeLayout`:
 ``gpus``, ``links``, ``nics``, ``gpu_nic``, ``name``), ``rank_map`` (written only when it is not
-the torchrun order) and ``fabric_latency``. A field left out takes the dataclass default, so the
+the torchrun order), ``fabric_latency`` and ``nvlink_domain`` (hosts per NVLink domain, with
+``node.domain_switch``; written only when > 1). A field left out takes the dataclass default, so the
 defaults live in :mod:`megatron_fcp.topology.model` only. Bandwidths and latencies accept units
 (:func:`~megatron_fcp.topology.units.parse_bandwidth`).
 """
@@ -30,6 +31,8 @@ def _layout_to_dict(layout: NodeLayout) -> dict:
     d["nics"] = [{k: getattr(n, k) for k in _NIC_FIELDS} for n in layout.nics]
     if layout.nics:
         d["gpu_nic"] = list(layout.gpu_nic)
+    if layout.domain_switch:
+        d["domain_switch"] = layout.domain_switch
     return d
 
 
@@ -46,9 +49,10 @@ def _layout_from_dict(d: Any) -> NodeLayout:
     where = "node"
     if not isinstance(d, Mapping):
         raise TopologyError(f"{where}: expected a mapping with gpus/links/nics, got {type(d).__name__}")
-    unknown = set(d) - {"gpus", "links", "nics", "gpu_nic", "name"}
+    unknown = set(d) - {"gpus", "links", "nics", "gpu_nic", "name", "domain_switch"}
     if unknown:
-        raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}; expected gpus, links, nics, gpu_nic, name")
+        raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}; expected gpus, links, nics, gpu_nic, name, "
+                            f"domain_switch")
     if "gpus" not in d:
         raise TopologyError(f"{where}.gpus: missing (number of GPUs per node)")
     gpus = d["gpus"]
@@ -82,7 +86,8 @@ def _layout_from_dict(d: Any) -> NodeLayout:
     gpu_nic = d.get("gpu_nic") or ()
     if not isinstance(gpu_nic, (list, tuple)) or not all(isinstance(k, int) for k in gpu_nic):
         raise TopologyError(f"{where}.gpu_nic: expected a list of NIC indices, got {gpu_nic!r}")
-    return NodeLayout(gpus, tuple(links), tuple(nics), tuple(gpu_nic), str(d.get("name", "")))
+    return NodeLayout(gpus, tuple(links), tuple(nics), tuple(gpu_nic), str(d.get("name", "")),
+                      domain_switch=str(d.get("domain_switch", "")))
 
 
 def to_dict(topo: Topology) -> dict:
@@ -92,6 +97,8 @@ def to_dict(topo: Topology) -> dict:
     if topo.rank_map != tuple((r // g, r % g) for r in range(topo.nodes * g)):
         d["rank_map"] = [list(x) for x in topo.rank_map]
     d["fabric_latency"] = topo.fabric_latency
+    if topo.nvlink_domain > 1:
+        d["nvlink_domain"] = topo.nvlink_domain
     return d
 
 
@@ -99,9 +106,10 @@ def from_dict(d: Any) -> Topology:
     """A :class:`Topology` from the plain-data form; errors name the field."""
     if not isinstance(d, Mapping):
         raise TopologyError(f"topology: expected a mapping at the top level, got {type(d).__name__}")
-    unknown = set(d) - {"name", "nodes", "node", "rank_map", "fabric_latency"}
+    unknown = set(d) - {"name", "nodes", "node", "rank_map", "fabric_latency", "nvlink_domain"}
     if unknown:
-        raise TopologyError(f"topology: unknown field(s) {sorted(unknown)}; expected name, nodes, node, rank_map, fabric_latency")
+        raise TopologyError(f"topology: unknown field(s) {sorted(unknown)}; expected name, nodes, node, rank_map, "
+                            f"fabric_latency, nvlink_domain")
     if "node" not in d:
         raise TopologyError("node: missing (the per-node layout: gpus, links, nics)")
     layout = _layout_from_dict(d["node"])
@@ -116,7 +124,7 @@ def from_dict(d: Any) -> Topology:
             isinstance(x, int) and not isinstance(x, bool) for x in entry
         ):
             raise TopologyError(f"rank_map[{r}]: expected [node, local_rank] integers, got {entry!r}")
-    extra = {"fabric_latency": d["fabric_latency"]} if "fabric_latency" in d else {}
+    extra = {k: d[k] for k in ("fabric_latency", "nvlink_domain") if k in d}
     return Topology(str(d.get("name", "custom")), layout, nodes, tuple(tuple(e) for e in rank_map), **extra)
 
 

@@ -17,14 +17,18 @@ from megatron_fcp.topology.errors import TopologyError
 from megatron_fcp.topology.model import Link, Nic, NodeLayout, Topology
 from megatron_fcp.topology.units import GB
 
-__all__ = ["DEFAULT_UNIFORM_INTRA_GBYTES_PER_S", "layout_to_topology", "uniform_topology"]
+__all__ = ["DEFAULT_UNIFORM_INTRA_GBYTES_PER_S", "NO_GDR_GBYTES_PER_S", "layout_to_topology", "uniform_topology"]
 
 #: Hostnames-only fallback: GPUs on one NVSwitch at this many GB/s per direction (NVLink3, 12
 #: links) and one HDR NIC per GPU (:data:`DEFAULT_NIC_GBYTES_PER_S`), as on a DGX-A100.
 DEFAULT_UNIFORM_INTRA_GBYTES_PER_S = 300.0
 
 _TREE_LEVEL = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 2, "SYS": 3}
-_RDMA_PREFIXES = ("mlx", "ib", "hfi", "bnxt_re", "irdma", "efa", "qedr", "erdma")
+_RDMA_PREFIXES = ("mlx", "ib", "hfi", "bnxt_re", "irdma", "efa", "rdmap", "qedr", "erdma", "ionic")
+#: NIC wire cap (GB/s per direction) when the source says GPUDirect RDMA is off (``gdr="0"``):
+#: the NIC reads a bounce buffer in host memory that the GPU wrote over PCIe, so a GPU's traffic
+#: crosses the host bridge twice; priced as the host-bridge path rate of the PCIe table.
+NO_GDR_GBYTES_PER_S = DEFAULT_PCIE_GBYTES_PER_S["PHB"]
 #: Latencies (s) of the links we create; NIC latency is the model's default.
 _NVLINK_LATENCY = 1e-6
 _PCIE_LATENCY = 1e-6
@@ -32,7 +36,8 @@ _SYS_LATENCY = 2e-6
 
 
 def _nic_kind(name: str) -> str:
-    """``ib`` for RDMA device names (``mlx5_0``, ``ib0``, ``hfi1_0`` ...), else ``ethernet``."""
+    """Fallback when the source gave no kind: ``ib`` for RDMA device names (``mlx5_0``, ``ib0``,
+    ``rdmap*`` EFA ...), else ``ethernet``."""
     return "ib" if name.lower().startswith(_RDMA_PREFIXES) else "ethernet"
 
 
@@ -130,6 +135,8 @@ def layout_to_topology(
     nvlink_gbytes_per_s_per_link: float | None = None,
     pcie_gbytes_per_s: float | None = None,
     nic_gbytes_per_s: float | None = None,
+    gpu_nic: Sequence[str] | None = None,
+    nvlink_domain: int = 1,
     name: str | None = None,
 ) -> Topology:
     """Build a :class:`~megatron_fcp.topology.model.Topology` of ``nodes`` copies of ``node``.
@@ -144,7 +151,12 @@ def layout_to_topology(
     ``nic_gbytes_per_s``, else the source's, else :data:`DEFAULT_NIC_GBYTES_PER_S`. Explicit
     arguments win over the source.
     ``gpus`` keeps local GPUs ``0..gpus-1`` (fewer ranks than GPUs per node). ``hosts`` (from
-    hostnames, covering the whole world) sets the node count and the rank map.
+    hostnames, covering the whole world) sets the node count and the rank map. ``gpu_nic`` (one
+    NIC name per kept GPU) replaces the detected NIC placement. A NIC the source marks without
+    GPUDirect RDMA (``gdr="0"``) gets its wire capped at the host-staging rate
+    :data:`NO_GDR_GBYTES_PER_S` (the data crosses host memory twice). ``nvlink_domain``: hosts
+    per NVLink domain (:class:`~megatron_fcp.topology.model.Topology`; 1 = the host is the
+    domain).
     """
     check_speeds(nvlink_gbytes_per_s_per_link=nvlink_gbytes_per_s_per_link, pcie_gbytes_per_s=pcie_gbytes_per_s,
                  nic_gbytes_per_s=nic_gbytes_per_s)
@@ -172,9 +184,15 @@ def layout_to_topology(
         if j < g and pl.kind == "nvlink":
             links.append(Link(f"gpu{i}", f"gpu{j}", "nvlink", pl.nvlinks * per_link * GB, _NVLINK_LATENCY))
 
+    choice = list(node.gpu_nic[:g])
+    if gpu_nic is not None:
+        names = [n.name for n in node.nics]
+        if len(gpu_nic) != g or any(n not in names for n in gpu_nic):
+            raise ValueError(f"gpu_nic={list(gpu_nic)}: give one NIC per GPU ({g}) from {names}")
+        choice = list(gpu_nic)
     used = []
     for i in range(g):
-        nic = node.gpu_nic[i]
+        nic = choice[i]
         if nic is not None and nic not in used:
             used.append(nic)
     leaf = pcie_gbytes_per_s or node.pcie_gbytes_per_s or DEFAULT_PCIE_GBYTES_PER_S["PIX"]
@@ -183,12 +201,18 @@ def layout_to_topology(
     for nic_name in used:
         info = node.nic(nic_name)
         speed = nic_gbytes_per_s or info.speed_gbytes_per_s or DEFAULT_NIC_GBYTES_PER_S
-        nics.append(Nic(nic_name, _nic_kind(nic_name), speed * GB))
-    gpu_nic = tuple(used.index(node.gpu_nic[i]) for i in range(g)) if used else ()
-    layout = NodeLayout(g, tuple(links), tuple(nics), gpu_nic, name or node.source)
+        if info.gdr is False:
+            speed = min(speed, NO_GDR_GBYTES_PER_S)
+        nics.append(Nic(nic_name, info.kind or _nic_kind(nic_name), speed * GB))
+    nic_index = tuple(used.index(choice[i]) for i in range(g)) if used else ()
+    domain_switch = "nvswitch" if nvlink_domain > 1 and len(switched) >= 2 else ""
+    if nvlink_domain > 1 and not domain_switch:
+        raise ValueError(f"{node.source}: nvlink_domain={nvlink_domain} hosts but the node's GPUs are not on an "
+                         f"NVSwitch; an NVLink domain spans hosts only through NVLink switches")
+    layout = NodeLayout(g, tuple(links), tuple(nics), nic_index, name or node.source, domain_switch=domain_switch)
     rank_map = _rank_map(hosts) if hosts is not None else ()
     try:
-        return Topology(name or node.source, layout, nodes, rank_map)
+        return Topology(name or node.source, layout, nodes, rank_map, nvlink_domain=nvlink_domain)
     except TopologyError as exc:
         raise TopologyError(f"{node.source}: {exc}") from None
 
@@ -200,6 +224,7 @@ def uniform_topology(
     intra_gbytes_per_s: float = DEFAULT_UNIFORM_INTRA_GBYTES_PER_S,
     nic_gbytes_per_s: float = DEFAULT_NIC_GBYTES_PER_S,
     hosts: HostGroups | None = None,
+    nvlink_domain: int = 1,
 ) -> Topology:
     """The hostnames-only assumption: ``nodes`` nodes of ``gpus_per_node`` GPUs on one NVSwitch
     (``intra_gbytes_per_s`` GB/s per direction) with one NIC per GPU (``nic_gbytes_per_s``),
@@ -210,6 +235,10 @@ def uniform_topology(
             links.append(Link(f"gpu{i}", "nvswitch", "nvswitch", intra_gbytes_per_s * GB, _NVLINK_LATENCY))
         links.append(Link(f"gpu{i}", f"nic{i}", "pcie", DEFAULT_PCIE_GBYTES_PER_S["PIX"] * GB, _PCIE_LATENCY))
         nics.append(Nic(f"nic{i}", "ib", nic_gbytes_per_s * GB))
-    layout = NodeLayout(gpus_per_node, tuple(links), tuple(nics), tuple(range(gpus_per_node)), "uniform")
+    switch = "nvswitch" if nvlink_domain > 1 and gpus_per_node > 1 else ""
+    if nvlink_domain > 1 and not switch:
+        raise ValueError(f"nvlink_domain={nvlink_domain}: an NVLink domain of hosts needs several GPUs per host")
+    layout = NodeLayout(gpus_per_node, tuple(links), tuple(nics), tuple(range(gpus_per_node)), "uniform",
+                        domain_switch=switch)
     rank_map = _rank_map(hosts) if hosts is not None else ()
-    return Topology(f"uniform:{nodes}", layout, nodes, rank_map)
+    return Topology(f"uniform:{nodes}", layout, nodes, rank_map, nvlink_domain=nvlink_domain)

@@ -20,10 +20,12 @@ class HostGroups:
 
     ``hosts[k]`` is node ``k``'s hostname (nodes in order of their lowest rank) and ``ranks[k]``
     its global ranks ordered by local rank (``LOCAL_RANK`` when known, else ascending rank).
+    ``fabric[k]`` is node ``k``'s NVLink fabric id (:mod:`.fabric`) when gathered, else empty.
     """
 
     hosts: tuple[str, ...]
     ranks: tuple[tuple[int, ...], ...]
+    fabric: tuple[str | None, ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -137,7 +139,7 @@ def _env_int(name: str) -> int | None:
 
 
 def gather_host_info(group=None, *, hostname: str | None = None) -> HostGroups:
-    """Gather ``(hostname, LOCAL_RANK, LOCAL_WORLD_SIZE)`` from every rank of ``group`` (default:
+    """Gather ``(hostname, LOCAL_RANK, LOCAL_WORLD_SIZE, NVLink fabric id)`` from every rank of ``group`` (default:
     the world) with one ``all_gather_object`` and group them with :func:`group_ranks_by_host`.
 
     ``hostname`` defaults to ``socket.gethostname()``; an emulated cluster whose "nodes" share one
@@ -151,16 +153,22 @@ def gather_host_info(group=None, *, hostname: str | None = None) -> HostGroups:
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gather_host_info needs an initialised torch.distributed process group")
-    mine = (hostname or socket.gethostname(), _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE"))
+    from megatron_fcp.topology.detect.fabric import read_nvlink_fabric
+
+    mine = (hostname or socket.gethostname(), _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE"),
+            read_nvlink_fabric())
     size = dist.get_world_size(group)
     gathered: list = [None] * size
     dist.all_gather_object(gathered, mine, group=group)
     global_ranks = [dist.get_global_rank(group, i) for i in range(size)] if group is not None else list(range(size))
     lrs = [g[1] for g in gathered]
     lwss = [g[2] for g in gathered]
-    return group_ranks_by_host(
+    groups = group_ranks_by_host(
         [g[0] for g in gathered],
         ranks=global_ranks,
         local_ranks=lrs if any(x is not None for x in lrs) else None,
         local_world_sizes=lwss,
     )
+    by_rank = {global_ranks[i]: g[3] for i, g in enumerate(gathered)}
+    fabric = tuple(by_rank[rs[0]] for rs in groups.ranks)
+    return HostGroups(groups.hosts, groups.ranks, fabric if any(f is not None for f in fabric) else ())

@@ -36,6 +36,38 @@ def _int_attr(el: ET.Element, name: str, where: str, default: int | None = None)
         raise TopologyParseError(f"{where}: <{el.tag} {name}={raw!r}> is not an integer") from None
 
 
+_PATH_RANK = ("PIX", "PXB", "PHB", "NODE", "SYS")
+_RDMA_NAME_PREFIXES = ("mlx", "rdmap", "efa", "hfi", "bnxt_re", "irdma", "qedr", "erdma", "ionic", "ib")
+
+
+def _gdr(raw: str | None) -> bool | None:
+    """NCCL's ``gdr`` attribute: "1" GPUDirect RDMA on, "0" off, absent: not said."""
+    return None if raw is None else raw.strip() not in ("0", "")
+
+
+def _net_kind(net: ET.Element) -> str | None:
+    """Model NIC kind from a ``<net>``'s attributes: ``ib`` for an RDMA device (a non-zero port
+    ``guid``, as verbs devices - InfiniBand, RoCE, EFA - report; or GPUDirect on), ``ethernet`` for
+    NCCL's socket transport (``guid`` 0 and no GPUDirect); None when the dump says neither. The
+    name only confirms (``mlx5_*``, ``rdmap*`` for EFA)."""
+    guid = (net.get("guid") or "").strip().lower()
+    gdr = _gdr(net.get("gdr"))
+    if guid and guid not in ("0x0", "0"):
+        return "ib"
+    if gdr:
+        return "ib"
+    if guid in ("0x0", "0"):
+        return "ib" if (net.get("name") or "").lower().startswith(_RDMA_NAME_PREFIXES) else "ethernet"
+    return None
+
+
+def _numa_of_chain(chain: Sequence[str]) -> int | None:
+    """NUMA id from the ``cpu{numaid}@...`` head of an ancestor chain."""
+    head = chain[0] if chain else ""
+    num = head[3:].split("@", 1)[0] if head.startswith("cpu") else ""
+    return int(num) if num.isdigit() else None
+
+
 def _pcie_path(a: Sequence[str], b: Sequence[str]) -> str:
     """nvidia-smi style path between two devices given their ancestor chains
     ``[cpu-id, pci-busid, ..., own-busid]`` (the last element is the device itself)."""
@@ -73,6 +105,13 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
     another GPU's bus id are direct. Other pairs get the PCIe path from the ancestor chains: same
     parent bridge PIX, a deeper common bridge PXB, only the CPU PHB, different CPUs SYS. The
     per-link NVLink speed comes from the GPUs' ``sm`` (:data:`NVLINK_GBYTES_PER_S_PER_LINK_BY_SM`).
+
+    NICs: each ``<net>`` is a port with its ``speed`` (Mb/s), kind (:func:`_net_kind`: from
+    ``guid``/``gdr``, not the name alone) and ``gdr`` (``gdr="0"`` on the ``<net>`` or on the
+    GPUs: no GPUDirect RDMA, so the NIC is marked and priced as staged through host memory, see
+    :func:`~.build.layout_to_topology`). A socket NIC repeated with the same attributes under
+    every ``<cpu>`` (newer NCCL) is one NIC reached from each of those CPUs. A file with no
+    ``<gpu>`` is a static ``NCCL_TOPO_FILE``: the error says to produce a dump instead.
 
     Raises :class:`TopologyParseError` naming the element and attribute at fault.
     """
@@ -113,7 +152,7 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
                         raise TopologyParseError(f"{where} dev={dev}: <nvlink> lacks attribute 'target'")
                     links.append((target, _int_attr(nv, "count", f"{where} dev={dev} nvlink {target}"), nv.get("tclass", "")))
                 sm = _int_attr(child, "sm", where, default=0)
-                gpus[dev] = {"chain": list(chain), "links": links, "sm": sm}
+                gpus[dev] = {"chain": list(chain), "links": links, "sm": sm, "gdr": _gdr(child.get("gdr"))}
                 bus_to_dev[chain[-1]] = dev
             elif child.tag == "nic":
                 for net in child.findall("net"):
@@ -125,13 +164,26 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
                         raise TopologyParseError(f"{source}: <net name={name!r}> speed={speed} must be >= 0 (Mb/s)")
                     # the enclosing <pci> is the NIC device itself (one per port-group)
                     dev_chain = list(chain) if len(chain) > 1 else list(chain) + [f"nic:{name}"]
-                    nets.append({"name": name, "chain": dev_chain, "gbytes_per_s": speed / 8000.0 or None})
+                    attrs = {k: net.get(k) for k in ("dev", "port", "guid", "gdr", "speed")}
+                    if len(chain) <= 1:  # a socket NIC right under a <cpu>: newer NCCL repeats it under every <cpu>
+                        same = next((n for n in nets if n["name"] == name and n["attrs"] == attrs and n["host"]), None)
+                        if same is not None:
+                            same["chains"].append(dev_chain)
+                            continue
+                    nets.append({"name": name, "chain": dev_chain, "chains": [dev_chain], "attrs": attrs,
+                                 "host": len(chain) <= 1, "gbytes_per_s": speed / 8000.0 or None,
+                                 "kind": _net_kind(net), "gdr": _gdr(net.get("gdr"))})
             else:
                 walk(child, chain)
 
     walk(root, [])
     if not gpus:
-        raise TopologyParseError(f"{source}: no <gpu> element found")
+        raise TopologyParseError(
+            f"{source}: no <gpu> element: this is a static topology file (NCCL_TOPO_FILE, as clouds ship them "
+            f"to describe their PCIe tree), not NCCL's dump of what it found; run one NCCL job on a node with "
+            f"NCCL_TOPO_DUMP_FILE=/tmp/nccl_topo.xml (keep NCCL_TOPO_FILE set if the cloud needs it) and pass "
+            f"/tmp/nccl_topo.xml"
+        )
     devs = sorted(gpus)
     if devs != list(range(len(devs))):
         raise TopologyParseError(f"{source}: gpu dev ids must be 0..{len(devs) - 1}, got {devs}")
@@ -167,22 +219,38 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
                 tok = _pcie_path(gpus[i]["chain"], gpus[j]["chain"])
                 pairs[(i, j)] = PairLink(PATH_KINDS[tok], 0, tok)
 
+    guesses: list[str] = []
     sms = {gpus[d]["sm"] for d in devs if gpus[d]["sm"]}
     per_link = None
-    if len(sms) == 1 and next(iter(sms)) // 10 * 10 in NVLINK_GBYTES_PER_S_PER_LINK_BY_SM:
-        per_link = NVLINK_GBYTES_PER_S_PER_LINK_BY_SM[next(iter(sms)) // 10 * 10]
+    has_nvlink = any(switch_links) or bool(direct)
+    if len(sms) == 1 and next(iter(sms)) in NVLINK_GBYTES_PER_S_PER_LINK_BY_SM:
+        per_link = NVLINK_GBYTES_PER_S_PER_LINK_BY_SM[next(iter(sms))]
+    elif has_nvlink:
+        guesses.append(f"NVLink speed: GPU sm {sorted(sms) or 'not given'} is not in the per-generation table; "
+                       f"default used - fix with --nvlink-gbytes-per-s or the YAML's nvlink link bandwidth")
 
     nic_names = [n["name"] for n in nets]
     if len(set(nic_names)) != len(nic_names):
-        raise TopologyParseError(f"{source}: duplicate <net name> in {nic_names}")
-    gpu_nic_paths = [{n["name"]: _pcie_path(gpus[d]["chain"], n["chain"]) for n in nets} for d in devs]
+        dup = sorted({x for x in nic_names if nic_names.count(x) > 1})
+        raise TopologyParseError(f"{source}: <net name> {dup} listed twice with different dev/port/guid/speed "
+                                 f"(nets {nic_names}); a NIC must be one <net> per port")
+    if any(gpus[d]["gdr"] is False for d in devs):  # a GPU without GPUDirect: no NIC reads it directly
+        for n in nets:
+            n["gdr"] = False
+    gpu_nic_paths = [{n["name"]: min((_pcie_path(gpus[d]["chain"], c) for c in n["chains"]), key=_PATH_RANK.index)
+                      for n in nets} for d in devs]
     chains = {f"gpu{d}": gpus[d]["chain"] for d in devs}
     chains.update({n["name"]: n["chain"] for n in nets})
     names = list(chains)
     pcie_paths = {
         frozenset((a, b)): _pcie_path(chains[a], chains[b]) for k, a in enumerate(names) for b in names[k + 1 :]
     }
-    nics, gpu_nic = place_nics(gpu_nic_paths, nic_names, {n["name"]: n["gbytes_per_s"] for n in nets})
+    numa = tuple(_numa_of_chain(gpus[d]["chain"]) for d in devs)
+    nic_pairs = {p: t for p, t in pcie_paths.items() if not any(v.startswith("gpu") for v in p)}
+    nics, gpu_nic, placed = place_nics(
+        gpu_nic_paths, nic_names, {n["name"]: n["gbytes_per_s"] for n in nets}, gpu_numa=numa, nic_pairs=nic_pairs,
+        kinds={n["name"]: n["kind"] for n in nets}, gdr={n["name"]: n["gdr"] for n in nets})
+    guesses += placed
     dev_speeds = [speeds[c[-1]] for c in chains.values() if c[-1] in speeds]
     return DetectedNode(
         num_gpus=n_gpu,
@@ -194,4 +262,6 @@ def parse_nccl_topo_xml(text: str, *, source: str = "NCCL topology XML") -> Dete
         nvlink_gbytes_per_s_per_link=per_link,
         pcie_gbytes_per_s=min(dev_speeds) if dev_speeds else None,
         source=source,
+        numa=numa,
+        guesses=tuple(guesses),
     )
