@@ -29,7 +29,7 @@ from megatron_fcp.emulate.bench import BenchConfig, paced, predict_calibrated, p
 from megatron_fcp.emulate.report import plot, progress_printer, table  # noqa: E402
 from megatron_fcp.emulate.spec import ClusterSpec, parse_rate  # noqa: E402
 from megatron_fcp.emulate.workloads import WorkloadShape  # noqa: E402
-from megatron_fcp.planning import lognormal_lengths  # noqa: E402
+from megatron_fcp.contract.placement import lognormal_lengths  # noqa: E402
 
 INTRA, INTER = 360e6, 40e6
 NOISE = 0.05  # "no slower" allows 5% (measurement noise on a shared machine)

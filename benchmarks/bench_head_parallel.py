@@ -31,12 +31,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fcp.planning import AttentionShape, BUILDERS, build_graph, compile_plan  # noqa: E402
-from megatron_fcp.planning.head_parallel_choose import choose_schedule, head_parallel_candidates  # noqa: E402
-from megatron_fcp.planning.program import WaveBackward  # noqa: E402
-from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_te  # noqa: E402
-from megatron_fcp.planning.cost import pick_best  # noqa: E402
-from megatron_fcp.planning.rounds import plan_delta  # noqa: E402
+from megatron_fcp.cost.model import AttentionShape  # noqa: E402
+from megatron_fcp.planner.builders import BUILDERS, build_graph
+from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.planner.choose import choose_schedule, head_parallel_candidates  # noqa: E402
+from megatron_fcp.schedule.program import WaveBackward  # noqa: E402
+from megatron_fcp.planner.choose import lower_bound_all
+from megatron_fcp.cost.head_parallel import simulate_te
+from megatron_fcp.cost.model import pick_best  # noqa: E402
+from megatron_fcp.planner.rounds import plan_delta  # noqa: E402
 from megatron_fcp.topology import load_topology  # noqa: E402
 
 PRESETS = ("dgx-a100", "dgx-h100", "pcie-box", "single-uplink")

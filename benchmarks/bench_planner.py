@@ -37,10 +37,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fcp.planning import build_plan, ring_plan  # noqa: E402
-from megatron_fcp.planning import compile_plan  # noqa: E402
-from megatron_fcp.planning import AttentionShape, compare, simulate_plan  # noqa: E402
-from megatron_fcp.planning import BUILDERS, build_graph  # noqa: E402
+from megatron_fcp.contract.plan import ring_plan  # noqa: E402
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.compile import compile_plan  # noqa: E402
+from megatron_fcp.planner.compare import compare
+from megatron_fcp.cost.model import AttentionShape, simulate_plan
+from megatron_fcp.planner.builders import BUILDERS, build_graph  # noqa: E402
 from megatron_fcp.topology import load_topology  # noqa: E402
 
 SHAPE = AttentionShape(131072, heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
@@ -218,7 +220,7 @@ def main() -> int:
     result = {
         "shape": {"seq_len": SHAPE.seq_len, "heads": SHAPE.heads, "kv_heads": SHAPE.kv_heads,
                   "head_dim": SHAPE.head_dim, "dtype_bytes": SHAPE.dtype_bytes},
-        "model": "per-round bottleneck alpha-beta (megatron_fcp.planning.cost Note [Cost model]); 400 TFLOP/s compute",
+        "model": "per-round bottleneck alpha-beta (megatron_fcp.cost.model Note [Cost model]); 400 TFLOP/s compute",
         "headline": headline("comm"),
         "headline_total": headline("total"),
         "single_node": single_node(args.quick),

@@ -45,9 +45,9 @@ from megatron_fcp.attention.fused import FusedPiecesKernel
 from megatron_fcp.attention.kernels import compute_dtype_for, reference_attention
 from megatron_fcp.attention.layout import ZigzagLayout, zigzag_split, zigzag_unsplit
 from megatron_fcp.attention.merge import LseAccumulator
-from megatron_fcp.planning import blocks_of
-from megatron_fcp.planning.needs import needs_chunk
-from megatron_fcp.planning.placement import lognormal_lengths, place_packed
+from megatron_fcp.contract.blocks import blocks_of
+from megatron_fcp.contract.needs import needs_chunk
+from megatron_fcp.contract.placement import lognormal_lengths, place_packed
 
 QUANT = ("out", "lse", "dq", "dk", "dv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -355,7 +355,7 @@ def section_harness(device, dtypes, seq: int = 32768) -> dict:
     numerics of every runnable (kernel, dtype) via ``check_numerics_cases``, then one BF16 GQA
     32:8 call of ``seq`` tokens per backward-KV mode: per-rank peak received KV (``FCPStats``)
     beside what TE's ring holds, and wall time."""
-    from megatron_fcp.attention import harness
+    from megatron_fcp.testing import harness
 
     out: dict = {"numerics": []}
     for name, dt in fused_kernels(device, dtypes):

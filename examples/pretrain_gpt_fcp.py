@@ -27,7 +27,7 @@ stride per sequence: the next token is predictable only by attending to earlier 
 loss falls only if context-parallel attention is right.
 
 ``main()`` is the torchrun entry; :func:`run_worker` is the same run for an already initialised
-process group (``megatron_fcp.launch.run_gloo(run_worker, 4, argv)``), used by the tests.
+process group (``megatron_fcp.testing.launch.run_gloo(run_worker, 4, argv)``), used by the tests.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def validate_run(args: argparse.Namespace, fcp: FCPConfig, world: int):
     FCP's topology missing or smaller than the world.
     """
     from megatron_fcp.patches.runtime import resolve_topology  # noqa: PLC0415
-    from megatron_fcp.planning import MegatronLayout  # noqa: PLC0415
+    from megatron_fcp.planner.megatron_layout import MegatronLayout  # noqa: PLC0415
 
     layout = MegatronLayout(world=world, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
@@ -186,7 +186,7 @@ def _packed_sample(step: int, sample: int, args: argparse.Namespace) -> tuple[li
     """One packed sequence (identical on every rank): document lengths (seeded lognormal, summing to
     ``--seq-length``) and ``[1, seq]`` tokens, labels, loss mask. Each document is an arithmetic
     progression mod vocab; its last token has no next token in the document (loss mask 0)."""
-    from megatron_fcp.planning.placement import lognormal_lengths  # noqa: PLC0415
+    from megatron_fcp.contract.placement import lognormal_lengths  # noqa: PLC0415
 
     seed = (args.seed * 1_000_003 + step) * 4099 + sample
     lengths = lognormal_lengths(args.packed_log_mean, args.packed_log_sigma, args.seq_length, seed=seed)

@@ -27,7 +27,7 @@ _LAZY = {
     "FCPConfig": ("megatron_fcp.config", "FCPConfig"),
     "setup_fcp": ("megatron_fcp.patches.runtime", "setup_fcp"),
     "planning": ("megatron_fcp.planning", None),
-    "place_packed": ("megatron_fcp.planning.placement", "place_packed"),
+    "place_packed": ("megatron_fcp.contract.placement", "place_packed"),
 }
 
 __all__ = ["__version__", *_LAZY]

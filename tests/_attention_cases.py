@@ -1,7 +1,7 @@
 """Cases of tests/test_attention_dist.py, run two ways with the same per-rank reports.
 
 * In process (:func:`harness_case`): the whole numerics matrix runs in the in-process harness
-  (:mod:`megatron_fcp.attention.harness`): cp = 4 on ranks 0..3, cp = 2 on the pairs (0, 2)
+  (:mod:`megatron_fcp.testing.harness`): cp = 4 on ranks 0..3, cp = 2 on the pairs (0, 2)
   and (1, 3), the FP64 reference computed once per group.
 * On gloo (:func:`worker`): one world of 4 processes hosts a smaller set of cases (cp = 4 on the
   world group, cp = 2 on subgroups {0, 2} and {1, 3} side by side, so CP ranks differ from global
@@ -100,7 +100,7 @@ def count_problems(transport, plan, rank, kv_bytes, grad_bytes, wire_dtype=None,
     ``kv_bytes``/``grad_bytes``: bytes of every message, or a function of its block (blocks of a
     packed batch differ in size). ``wire_dtype``: the dtype every message must travel in, KV and
     dK/dV partials alike (the input dtype)."""
-    from megatron_fcp.planning.program import ProgramPost
+    from megatron_fcp.schedule.program import ProgramPost
 
     problems = []
     expected_total = 0
@@ -146,7 +146,7 @@ def _reference(case: Case, cp: int) -> dict:
 
 
 def _plan_arg(case: Case, group_ranks: tuple):
-    from megatron_fcp.planning import full_plan, ring_plan
+    from megatron_fcp.contract.plan import full_plan, ring_plan
 
     if case.parts > 1:
         builder = ring_plan if case.plan == "ring" else full_plan
@@ -175,7 +175,7 @@ def _rank_report(case: Case, setup: dict, cp: int, idx: int, rank: int, got: dic
     blk = q.shape[0] // cp // (2 * case.parts)
     elems = 2 * blk * q.shape[1] * hk * q.shape[3]
     # dK/dV partials travel in the input dtype, like the KV (Note [Backward pipeline])
-    from megatron_fcp.planning.program import BackwardPolicy, compile_backward
+    from megatron_fcp.schedule.program import BackwardPolicy, compile_backward
     program = compile_backward(plan, 2 * q.shape[1] * hk * q.shape[3] * q.element_size(), BackwardPolicy(),
                                seq_len=q.shape[0])                       # what the API's default compiles
     res["count_problems"] = count_problems(transport, plan, rank, elems * q.element_size(), elems * q.element_size(),
@@ -187,7 +187,7 @@ def _run_case(case: Case, group, group_ranks: tuple, rank: int) -> dict:
     """One gloo rank: fcp_attention_with_lse through autograd on the process group."""
     from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
     from megatron_fcp.attention.layout import zigzag_split
-    from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
+    from megatron_fcp.attention.comm import CountingTransport, GlooTransport, SerialTransport
 
     cp, idx = len(group_ranks), group_ranks.index(rank)
     setup = _reference(case, cp)
@@ -240,9 +240,9 @@ def harness_case(case: Case) -> list[dict]:
     cp = 2 on the pairs (0, 2) and (1, 3) (CP ranks differ from global ranks); the reference is
     computed once per group instead of once per rank."""
     from megatron_fcp.attention.function import resolve_plan
-    from megatron_fcp.attention.harness import harness_attention
-    from megatron_fcp.comm import CountingTransport, SerialTransport
-    from megatron_fcp.inprocess import run_ranks
+    from megatron_fcp.testing.harness import harness_attention
+    from megatron_fcp.attention.comm import CountingTransport, SerialTransport
+    from megatron_fcp.testing.inprocess import run_ranks
 
     reports = []
     for ranks in ([(0, 1, 2, 3)] if case.group == "cp4" else [(0, 2), (1, 3)]):
@@ -277,7 +277,7 @@ def harness_case(case: Case) -> list[dict]:
 
 def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
     """Each bad call must raise ValueError naming the fix, before posting anything."""
-    from megatron_fcp.planning import ring_plan
+    from megatron_fcp.contract.plan import ring_plan
 
     def t(s=8, b=2, h=4, d=8, dtype=torch.float32, device="cpu"):
         return torch.randn(s, b, h, d, dtype=dtype, device=device)
@@ -310,7 +310,7 @@ def probe_bad_inputs(cases: dict, group, **defaults) -> dict:
     """Run each bad case through fcp_attention_with_lse (``defaults`` overridden by the case's
     kwargs) with a counting transport: name -> (error text or "no error", posts made, expected)."""
     from megatron_fcp.attention.function import fcp_attention_with_lse
-    from megatron_fcp.comm import CountingTransport, GlooTransport
+    from megatron_fcp.attention.comm import CountingTransport, GlooTransport
 
     out = {}
     for name, (tensors, kwargs, expect) in cases.items():
@@ -331,7 +331,7 @@ def expect_timeout(rank: int, probe) -> str | None:
     breaks the group (as an NCCL timeout breaks the communicator), so callers run this last."""
     import time
 
-    from megatron_fcp.comm import CommTimeout
+    from megatron_fcp.attention.comm import CommTimeout
 
     if rank == 0:
         try:
@@ -347,8 +347,8 @@ def expect_timeout(rank: int, probe) -> str | None:
 def _timeout_probe(rank: int) -> str | None:
     """Rank 0 waits for a block rank 1 never sends: the bounded wait must raise, naming round,
     peer and block."""
-    from megatron_fcp.comm import GlooTransport
-    from megatron_fcp.planning import Block, Transfer
+    from megatron_fcp.attention.comm import GlooTransport
+    from megatron_fcp.contract.blocks import Block, Transfer
 
     def probe():
         transport = GlooTransport(dist.group.WORLD, timeout_s=0.5)
@@ -363,8 +363,8 @@ def _test_probe(rank: int) -> dict | None:
     ``is_completed`` stays False until ``wait``: Note [Testing a gloo round])."""
     import time
 
-    from megatron_fcp.comm import GlooTransport
-    from megatron_fcp.planning import Block, Transfer
+    from megatron_fcp.attention.comm import GlooTransport
+    from megatron_fcp.contract.blocks import Block, Transfer
 
     dist.barrier()
     if rank > 1:
@@ -398,7 +398,7 @@ def worker(rank: int, world: int, cases: list) -> dict:
     results["bad_inputs_cp4"] = _bad_inputs(*groups["cp4"], rank)
     results["bad_inputs_cp2"] = _bad_inputs(*groups["cp2"], rank)
     try:
-        from megatron_fcp.comm import NcclTransport
+        from megatron_fcp.attention.comm import NcclTransport
 
         NcclTransport(dist.group.WORLD)
         results["nccl_gate"] = "constructed on a gloo group"

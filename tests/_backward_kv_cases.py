@@ -31,7 +31,8 @@ def case_setup(name: str, dt: str):
     """Global q, k, v, dout (FP64), the placement (packed) or None, and the plan argument (cp = 4)."""
     import os
 
-    from megatron_fcp.planning import build_plan, place_packed
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.build import build_plan
     from megatron_fcp.topology import load_topology
 
     topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), TOPO))

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.kernels import reference_attention
-from megatron_fcp.comm import CountingTransport, GlooTransport
+from megatron_fcp.attention.comm import CountingTransport, GlooTransport
 from megatron_fcp.emulate.sleep_kernel import SleepKernel
 from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
 

@@ -24,6 +24,6 @@ def worker(rank: int, world: int) -> dict:
 
 
 def run() -> list[dict]:
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     return run_gloo(worker, 4, timeout_s=480)

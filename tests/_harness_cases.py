@@ -3,7 +3,7 @@
 Each case is one attention call at cp = 4 (a plan, inputs, a kernel, a backward KV mode): the
 gloo side (:func:`gloo_bitwise`, inside a worker of tests/test_attention_dist.py) runs it through
 ``fcp_attention_with_lse`` and autograd on its process group; :func:`harness_bitwise` runs it in
-one process with :func:`megatron_fcp.attention.harness.harness_attention`. The test compares
+one process with :func:`megatron_fcp.testing.harness.harness_attention`. The test compares
 out, lse, dq, dk, dv per rank with ``torch.equal``.
 """
 
@@ -50,7 +50,8 @@ CASES = [
 
 def _setup(case: BitCase, ranks: tuple):
     """(global q, k, v, dout in the case dtype, placement or None, plan argument)."""
-    from megatron_fcp.planning import build_plan, place_packed
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.build import build_plan
 
     g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     dt = DTYPES[case.dtype]
@@ -91,7 +92,7 @@ def gloo_bitwise(group, ranks: tuple, rank: int) -> dict:
 
 def harness_bitwise(case: BitCase, ranks: tuple = (0, 1, 2, 3)) -> list[dict]:
     """Every rank's out, lse, dq, dk, dv for ``case``, from the in-process harness."""
-    from megatron_fcp.attention.harness import harness_attention
+    from megatron_fcp.testing.harness import harness_attention
 
     (q, k, v, do), pl, plan = _setup(case, ranks)
     res = harness_attention(q, k, v, do, ranks=ranks, plan=plan, causal=case.causal, kernel=case.kernel,

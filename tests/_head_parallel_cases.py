@@ -44,9 +44,11 @@ def make_hp_plan(ranks: tuple, degree: int, seq_len: int, causal: bool, kv: str,
     """The HeadParallelPlan of a case: consecutive head groups (each reversed if ``swapped``), the
     named KV-stage plan; ``kv="zigzag"`` (degree 1): ``compile_head_parallel``'s plan, the
     ``hierarchical`` graph with 3 parts per chunk (4-token chunks: parts of 1, 1 and 2 tokens)."""
-    from megatron_fcp.planning import AttentionShape, build_plan, full_plan
-    from megatron_fcp.planning.head_parallel_compile import compile_head_parallel
-    from megatron_fcp.planning.head_parallel import (HeadParallelPlan, check_head_parallel,
+    from megatron_fcp.contract.plan import full_plan
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.planner.head_parallel import compile_head_parallel
+    from megatron_fcp.contract.head_parallel import (HeadParallelPlan, check_head_parallel,
                                                      consecutive_head_groups, group_placement)
 
     if kv == "zigzag":
@@ -84,7 +86,7 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_split
     from megatron_fcp.attention.stats import FCPStats
-    from megatron_fcp.comm import CountingTransport, GlooTransport
+    from megatron_fcp.attention.comm import CountingTransport, GlooTransport
 
     cp, idx = len(ranks), ranks.index(rank)
     q, k, v, do = _inputs(case, cp)
@@ -147,7 +149,7 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
         want = {(r, t) for r, t in plan_j.transfers() if rank in (t.src, t.dst)}
         fwd = [(p.round_index, p.transfer) for p in transport.posted if p.phase == "forward"]
         # backward: exactly the posts of the program the stage's executor compiled (Note [Backward program])
-        from megatron_fcp.planning.program import ProgramPost, compiled_programs
+        from megatron_fcp.schedule.program import ProgramPost, compiled_programs
 
         (program,) = compiled_programs(plan_j)
         posted = [ProgramPost(ph, i, s, r) for ph, i, s, r in transport.rounds if ph != "forward"]
@@ -171,7 +173,7 @@ def _bad_inputs(group, ranks: tuple, hp_groups: dict) -> dict:
     """Each bad call must raise ValueError naming the fix before any communication (a plan whose
     construction is itself refused counts as refused)."""
     from megatron_fcp.attention.head_parallel import fcp_head_parallel_attention
-    from megatron_fcp.planning.head_parallel import HeadParallelPlan
+    from megatron_fcp.contract.head_parallel import HeadParallelPlan
 
     def t(s=16, b=2, h=4, d=8, dtype=torch.float32):
         return torch.randn(s, b, h, d, dtype=dtype)

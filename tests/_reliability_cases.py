@@ -57,7 +57,7 @@ SETUP_CASES = {  # name -> (rank that differs, FCPConfig changes, setup_fcp argu
 def _setup_cases(rank: int) -> dict:
     from megatron_fcp.config import FCPConfig
     from megatron_fcp.patches.runtime import reset_fcp, setup_fcp
-    from megatron_fcp.planning import MegatronLayout
+    from megatron_fcp.planner.megatron_layout import MegatronLayout
 
     out = {}
     for name, (odd, cfg_over, arg_over) in SETUP_CASES.items():
@@ -88,10 +88,10 @@ def _zigzag_inputs(seed: str, s: int, dtype, h=2, hk=1, d=8):
 
 
 def _attention_cases(rank: int) -> dict:
-    from megatron_fcp.agreement import LastAgreed
+    from megatron_fcp.attention.agreement import LastAgreed
     from megatron_fcp.attention.function import fcp_attention_with_lse
     from megatron_fcp.attention.layout import zigzag_split
-    from megatron_fcp.planning import ring_plan
+    from megatron_fcp.contract.plan import ring_plan
 
     ranks, cp, idx = (0, 1, 2, 3), 4, rank
     cases = {  # name -> (rank that differs, keyword changes for it)
@@ -139,12 +139,12 @@ def _fuzz_patterns() -> list:
 
 
 def _fuzz(rank: int) -> dict:
-    from megatron_fcp.agreement import agree
+    from megatron_fcp.attention.agreement import agree
     from megatron_fcp.attention.function import fcp_attention_with_lse
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_split
-    from megatron_fcp.comm import CountingTransport, DelayTransport, GlooTransport
-    from megatron_fcp.planning import build_plan
+    from megatron_fcp.attention.comm import CountingTransport, DelayTransport, GlooTransport
+    from megatron_fcp.planner.build import build_plan
 
     ranks, cp, idx = (0, 1, 2, 3), 4, rank
     patterns = _fuzz_patterns()
@@ -227,7 +227,7 @@ def _masked_rows(rank: int) -> dict:
     from megatron_fcp.attention.function import fcp_attention_with_lse
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_positions, zigzag_split
-    from megatron_fcp.planning import place_packed
+    from megatron_fcp.contract.placement import place_packed
 
     cp, idx, res = 4, rank, {}
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -302,7 +302,7 @@ def _length7(group, ranks: tuple, rank: int) -> dict:
     from _thd_cases import per_document_reference
 
     from megatron_fcp.attention.function import fcp_attention_with_lse
-    from megatron_fcp.planning import place_packed
+    from megatron_fcp.contract.placement import place_packed
 
     pl = place_packed((7,), 2, block_tokens=2)
     idx = ranks.index(rank)
@@ -327,7 +327,7 @@ def _document_mask(rank: int) -> dict:
 
     from megatron_fcp.attention.function import fcp_attention_with_lse
     from megatron_fcp.attention.kernels import reference_attention
-    from megatron_fcp.planning import place_packed
+    from megatron_fcp.contract.placement import place_packed
 
     lengths = (11, 5, 9, 7)
     pl = place_packed(lengths, 4, block_tokens=4)
@@ -357,7 +357,7 @@ def _switch_alone(group, ranks: tuple, rank: int) -> tuple:
     """After the group agreed on the ring, the second rank alone switches to the direct plan: it
     agrees (its facts changed), its peer skips (its facts did not) and posts the ring's transfers.
     Neither may hang: the switcher's agreement and the peer's transfer wait both raise in time."""
-    from megatron_fcp.agreement import LastAgreed
+    from megatron_fcp.attention.agreement import LastAgreed
     from megatron_fcp.attention.function import fcp_attention_with_lse
     from megatron_fcp.attention.layout import zigzag_split
 

@@ -72,14 +72,15 @@ def _packed(case: ThdCase, salt: str = ""):
 
 
 def per_document_reference(q, k, v, do, lengths, causal: bool, scale: float) -> dict:
-    """Each document attended alone by plain torch autograd (megatron_fcp.attention.harness)."""
-    from megatron_fcp.attention.harness import per_document_reference as reference
+    """Each document attended alone by plain torch autograd (megatron_fcp.testing.harness)."""
+    from megatron_fcp.testing.harness import per_document_reference as reference
 
     return reference(q, k, v, do, lengths, causal, scale)
 
 
 def _plan_for(case: ThdCase, pl, ranks: tuple):
-    from megatron_fcp.planning import build_plan, full_plan
+    from megatron_fcp.contract.plan import full_plan
+    from megatron_fcp.planner.build import build_plan
 
     if case.plan == "none":
         return None
@@ -90,7 +91,8 @@ def _plan_for(case: ThdCase, pl, ranks: tuple):
     if case.plan == "hier":
         return build_plan(TOPOLOGY_2X2, ranks, "hierarchical", causal=case.causal, placement=pl)
     if case.plan == "relay":  # round 0: owners -> an empty rank; round 1: it forwards to the readers
-        from megatron_fcp.planning import Plan, Transfer
+        from megatron_fcp.contract.blocks import Transfer
+        from megatron_fcp.contract.plan import Plan
 
         relay = next(r for i, r in enumerate(ranks) if pl.tokens(i) == 0)
         direct = full_plan(ranks, case.causal, placement=pl)
@@ -106,11 +108,11 @@ def _shard(pl, x, idx: int, lse: bool = False):
 
 
 def _placement(case: ThdCase, cp: int):
-    from megatron_fcp.planning import place_packed
+    from megatron_fcp.contract.placement import place_packed
 
     lengths = DOCS[case.docs]
     if case.plan == "relay":  # by hand: two ranks hold the document, the others nothing (relays)
-        from megatron_fcp.planning import Placement, Span
+        from megatron_fcp.contract.placement import Placement, Span
 
         (n,) = lengths
         blocks = ((Span(0, 0, n // 2),), (Span(0, n // 2, n),)) + ((),) * (cp - 2)
@@ -149,7 +151,7 @@ def _rank_report(case: ThdCase, setup: dict, pl, ranks: tuple, idx: int, got: di
     elems = lambda b: 2 * pl.blocks[ranks.index(b.owner)][b.chunk].tokens * hk * q.shape[-1]  # noqa: E731
     itemsize = got["out"].element_size()  # KV and dK/dV partials both travel in the input dtype
     res["sent"] = len([p for p in transport.posted if p.kind == "send"])
-    from megatron_fcp.planning.program import BackwardPolicy, compile_backward
+    from megatron_fcp.schedule.program import BackwardPolicy, compile_backward
     program = compile_backward(plan, 2 * hk * q.shape[-1] * itemsize, BackwardPolicy())  # the API's default
     res["count_problems"] = count_problems(transport, plan, ranks[idx], lambda b: elems(b) * itemsize,
                                            lambda b: elems(b) * itemsize, wire_dtype=got["out"].dtype,
@@ -173,7 +175,7 @@ def _public_api(case: ThdCase, group, pl, idx: int, plan_arg, inputs, out) -> bo
 def _run_case(case: ThdCase, group, ranks: tuple, rank: int) -> dict:
     """One gloo rank: fcp_attention_with_lse through autograd on the process group."""
     from megatron_fcp.attention.function import fcp_attention_with_lse, resolve_plan
-    from megatron_fcp.comm import CountingTransport, GlooTransport, SerialTransport
+    from megatron_fcp.attention.comm import CountingTransport, GlooTransport, SerialTransport
 
     cp, idx = len(ranks), ranks.index(rank)
     pl = _placement(case, cp)
@@ -206,9 +208,9 @@ def harness_case(case: ThdCase) -> list[dict]:
     """The same per-rank reports as the gloo workers', from the in-process harness: cp = 4 on
     ranks 0..3, cp = 2 on the pairs (0, 2) and (1, 3), cp = 3 on (0, 1, 2)."""
     from megatron_fcp.attention.function import resolve_plan
-    from megatron_fcp.attention.harness import harness_attention
-    from megatron_fcp.comm import CountingTransport, SerialTransport
-    from megatron_fcp.inprocess import run_ranks
+    from megatron_fcp.testing.harness import harness_attention
+    from megatron_fcp.attention.comm import CountingTransport, SerialTransport
+    from megatron_fcp.testing.inprocess import run_ranks
 
     groups = {"cp4": [(0, 1, 2, 3)], "cp2": [(0, 2), (1, 3)], "cp3": [(0, 1, 2)]}[case.group]
     dt = DTYPES[case.dtype]
@@ -292,7 +294,8 @@ class _NoDocumentKernel:
 
 def _bad_inputs(group, ranks: tuple, rank: int) -> dict:
     """Each bad THD call must raise ValueError naming the fix, before posting anything."""
-    from megatron_fcp.planning import full_plan, place_packed, ring_plan
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.contract.plan import full_plan, ring_plan
 
     cp, idx = len(ranks), ranks.index(rank)
     pl = place_packed(DOCS["mix"], cp, block_tokens=8)

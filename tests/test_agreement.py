@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_fcp.launch import run_gloo
+from megatron_fcp.testing.launch import run_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.dist
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_fcp.agreement import AgreementCache, FCPAgreementError, agree
-    from megatron_fcp.planning import place_packed
+    from megatron_fcp.attention.agreement import AgreementCache, FCPAgreementError, agree
+    from megatron_fcp.contract.placement import place_packed
 
     out: dict = {}
     sub = dist.new_group([1, 2, 3])  # CP group whose CP ranks differ from global ranks

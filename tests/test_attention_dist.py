@@ -1,7 +1,7 @@
 """fcp_attention at cp = 4 and cp = 2 against FP64 references: the numerics matrix in the
 in-process harness, a smaller set on real gloo process groups, and the harness against gloo bit for bit.
 
-The matrix (``CASES``) runs in the in-process harness (megatron_fcp.attention.harness: one thread
+The matrix (``CASES``) runs in the in-process harness (megatron_fcp.testing.harness: one thread
 per CP rank, the production executor, no process start-up). ``GLOO_CASES`` (a subset) also run
 through autograd on a real gloo world, with the bad-input, bounded-wait and NCCL-gate probes; the
 harness must reproduce the gloo results bit for bit (tests/_harness_cases.py: ring, full, compiled

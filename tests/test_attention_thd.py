@@ -1,6 +1,6 @@
 """THD attention over placements (packed batches), cp = 2, 3, 4, against an FP64 per-document
 reference (plain torch, each document attended alone): every case in the in-process harness
-(megatron_fcp.attention.harness), ``GLOO_CASES`` also on real gloo groups (with the bad-input probes).
+(megatron_fcp.testing.harness), ``GLOO_CASES`` also on real gloo groups (with the bad-input probes).
 
 Tolerances (max-abs over each rank's shard, maximum over ranks): FP64 <= 1e-12 * max(1, max|ref|),
 FP32 <= 1e-5 * max(1, max|ref|); BF16 <= 2 x the error of plain PyTorch attention in BF16 (per

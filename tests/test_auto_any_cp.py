@@ -11,7 +11,10 @@ import pytest
 from megatron_fcp.cli import main
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.runtime import reset_fcp, setup_fcp
-from megatron_fcp.planning import AUTO_CANDIDATES, MegatronLayout, build_plan, zigzag_padded_len
+from megatron_fcp.cost.model import zigzag_padded_len
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.builders import AUTO_CANDIDATES
+from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.topology import PRESETS, load_topology
 
 CPS = (3, 5, 6, 12, 24)  # 2*cp does not divide 131072 for any of them

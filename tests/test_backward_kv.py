@@ -25,7 +25,7 @@ _DIST = pytest.mark.dist
 
 def _harness(name: str, dt: str) -> list[dict]:
     """Per rank, per mode: the same report as the gloo worker's, from the in-process harness."""
-    from megatron_fcp.attention.harness import harness_attention
+    from megatron_fcp.testing.harness import harness_attention
 
     full, placement, plan = case_setup(name, dt)
     per_rank = [{} for _ in range(4)]
@@ -123,8 +123,8 @@ def test_backward_partials_travel_in_the_input_dtype(harness, name):
 
 
 def test_choose_backward_kv_is_uniform_and_budgeted():
-    from megatron_fcp.planning.waves import choose_backward_kv, kept_bytes_per_rank
-    from megatron_fcp.planning import ring_plan
+    from megatron_fcp.schedule.waves import choose_backward_kv, kept_bytes_per_rank
+    from megatron_fcp.contract.plan import ring_plan
 
     plan = ring_plan((0, 1), causal=True)
     size = lambda b: 100  # noqa: E731
@@ -172,8 +172,8 @@ def _builders(cp: int) -> dict:
     """cp ranks on one 8-GPU node, every builder, in the in-process harness: the default mode
     (auto), keep and resend; per rank the held received KV between the passes, the stats and the
     results (FP64)."""
-    from megatron_fcp.attention.harness import harness_attention
-    from megatron_fcp.planning import build_plan
+    from megatron_fcp.testing.harness import harness_attention
+    from megatron_fcp.planner.build import build_plan
 
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(8 * cp, 1, h, 8, generator=g, dtype=torch.float64) for h in (2, 1, 1, 2))
@@ -221,8 +221,8 @@ def test_default_mode_holds_no_more_than_the_ring(builders, cp):
 def test_auto_decides_once_per_plan_and_shape():
     """Every layer calls with the same settled plan: the decision is computed once per plan object
     and cache key, recomputed for another key or another plan object."""
-    from megatron_fcp.planning.waves import choose_backward_kv
-    from megatron_fcp.planning import ring_plan
+    from megatron_fcp.schedule.waves import choose_backward_kv
+    from megatron_fcp.contract.plan import ring_plan
 
     plan = ring_plan((0, 1), causal=True)
     calls = []
@@ -246,8 +246,8 @@ def test_timing_never_changes_the_bits():
     at the blocking finish), and a kernel whose device the pump waits for before polling (Note
     [Polling on the device's clock]) give bitwise the plain run's out, lse, dq, dk, dv
     (hierarchical 2 x 2 with sub-blocks: relays and several waves; resend)."""
-    from megatron_fcp.attention.harness import harness_attention
-    from megatron_fcp.comm import DelayTransport, Transport, TransportWrapper
+    from megatron_fcp.testing.harness import harness_attention
+    from megatron_fcp.attention.comm import DelayTransport, Transport, TransportWrapper
 
     from megatron_fcp.attention.kernels import MathKernel
 
@@ -293,12 +293,13 @@ def test_auto_keeps_the_first_wave_rank_by_rank(docs):
     sends it on from what it kept; one that did not gets it again. FP64 per-document reference for
     out, lse, dq, dk, dv; keep, resend and auto bit for bit; auto re-sends exactly the later waves
     and the first wave's cut, and the cost model prices the same cut."""
-    from megatron_fcp.attention.harness import harness_attention, per_document_reference
-    from megatron_fcp.planning import build_plan, place_packed
-    from megatron_fcp.planning.packed_cost import simulate_backward_waves
-    from megatron_fcp.planning.chains import first_kept_blocks, first_keepers, first_wave_fetch
-    from megatron_fcp.planning.cost import AttentionShape
-    from megatron_fcp.planning.waves import plan_waves
+    from megatron_fcp.testing.harness import harness_attention, per_document_reference
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.cost.packed import simulate_backward_waves
+    from megatron_fcp.schedule.chains import first_kept_blocks, first_keepers, first_wave_fetch
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.schedule.waves import plan_waves
     from megatron_fcp.topology import load_topology
 
     topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples/configs/topology_2x2.yaml"))
@@ -349,11 +350,12 @@ def test_a_single_wave_runs_half_its_own_jobs_after_the_wave():
     wave's dK/dV partials return (leading_own_jobs); those partials join the result after the
     wave's sum, in a fixed place. FP64 per-document reference for out, lse, dq, dk, dv; keep,
     resend and auto bit for bit; random message delays change no bit."""
-    from megatron_fcp.attention.harness import harness_attention, per_document_reference
-    from megatron_fcp.comm import DelayTransport
-    from megatron_fcp.planning import build_plan, place_packed
-    from megatron_fcp.planning.chains import chain_steps
-    from megatron_fcp.planning.waves import leading_own_jobs, plan_waves
+    from megatron_fcp.testing.harness import harness_attention, per_document_reference
+    from megatron_fcp.attention.comm import DelayTransport
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.schedule.chains import chain_steps
+    from megatron_fcp.schedule.waves import leading_own_jobs, plan_waves
     from megatron_fcp.topology import load_topology
 
     docs = [17, 17, 13, 5, 2, 17, 1, 13, 13]

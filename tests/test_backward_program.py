@@ -1,4 +1,4 @@
-"""One backward program (Note [Backward program] in megatron_fcp.planning.program): what the
+"""One backward program (Note [Backward program] in megatron_fcp.schedule.program): what the
 executor posts in backward is the program's list, and the cost model prices that same object.
 
 Every plan of the matrix -- each graph builder x causal x sub-blocks x backward KV mode on a
@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_fcp.attention.harness import harness_attention
-from megatron_fcp.comm import CountingTransport
-from megatron_fcp.planning import AttentionShape, build_plan, full_plan, place_packed, ring_plan
-from megatron_fcp.planning import packed_cost
-from megatron_fcp.planning.program import BackwardPolicy, ProgramPost, compile_backward
+from megatron_fcp.testing.harness import harness_attention
+from megatron_fcp.attention.comm import CountingTransport
+from megatron_fcp.contract.placement import place_packed
+from megatron_fcp.contract.plan import full_plan, ring_plan
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.cost import packed as packed_cost
+from megatron_fcp.schedule.program import BackwardPolicy, ProgramPost, compile_backward
 
 TOPO = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "topology_2x2.yaml")
 CP, S, H, HK, D = 4, 48, 2, 1, 8          # zigzag: 6 tokens per chunk
@@ -94,7 +97,7 @@ def test_packed_posts_are_the_programs(graph, mode):
 def test_head_parallel_stage_posts_are_the_programs(mode):
     """The KV stage of a head-parallel plan (degree 2 over 4 ranks: two stages of 2 ranks over a
     group placement) runs its own program; every member's stage alike."""
-    from megatron_fcp.planning.head_parallel_compile import compile_head_parallel
+    from megatron_fcp.planner.head_parallel import compile_head_parallel
 
     hp = compile_head_parallel(TOPO, range(CP), AttentionShape(S, 2 * H, 2 * HK, D, 8), 2, "ring", causal=True)
     for member in range(hp.degree):

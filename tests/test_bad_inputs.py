@@ -14,16 +14,19 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from megatron_fcp.agreement import FCPAgreementError
+from megatron_fcp.attention.agreement import FCPAgreementError
 from megatron_fcp.attention.function import FCPNumericsError, check_finite, resolve_plan
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import block_attention_forward
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.packed import doc_lengths_of
 from megatron_fcp.patches.runtime import FCPStateError, reset_fcp, resolve_topology, setup_fcp
-from megatron_fcp.planning import (Block, MegatronLayout, Plan, PlanError, Transfer, build_plan, place_packed,
-                                   ring_plan)
-from megatron_fcp.planning.placement import check_doc_lengths
+from megatron_fcp.contract.blocks import Block, PlanError, Transfer
+from megatron_fcp.contract.placement import place_packed
+from megatron_fcp.contract.plan import Plan, ring_plan
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.megatron_layout import MegatronLayout
+from megatron_fcp.contract.placement import check_doc_lengths
 from megatron_fcp.topology import TopologyError, load_topology
 
 BOUND_S = 20
@@ -163,7 +166,7 @@ CASES = {
 def _agree_without_group():
     import torch.distributed as dist
 
-    from megatron_fcp.agreement import agree
+    from megatron_fcp.attention.agreement import agree
 
     if dist.is_initialized():
         pytest.skip("a process group exists in this process")
@@ -186,7 +189,7 @@ def test_bad_input_raises_its_catalogued_error(name, tmp_path):
 def test_agreement_errors_are_runtime_errors_not_value_errors():
     """Catalogue contract: input mistakes are ValueError (or subclasses: PlanError, TopologyError);
     state and distributed failures are RuntimeError subclasses."""
-    from megatron_fcp.comm import CommTimeout
+    from megatron_fcp.attention.comm import CommTimeout
 
     assert issubclass(PlanError, ValueError) and issubclass(TopologyError, ValueError)
     assert issubclass(FCPAgreementError, RuntimeError) and issubclass(CommTimeout, RuntimeError)

@@ -1,4 +1,4 @@
-"""The streaming chain backward (Note [Streaming chain backward] in planning/chains.py): a ring's
+"""The streaming chain backward (Note [Streaming chain backward] in schedule/chains.py): a ring's
 blocks travel chains, and its backward streams KV and the accumulated dK/dV partials one hop per
 step as Transformer Engine's ring does, instead of re-sending and reducing wave by wave.
 
@@ -17,14 +17,18 @@ import zlib
 import pytest
 import torch
 
-from megatron_fcp.attention.harness import QUANTITIES, harness_attention
+from megatron_fcp.testing.harness import QUANTITIES, harness_attention
 from megatron_fcp.attention.kernels import reference_attention
-from megatron_fcp.planning import AttentionShape, build_plan, compile_plan, full_plan, ring_plan
-from megatron_fcp.planning.chains import chain_budget, chain_routes, chain_steps, first_received
+from megatron_fcp.contract.plan import full_plan, ring_plan
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.schedule.chains import chain_budget, chain_routes, chain_steps, first_received
 
 
 def _placement_ring(cp: int = 4, causal: bool = True):
-    from megatron_fcp.planning import build_graph, place_packed
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.builders import build_graph
     from megatron_fcp.topology import load_topology
 
     pl = place_packed([5, 40, 3, 17, 1, 30], cp, block_tokens=8, causal=causal)
@@ -46,9 +50,9 @@ def test_only_balanced_chains_stream():
     batch's ring does not (big blocks reach ranks at different steps: pace 4.1), so it runs in
     waves -- the cost model priced its streaming backward at 2.2x the waves' (cp = 16, lognormal
     8.0/1.2)."""
-    from megatron_fcp.planning import lognormal_lengths, place_packed
-    from megatron_fcp.planning.chains import CHAIN_PACE, _build
-    from megatron_fcp.planning.packed_cost import simulate_backward_waves
+    from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+    from megatron_fcp.schedule.chains import CHAIN_PACE, _build
+    from megatron_fcp.cost.packed import simulate_backward_waves
 
     for cp, parts in ((4, 1), (8, 2), (16, 1)):
         assert chain_steps(ring_plan(range(cp), True, parts), lambda b: 100) is not None
@@ -80,7 +84,7 @@ def _size(plan):
 
 
 def build_graph_2x4():
-    from megatron_fcp.planning import build_graph
+    from megatron_fcp.planner.builders import build_graph
 
     from megatron_fcp.topology import load_topology
 
@@ -142,8 +146,9 @@ def test_own_blocks_fill_the_steps_alike_in_every_mode():
     more work than the busiest remote step plus one own block. Both backward KV modes place every
     job alike (a re-sending chain has one KV-only step more in front): the same jobs in the same
     order, which is what makes them agree bit for bit."""
-    from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_plan
-    from megatron_fcp.planning.waves import block_work
+    from megatron_fcp.planner.head_parallel import compile_head_parallel
+    from megatron_fcp.contract.head_parallel import stage_plan
+    from megatron_fcp.schedule.waves import block_work
 
     ring = ring_plan(range(8), causal=True)
     steps = chain_steps(ring, lambda b: 100, first_kept=True)
@@ -231,7 +236,8 @@ def test_streaming_ring_matches_fp64_reference_and_every_mode_agrees(name, cp, p
 def test_streaming_ring_over_a_packed_batch_matches_the_reference(docs, block_tokens, causal):
     """THD placements whose ring streams (balanced: documents split evenly, or no causal mask):
     per-document FP64 reference for out, lse, dq, dk, dv; keep and resend bit for bit."""
-    from megatron_fcp.planning import build_graph, place_packed
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.builders import build_graph
     from megatron_fcp.topology import load_topology
 
     pl = place_packed(docs, 4, block_tokens=block_tokens, causal=causal)
@@ -270,9 +276,9 @@ def test_streaming_ring_prices_as_transformer_engines_ring(seq):
     and step), where the wave backward priced the ring 2.6x TE's at 128K (0.289 s vs 0.110 s); with
     a = 8 per node on two nodes the KV stage's ring prices as TE's a2a+p2p. Explicit ``resend``
     (nothing saved) pays one step more, within 3% (2.4% at 128K)."""
-    from megatron_fcp.planning.head_parallel_choose import build_head_parallel_plan
-    from megatron_fcp.planning.head_parallel_cost import simulate_head_parallel, simulate_te
-    from megatron_fcp.planning.program import WaveBackward
+    from megatron_fcp.planner.choose import build_head_parallel_plan
+    from megatron_fcp.cost.head_parallel import simulate_head_parallel, simulate_te
+    from megatron_fcp.schedule.program import WaveBackward
 
     shape = AttentionShape(seq, 32, 8, 128, 2)
     for topo, ranks, degree, te in (("pcie-box:1", list(range(8)), 1, "te-p2p"),

@@ -13,25 +13,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_fcp.planning import (
-    AttentionShape,
-    BalancedGraph,
-    Plan,
-    PlanError,
-    build_graph,
-    build_plan,
-    compile_plan,
-    full_plan,
-    place_packed,
-    ring_plan,
-    simulate_plan,
-)
-from megatron_fcp.planning import table_verify
-from megatron_fcp.planning.builders import EntryGraph, _node_groups, entry_position
-from megatron_fcp.planning.compile import _sources, _waves
-from megatron_fcp.planning.graph import CommGraph
-from megatron_fcp.planning.table import TransferTable, block_layout, table_from_rounds, table_rounds
-from megatron_fcp.planning.verify import verify_plan
+from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.placement import place_packed
+from megatron_fcp.contract.plan import Plan, full_plan, ring_plan
+from megatron_fcp.cost.model import AttentionShape, simulate_plan
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.builders import BalancedGraph, build_graph
+from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.contract import table_verify
+from megatron_fcp.planner.builders import EntryGraph, _node_groups, entry_position
+from megatron_fcp.planner.compile import _sources, _waves
+from megatron_fcp.planner.graph import CommGraph
+from megatron_fcp.contract.table import TransferTable, block_layout, table_from_rounds, table_rounds
+from megatron_fcp.contract.verify import verify_plan
 from megatron_fcp.topology import load_topology
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megatron_fcp.config import KERNELS, FCPConfig, field_docs, flag_of
-from megatron_fcp.planning import BUILDERS, GRAPH_CHOICES
+from megatron_fcp.planner.builders import BUILDERS, GRAPH_CHOICES
 from megatron_fcp.patches.args import (
     add_fcp_args,
     apply_yaml_defaults,

@@ -519,7 +519,7 @@ def _gather_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.dist
 def test_gather_host_info_gloo():
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     res = run_gloo(_gather_worker, 2, timeout_s=120)
     for r in res:

@@ -20,8 +20,10 @@ from megatron_fcp.emulate.sleep_kernel import Sleeper, SleepKernel, VirtualStrea
 from megatron_fcp.emulate.spec import GOODPUT, ClusterSpec, address_plan, emulated_topology, format_rate, parse_rate
 from megatron_fcp.emulate.workloads import (FcpWorkload, HeadParallelWorkload, WorkloadShape, executor_program,
                                              lower_bounds, make_workloads)
-from megatron_fcp.planning import ComputeModel, WaveBackward, choose_schedule
-from megatron_fcp.planning.packed_cost import simulate_backward_waves, simulate_plan_backward
+from megatron_fcp.planner.choose import choose_schedule
+from megatron_fcp.cost.model import ComputeModel
+from megatron_fcp.schedule.program import WaveBackward
+from megatron_fcp.cost.packed import simulate_backward_waves, simulate_plan_backward
 
 RUN_KEYS = {"workload", "median_s", "min_s", "max_s", "comm_s", "compute_s", "predicted_s", "lower_bound_s",
             "nodes", "ranks_per_node", "nic", "intra", "inter", "seq", "heads", "kv_heads", "head_dim", "causal",
@@ -239,7 +241,7 @@ def test_sleep_kernel_on_a_stream_returns_at_once_and_synchronize_waits(monkeypa
 
 
 def test_device_sync_transport_waits_only_before_sending_computed_data():
-    from megatron_fcp.comm import Handle, Transport
+    from megatron_fcp.attention.comm import Handle, Transport
     from megatron_fcp.emulate.runners import DeviceSyncTransport
 
     class Kernel:
@@ -266,7 +268,7 @@ def test_device_sync_transport_waits_only_before_sending_computed_data():
 
 
 def _shape(h, d):
-    from megatron_fcp.planning import AttentionShape
+    from megatron_fcp.cost.model import AttentionShape
 
     return AttentionShape(64, h, h, d, 2)
 
@@ -303,7 +305,7 @@ def test_workloads_plans_predictions_and_the_hook():
     assert by["fcp-auto"].plan.name in ("hierarchical", "full", "ring", "leader", "spanning")
     assert by["fcp-ring"].plan.name == "ring"
     pred = {w.name: w.predict(topo, cm) for w in ws}
-    from megatron_fcp.planning import simulate_head_parallel
+    from megatron_fcp.cost.head_parallel import simulate_head_parallel
 
     # the model of what runs (keep, wave by wave, partials in the KV dtype, one Q|K|V all-to-all as TE
     # posts it) and TE's own model: the same forward

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_fcp.emulate.probe import PROBE_BYTES, PROBE_REPEATS
-from megatron_fcp.launch import run_gloo
+from megatron_fcp.testing.launch import run_gloo
 from tests import _emulate_cases
 
 CP = 4

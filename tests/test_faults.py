@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megatron_fcp.launch import run_gloo
+from megatron_fcp.testing.launch import run_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -33,7 +33,7 @@ def _worker(rank: int, world: int) -> dict:
 
     from megatron_fcp.attention.function import fcp_attention_with_lse
     from megatron_fcp.attention.layout import zigzag_split
-    from megatron_fcp.comm import CommTimeout, GlooTransport, TransportWrapper
+    from megatron_fcp.attention.comm import CommTimeout, GlooTransport, TransportWrapper
 
     class Killer(TransportWrapper):
         def __init__(self, inner, at):

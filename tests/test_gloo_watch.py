@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from megatron_fcp import gloo_watch
-from megatron_fcp.comm import CommTimeout
-from megatron_fcp.gloo_watch import RoundWatch
+from megatron_fcp.attention import gloo_watch
+from megatron_fcp.attention.comm import CommTimeout
+from megatron_fcp.attention.gloo_watch import RoundWatch
 
 
 def _until(pred, timeout_s: float = 5.0) -> bool:
@@ -94,9 +94,9 @@ def test_a_batch_posts_every_receive_before_any_send(monkeypatch):
     posts round by round, one that does not passes the batch on."""
     import torch
 
-    from megatron_fcp import comm
-    from megatron_fcp.comm import CountingTransport, GlooTransport, RoundPost, TransportWrapper
-    from megatron_fcp.planning import Block, Transfer
+    from megatron_fcp.attention import comm
+    from megatron_fcp.attention.comm import CountingTransport, GlooTransport, RoundPost, TransportWrapper
+    from megatron_fcp.contract.blocks import Block, Transfer
 
     calls = []
 

@@ -42,7 +42,7 @@ def _bf16_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     return run_gloo(_bf16_worker, 2, timeout_s=300)[0]
 

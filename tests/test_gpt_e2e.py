@@ -50,7 +50,7 @@ def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
         sys.path.insert(0, EXAMPLES)
     import pretrain_gpt_fcp as example
 
-    from megatron_fcp.comm import CountingTransport, default_transport
+    from megatron_fcp.attention.comm import CountingTransport, default_transport
 
     quiet = lambda msg: None  # noqa: E731
     out = {}
@@ -83,7 +83,7 @@ def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, request):
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     metrics = str(tmp_path_factory.mktemp("e2e") / "metrics.json")
     results = run_gloo(_e2e_worker, 4, metrics, timeout_s=540)
@@ -157,7 +157,7 @@ def test_cp4_head_parallel_2_matches_cp1(runs):
 def test_no_cp_transfer_touches_a_tp_peer(runs):
     from megatron_fcp.config import FCPConfig
     from megatron_fcp.patches.runtime import build_group_plan
-    from megatron_fcp.planning import MegatronLayout
+    from megatron_fcp.planner.megatron_layout import MegatronLayout
     from megatron_fcp.topology import load_topology
 
     results, _ = runs

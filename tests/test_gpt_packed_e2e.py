@@ -44,7 +44,7 @@ def _worker(rank: int, world: int) -> dict:
     quiet = lambda msg: None  # noqa: E731
     out = {}
     out["cp1"] = example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]), log=quiet)
-    from megatron_fcp import agreement
+    from megatron_fcp.attention import agreement
 
     calls = []
     real = agreement.agree  # what AgreementCache calls once per micro-batch (setup_fcp's agreement not counted)
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     return run_gloo(_worker, 4, timeout_s=420)
 

@@ -10,18 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_fcp.planning import build_plan
-from megatron_fcp.planning import (
-    BUILDERS,
-    MegatronLayout,
-    BalancedGraph,
-    CommGraph,
-    build_graph,
-    check_cp_ranks,
-    get_builder,
-    runs_of,
-    steiner_tree,
-)
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.builders import BUILDERS, BalancedGraph, build_graph, get_builder
+from megatron_fcp.planner.graph import CommGraph, runs_of, steiner_tree
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.topology import PRESETS, TopologyError, load_topology
 
 CPS = (2, 3, 4, 8, 16, 64)

@@ -1,5 +1,5 @@
 """The in-process multi-rank harness: virtual groups, the in-process transport, failure handling,
-and the ready-made numerics matrix (megatron_fcp.inprocess, megatron_fcp.attention.harness).
+and the ready-made numerics matrix (megatron_fcp.testing.inprocess, megatron_fcp.testing.harness).
 
 The numerics matrix itself runs through the harness in tests/test_attention_dist.py,
 tests/test_attention_thd.py and tests/test_backward_kv.py; the harness-vs-gloo bit-for-bit cases
@@ -14,13 +14,15 @@ import time
 import pytest
 import torch
 
-from megatron_fcp.agreement import FCPAgreementError, LastAgreed, agree
+from megatron_fcp.attention.agreement import FCPAgreementError, LastAgreed, agree
 from megatron_fcp.attention.function import fcp_attention_with_lse
-from megatron_fcp.attention.harness import QUANTITIES, check_numerics_cases, harness_attention
-from megatron_fcp.comm import CommTimeout, CountingTransport, default_transport
-from megatron_fcp.groups import group_membership
-from megatron_fcp.inprocess import InProcessGroup, InProcessTransport, RankFailed, TransferMismatch, run_ranks
-from megatron_fcp.planning import Block, Transfer, full_plan, place_packed, ring_plan
+from megatron_fcp.testing.harness import QUANTITIES, check_numerics_cases, harness_attention
+from megatron_fcp.attention.comm import CommTimeout, CountingTransport, default_transport
+from megatron_fcp.attention.groups import group_membership
+from megatron_fcp.testing.inprocess import InProcessGroup, InProcessTransport, RankFailed, TransferMismatch, run_ranks
+from megatron_fcp.contract.blocks import Block, Transfer
+from megatron_fcp.contract.placement import place_packed
+from megatron_fcp.contract.plan import full_plan, ring_plan
 
 
 def _exchange(h, sends, recvs, *, round_index=0, phase="forward", timeout_s=5.0):
@@ -258,7 +260,7 @@ def test_check_numerics_cases_meet_their_bounds(dtype, kernel):
 def test_the_module_prints_the_matrix_as_json(capsys):
     import json
 
-    from megatron_fcp.attention.harness import main
+    from megatron_fcp.testing.harness import main
 
     assert main(["--device", "cpu", "--dtype", "fp64", "--tokens", "32", "--heads", "2", "--head-dim", "8"]) == 0
     rows = json.loads(capsys.readouterr().out)

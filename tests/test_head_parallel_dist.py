@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _attention_cases import assert_within_tolerance  # noqa: E402
 from _head_parallel_cases import QUANTITIES, Case, worker  # noqa: E402
 
-from megatron_fcp.launch import run_gloo  # noqa: E402
+from megatron_fcp.testing.launch import run_gloo  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

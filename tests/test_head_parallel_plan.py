@@ -10,22 +10,21 @@ import random
 import pytest
 
 from megatron_fcp.cli import main
-from megatron_fcp.planning import AttentionShape, build_graph, compile_plan
-from megatron_fcp.planning.baselines import simulate_te_a2a_p2p
-from megatron_fcp.planning.blocks import PlanError
-from megatron_fcp.planning.head_parallel_choose import (
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.builders import build_graph
+from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.cost.te import simulate_te_a2a_p2p
+from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.planner.choose import (
     build_head_parallel_plan,
     choose_head_parallel,
     head_parallel_candidates,
 )
-from megatron_fcp.planning.head_parallel_compile import (
-    compile_head_parallel,
-    head_parallel_degrees,
-    stage_plan,
-    topology_head_groups,
-)
-from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel, simulate_te
-from megatron_fcp.planning.rounds import bipartite_edge_colouring, plan_delta
+from megatron_fcp.planner.head_parallel import compile_head_parallel, head_parallel_degrees, topology_head_groups
+from megatron_fcp.contract.head_parallel import stage_plan
+from megatron_fcp.planner.choose import lower_bound_all
+from megatron_fcp.cost.head_parallel import simulate_head_parallel, simulate_te
+from megatron_fcp.planner.rounds import bipartite_edge_colouring, plan_delta
 from megatron_fcp.topology import load_topology
 
 GQA = AttentionShape(131072, 32, 8, 128, 2)
@@ -103,8 +102,8 @@ def test_all_to_all_bytes_forward_and_backward_with_kv_replication():
 def test_q_all_to_all_behind_the_kv_stage_is_priced():
     """Note [Q's all-to-all behind the KV stage]: K|V's all-to-all first, the stage's transfers then,
     its compute only once Q's all-to-all is in too; the bytes are the one Q|K|V all-to-all's."""
-    from megatron_fcp.planning import ComputeModel, simulate_plan
-    from megatron_fcp.planning.head_parallel_cost import a2a_messages
+    from megatron_fcp.cost.model import ComputeModel, simulate_plan
+    from megatron_fcp.cost.head_parallel import a2a_messages
 
     shape = AttentionShape(8 * 1024, 16, 16, 128, 2)
     hp = compile_head_parallel("dgx-h100:2", range(16), shape, 8, "ring")
@@ -139,10 +138,10 @@ def test_dq_all_to_all_ahead_of_dk_dv_is_priced():
     the one dQ|dK|dV all-to-all's. The one-pass backward prices it from its own last job (unstaggered,
     its jobs end 0.15 s before its sums: hidden whole too)."""
     from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
-    from megatron_fcp.planning import ComputeModel
-    from megatron_fcp.planning.cost import simulate_rounds
-    from megatron_fcp.planning.head_parallel_cost import a2a_messages
-    from megatron_fcp.planning.program import WaveBackward
+    from megatron_fcp.cost.model import ComputeModel
+    from megatron_fcp.cost.model import simulate_rounds
+    from megatron_fcp.cost.head_parallel import a2a_messages
+    from megatron_fcp.schedule.program import WaveBackward
 
     spec = ClusterSpec(2, 4, "rail", 180e6, 20e6)
     topo, cm = emulated_topology(spec), ComputeModel(flops=400e12 / spec.time_scale, kernel_overhead_s=0.0)
@@ -285,7 +284,7 @@ def test_cli_simulate_pass_and_head_parallel_json(capsys):
 
 def test_uneven_group_bound_counts_only_the_members_nics():
     """8 + 4 ranks on two DGX nodes: the half-filled node receives through its 4 members' NICs."""
-    from megatron_fcp.planning.baselines import lower_bound, member_nic_ingress
+    from megatron_fcp.cost.te import lower_bound, member_nic_ingress
     from megatron_fcp.topology import load_topology
 
     topo = load_topology("dgx-h100:2")
@@ -316,8 +315,9 @@ def test_staggered_kv_stage_verifies_and_pipelines(stagger):
 def test_uneven_group_spreads_the_small_nodes_fan_out():
     """8 + 4 ranks: odd chunks of the 4-rank node enter the 8-rank node at positions 4..7, so no
     NVLink egress carries twice the fan-out; forward comm within 1.15x the bound (was 1.28x)."""
-    from megatron_fcp.planning import build_plan, simulate_plan
-    from megatron_fcp.planning.builders import entry_position
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.planner.builders import entry_position
 
     assert [entry_position(k, 4, 8, c) for c in (0, 1) for k in range(4)] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert entry_position(5, 8, 4, 1) == 1 and entry_position(5, 8, 8, 1) == 5  # only into a larger node

@@ -13,8 +13,8 @@ import torch
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.args import add_fcp_args, fcp_config_from_args
 from megatron_fcp.patches.runtime import group_head_parallel_plan, reset_fcp, setup_fcp
-from megatron_fcp.planning import MegatronLayout
-from megatron_fcp.planning.head_parallel import group_placement
+from megatron_fcp.planner.megatron_layout import MegatronLayout
+from megatron_fcp.contract.head_parallel import group_placement
 from megatron_fcp.topology import load_topology
 
 
@@ -79,7 +79,7 @@ def test_stage_plan_is_one_object_so_the_executor_plans_backward_once():
     every layer (25 ms of CPU a call on the emulated 2x4 GQA stage)."""
     import pickle
 
-    from megatron_fcp.planning.waves import choose_backward_kv, plan_waves
+    from megatron_fcp.schedule.waves import choose_backward_kv, plan_waves
 
     topo = load_topology("dgx-h100:2")
     hp = group_head_parallel_plan(FCPConfig(enabled=True, graph="hierarchical"), topo, tuple(range(4, 12)), 4, 64,
@@ -123,9 +123,9 @@ def test_auto_settles_the_planners_degree_at_setup():
     """--fcp-head-parallel auto: setup_fcp takes choose_schedule's degree for the run's shape
     (heads per tensor-parallel rank), topology and backward (waves; tests/test_runtime_schedule.py
     checks the rest of the choice); 1 without shapes or CP."""
-    from megatron_fcp.planning.cost import AttentionShape
-    from megatron_fcp.planning.head_parallel_choose import choose_schedule
-    from megatron_fcp.planning.program import WaveBackward
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.choose import choose_schedule
+    from megatron_fcp.schedule.program import WaveBackward
 
     cfg = FCPConfig(enabled=True, topology="dgx-h100:2")
     layout = MegatronLayout(world=16, cp=16)

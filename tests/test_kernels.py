@@ -22,7 +22,7 @@ from megatron_fcp.attention.layout import (
 )
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.tiles import flash_pieces as _flash_pieces
-from megatron_fcp.planning import blocks_of
+from megatron_fcp.contract.blocks import blocks_of
 
 F64 = torch.float64
 

@@ -12,7 +12,7 @@ from megatron_fcp.attention.layout import (
     zigzag_split,
     zigzag_unsplit,
 )
-from megatron_fcp.planning import blocks_of
+from megatron_fcp.contract.blocks import blocks_of
 
 
 class _FakeCPGroup:
@@ -127,7 +127,7 @@ def test_layout_errors_name_the_fix():
         zigzag_split(torch.zeros(16), 4, 4)
     with pytest.raises(ValueError, match="even"):
         zigzag_positions(5, 2, 0)
-    from megatron_fcp.planning import Block
+    from megatron_fcp.contract.blocks import Block
     with pytest.raises(ValueError, match="not in the CP group"):
         block_positions(Block(9, 0), (0, 1), 4)
     with pytest.raises(ValueError, match="cannot be cut into 4 parts.*parts_per_chunk between 1 and 3"):

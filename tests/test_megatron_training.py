@@ -129,7 +129,7 @@ def _snippet_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.dist
 def test_snippet_through_megatron_training_on_gloo():
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     results = run_gloo(_snippet_worker, 2, timeout_s=300)
     for r in results:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fcp.planning import AttentionShape, build_plan, simulate_plan
+from megatron_fcp.cost.model import AttentionShape, simulate_plan
+from megatron_fcp.planner.build import build_plan
 from megatron_fcp.topology import Topology, load_topology, serialize
 from megatron_fcp.topology import detect as D
 from megatron_fcp.topology.detect.fabric import domain_size

@@ -11,20 +11,12 @@ import numpy as np
 import pytest
 
 from megatron_fcp.cli import main
-from megatron_fcp.planning import (
-    AttentionShape,
-    ComputeModel,
-    build_plan,
-    compare_packed,
-    lognormal_lengths,
-    place_packed,
-    simulate_plan,
-    simulate_plan_backward,
-    simulate_te_p2p_thd,
-    thd_padded_lengths,
-    thd_rank_work,
-)
-from megatron_fcp.planning.placement import Placement, Span, span_pairs
+from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+from megatron_fcp.planner.compare import compare_packed
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, simulate_plan
+from megatron_fcp.cost.packed import simulate_plan_backward, simulate_te_p2p_thd, thd_padded_lengths, thd_rank_work
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.contract.placement import Placement, Span, span_pairs
 
 SHAPE = AttentionShape(1, heads=8, kv_heads=2, head_dim=16, dtype_bytes=2)
 KV_TOKEN = 2 * 2 * 16 * 2  # K and V, 2 KV heads, d=16, bf16

@@ -14,7 +14,7 @@ import torch
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches import REGISTRY, PatchTargetError
 from megatron_fcp.patches.runtime import FCPStateError, setup_fcp
-from megatron_fcp.planning import MegatronLayout
+from megatron_fcp.planner.megatron_layout import MegatronLayout
 
 ORIGINAL_CALLED = "original called - patch failed"
 
@@ -398,7 +398,7 @@ def _order_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.dist
 def test_order_of_setup_on_gloo():
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     results = run_gloo(_order_worker, 2, timeout_s=240)
     for r in results:
@@ -464,7 +464,7 @@ def _tp_peer_transfers(plan, layout: MegatronLayout) -> list:
 
 
 def test_the_tp_peer_check_catches_a_plan_over_a_tp_group():
-    from megatron_fcp.planning import ring_plan
+    from megatron_fcp.contract.plan import ring_plan
 
     layout = MegatronLayout(world=4, tp=2, cp=2)
     assert _tp_peer_transfers(ring_plan((0, 2)), layout) == []  # a real CP group

@@ -10,21 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_fcp.planning import (
-    BUILDERS,
-    AttentionShape,
-    Block,
-    Placement,
-    PlanError,
-    Span,
-    build_plan,
-    full_plan,
-    need_set,
-    place_packed,
-    simulate_plan,
-)
-from megatron_fcp.planning.placement import span_pairs
-from megatron_fcp.planning.verify import verify_reference
+from megatron_fcp.contract.blocks import Block, PlanError
+from megatron_fcp.contract.needs import need_set
+from megatron_fcp.contract.placement import Placement, Span, place_packed
+from megatron_fcp.contract.plan import full_plan
+from megatron_fcp.cost.model import AttentionShape, simulate_plan
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.builders import BUILDERS
+from megatron_fcp.contract.placement import span_pairs
+from megatron_fcp.contract.verify import verify_reference
 from megatron_fcp.topology import load_topology
 
 
@@ -254,7 +248,7 @@ def test_note_example_long_blocks_first_then_short_documents():
 def test_received_tokens_on_a_seeded_mix(mean, sigma, cp):
     """Work stays balanced while the rank receiving most receives well under the longest document
     (its tail's holder) and short documents stay whole."""
-    from megatron_fcp.planning import lognormal_lengths
+    from megatron_fcp.contract.placement import lognormal_lengths
 
     lengths = lognormal_lengths(mean, sigma, 32768 * cp, seed=0)
     pl = place_packed(lengths, cp)
@@ -273,8 +267,8 @@ def test_received_tokens_on_a_seeded_mix(mean, sigma, cp):
 def test_packed_auto_breaks_near_ties_by_inter_node_bytes():
     """Candidates within PACKED_TIE of the best predicted time tie; the one crossing nodes least wins
     (the bytes benchmark's mix where ``full`` was 0.4% faster than ``entry`` but crossed 10.7% more)."""
-    from megatron_fcp.planning.build import PACKED_TIE
-    from megatron_fcp.planning.placement import lognormal_lengths
+    from megatron_fcp.planner.build import PACKED_TIE
+    from megatron_fcp.contract.placement import lognormal_lengths
 
     lengths = lognormal_lengths(8.0, 1.2, 32768 * 16, 0)
     pl = place_packed(lengths, 16, block_tokens=4096)

@@ -15,23 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_fcp.planning import (
-    AUTO_CANDIDATES,
-    BUILDERS,
-    Block,
-    BalancedGraph,
-    Plan,
-    PlanError,
-    Transfer,
-    build_graph,
-    build_plan,
-    compile_plan,
-    full_plan,
-    need_set,
-    ring_plan,
-    zigzag_chunk_index,
-)
-from megatron_fcp.planning.verify import verify_reference
+from megatron_fcp.contract.blocks import Block, PlanError, Transfer, zigzag_chunk_index
+from megatron_fcp.contract.needs import need_set
+from megatron_fcp.contract.plan import Plan, full_plan, ring_plan
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.builders import AUTO_CANDIDATES, BUILDERS, BalancedGraph, build_graph
+from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.contract.verify import verify_reference
 from megatron_fcp.topology import GB, PRESETS, Link, Nic, NodeLayout, Topology, load_topology
 
 CPS = (2, 3, 4, 8, 16, 64)
@@ -298,7 +288,7 @@ def test_fast_verify_matches_reference_on_builtin_plans(cp, causal, parts, seed,
 
 
 def test_batch_made_transfers_equal_constructed_ones():
-    from megatron_fcp.planning.blocks import make_transfer as _make_transfer, make_transfers as _make_transfers
+    from megatron_fcp.contract.blocks import make_transfer as _make_transfer, make_transfers as _make_transfers
 
     b = Block(3, 1, 2)
     batch = _make_transfers([0, 1, 2], (5, 6, 7), b)
@@ -423,8 +413,9 @@ def test_1024_rank_plan_compiles_verifies_and_is_unchanged():
 def test_the_need_rule_is_the_token_level_mask(cp, causal):
     """needs_chunk(j, i, c) holds exactly when some query token of CP rank j may attend to some key
     token of chunk c of CP rank i (zigzag, 4 tokens a chunk), and j != i; every user derives from it."""
-    from megatron_fcp.planning import causal_pairs, needs_chunk
-    from megatron_fcp.planning.needs import need_matrix, readers
+    from megatron_fcp.contract.needs import needs_chunk
+    from megatron_fcp.contract.needs import causal_pairs
+    from megatron_fcp.contract.needs import need_matrix, readers
 
     L = 4
     for j in range(cp):
@@ -448,7 +439,7 @@ def test_a_plan_is_verified_once(monkeypatch):
     """build_plan verifies; the executor's resolve_plan trusts the verified state (no second pass)
     and verifies an unverified plan once; stricter port limits verify again."""
     from megatron_fcp.attention.function import resolve_plan
-    from megatron_fcp.planning import plan as plan_module
+    from megatron_fcp.contract import plan as plan_module
 
     calls = []
     real = plan_module.verify_plan

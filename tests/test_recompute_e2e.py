@@ -33,7 +33,7 @@ def _worker(rank: int, world: int) -> dict:
         sys.path.insert(0, EXAMPLES)
     import pretrain_gpt_fcp as example
 
-    from megatron_fcp.comm import default_transport
+    from megatron_fcp.attention.comm import default_transport
 
     quiet = lambda msg: None  # noqa: E731
     out = {"cp1": example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]),
@@ -53,7 +53,7 @@ def _worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     return run_gloo(_worker, 4, timeout_s=420)
 

@@ -20,7 +20,7 @@ from megatron_fcp.attention.merge import LseAccumulator  # noqa: E402
 from megatron_fcp.config import FCPConfig  # noqa: E402
 from megatron_fcp.patches import REGISTRY  # noqa: E402
 from megatron_fcp.patches.runtime import current_runtime, setup_fcp  # noqa: E402
-from megatron_fcp.planning import MegatronLayout  # noqa: E402
+from megatron_fcp.planner.megatron_layout import MegatronLayout  # noqa: E402
 
 TOPOLOGY_2X2 = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "topology_2x2.yaml")
 

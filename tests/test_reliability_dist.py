@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _reliability_cases import AGREE_TIMEOUT_S, FAIL_TIMEOUT_S, FUZZ_EXAMPLES, SETUP_CASES, worker  # noqa: E402
 
-from megatron_fcp.launch import run_gloo  # noqa: E402
+from megatron_fcp.testing.launch import run_gloo  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -70,7 +70,7 @@ def test_a_rank_failing_its_own_checks_makes_its_peer_raise_within_the_timeout(r
 
 
 def test_one_rank_switching_plans_alone_never_hangs(results):
-    """The limit of caching (megatron_fcp.agreement, LastAgreed): a rank whose plan changed agrees,
+    """The limit of caching (megatron_fcp.attention.agreement, LastAgreed): a rank whose plan changed agrees,
     a peer whose plan did not skips; no named refusal then, but both raise within the timeout."""
     kind2, msg2, s2 = results[2]["switch_alone"]
     kind3, msg3, s3 = results[3]["switch_alone"]

@@ -14,11 +14,14 @@ import pytest
 
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.runtime import reset_fcp, setup_fcp
-from megatron_fcp.planning import AttentionShape, MegatronLayout, build_plan
-from megatron_fcp.planning.head_parallel_choose import choose_head_parallel, choose_schedule
-from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_plan
-from megatron_fcp.planning.head_parallel_cost import simulate_head_parallel
-from megatron_fcp.planning.program import RING_BUDGET, WaveBackward
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.megatron_layout import MegatronLayout
+from megatron_fcp.planner.choose import choose_head_parallel, choose_schedule
+from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.contract.head_parallel import stage_plan
+from megatron_fcp.cost.head_parallel import simulate_head_parallel
+from megatron_fcp.schedule.program import RING_BUDGET, WaveBackward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GQA = dict(heads=32, kv_heads=8, head_dim=128)
@@ -203,8 +206,8 @@ def test_the_choice_is_logged_reported_and_agreed(caplog):
 _PROBE = """
 import hashlib
 from megatron_fcp.planning import AttentionShape
-from megatron_fcp.planning.head_parallel_choose import choose_schedule
-from megatron_fcp.planning.program import WaveBackward
+from megatron_fcp.planner.choose import choose_schedule
+from megatron_fcp.schedule.program import WaveBackward
 c = choose_schedule("dgx-h100:1", range(8), AttentionShape(2 * 8 * 2731, 32, 8, 128, 2), backward=WaveBackward())
 print(c.describe(), hashlib.sha256(repr((c.plan.head_groups, c.plan.kv_plan.rounds, c.plan.auto)).encode()).hexdigest())
 """
@@ -213,7 +216,7 @@ print(c.describe(), hashlib.sha256(repr((c.plan.head_groups, c.plan.kv_plan.roun
 def test_the_choice_is_deterministic_across_processes():
     """Every rank computes the choice on its own; it reads no rank, clock or hash order: two
     interpreters with different hash seeds and this one give the same choice, plan and times."""
-    from megatron_fcp.planning import choose_schedule as exported
+    from megatron_fcp.planner.choose import choose_schedule as exported
     import hashlib
 
     c = exported("dgx-h100:1", range(8), AttentionShape(2 * 8 * ODD_CHUNK, 32, 8, 128, 2), backward=WaveBackward())

@@ -8,21 +8,13 @@ import random
 import numpy as np
 import pytest
 
-from megatron_fcp.planning import build_plan, ring_plan
-from megatron_fcp.planning import (
-    AttentionShape,
-    ComputeModel,
-        causal_pairs,
-    compare,
-    kv_block_bytes,
-    lower_bound,
-    parse_tokens,
-    simulate_plan,
-    simulate_rounds,
-    simulate_te_a2a_p2p,
-    simulate_te_p2p,
-)
-from megatron_fcp.planning.cost import _block_pairs
+from megatron_fcp.contract.plan import ring_plan
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.compare import compare
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, kv_block_bytes, parse_tokens, simulate_plan, simulate_rounds
+from megatron_fcp.contract.needs import causal_pairs
+from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.topology import GB, load_topology
 
 SHAPE_128K = AttentionShape(131072, heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
@@ -46,7 +38,7 @@ def test_block_pairs_add_up_to_each_ranks_causal_rows(cp, parts):
         rows = list(range(j * L, (j + 1) * L)) + list(range((2 * cp - 1 - j) * L, (2 * cp - j) * L))
         brute = sum(q + 1 for q in rows)  # keys 0..q
         owners, chunks, ps = zip(*itertools.product(range(cp), (0, 1), range(parts)))
-        got = _block_pairs(cp, seq, parts, np.full(len(owners), j), np.array(owners), np.array(chunks),
+        got = block_pairs(cp, seq, parts, np.full(len(owners), j), np.array(owners), np.array(chunks),
                            np.array(ps), True).sum()
         assert got == brute
 

@@ -1,4 +1,4 @@
-"""The package's shape, checked from the source: no import cycles, small modules, a pure planner.
+"""The package's shape, checked from the source: no import cycles, layers by job, a pure planner.
 
 Static (``ast``, nothing is imported): every ``import`` and ``from ... import`` inside
 ``megatron_fcp`` counts, at module level or inside a function, except those under
@@ -14,7 +14,6 @@ import networkx as nx
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "megatron_fcp"
-MAX_LINES = 600
 
 
 def _module_name(path: Path) -> str:
@@ -68,8 +67,8 @@ for _m in MODULES:
 
 
 def test_the_source_walk_sees_the_package():
-    assert "megatron_fcp.planning.plan" in MODULES and "megatron_fcp.patches.runtime" in MODULES
-    assert GRAPH.has_edge("megatron_fcp.planning.build", "megatron_fcp.planning.cost")
+    assert "megatron_fcp.contract.plan" in MODULES and "megatron_fcp.patches.runtime" in MODULES
+    assert GRAPH.has_edge("megatron_fcp.planner.build", "megatron_fcp.cost.model")
     assert GRAPH.has_edge("megatron_fcp.patches.megatron", "megatron_fcp.patches.runtime")
 
 
@@ -82,51 +81,95 @@ def test_no_import_cycle_inside_the_package():
 
 def test_a_cycle_would_be_caught():
     g = GRAPH.copy()
-    g.add_edge("megatron_fcp.planning.plan", "megatron_fcp.planning.compare", line=0)
+    g.add_edge("megatron_fcp.contract.plan", "megatron_fcp.planner.compare", line=0)
     assert list(nx.simple_cycles(g))
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_no_module_over_600_lines(module):
-    n = len(MODULES[module].read_text().splitlines())
-    assert n <= MAX_LINES, f"{MODULES[module]} has {n} lines (limit {MAX_LINES}): split it by job"
-
-
-# the planning half, bottom to top: a module may import only from layers below it
-PLANNING_LAYERS = [
-    ("blocks", "megatron_layout"),
-    ("needs", "placement"),     # the causal need rule; packed batches and their need sets
-    ("verify", "graph", "rounds", "table"),  # proofs of a plan; graphs over a CP group; rounds vs Delta (edge
-                                #   colouring); a plan's transfers as columns
-    ("table_verify", "table_compile"),  # proofs of a columnar plan; columnar graphs and waves for large groups
-    ("plan",),                  # the plan contract
-    ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
-    ("builders", "compile", "waves"),  # graph strategies; graph -> plan; backward waves of a plan
-    ("build", "wave_timeline", "chains"),  # planner entry point; the wave loop's timeline; a ring's streaming backward
-    ("baselines", "head_parallel_compile", "program"),  # TE's schedules; head-parallel plans for a degree and graph;
-                                #   the backward program (every backward decision, once)
-    ("packed_cost",),           # TE's schedules on packed documents (THD); backward of every schedule
-    ("head_parallel_cost",),    # fwd/bwd of every schedule with the head-parallel stage; bound over families
-    ("head_parallel_choose",),  # auto: degree, graph and block size by predicted fwd+bwd time
-    ("compare",),               # schedules side by side
+# The package's layers, bottom to top: a module imports only from its own package or from one below
+# it. The pure half (no torch) is topology .. planner; the engine needs only the plan contract and
+# the backward program; the Megatron integration may use all of it; measuring and emulating are on
+# top, and nothing below imports them.
+PACKAGE_LAYERS = [
+    ("topology",),              # the cluster: hosts, NVLink domains, links, NICs; presets and detection
+    ("contract",),              # blocks, need rules, placements, the Plan and its proofs
+    ("schedule",),              # the backward program: every backward decision, once
+    ("cost",),                  # timelines of plans and programs, TE's schedules, bounds
+    ("planner",),               # graph -> plan; the choice among candidates (prices with cost)
+    ("attention",),             # the engine: API, executor, runners, kernels, merge, transports
+    ("config",),                # FCPConfig: the one configuration object
+    ("patches",),               # the Megatron integration (apply_fcp, spec class, flags, runtime)
+    ("testing",),               # in-process harness and group, gloo-world launcher
+    ("emulate",),               # the emulated cluster: network namespaces, a GPU stand-in, workloads
+    ("commands",),              # the CLI's commands
+    ("cli",),                   # the CLI's entry point
 ]
+PURE = ("topology", "contract", "schedule", "cost", "planner")
 
 
-def test_planning_dependencies_run_one_way():
-    level = {f"megatron_fcp.planning.{m}": i for i, layer in enumerate(PLANNING_LAYERS) for m in layer}
-    assert set(level) == {m for m in MODULES if m.startswith("megatron_fcp.planning.")}
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_packages_depend_downwards_only():
+    level = {p: i for i, layer in enumerate(PACKAGE_LAYERS) for p in layer}
+    packages = {_package(m) for m in MODULES} - {"__init__", "planning"}  # planning: the lazy public facade
+    assert packages == set(level), f"every package has a layer: {packages ^ set(level)}"
     for a, b in GRAPH.edges:
-        if a in level and b in level:
-            assert level[b] < level[a], f"{a} imports {b} (line {GRAPH.edges[a, b]['line']}): against the layering"
+        pa, pb = _package(a), _package(b)
+        if pa == pb or "__init__" in (pa, pb) or "planning" in (pa, pb):
+            continue
+        assert level[pb] < level[pa], f"{a} imports {b} (line {GRAPH.edges[a, b]['line']}): against the layering"
 
 
-def test_the_planning_and_topology_halves_import_no_torch():
-    """Pure halves: no torch anywhere in planning/ or topology/, except host grouping (collective)."""
+def test_the_engine_imports_no_planner_or_cost_model():
+    """A training step's attention runs a plan and its backward program: the engine never prices
+    or plans (the runtime settles plans at setup)."""
+    for a, b in GRAPH.edges:
+        if _package(a) == "attention":
+            assert _package(b) in ("attention", "contract", "schedule", "topology"), f"{a} imports {b}"
+
+
+def test_the_pure_half_imports_no_torch():
+    """No torch anywhere in the pure packages, except host grouping (a collective)."""
     allowed = {"megatron_fcp.topology.detect.hosts"}
     for module, path in MODULES.items():
-        if not module.startswith(("megatron_fcp.planning", "megatron_fcp.topology")) or module in allowed:
+        if _package(module) not in PURE + ("planning",) or module in allowed:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "torch" or n.startswith("torch.") for n in names), f"{module} imports torch"
+
+
+def test_every_package_says_its_job():
+    for p in sorted(PKG.iterdir()):
+        if p.is_dir() and (p / "__init__.py").exists():
+            doc = ast.get_docstring(ast.parse((p / "__init__.py").read_text()))
+            assert doc and len(doc.splitlines()[0]) > 20, f"{p.name}/__init__.py needs a docstring saying its job"
+
+
+_STEP = """
+import sys
+import megatron_fcp
+assert [m for m in sys.modules if m.startswith("megatron_fcp")] == ["megatron_fcp"], "import megatron_fcp is lazy"
+from megatron_fcp import FCPConfig, apply_fcp
+apply_fcp(FCPConfig(enabled=True))
+import megatron_fcp.attention.function
+print(sorted(m for m in sys.modules if m.startswith("megatron_fcp")))
+"""
+
+
+def test_a_training_step_imports_nothing_that_measures_or_emulates():
+    """``import megatron_fcp`` imports only itself; ``apply_fcp`` and the engine import no emulator,
+    CLI, testing support or study (planner.compare); benchmarks/import_closure.py measures the lines."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _STEP], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent).stdout
+    loaded = eval(out.strip().splitlines()[-1])  # noqa: S307 - our own subprocess's list of names
+    assert "megatron_fcp.attention.function" in loaded and "megatron_fcp.patches.megatron" in loaded
+    bad = [m for m in loaded if _package(m) in ("emulate", "commands", "cli", "testing") or
+           m == "megatron_fcp.planner.compare"]
+    assert not bad, bad

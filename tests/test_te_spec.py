@@ -28,7 +28,7 @@ from megatron_fcp.config import FCPConfig  # noqa: E402
 from megatron_fcp.patches import REGISTRY, PatchTargetError  # noqa: E402
 from megatron_fcp.patches.runtime import current_runtime, setup_fcp  # noqa: E402
 from megatron_fcp.patches.te_spec import CPCommTypeError, check_te_signature, refuse_cp_comm_type_args  # noqa: E402
-from megatron_fcp.planning import MegatronLayout  # noqa: E402
+from megatron_fcp.planner.megatron_layout import MegatronLayout  # noqa: E402
 
 PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
 EXT = "megatron.core.extensions.transformer_engine"

@@ -1,4 +1,4 @@
-"""Sub-blocks that do not divide the zigzag chunk (Note [Sub-block sizes] in planning/blocks.py),
+"""Sub-blocks that do not divide the zigzag chunk (Note [Sub-block sizes] in contract/blocks.py),
 end to end: the executor runs them exactly (FP64 against the reference for out, lse, dq, dk, dv,
 through the in-process harness), it sends the bytes the cost model prices, and the planner uses
 them where ``2 * cp * parts`` does not divide the sequence (dgx-a100:3, cp = 24, 128K and 256K).
@@ -12,10 +12,12 @@ import zlib
 import pytest
 import torch
 
-from megatron_fcp.attention.harness import QUANTITIES, harness_attention
+from megatron_fcp.testing.harness import QUANTITIES, harness_attention
 from megatron_fcp.attention.kernels import reference_attention
-from megatron_fcp.planning import AttentionShape, build_plan, full_plan, ring_plan, simulate_plan
-from megatron_fcp.planning.blocks import part_span, part_tokens
+from megatron_fcp.contract.plan import full_plan, ring_plan
+from megatron_fcp.cost.model import AttentionShape, simulate_plan
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.contract.blocks import part_span, part_tokens
 
 CP, CHUNK = 4, 7  # 7-token chunks: 2 parts are 3 + 4 tokens, 3 parts 2 + 2 + 3, 4 parts 1 + 2 + 2 + 2
 
@@ -85,9 +87,9 @@ def test_dgx_a100_3_nodes_reach_the_bound_with_uneven_parts(seq):
     """cp = 24: 2*cp = 48 leaves 2,731- and 5,462-token chunks that 8 does not divide; plain FCP with
     8 uneven parts per chunk brings forward comm within 1.15x of the lower bound over families
     (before: 1.186 and 1.176 with whole chunks, a = 2 staggered)."""
-    from megatron_fcp.planning.cost import pick_best
-    from megatron_fcp.planning.head_parallel_choose import head_parallel_candidates
-    from megatron_fcp.planning.head_parallel_cost import lower_bound_all
+    from megatron_fcp.cost.model import pick_best
+    from megatron_fcp.planner.choose import head_parallel_candidates
+    from megatron_fcp.planner.choose import lower_bound_all
 
     shape = AttentionShape(seq, 32, 8, 128, 2)
     res, hp = pick_best(head_parallel_candidates("dgx-a100:3", range(24), shape, pass_="fwd", objective="comm"),

@@ -1,13 +1,15 @@
 """Backward waves (Note [Backward waves] in megatron_fcp/attention/backward_waves.py): the pure
-split of a plan's deliveries (planning/waves.py) and its cost model (packed_cost.simulate_backward_waves)."""
+split of a plan's deliveries (schedule/waves.py) and its cost model (packed_cost.simulate_backward_waves)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_fcp.planning import AttentionShape, build_plan, place_packed
-from megatron_fcp.planning.packed_cost import simulate_backward_waves
-from megatron_fcp.planning.waves import block_work, plan_waves, restrict, wave_budget
+from megatron_fcp.contract.placement import place_packed
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.cost.packed import simulate_backward_waves
+from megatron_fcp.schedule.waves import block_work, plan_waves, restrict, wave_budget
 
 BUILDERS = ("ring", "full", "hierarchical", "leader", "spanning", "entry")
 
@@ -74,8 +76,8 @@ def test_wave_cost_model_bounds_held_kv_by_the_ring_and_hides_the_resend():
     """cp = 16 on two DGX H100, 128K tokens, GQA 32:8, hierarchical with two parts per chunk:
     resend holds at most the ring's one shard (32 MiB) within backward, keep its need set (480 MiB
     on CP rank 0); fwd+bwd with resend within 1.15x of keep's one-pass backward."""
-    from megatron_fcp.planning.cost import AttentionShape, simulate_plan
-    from megatron_fcp.planning.packed_cost import simulate_backward_waves, simulate_plan_backward
+    from megatron_fcp.cost.model import AttentionShape, simulate_plan
+    from megatron_fcp.cost.packed import simulate_backward_waves, simulate_plan_backward
 
     shape = AttentionShape(131072, 32, 8, 128)
     plan = build_plan("dgx-h100:2", range(16), "hierarchical", parts_per_chunk=2)
@@ -95,7 +97,7 @@ def test_megatron_runtime_cuts_chunks_in_two_where_backward_may_resend():
     at cp > 2): two parts per chunk balance the waves. An explicit block size always wins."""
     from megatron_fcp.config import FCPConfig
     from megatron_fcp.patches.runtime import reset_fcp, setup_fcp
-    from megatron_fcp.planning import MegatronLayout
+    from megatron_fcp.planner.megatron_layout import MegatronLayout
 
     def parts(cfg, cp, s_local=32):
         reset_fcp()
@@ -117,9 +119,10 @@ def test_balanced_waves_pick_the_least_pace_then_the_fewest_waves():
     """Note [Balanced waves]: on a packed plan whose need sets fit the byte budget, the 1x work cap
     alone made five waves; a larger cap makes one with the least pace and makespan (every rank's
     total)."""
-    from megatron_fcp.planning import build_plan, lognormal_lengths
-    from megatron_fcp.planning import waves as W
-    from megatron_fcp.planning.placement import place_packed
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.schedule import waves as W
+    from megatron_fcp.contract.placement import place_packed
 
     lengths = lognormal_lengths(8.0, 1.2, 32768 * 16, 0)
     pl = place_packed(lengths, 16, block_tokens=4096)
@@ -149,7 +152,7 @@ def _rail_2x4():
     topology, attention shape, compute model and the executor's block bytes."""
     from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
     from megatron_fcp.emulate.workloads import WorkloadShape, executor_program, make_workloads
-    from megatron_fcp.planning import ComputeModel
+    from megatron_fcp.cost.model import ComputeModel
 
     spec = ClusterSpec(2, 4, "rail", 360e6, 40e6)
     topo = emulated_topology(spec)
@@ -165,8 +168,8 @@ def test_pace_lets_fine_sub_blocks_fill_the_byte_budget():
     gives every rank one or two small blocks per wave (195 waves, each paying its reduction's
     rounds); the least pace fills the byte budget about 4x better. Every delivery once, within the
     budget; the same waves from an equal plan built again (deterministic)."""
-    from megatron_fcp.planning import waves as W
-    from megatron_fcp.planning.blocks import part_tokens
+    from megatron_fcp.schedule import waves as W
+    from megatron_fcp.contract.blocks import part_tokens
 
     def build():
         return build_plan("dgx-a100:3", range(24), "hierarchical", parts_per_chunk=8)
@@ -187,7 +190,7 @@ def test_rail_waves_are_as_few_as_the_byte_budget_allows():
     """rail-2x4-mha (the emulated benchmark): the budget is one whole chunk, and a CP rank of node
     0 receives 14 (relays included), so 14 waves is the least any packing can do; plan_waves
     makes 14 (the 1x cap made 16), each rank receiving at most one block per wave."""
-    from megatron_fcp.planning import waves as W
+    from megatron_fcp.schedule import waves as W
 
     plan, _, _, _, size = _rail_2x4()
     budget = wave_budget(plan, size)
@@ -203,7 +206,7 @@ def test_the_wave_timeline_has_no_barrier_between_waves():
     of a wave whose dK/dV crosses one slow rail, so keep's backward is under half the lock-step sum
     (reduce, compute and re-send of each wave in step); waiting for sends only slows it; resend
     costs more than keep; every result key the reports read is there."""
-    from megatron_fcp.planning.packed_cost import simulate_backward_waves
+    from megatron_fcp.cost.packed import simulate_backward_waves
 
     plan, topo, att, cm, _ = _rail_2x4()
     runs = {(m, b): simulate_backward_waves(plan, topo, att, compute_model=cm, backward_kv=m, buffered_sends=b)
@@ -226,8 +229,9 @@ def test_held_kv_under_resend_stays_within_a_shard_on_a_packed_cp64_plan():
     """cp = 64 packed (lognormal 8.0/1.2, 32K tokens per rank, 4096-token blocks, entry graph on
     dgx-h100:8): two consecutive waves' received KV on any rank is at most the largest shard's (the
     budget is half of it and every block is smaller), far below keep's need set."""
-    from megatron_fcp.planning import AttentionShape, lognormal_lengths
-    from megatron_fcp.planning.packed_cost import simulate_backward_waves
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.cost.packed import simulate_backward_waves
 
     pl = place_packed(lognormal_lengths(8.0, 1.2, 32768 * 64, 0), 64, block_tokens=4096)
     plan = build_plan("dgx-h100:8", range(64), "entry", placement=pl)
@@ -244,7 +248,7 @@ def test_auto_keeps_the_first_wave_where_it_fits_the_ring_budget():
     shard: Transformer Engine's ring saves its last received shard), so backward starts without
     re-sending it; an explicit resend saves nothing and fetches it first. dgx-h100:2, cp = 16,
     128K GQA 32:8, hierarchical with two parts per chunk."""
-    from megatron_fcp.planning.chains import first_kept_blocks, first_keepers
+    from megatron_fcp.schedule.chains import first_kept_blocks, first_keepers
 
     shape = AttentionShape(131072, 32, 8, 128, 2)
     plan = build_plan("dgx-h100:2", range(16), "hierarchical", parts_per_chunk=2)
@@ -273,7 +277,7 @@ def test_a_buffered_send_completes_once_its_receiver_posts(resend):
     sender ends no earlier than its messages start (before, a rank could run ahead of a receiver
     that had not posted: rail 2x4 hierarchical broke this 8 times under keep), and no later than
     with sends waited until they arrive (NCCL)."""
-    from megatron_fcp.planning.wave_timeline import wave_timeline
+    from megatron_fcp.cost.timeline import wave_timeline
 
     plan, topo, att, cm, size = _rail_2x4()
     waves = plan_waves(plan, size)

@@ -1,5 +1,5 @@
 """The executor's streaming backward for chain plans (the ring): Note [Streaming chain backward]
-in :mod:`megatron_fcp.planning.chains` has the algorithm and its steps; this module runs them.
+in :mod:`megatron_fcp.schedule.chains` has the algorithm and its steps; this module runs them.
 
 Per step every rank posts one round (the step's KV hops under ``resend``, then the accumulated
 partials, then the chains' sums going home, each list in the schedule's order, so the i-th
@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from megatron_fcp.attention.backward_waves import BackwardHost
-from megatron_fcp.planning.blocks import Block
-from megatron_fcp.planning.chains import ChainStep
+from megatron_fcp.contract.blocks import Block
+from megatron_fcp.schedule.chains import ChainStep
 
 __all__ = ["run_backward_chain"]
 

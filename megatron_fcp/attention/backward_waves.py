@@ -3,7 +3,7 @@
 Note [Backward waves]
 ---------------------
 Backward splits the plan's *deliveries* (a rank computing one block's gradient: a block it needs,
-or its own) into waves (:func:`~megatron_fcp.planning.waves.plan_waves`, the same on every rank:
+or its own) into waves (:func:`~megatron_fcp.schedule.waves.plan_waves`, the same on every rank:
 it reads only the plan and the block sizes). A wave carries the plan transfers on the paths from
 each of its blocks' owner to its readers (relays included); a block may reach some readers in one
 wave and others later, its reduction tree then cut into one subtree per wave. Both backward KV
@@ -39,8 +39,8 @@ completed and was added); the result adds the waves' sums in wave order. The pos
 follow one queue, the same on every rank, so messages between a pair match in post order
 (gloo, NCCL and the in-process transport all match by post order). A transport whose ``test``
 cannot tell (the base class answers False) still works: its rounds then move at the blocking
-finish only (gloo's own ``is_completed`` cannot tell: :class:`~megatron_fcp.comm.GlooTransport`
-waits each round on a watcher thread, Note [Testing a gloo round] in :mod:`megatron_fcp.gloo_watch`).
+finish only (gloo's own ``is_completed`` cannot tell: :class:`~megatron_fcp.attention.comm.GlooTransport`
+waits each round on a watcher thread, Note [Testing a gloo round] in :mod:`megatron_fcp.attention.gloo_watch`).
 
 Note [Polling on the device's clock]
 ------------------------------------
@@ -63,10 +63,10 @@ Under ``keep`` the blocks come from what the forward saved and nothing is fetche
 
 The first wave. Under ``auto`` deciding ``resend``, a rank whose received part of wave 0 fits its
 budget (the ring's: its own shard, what Transformer Engine's ring saves) keeps that part from the
-forward (:func:`~megatron_fcp.planning.chains.first_keepers`), rank by rank: on a packed batch the
+forward (:func:`~megatron_fcp.schedule.chains.first_keepers`), rank by rank: on a packed batch the
 ranks holding a long document's late blocks receive several times their (short) shard in wave 0
 while the others fit. fetch(wave 0) then re-sends only the rest
-(:func:`~megatron_fcp.planning.waves.first_fetch`): a transfer whose receiver computes the block
+(:func:`~megatron_fcp.schedule.waves.first_fetch`): a transfer whose receiver computes the block
 and did not keep it, or relays it on such a transfer; a relay that kept the block sends it from
 what it kept. Every rank derives the keepers and the cut from the plan, so posts still match.
 Packed cp = 64 on dgx-h100:8 (GQA 64:8, 32K tokens per rank, lognormal 8.0/1.2): 41 of 64 ranks
@@ -74,8 +74,8 @@ keep, and the backward's model goes from 85.7 to 84.7 ms (keeping all of wave 0:
 4.8x one rank's shard).
 
 A plan whose blocks all travel chains (the ring) does not use waves: it streams one hop per step
-(Note [Streaming chain backward] in :mod:`megatron_fcp.planning.chains`; the executor picks by
-:func:`~megatron_fcp.planning.chains.chain_steps`, as the cost model does).
+(Note [Streaming chain backward] in :mod:`megatron_fcp.schedule.chains`; the executor picks by
+:func:`~megatron_fcp.schedule.chains.chain_steps`, as the cost model does).
 
 Memory. A rank holds received KV of at most two waves (w computing, w+1 arriving); each wave
 brings a rank at most half of the largest shard's K and V, so the two hold no more than
@@ -89,8 +89,8 @@ FP32's bytes for BF16/FP16), one round per chain in flight.
 Cost. ``plan_waves`` also caps a rank's work per wave (Note [Balanced waves]), so with sub-blocks
 (``parts_per_chunk`` >= 2) every rank computes about the same per wave and the waves' compute adds
 up to about the one-pass backward's; the reductions and re-sends run behind it
-(:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`, which follows every rank
-through this loop: Note [Wave pipeline timeline] in planning/wave_timeline.py). A round in flight
+(:func:`~megatron_fcp.cost.packed.simulate_backward_waves`, which follows every rank
+through this loop: Note [Wave pipeline timeline] in cost/timeline.py). A round in flight
 is noticed at the next job boundary, so a reduction advances at most one round per job of the
 ranks on its path; it catches up in the blocking finish one wave later. With whole chunks under
 causal zigzag a wave gives some ranks twice the work of others (the busiest ranks add up to
@@ -100,7 +100,7 @@ Posts. Reduction rounds use phase ``"backward"``, re-sends ``"resend"``, both wi
 index; every rank walks the same sequence of posts, so messages between a pair match in order.
 Rounds that become ready together (a poll, or a blocking finish and what tests complete behind it)
 go out as one batch (``transport.post_batch``): on gloo the batch's receives before its sends
-(Note [Receives first across rounds] in :mod:`megatron_fcp.comm`).
+(Note [Receives first across rounds] in :mod:`megatron_fcp.attention.comm`).
 """
 
 from __future__ import annotations
@@ -110,10 +110,10 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from megatron_fcp.comm import RoundPost
-from megatron_fcp.planning.blocks import Block, Transfer
-from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.waves import Wave, leading_own_jobs
+from megatron_fcp.attention.comm import RoundPost
+from megatron_fcp.contract.blocks import Block, Transfer
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 
 if TYPE_CHECKING:
     from megatron_fcp.attention.kernels import BlockKernel
@@ -127,7 +127,7 @@ class BackwardHost(Protocol):
     :func:`~megatron_fcp.attention.backward_chain.run_backward_chain`) uses of the executor that
     runs it: the plan and this rank's place in it, the shard layout, and the transport's verbs with
     the plan named in their errors. The schedule itself comes from the backward program (Note
-    [Backward program] in :mod:`megatron_fcp.planning.program`)."""
+    [Backward program] in :mod:`megatron_fcp.schedule.program`)."""
 
     plan: Plan
     rank: int
@@ -324,7 +324,7 @@ class _Pump:
 
     def _post_ready(self, batch: list) -> None:
         """Post the next round of every chain of ``batch`` at once: the batch's receives before its
-        sends (Note [Receives first across rounds] in :mod:`megatron_fcp.comm`)."""
+        sends (Note [Receives first across rounds] in :mod:`megatron_fcp.attention.comm`)."""
         if batch:
             posts = [c.next_post() for c in batch]
             for c, p, h in zip(batch, posts, self.ex.post_batch(posts)):
@@ -356,10 +356,10 @@ def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tenso
     dtype) just before it is sent; a received one is added into a ``grad_dtype`` accumulator, so a
     relay's sum is rounded once per hop. ``kept`` None: re-send the KV. ``resend`` (default ``kept
     is None``) with ``first_kept``: the first wave's blocks are in ``kept`` (saved by the forward,
-    every rank in :func:`~megatron_fcp.planning.chains.first_keepers`), the later waves re-sent; ``first_fetch``
-    instead: only some ranks kept theirs (:func:`~megatron_fcp.planning.chains.first_keepers`;
+    every rank in :func:`~megatron_fcp.schedule.chains.first_keepers`), the later waves re-sent; ``first_fetch``
+    instead: only some ranks kept theirs (:func:`~megatron_fcp.schedule.chains.first_keepers`;
     this rank's part, if any, is in ``kept``), the first wave's fetch re-sends this part of it
-    (:func:`~megatron_fcp.planning.chains.first_wave_fetch`). ``jobs_done``: called once, right after
+    (:func:`~megatron_fcp.schedule.chains.first_wave_fetch`). ``jobs_done``: called once, right after
     this rank's last job, before the last reductions are waited (dq is final then). Returns ``grads`` (the
     local blocks' complete dK/dV in ``grad_dtype``: each wave's sum, added in wave order), wait
     seconds, bytes sent (dK/dV; re-sent KV apart) and the peak received KV bytes alive."""

@@ -7,9 +7,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.comm import Transport, default_transport
-from megatron_fcp.planning.blocks import blocks_of
-from megatron_fcp.planning.plan import Plan
+from megatron_fcp.attention.comm import Transport, default_transport
+from megatron_fcp.contract.blocks import blocks_of
+from megatron_fcp.contract.plan import Plan
 
 __all__ = ["measure_comm_only"]
 

@@ -30,7 +30,7 @@ Note [Backward pipeline]
 Like flash-attn, the backward recomputes each block's scores from the saved ``q, k, v`` (the local
 shard), the final FP32 ``out`` and ``lse``, and the received KV blocks this rank computed on
 (saved in forward under ``backward_kv="keep"``, or re-sent wave by wave in backward under
-``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.planning.program`). dQ stays
+``"resend"``: Note [Backward KV modes] in :mod:`megatron_fcp.schedule.program`). dQ stays
 local. dK/dV of a block flow back along the plan reversed: rounds run last to first and every
 transfer is flipped, so the receiver of a block returns its partial ``[2, blk, b, h_kv, d]`` dKV
 to the rank it got the block from. A relay first adds its own contribution and what its own
@@ -69,22 +69,21 @@ from typing import Callable, Union
 
 import torch
 
-from megatron_fcp.agreement import LastAgreed
+from megatron_fcp.attention.agreement import LastAgreed
 from megatron_fcp.attention.backward_waves import run_backward_waves
 from megatron_fcp.attention.backward_chain import run_backward_chain
-from megatron_fcp.attention.comm_only import measure_comm_only
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
-from megatron_fcp.groups import group_membership
-from megatron_fcp.planning.blocks import Block
-from megatron_fcp.planning.placement import Placement
-from megatron_fcp.planning.plan import Plan
-from megatron_fcp.planning.program import RING_BUDGET, BackwardPolicy, BackwardProgram, compile_backward
+from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
+from megatron_fcp.attention.groups import group_membership
+from megatron_fcp.contract.blocks import Block
+from megatron_fcp.contract.placement import Placement
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, BackwardProgram, compile_backward
 
 __all__ = [
     "fcp_attention",
@@ -93,7 +92,6 @@ __all__ = [
     "FCPStats",
     "resolve_plan",
     "PLAN_ALIASES",
-    "measure_comm_only",  # re-exported from megatron_fcp.attention.comm_only
     "FCPNumericsError",
     "PLAN_AGREEMENT",
     "check_finite",
@@ -172,7 +170,7 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
     if thd and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents); "
                          f"use kernel='auto' (or any fused kernel, or 'math') for a placement")
-    group_ranks, rank = group_membership(cp_group)  # a process group or a VirtualGroup (groups.py)
+    group_ranks, rank = group_membership(cp_group)  # a process group or a VirtualGroup (attention/groups.py)
     if rank not in group_ranks:
         raise ValueError(f"this rank {rank} is not in cp_group {list(group_ranks)}; pass this rank's CP group")
     if thd:
@@ -224,14 +222,14 @@ class _Executor:
 
     # -- what the backward runners use (the BackwardHost protocol of backward_waves) ------------
     def post(self, sends, recvs, *, round_index: int, phase: str):
-        """Post one round of this rank's sends and receives (:meth:`~megatron_fcp.comm.Transport.post`)."""
+        """Post one round of this rank's sends and receives (:meth:`~megatron_fcp.attention.comm.Transport.post`)."""
         try:
             return self.transport.post(sends, recvs, round_index=round_index, phase=phase)
         except CommTimeout as exc:  # a peer already gone: the same words as a failed wait
             raise self._with_plan(exc) from exc
 
     def post_batch(self, posts):
-        """Several rounds at once (:meth:`~megatron_fcp.comm.Transport.post_batch`): one handle each."""
+        """Several rounds at once (:meth:`~megatron_fcp.attention.comm.Transport.post_batch`): one handle each."""
         try:
             return self.transport.post_batch(posts)
         except CommTimeout as exc:
@@ -252,7 +250,7 @@ class _Executor:
         return time.perf_counter() - t0
 
     def test(self, handle) -> bool:
-        """Whether a posted round is complete, without blocking (:meth:`~megatron_fcp.comm.Transport.test`)."""
+        """Whether a posted round is complete, without blocking (:meth:`~megatron_fcp.attention.comm.Transport.test`)."""
         return self.transport.test(handle)
 
     def kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]:
@@ -503,10 +501,10 @@ def fcp_attention_with_lse(
     ``kv_memory_budget``, bytes per rank, default the ring's, else re-send with the first step kept
     where it fits), ``"keep"`` (save received KV for backward: no KV traffic in backward, most
     memory) or ``"resend"`` (re-send it in backward; keep nothing); Note [Backward KV modes] in
-    :mod:`megatron_fcp.planning.program`. Outputs and gradients are bitwise the same.
+    :mod:`megatron_fcp.schedule.program`. Outputs and gradients are bitwise the same.
     agreement: before the first transfer of a plan on a group the CP ranks agree (one bounded
     collective) on the plan, shapes, dtypes, causal, scale and kernel; repeated calls with the same
-    facts skip it (:class:`~megatron_fcp.agreement.LastAgreed`). ``None``: the caller agreed
+    facts skip it (:class:`~megatron_fcp.attention.agreement.LastAgreed`). ``None``: the caller agreed
     already (the Megatron packed path agrees once per micro-batch). Every rank of the group must
     pass the same kind of ``agreement``.
     check_numerics: raise :class:`FCPNumericsError` if out is not finite or lse has NaN/+inf.
@@ -540,8 +538,8 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
                    dq_ready=None) -> _Executor:
     """What one :func:`fcp_attention_with_lse` call runs (same arguments): validate, agree, pick the
     transport, compile the backward program (Note [Backward program] in
-    :mod:`megatron_fcp.planning.program`) and return the plan executor, complete. The in-process
-    harness (:mod:`megatron_fcp.attention.harness`) drives it directly instead of through autograd."""
+    :mod:`megatron_fcp.schedule.program`) and return the plan executor, complete. The in-process
+    harness (:mod:`megatron_fcp.testing.harness`) drives it directly instead of through autograd."""
     policy = BackwardPolicy(backward_kv, kv_memory_budget)          # bad values fail before any communication
     plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
                                                   placement)

@@ -1,6 +1,6 @@
 """``fcp_head_parallel_attention``: CP attention with a head-parallel (Ulysses) stage before the KV stage.
 
-The plan is a :class:`~megatron_fcp.planning.head_parallel.HeadParallelPlan` (Note [Head-parallel
+The plan is a :class:`~megatron_fcp.contract.head_parallel.HeadParallelPlan` (Note [Head-parallel
 stage] there): ``G = cp / a`` head groups of ``a`` ranks; member ``j`` of a group takes head shard
 ``j``; the ranks with the same member index form a KV stage that runs an ordinary FCP plan over the
 groups' tokens.
@@ -31,7 +31,7 @@ calls ``q_ready`` (:meth:`_HeadComm.finish_pending`) once its round 0 is posted 
 reads q (:func:`~megatron_fcp.attention.function.fcp_attention_with_lse`); the pending a2a is
 finished on any error too. The bytes are those of the one Q|K|V all-to-all; the backward is
 unchanged (one dQ|dK|dV all-to-all). The cost model prices it the same way
-(:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`: the stage's compute
+(:func:`~megatron_fcp.cost.head_parallel.simulate_head_parallel`: the stage's compute
 starts after Q's all-to-all, its transfers after K|V's). ``G == 1`` (Ulysses) keeps one all-to-all.
 
 Note [dQ's all-to-all ahead of dK|dV's]
@@ -44,7 +44,7 @@ engine posts dQ's all-to-all there (:meth:`_HeadComm.post_dq`), in flight while 
 the all-to-all out then moves dK|dV only and takes dQ's with it (:meth:`_QKVToHeads.backward`).
 Every rank of a head group posts dQ's before dK|dV's, so the pairs match in order; the bytes
 are those of the one dQ|dK|dV all-to-all. The cost model prices it the same way
-(:func:`~megatron_fcp.planning.head_parallel_cost.simulate_head_parallel`: dQ's all-to-all starts
+(:func:`~megatron_fcp.cost.head_parallel.simulate_head_parallel`: dQ's all-to-all starts
 at the stage's last job, dK|dV's after the stage; both on the intra-node links). ``overlap_q=False``
 (Transformer Engine's order) keeps one dQ|dK|dV all-to-all, as ``G == 1`` does. If the stage's
 backward fails after dQ's all-to-all was posted the error propagates and that all-to-all is left
@@ -74,7 +74,7 @@ stage moves the blocks of the KV plan, one per member's zigzag chunk, ``[2, s/2,
 of the heads of ``a`` times the tokens. Replication (rep > 1) multiplies the K/V part of the a2a
 and the KV stage by ``rep``. With ``a = 1`` there is no a2a and the stage is plain FCP over the
 zigzag chunks: as a placement (the runtime's plan), or, for a plan from
-:func:`~megatron_fcp.planning.head_parallel_compile.compile_head_parallel` (a zigzag KV plan,
+:func:`~megatron_fcp.planner.head_parallel.compile_head_parallel` (a zigzag KV plan,
 sub-blocks allowed), ``fcp_attention_with_lse`` on the zigzag shards with that plan.
 
 Process groups: the head groups and KV-stage groups are created once, on every rank of the world,
@@ -93,16 +93,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.agreement import LastAgreed
+from megatron_fcp.attention.agreement import LastAgreed
 from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
-from megatron_fcp.planning.program import RING_BUDGET
+from megatron_fcp.schedule.program import RING_BUDGET
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport
-from megatron_fcp.planning.blocks import zigzag_chunk_index
-from megatron_fcp.planning.head_parallel import HeadParallelPlan, check_head_parallel, group_placement
+from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport
+from megatron_fcp.contract.blocks import zigzag_chunk_index
+from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, group_placement
 
 __all__ = [
     "HeadParallelGroups",
@@ -231,7 +231,7 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel)
     check_qkv(q, k, v, softmax_scale=softmax_scale)                     # the tensors, as fcp_attention checks them
     s, b, h, d = q.shape
     if not isinstance(hp_plan, HeadParallelPlan):
-        raise ValueError(f"hp_plan must be a megatron_fcp.planning.head_parallel.HeadParallelPlan, got "
+        raise ValueError(f"hp_plan must be a megatron_fcp.contract.head_parallel.HeadParallelPlan, got "
                          f"{type(hp_plan).__name__}")
     h_kv = k.shape[2]
     rep = check_head_parallel(h, h_kv, hp_plan.degree, hp_plan.cp)
@@ -304,7 +304,7 @@ def fcp_head_parallel_attention_with_lse(
     every rank). hp_plan: over ``dist.get_process_group_ranks(cp_group)``; its KV-stage plan over
     ``group_placement(ranks, head_groups, s_local * cp, causal)`` (degree 1: or a zigzag plan, as
     ``compile_head_parallel`` builds) and ``kv_replication`` matching
-    the head counts (:func:`~megatron_fcp.planning.head_parallel.check_head_parallel`). groups:
+    the head counts (:func:`~megatron_fcp.contract.head_parallel.check_head_parallel`). groups:
     this rank's process groups (:func:`create_head_parallel_groups`; not needed for ``a = 1`` or
     ``a = cp``). transport / backward_kv / kv_memory_budget / stats: the KV stage's, as in
     :func:`~megatron_fcp.attention.function.fcp_attention_with_lse` (stats also counts the

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.comm import CommTimeout
+from megatron_fcp.attention.comm import CommTimeout
 
 @dataclass
 class _Pending:

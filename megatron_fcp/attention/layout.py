@@ -11,7 +11,7 @@ holds ``s_local = s / cp`` tokens: first its early chunk, then its late chunk. F
 A KV *block* (``megatron_fcp.planning.Block``) is one owner's chunk (0 early, 1 late), optionally cut
 into ``parts_per_chunk`` sub-blocks at the floor cuts ``p * L // P`` (parts of ``floor(L/P)`` or
 ``ceil(L/P)`` tokens when ``P`` does not divide the chunk length ``L``; Note [Sub-block sizes] in
-:mod:`megatron_fcp.planning.blocks`). This module maps blocks to token ranges of the owner's
+:mod:`megatron_fcp.contract.blocks`). This module maps blocks to token ranges of the owner's
 shard and to global token positions; the attention mask is built from global positions only
 (causal: key position <= query position), so it is correct whatever order blocks arrive in.
 
@@ -41,8 +41,8 @@ from typing import Sequence
 
 import torch
 
-from megatron_fcp.planning.blocks import Block, blocks_of, check_parts, part_span, zigzag_chunk_index
-from megatron_fcp.planning.placement import Placement, Span
+from megatron_fcp.contract.blocks import Block, blocks_of, check_parts, part_span, zigzag_chunk_index
+from megatron_fcp.contract.placement import Placement, Span
 
 __all__ = [
     "zigzag_split",
@@ -172,7 +172,7 @@ class ShardLayout:
 
 class ZigzagLayout(ShardLayout):
     """Megatron's zigzag shard of one sequence: blocks are chunks cut into ``parts_per_chunk``
-    (equal, or floor/ceil sizes: Note [Sub-block sizes] in :mod:`megatron_fcp.planning.blocks`)."""
+    (equal, or floor/ceil sizes: Note [Sub-block sizes] in :mod:`megatron_fcp.contract.blocks`)."""
 
     def __init__(self, ranks: Sequence[int], rank: int, s_local: int, parts_per_chunk: int = 1,
                  causal: bool = False) -> None:
@@ -204,7 +204,7 @@ class ZigzagLayout(ShardLayout):
 
 
 class PlacementLayout(ShardLayout):
-    """A packed batch placed by a :class:`~megatron_fcp.planning.placement.Placement`: block ``i``
+    """A packed batch placed by a :class:`~megatron_fcp.contract.placement.Placement`: block ``i``
     of global rank ``owner`` is ``Block(owner, i, 0)``; masks by document and in-document position."""
 
     def __init__(self, placement: Placement, ranks: Sequence[int], rank: int) -> None:

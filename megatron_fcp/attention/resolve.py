@@ -11,8 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Union
 
-from megatron_fcp.planning.placement import Placement
-from megatron_fcp.planning.plan import SIMPLE_PLANS, Plan, full_plan
+from megatron_fcp.contract.placement import Placement
+from megatron_fcp.contract.plan import SIMPLE_PLANS, Plan, full_plan
 
 __all__ = ["resolve_plan", "check_placement", "PLAN_ALIASES", "PlanLike"]
 
@@ -27,7 +27,7 @@ def resolve_plan(plan: PlanLike | None, group_ranks: tuple[int, ...], causal: bo
     """A :class:`Plan` for this group: build a named plan, or check a given one against the group.
 
     ``None`` is ``"ring"`` for zigzag shards and ``"full"`` over a ``placement`` (the only named
-    plan there: :func:`~megatron_fcp.planning.plan.full_plan` with ``placement=``)."""
+    plan there: :func:`~megatron_fcp.contract.plan.full_plan` with ``placement=``)."""
     if plan is None:
         plan = "ring" if placement is None else "full"
     if isinstance(plan, str):

@@ -26,7 +26,7 @@ class FCPStats:
     forward_bytes_sent: int = 0
     backward_bytes_sent: int = 0
     comm_only_s: float | None = None
-    backward_kv: str | None = None   # "keep" or "resend" (Note [Backward KV modes] in planning.program)
+    backward_kv: str | None = None   # "keep" or "resend" (Note [Backward KV modes] in schedule.program)
     saved_kv_bytes: int = 0          # received KV held from forward to backward
     peak_kv_bytes: int = 0           # received KV alive at once within the call (forward or backward)
     backward_peak_kv_bytes: int = 0  # received KV alive at once within backward (kept, or re-sent waves)

@@ -19,7 +19,7 @@ import argparse
 import math
 import time
 
-from megatron_fcp.planning import SIMPLE_PLANS
+from megatron_fcp.contract.plan import SIMPLE_PLANS
 
 NAME = "demo"
 HELP = "run FCP attention fwd+bwd on a local gloo CP group and check it against single-device attention"
@@ -61,7 +61,8 @@ def _inputs(cfg: dict):
 def _worker(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
-    from megatron_fcp.attention.function import FCPStats, fcp_attention_with_lse, measure_comm_only, resolve_plan
+    from megatron_fcp.attention.function import FCPStats, fcp_attention_with_lse, resolve_plan
+    from megatron_fcp.attention.comm_only import measure_comm_only
     from megatron_fcp.attention.layout import zigzag_split
 
     q, k, v, do = _inputs(cfg)
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_fcp.attention.dispatch import resolve_kernel
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_unsplit
-    from megatron_fcp.launch import run_gloo
+    from megatron_fcp.testing.launch import run_gloo
 
     if args.cp < 1 or args.seq % (2 * args.cp) != 0:
         print(f"error: --seq {args.seq} must be a positive multiple of 2*cp = {2 * args.cp}")

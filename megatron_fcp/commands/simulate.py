@@ -10,7 +10,7 @@ Examples::
 With ``--doc-lengths`` (a packed batch) the schedules are TE's on the padded THD layout and FCP's
 plan over ``place_packed``, forward and backward (:func:`megatron_fcp.planning.compare_packed`).
 
-The model is :mod:`megatron_fcp.planning.cost` (per-round bottleneck alpha-beta with contention on
+The model is :mod:`megatron_fcp.cost.model` (per-round bottleneck alpha-beta with contention on
 shared resources; see its Note [Cost model]). ``comm/LB`` is communication time over the lower
 bound (1.00 = optimal; TE a2a+p2p may go below 1 because Ulysses moves Q/O instead of all KV).
 """
@@ -28,15 +28,11 @@ from megatron_fcp.commands.plan import (
     resolve_ranks,
     resolve_topology,
 )
-from megatron_fcp.planning import (
-    AttentionShape,
-    ComputeModel,
-    PlanError,
-    build_graph,
-    compare,
-    compare_packed,
-    parse_tokens,
-)
+from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.planner.compare import compare
+from megatron_fcp.planner.compare import compare_packed
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, parse_tokens
+from megatron_fcp.planner.builders import build_graph
 from megatron_fcp.topology import TopologyError
 
 NAME = "simulate"

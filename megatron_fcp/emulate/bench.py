@@ -30,8 +30,8 @@ from megatron_fcp.emulate.probe import calibrated_topology, probe_pairs, summari
 from megatron_fcp.emulate.report import assemble
 from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
 from megatron_fcp.emulate.workloads import FcpWorkload, WorkloadShape, lower_bounds, make_workloads
-from megatron_fcp.planning import ComputeModel
-from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO
+from megatron_fcp.cost.model import ComputeModel
+from megatron_fcp.cost.packed import BACKWARD_FLOP_RATIO
 
 __all__ = ["BenchConfig", "COMPUTE_MODES", "MIN_STEP_S", "MAX_SLOWDOWN", "paced", "prepare", "predict_calibrated",
            "run_bench"]
@@ -77,7 +77,8 @@ def prepare(cfg: BenchConfig):
     workloads = make_workloads(list(cfg.workloads), cfg.shape, topo, cm)
     placement_plan = next((w.plan for w in workloads if isinstance(w, FcpWorkload) and w.plan is not None), None)
     if cfg.shape.doc_lengths and placement_plan is None:
-        from megatron_fcp.planning import build_plan, place_packed
+        from megatron_fcp.contract.placement import place_packed
+        from megatron_fcp.planner.build import build_plan
 
         pl = place_packed(list(cfg.shape.doc_lengths), topo.world, block_tokens=cfg.shape.block_tokens,
                           causal=cfg.shape.causal)

@@ -1,7 +1,7 @@
 """Transformer Engine's ``p2p`` ring, re-implemented on our transports, kernels and merge.
 
 The emulator's ``te-p2p`` workload: the schedule TE runs (``AttnFuncWithCPAndKVP2P`` in
-``transformer_engine/pytorch/attention``), with our :class:`~megatron_fcp.comm.Transport`, block
+``transformer_engine/pytorch/attention``), with our :class:`~megatron_fcp.attention.comm.Transport`, block
 kernels (:mod:`megatron_fcp.attention.kernels`, or the emulator's sleep) and FP32 LSE merge, so the
 comparison with FCP changes the schedule and nothing else.
 
@@ -46,8 +46,8 @@ import torch.distributed as dist
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.merge import LseAccumulator
-from megatron_fcp.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
-from megatron_fcp.planning.blocks import Block, Transfer
+from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
+from megatron_fcp.contract.blocks import Block, Transfer
 
 __all__ = ["TeLayout", "te_p2p_attention"]
 

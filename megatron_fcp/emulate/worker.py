@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.comm import GlooTransport
+from megatron_fcp.attention.comm import GlooTransport
 from megatron_fcp.emulate.probe import run_probe
 from megatron_fcp.emulate.runners import NullTransport, make_runner
 from megatron_fcp.emulate.sleep_kernel import SleepKernel, VirtualStream

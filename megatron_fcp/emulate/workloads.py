@@ -12,7 +12,7 @@ Workload names (``--workloads``):
 * ``fcp-hp``: what the plugin runs by default: the schedule the Megatron runtime settles
   (:func:`~megatron_fcp.patches.schedule.settle_schedule`), i.e.
   :func:`~megatron_fcp.planning.choose_schedule` on the emulated cluster with the emulated compute
-  model and the backward the executor runs (:class:`~megatron_fcp.planning.program.WaveBackward`:
+  model and the backward the executor runs (:class:`~megatron_fcp.schedule.program.WaveBackward`:
   wave by wave, KV kept or re-sent as ``--backward-kv`` / the ``@keep`` / ``@resend`` suffix
   decide against the ring's memory, partials in bf16): degree, KV-stage graph, parts per chunk
   (degree 1) or stagger (degree > 1). Degree 1 runs as plain FCP over the chosen plan with its
@@ -31,7 +31,7 @@ Predictions are the cost model's forward + backward on the emulated cluster's To
 (:func:`~megatron_fcp.emulate.spec.emulated_topology`) with the emulated FLOP/s and no launch
 overhead (as the sleep kernel charges). FCP's backward (``fcp-*`` and every KV stage) is priced
 as the executor runs it, wave by wave
-(:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves`), in the backward KV mode the
+(:func:`~megatron_fcp.cost.packed.simulate_backward_waves`), in the backward KV mode the
 executor picks (:func:`executor_program`: the executor's own backward program, Note [Backward
 program]; the workload compiles it once, as every rank would, and hands the mode to the ranks).
 
@@ -39,7 +39,7 @@ The *lower bound* of a configuration is the physical limit with perfect overlap:
 ``max(compute, communication)`` where compute is the total attention work spread evenly over the
 ranks (forward + backward) and communication the need-set lower bound of the forward KV exchange
 (:func:`~megatron_fcp.planning.lower_bound`; over a placement the one of
-:func:`~megatron_fcp.planning.compare.packed_need_stats`) plus the same for the dK/dV reduction at
+:func:`~megatron_fcp.planner.compare.packed_need_stats`) plus the same for the dK/dV reduction at
 the KV's bytes per element, what our executor sends (partials summed in FP32, sent in the input
 dtype, as TE's ring). ``lower_bound_all_families_s`` is the bound over every schedule family
 (head-parallel degrees included, :func:`~megatron_fcp.planning.lower_bound_all`, dK/dV at the
@@ -64,30 +64,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from megatron_fcp.planning import (
-    BUILDERS,
-    AttentionShape,
-    ComputeModel,
-    Placement,
-    Plan,
-    build_plan,
-    causal_pairs,
-    lower_bound,
-    place_packed,
-    simulate_plan,
-    simulate_te_a2a_p2p,
-    simulate_te_a2a_p2p_thd,
-    simulate_te_p2p,
-    simulate_te_p2p_thd,
-)
-from megatron_fcp.planning.compare import packed_need_stats
-from megatron_fcp.planning.cost import pad_for_zigzag
-from megatron_fcp.planning.head_parallel import HeadParallelPlan
-from megatron_fcp.planning.head_parallel_choose import ScheduleChoice, choose_schedule
-from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, stage_shape
-from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel
-from megatron_fcp.planning.packed_cost import BACKWARD_FLOP_RATIO, simulate_backward_waves
-from megatron_fcp.planning.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
+from megatron_fcp.contract.placement import Placement, place_packed
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, simulate_plan
+from megatron_fcp.contract.needs import causal_pairs
+from megatron_fcp.cost.packed import simulate_te_a2a_p2p_thd, simulate_te_p2p_thd
+from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.builders import BUILDERS
+from megatron_fcp.planner.compare import packed_need_stats
+from megatron_fcp.cost.model import pad_for_zigzag
+from megatron_fcp.contract.head_parallel import HeadParallelPlan
+from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule
+from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.cost.head_parallel import stage_shape
+from megatron_fcp.planner.choose import lower_bound_all
+from megatron_fcp.cost.head_parallel import simulate_head_parallel
+from megatron_fcp.cost.packed import BACKWARD_FLOP_RATIO, simulate_backward_waves
+from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 
 __all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "WORKLOAD_NAMES",
@@ -154,7 +148,7 @@ class FcpWorkload(Workload):
 
     ``predict``: the forward (:func:`~megatron_fcp.planning.simulate_plan`) and the backward the
     executor runs, wave by wave with ``backward_kv``
-    (:func:`~megatron_fcp.planning.packed_cost.simulate_backward_waves` with ``buffered_sends``:
+    (:func:`~megatron_fcp.cost.packed.simulate_backward_waves` with ``buffered_sends``:
     gloo's send is complete once its receiver has posted and the socket holds it; its reductions and, under
     ``resend``, its re-sends counted as communication)."""
 
@@ -200,7 +194,7 @@ def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionSh
     """Forward + backward of ``hp`` as the engine runs it
     (:func:`~megatron_fcp.planning.simulate_head_parallel`: all-to-all in, the KV stage with every
     stage at once, all-to-all out, exposed; Note [Head-parallel cost]), the KV stage's backward wave
-    by wave with ``backward_kv`` (keep / resend, :class:`~megatron_fcp.planning.program.WaveBackward`),
+    by wave with ``backward_kv`` (keep / resend, :class:`~megatron_fcp.schedule.program.WaveBackward`),
     dK/dV partials in the KV dtype (the executor's): the model ``choose_schedule`` ranks with.
     ``overlap_q``: Q's all-to-all behind the stage's start (the engine's default; False for
     ``te-a2a-p2p``, which posts one Q|K|V all-to-all as TE does)."""

@@ -359,7 +359,7 @@ def _transport(runtime: Any, group: Any) -> Any:
     attention call, e.g. a counting transport in tests), else the backend's default transport,
     created once per CP group and kept (an NCCL transport owns a side stream); serialised when
     ``--no-fcp-overlap`` is set."""
-    from megatron_fcp.comm import SerialTransport, default_transport  # noqa: PLC0415
+    from megatron_fcp.attention.comm import SerialTransport, default_transport  # noqa: PLC0415
 
     factory = runtime.transport_factory
     if factory is not None:

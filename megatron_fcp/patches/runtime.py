@@ -27,17 +27,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.agreement import AgreementCache, LastAgreed, agree
+from megatron_fcp.attention.agreement import AgreementCache, LastAgreed, agree
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.patches.schedule import schedule_report, settle_schedule
-from megatron_fcp.planning import AttentionShape, MegatronLayout, Placement, Plan, PlanError, build_plan, place_packed
-from megatron_fcp.planning.head_parallel import HeadParallelPlan, check_head_parallel, group_placement, relabel_plan
-from megatron_fcp.planning.head_parallel_choose import ScheduleChoice
-from megatron_fcp.planning.head_parallel_compile import compile_head_parallel, head_groups_for
-from megatron_fcp.planning.placement import DEFAULT_BLOCK_TOKENS
+from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.placement import Placement, place_packed
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.megatron_layout import MegatronLayout
+from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, group_placement, relabel_plan
+from megatron_fcp.planner.choose import ScheduleChoice
+from megatron_fcp.planner.head_parallel import compile_head_parallel, head_groups_for
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.topology import TopologyError, load_topology
-from megatron_fcp.topology import detect
 
 __all__ = [
     "FCPStateError",
@@ -117,6 +121,7 @@ def resolve_topology(spec: str, world: int):
 def _auto_topology(world: int):
     """Detect: nodes from the hostnames of all ranks (one ``all_gather_object`` when the default
     group exists, else ``LOCAL_WORLD_SIZE``), links from ``nvidia-smi topo -m`` when CUDA is up."""
+    from megatron_fcp.topology import detect  # noqa: PLC0415 - only a run that asks for detection reads machines
     probe = torch.cuda.is_available()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
         return detect.detect_topology(hosts=detect.gather_host_info(), probe=probe)
@@ -156,11 +161,11 @@ def group_head_parallel_plan(config: FCPConfig, topology: Any, cp_ranks: tuple[i
                              *, causal: bool = True, heads: int, kv_heads: int, head_dim: int | None = None,
                              dtype_bytes: int = 2, graph: str | None = None, stagger: int = 1) -> HeadParallelPlan:
     """The head-parallel plan of one CP group (Note [Head-parallel stage] in
-    :mod:`megatron_fcp.planning.head_parallel`): the planner's head groups
-    (:func:`~megatron_fcp.planning.head_parallel_compile.head_groups_for`) and the KV stage's plan over the group
+    :mod:`megatron_fcp.contract.head_parallel`): the planner's head groups
+    (:func:`~megatron_fcp.planner.head_parallel.head_groups_for`) and the KV stage's plan over the group
     placement of ``seq_len`` tokens on virtual ranks (every stage runs the same schedule).
     ``graph`` (default: the configured one): a builder name compiles the stage as the planner
-    does (:func:`~megatron_fcp.planning.head_parallel_compile.compile_head_parallel`, chunks
+    does (:func:`~megatron_fcp.planner.head_parallel.compile_head_parallel`, chunks
     ``stagger``-ed), so the runtime runs the plan the planner timed; ``"auto"`` lets
     :func:`~megatron_fcp.planning.build_plan` pick the graph over member 0's stage ranks.
     ``heads`` / ``kv_heads``: this rank's (per tensor-parallel partition)."""
@@ -300,7 +305,7 @@ class FCPRuntime:
     def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True) -> Placement:
         """The placement of a packed batch over this run's CP size (deterministic, the same on every
         rank; cached by the lengths). Long documents are cut into ``--fcp-block-tokens`` blocks
-        (0: :data:`~megatron_fcp.planning.placement.DEFAULT_BLOCK_TOKENS`)."""
+        (0: :data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`)."""
         key = ("placement", tuple(doc_lengths), bool(causal))
         if key not in self.packed:
             block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
@@ -334,7 +339,7 @@ class FCPRuntime:
         re-send KV (``--fcp-backward-kv`` auto or resend, cp > 2): there each chunk is cut in two,
         which balances the backward waves' work (Note [Backward waves]; in the cost model fwd+bwd
         goes from 1.33x to 1.07x one-pass keep on dgx-h100:2 at 128K, the forward unchanged). An odd
-        chunk is cut into halves one token apart (Note [Sub-block sizes] in planning/blocks.py)."""
+        chunk is cut into halves one token apart (Note [Sub-block sizes] in contract/blocks.py)."""
         c = self.schedule
         if c is not None and s_local * self.layout.cp == c.seq_len:
             return c.parts
@@ -445,7 +450,7 @@ def setup_fcp(
     Raises ``ValueError``/``PlanError`` naming the flag to change before any communication.
     Then the ranks of this rank's live CP group agree on :func:`setup_fingerprint` (one bounded
     collective; skipped without a live group): ranks configured differently raise
-    :class:`~megatron_fcp.agreement.FCPAgreementError` naming the first field that differs and
+    :class:`~megatron_fcp.attention.agreement.FCPAgreementError` naming the first field that differs and
     which ranks hold which value, instead of deadlocking in the first attention.
     """
     global _RUNTIME
@@ -513,7 +518,7 @@ def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int
 
 
 def _agree_at_setup(runtime: FCPRuntime, parts: int) -> None:
-    """One bounded agreement across this rank's live CP group (see :mod:`megatron_fcp.agreement`).
+    """One bounded agreement across this rank's live CP group (see :mod:`megatron_fcp.attention.agreement`).
 
     Skipped when there is no live group to agree over: ``torch.distributed`` not initialised, or
     ``groups`` (tests and tools settling a hand-made layout) holds no group of this rank. That

@@ -5,12 +5,12 @@ Note [The runtime runs the planner's choice]
 :func:`settle_schedule` runs in :func:`~megatron_fcp.patches.runtime.setup_fcp` on every rank, for
 CP group 0, with the run's shape (``--seq-length``, query and KV heads per tensor-parallel rank,
 head dim, the parameters' dtype). It asks
-:func:`~megatron_fcp.planning.head_parallel_choose.choose_schedule` for the best candidate of
+:func:`~megatron_fcp.planner.choose.choose_schedule` for the best candidate of
 Note [Choosing the head-parallel degree] by predicted forward + backward time, the backward priced
 as the executor will run it: a ring streamed hop by hop (Note [Streaming chain backward]), other
 graphs wave by wave (Note [Backward waves]), KV kept or re-sent as
 ``--fcp-backward-kv`` / ``--fcp-kv-memory-budget`` decide for each candidate's plan
-(:class:`~megatron_fcp.planning.program.WaveBackward`). The flags are the constraints:
+(:class:`~megatron_fcp.schedule.program.WaveBackward`). The flags are the constraints:
 
 ============================ ==================================================================
 flag                         effect on the search
@@ -43,10 +43,11 @@ import logging
 from typing import Any
 
 from megatron_fcp.config import FCPConfig
-from megatron_fcp.planning import AttentionShape, MegatronLayout
-from megatron_fcp.planning.head_parallel_compile import head_groups_for
-from megatron_fcp.planning.head_parallel_choose import ScheduleChoice, choose_schedule
-from megatron_fcp.planning.program import WaveBackward
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.megatron_layout import MegatronLayout
+from megatron_fcp.planner.head_parallel import head_groups_for
+from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule
+from megatron_fcp.schedule.program import WaveBackward
 
 __all__ = ["settle_schedule", "schedule_report"]
 

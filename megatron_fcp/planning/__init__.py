@@ -1,90 +1,101 @@
-"""The pure planning half of FCP: topology + CP group -> verified plan, and its predicted cost.
+"""The public face of FCP's pure half: the names a user plans with, resolved on first use.
 
-No ``torch`` and no processes: everything here is plain data and numpy, tested without a cluster.
-Modules depend on each other in one direction only (a test checks there is no import cycle)::
+The code lives in sub-packages by job (none imports ``torch``)::
 
-    blocks      Block, Transfer, PlanError: the units a plan moves
-    needs       the causal need rule (which blocks a CP rank must receive)
-    placement   packed batches: documents as token spans per rank, document need sets, place_packed
-    verify      prove a plan executable and complete
-    table       TransferTable: a plan's transfers as numpy columns (large groups)
-    table_verify, table_compile
-                prove a table-backed plan; the compiler's waves and rail graphs as columns
-    plan        the plan contract: Plan (+ ring_plan, full_plan)            <- the executor reads this
-    graph       CommGraph and multicast-tree helpers over one CP group
-    builders    graph builders and the one registry of graph names
-    compile     CommGraph -> multicast trees -> rounds -> Plan
-    cost        the alpha-beta cost model of a plan (communication, compute, overlap)
-    build       build_plan: topology + graph name (or auto, chosen on the cost model) -> Plan
-    baselines   Transformer Engine's p2p and a2a+p2p schedules, the lower bound
-    packed_cost TE's schedules on packed documents (THD, padded), backward of TE and FCP schedules
-    rounds      rounds vs the edge-colouring bound Delta; one-hop transfers in Delta rounds
-    head_parallel, head_parallel_compile, head_parallel_cost, head_parallel_choose
-                the head-parallel stage: contract, plans for a degree, fwd/bwd cost, auto
-    compare     FCP against TE's schedules side by side (one sequence, or packed documents)
-    megatron_layout   Megatron's tp-cp-ep-dp-pp rank order: the CP and TP groups of a run
+    megatron_fcp.contract   blocks, need rules, placements, the Plan and its proofs
+    megatron_fcp.planner    graph builders, compile to rounds, Megatron's rank layout, head-parallel plans
+    megatron_fcp.schedule   the backward program: every backward decision, made once
+    megatron_fcp.cost       the cost model: plans' and programs' timelines, TE's schedules, the choice
+
+``from megatron_fcp.planning import build_plan, Plan, simulate_plan`` keeps working; importing this
+package imports nothing until a name is used.
 """
 
-from megatron_fcp.planning.baselines import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
-from megatron_fcp.planning.blocks import Block, PlanError, Transfer, blocks_of, zigzag_chunk_index
-from megatron_fcp.planning.build import build_plan
-from megatron_fcp.planning.builders import (
-    AUTO_CANDIDATES,
-    BUILDERS,
-    GRAPH_CHOICES,
-    BalancedGraph,
-    FullGraph,
-    GraphBuilder,
-    HierarchicalGraph,
-    LeaderGraph,
-    RingGraph,
-    SpanningGraph,
-    build_graph,
-    get_builder,
-)
-from megatron_fcp.planning.compare import compare, compare_head_parallel, compare_packed
-from megatron_fcp.planning.head_parallel import HeadParallelPlan
-from megatron_fcp.planning.head_parallel_choose import (ScheduleChoice, build_head_parallel_plan, choose_head_parallel,
-                                                        choose_schedule)
-from megatron_fcp.planning.head_parallel_cost import lower_bound_all, simulate_head_parallel, simulate_te
-from megatron_fcp.planning.rounds import plan_delta
-from megatron_fcp.planning.table import TransferTable
-from megatron_fcp.planning.compile import compile_plan
-from megatron_fcp.planning.cost import (
-    AttentionShape,
-    ComputeModel,
-    SimResult,
-    causal_pairs,
-    kv_block_bytes,
-    parse_tokens,
-    pick_best,
-    simulate_plan,
-    simulate_rounds,
-    zigzag_padded_len,
-)
-from megatron_fcp.planning.graph import CommGraph, check_cp_ranks, runs_of, steiner_tree
-from megatron_fcp.planning.megatron_layout import MegatronLayout
-from megatron_fcp.planning.needs import need_set, needs_chunk
-from megatron_fcp.planning.packed_cost import (
-    simulate_plan_backward,
-    simulate_te_a2a_p2p_thd,
-    simulate_te_p2p_thd,
-    thd_padded_lengths,
-    thd_rank_work,
-)
-from megatron_fcp.planning.placement import Placement, Span, lognormal_lengths, place_packed
-from megatron_fcp.planning.plan import SIMPLE_PLANS, AutoChoice, Plan, full_plan, ring_plan
-from megatron_fcp.planning.program import WaveBackward
+from __future__ import annotations
 
-__all__ = [
-    "AUTO_CANDIDATES", "BUILDERS", "GRAPH_CHOICES", "SIMPLE_PLANS", "AttentionShape", "AutoChoice",
-    "BalancedGraph", "Block", "CommGraph", "ComputeModel", "FullGraph", "GraphBuilder", "HierarchicalGraph",
-    "LeaderGraph", "MegatronLayout", "Plan", "PlanError", "RingGraph", "SimResult", "SpanningGraph",
-    "Transfer", "TransferTable", "blocks_of", "build_graph", "build_plan", "check_cp_ranks", "compare", "compile_plan",
-    "full_plan", "get_builder", "need_set", "needs_chunk", "parse_tokens", "ring_plan", "simulate_plan",
-    "zigzag_chunk_index", "lower_bound", "simulate_te_a2a_p2p", "simulate_te_p2p", "causal_pairs",
-    "Placement", "Span", "place_packed", "lognormal_lengths", "compare_packed", "simulate_plan_backward",
-    "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "HeadParallelPlan", "build_head_parallel_plan",
-    "choose_head_parallel", "compare_head_parallel", "lower_bound_all", "simulate_head_parallel", "simulate_te",
-    "plan_delta", "ScheduleChoice", "choose_schedule", "WaveBackward", "thd_padded_lengths", "thd_rank_work", "kv_block_bytes", "pick_best", "simulate_rounds", "zigzag_padded_len", "runs_of", "steiner_tree",
-]
+import importlib
+
+_LAZY = {
+    "Block": "megatron_fcp.contract.blocks",
+    "PlanError": "megatron_fcp.contract.blocks",
+    "Transfer": "megatron_fcp.contract.blocks",
+    "blocks_of": "megatron_fcp.contract.blocks",
+    "zigzag_chunk_index": "megatron_fcp.contract.blocks",
+    "HeadParallelPlan": "megatron_fcp.contract.head_parallel",
+    "need_set": "megatron_fcp.contract.needs",
+    "needs_chunk": "megatron_fcp.contract.needs",
+    "Placement": "megatron_fcp.contract.placement",
+    "Span": "megatron_fcp.contract.placement",
+    "lognormal_lengths": "megatron_fcp.contract.placement",
+    "place_packed": "megatron_fcp.contract.placement",
+    "AutoChoice": "megatron_fcp.contract.plan",
+    "Plan": "megatron_fcp.contract.plan",
+    "SIMPLE_PLANS": "megatron_fcp.contract.plan",
+    "full_plan": "megatron_fcp.contract.plan",
+    "ring_plan": "megatron_fcp.contract.plan",
+    "TransferTable": "megatron_fcp.contract.table",
+    "ScheduleChoice": "megatron_fcp.planner.choose",
+    "build_head_parallel_plan": "megatron_fcp.planner.choose",
+    "choose_head_parallel": "megatron_fcp.planner.choose",
+    "choose_schedule": "megatron_fcp.planner.choose",
+    "compare": "megatron_fcp.planner.compare",
+    "compare_head_parallel": "megatron_fcp.planner.compare",
+    "compare_packed": "megatron_fcp.planner.compare",
+    "lower_bound_all": "megatron_fcp.cost.head_parallel",
+    "simulate_head_parallel": "megatron_fcp.cost.head_parallel",
+    "simulate_te": "megatron_fcp.cost.head_parallel",
+    "AttentionShape": "megatron_fcp.cost.model",
+    "ComputeModel": "megatron_fcp.cost.model",
+    "SimResult": "megatron_fcp.cost.model",
+    "causal_pairs": "megatron_fcp.cost.model",
+    "kv_block_bytes": "megatron_fcp.cost.model",
+    "parse_tokens": "megatron_fcp.cost.model",
+    "pick_best": "megatron_fcp.cost.model",
+    "simulate_plan": "megatron_fcp.cost.model",
+    "simulate_rounds": "megatron_fcp.cost.model",
+    "zigzag_padded_len": "megatron_fcp.cost.model",
+    "simulate_plan_backward": "megatron_fcp.cost.packed",
+    "simulate_te_a2a_p2p_thd": "megatron_fcp.cost.packed",
+    "simulate_te_p2p_thd": "megatron_fcp.cost.packed",
+    "thd_padded_lengths": "megatron_fcp.cost.packed",
+    "thd_rank_work": "megatron_fcp.cost.packed",
+    "lower_bound": "megatron_fcp.cost.te",
+    "simulate_te_a2a_p2p": "megatron_fcp.cost.te",
+    "simulate_te_p2p": "megatron_fcp.cost.te",
+    "build_plan": "megatron_fcp.planner.build",
+    "AUTO_CANDIDATES": "megatron_fcp.planner.builders",
+    "BUILDERS": "megatron_fcp.planner.builders",
+    "BalancedGraph": "megatron_fcp.planner.builders",
+    "FullGraph": "megatron_fcp.planner.builders",
+    "GRAPH_CHOICES": "megatron_fcp.planner.builders",
+    "GraphBuilder": "megatron_fcp.planner.builders",
+    "HierarchicalGraph": "megatron_fcp.planner.builders",
+    "LeaderGraph": "megatron_fcp.planner.builders",
+    "RingGraph": "megatron_fcp.planner.builders",
+    "SpanningGraph": "megatron_fcp.planner.builders",
+    "build_graph": "megatron_fcp.planner.builders",
+    "get_builder": "megatron_fcp.planner.builders",
+    "compile_plan": "megatron_fcp.planner.compile",
+    "CommGraph": "megatron_fcp.planner.graph",
+    "check_cp_ranks": "megatron_fcp.planner.graph",
+    "runs_of": "megatron_fcp.planner.graph",
+    "steiner_tree": "megatron_fcp.planner.graph",
+    "MegatronLayout": "megatron_fcp.planner.megatron_layout",
+    "plan_delta": "megatron_fcp.planner.rounds",
+    "WaveBackward": "megatron_fcp.schedule.program",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_fcp.planning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,494 @@
+"""Placements: which tokens of a packed batch each CP rank holds, as KV blocks. Pure, no ``torch``.
+
+Note [Placements and document need sets]
+----------------------------------------
+A packed batch is a sequence of documents of lengths ``doc_lengths`` (Megatron's THD format:
+``cu_seqlens = [0, L0, L0+L1, ...]``). A *placement* gives every CP rank (by CP index) a tuple of
+:class:`Span` blocks, each a token range ``[start, end)`` of one document; the rank's local tokens
+are its blocks' tokens in that order, and its queries are exactly those tokens. Attention stays
+inside a document: query ``(d, p)`` attends to key ``(d', p')`` iff ``d == d'`` and, if causal,
+``p' <= p``.
+
+A rank ``j`` *needs* a block ``b`` of another rank iff some query of ``j`` attends to some key of
+``b``: ``j`` holds a span of ``b``'s document, and (causal) that span's last token is not before
+``b``'s first token. Plans over a placement move each block exactly to the ranks that need it;
+``Block(owner, chunk, 0)`` names the ``chunk``-th block of global rank ``owner``.
+
+:func:`place_packed` builds a placement: documents up to ``block_tokens`` stay whole on one rank
+(they need no communication at all), longer ones are cut into near-equal blocks. A rank's need in a
+document is ``max end of its blocks - tokens it holds``: a block at start ``p`` alone costs ``p``
+tokens, an earlier block of a document whose later block the rank holds costs nothing and lowers
+the need. So long documents' blocks go first, latest start first, each to the rank whose need stays
+least (or to a holder of the document whose need drops) among ranks with work room; then short
+documents, which need nothing, fill the work (largest first, least loaded rank).
+
+For cp = 2, documents [3, 9, 2] and ``block_tokens = 4`` (causal; work = pairs of a block's
+queries against its document; mean work 27)::
+
+    long blocks, latest first   d1[6,9) 24      d1[3,6) 15          d1[0,3) 6
+    rank (need after)           r0 (6)          r1 (3; r0 full)     r1 (0: r1 holds d1[3,6))
+    short documents             d0[0,3) 6 -> r1 (work 21)           d2[0,2) 3 -> r0 (work 24)
+    rank 0: d1[6,9) d2[0,2)          work 27    needs d1[0,3), d1[3,6) from rank 1 (6 tokens)
+    rank 1: d0[0,3) d1[0,3) d1[3,6)  work 27    needs nothing (d1[6,9) is in its future)
+
+Received tokens per rank (max over mean) stay uneven on lognormal mixes: a rank holding the tail
+of the longest document must receive most of it whatever else it holds, and ranks given only short
+documents receive nothing; the placement lowers the *largest* need (the receive bottleneck) and
+the total, not the ratio (docs/planner.md, "Packed documents").
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Sequence
+
+import numpy as np
+
+from megatron_fcp.contract.blocks import Block
+
+__all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
+           "DEFAULT_BLOCK_TOKENS"]
+
+DEFAULT_BLOCK_TOKENS = 4096
+"""Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """Tokens ``[start, end)`` of document ``doc`` (positions inside the document)."""
+
+    doc: int
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+def span_pairs(q: Span, k: Span, causal: bool) -> int:
+    """Query-key pairs of query span ``q`` against key span ``k`` under the document mask (exact)."""
+    if q.doc != k.doc or q.tokens <= 0 or k.tokens <= 0:
+        return 0
+    if not causal:
+        return q.tokens * k.tokens
+    # sum over queries p in [q.start, q.end) of clamp(p - k.start + 1, 0, k.tokens)
+    total = 0
+    lo = max(q.start, k.start)
+    if lo >= q.end:
+        return 0
+    ramp_end = min(q.end, k.end)  # queries whose count still grows: p - k.start + 1
+    if lo < ramp_end:
+        a, b = lo - k.start + 1, ramp_end - 1 - k.start + 1
+        total += (a + b) * (ramp_end - lo) // 2
+    flat_from = max(lo, k.end)
+    if flat_from < q.end:
+        total += (q.end - flat_from) * k.tokens
+    return total
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Blocks of a packed batch per CP rank; see Note [Placements and document need sets].
+
+    doc_lengths: tokens of each document, in batch order (all >= 1).
+    blocks: ``blocks[i]`` are CP rank i's KV blocks, in local token order.
+    causal: the mask the need sets follow.
+    """
+
+    doc_lengths: tuple[int, ...]
+    blocks: tuple[tuple[Span, ...], ...]
+    causal: bool = True
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "doc_lengths", tuple(int(x) for x in self.doc_lengths))
+        object.__setattr__(self, "blocks", tuple(tuple(r) for r in self.blocks))
+        check_doc_lengths(self.doc_lengths)
+        if not self.blocks:
+            raise ValueError("placement: needs at least one CP rank")
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for i, rank_blocks in enumerate(self.blocks):
+            for s in rank_blocks:
+                if not isinstance(s, Span):
+                    raise ValueError(f"placement: rank {i} holds {s!r}, not a Span")
+                if not 0 <= s.doc < len(self.doc_lengths) or not 0 <= s.start < s.end <= self.doc_lengths[s.doc]:
+                    raise ValueError(f"placement: rank {i} block {s} is not a non-empty range of a document")
+                covered.setdefault(s.doc, []).append((s.start, s.end))
+        for d, length in enumerate(self.doc_lengths):
+            ranges = sorted(covered.get(d, []))
+            pos = 0
+            for a, b in ranges:
+                if a != pos:
+                    raise ValueError(f"placement: document {d} tokens [{min(a, pos)}, {max(a, pos)}) are "
+                                     f"{'held twice' if a < pos else 'held by no rank'}")
+                pos = b
+            if pos != length:
+                raise ValueError(f"placement: document {d} tokens [{pos}, {length}) are held by no rank")
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def cp(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.doc_lengths)
+
+    def tokens(self, cp_index: int) -> int:
+        """Local tokens of CP rank ``cp_index``."""
+        return sum(s.tokens for s in self.blocks[cp_index])
+
+    def block_starts(self, cp_index: int) -> tuple[int, ...]:
+        """Local token offset of each of CP rank ``cp_index``'s blocks."""
+        out, pos = [], 0
+        for s in self.blocks[cp_index]:
+            out.append(pos)
+            pos += s.tokens
+        return tuple(out)
+
+    @cached_property
+    def doc_starts(self) -> np.ndarray:
+        """Offset of each document in the packed batch (``cu_seqlens[:-1]``)."""
+        return np.concatenate(([0], np.cumsum(self.doc_lengths)[:-1])).astype(np.int64)
+
+    def token_index(self, cp_index: int) -> np.ndarray:
+        """Packed-batch index (int64 ``[tokens(cp_index)]``) of each local token of CP rank ``cp_index``."""
+        parts = [np.arange(s.start, s.end, dtype=np.int64) + self.doc_starts[s.doc] for s in self.blocks[cp_index]]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def positions(self, cp_index: int) -> np.ndarray:
+        """Position inside its document (int64) of each local token of CP rank ``cp_index`` (RoPE)."""
+        parts = [np.arange(s.start, s.end, dtype=np.int64) for s in self.blocks[cp_index]]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def doc_ids(self, cp_index: int) -> np.ndarray:
+        """Document (int64) of each local token of CP rank ``cp_index``."""
+        parts = [np.full(s.tokens, s.doc, dtype=np.int64) for s in self.blocks[cp_index]]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def shard(self, x: Any, cp_index: int) -> Any:
+        """CP rank ``cp_index``'s tokens of a packed ``[t, ...]`` array or tensor (a copy)."""
+        if x.shape[0] != self.total_tokens:
+            raise ValueError(f"placement.shard: tensor has {x.shape[0]} tokens, the batch has {self.total_tokens}")
+        return x[self.token_index(cp_index)]
+
+    def unshard(self, shards: Sequence[Any]) -> Any:
+        """Inverse of :meth:`shard`: the packed ``[t, ...]`` batch from every rank's shard."""
+        if len(shards) != self.cp:
+            raise ValueError(f"placement.unshard: {len(shards)} shards for cp = {self.cp}")
+        for i, x in enumerate(shards):
+            if x.shape[0] != self.tokens(i):
+                raise ValueError(f"placement.unshard: shard {i} has {x.shape[0]} tokens, rank {i} holds {self.tokens(i)}")
+        src = next((x for x in shards if x.shape[0]), shards[0])
+        out = src[np.zeros(self.total_tokens, dtype=np.int64)]  # a new array/tensor of the right type and shape
+        for i, x in enumerate(shards):
+            if x.shape[0]:
+                out[self.token_index(i)] = x
+        return out
+
+    # ---- needs -------------------------------------------------------------------------------
+    def block_list(self) -> tuple[tuple[int, int, Span], ...]:
+        """Every block as ``(owner CP index, index in the owner's blocks, span)``, owner by owner."""
+        return tuple((i, b, s) for i, rank_blocks in enumerate(self.blocks) for b, s in enumerate(rank_blocks))
+
+    def need_matrix(self) -> np.ndarray:
+        """``[cp, n_blocks]`` booleans: CP rank j needs block ``n`` of :meth:`block_list`."""
+        if "need" not in self._cache:
+            blocks = self.block_list()
+            docs = np.array([b[2].doc for b in blocks], dtype=np.int64)
+            starts = np.array([b[2].start for b in blocks], dtype=np.int64)
+            owners = np.array([b[0] for b in blocks], dtype=np.int64)
+            # last_q[j, d]: the latest query position CP rank j holds in document d (-1: none)
+            last_q = np.full((self.cp, len(self.doc_lengths)), -1, dtype=np.int64)
+            np.maximum.at(last_q, (owners, docs), np.array([b[2].end - 1 for b in blocks], dtype=np.int64))
+            held = last_q[:, docs]                                              # [cp, n_blocks]
+            need = (held >= (starts[None, :] if self.causal else 0)) & (owners[None, :] != np.arange(self.cp)[:, None])
+            need.flags.writeable = False
+            self._cache["need"] = need
+        return self._cache["need"]
+
+    def needs(self, ranks: Sequence[int], rank: int) -> frozenset[Block]:
+        """Blocks global ``rank`` must receive (``ranks``: the CP group in CP order)."""
+        ranks = tuple(ranks)
+        j = ranks.index(rank)
+        row = self.need_matrix()[j]
+        return frozenset(Block(ranks[i], b, 0) for n, (i, b, _) in enumerate(self.block_list()) if row[n])
+
+    def pairs(self, j: int, i: int, b: int) -> int:
+        """Query-key pairs of CP rank ``j``'s queries against block ``b`` of CP rank ``i`` (exact)."""
+        key = ("pairs", j, i, b)
+        if key not in self._cache:
+            k = self.blocks[i][b]
+            self._cache[key] = sum(span_pairs(q, k, self.causal) for q in self.blocks[j] if q.doc == k.doc)
+        return self._cache[key]
+
+    def work(self) -> np.ndarray:
+        """Attention work (query-key pairs under the mask) of each CP rank's queries (int64 ``[cp]``)."""
+        out = np.zeros(self.cp, dtype=np.int64)
+        by_doc: dict[int, list[Span]] = {}
+        for rank_blocks in self.blocks:
+            for s in rank_blocks:
+                by_doc.setdefault(s.doc, []).append(s)
+        for j, rank_blocks in enumerate(self.blocks):
+            out[j] = sum(span_pairs(q, k, self.causal) for q in rank_blocks for k in by_doc[q.doc])
+        return out
+
+    def summary(self) -> str:
+        work = self.work()
+        toks = [self.tokens(i) for i in range(self.cp)]
+        mean = work.mean() if self.cp else 0
+        return (f"placement: {len(self.doc_lengths)} documents, {self.total_tokens} tokens, cp={self.cp}, "
+                f"{sum(len(b) for b in self.blocks)} blocks; tokens/rank {min(toks)}..{max(toks)}; "
+                f"work max/mean {work.max() / mean if mean else 1.0:.3f}")
+
+
+def check_doc_lengths(doc_lengths: Sequence[int]) -> None:
+    """Raise ValueError naming the fix unless ``doc_lengths`` is a non-empty list of integers >= 1."""
+    if len(doc_lengths) == 0:
+        raise ValueError("doc_lengths: the batch is empty; give at least one document")
+    for d, n in enumerate(doc_lengths):
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"doc_lengths[{d}] = {n!r}: every document needs at least 1 token "
+                             "(drop empty documents from cu_seqlens)")
+
+
+def lognormal_lengths(mean: float, sigma: float, total: int, seed: int = 0) -> list[int]:
+    """Document lengths of a seeded lognormal mix: draw ``round(exp(N(mean, sigma)))`` (at least 1)
+    from ``numpy.random.default_rng(seed)`` until the lengths sum to ``total`` tokens; the last one
+    is trimmed so that they sum to exactly ``total``. ``mean``/``sigma`` are of the log length
+    (median length ``exp(mean)``)."""
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 1:
+        raise ValueError(f"lognormal: TOTAL must be a positive integer of tokens, got {total!r}")
+    if not np.isfinite(mean) or not (np.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"lognormal: MEAN must be finite and SIGMA >= 0, got {mean!r}, {sigma!r}")
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    left = int(total)
+    while left > 0:
+        draw = rng.lognormal(mean, sigma, 256)
+        for x in np.maximum(1, np.rint(np.minimum(draw, 2.0 ** 62))).astype(np.int64).tolist():
+            n = min(x, left)
+            out.append(n)
+            left -= n
+            if left == 0:
+                break
+    return out
+
+
+def _doc_blocks(length: int, block_tokens: int, cap: float = float("inf"), causal: bool = True,
+                min_tokens: int = 1) -> list[tuple[int, int]]:
+    """A document cut into ``ceil(length / block_tokens)`` near-equal ``[start, end)`` blocks, then
+    each block whose attention work (its queries against the document) exceeds ``cap`` cut further
+    into near-equal pieces of at least ``min_tokens`` tokens (a long document's last blocks)."""
+    n = -(-length // block_tokens)
+    bounds = [i * length // n for i in range(n + 1)]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        w = span_pairs(Span(0, a, b), Span(0, 0, length), causal)
+        k = max(1, min(int(-(-w // cap)) if cap < float("inf") else 1, (b - a) // max(min_tokens, 1)))
+        out.extend((a + i * (b - a) // k, a + (i + 1) * (b - a) // k) for i in range(k))
+    return out
+
+
+class _Loads:
+    """Per-rank attention work and need (tokens a rank must receive) under moves of blocks.
+
+    A rank's need in document ``d`` is ``max end of its blocks of d`` (causal; ``L_d`` without the
+    mask) minus the tokens of ``d`` it holds: blocks tile their document, so every block starting
+    before the rank's last query is needed.
+    """
+
+    def __init__(self, lengths, cp, causal):
+        self.lengths, self.causal = lengths, causal
+        self.work = [0] * cp
+        self.need = [0] * cp
+        self.docs: list[dict[int, list[Span]]] = [{} for _ in range(cp)]
+
+    def _doc_need(self, spans: list[Span], d: int) -> int:
+        if not spans:
+            return 0
+        top = max(s.end for s in spans) if self.causal else self.lengths[d]
+        return top - sum(s.tokens for s in spans)
+
+    def delta(self, r: int, s: Span, add: bool) -> int:
+        """Change of rank r's need if block s is added (``add``) or removed."""
+        spans = self.docs[r].get(s.doc, [])
+        after = spans + [s] if add else [x for x in spans if x != s]
+        return self._doc_need(after, s.doc) - self._doc_need(spans, s.doc)
+
+    def apply(self, r: int, s: Span, w: int, add: bool) -> None:
+        self.need[r] += self.delta(r, s, add)
+        self.work[r] += w if add else -w
+        spans = self.docs[r].setdefault(s.doc, [])
+        if add:
+            spans.append(s)
+        else:
+            spans.remove(s)
+            if not spans:
+                del self.docs[r][s.doc]
+
+
+def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: float, max_iter: int,
+            candidates: int = 8, good_enough: float = 1.005, movable=None) -> None:
+    """Local search: move (or swap) a block of the worst rank to one of the least loaded ranks while
+    that lowers the larger of the two ranks' scores, score = max(work / mean work,
+    1 + need_weight * (need / mean need - 1)), until the worst score is at most ``good_enough``.
+    Deterministic (ties by rank, then block order). ``movable(span)``: only these blocks move."""
+    cp = len(placed)
+    can = movable or (lambda s: True)
+    mean_w = sum(loads.work) / cp
+
+    def score(w, n, mean_n):
+        sw = w / mean_w if mean_w else 1.0
+        return max(sw, 1 + need_weight * (n / mean_n - 1)) if mean_n else sw
+
+    for _ in range(max_iter):
+        mean_n = sum(loads.need) / cp if need_weight else 0
+        scores = [score(loads.work[r], loads.need[r], mean_n) for r in range(cp)]
+        a = max(range(cp), key=lambda r: (scores[r], -r))
+        if scores[a] <= good_enough:
+            return
+        targets = sorted((r for r in range(cp) if r != a), key=lambda r: (scores[r], r))[:candidates]
+        best = None  # (value, kind, s, b, t)
+        for s in placed[a]:
+            if not can(s):
+                continue
+            w = wk[s]
+            da = loads.delta(a, s, False) if need_weight else 0
+            for b in targets:
+                nb = loads.need[b] + loads.delta(b, s, True) if need_weight else 0
+                v = max(score(loads.work[a] - w, loads.need[a] + da, mean_n), score(loads.work[b] + w, nb, mean_n))
+                if best is None or v < best[0]:
+                    best = (v, "move", s, b, None)
+        if best is None or best[0] >= scores[a] - 1e-12:
+            for s in placed[a]:
+                if not can(s):
+                    continue
+                for b in targets:
+                    for t in placed[b]:
+                        if wk[s] <= wk[t] or not can(t):
+                            continue
+                        if need_weight:
+                            loads.apply(a, s, wk[s], False)
+                            loads.apply(b, t, wk[t], False)
+                            na = loads.need[a] + loads.delta(a, t, True)
+                            nb = loads.need[b] + loads.delta(b, s, True)
+                            loads.apply(b, t, wk[t], True)
+                            loads.apply(a, s, wk[s], True)
+                        else:
+                            na = nb = 0
+                        v = max(score(loads.work[a] - wk[s] + wk[t], na, mean_n),
+                                score(loads.work[b] + wk[s] - wk[t], nb, mean_n))
+                        if best is None or v < best[0]:
+                            best = (v, "swap", s, b, t)
+        if best is None or best[0] >= scores[a] - 1e-12:
+            return
+        _, kind, s, b, t = best
+        loads.apply(a, s, wk[s], False)
+        placed[a].remove(s)
+        loads.apply(b, s, wk[s], True)
+        placed[b].append(s)
+        if kind == "swap":
+            loads.apply(b, t, wk[t], False)
+            placed[b].remove(t)
+            loads.apply(a, t, wk[t], True)
+            placed[a].append(t)
+
+
+def place_packed(
+    doc_lengths: Sequence[int],
+    cp: int,
+    *,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    causal: bool = True,
+    tolerance: float = 0.02,
+    max_block_work: float = 0.25,
+    need_weight: float = 0.0,
+    refine: bool = True,
+    long_slack: float = 0.0,
+) -> Placement:
+    """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
+
+    Algorithm (deterministic):
+
+    1. cut documents longer than ``block_tokens`` into near-equal blocks, and cut further any of
+       their blocks whose attention work exceeds ``max_block_work`` x the mean work per rank (the
+       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens);
+    2. blocks of long documents, latest start first (most need first; ties: work, document): each
+       goes to a rank whose work stays within ``(1 + long_slack)`` x the mean work per rank; if a
+       rank holding a later block of the same document qualifies and its need drops (an earlier
+       block shortens the prefix it must receive), the neediest such rank; else the rank whose need
+       after is least (ties: lowest index); if none has room, the least loaded. Need = tokens a rank
+       must receive (:class:`_Loads`);
+    3. short documents (need nothing wherever they go), largest work first, to the least loaded rank;
+    4. ``refine``: local search (:func:`_refine`) moving or swapping short documents only (the need
+       stays) between the rank with the most work and the least loaded ones until work max/mean
+       <= 1.005; if work still exceeds ``1 + tolerance`` x the mean (few short documents), the
+       search runs again over all blocks, a rank's score the larger of its work over the mean and
+       ``1 + need_weight x (need / mean need - 1)`` (default ``need_weight`` 0: work alone);
+    5. order each rank's blocks by (document, start).
+
+    Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
+    """
+    lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
+    check_doc_lengths(lengths)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: must be a positive integer, got {cp!r}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens: must be a positive integer, got {block_tokens!r}")
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
+    if not max_block_work > 0:
+        raise ValueError(f"max_block_work: must be > 0, got {max_block_work!r}")
+    doc_span = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
+    total = sum(span_pairs(s, s, causal) for s in doc_span.values())
+    cap = max_block_work * total / cp
+    spans = [Span(d, a, b) for d, n in enumerate(lengths)
+             for a, b in (_doc_blocks(n, block_tokens, cap, causal, max(1, block_tokens // 8))
+                          if n > block_tokens else [(0, n)])]
+    wk = {s: span_pairs(s, doc_span[s.doc], causal) for s in spans}  # queries of s against its whole doc
+    mean = total / cp
+    is_long = lambda s: lengths[s.doc] > block_tokens  # noqa: E731
+    placed: list[list[Span]] = [[] for _ in range(cp)]
+    work = np.zeros(cp)
+    need = np.zeros(cp)
+    held: dict[int, dict[int, tuple[int, int]]] = {}  # document -> rank -> (max end, tokens held)
+    for s in sorted((s for s in spans if is_long(s)), key=lambda s: (-s.start, -wk[s], s.doc)):
+        w = wk[s]
+        after = need + (s.start if causal else lengths[s.doc] - s.tokens)  # need after, on a rank without s.doc
+        hold = held.setdefault(s.doc, {})
+        for r, (top, toks) in hold.items():
+            end = max(top, s.end) if causal else lengths[s.doc]
+            after[r] = need[r] - ((top if causal else end) - toks) + end - toks - s.tokens
+        room = work + w <= mean * (1 + long_slack)
+        cut = [r for r in hold if room[r] and after[r] < need[r]]
+        if cut:  # an earlier block of a document whose later block r holds: r's need drops; take the neediest
+            r = max(cut, key=lambda r: (need[r], -r))
+        elif room.any():
+            r = int(np.argmin(np.where(room, after, np.inf)))
+        else:
+            r = int(np.argmin(work))
+        top, toks = hold.get(r, (0, 0))
+        hold[r] = (max(top, s.end), toks + s.tokens)
+        need[r] = after[r]
+        work[r] += w
+        placed[r].append(s)
+    heap = [(float(work[r]), r) for r in range(cp)]  # short documents: least loaded first (LPT on work)
+    heapq.heapify(heap)
+    for s in sorted((s for s in spans if not is_long(s)), key=lambda s: (-wk[s], s.doc)):
+        _, r = heapq.heappop(heap)
+        work[r] += wk[s]
+        placed[r].append(s)
+        heapq.heappush(heap, (float(work[r]), r))
+    if refine and cp > 1:
+        loads = _Loads(lengths, cp, causal)
+        for r in range(cp):
+            for s in placed[r]:
+                loads.apply(r, s, wk[s], True)
+        _refine(loads, placed, wk, 0.0, max_iter=2 * cp + 32, movable=lambda s: not is_long(s))  # need unchanged
+        if max(loads.work) > (1 + tolerance) * mean:  # too few short documents: move long blocks too
+            _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
+    return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal)

@@ -1,0 +1,381 @@
+"""The plan contract: who sends which KV block to whom, in which round. Pure data, no ``torch``.
+
+This module is the contract between the planner (graph -> plan) and the attention engine
+(plan -> communication + compute). Everything here is plain frozen data so plans can be built,
+verified and compared in microseconds without processes. Blocks and need sets:
+:mod:`megatron_fcp.contract.blocks`, :mod:`megatron_fcp.contract.needs`.
+
+Rounds
+------
+A plan is a sequence of rounds. All transfers in a round run concurrently; a transfer's source
+must hold the block when the round starts (it owns it or received it in an earlier round). Ranks
+are **global** ranks; ``Plan.ranks`` lists the CP group's global ranks in CP-rank order. Two
+transfers of one round between the same pair are matched in plan order on both sides.
+
+The backward pass runs the same rounds reversed with every transfer flipped: each rank sends its
+partial dK/dV of a block back to the rank it received the block from, after adding the partials
+its own children sent it (which arrive in later forward rounds, i.e. earlier backward rounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from megatron_fcp.contract.blocks import Block, PlanError, Transfer, blocks_of, part_tokens
+from megatron_fcp.contract.needs import need_matrix, need_set
+from megatron_fcp.contract.placement import Placement
+from megatron_fcp.contract.table import TransferTable, table_columns, table_rank_rounds, table_rounds
+from megatron_fcp.contract.table_verify import verify_table
+from megatron_fcp.contract.verify import verify_plan
+from megatron_fcp.topology import Topology, TopologyError
+
+__all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "SIMPLE_PLANS", "check_cp_ranks"]
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """How ``graph="auto"`` chose a plan: the predicted seconds of every candidate graph."""
+
+    metric: str  # "comm_s" (communication alone) or "total_s" (overlapped with compute)
+    times: tuple[tuple[str, float], ...]  # (graph name, predicted seconds), in candidate order
+
+
+class _Rounds:
+    """``Plan.rounds`` (a dataclass field whose storage is ``_rounds``): the rounds given to the
+    constructor, or for a table-backed plan (``rounds=None, table=...``) the rounds materialised
+    from the table on first access and cached (Note [Columnar plans] in
+    :mod:`megatron_fcp.contract.table`)."""
+
+    def __get__(self, plan, owner=None):
+        if plan is None:
+            raise AttributeError("rounds")  # no class-level default: the field stays required
+        d = plan.__dict__
+        rounds = d.get("_rounds")
+        if rounds is None:
+            rounds = d["_rounds"] = table_rounds(plan.table, plan.ranks, plan.chunks_per_rank(), plan.parts_per_chunk)
+        return rounds
+
+    def __set__(self, plan, value) -> None:
+        plan.__dict__["_rounds"] = value
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule of KV block transfers inside one CP group; :meth:`verify` proves it.
+
+    ranks: the CP group's global ranks, index = CP rank (zigzag position, or placement index).
+    rounds: per round, the transfers that run concurrently.
+    causal: whether need sets follow the causal mask (Note in :mod:`megatron_fcp.contract.needs`).
+    parts_per_chunk: sub-blocks per zigzag chunk (a chunk of L tokens is cut at ``p*L//P``: Note
+        [Sub-block sizes] in :mod:`megatron_fcp.contract.blocks`).
+    name: the graph it was built on (``"ring"``, ``"full"``, ``"hierarchical"`` ...).
+    max_sends / max_recvs: per-rank, per-round port limits the rounds were packed under (None: none).
+    kv_sizes: relative KV size of each CP rank's blocks (CP order) when they differ (``balanced``);
+        None means equal sizes.
+    auto: for ``graph="auto"``, the candidates' predicted times.
+    placement: for a packed batch, the blocks each rank holds (Note in
+        :mod:`megatron_fcp.contract.placement`); ``Block(owner, chunk, 0)`` is then the ``chunk``-th
+        block of ``owner`` and need sets follow documents. None: Megatron's zigzag layout.
+    table: the transfers as columns (:class:`~megatron_fcp.contract.table.TransferTable`) for a plan
+        built with ``rounds=None``: ``rounds`` is then materialised from it on first access, and
+        :meth:`verify`, :meth:`num_transfers`, :attr:`num_rounds` and :meth:`transfer_columns` read
+        the table without building objects (Note [Columnar plans]). Explicit rounds win: a plan given
+        both drops the table (``dataclasses.replace(plan, rounds=...)`` stays right).
+    """
+
+    ranks: tuple[int, ...]
+    rounds: tuple[tuple[Transfer, ...], ...] = _Rounds()  # type: ignore[assignment]
+    causal: bool = True
+    parts_per_chunk: int = 1
+    name: str = "custom"
+    max_sends: int | None = None
+    max_recvs: int | None = None
+    kv_sizes: tuple[float, ...] | None = None
+    auto: AutoChoice | None = None
+    placement: Placement | None = None
+    table: TransferTable | None = field(default=None, repr=False, compare=False)
+    _verified_ports: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.__dict__["_rounds"] is None:
+            if self.table is None:
+                raise PlanError("a plan needs rounds, or rounds=None and a transfer table (table=)")
+        elif self.table is not None:
+            object.__setattr__(self, "table", None)  # explicit rounds win
+        if self.placement is not None:
+            pl = self.placement
+            if pl.cp != len(self.ranks) or pl.causal != self.causal or self.parts_per_chunk != 1:
+                raise PlanError(f"plan over a placement: needs {pl.cp} ranks (got {len(self.ranks)}), "
+                                f"causal={pl.causal} (got {self.causal}) and parts_per_chunk=1 "
+                                f"(got {self.parts_per_chunk}); cut blocks in the placement instead")
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def cp(self) -> int:
+        return len(self.ranks)
+
+    def cp_index(self, rank: int) -> int:
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise PlanError(f"rank {rank} is not in the plan's CP group {list(self.ranks)}") from None
+
+    def local_blocks(self, rank: int) -> tuple[Block, ...]:
+        """Blocks global ``rank`` owns, in the order of its local tokens."""
+        if self.placement is None:
+            return blocks_of(rank, self.parts_per_chunk)
+        return tuple(Block(rank, b, 0) for b in range(len(self.placement.blocks[self.cp_index(rank)])))
+
+    def blocks(self) -> tuple[Block, ...]:
+        return tuple(b for r in self.ranks for b in self.local_blocks(r))
+
+    def block_tokens(self, block: Block, seq_len: int | None = None) -> int:
+        """Tokens of ``block``: its span of the placement, or the zigzag sub-block of a ``seq_len``-token
+        global sequence (a multiple of ``2 * cp``: the padded one; parts of floor/ceil size, Note
+        [Sub-block sizes]). The one rule for a block's size: the executor's buffers, the backward
+        program and the cost model all count with it."""
+        if self.placement is not None:
+            return self.placement.blocks[self.cp_index(block.owner)][block.chunk].tokens
+        if seq_len is None:
+            raise ValueError("Plan.block_tokens: a zigzag plan needs seq_len (the padded global sequence)")
+        return part_tokens(seq_len, self.cp, self.parts_per_chunk, block.part)
+
+    def chunks_per_rank(self) -> np.ndarray:
+        """Chunks each CP rank owns (int64 ``[cp]``; each cut into ``parts_per_chunk`` blocks):
+        2 under zigzag, the number of its blocks under a placement."""
+        if self.placement is None:
+            return np.full(self.cp, 2, dtype=np.int64)
+        return np.array([len(b) for b in self.placement.blocks], dtype=np.int64)
+
+    def needs(self, rank: int) -> frozenset[Block]:
+        """Blocks global ``rank`` must receive (:func:`~megatron_fcp.contract.needs.need_set`, or the
+        placement's document need sets)."""
+        if self.placement is None:
+            return need_set(self.ranks, rank, self.causal, self.parts_per_chunk)
+        return self.placement.needs(self.ranks, rank)
+
+    def need_matrix(self) -> np.ndarray:
+        """``[cp, n_blocks]`` booleans over block ids ``offset[owner] + chunk * P + part``."""
+        if self.placement is None:
+            return need_matrix(self.cp, self.parts_per_chunk, self.causal)
+        return self.placement.need_matrix()
+
+    def transfers(self) -> Iterator[tuple[int, Transfer]]:
+        """All ``(round, transfer)`` pairs in plan order."""
+        for k, rnd in enumerate(self.rounds):
+            for t in rnd:
+                yield k, t
+
+    def sends(self, rank: int, round_index: int) -> tuple[Transfer, ...]:
+        """Transfers ``rank`` sends in round ``round_index``, plan order (:meth:`rank_rounds`)."""
+        return self.rank_rounds(rank)[round_index][0]
+
+    def recvs(self, rank: int, round_index: int) -> tuple[Transfer, ...]:
+        """Transfers ``rank`` receives in round ``round_index``, plan order (:meth:`rank_rounds`)."""
+        return self.rank_rounds(rank)[round_index][1]
+
+    def rank_rounds(self, rank: int) -> tuple[tuple[tuple[Transfer, ...], tuple[Transfer, ...]], ...]:
+        """Per round, ``(sends, receives)`` of global ``rank`` in plan order: one rank's view of the
+        plan, built once per rank and cached (an executor asks for it every round). A table-backed
+        plan whose rounds were never materialised builds only this rank's transfers, from two
+        column compares (8,192 ranks: ~0.8 s and ~24K objects instead of ~100M)."""
+        cache = self.__dict__.setdefault("_rank_rounds", {})
+        view = cache.get(rank)
+        if view is None:
+            if self.table is not None and self.__dict__["_rounds"] is None and rank in self.ranks:
+                view = table_rank_rounds(self.table, self.ranks, self.chunks_per_rank(), self.parts_per_chunk,
+                                         self.cp_index(rank))
+            else:
+                view = tuple((tuple(t for t in rnd if t.src == rank), tuple(t for t in rnd if t.dst == rank))
+                             for rnd in self.rounds)
+            cache[rank] = view
+        return view
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_rank_rounds", None)  # a cache: rebuilt on use
+        return state
+
+    def received_blocks(self, rank: int) -> tuple[Block, ...]:
+        """Blocks ``rank`` receives, in the order they arrive (plan order)."""
+        return tuple(t.block for _, t in self.transfers() if t.dst == rank)
+
+    def num_transfers(self) -> int:
+        if self.table is not None:
+            return self.table.num_transfers
+        return sum(len(r) for r in self.rounds)
+
+    @property
+    def num_rounds(self) -> int:
+        """``len(self.rounds)``, without materialising a table-backed plan's rounds."""
+        return self.table.num_rounds if self.table is not None else len(self.rounds)
+
+    def transfer_columns(self) -> tuple[np.ndarray, ...]:
+        """``(round, src, dst, owner, chunk, part)`` int64 arrays of every transfer (global ranks),
+        in plan order; read from the table when the plan has one."""
+        if self.table is not None:
+            return table_columns(self.table, self.ranks, self.chunks_per_rank(), self.parts_per_chunk)
+        flat = [t for r in self.rounds for t in r]
+        T = len(flat)
+        rnd = np.repeat(np.arange(len(self.rounds), dtype=np.int64), [len(r) for r in self.rounds])
+        cols = [np.fromiter((getattr(t, f) for t in flat), dtype=np.int64, count=T) for f in ("src", "dst")]
+        cols += [np.fromiter((getattr(t.block, f) for t in flat), dtype=np.int64, count=T)
+                 for f in ("owner", "chunk", "part")]
+        return (rnd, *cols)
+
+    def chunks_moved(self) -> float:
+        """Bytes moved in units of one zigzag chunk of KV."""
+        return self.num_transfers() / self.parts_per_chunk
+
+    # ---- verification -----------------------------------------------------------------------
+    def verify(self, max_sends: int | None = None, max_recvs: int | None = None) -> "Plan":
+        """Prove the plan is executable and complete; raise :class:`PlanError` otherwise.
+
+        Checks, without running anything:
+        * ``ranks`` are distinct; every endpoint is in the CP group; no self-sends;
+        * every block in a transfer is a block of this group (owner in group, chunk/part in range);
+        * causality: a rank sends a block only if it owns it or received it in an *earlier* round;
+        * exactly once: no rank receives a block twice, and no owner receives its own block;
+        * completeness: every rank receives every block of its need set;
+        * port limits (when given): no rank posts more than ``max_sends`` sends or ``max_recvs``
+          receives in one round.
+        Send/receive matching and deadlock freedom hold by construction of the round model: both
+        sides derive their per-round posts from the same transfer list (sends and receives of a
+        round are all posted before any is waited on), so each receive has exactly one matching
+        send in the same round, and rounds only wait on transfers they themselves posted.
+        Returns ``self`` so calls can be chained.
+
+        A plan is verified once: a verified plan carries that state (:attr:`verified`, with the
+        port limits it was checked against), and calling ``verify`` again with no stricter limits
+        returns at once, so executors can call it on every use. Algorithm and error order:
+        :mod:`megatron_fcp.contract.verify`.
+        """
+        if self._verified_ports is not None and _no_stricter(self._verified_ports, (max_sends, max_recvs)):
+            return self
+        if self.table is not None:
+            verify_table(self, max_sends, max_recvs)  # same checks and messages, no objects
+        else:
+            verify_plan(self, max_sends, max_recvs)
+        object.__setattr__(self, "_verified_ports", (max_sends, max_recvs))  # a fact about frozen data
+        return self
+
+    def with_auto(self, auto: AutoChoice) -> "Plan":
+        """This plan with ``auto`` recorded; the rounds are the same, so it stays verified."""
+        out = replace(self, rounds=self.__dict__["_rounds"] if self.table is None else None, auto=auto)
+        if self.table is not None and self.__dict__["_rounds"] is not None:
+            out.__dict__["_rounds"] = self.__dict__["_rounds"]  # keep rounds already materialised
+        object.__setattr__(out, "_verified_ports", self._verified_ports)
+        return out
+
+    @property
+    def verified(self) -> bool:
+        """Whether :meth:`verify` has proved this plan (it is frozen, so the proof stays valid)."""
+        return self._verified_ports is not None
+
+    def backward_rounds(self) -> tuple[tuple[Transfer, ...], ...]:
+        """Rounds of the dK/dV reduction: forward rounds reversed, every transfer flipped.
+
+        In backward round ``k`` a rank sends its partial dK/dV of ``block`` to the rank it received
+        ``block`` from in forward round ``len(rounds)-1-k``, after adding the partials its own
+        children sent it in earlier backward rounds.
+        """
+        return tuple(tuple(Transfer(t.dst, t.src, t.block) for t in rnd) for rnd in reversed(self.rounds))
+
+    # ---- presentation -----------------------------------------------------------------------
+    def round_table(self) -> str:
+        """One line per round: ``round k: src->dst:block, ...``."""
+        lines = [f"plan {self.name!r}: cp={self.cp} ranks={list(self.ranks)} causal={self.causal} "
+                 f"parts/chunk={self.parts_per_chunk} rounds={len(self.rounds)} transfers={self.num_transfers()}"]
+        for k, rnd in enumerate(self.rounds):
+            lines.append(f"  round {k}: " + ", ".join(str(t) for t in rnd))
+        return "\n".join(lines)
+
+
+def _check_ranks(ranks: Iterable[int]) -> tuple[int, ...]:
+    ranks = tuple(int(r) for r in ranks)
+    if len(ranks) < 1:
+        raise PlanError("a plan needs at least one rank")
+    if len(set(ranks)) != len(ranks):
+        raise PlanError(f"CP group ranks repeat: {list(ranks)}")
+    return ranks
+
+
+def ring_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1) -> Plan:
+    """Transformer Engine's p2p ring: ``cp-1`` rounds, each rank forwards what it received.
+
+    In round ``k`` CP rank ``i`` sends the KV pair of CP rank ``(i-k) mod cp`` (both chunks, as TE
+    does whatever the mask) to CP rank ``i+1``. Every rank ends up with every block; with causal
+    masking some arrive only to be passed on, exactly as in TE.
+    """
+    ranks = _check_ranks(ranks)
+    cp = len(ranks)
+    rounds = []
+    for k in range(cp - 1):
+        rnd = []
+        for i, src in enumerate(ranks):
+            owner = ranks[(i - k) % cp]
+            dst = ranks[(i + 1) % cp]
+            rnd.extend(Transfer(src, dst, b) for b in blocks_of(owner, parts_per_chunk))
+        rounds.append(tuple(rnd))
+    return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="ring")
+
+
+def full_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1, *,
+              placement: Placement | None = None) -> Plan:
+    """The ``full`` graph's direct schedule without a topology: each owner sends each block straight
+    to every rank that needs it.
+
+    Round ``k`` (``k = 1..cp-1``) pairs CP rank ``i`` with ``i+k`` so every rank sends to one peer
+    and receives from one peer per round, and blocks arrive progressively for overlap. (Compiled
+    on a topology, :class:`~megatron_fcp.planner.builders.FullGraph` sends the same transfers in
+    one round.) ``placement``: the same staggered rounds over a packed batch's blocks and document
+    need sets (``causal`` must be the placement's); rounds left empty are dropped.
+    """
+    ranks = _check_ranks(ranks)
+    cp = len(ranks)
+    base = Plan(ranks, (), causal, parts_per_chunk, name="full", placement=placement)  # checks cp, causal
+    needed = {r: base.needs(r) for r in ranks}
+    rounds = []
+    for k in range(1, cp):
+        rnd = []
+        for i, src in enumerate(ranks):
+            dst = ranks[(i + k) % cp]
+            rnd.extend(Transfer(src, dst, b) for b in base.local_blocks(src) if b in needed[dst])
+        if rnd or placement is None:
+            rounds.append(tuple(rnd))
+    return replace(base, rounds=tuple(rounds))
+
+
+SIMPLE_PLANS = {"ring": ring_plan, "full": full_plan}
+"""Plans built from the CP ranks alone (no topology), by name: what ``fcp_attention(plan=NAME)`` takes."""
+
+
+def _no_stricter(done: tuple, asked: tuple) -> bool:
+    """Whether port limits ``asked`` are implied by limits ``done`` already verified (None = no limit)."""
+    return all(a is None or (d is not None and d <= a) for d, a in zip(done, asked))
+
+
+def check_cp_ranks(topology: Topology | None, cp_ranks: Iterable[int]) -> tuple[int, ...]:
+    """Validate a CP group: non-empty, distinct integers, all inside the topology."""
+    try:
+        ranks = tuple(cp_ranks)
+    except TypeError:
+        raise ValueError(f"cp_ranks: expected a list of global ranks, got {cp_ranks!r}") from None
+    if not ranks:
+        raise ValueError("cp_ranks: the CP group is empty")
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise ValueError(f"cp_ranks: rank {r!r} is not an integer")
+    if len(set(ranks)) != len(ranks):
+        dup = next(r for r in ranks if ranks.count(r) > 1)
+        raise ValueError(f"cp_ranks: rank {dup} appears twice in {list(ranks)}")
+    if topology is not None:
+        bad = [r for r in ranks if not 0 <= r < topology.world]
+        if bad:
+            raise TopologyError(
+                f"cp_ranks: rank {bad[0]} is missing from topology {topology.name!r} (world size {topology.world})"
+            )
+    return ranks

@@ -1,0 +1,529 @@
+"""Packed batches (THD) on the cost model: TE's schedules on padded documents, FCP's backward.
+
+Pure, no torch. The model is :mod:`megatron_fcp.cost.model`'s (see its Note [Cost model]);
+this module adds what a packed batch changes and the backward pass of every schedule.
+
+Note [Transformer Engine on a packed batch]
+-------------------------------------------
+TE's context parallelism on THD splits *every* document the way it splits one sequence: document
+``d`` of ``L_d`` tokens is padded to ``P_d`` = the next multiple of ``2*cp`` (``cu_seqlens_padded``)
+and cut into ``2*cp`` chunks of ``l_d = P_d / (2*cp)``; CP rank ``i`` holds chunks ``i`` and
+``2*cp-1-i`` of every document (the zigzag per document). Padding sits at the end of a document,
+so it lands in the last chunks (rank 0's second chunk first). For cp = 2 and documents [5, 3]::
+
+    document 0 (P = 8, l = 2):  chunks [0,2) [2,4) [4,6) [6,8)   ranks 0 1 1 0   tokens 5..7 padding
+    document 1 (P = 4, l = 1):  chunks [0,1) [1,2) [2,3) [3,4)   ranks 0 1 1 0   token 3 padding
+    rank 0 holds 2+2 + 1+1 = 6 padded tokens (3 real), rank 1 holds 6 (6 real)
+
+* ``te-p2p`` (THD): the ring carries each rank's whole padded KV (``sum_d P_d / cp`` tokens, both
+  chunk halves of every document) to the next rank, ``cp-1`` rounds, whatever the documents need.
+  Compute: TE gives every rank equal causal work per step per document in padded terms; the real
+  work of rank ``i`` is its real query tokens against their documents (exact pair counts), and a
+  step lasts ``max_i work_i / cp`` (ranks step together). Padding inflates bytes, not work.
+* ``te-a2a-p2p`` (THD): Ulysses all-to-all of Q/K/V (padded tokens) inside a node, then the ring of
+  node KV (``heads/g`` heads) across rail peers, the output all-to-all back; exposed all-to-alls.
+  Heads split the node's work evenly, so a step lasts ``max over nodes of node work / (g * n)``.
+
+Backward (all schedules), ``backward_flop_ratio`` (2.5: flash-attention's backward does 5 matmuls
+to the forward's 2) times the forward FLOPs:
+
+* TE's ring runs ``cp`` rounds: round 0 carries KV only, rounds 1..cp-2 KV and the dKV accumulated
+  so far (twice the bytes), round cp-1 the dKV home (dKV in the KV dtype). Step ``i`` posts round
+  ``i`` and computes; both start when round ``i-1`` and step ``i-1`` are done.
+* ``te-a2a-p2p``: all-to-all of dO in, the same ring pattern across nodes, all-to-all of dQ/dK/dV out.
+* FCP: the plan's rounds reversed with every transfer flipped (:meth:`Plan.backward_rounds`); each
+  carries the block's partial dK/dV in the input dtype (``grad_dtype_bytes``, default
+  ``shape.dtype_bytes``: the KV's bytes, as TE's ring sends dKV), as the executor sends (summed in
+  FP32, rounded per hop: Note [Backward pipeline]). Timed per rank in the executor's order (Note [Backward
+  pipeline] in ``attention/function.py``), not with a barrier per round; see
+  Note [FCP backward timeline].
+
+Note [FCP backward timeline]
+----------------------------
+The executor of rank ``j`` (``R`` forward rounds, ``C_j(r)`` = its compute on the blocks it received
+in forward round ``r``, ``C_j(-1)`` = its own blocks) runs one thread, one stream::
+
+    (resend: run the forward rounds again)            S_j = 0, or the forward's comm_s under resend
+    compute C_j(R-1); post(R-1)                        P_j(R-1) = S_j + C_j(R-1)
+    for r = R-1 .. 0:
+        compute C_j(r-1)                               (overlaps reverse round r in flight)
+        wait(reverse round r)                          done_j(r)
+        post(r-1)                                      P_j(r-1) = max(P_j(r) + C_j(r-1), done_j(r))
+    end_j = max(P_j(0) + C_j(-1), done_j(0))
+
+A message of reverse round ``r`` (forward ``t: a -> b`` flipped, ``b -> a``) starts when both ends
+have posted round ``r``: ``s = max(P_a(r), P_b(r))``. It finishes at the later of
+``s + latency + max over its route of busy(R, r)`` (its round's fair share of each resource, as the
+forward's arrivals) and ``end_R(r) + latency`` for every resource ``R`` on its route, where
+``end_R(r) = max(end_R(r+1), first start on R in round r) + busy(R, r)`` keeps every resource within
+its bandwidth across rounds (rounds may overlap in time on different ranks). ``done_j(r)`` is the
+last finish of ``j``'s messages of round ``r`` (``P_j(r)`` when it has none). The total is
+``max_j end_j``. For cp = 2 and one round (rank 1 received rank 0's block ``b``)::
+
+    rank 0: C_0(-1) = own blocks ........ end_0 = max(C_0(-1), done)     (it waits for b's dKV)
+    rank 1: C_1(0) = b; post(0) at C_1(0) -> message 1->0 of b's dKV starts at max(P_0(0)=0, C_1(0))
+            then C_1(-1) = own blocks;  end_1 = max(C_1(0) + C_1(-1), done)
+
+``comm_s`` stays the rounds back to back (:func:`simulate_rounds`), the network's time alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, SimResult, _ResourceIndex, pad_for_zigzag, simulate_plan, simulate_rounds
+from megatron_fcp.contract.needs import block_pairs, causal_pairs
+from megatron_fcp.cost.timeline import chain_timeline
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.contract.placement import check_doc_lengths
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.timeline import wave_timeline
+from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward
+from megatron_fcp.schedule.waves import restrict
+from megatron_fcp.topology import Topology, load_topology
+
+__all__ = [
+    "BACKWARD_FLOP_RATIO",
+    "thd_padded_lengths",
+    "thd_rank_work",
+    "simulate_te_p2p_thd",
+    "simulate_te_a2a_p2p_thd",
+    "simulate_plan_backward",
+    "simulate_backward_waves",
+]
+
+BACKWARD_FLOP_RATIO = 2.5
+"""Backward attention FLOPs over forward (flash-attention: 5 matmuls vs 2)."""
+
+
+def thd_padded_lengths(doc_lengths: Sequence[int], cp: int) -> np.ndarray:
+    """Each document's length rounded up to a multiple of ``2*cp`` (int64), as TE pads THD."""
+    check_doc_lengths(doc_lengths)
+    L = np.asarray(doc_lengths, dtype=np.int64)
+    return -(-L // (2 * cp)) * (2 * cp)
+
+
+def thd_rank_work(doc_lengths: Sequence[int], cp: int, causal: bool = True) -> np.ndarray:
+    """Real attention work (query-key pairs under the document mask) of each CP rank (int64 ``[cp]``)
+    under TE's per-document zigzag; see Note [Transformer Engine on a packed batch]."""
+    L = np.asarray(doc_lengths, dtype=np.int64)
+    P = thd_padded_lengths(doc_lengths, cp)
+    l = P // (2 * cp)
+    work = np.zeros(cp, dtype=np.int64)
+    for i in range(cp):
+        for c in (i, 2 * cp - 1 - i):
+            q0 = np.minimum(c * l, L)
+            q1 = np.minimum((c + 1) * l, L)
+            work[i] += int(causal_pairs(q0, q1, 0, L, causal).sum())
+    return work
+
+
+def _thd_shape(doc_lengths: Sequence[int], cp: int, shape: AttentionShape) -> AttentionShape:
+    return replace(shape, seq_len=int(thd_padded_lengths(doc_lengths, cp).sum()))
+
+
+def _ring_backward(topo: Topology, hops: list[tuple[int, int]], steps: int, kv_bytes: float, step_s: float,
+                   round_overhead_s: float, name: str, pre: list | None = None,
+                   post: list | None = None) -> SimResult:
+    """TE's backward ring of ``steps`` steps over ``hops`` (one ``(src, dst)`` per rank): round ``k``
+    is posted with step ``k``; round 0 carries KV, rounds 1..steps-2 KV and dKV, the last dKV home.
+    ``pre``/``post``: exposed all-to-all rounds before and after."""
+    ring = [[(a, b, kv_bytes * (1 if k in (0, steps - 1) else 2)) for a, b in hops] for k in range(steps)] \
+        if hops and steps > 1 else []
+    rounds = ([pre] if pre else []) + ring + ([post] if post else [])
+    res = simulate_rounds(topo, rounds, round_overhead_s, name=name)
+    dur = [e["end_s"] - e["start_s"] for e in res.timeline]
+    d_pre = dur[0] if pre else 0.0
+    d_post = dur[-1] if post else 0.0
+    ring_d = dur[(1 if pre else 0):len(dur) - (1 if post else 0)]
+    r_end = c_end = d_pre
+    for k in range(steps):
+        s = max(r_end, c_end)
+        c_end = s + step_s
+        r_end = s + (ring_d[k] if k < len(ring_d) else 0.0)
+    res.compute_s = step_s * steps
+    res.total_s = max(r_end, c_end) + d_post
+    return res
+
+
+def simulate_te_p2p_thd(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    doc_lengths: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    backward: bool = False,
+    compute_model: ComputeModel | None = None,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    round_overhead_s: float = 0.0,
+) -> SimResult:
+    """TE ``p2p`` on a packed batch (forward, or ``backward=True``); ``shape.seq_len`` is not used.
+    See Note [Transformer Engine on a packed batch]. ``meta``: ``padded_tokens``, ``padding_overhead``
+    (padded tokens over real tokens, minus 1), ``work_max_over_mean``."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    cp = len(ranks)
+    tshape = _thd_shape(doc_lengths, cp, shape)
+    work = thd_rank_work(doc_lengths, cp, causal)
+    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops
+    ratio = backward_flop_ratio if backward else 1.0
+    step = float(work.max()) / cp * flop_s * ratio + cm.kernel_overhead_s
+    if not backward:
+        res = simulate_te_p2p(topo, ranks, tshape, causal=causal, compute=False, round_overhead_s=round_overhead_s)
+        t = step
+        for e in res.timeline:
+            t = max(t, e["end_s"]) + step
+        res.compute_s = step * cp
+        res.total_s = max(t, res.comm_s)
+    else:
+        kv = tshape.kv_bytes(tshape.seq_len / cp)
+        hops = [(ranks[i], ranks[(i + 1) % cp]) for i in range(cp)] if cp > 1 else []
+        res = _ring_backward(topo, hops, cp, kv, step, round_overhead_s, "te-p2p")
+        res.meta.update(graph="ring", steps=cp)
+    _thd_meta(res, doc_lengths, tshape, work)
+    return res
+
+
+def simulate_te_a2a_p2p_thd(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    doc_lengths: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    backward: bool = False,
+    compute_model: ComputeModel | None = None,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    round_overhead_s: float = 0.0,
+) -> SimResult:
+    """TE ``a2a+p2p`` on a packed batch (padded THD layout); raises ValueError where TE cannot run it
+    (see :func:`~megatron_fcp.cost.te.simulate_te_a2a_p2p`)."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    cp = len(ranks)
+    tshape = _thd_shape(doc_lengths, cp, shape)
+    fwd = simulate_te_a2a_p2p(topo, ranks, tshape, causal=causal, compute=False, round_overhead_s=round_overhead_s)
+    g, n = fwd.meta["ranks_per_node"], fwd.meta["nodes"]
+    work = thd_rank_work(doc_lengths, cp, causal)
+    node_of = np.array([topo.node_of(r) for r in ranks])
+    node_work = max(int(work[node_of == x].sum()) for x in set(node_of.tolist()))
+    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops
+    ratio = backward_flop_ratio if backward else 1.0
+    step = node_work / (g * n) * flop_s * ratio + cm.kernel_overhead_s
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(topo.node_of(r), []).append(r)
+    nodes = list(groups)
+    L2 = tshape.seq_len / cp
+    if not backward:
+        res = fwd
+        dur = [e["end_s"] - e["start_s"] for e in res.timeline]
+        d_in, d_out = (dur[0], dur[-1]) if g > 1 else (0.0, 0.0)
+        t = arrived = d_in
+        t += step
+        for d in (dur[1:-1] if g > 1 else dur):
+            arrived += d
+            t = max(t, arrived) + step
+        res.compute_s = step * n
+        res.total_s = max(t + d_out, res.comm_s)
+    else:
+        pre = [(a, b, tshape.q_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
+        post = [(a, b, (tshape.q_bytes(L2) + tshape.kv_bytes(L2)) / g) for m in groups.values() for a in m for b in m
+                if a != b]
+        hops = [(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k]) for x in range(n) for k in range(g)] \
+            if n > 1 else []
+        res = _ring_backward(topo, hops, n, tshape.kv_bytes(L2), step, round_overhead_s, "te-a2a-p2p",
+                             pre if g > 1 else None, post if g > 1 else None)
+        res.meta.update(graph="a2a+ring", ranks_per_node=g, nodes=n)
+    _thd_meta(res, doc_lengths, tshape, work)
+    return res
+
+
+def _thd_meta(res: SimResult, doc_lengths, tshape: AttentionShape, work: np.ndarray) -> None:
+    real = int(sum(doc_lengths))
+    res.meta.update(padded_tokens=tshape.seq_len, padding_overhead=tshape.seq_len / real - 1.0,
+                    work_max_over_mean=float(work.max() / work.mean()) if work.mean() > 0 else 1.0)
+
+
+def simulate_plan_backward(
+    plan: Plan,
+    topology: "Topology | str",
+    shape: AttentionShape,
+    *,
+    compute_model: ComputeModel | None = None,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    grad_dtype_bytes: int | None = None,
+    round_overhead_s: float = 0.0,
+    name: str = "fcp",
+    order: str = "executor",
+    backward_kv: str = "keep",
+    kv_dtype_bytes: int | None = None,
+    computes=None,
+) -> SimResult:
+    """Backward pass of a plan (over a placement, or Megatron's zigzag split of ``shape.seq_len``
+    tokens): the dK/dV reduction along the reversed rounds;
+    see Note [FCP backward timeline]. ``order="executor"``: each rank in the executor's order (the
+    default; what runs today). ``order="eager"``: a what-if executor that computes without waiting
+    and sends each partial as soon as it is complete (its compute done and its children's partials
+    in), receivers posted up front. ``timeline[k]`` is backward round ``k`` (forward round ``R-1-k``):
+    first message start, last finish. ``grad_dtype_bytes``: bytes per element of the dK/dV partials
+    on the wire (default ``shape.dtype_bytes``: the executor sends them in the input dtype).
+
+    ``backward_kv`` (Note [Backward KV modes] in :mod:`megatron_fcp.schedule.program`):
+    ``"keep"`` starts from saved KV; ``"resend"`` first re-runs the forward rounds (KV in
+    ``kv_dtype_bytes``, default ``shape.dtype_bytes``), overlapped with the local blocks'
+    gradients, which both modes compute first. ``meta["held_kv_bytes"]``: per rank, the received
+    KV held from forward to backward (0 under resend). ``computes``: a set of ``(block, rank)``;
+    only those gradients are computed (a plan cut to one wave, :func:`simulate_backward_waves`). This is the
+    whole backward in one pass; the executor runs it wave by wave (:func:`simulate_backward_waves`)."""
+    if order not in ("executor", "eager"):
+        raise ValueError(f"order: must be 'executor' or 'eager', got {order!r}")
+    if backward_kv not in ("keep", "resend"):
+        raise ValueError(f"backward_kv: must be 'keep' or 'resend', got {backward_kv!r}")
+    pl = plan.placement
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    check_cp_ranks(topo, plan.ranks)
+    cp, R, P_ = plan.cp, len(plan.rounds), plan.parts_per_chunk
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    if pl is None:
+        shape, _ = pad_for_zigzag(shape, cp)
+    block_tokens = lambda blk: plan.block_tokens(blk, shape.seq_len)  # noqa: E731
+    grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes                  # partials travel in the input dtype
+    per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
+    nbytes = lambda t: block_tokens(t.block) * per_token  # noqa: E731
+    brounds = plan.backward_rounds()
+    res = simulate_rounds(topo, [[(t.src, t.dst, nbytes(t)) for t in rnd] for rnd in brounds], round_overhead_s,
+                          name=name)
+    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * backward_flop_ratio
+
+    def block_pairs(j: int, blk) -> float:
+        if pl is not None:
+            return pl.pairs(j, pos[blk.owner], blk.chunk)
+        return int(block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.causal))
+
+    # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks.
+    # Kernel launches as in the forward (Note [Cost model]): blocks of one owner reaching a rank in one
+    # round share one launch, and a rank's own blocks are one launch.
+    C = np.zeros((R + 1, cp))
+    needs = {r: plan.needs(r) for r in plan.ranks} if computes is None else {}  # once per rank
+    got = [(r, pos[t.dst], t.block) for r, rnd in enumerate(plan.rounds) for t in rnd
+           if (t.block in needs[t.dst] if computes is None else (t.block, t.dst) in computes)]
+    if got:
+        rr, jj = np.array([g[0] for g in got]), np.array([g[1] for g in got])
+        oo = np.array([pos[g[2].owner] for g in got])
+        if pl is None:  # zigzag: every block's pairs in one vectorised call
+            p = block_pairs(cp, shape.seq_len, P_, jj, oo, np.array([g[2].chunk for g in got]),
+                             np.array([g[2].part for g in got]), plan.causal).astype(np.float64)
+        else:
+            p = np.array([block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
+        np.add.at(C, (rr + 1, jj), p * flop_s)
+        live = p > 0
+        if live.any():  # one launch per (round, rank, owner) with work
+            _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
+            np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), cm.kernel_overhead_s)
+    for j, rank in enumerate(plan.ranks):
+        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank)
+                  if computes is None or (blk, rank) in computes)
+        C[0, j] = own * flop_s + cm.kernel_overhead_s if own else 0.0
+    # resend: the forward rounds run again before anything is computed
+    resend_s = 0.0
+    if backward_kv == "resend":
+        fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
+        resend_s = simulate_plan(plan, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
+    start = np.full(cp, resend_s)
+
+    idx = _ResourceIndex(topo)
+    end_res: dict[int, float] = {}                     # resource id -> when it drained its rounds so far
+    P = start + (C[R] if R else 0.0)                  # P_j(R-1): posted after computing C_j(R-1)
+    eager_done = start + np.cumsum(C[:0:-1], axis=0)[::-1] if R else np.zeros((0, cp))  # [r, j]: C_j(R-1..r) done
+    child: dict[tuple[int, object], float] = {}        # eager: (rank, block) -> its children's last return
+    eager_end = np.zeros(cp)
+    jobs_end = start + C.sum(axis=0)                   # eager: compute never waits; executor: below
+    for r in range(R - 1, -1, -1):
+        msgs = []
+        load: dict[int, float] = {}
+        for t in plan.rounds[r]:
+            a, b = pos[t.dst], pos[t.src]              # reverse: the reader returns dKV to the sender
+            rid, lat = idx.route(t.dst, t.src)
+            s0 = max(P[a], P[b]) if order == "executor" else \
+                max(eager_done[r, a], child.get((a, t.block), 0.0))
+            msgs.append((a, b, rid, lat, s0, t.block))
+            for x in rid.tolist():
+                load[x] = load.get(x, 0.0) + nbytes(t)
+        busy = {x: v / idx.bw[x] for x, v in load.items()}
+        first: dict[int, float] = {}
+        for _, _, rid, _, s0, _ in msgs:
+            for x in rid.tolist():
+                first[x] = min(first.get(x, s0), s0)
+        for x, v in busy.items():
+            end_res[x] = max(end_res.get(x, 0.0), first[x]) + v
+        done = P.copy() if order == "executor" else np.zeros(cp)
+        lo, hi = float("inf"), 0.0
+        for a, b, rid, lat, s0, blk in msgs:
+            xs = rid.tolist()
+            fin = max(s0 + max(busy[x] for x in xs), max(end_res[x] for x in xs)) + lat + round_overhead_s
+            done[a] = max(done[a], fin)
+            done[b] = max(done[b], fin)
+            child[(b, blk)] = max(child.get((b, blk), 0.0), fin)
+            lo, hi = min(lo, s0), max(hi, fin)
+        eager_end = np.maximum(eager_end, done)
+        e = res.timeline[R - 1 - r]
+        e["start_s"], e["end_s"] = (lo, hi) if msgs else (float(P.min()), float(P.min()))
+        if r == 0 and order == "executor":
+            jobs_end = P + C[0]                        # the last jobs (own blocks), before round 0's sums
+        P = np.maximum(P + C[r], done)                 # P_j(r-1); after round 0: P_j(0) + own blocks
+    ends = (P if order == "executor" else np.maximum(eager_end, start + C.sum(axis=0))) if R else start + C[0]
+    res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
+    res.total_s = float(max(ends.max(), res.compute_s)) if cp else 0.0
+    kv_bytes = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    held = [0.0 if backward_kv == "resend" or computes is not None
+            else sum(block_tokens(b) for b in needs[r]) * kv_bytes for r in plan.ranks]
+    res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
+                    backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held,
+                    jobs_end_s=float(jobs_end.max()) if cp else 0.0)
+    return res
+
+
+def simulate_backward_waves(
+    plan: Plan,
+    topology: "Topology | str",
+    shape: AttentionShape,
+    *,
+    compute_model: ComputeModel | None = None,
+    backward_kv: str = "auto",
+    kv_dtype_bytes: int | None = None,
+    grad_dtype_bytes: int | None = None,
+    round_overhead_s: float = 0.0,
+    budget: int | None = None,
+    kv_memory_budget: int = RING_BUDGET,
+    micro_batch: int = 1,
+    buffered_sends: bool = False,
+) -> dict:
+    """The executor's backward as it runs: wave by wave (Note [Backward waves] in
+    :mod:`megatron_fcp.attention.backward_waves`): wave w's gradients back to back, the dK/dV
+    reductions of waves w-1 (and w-2) and (``"resend"``) wave w+1's re-send advanced between jobs
+    as their rounds complete. ``bwd_s`` follows
+    every rank through the executor's loop, no barrier between waves (Note [Wave pipeline
+    timeline] in :mod:`megatron_fcp.cost.timeline`; ``buffered_sends``: a wait on the
+    rank's sends returns once their receivers have posted, as gloo over TCP does; default they are
+    waited until they arrive,
+    as NCCL's are). Per wave, on the plan cut to it (:func:`~megatron_fcp.schedule.waves.restrict`),
+    for reports: compute is the busiest rank's (:func:`simulate_plan_backward`'s), reduce and
+    resend the rounds' communication alone.
+    Returns ``bwd_s``, ``jobs_end_s`` (when the last rank's last job ends), ``resend_s`` (re-send
+    alone, summed), ``waves``, per-wave ``wave_compute_s``,
+    ``wave_reduce_s``, ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
+    backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
+    ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard).
+    ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``).
+    ``backward_kv="auto"``: keep or resend as the executor decides
+    (:func:`~megatron_fcp.schedule.program.compile_backward`, ``kv_memory_budget`` bytes per rank
+    against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced."""
+    policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    pl, cp = plan.placement, plan.cp
+    zshape = pad_for_zigzag(shape, cp)[0] if pl is None else shape
+    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    # the executor's program: its block bytes are micro_batch sequences' (Note [Backward program])
+    program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
+                               budget=None if budget is None else budget * micro_batch)
+    block_tokens = lambda blk: plan.block_tokens(blk, program.seq_len)  # noqa: E731
+    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
+    backward_kv = program.mode
+    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * BACKWARD_FLOP_RATIO
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    if pl is not None:
+        pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
+    else:
+        pairs = lambda x, blk: int(block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
+                                                pos[blk.owner], blk.chunk, blk.part, plan.causal))
+    grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+
+    def job_s(x: int, blk) -> float:
+        p = pairs(x, blk)
+        return p * flop_s + cm.kernel_overhead_s if p else 0.0
+
+    keepers, first = program.keepers, program.first_kept
+    saved = {r: sum(size(b) for b in program.kept(r)) for r in plan.ranks}   # received KV saved from the forward
+    steps = program.steps
+    if steps is not None:  # Note [Streaming chain backward]
+        out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
+                              lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s,
+                              saved)
+        return {**out, "first_kept": first, "first_kept_ranks": len(keepers),
+                "held_between_passes_bytes_max": max(saved.values(), default=0)}
+    waves = program.waves
+    fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
+    resend = backward_kv == "resend"
+
+    def refetch(sub: Plan) -> tuple[float, dict[int, float]]:
+        """Re-sending ``sub``'s KV: its communication alone, and the bytes it brings each rank."""
+        got: dict[int, float] = {}
+        for t in (t for rnd in sub.rounds for t in rnd):
+            got[t.dst] = got.get(t.dst, 0.0) + size(t.block)
+        return (simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
+                if sub.rounds and resend else 0.0), got
+
+    comp, red, fetch, held = [], [], [], []
+    for w in waves:
+        sub = restrict(plan, w)
+        one = simulate_plan_backward(sub, topo, shape, compute_model=cm, grad_dtype_bytes=grad_dtype_bytes,
+                                     round_overhead_s=round_overhead_s, computes=w.computes)
+        comp.append(one.compute_s)
+        red.append(one.comm_s if sub.rounds else 0.0)
+        f, got = refetch(sub)
+        fetch.append(f)
+        held.append(got)
+    W = len(waves)
+    partial = program.first_fetch
+    timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
+                             job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
+                             buffered_sends=buffered_sends, first_kept=first, first_fetch=partial)
+    total = timeline["total_s"]
+    if first and fetch:
+        fetch[0], held[0] = 0.0, {}                              # the first wave came with the forward
+    elif partial is not None and fetch:                          # the keepers' part came with the forward
+        fetch[0], held[0] = refetch(restrict(plan, partial))
+    if backward_kv == "keep":
+        held_max = max(saved.values(), default=0)
+    else:  # two consecutive waves re-sent, beside what the forward saved
+        held_max = max((saved[r] + held[i].get(r, 0.0) + (held[i + 1].get(r, 0.0) if i + 1 < W else 0.0)
+                        for i in range(W) for r in plan.ranks), default=0.0)
+    return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp,
+            "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
+            "first_kept_ranks": len(keepers), "jobs_end_s": max(timeline["jobs_end_s"], default=0.0),
+            "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0)}
+
+
+def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,
+                    plan: Plan, launch_s: float, saved: dict) -> dict:
+    """:func:`simulate_backward_waves`'s result for a chain plan (Note [Streaming chain backward]
+    in :mod:`megatron_fcp.schedule.chains`): ``waves`` counts the steps; held KV under resend is
+    what the forward saved (``saved``, per rank) and the most a rank receives in two consecutive
+    steps (keep: its need set)."""
+    resend = backward_kv == "resend"
+    res = chain_timeline(steps, topo, kv_bytes=size, grad_bytes=grad_bytes, job_s=job_s, resend=resend,
+                         round_overhead_s=round_overhead_s, launch_s=launch_s)
+    if resend:
+        got = [{} for _ in steps]
+        for g, st in zip(got, steps):
+            for t in st.kv:
+                g[t.dst] = g.get(t.dst, 0) + size(t.block)
+        held_max = max((saved[r] + got[i].get(r, 0) + got[i + 1].get(r, 0) for i in range(len(steps) - 1)
+                        for r in plan.ranks), default=0)
+    else:
+        held_max = max(saved.values(), default=0)
+    return {"bwd_s": res["total_s"], "backward_kv": backward_kv, "resend_s": res["resend_s"], "waves": len(steps),
+            "wave_compute_s": res["compute_s"], "wave_reduce_s": res["comm_s"],
+            "wave_resend_s": [0.0] * len(steps), "held_kv_bytes_max": held_max, "backward": "chain",
+            "jobs_end_s": res["jobs_end_s"]}
+

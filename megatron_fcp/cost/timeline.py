@@ -1,0 +1,332 @@
+"""Timeline of the wave-by-wave backward, rank by rank, as the executor runs it. Pure, no ``torch``.
+
+Note [Wave pipeline timeline]
+-----------------------------
+:func:`~megatron_fcp.cost.packed.simulate_backward_waves` prices the executor's backward
+(Note [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`) with this model. There is
+no barrier between waves: every rank walks its own copy of the loop and blocks only on *its own*
+messages, so a rank with nothing in wave w-1's last reverse rounds goes on to wave w+1 while the
+others still reduce, and reductions of consecutive waves overlap where their links are disjoint
+(on a rail cluster wave w's dK/dV crosses one rail while wave w+1's crosses another). Each rank
+runs, one thread, in order::
+
+    wave 0's own jobs (resend: while wave 0's fetch rounds are posted one after another, each
+                       after the one before completed, polled between jobs; one wave: the first
+                       half of them, the rest after the wave: leading_own_jobs)
+    for w = 0 .. W:
+        queue reduce(w-1) (rounds reversed) and resend: fetch(w+1), interleaved, behind the rest
+        for each job of wave w (received blocks in plan order, then own; wave 0: the rest):
+            poll: while the head of the queue's predecessor in its own chain is complete at the
+                  rank's clock (test), post the head
+            compute the job
+        finish: post the queue up to fetch(w+1)'s last round and reduce(w-2)'s, waiting for each
+                predecessor, then wait those chains' last rounds (reduce(w-1) runs on)
+
+A job takes its query-key pairs times the backward's seconds per pair, plus one kernel launch. A
+message starts when both ends have posted it and then holds each resource of its route for its
+bytes over the resource's bandwidth, first come first served (a resource busy with an earlier
+message delays it); it arrives a route latency later. Messages are resolved in order of start
+time, after every rank has run as far as it can (a rank blocks at a wait whose messages are not
+all resolved), so a message never takes a resource before one that started earlier. A send is
+complete for its sender when it arrives (NCCL) or, with ``buffered_sends`` (gloo over TCP), when it
+starts: gloo's ``isend`` completes only once the peer has posted the matching receive (measured
+here: a 4 KiB .. 16 MiB send's wait returned when a receiver that posted 1 s late did), and the
+socket then takes the bytes. (Before, buffered sends were taken as complete at once; a rank ran
+ahead of a receiver that had not posted, and the emulated ``@keep`` hierarchical runs measured
+13-19% slower than priced; now 10-15%. The executor itself did not poll as modelled then: on gloo
+``test`` never answered True (Note [Testing a gloo round] in :mod:`megatron_fcp.attention.gloo_watch`), and on
+an asynchronous device the host polled at launch, not at the job's end (Note [Polling on the
+device's clock] in :mod:`megatron_fcp.attention.backward_waves`); with both fixed the emulated 2x4
+GQA head-parallel backward measured within 2-7% of this model, from +16%.) A test at
+clock t answers False once a message of it starts at or after t, else waits (in the simulation,
+not in simulated time) until its messages are resolved and compares their arrival with t. The
+result is the last rank's end. (The executor before polling ran one step per reverse round:
+post round j, compute the j-th equal share of the jobs, wait round j; a step lasted the longer of
+the two on the slower partner, and a rank's compute waited for its partners' reductions.) The
+lock-step sum ``fetch(0) + sum_w max(reduce(w-1), compute(w),
+fetch(w+1))`` (the model before this one) put a barrier after every wave; it cannot see that a
+wave whose reduction is one slow link's transfer delays only the ranks on that transfer's path.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Sequence
+
+from megatron_fcp.contract.blocks import Block
+from megatron_fcp.cost.model import _ResourceIndex, simulate_rounds
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.schedule.chains import ChainStep
+from megatron_fcp.schedule.waves import Wave, leading_own_jobs
+from megatron_fcp.topology import Topology
+
+__all__ = ["wave_timeline", "chain_timeline"]
+
+
+def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
+                  grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
+                  round_overhead_s: float = 0.0, buffered_sends: bool = False, trace: bool = False,
+                  first_kept: bool = False, first_fetch: Wave | None = None) -> dict:
+    """Simulate the executor's wave loop (Note [Wave pipeline timeline]). ``kv_bytes``/``grad_bytes``:
+    a block's K and V on the wire (re-send) and its dK/dV partial (reduction); ``job_s(rank, block)``:
+    seconds of one gradient job. ``buffered_sends``: a rank's wait on its sends returns when they
+    start, i.e. once their receivers have posted (gloo over TCP: a send waits for its receive, then
+    the socket takes the bytes; Note [Wave pipeline timeline]); default, a send is waited
+    until it arrives (NCCL). ``first_kept``: the first wave's KV was kept by the forward (no fetch);
+    ``first_fetch``: only some ranks kept theirs, this part of the first wave is re-sent
+    (:func:`~megatron_fcp.schedule.waves.first_fetch`).
+    Returns ``total_s`` (the last rank's end), ``end_s`` and ``jobs_end_s`` (its last job's end) per rank;
+    ``trace``: also ``messages``, ``(phase, wave, round, src, dst, start, finish)`` in start order."""
+    idx = _ResourceIndex(topo)
+    ranks = list(plan.ranks)
+    # messages: src, dst, bytes, route; per (phase, wave, round): rank -> its message ids
+    m_src: list[int] = []
+    m_dst: list[int] = []
+    m_dur: list[list[tuple[int, float]]] = []
+    m_lat: list[float] = []
+    m_key: list[tuple[str, int, int]] = []
+    posts: dict[tuple[str, int, int], dict[int, list[int]]] = {}
+
+    def add(key, src: int, dst: int, nbytes: float) -> None:
+        i = len(m_src)
+        rid, lat = idx.route(src, dst)
+        m_src.append(src)
+        m_dst.append(dst)
+        m_dur.append([(x, nbytes / idx.bw[x]) for x in rid.tolist()])
+        m_lat.append(lat + round_overhead_s)
+        m_key.append(key)
+        by = posts.setdefault(key, {})
+        by.setdefault(src, []).append(i)
+        by.setdefault(dst, []).append(i)
+
+    fetched = [wave if w or first_fetch is None else first_fetch for w, wave in enumerate(waves)]
+    for w, wave in enumerate(waves):
+        for r, t in wave.transfers:
+            add(("red", w, r), t.dst, t.src, grad_bytes(t.block))   # reverse: the reader returns dK/dV
+        for r, t in (fetched[w].transfers if resend and not (first_kept and w == 0) else ()):
+            add(("kv", w, r), t.src, t.dst, kv_bytes(t.block))
+    W = len(waves)
+    jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
+    n_own = dict.fromkeys(ranks, 0)                 # the first wave's own jobs, run while its KV arrives
+    last: dict[int, list[Block]] = {x: [] for x in ranks}   # the rest of them, run after the last wave
+    for w, wave in enumerate(waves):
+        for x in ranks:
+            got = [t.block for _, t in wave.transfers if t.dst == x and (t.block, x) in wave.computes]
+            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
+            if w == 0:
+                n_own[x] = leading_own_jobs(len(own), W)
+                own, last[x] = own[:n_own[x]], own[n_own[x]:]
+            jobs[x].append(own + got if w == 0 else got + own)
+
+    def program(x: int):
+        """The executor's loop for rank ``x`` as ops: ("post", ids), ("wait", ids), ("compute", s),
+        ("test", ids) (answered through ``send``: are they all complete at the rank's clock?)."""
+        def ids(key):
+            return posts.get(key, {}).get(x, [])
+
+        order: list[tuple[tuple, tuple]] = []        # the executor's _Pump: (chain, message key) in post order
+        pending: dict[tuple, list[int]] = {}         # chain -> its round in flight
+        k = 0
+
+        def extend(*chains: list) -> None:
+            order.extend((c[j][:2], c[j]) for j in range(max(map(len, chains))) for c in chains if j < len(c))
+
+        def poll():
+            nonlocal k
+            while k < len(order):
+                chain, key = order[k]
+                p = pending.get(chain)
+                if p:
+                    if not (yield ("test", p)):
+                        break
+                    yield ("wait", p)
+                pending[chain] = ids(key)
+                if pending[chain]:
+                    yield ("post", pending[chain])
+                k += 1
+            # (the executor also tests each chain's last round here, to settle a wave's sums early;
+            # that changes no time: a complete round's wait returns at once, later or now)
+
+        def finish(chains: set):
+            nonlocal k
+            last = max((i for i in range(k, len(order)) if order[i][0] in chains), default=-1)
+            while k <= last:
+                chain, key = order[k]
+                if pending.get(chain):
+                    yield ("wait", pending[chain])
+                pending[chain] = ids(key)
+                if pending[chain]:
+                    yield ("post", pending[chain])
+                k += 1
+            for chain in chains:
+                if pending.get(chain):
+                    yield ("wait", pending.pop(chain))
+
+        fetch0 = resend and W and not first_kept
+        if fetch0:
+            extend([("kv", 0, r) for r in fetched[0].rounds])
+        for b in (jobs[x][0][:n_own[x]] if W else []):
+            yield from poll()
+            yield ("compute", job_s(x, b))
+        if fetch0:
+            yield from finish({("kv", 0)})
+        for w in range(W + 1):
+            red = [("red", w - 1, r) for r in reversed(waves[w - 1].rounds)] if w else []
+            kv = [("kv", w + 1, r) for r in waves[w + 1].rounds] if resend and w + 1 < W else []
+            extend(red, kv)
+            for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]):
+                yield from poll()
+                yield ("compute", job_s(x, b))
+            # before wave w+1: its KV is here, wave w-2's reduction through (w-1's runs on); at the end, all
+            yield from finish({("kv", w + 1), ("red", w - 2)} if w < W else {("red", w - 1), ("red", w - 2)})
+
+    n_msgs = len(m_src)
+    posted: list[list[float]] = [[] for _ in range(n_msgs)]
+    fin: list[float | None] = [None] * n_msgs
+    clock = {x: 0.0 for x in ranks}
+    jobs_end = {x: 0.0 for x in ranks}
+    gens = {x: program(x) for x in ranks}
+    blocked: dict[int, list[int]] = {}
+    heap: list[tuple[float, int]] = []
+    free: dict[int, float] = {}
+    runnable = list(reversed(ranks))
+    order: list[tuple[int, float]] = []
+
+    answer: dict[int, bool | None] = {}
+    tested: dict[int, list[int]] = {}                       # rank -> the messages its pending test asks about
+
+    def done(i: int, x: int) -> float | None:
+        """When message ``i`` is complete for rank ``x`` (None: not known yet): its arrival, or with
+        ``buffered_sends`` for its sender the moment the receiver has posted too (gloo hands the
+        bytes to the socket then: a send waits for its receive, not for the wire)."""
+        if buffered_sends and m_src[i] == x:
+            return max(posted[i]) if len(posted[i]) == 2 else None
+        return fin[i]
+
+    def verdict(x: int, arg: list[int], final: bool = False) -> bool | None:
+        """A test at ``x``'s clock: False once a message starts at or after it, True/False once all
+        are known, None (undecided: the rank waits for the simulation to catch up) otherwise; a
+        send whose receiver has not posted is False once the receiver is past ``x``'s clock or
+        nothing can run (``final``)."""
+        for i in arg:
+            if len(posted[i]) == 2 and max(posted[i]) >= clock[x]:
+                return False
+        times = [done(i, x) for i in arg]
+        if all(t is not None for t in times):
+            return max(times, default=0.0) <= clock[x]
+        for i, t in zip(arg, times):
+            if t is None and buffered_sends and m_src[i] == x and (final or clock[m_dst[i]] >= clock[x]):
+                return False
+        return None
+
+    def run(x: int) -> None:
+        g = gens[x]
+        while True:
+            try:
+                op = g.send(answer.pop(x, None))
+            except StopIteration:
+                return
+            kind, arg = op
+            if kind == "test":
+                v = verdict(x, arg) if arg else True
+                if v is None:
+                    tested[x] = arg
+                    return
+                answer[x] = v
+            elif kind == "compute":
+                clock[x] += arg
+                jobs_end[x] = clock[x]
+            elif kind == "post":
+                for i in arg:
+                    posted[i].append(clock[x])
+                    if len(posted[i]) == 2:
+                        heapq.heappush(heap, (max(posted[i]), i))
+                        other = m_src[i] if m_src[i] != x else m_dst[i]
+                        unblock(other)
+                        wake(other)
+            else:  # wait
+                times = [done(i, x) for i in arg]
+                if any(t is None for t in times):
+                    blocked[x] = arg
+                    return
+                clock[x] = max([clock[x], *times])
+
+    def unblock(x: int) -> None:
+        """``x`` waits on messages: resume it once all are complete for it."""
+        arg = blocked.get(x)
+        if arg is not None:
+            times = [done(k, x) for k in arg]
+            if all(t is not None for t in times):
+                del blocked[x]
+                clock[x] = max([clock[x], *times])
+                runnable.append(x)
+
+    def wake(x: int, final: bool = False) -> None:
+        """A message of ``x`` was posted by both ends or resolved: decide ``x``'s pending test."""
+        arg = tested.get(x)
+        if arg is not None:
+            v = verdict(x, arg, final)
+            if v is not None:
+                del tested[x]
+                answer[x] = v
+                runnable.append(x)
+
+    while True:
+        while runnable:
+            run(runnable.pop())
+        if not heap:
+            for x in list(tested):          # nothing can run: a test of a send still unmatched says False
+                wake(x, final=True)
+            if runnable:
+                continue
+            break
+        s, i = heapq.heappop(heap)
+        begin = max([s] + [free.get(x, 0.0) for x, _ in m_dur[i]])
+        for x, d in m_dur[i]:
+            free[x] = begin + d
+        fin[i] = begin + max((d for _, d in m_dur[i]), default=0.0) + m_lat[i]
+        if trace:
+            order.append((i, s))
+        for x in (m_src[i], m_dst[i]):
+            unblock(x)
+            wake(x)
+    if blocked or tested:
+        raise RuntimeError(f"wave timeline: ranks {sorted(set(blocked) | set(tested))} wait on messages never "
+                           f"posted (a bug)")
+    out = {"total_s": max(clock.values(), default=0.0), "end_s": [clock[x] for x in ranks],
+           "jobs_end_s": [jobs_end[x] for x in ranks]}
+    if trace:
+        out["messages"] = [(*m_key[i], m_src[i], m_dst[i], s, fin[i]) for i, s in order]
+    return out
+
+
+def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Callable[[Block], float],
+                   grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
+                   round_overhead_s: float = 0.0, launch_s: float = 0.0) -> dict:
+    """Lock-step time of ``steps`` (Note [Streaming chain backward]): per step the longer of the
+    busiest rank's jobs and the step's messages (KV when ``resend``, partials, homes) under
+    contention. ``job_s``: a job's compute; ``launch_s``: one kernel launch per rank, owner and
+    step (the convention of the forward's and TE's models: one call per owner's blocks of a
+    round). Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
+    messages alone, summed) and ``jobs_end_s`` (when the last step with jobs ends its compute: the
+    busiest rank's last job)."""
+    total = resend_s = jobs_end = 0.0
+    comps, comms = [], []
+    for st in steps:
+        busy: dict[int, float] = {}
+        owners: set = set()
+        for b, x in st.computes:
+            busy[x] = busy.get(x, 0.0) + job_s(x, b) + (launch_s if (x, b.owner) not in owners else 0.0)
+            owners.add((x, b.owner))
+        c = max(busy.values(), default=0.0)
+        msgs = [(t.src, t.dst, grad_bytes(t.block)) for t in st.grad + st.home]
+        kvm = [(t.src, t.dst, kv_bytes(t.block)) for t in st.kv] if resend else []
+        m = simulate_rounds(topo, [msgs + kvm], round_overhead_s).comm_s if msgs or kvm else 0.0
+        if kvm:
+            resend_s += simulate_rounds(topo, [kvm], round_overhead_s).comm_s
+        comps.append(c)
+        comms.append(m)
+        if st.computes:
+            jobs_end = total + c
+        total += max(c, m)
+    return {"total_s": total, "compute_s": comps, "comm_s": comms, "resend_s": resend_s, "jobs_end_s": jobs_end}

@@ -1,0 +1,99 @@
+"""``build_plan``: a topology, a CP group and a graph name in, one verified Plan out. Pure, no torch.
+
+For a named graph the builder's CommGraph is compiled (:func:`~megatron_fcp.planner.compile.compile_plan`).
+For ``"auto"`` every builder of :data:`~megatron_fcp.planner.builders.AUTO_CANDIDATES` (for a packed
+batch :data:`~megatron_fcp.planner.builders.PACKED_AUTO_CANDIDATES`, which adds ``entry``) is compiled
+and timed on the cost model (:func:`~megatron_fcp.cost.model.simulate_plan`), and the best is
+kept (:func:`~megatron_fcp.cost.model.pick_best`). Auto works for every CP size and sequence
+length: a length that ``2*cp`` does not divide is padded as Megatron pads.
+"""
+
+from __future__ import annotations
+
+from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, get_builder
+from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.cost.model import AttentionShape, pick_best, simulate_plan
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.contract.plan import AutoChoice, Plan
+from megatron_fcp.topology import Topology, load_topology
+
+__all__ = ["build_plan", "NOMINAL_SHAPE", "PACKED_TIE"]
+
+NOMINAL_SHAPE = AttentionShape(131072, 32, 8, 128, 2)
+"""The shape ``auto`` times candidates on when the caller gives none (128K tokens, GQA 32:8, d=128, bf16)."""
+
+PACKED_TIE = 0.01
+"""For a packed batch, candidates predicted within this fraction of the best are a tie (Note in
+:func:`_least_crossing`)."""
+
+
+def build_plan(
+    topology,
+    cp_ranks,
+    graph="auto",
+    *,
+    causal=True,
+    parts_per_chunk=1,
+    seq_len=None,
+    heads=None,
+    kv_heads=None,
+    head_dim=None,
+    dtype_bytes=2,
+    objective=None,
+    placement=None,
+) -> Plan:
+    """Verified plan for the CP group ``cp_ranks`` (global ranks, CP order) on ``topology``.
+
+    ``topology``: a Topology, ``"PRESET:NODES"`` or a YAML path. ``graph``: a name of
+    :data:`~megatron_fcp.planner.builders.BUILDERS`, a
+    :class:`~megatron_fcp.planner.builders.GraphBuilder`, or ``"auto"``: compile every candidate
+    and keep the one with the least predicted time by ``objective`` (``"total"``: overlapped time,
+    ties broken by communication; ``"comm"``: communication alone). Without ``objective`` auto uses
+    ``"total"`` when ``seq_len``, ``heads`` and ``head_dim`` are given, else ``"comm"``. Missing
+    shape fields come from :data:`NOMINAL_SHAPE`. ``plan.auto`` records every candidate's time.
+    ``placement``: plan a packed batch (:func:`~megatron_fcp.contract.placement.place_packed`,
+    CP order = ``cp_ranks``) instead of Megatron's zigzag split; block sizes then come from it.
+    """
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
+        raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    if graph != "auto":
+        return compile_plan(get_builder(graph).build(topo, ranks), causal, parts_per_chunk, placement=placement)
+
+    if objective is None:
+        objective = "total" if seq_len is not None and heads is not None and head_dim is not None else "comm"
+    if objective not in ("comm", "total"):
+        raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
+    n = NOMINAL_SHAPE
+    shape = AttentionShape(seq_len or n.seq_len, heads or n.heads, kv_heads or heads or n.kv_heads,
+                           head_dim or n.head_dim, dtype_bytes)
+    candidates = []
+    for name in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES):
+        if len(ranks) == 1 and name != "ring":
+            continue
+        plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk, placement=placement)
+        candidates.append((simulate_plan(plan, topo, shape, compute=objective == "total"), plan))
+    _, best = pick_best(candidates, objective) if placement is None else _least_crossing(candidates, objective)
+    metric = "total_s" if objective == "total" else "comm_s"
+    choice = AutoChoice(metric, tuple((p.name, getattr(r, metric)) for r, p in candidates))
+    return best.with_auto(choice)
+
+
+def _least_crossing(candidates, objective: str):
+    """Packed batches: among the candidates within :data:`PACKED_TIE` of the best predicted time,
+    the one that moves the fewest bytes across nodes (then the fastest).
+
+    Under ``"total"`` the communication times must tie too. A need-driven packed plan moves little, so builders often land within a fraction of a percent of
+    each other in the model (``full`` sends every block straight from its owner, ``entry`` crosses to
+    each other node once and relays inside it). A gap that small is below what the model resolves;
+    the inter-node bytes are not: they are what a shared fabric and other jobs feel. Fixed-length
+    plans keep :func:`~megatron_fcp.cost.model.pick_best` unchanged.
+    """
+    metric = "total_s" if objective == "total" else "comm_s"
+    best = min(getattr(r, metric) for r, _ in candidates)
+    close = [c for c in candidates if getattr(c[0], metric) <= best * (1 + PACKED_TIE)]
+    least_comm = min(r.comm_s for r, _ in close)  # under "total", compute may hide very different comm
+    close = [c for c in close if c[0].comm_s <= least_comm * (1 + PACKED_TIE)]
+    return min(close, key=lambda c: (c[0].inter_node_bytes, getattr(c[0], metric), c[0].comm_s))

@@ -1,0 +1,337 @@
+"""Choosing the head-parallel degree, the KV-stage graph and the block size on the cost model.
+Pure, no torch.
+
+:func:`choose_schedule` is what the Megatron runtime calls (topology, CP ranks, an AttentionShape,
+the flags it was given as constraints, the backward it will run); :func:`choose_head_parallel`
+(the benchmarks') and :func:`build_head_parallel_plan` (``degree``, ``graph`` and
+``parts_per_chunk`` fixed or ``"auto"``) return the plan alone.
+
+Note [Choosing the head-parallel degree]
+----------------------------------------
+Candidates: every degree ``a`` whose head groups fit inside nodes and whose head counts split
+(:func:`~megatron_fcp.planner.head_parallel.head_parallel_degrees`; ``a = 1`` is plain FCP),
+times every graph of :data:`~megatron_fcp.planner.builders.AUTO_CANDIDATES` for the KV stage (one
+candidate when ``a`` is the whole group: nothing left to distribute). Each is timed forward and
+backward (:func:`~megatron_fcp.cost.head_parallel.simulate_head_parallel`; the backward in
+one pass from kept KV, or, given a :class:`~megatron_fcp.schedule.program.WaveBackward` as the
+Megatron runtime passes, wave by wave with KV kept or re-sent as the executor will run it) and the best by
+``objective`` is kept (:func:`~megatron_fcp.cost.model.pick_best`: least total, ties within 0.1%
+broken by communication). Then, for ``a = 1``, sub-blocks of 2, 4 and 8 parts per chunk (no smaller
+than ``min_block_tokens``; a part count that does not divide the chunk cuts it into parts of
+floor/ceil size, Note [Sub-block sizes] in :mod:`megatron_fcp.contract.blocks`, so sequence lengths
+that are only a multiple of ``2 * cp`` are not held to whole chunks) are tried on the winning
+graph; for ``a > 1`` (placements move whole chunks) the best graph of each degree is tried with its
+chunks staggered over 2, 4 and 8 rounds (``stagger``), which pipelines them through relays as
+sub-blocks do. The search contains Transformer Engine's schedules: ``a = 1`` with ``ring`` is
+``p2p``, ``a`` = ranks per node with ``ring`` is ``a2a+p2p`` (the same prediction, tested),
+``a = cp`` is ``a2a``; so the choice is never predicted slower than them beyond the difference of
+their own models (the ring over groups prunes relays past the last reader; TE's ring sends every
+block all the way round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from megatron_fcp.planner.builders import AUTO_CANDIDATES
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, SimResult, pad_for_zigzag, pick_best
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.contract.head_parallel import HeadParallelPlan, stage_plan
+from megatron_fcp.cost.te import intra_ingress, lower_bound, member_nic_ingress
+from megatron_fcp.planner.head_parallel import compile_head_parallel, head_parallel_degrees
+from megatron_fcp.cost.head_parallel import a2a_messages, check_pass, simulate_head_parallel, stage_shape
+from megatron_fcp.schedule.program import WaveBackward
+from megatron_fcp.topology import Topology, load_topology
+
+__all__ = ["lower_bound_all", "build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates", "ScheduleChoice",
+           "choose_schedule"]
+
+
+def _label(hp: HeadParallelPlan, graph: str, parts: int, stagger: int = 1) -> str:
+    return f"a={hp.degree} graph={graph} parts={parts}" + (f" stagger={stagger}" if stagger > 1 else "")
+
+
+def head_parallel_candidates(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    degree: "int | str" = "auto",
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    objective: str = "total",
+    pass_: str = "fwd+bwd",
+    round_overhead_s: float = 0.0,
+    min_block_tokens: int = 256,
+    grad_dtype_bytes: int | None = None,
+    backward: WaveBackward | None = None,
+) -> list[tuple[SimResult, HeadParallelPlan]]:
+    """Every candidate of Note [Choosing the head-parallel degree] as ``(SimResult, plan)``, the
+    sub-block candidates of the best ``a = 1`` plan last. ``meta`` of each: ``label``, ``builder``
+    (the KV-stage graph's builder name), ``stagger``. ``grad_dtype_bytes``: the dK/dV partials'
+    bytes per element (default ``shape.dtype_bytes``: the executor sends them in the input dtype).
+    ``backward``: how the backward is timed
+    (:func:`~megatron_fcp.cost.head_parallel.simulate_head_parallel`; None: one pass)."""
+    check_pass(pass_)
+    if objective not in ("comm", "total"):
+        raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cp = len(ranks)
+    padded, _ = pad_for_zigzag(shape, cp)
+    valid = head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads)
+    if degree == "auto":  # sub-blocks asked for: only a = 1 cuts chunks (placements move whole chunks)
+        degrees = [1] if isinstance(parts_per_chunk, int) and parts_per_chunk > 1 else valid
+    else:
+        if not isinstance(degree, int) or degree not in valid:
+            raise ValueError(f"head_parallel: degree {degree!r} does not fit this CP group and head counts; "
+                             f"use auto or one of {valid}")
+        degrees = [degree]
+    graphs = list(AUTO_CANDIDATES) if graph == "auto" else [graph]
+    fixed_parts = parts_per_chunk if parts_per_chunk != "auto" else 1
+    if not isinstance(fixed_parts, int) or fixed_parts < 1:
+        raise ValueError(f"parts_per_chunk: must be an integer >= 1 or auto, got {parts_per_chunk!r}")
+    kw = dict(pass_=pass_, causal=causal, compute_model=compute_model, round_overhead_s=round_overhead_s,
+              grad_dtype_bytes=grad_dtype_bytes, backward=backward)
+    out: list[tuple[SimResult, HeadParallelPlan]] = []
+    for a in degrees:
+        whole = a == cp or len(ranks) // a == 1
+        for g in (graphs[:1] if whole else graphs):
+            if cp == 1 and g != "ring":
+                continue
+            parts = fixed_parts if a == 1 else 1
+            hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, parts_per_chunk=parts)
+            res = simulate_head_parallel(hp, topo, padded, **kw)
+            res.meta.update(label=_label(hp, res.meta["graph"], parts), builder=g, stagger=1)
+            out.append((res, hp))
+    if parts_per_chunk == "auto":  # a > 1: the best graph of each degree with its chunks staggered
+        for a in degrees:
+            mine = [c for c in out if c[1].degree == a and c[1].kv_plan is not None]
+            if a == 1 or not mine:
+                continue
+            best_res, _ = pick_best(mine, objective)
+            for st in (2, 4, 8):
+                if st > 2 * a:
+                    continue
+                hp = compile_head_parallel(topo, ranks, padded, a, best_res.meta["builder"], causal=causal,
+                                           stagger=st)
+                res = simulate_head_parallel(hp, topo, padded, **kw)
+                res.meta.update(label=_label(hp, res.meta["graph"], 1, st), builder=best_res.meta["builder"],
+                                stagger=st)
+                out.append((res, hp))
+    ones = [c for c in out if c[1].degree == 1]
+    if parts_per_chunk == "auto" and ones:
+        best_res, best = pick_best(ones, objective)
+        chunk = padded.seq_len // (2 * cp)
+        for p in (2, 4, 8):  # p need not divide the chunk: parts of floor/ceil size (Note [Sub-block sizes])
+            if chunk // p < min_block_tokens:
+                continue
+            hp = compile_head_parallel(topo, ranks, padded, 1, best_res.meta["builder"], causal=causal,
+                                       parts_per_chunk=p)
+            res = simulate_head_parallel(hp, topo, padded, **kw)
+            res.meta.update(label=_label(hp, res.meta["graph"], p), builder=best_res.meta["builder"], stagger=1)
+            out.append((res, hp))
+    return out
+
+
+def build_head_parallel_plan(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    degree: "int | str" = "auto",
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    objective: str = "total",
+    pass_: str = "fwd+bwd",
+    round_overhead_s: float = 0.0,
+    min_block_tokens: int = 256,
+    grad_dtype_bytes: int | None = None,
+    backward: WaveBackward | None = None,
+) -> HeadParallelPlan:
+    """A verified :class:`HeadParallelPlan` for the CP group ``cp_ranks`` on ``topology``.
+
+    ``degree``: an int (must fit: :func:`head_parallel_degrees`) or ``"auto"``; ``graph``: the KV
+    stage's builder name or ``"auto"``; ``parts_per_chunk``: sub-blocks for ``a = 1`` or ``"auto"``.
+    With everything fixed the plan is compiled directly; otherwise every candidate is timed for
+    ``pass_`` and the best by ``objective`` is returned, with ``auto`` recording each candidate's
+    predicted seconds (Note [Choosing the head-parallel degree]). ``shape.seq_len`` is padded to a
+    multiple of ``2 * cp`` as Megatron pads. ``backward``: price the backward as the executor runs
+    it (a :class:`~megatron_fcp.schedule.program.WaveBackward`) instead of in one pass (None)."""
+    if degree != "auto" and graph != "auto" and parts_per_chunk != "auto":
+        topo = load_topology(topology)
+        padded, _ = pad_for_zigzag(shape, len(check_cp_ranks(topo, cp_ranks)))
+        return compile_head_parallel(topo, cp_ranks, padded, degree, graph, causal=causal,
+                                     parts_per_chunk=parts_per_chunk)
+    cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
+                                     parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
+                                     objective=objective, pass_=pass_, round_overhead_s=round_overhead_s,
+                                     min_block_tokens=min_block_tokens, grad_dtype_bytes=grad_dtype_bytes,
+                                     backward=backward)
+    _, best = pick_best(cands, objective)
+    metric = "total_s" if objective == "total" else "comm_s"
+    return _with_auto(best, tuple((r.meta["label"], getattr(r, metric)) for r, _ in cands))
+
+
+def choose_head_parallel(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
+                         causal: bool = True, grad_dtype_bytes: int | None = None,
+                         backward: WaveBackward | None = None) -> HeadParallelPlan:
+    """Degree, graph and block size chosen by predicted forward+backward time at the default
+    compute model (Note [Choosing the head-parallel degree]). ``grad_dtype_bytes``: the dK/dV
+    partials' bytes per element (default ``shape.dtype_bytes``: the executor returns them in the
+    input dtype, as TE's ring returns dKV). ``backward``: None
+    prices the one-pass backward from kept KV (the benchmarks' model); the Megatron runtime calls
+    :func:`choose_schedule` with the backward it will run."""
+    return build_head_parallel_plan(topology, cp_ranks, shape, causal=causal, grad_dtype_bytes=grad_dtype_bytes,
+                                    backward=backward)
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """What :func:`choose_schedule` chose: ``plan`` (over the CP ranks it was asked for; ``auto``:
+    every candidate's predicted seconds), its head-parallel ``degree``, the KV-stage ``graph`` (a
+    builder name; for ``a = cp`` there is no stage and it is unused), ``parts`` per zigzag chunk
+    (``a = 1``), ``stagger`` (``a > 1``), the predicted ``total_s`` = ``fwd_s`` + ``bwd_s`` and the
+    ``backward_kv`` mode they were priced with (None: the one-pass model), ``seq_len`` (padded as
+    Megatron pads), ``runner_up``: the best other candidate as ``(label, total_s)``, or None, and
+    ``backward_form``: ``"chain"`` where the KV stage is a ring whose backward streams (Note
+    [Streaming chain backward] in schedule/chains.py), ``"waves"`` otherwise (None: one pass)."""
+
+    plan: HeadParallelPlan
+    degree: int
+    graph: str
+    parts: int
+    stagger: int
+    label: str
+    total_s: float
+    fwd_s: float
+    bwd_s: float
+    backward_kv: str | None
+    seq_len: int
+    runner_up: tuple[str, float] | None = None
+    backward_form: str | None = None   # "chain" (a ring's streaming backward) or "waves"; None: one pass
+
+    def describe(self) -> str:
+        """One line: the choice, its predicted time and the runner-up's."""
+        form = "streamed hop by hop" if self.backward_form == "chain" else "in waves"
+        kv = f", backward {self.backward_kv} {form}" if self.backward_kv else ""
+        up = f"; runner-up {self.runner_up[0]} {self.runner_up[1] * 1e3:.4g} ms" if self.runner_up else ""
+        return (f"{self.label}: predicted fwd+bwd {self.total_s * 1e3:.4g} ms (fwd {self.fwd_s * 1e3:.4g} + bwd "
+                f"{self.bwd_s * 1e3:.4g}{kv}){up}")
+
+
+def choose_schedule(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    degree: "int | str" = "auto",
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    grad_dtype_bytes: int | None = None,
+    backward: WaveBackward | None = None,
+    compute_model: ComputeModel | None = None,
+) -> ScheduleChoice:
+    """The Megatron runtime's entry point: :func:`head_parallel_candidates` under the given
+    constraints (``degree``, ``graph``, ``parts_per_chunk``: fixed values or ``"auto"``), timed
+    forward + backward (``backward``: as the executor will run it), the best by predicted total
+    (:func:`~megatron_fcp.cost.model.pick_best`), as a :class:`ScheduleChoice`. The same plan as
+    :func:`build_head_parallel_plan` with the same arguments. Pure: every rank gets the same answer.
+    Raises ValueError when a fixed ``degree`` does not fit the topology and head counts."""
+    cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
+                                     parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
+                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward)
+    res, hp = pick_best(cands, "total")
+    others = [c for c in cands if c[0] is not res]
+    up = pick_best(others, "total")[0] if others else None
+    return ScheduleChoice(
+        plan=_with_auto(hp, tuple((r.meta["label"], r.total_s) for r, _ in cands)), degree=hp.degree,
+        graph=res.meta["builder"], parts=res.meta["parts_per_chunk"], stagger=res.meta["stagger"],
+        label=res.meta["label"], total_s=res.total_s, fwd_s=res.meta["fwd_total_s"], bwd_s=res.meta["bwd_total_s"],
+        backward_kv=res.meta.get("backward_kv") if backward is not None and hp.kv_plan is not None else None,
+        seq_len=pad_for_zigzag(shape, hp.cp)[0].seq_len,
+        runner_up=None if up is None else (up.meta["label"], up.total_s),
+        backward_form=res.meta.get("backward_form") if backward is not None and hp.kv_plan is not None else None)
+
+
+def _with_auto(hp: HeadParallelPlan, auto: tuple) -> HeadParallelPlan:
+    return replace(hp, auto=auto)
+
+
+def _ingress(topo: Topology, r: int, multi_node: bool) -> float:
+    return topo.gpu_ingress_bandwidth(r) if multi_node else intra_ingress(topo, r)
+
+
+def _stage_bound(topo: Topology, hp: HeadParallelPlan, shape: AttentionShape, causal: bool,
+                 elem_bytes: int) -> float:
+    """Need-set bound of the KV stage (all ``a`` stages at once), ``elem_bytes`` per K/V element."""
+    sp = stage_plan(hp, shape.seq_len, causal)
+    pl = sp.placement
+    sshape = stage_shape(hp, shape)
+    per_tok = 2 * sshape.kv_heads * sshape.head_dim * elem_bytes
+    need = pl.need_matrix()                                           # [cp, blocks]
+    blocks = pl.block_list()
+    tok = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
+    owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
+    node_of = np.array([topo.node_of(r) for r in sp.ranks])
+    multi = len(set(node_of.tolist())) > 1
+    recv = (need * tok[None, :]).sum(axis=1) * per_tok
+    t = max(float(recv[i]) / _ingress(topo, r, multi) for i, r in enumerate(sp.ranks))
+    if multi:
+        for x in set(node_of.tolist()):
+            into = (need[node_of == x].any(axis=0) & (node_of[owner] != x))
+            b_in = member_nic_ingress(topo, [r for r, m in zip(sp.ranks, node_of == x) if m])
+            t = max(t, float((into * tok).sum()) * per_tok / b_in)
+    return t
+
+
+def lower_bound_all(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    pass_: str = "fwd",
+    grad_dtype_bytes: int | None = None,
+) -> dict:
+    """Lower bound over every family compared (KV distribution and head-parallel of every degree);
+    see Note [Lower bound over schedule families]. Returns ``lower_bound_s``, ``degree`` (the family
+    attaining it), ``per_degree`` (each family's bound) and the KV-only bound's ingredients
+    (``S``, ``N``, ``n``, ``B_gpu``, ``B_out``, ``causal``) as :func:`lower_bound`."""
+    check_pass(pass_)
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    shape, _ = pad_for_zigzag(shape, len(ranks))
+    kv_only = lower_bound(topo, ranks, shape, causal=causal)
+    grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes  # the least any compared schedule sends
+    grad_ratio = grad_dtype_bytes / shape.dtype_bytes
+    per_degree: dict[int, float] = {}
+    for a in head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads):
+        if a == 1:
+            f = kv_only["lower_bound_s"]
+            t = {"fwd": f, "bwd": f * grad_ratio, "fwd+bwd": f * (1 + grad_ratio)}[pass_]
+        else:
+            hp = compile_head_parallel(topo, ranks, shape, a, "full", causal=causal)
+            b = min(intra_ingress(topo, r) for r in ranks)  # head groups sit inside nodes: NVLink/PCIe
+            t_big = (a - 1) * a2a_messages(hp, shape, "qkv")[0][2] / b
+            t_small = (a - 1) * a2a_messages(hp, shape, "q")[0][2] / b
+            stage_f = _stage_bound(topo, hp, shape, causal, shape.dtype_bytes) if hp.kv_plan is not None else 0.0
+            stage_b = _stage_bound(topo, hp, shape, causal, grad_dtype_bytes) if hp.kv_plan is not None else 0.0
+            # Q's part of the first all-to-all may hide behind the stage, dQ's part of the last one
+            # behind the stage's last sums (Notes [Q's all-to-all behind the KV stage], [dQ's all-to-all
+            # ahead of dK|dV's])
+            t_kv = t_big - t_small if hp.kv_plan is not None else t_big
+            t = {"fwd": t_kv + stage_f + t_small, "bwd": t_small + stage_b + t_kv,
+                 "fwd+bwd": 2 * t_kv + 2 * t_small + stage_f + stage_b}[pass_]
+        per_degree[a] = t
+    best = min(per_degree, key=per_degree.get)
+    return {**kv_only, "lower_bound_s": per_degree[best], "degree": best, "per_degree": per_degree,
+            "kv_only_s": per_degree.get(1), "pass": pass_}

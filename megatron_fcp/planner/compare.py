@@ -1,0 +1,343 @@
+"""Schedules side by side: TE p2p, TE a2a+p2p and FCP's best plan on one topology and shape
+(:func:`compare`), or on a packed batch of documents, forward and backward (:func:`compare_packed`).
+
+The comparison the CLI (``megatron-fcp simulate``) and the benchmarks report. Pure, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from megatron_fcp.cost.te import intra_ingress, lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.cost.model import (
+    AttentionShape,
+    ComputeModel,
+    SimResult,
+    pad_for_zigzag,
+    pick_best,
+    simulate_plan,
+)
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.planner.choose import head_parallel_candidates
+from megatron_fcp.contract.head_parallel import stage_plan
+from megatron_fcp.cost.head_parallel import check_pass, simulate_te
+from megatron_fcp.planner.choose import lower_bound_all
+from megatron_fcp.planner.rounds import plan_delta
+from megatron_fcp.cost.packed import (
+    BACKWARD_FLOP_RATIO,
+    simulate_backward_waves,
+    simulate_plan_backward,
+    simulate_te_a2a_p2p_thd,
+    simulate_te_p2p_thd,
+)
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
+from megatron_fcp.topology import Topology, load_topology
+
+__all__ = ["compare", "compare_head_parallel", "compare_packed", "packed_need_stats"]
+
+
+def compare(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int] | None,
+    shape: AttentionShape,
+    *,
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    min_block_tokens: int = 256,
+    objective: str = "total",
+    round_overhead_s: float = 0.0,
+    pass_: str = "fwd",
+    head_parallel: "int | str" = 1,
+) -> dict:
+    """Side-by-side ``te-p2p`` / ``te-a2a-p2p`` / ``fcp`` for the CLI and benchmarks.
+
+    ``pass_`` (``fwd``, ``bwd``, ``fwd+bwd``) and ``head_parallel`` (a degree or ``"auto"``): with
+    the defaults (forward, degree 1) this is the KV-distribution comparison below; otherwise
+    :func:`compare_head_parallel` (every schedule for the pass, FCP's degree, graph and block size
+    chosen on the cost model, the lower bound over every family compared).
+
+    ``parts_per_chunk="auto"`` tries 1, 2, 4, 8, 16 sub-blocks per chunk (blocks no smaller than
+    ``min_block_tokens``; a count that does not divide the chunk gives parts of floor/ceil size);
+    ``graph="auto"`` tries every builder. The fcp plan kept is the best by ``objective`` (see
+    :func:`pick_best`): ``"total"`` (overlapped time, ties within 0.1% broken by communication
+    time) or ``"comm"`` (communication time alone). Returns
+    ``{"lower_bound_s", "lower_bound", "seq_len", "padded_seq_len", "schedules": {name: dict},
+    "results": {name: SimResult}, "plan"}``; an inapplicable baseline appears as
+    ``{"error": reason}``. A ``seq_len`` that ``2*cp`` does not divide is padded up to a multiple
+    of ``2*cp`` (as Megatron pads) for every schedule, and ``padded_seq_len`` says to what
+    (None when no padding was needed).
+    """
+    if pass_ != "fwd" or head_parallel != 1:
+        return compare_head_parallel(topology, cp_ranks, shape, graph=graph, parts_per_chunk=parts_per_chunk,
+                                     causal=causal, compute_model=compute_model, min_block_tokens=min_block_tokens,
+                                     objective=objective, round_overhead_s=round_overhead_s, pass_=pass_,
+                                     head_parallel=head_parallel)
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
+    cp = len(ranks)
+    asked_seq_len = shape.seq_len
+    shape, padded = pad_for_zigzag(shape, cp)
+    cm = compute_model or ComputeModel()
+    lb = lower_bound(topo, ranks, shape, causal=causal)
+    results: dict[str, SimResult] = {}
+    schedules: dict[str, dict] = {}
+    results["te-p2p"] = simulate_te_p2p(topo, ranks, shape, causal=causal, compute_model=cm,
+                                        round_overhead_s=round_overhead_s)
+    try:
+        results["te-a2a-p2p"] = simulate_te_a2a_p2p(topo, ranks, shape, causal=causal, compute_model=cm,
+                                                    round_overhead_s=round_overhead_s)
+    except ValueError as e:
+        schedules["te-a2a-p2p"] = {"error": str(e)}
+    chunk_tokens = shape.seq_len // (2 * cp)
+    if parts_per_chunk == "auto":
+        choices = [p for p in (1, 2, 4, 8, 16) if p == 1 or chunk_tokens // p >= min_block_tokens]
+    else:
+        choices = [int(parts_per_chunk)]
+    if objective not in ("comm", "total"):
+        raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
+    candidates = []
+    for p in choices:  # parts that do not divide the chunk are of floor/ceil size (Note [Sub-block sizes])
+        if p > chunk_tokens:
+            continue
+        plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=p, seq_len=shape.seq_len,
+                          heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                          dtype_bytes=shape.dtype_bytes, objective=objective)
+        r = simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s)
+        candidates.append((r, plan))
+    if not candidates:
+        raise ValueError(f"parts_per_chunk: {parts_per_chunk} is more than the {chunk_tokens} tokens of a chunk; "
+                         f"use at most {chunk_tokens}")
+    best = pick_best(candidates, objective)
+    results["fcp"], plan = best
+    results["fcp"].meta.update(graph=plan.name, parts_per_chunk=plan.parts_per_chunk)
+    for k, r in results.items():
+        d = r.to_dict()
+        d["comm_vs_lower_bound"] = r.comm_s / lb["lower_bound_s"] if lb["lower_bound_s"] > 0 else 1.0
+        schedules[k] = d
+    schedules["fcp"]["backward_kv"] = backward_kv_costs(plan, topo, shape, results["fcp"], compute_model=cm,
+                                                        round_overhead_s=round_overhead_s)
+    order = ["te-p2p", "te-a2a-p2p", "fcp"]
+    return {"lower_bound_s": lb["lower_bound_s"], "lower_bound": lb, "seq_len": asked_seq_len,
+            "padded_seq_len": shape.seq_len if padded else None,
+            "schedules": {k: schedules[k] for k in order if k in schedules},
+            "results": results, "plan": plan}
+
+
+def compare_head_parallel(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int] | None,
+    shape: AttentionShape,
+    *,
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    min_block_tokens: int = 256,
+    objective: str = "total",
+    round_overhead_s: float = 0.0,
+    pass_: str = "fwd+bwd",
+    head_parallel: "int | str" = "auto",
+) -> dict:
+    """:func:`compare` for any pass, FCP with the head-parallel stage (Note [Choosing the
+    head-parallel degree]). The structure of :func:`compare`; every schedule adds ``pass``, and
+    ``fwd_total_s`` / ``bwd_total_s`` (and comm) for the passes it ran; ``fcp`` adds
+    ``head_parallel`` (the degree), ``kv_replication``, ``label``, ``rounds`` and ``delta``
+    (Note [Optimal rounds]); ``lower_bound`` is :func:`lower_bound_all`'s. ``plan`` is FCP's merged
+    stage plan (:func:`stage_plan`), ``head_parallel_plan`` the :class:`HeadParallelPlan`."""
+    check_pass(pass_)
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
+    asked_seq_len = shape.seq_len
+    shape, padded = pad_for_zigzag(shape, len(ranks))
+    cm = compute_model or ComputeModel()
+    kw = dict(causal=causal, compute_model=cm, round_overhead_s=round_overhead_s, pass_=pass_)
+    lb = lower_bound_all(topo, ranks, shape, causal=causal, pass_=pass_)
+    results: dict[str, SimResult] = {}
+    schedules: dict[str, dict] = {}
+    for name in ("te-p2p", "te-a2a-p2p"):
+        try:
+            results[name] = simulate_te(name, topo, ranks, shape, **kw)
+        except ValueError as e:
+            schedules[name] = {"error": str(e), "pass": pass_}
+    cands = head_parallel_candidates(topo, ranks, shape, degree=head_parallel, graph=graph,
+                                     parts_per_chunk=parts_per_chunk, min_block_tokens=min_block_tokens,
+                                     objective=objective, **kw)
+    results["fcp"], hp = pick_best(cands, objective)
+    plan = stage_plan(hp, shape.seq_len, causal)
+    results["fcp"].meta.update(delta=plan_delta(plan), rounds=len(plan.rounds))
+    for k, r in results.items():
+        d = r.to_dict()
+        d["rounds"] = r.rounds if k != "fcp" else len(plan.rounds)
+        d["comm_vs_lower_bound"] = r.comm_s / lb["lower_bound_s"] if lb["lower_bound_s"] > 0 else 1.0
+        schedules[k] = d
+    order = ["te-p2p", "te-a2a-p2p", "fcp"]
+    return {"lower_bound_s": lb["lower_bound_s"], "lower_bound": lb, "seq_len": asked_seq_len,
+            "padded_seq_len": shape.seq_len if padded else None, "pass": pass_,
+            "schedules": {k: schedules[k] for k in order if k in schedules},
+            "results": results, "plan": plan, "head_parallel_plan": hp}
+
+
+def backward_kv_costs(plan, topology: "Topology | str", shape: AttentionShape, forward: SimResult, *,
+                      compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0) -> dict:
+    """Memory against time of the two backward KV modes of one FCP plan (Note [Backward KV modes] in
+    :mod:`megatron_fcp.schedule.program`), as the executor runs them: wave by wave
+    (:func:`~megatron_fcp.cost.packed.simulate_backward_waves`). Per mode the backward and
+    forward+backward seconds, the most received KV any rank holds between the passes
+    (``held_kv_bytes_max``) and within backward (``backward_held_kv_bytes_max``); beside them the
+    one-pass backward (the whole plan reversed at once, :func:`simulate_plan_backward`: what keep
+    cost before backward ran in waves) and what Transformer Engine's ring holds (between the passes
+    its last received shard; one more KV pair the size of a rank's shard in flight). A ring plan's
+    backward streams (Note [Streaming chain backward] in :mod:`megatron_fcp.schedule.chains`)."""
+    out: dict = {}
+    for mode in ("keep", "resend"):
+        bwd = simulate_backward_waves(plan, topology, shape, compute_model=compute_model, backward_kv=mode,
+                                      round_overhead_s=round_overhead_s)
+        one = simulate_plan_backward(plan, topology, shape, compute_model=compute_model, backward_kv=mode,
+                                     round_overhead_s=round_overhead_s)
+        out[mode] = {"bwd_s": bwd["bwd_s"], "fwd_bwd_s": forward.total_s + bwd["bwd_s"],
+                     "held_kv_bytes_max": max(one.meta["held_kv_bytes"], default=0.0),
+                     "backward_held_kv_bytes_max": bwd["held_kv_bytes_max"],
+                     "resend_s": bwd["resend_s"], "waves": bwd["waves"],
+                     "one_pass_bwd_s": one.total_s, "one_pass_fwd_bwd_s": forward.total_s + one.total_s}
+    shard = shape.kv_bytes(shape.seq_len / max(plan.cp, 1)) if plan.placement is None else \
+        max((plan.placement.tokens(i) for i in range(plan.cp)), default=0) * shape.kv_bytes(1)
+    out["ring_held_kv_bytes"] = 0.0
+    out["ring_in_flight_kv_bytes"] = shard
+    out["resend_vs_keep"] = out["resend"]["fwd_bwd_s"] / out["keep"]["fwd_bwd_s"] if out["keep"]["fwd_bwd_s"] else 1.0
+    one_keep = out["keep"]["one_pass_fwd_bwd_s"]
+    out["resend_vs_one_pass_keep"] = out["resend"]["fwd_bwd_s"] / one_keep if one_keep else 1.0
+    return out
+
+
+def _packed_entry(fwd: SimResult, bwd: SimResult, lb_s: float) -> dict:
+    """One schedule of :func:`compare_packed`: forward at the top level (as :func:`compare`), then
+    ``fwd``, ``bwd`` and ``fwd_bwd`` sub-dicts (comm/compute/total seconds, bytes, inter-node bytes)."""
+    d = fwd.to_dict()
+    d["comm_vs_lower_bound"] = fwd.comm_s / lb_s if lb_s > 0 else 1.0
+    part = lambda r: {"comm_s": r.comm_s, "compute_s": r.compute_s, "total_s": r.total_s,  # noqa: E731
+                      "bytes": r.bytes, "inter_node_bytes": r.inter_node_bytes, "rounds": r.rounds}
+    d["fwd"], d["bwd"] = part(fwd), part(bwd)
+    d["fwd_bwd"] = {k: d["fwd"][k] + d["bwd"][k] for k in d["fwd"]}
+    return d
+
+
+def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -> dict:
+    """What a plan over a placement must move, and how evenly: exact need-set bytes (each block to
+    each rank that needs it), node need bytes (each block once to each *other* node holding a rank
+    that needs it), per-rank need bytes and work (max/mean), Δ (the most blocks any rank sends or
+    receives in the plan) and the need-set lower bound on the forward exchange."""
+    topo = load_topology(topology)
+    pl = plan.placement
+    need = pl.need_matrix()                                             # [cp, n_blocks]
+    blocks = pl.block_list()
+    kv_tok = shape.kv_bytes(1)
+    tok = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
+    owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
+    node_of = np.array([topo.node_of(r) for r in plan.ranks], dtype=np.int64)
+    recv = (need * tok[None, :]).sum(axis=1) * kv_tok                   # bytes each rank needs
+    node_ids = np.unique(node_of)
+    node_need = np.stack([need[node_of == x].any(axis=0) & (node_of[owner] != x) for x in node_ids])
+    node_bytes = (node_need * tok[None, :]).sum(axis=1) * kv_tok        # bytes entering each node
+    sends = np.zeros(plan.cp, dtype=np.int64)
+    recvs = np.zeros(plan.cp, dtype=np.int64)
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    for _, t in plan.transfers():
+        sends[pos[t.src]] += 1
+        recvs[pos[t.dst]] += 1
+    work = pl.work()
+    mean = lambda x: float(x.mean()) if len(x) and x.mean() > 0 else 0.0  # noqa: E731
+    b_gpu = min(topo.gpu_ingress_bandwidth(r) for r in plan.ranks) if len(node_ids) > 1 else \
+        min(intra_ingress(topo, r) for r in plan.ranks)
+    b_out = topo.node_ingress_bandwidth() if len(node_ids) > 1 else float("inf")
+    lb = max(float(recv.max()) / b_gpu if plan.cp else 0.0,
+             float(node_bytes.max()) / b_out if len(node_ids) > 1 else 0.0)
+    delta = int(max(sends.max(), recvs.max())) if plan.cp else 0
+    return {
+        "exact_need_bytes": float(recv.sum()),
+        "node_need_bytes": float(node_bytes.sum()),
+        "recv_max_over_mean": float(recv.max()) / mean(recv) if mean(recv) else 1.0,
+        "work_max_over_mean": float(work.max()) / mean(work) if mean(work) else 1.0,
+        "delta": delta,
+        "lower_bound_s": lb,
+        "B_gpu": b_gpu,
+        "B_out": b_out,
+    }
+
+
+def compare_packed(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int] | None,
+    doc_lengths: Sequence[int],
+    shape: AttentionShape,
+    *,
+    graph: str = "auto",
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    causal: bool = True,
+    compute_model: ComputeModel | None = None,
+    objective: str = "total",
+    round_overhead_s: float = 0.0,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    placement: Placement | None = None,
+) -> dict:
+    """Side-by-side ``te-p2p`` / ``te-a2a-p2p`` (THD, padded) / ``fcp`` (place_packed + plan) on a
+    packed batch, forward and backward; see Note [Transformer Engine on a packed batch] in
+    :mod:`megatron_fcp.cost.packed`. ``shape.seq_len`` is not used (the documents set it).
+
+    Returns the structure of :func:`compare` (``lower_bound_s``, ``lower_bound``, ``seq_len``,
+    ``padded_seq_len`` = TE's padded THD tokens, ``schedules``, ``results``, ``plan``) plus
+    ``placement``. Each schedule has the forward numbers at the top level and ``fwd`` / ``bwd`` /
+    ``fwd_bwd`` sub-dicts; the TE schedules add ``padding_overhead`` and ``work_max_over_mean``;
+    ``fcp`` adds ``graph``, ``delta``, ``rounds_over_delta``, ``exact_need_bytes``,
+    ``bytes_over_exact``, ``node_need_bytes``, ``inter_node_over_need``, ``work_max_over_mean`` and
+    ``recv_max_over_mean``. ``results[name]`` is ``{"fwd": SimResult, "bwd": SimResult}``.
+    """
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
+    cp = len(ranks)
+    cm = compute_model or ComputeModel()
+    pl = placement or place_packed(doc_lengths, cp, block_tokens=block_tokens, causal=causal)
+    if tuple(pl.doc_lengths) != tuple(int(x) for x in doc_lengths) or pl.cp != cp:
+        raise ValueError("placement: does not hold these documents on this CP group")
+    kw = dict(causal=causal, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+              round_overhead_s=round_overhead_s)
+    results: dict[str, dict] = {}
+    schedules: dict[str, dict] = {}
+    results["te-p2p"] = {d: simulate_te_p2p_thd(topo, ranks, doc_lengths, shape, backward=d == "bwd", **kw)
+                         for d in ("fwd", "bwd")}
+    try:
+        results["te-a2a-p2p"] = {d: simulate_te_a2a_p2p_thd(topo, ranks, doc_lengths, shape, backward=d == "bwd",
+                                                            **kw) for d in ("fwd", "bwd")}
+    except ValueError as e:
+        schedules["te-a2a-p2p"] = {"error": str(e)}
+    plan = build_plan(topo, ranks, graph, causal=causal, seq_len=pl.total_tokens, heads=shape.heads,
+                      kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes,
+                      objective=objective, placement=pl)
+    results["fcp"] = {
+        "fwd": simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s),
+        "bwd": simulate_plan_backward(plan, topo, shape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+                                      round_overhead_s=round_overhead_s),
+    }
+    stats = packed_need_stats(plan, topo, shape)
+    lb_s = stats["lower_bound_s"]
+    for k, r in results.items():
+        d = _packed_entry(r["fwd"], r["bwd"], lb_s)
+        if k == "fcp":
+            d.update(graph=plan.name, delta=stats["delta"],
+                     rounds_over_delta=len(plan.rounds) / stats["delta"] if stats["delta"] else 0.0,
+                     exact_need_bytes=stats["exact_need_bytes"],
+                     bytes_over_exact=d["bytes"] / stats["exact_need_bytes"] if stats["exact_need_bytes"] else 1.0,
+                     node_need_bytes=stats["node_need_bytes"],
+                     inter_node_over_need=d["inter_node_bytes"] / stats["node_need_bytes"]
+                     if stats["node_need_bytes"] else 1.0,
+                     work_max_over_mean=stats["work_max_over_mean"], recv_max_over_mean=stats["recv_max_over_mean"])
+        schedules[k] = d
+    order = ["te-p2p", "te-a2a-p2p", "fcp"]
+    return {"lower_bound_s": lb_s, "lower_bound": {k: stats[k] for k in ("lower_bound_s", "B_gpu", "B_out")},
+            "seq_len": pl.total_tokens, "padded_seq_len": results["te-p2p"]["fwd"].meta["padded_tokens"],
+            "schedules": {k: schedules[k] for k in order if k in schedules},
+            "results": results, "plan": plan, "placement": pl}

@@ -1,0 +1,387 @@
+"""Plan compiler: CommGraph + causal need sets -> multicast trees -> rounds -> verified Plan.
+
+Pure (no torch). :func:`megatron_fcp.planner.build.build_plan` (topology + graph name -> plan) is
+the entry point callers use; it calls :func:`compile_plan`.
+
+Note [Compiling a plan]
+-----------------------
+1. *Need sets.* Block ``(owner, chunk, part)`` goes to exactly the ranks of
+   :func:`megatron_fcp.contract.needs.readers` (causal: chunk 1 of CP rank i only to CP ranks < i).
+2. *Trees.* For each chunk the graph's builder gives a multicast tree from the owner to those
+   readers using only graph edges (``CommGraph.tree``). A vertex of the tree that is not a reader is
+   a relay the graph forces (e.g. a rail peer that forwards to its node); nothing else is sent.
+   All parts of a chunk share the chunk's tree.
+3. *Rounds.* Tree edge ``(u, v)`` at depth ``d`` (1 = leaves the owner) of part ``p`` is due in
+   round ``d - 1 + p`` when the graph pipelines parts (part p+1 crosses the slow link while part
+   p fans out), else ``d - 1``. With port limits (``max_sends`` / ``max_recvs`` per rank per
+   round) edges are list-scheduled: each edge, in order of due round and then of the longest path
+   below it, takes the first round >= due where both its ports are free; its children become due
+   one round later. Without limits every edge lands on its due round (ASAP).
+4. *Order.* Within a round, transfers on faster edges are listed first (ranks consume blocks in
+   plan order, so an NVLink block should not queue behind one still crossing the network).
+5. *Verify.* The plan is checked by :meth:`Plan.verify` (with the port limits) before return.
+
+Above :data:`CHECK_TREES_MAX_CP` ranks without port limits every edge lands on its due round and
+the builders of ``hierarchical``, ``ring`` and ``full`` write those rounds as numpy columns (Note
+[Compiling to a table] in :mod:`megatron_fcp.planner.table_compile`); a plan of more than
+:data:`BALANCE_MAX_TRANSFERS` transfers keeps them as a table (Note [Columnar plans] in
+:mod:`megatron_fcp.contract.table`), a smaller one is turned into objects and ordered by step 4.
+
+The backward pass uses :meth:`Plan.backward_rounds` (rounds reversed, transfers flipped): the
+same trees reduce dK/dV towards each owner.
+
+Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non-causal)::
+
+    round 0: 0->1 0->2 | 1->0 1->3 | 2->3 2->0 | 3->2 3->1    (NVLink + one rail each)
+    round 1: 2->3:B(r0) 3->2:B(r1) 0->1:B(r2) 1->0:B(r3)       (fan-out of what crossed)
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Sequence
+
+import numpy as np
+
+from megatron_fcp.contract.blocks import Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers
+from megatron_fcp.planner.graph import CommGraph, runs_of
+from megatron_fcp.contract.needs import readers
+from megatron_fcp.contract.placement import Placement
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.planner.rounds import colour_rounds
+from megatron_fcp.contract.table import table_rounds
+
+__all__ = ["compile_plan"]
+
+
+def compile_plan(
+    cg: CommGraph,
+    causal: bool = True,
+    parts_per_chunk: int = 1,
+    *,
+    max_sends: int | None = None,
+    max_recvs: int | None = None,
+    verify: bool = True,
+    balance: bool = True,
+    placement: Placement | None = None,
+    packing: str = "list",
+    stagger_blocks: int = 1,
+    columnar: bool = True,
+) -> Plan:
+    """Compile a CommGraph into a Plan; see Note [Compiling a plan].
+
+    ``packing`` (with port limits): ``"list"`` (list scheduling, the default) or ``"colour"``: with
+    one send and one receive per rank per round and one-hop trees, exactly Delta rounds by bipartite
+    edge colouring (Note [Optimal rounds] in :mod:`megatron_fcp.planner.rounds`); multi-hop trees
+    fall back to list scheduling.
+
+    ``stagger_blocks`` (placements only; default 1 = off): block ``b`` of an owner starts
+    ``b mod stagger_blocks`` rounds late, so an owner's blocks pipeline through relays the way
+    sub-blocks of a zigzag chunk do (the head-parallel KV stage holds ``2a`` blocks per group).
+
+    ``placement``: a packed batch's blocks per CP rank (CP order = ``cg.ranks``); each block then
+    gets its own tree to the ranks its documents need, and ``parts_per_chunk`` must be 1.
+
+    ``columnar`` (default True): where plain waves are placed (above :data:`CHECK_TREES_MAX_CP`
+    ranks, no port limits, zigzag) and the builder writes them as columns
+    (``GraphBuilder.wave_table``: ``hierarchical``, ``ring``, ``full``), a plan of more than
+    :data:`BALANCE_MAX_TRANSFERS` transfers keeps them in a table (Note [Columnar plans] in
+    :mod:`megatron_fcp.contract.table`): the same rounds, materialised on first access of
+    ``plan.rounds``. False builds objects as before (tests compare the two).
+    """
+    with gc_paused():
+        return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing,
+                        stagger_blocks, columnar)
+
+
+def _sources(ranks, causal: bool, placement: Placement | None):
+    """``(owner, chunk, readers)`` of every block (every chunk under zigzag) that someone needs."""
+    if placement is None:
+        for i, owner in enumerate(ranks):
+            for chunk in (0, 1):
+                dests = readers(ranks, i, chunk, causal)
+                if dests:
+                    yield owner, chunk, dests
+        return
+    need = placement.need_matrix()
+    rank_arr = np.asarray(ranks, dtype=np.int64)
+    for n, (i, b, _) in enumerate(placement.block_list()):
+        if need[:, n].any():
+            yield ranks[i], b, rank_arr[need[:, n]].tolist()
+
+
+def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing="list",
+             stagger_blocks=1, columnar=True) -> Plan:
+    if not isinstance(stagger_blocks, int) or stagger_blocks < 1 or (stagger_blocks > 1 and placement is None):
+        raise PlanError(f"stagger_blocks: an integer >= 1, above 1 only over a placement (zigzag plans stagger "
+                        f"sub-blocks: parts_per_chunk), got {stagger_blocks!r}")
+    if packing not in ("list", "colour"):
+        raise PlanError(f"packing: must be 'list' or 'colour', got {packing!r}")
+    if packing == "colour" and (max_sends, max_recvs) != (1, 1):
+        raise PlanError("packing='colour' packs one send and one receive per rank per round: pass max_sends=1, "
+                        "max_recvs=1")
+    if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
+        raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    if placement is not None and (placement.cp != len(cg.ranks) or placement.causal != causal or parts_per_chunk != 1):
+        raise PlanError(f"placement: has {placement.cp} ranks and causal={placement.causal}, the graph "
+                        f"{len(cg.ranks)} ranks and causal={causal}; parts_per_chunk must be 1 (got "
+                        f"{parts_per_chunk}): cut blocks with place_packed(block_tokens=...)")
+    for name, v in (("max_sends", max_sends), ("max_recvs", max_recvs)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise PlanError(f"{name}: must be None (unlimited) or an integer >= 1, got {v!r}")
+    ranks = cg.ranks
+    stagger = cg.pipeline_parts
+    check = len(ranks) <= CHECK_TREES_MAX_CP
+    P = parts_per_chunk
+    limited = max_sends is not None or max_recvs is not None
+    sizes = cg.meta.get("kv_sizes")
+    header = dict(name=cg.name, max_sends=max_sends, max_recvs=max_recvs, placement=placement,
+                  kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None)
+    table = None
+    if not check and not limited and placement is None and columnar and cg.builder is not None:
+        table = cg.builder.wave_table(cg, causal, P)  # the waves below, as columns (or None)
+    if table is not None and table.num_transfers > BALANCE_MAX_TRANSFERS:
+        plan = Plan(ranks, None, causal, P, table=table, **header)
+        return plan.verify(max_sends=max_sends, max_recvs=max_recvs) if verify else plan
+    if table is not None:
+        plan_rounds = table_rounds(table, ranks, np.full(len(ranks), 2), P)  # small: objects, then reordered
+    elif not check and not limited:
+        # large group: trees as runs of equal depth straight into waves (no per-edge tuples)
+        runs = [(owner, chunk, [(d + chunk % stagger_blocks, us, vs) for d, us, vs in cg.tree_runs(owner, dests, chunk)])
+                for owner, chunk, dests in _sources(ranks, causal, placement)]
+        plan_rounds = _waves(runs, P, stagger)
+    else:
+        trees = []  # (owner, chunk, edges parents-first, depth of each edge's receiver)
+        for owner, chunk, dests in _sources(ranks, causal, placement):
+            tree, depths = cg.tree_with_depths(owner, dests, chunk)
+            if check:
+                _check_tree(cg, owner, dests, tree)
+            if stagger_blocks > 1:
+                depths = [d + chunk % stagger_blocks for d in depths]
+            trees.append((owner, chunk, tree, depths))
+        if limited and packing == "colour" and all(max(d, default=1) == 1 for _, _, _, d in trees):
+            plan_rounds = colour_rounds([make_transfer(u, v, Block(o, c, p)) for o, c, tree, _ in trees
+                                         for p in range(P) for u, v in tree])
+        elif limited:
+            plan_rounds = _list_schedule(trees, P, stagger, max_sends, max_recvs)
+        elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
+            plan_rounds = _balanced_waves(cg, trees, P, _block_weights(cg, placement))
+        else:
+            plan_rounds = _waves([(o, c, runs_of(t, d)) for o, c, t, d in trees], P, stagger)
+
+    while placement is not None and plan_rounds and not plan_rounds[-1]:
+        plan_rounds = plan_rounds[:-1]  # trailing rounds left empty (zigzag plans keep them: golden digests)
+    if sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
+        plan_rounds = _fast_links_first(cg, plan_rounds)
+    plan = Plan(ranks, plan_rounds, causal, P, **header)
+    if verify:
+        plan.verify(max_sends=max_sends, max_recvs=max_recvs)
+    return plan
+
+
+CHECK_TREES_MAX_CP = 256
+"""Up to this CP size every multicast tree is checked against the graph (edges exist, parents
+first, all readers reached); larger groups rely on the builders' tests and on Plan.verify."""
+
+BALANCE_MAX_TRANSFERS = 200_000
+"""Above this many transfers the compiler keeps plain waves (leaf balancing is O(transfers x rounds))."""
+
+
+def _count(trees, P: int) -> int:
+    return P * sum(len(t[2]) for t in trees)
+
+
+def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]:
+    """ASAP placement: edge at depth d of part p in round d-1 (+p when staggered).
+
+    Each tree comes as runs of equal depth (:func:`runs_of`); a run is appended to its round as
+    one batch (:func:`~megatron_fcp.contract.blocks.make_transfers`; the 1,024-rank plan creates ~1.5M
+    transfers here).
+    """
+    rounds: dict[int, list[Transfer]] = {}
+    for owner, chunk, runs in tree_runs:
+        for p in range(P):
+            b = Block(owner, chunk, p)
+            shift = p - 1 if stagger else -1
+            for d, us, vs in runs:
+                k = d + shift
+                rnd = rounds.get(k)
+                if rnd is None:
+                    rounds[k] = rnd = []
+                rnd.extend(make_transfers(us, vs, b))
+    n = max(rounds, default=-1) + 1
+    return tuple(tuple(rounds.get(k, ())) for k in range(n))
+
+
+def _block_weights(cg: CommGraph, placement: Placement | None) -> Callable[[int, int], float]:
+    """Relative bytes of ``(owner, chunk)``: tokens over the mean block under a placement, else
+    the graph's per-owner KV sizes (``balanced``), else 1."""
+    if placement is not None:
+        sizes = {(cg.ranks[i], b): s.tokens for i, b, s in placement.block_list()}
+        mean = sum(sizes.values()) / max(len(sizes), 1)
+        return lambda owner, chunk: sizes[(owner, chunk)] / mean
+    per_owner = cg.meta.get("kv_sizes") or {}
+    return lambda owner, chunk: float(per_owner.get(owner, 1.0))
+
+
+def _balanced_waves(cg: CommGraph, trees, P: int,
+                    weight: Callable[[int, int], float]) -> tuple[tuple[Transfer, ...], ...]:
+    """Waves, then leaf edges moved into rounds with spare capacity on their route's resources.
+
+    Edges into relays keep their wave round (the pipeline's backbone). A *leaf* edge (its
+    receiver forwards nothing) may run in any round from one after its sender got the block up to
+    the last wave round; leaf edges are placed latest-due first, each into the round whose
+    bottleneck time (max over resources of bytes / bandwidth) grows least, earliest on ties. On
+    rail-striped graphs this moves each owner's own NVLink sends into the rounds where NVLink
+    idles while the first sub-blocks cross the network.
+    """
+    topo = cg.topology
+    res_id: dict[str, int] = {}
+    bws: list[float] = []
+    route_cache: dict[tuple[int, int], list[int]] = {}
+
+    def route(u: int, v: int) -> list[int]:
+        ids = route_cache.get((u, v))
+        if ids is None:
+            ids = []
+            for r in topo.route(u, v).resources:
+                i = res_id.get(r.name)
+                if i is None:
+                    i = res_id[r.name] = len(bws)
+                    bws.append(r.bandwidth)
+                ids.append(i)
+            route_cache[(u, v)] = ids
+        return ids
+
+    rigid: list[tuple[int, int, int, Block]] = []
+    leaves: list[tuple[int, int, int, Block, float]] = []
+    last = 0
+    for owner, chunk, tree, depths in trees:
+        has_children = {u for u, _ in tree}
+        w = weight(owner, chunk)
+        for (u, v), d in zip(tree, depths):
+            for p in range(P):
+                k = d - 1 + p
+                last = max(last, k)
+                b = Block(owner, chunk, p)
+                if v in has_children:
+                    rigid.append((k, u, v, b))
+                else:
+                    due = 0 if u == owner else k  # k = parent's round + 1
+                    leaves.append((due, u, v, b, w))
+    n = last + 1
+    load: list[dict[int, float]] = [dict() for _ in range(n)]
+    cur = [0.0] * n
+    rounds: list[list[Transfer]] = [[] for _ in range(n)]
+    for k, u, v, b in rigid:
+        w = weight(b.owner, b.chunk)
+        lk = load[k]
+        for i in route(u, v):
+            x = lk.get(i, 0.0) + w
+            lk[i] = x
+            if x / bws[i] > cur[k]:
+                cur[k] = x / bws[i]
+        rounds[k].append(make_transfer(u, v, b))
+    leaves.sort(key=lambda e: -e[0])
+    for due, u, v, b, w in leaves:
+        ids = route(u, v)
+        best_k, best_inc = due, None
+        for k in range(due, n):
+            lk = load[k]
+            t = cur[k]
+            for i in ids:
+                x = (lk.get(i, 0.0) + w) / bws[i]
+                if x > t:
+                    t = x
+            inc = t - cur[k]
+            if best_inc is None or inc < best_inc - 1e-15:
+                best_k, best_inc = k, inc
+                if inc <= 0:
+                    break
+        lk = load[best_k]
+        for i in ids:
+            x = lk.get(i, 0.0) + w
+            lk[i] = x
+            if x / bws[i] > cur[best_k]:
+                cur[best_k] = x / bws[i]
+        rounds[best_k].append(make_transfer(u, v, b))
+    return tuple(tuple(r) for r in rounds)
+
+
+def _fast_links_first(cg: CommGraph, rounds) -> tuple[tuple[Transfer, ...], ...]:
+    """Order each round's transfers by edge bandwidth, fastest first (stable).
+
+    Ranks consume received blocks in plan order (bitwise-reproducible accumulation), so a block
+    on NVLink listed after a block crossing the network would wait for it; listing fast edges
+    first lets compute start as soon as the first blocks land. Same-pair transfers keep their
+    relative order (same bandwidth), which is what send/receive matching relies on.
+    """
+    g = cg.graph
+    bw: dict[tuple[int, int], float] = {}
+
+    def key(t: Transfer) -> float:
+        e = (t.src, t.dst)
+        v = bw.get(e)
+        if v is None:
+            v = bw[e] = -float(g[t.src][t.dst].get("bandwidth", 0.0))
+        return v
+
+    return tuple(tuple(sorted(rnd, key=key)) for rnd in rounds)
+
+
+def _check_tree(cg: CommGraph, owner: int, dests: Sequence[int], tree) -> None:
+    graph = cg.graph
+    reached = {owner}
+    for u, v in tree:
+        if not graph.has_edge(u, v):
+            raise PlanError(f"graph {cg.name!r}: multicast tree of rank {owner} uses {u}->{v}, not an edge of the graph")
+        if u not in reached:
+            raise PlanError(f"graph {cg.name!r}: tree of rank {owner} forwards from {u} before reaching it")
+        if v in reached:
+            raise PlanError(f"graph {cg.name!r}: tree of rank {owner} reaches {v} twice")
+        reached.add(v)
+    missing = set(dests) - reached
+    if missing:
+        raise PlanError(f"graph {cg.name!r}: tree of rank {owner} misses reader(s) {sorted(missing)[:4]}")
+
+
+def _list_schedule(trees, P, stagger, max_sends, max_recvs) -> tuple[tuple[Transfer, ...], ...]:
+    """List scheduling under per-round port limits (step 3 of Note [Compiling a plan])."""
+    ms = max_sends if max_sends is not None else 1 << 30
+    mr = max_recvs if max_recvs is not None else 1 << 30
+    sends: dict[tuple[int, int], int] = {}
+    recvs: dict[tuple[int, int], int] = {}
+    rounds: dict[int, list[Transfer]] = {}
+    heap = []
+    seq = 0
+    children_of = []  # per tree: dict parent -> list of edge indices
+    heights = []
+    for t, (owner, chunk, tree, depths) in enumerate(trees):
+        ch: dict[int, list[int]] = {}
+        for e, (u, v) in enumerate(tree):
+            ch.setdefault(u, []).append(e)
+        children_of.append(ch)
+        h = {}
+        for e in range(len(tree) - 1, -1, -1):
+            v = tree[e][1]
+            h[e] = 1 + max((h[c] for c in ch.get(v, ())), default=0)
+        heights.append(h)
+        for p in range(P):
+            for e in ch.get(owner, ()):
+                heapq.heappush(heap, (p if stagger else 0, -h[e], seq, t, e, p))
+                seq += 1
+    while heap:
+        due, _, _, t, e, p = heapq.heappop(heap)
+        owner, chunk, tree, _ = trees[t]
+        u, v = tree[e]
+        k = due
+        while sends.get((k, u), 0) >= ms or recvs.get((k, v), 0) >= mr:
+            k += 1
+        sends[(k, u)] = sends.get((k, u), 0) + 1
+        recvs[(k, v)] = recvs.get((k, v), 0) + 1
+        rounds.setdefault(k, []).append(Transfer(u, v, Block(owner, chunk, p)))
+        for c in children_of[t].get(v, ()):
+            heapq.heappush(heap, (k + 1, -heights[t][c], seq, t, c, p))
+            seq += 1
+    n = max(rounds, default=-1) + 1
+    return tuple(tuple(rounds.get(k, ())) for k in range(n))

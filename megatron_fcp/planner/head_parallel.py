@@ -1,0 +1,161 @@
+"""Head-parallel plans for a given degree and graph: head groups from the topology, the KV stage
+compiled with the ordinary builders, and the *stage plan* the cost model times. Pure, no torch.
+
+See Note [Head-parallel stage] in :mod:`megatron_fcp.contract.head_parallel` for the schedule.
+
+Note [Head groups from the topology]
+------------------------------------
+A head group should sit inside one node (its all-to-all then runs on NVLink/PCIe, never on the
+NIC). The CP ranks of every node, in rail (local rank) order, are cut into consecutive runs of
+``a`` ranks; ``a`` must divide every node's CP rank count (:func:`head_parallel_degrees`), so a CP
+group spread unevenly over nodes (e.g. 8 + 4 ranks) still gets head groups (``a`` in 1, 2, 4).
+Member ``j`` of every group is then the ``j``-th rank of its run: on DGX nodes with ``a = 8`` the KV
+stage of head shard ``j`` is exactly rail ``j`` (local rank ``j`` of every node). Groups are listed
+node by node, in the order the nodes first appear in CP order (the order of TE's ``a2a+p2p`` ring).
+
+Note [The stage plan]
+---------------------
+The ``a`` KV stages run at once on disjoint ranks and share the topology's resources (two stages'
+rail hops may share a single uplink). To time them together, :func:`stage_plan` merges them into one
+ordinary :class:`~megatron_fcp.contract.plan.Plan` over a placement with ``a`` *documents*, one per
+head shard: rank (group ``g``, member ``j``) holds group ``g``'s ``2a`` zigzag chunks as spans of
+document ``j``. Document need sets keep every stage to itself, so the merged plan verifies with the
+ordinary :meth:`Plan.verify` and the cost model times it with every stage contending for the same
+links. The attention shape of a stage is ``h/a`` query heads and ``h_kv * kv_replication / a`` KV
+heads. For ``a = 1`` the stage plan is the ordinary zigzag plan (sub-blocks allowed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from megatron_fcp.contract.blocks import PlanError, check_parts
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.builders import get_builder
+from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.contract.head_parallel import (
+    HeadParallelPlan,
+    check_head_parallel,
+    consecutive_head_groups,
+    group_placement,
+    relabel_plan,
+)
+from megatron_fcp.topology import Topology, load_topology
+
+BALANCE_MAX_GROUPS = 64
+"""Up to this many head groups the KV stage's leaf edges are balanced over rounds
+(:func:`~megatron_fcp.planner.compile.compile_plan`'s ``balance``; O(transfers x rounds)); larger
+stages keep plain waves, which keeps a 1,024-rank head-parallel plan within the planning budget."""
+
+__all__ = ["head_parallel_degrees", "topology_head_groups", "compile_head_parallel", "head_groups_for"]
+
+
+def _node_runs(topo: Topology, ranks: Sequence[int]) -> list[list[int]]:
+    """CP ranks per node (nodes in order of first appearance in CP order), each in rail order."""
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(topo.node_of(r), []).append(r)
+    for lst in groups.values():
+        lst.sort(key=topo.local_rank_of)
+    return list(groups.values())
+
+
+def head_parallel_degrees(topology: "Topology | str", cp_ranks: Sequence[int], heads: int | None = None,
+                          kv_heads: int | None = None) -> list[int]:
+    """Degrees ``a`` whose head groups fit inside nodes (``a`` divides every node's CP rank count),
+    and, when head counts are given, that :func:`check_head_parallel` accepts (ascending)."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    g = math.gcd(*[len(run) for run in _node_runs(topo, ranks)])
+    out = []
+    for a in range(1, g + 1):
+        if g % a:
+            continue
+        if heads is not None:
+            try:
+                check_head_parallel(heads, kv_heads or heads, a, len(ranks))
+            except ValueError:
+                continue
+        out.append(a)
+    return out
+
+
+def topology_head_groups(topology: "Topology | str", cp_ranks: Sequence[int], degree: int) -> tuple[tuple[int, ...], ...]:
+    """Head groups of ``degree`` ranks inside nodes; see Note [Head groups from the topology]."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    runs = _node_runs(topo, ranks)
+    bad = [len(r) for r in runs if len(r) % degree] if degree >= 1 else [0]
+    if bad:
+        raise ValueError(f"head-parallel degree {degree} must divide every node's CP rank count "
+                         f"{[len(r) for r in runs]}; use one of {head_parallel_degrees(topo, ranks)}")
+    return tuple(tuple(run[k:k + degree]) for run in runs for k in range(0, len(run), degree))
+
+
+def head_groups_for(topology: "Topology | str", cp_ranks: Sequence[int], degree: int) -> tuple[tuple[int, ...], ...]:
+    """The head groups a CP group runs with: the planner's (:func:`topology_head_groups`, inside
+    nodes) wherever ``degree`` fits every node's CP ranks; else (an explicit degree that crosses
+    nodes, which the planner does not price) ``degree`` consecutive CP ranks. The runtime builds
+    its stages and process groups with this, so it runs the groups the planner timed."""
+    try:
+        return topology_head_groups(topology, cp_ranks, degree)
+    except ValueError:
+        return consecutive_head_groups(cp_ranks, degree)
+
+
+def compile_head_parallel(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    degree: int,
+    graph: str = "hierarchical",
+    *,
+    causal: bool = True,
+    parts_per_chunk: int = 1,
+    head_groups: Sequence[Sequence[int]] | None = None,
+    stagger: int = 1,
+) -> HeadParallelPlan:
+    """A verified :class:`HeadParallelPlan` for ``degree`` and the KV-stage ``graph`` (a builder name).
+
+    The KV stage's graph is built over stage 0's global ranks (member 0 of every group: the builder
+    sees the real nodes and rails) and compiled over :func:`group_placement` of ``shape.seq_len``
+    (padded as Megatron pads); the plan is then renamed onto virtual ranks ``0..G-1``. ``degree = 1``
+    gives the ordinary zigzag plan (``parts_per_chunk`` sub-blocks) on virtual ranks; placements take
+    whole chunks, so ``parts_per_chunk`` must be 1 for ``degree > 1``; instead ``stagger`` > 1 starts
+    a group's ``b``-th chunk ``b mod stagger`` rounds late (``compile_plan(stagger_blocks=...)``), so
+    its chunks pipeline through relays as sub-blocks do.
+    """
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cp = len(ranks)
+    rep = check_head_parallel(shape.heads, shape.kv_heads, degree, cp)
+    if head_groups is not None:
+        groups = tuple(tuple(g) for g in head_groups)
+    elif degree == 1:
+        groups = tuple((r,) for r in ranks)  # CP order: the zigzag plan is by CP index
+    else:
+        groups = topology_head_groups(topo, ranks, degree)
+    shape, _ = pad_for_zigzag(shape, cp)
+    G = len(groups)
+    if degree == 1:
+        if [g[0] for g in groups] != list(ranks):
+            raise PlanError("degree 1: head groups must list the CP ranks in CP order")
+        check_parts(shape.seq_len // (2 * cp), parts_per_chunk)  # uneven parts are fine (Note [Sub-block sizes])
+        plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk)
+        kv = relabel_plan(plan, range(G))
+    elif parts_per_chunk != 1 or (stagger != 1 and G == 1):
+        raise PlanError(f"parts_per_chunk: a head-parallel KV stage (degree {degree}) moves whole chunks; got "
+                        f"{parts_per_chunk}")
+    elif G == 1:
+        kv = None
+    else:
+        stage0 = [g[0] for g in groups]
+        placement = group_placement(ranks, groups, shape.seq_len, causal)
+        plan = compile_plan(get_builder(graph).build(topo, stage0), causal, 1, placement=placement,
+                            balance=G <= BALANCE_MAX_GROUPS, stagger_blocks=stagger)
+        kv = relabel_plan(plan, range(G))
+    hp = HeadParallelPlan(ranks, degree, groups, kv, rep)
+    return hp.verify()

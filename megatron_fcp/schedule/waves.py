@@ -1,0 +1,340 @@
+"""Waves of a plan's block deliveries for the wave-by-wave backward (Note [Backward waves] in
+:mod:`megatron_fcp.attention.backward_waves`). Pure data, no ``torch``: the executor and the cost
+model (:mod:`megatron_fcp.cost.packed`) split a plan the same way.
+
+A *delivery* is one rank computing one block's gradient: a block it needs, or one of its own. A
+wave is a set of deliveries and the plan transfers that bring them: for a received block, the path
+of the plan's transfers from its owner to the reader (relays included). A block may go to some of
+its readers in one wave and to others later (its reduction tree is then cut into subtrees, one per
+wave; the owner adds their sums in wave order).
+
+:func:`plan_waves` packs deliveries greedily, wave after wave, blocks in the order the plan first
+sends them and readers in plan order. A delivery joins the wave while
+
+* every rank on its path receives at most ``budget`` bytes in the wave (default
+  :func:`wave_budget`, half of the largest shard's K and V: two waves alive at once hold no more
+  than the ring's one shard in flight), and
+* the reader's gradient work in the wave (query-key pairs) stays within the largest single
+  delivery's (so every rank computes about the same per wave: with sub-blocks, ranks whose
+  queries see a block fully take fewer blocks per wave than ranks that see half of it).
+
+A relay on the path that needs the block computes it there too when its work allows. The first
+delivery of a wave always fits (a block larger than the budget forms a wave of its own). Local
+blocks fill each rank's spare work. :func:`restrict` is the plan cut to one wave.
+
+Note [Balanced waves]
+---------------------
+Waves run in turn, so the backward's compute is about the *makespan* sum over waves of the busiest
+rank's work in the wave, not the busiest rank's total. A tight work cap keeps ranks in step but, on
+a packed batch (blocks of very different work), strands a few ranks' last deliveries in nearly
+empty waves; where every rank's need set fits the byte budget anyway, the cap alone creates waves.
+With fine sub-blocks it starves the communication instead: at 8 parts per chunk a rank takes one
+or two small blocks per wave against a budget of eight, and every wave pays its reduction's rounds
+(dgx-a100:3, cp = 24: 195 waves). So :func:`plan_waves` packs with the cap at 1x, 2x, 4x and
+unbounded times the largest delivery (:data:`WAVE_CAP_SCALES`) and keeps the least *pace*: the sum
+over waves of the larger of the busiest rank's work and the most bytes a rank receives in the wave,
+each relative to the whole backward's (1.0: every wave as balanced as the one pass); among paces
+within 1% (:data:`WAVE_TIE`), the fewest waves. The byte budget binds every candidate alike. In the
+cost model (resend; Note [Wave pipeline timeline] in cost/timeline.py, NCCL's sends): the
+cp = 24 plan (131,088 tokens, GQA 32:8) takes 55 waves and 63.1 ms instead of 96.6 ms; a cp = 16
+packed plan on dgx-h100:2 (GQA 64:8, 32K tokens per rank, lognormal 8.0/1.2) one wave and 52.8 ms
+(5 waves, 57.2 ms at the 1x cap), cp = 64 on dgx-h100:8 4 waves and 92.2 ms (8 waves, 100.2 ms);
+zigzag plans at 128K on dgx-h100:2 keep the waves they had. The choice reads only the plan and
+block sizes, so every rank and the cost model make it alike.
+
+Whether the waves re-send KV or start from what the forward kept is :func:`choose_backward_kv`'s
+(Note [Backward KV modes] in :mod:`megatron_fcp.schedule.program`); it reads only the plan, so
+the planner decides it as every rank does; :func:`~megatron_fcp.schedule.program.compile_backward`
+makes that and every other backward decision once (Note [Backward program]).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Callable, Collection, Hashable, Mapping
+
+from megatron_fcp.contract.blocks import Block, Transfer
+from megatron_fcp.contract.needs import block_pairs
+from megatron_fcp.contract.plan import Plan
+
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "block_work",
+           "BACKWARD_KV_MODES",
+           "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Deliveries handled together in backward and the plan transfers that carry them."""
+
+    transfers: tuple[tuple[int, Transfer], ...]   # (plan round, transfer), in plan order
+    computes: frozenset                           # (block, rank): rank computes block's gradient here
+    rounds: tuple[int, ...] = field(init=False)   # ascending plan rounds with a transfer of the wave
+    _tset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rounds", tuple(sorted({r for r, _ in self.transfers})))
+        object.__setattr__(self, "_tset", frozenset(self.transfers))
+
+    def has(self, round_index: int, t: Transfer) -> bool:
+        """Whether the wave carries transfer ``t`` of plan round ``round_index``."""
+        return (round_index, t) in self._tset
+
+
+def leading_own_jobs(n_own: int, n_waves: int) -> int:
+    """How many of a rank's ``n_own`` own jobs in the first wave run first, while the first wave's KV
+    arrives (Note [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`); the rest run
+    last, while the last reduction returns. With several waves all run first (later waves' jobs
+    hide the reductions); a single wave's reduction has nothing after it but what is left of the
+    own jobs, so half of them (rounded up) run first and half last: a packed cp = 16 batch on
+    dgx-h100:2 (one wave) 70.9 -> 69.2 ms modelled, TP = 8 with one CP rank per node 59.2 -> 56.8 ms."""
+    return n_own if n_waves > 1 else (n_own + 1) // 2
+
+
+def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
+    """Half of the largest shard's K and V bytes: two waves then fit in what the ring holds in flight."""
+    return max(sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks) // 2
+
+
+def block_work(plan: Plan) -> Callable[[int, Block], float]:
+    """Query-key pairs of a rank's queries against a block (relative: zigzag at 64 tokens per sub-block)."""
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    if plan.placement is not None:
+        pl = plan.placement
+        return lambda rank, b: float(pl.pairs(pos[rank], pos[b.owner], b.chunk))
+    P = plan.parts_per_chunk
+    seq = 2 * plan.cp * P * 64
+    return lambda rank, b: float(block_pairs(plan.cp, seq, P, pos[rank], pos[b.owner], b.chunk, b.part,
+                                              plan.causal))
+
+
+def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
+               cache_key: Hashable = None) -> tuple[Wave, ...]:
+    """Split the plan's deliveries into waves (module docstring, Note [Balanced waves]). cache_key:
+    what ``block_bytes`` depends on besides the plan; with it the waves are computed once per plan
+    object and key."""
+    key = (id(plan), budget, cache_key)
+    hit = _WAVES.get(key)
+    if cache_key is not None and hit is not None and hit[0]() is plan:
+        return hit[1]
+    if budget is None:
+        budget = wave_budget(plan, block_bytes)
+    work_of = block_work(plan)
+    memo: dict[tuple[int, Block], float] = {}
+
+    def work(x: int, b: Block) -> float:
+        w = memo.get((x, b))
+        if w is None:
+            w = memo[(x, b)] = work_of(x, b)
+        return w
+
+    cands = [(_pace(c, work, block_bytes, plan), c)
+             for c in (_pack(plan, block_bytes, budget, work, k) for k in WAVE_CAP_SCALES)]
+    best = min(m for m, _ in cands)  # Note [Balanced waves]: least pace; near ties, fewest waves
+    waves = min((c for c in cands if c[0] <= best * (1 + WAVE_TIE)), key=lambda c: (len(c[1]), c[0]))[1]
+    if cache_key is not None:
+        if len(_WAVES) > 1024:
+            _WAVES.clear()
+        _WAVES[key] = (weakref.ref(plan), waves)
+    return waves
+
+
+def _pace(waves: tuple[Wave, ...], work: Callable[[int, Block], float], block_bytes: Callable[[Block], int],
+          plan: Plan) -> float:
+    """Sum over waves of the larger of the busiest rank's work and the most bytes a rank receives in
+    the wave, each relative to the whole backward's (busiest rank's total work, most bytes a rank
+    receives over the plan): 1.0 when every wave is as balanced as the one pass (Note [Balanced waves])."""
+    total = dict.fromkeys(plan.ranks, 0.0)
+    for b, x in (c for wave in waves for c in wave.computes):
+        total[x] += work(x, b)
+    got = dict.fromkeys(plan.ranks, 0)
+    for _, t in plan.transfers():
+        got[t.dst] += block_bytes(t.block)
+    w_all, b_all = max(total.values(), default=0.0) or 1.0, max(got.values(), default=0) or 1
+    pace = 0.0
+    for wave in waves:
+        recv: dict[int, int] = {}
+        for _, t in wave.transfers:
+            recv[t.dst] = recv.get(t.dst, 0) + block_bytes(t.block)
+        pace += max(_busiest(wave, work) / w_all, max(recv.values(), default=0) / b_all)
+    return pace
+
+
+def _busiest(wave: Wave, work: Callable[[int, Block], float]) -> float:
+    """The busiest rank's gradient work in ``wave``."""
+    comp: dict[int, float] = {}
+    for b, x in wave.computes:
+        comp[x] = comp.get(x, 0.0) + work(x, b)
+    return max(comp.values(), default=0.0)
+
+
+def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> float:
+    """Sum over waves of the busiest rank's gradient work in it (the waves' compute, run in turn)."""
+    return sum(_busiest(wave, work) for wave in waves)
+
+
+def _pack(plan: Plan, block_bytes: Callable[[Block], int], budget: int, work: Callable[[int, Block], float],
+          scale: float) -> tuple[Wave, ...]:
+    """Greedy packing (module docstring) with a rank's work per wave capped at ``scale`` times the
+    largest single delivery's (a rank's first delivery of a wave always fits)."""
+    parent: dict[tuple[Block, int], tuple[int, Transfer]] = {}    # (block, reader) -> how it arrives
+    readers: dict[Block, list[int]] = {}
+    for r, t in plan.transfers():
+        if (t.block, t.dst) not in parent:
+            parent[(t.block, t.dst)] = (r, t)
+            readers.setdefault(t.block, []).append(t.dst)
+    left = {x: set(plan.needs(x)) for x in plan.ranks}             # received deliveries still to do
+    local = {x: list(plan.local_blocks(x)) for x in plan.ranks}
+    order = list(readers)
+    pending = {b: [x for x in readers[b] if b in left[x]] for b in order}     # readers still to serve
+    top = max([work(x, b) for x in plan.ranks for b in left[x]] + [work(x, b) for x in plan.ranks for b in local[x]]
+              + [0.0])
+    cap_of = dict.fromkeys(plan.ranks, top * scale)
+    size = {b: block_bytes(b) for b in plan.blocks()}
+    slot: dict[tuple[int, Transfer], int] = {}                     # (round, transfer) -> its place in the round
+    for r, rnd in enumerate(plan.rounds):
+        for i, t in enumerate(rnd):
+            slot.setdefault((r, t), i)
+    lightest = {x: sorted(left[x], key=lambda b, x=x: work(x, b)) for x in plan.ranks}  # least work first
+    first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
+    waves = []
+    while any(left.values()) or any(local.values()):
+        load: dict[int, int] = {}
+        comp: dict[int, float] = {}
+        carried: dict[tuple[Block, int], tuple[int, Transfer]] = {}
+        computes: set = set()
+
+        mins: dict[int, float] = {}
+
+        def min_work(x: int) -> float:  # least work of a delivery x still has to do
+            if x not in mins:
+                lst, i = lightest[x], first_left[x]
+                while i < len(lst) and lst[i] not in left[x]:
+                    i += 1
+                first_left[x] = i
+                mins[x] = work(x, lst[i]) if i < len(lst) else 0.0
+            return mins[x]
+
+        def take(b: Block, x: int) -> None:
+            computes.add((b, x))
+            comp[x] = comp.get(x, 0.0) + work(x, b)
+
+        hungry = {x for x in plan.ranks if left[x]}                # ranks that may still take work
+        for b in order:
+            if not hungry:
+                break
+            if not pending[b]:
+                continue
+            for x in pending[b]:
+                if b not in left[x] or x not in hungry or (comp.get(x, 0.0) and comp[x] + work(x, b) > cap_of[x]):
+                    continue
+                path, y = [], x
+                while y != b.owner and (b, y) not in carried:
+                    path.append(y)
+                    y = parent[(b, y)][1].src
+                if computes and any(load.get(d, 0) + size[b] > budget for d in path):
+                    continue
+                for d in path:
+                    load[d] = load.get(d, 0) + size[b]
+                    carried[(b, d)] = parent[(b, d)]
+                take(b, x)
+                left[x].discard(b)
+                for d in path[1:]:                               # relays that need it compute it too
+                    if b in left[d] and comp.get(d, 0.0) + work(d, b) <= cap_of[d]:
+                        take(b, d)
+                        left[d].discard(b)
+                for d in path:                                   # full: no delivery of theirs fits any more
+                    if not left[d] or (comp.get(d, 0.0) and comp[d] + min_work(d) > cap_of[d]) or load[d] >= budget:
+                        hungry.discard(d)
+            pending[b] = [x for x in pending[b] if b in left[x]]
+        for x in plan.ranks:                                     # own blocks fill spare work
+            while local[x] and (not comp.get(x, 0.0) or comp[x] + work(x, local[x][0]) <= cap_of[x]):
+                take(local[x].pop(0), x)
+        transfers = tuple(sorted(carried.values(), key=lambda rt: (rt[0], slot[rt])))
+        waves.append(Wave(transfers, frozenset(computes)))
+    return tuple(waves)
+
+
+_WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
+
+WAVE_CAP_SCALES = (1.0, 2.0, 4.0, float("inf"))
+"""Work caps :func:`plan_waves` tries, in units of the largest single delivery (Note [Balanced waves])."""
+WAVE_TIE = 0.01
+"""Makespans within this fraction tie; the packing with fewer waves wins."""
+
+
+def restrict(plan: Plan, wave: Wave) -> Plan:
+    """The plan's rounds that carry ``wave``, with only its transfers in plan order (not a complete
+    plan: it delivers only this wave; for the cost model). ``wave.transfers`` is in plan order
+    (:func:`plan_waves` sorts it by round and place in the round), so it is grouped by round."""
+    rounds: dict[int, list[Transfer]] = {}
+    for r, t in wave.transfers:
+        rounds.setdefault(r, []).append(t)
+    return replace(plan, rounds=tuple(tuple(rounds[r]) for r in wave.rounds), name=f"{plan.name}/wave")
+
+
+def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
+    """The part of the first wave that is re-sent when some ranks kept theirs from the forward
+    (``kept``: rank -> the blocks it kept; Note [Backward waves], "The first wave"). A transfer goes
+    again when its receiver computes the block in the wave and did not keep it, or forwards it on
+    a transfer that goes again (a relay that kept a block sends it from what it kept). Same
+    computes as ``wave``; reads only the wave, so every rank and the cost model cut it alike."""
+    wanted: set[tuple[Block, int]] = set()        # (block, rank): the rank must hold it again
+    again: list[tuple[int, Transfer]] = []
+    for r, t in reversed(wave.transfers):
+        b, d = t.block, t.dst
+        if b in kept.get(d, ()) or ((b, d) not in wave.computes and (b, d) not in wanted):
+            continue
+        again.append((r, t))
+        if t.src != b.owner:
+            wanted.add((b, t.src))
+    return Wave(tuple(reversed(again)), wave.computes)
+
+
+# ---- keep or resend (Note [Backward KV modes] in megatron_fcp.schedule.program) ----------------
+BACKWARD_KV_MODES = ("auto", "keep", "resend")
+RING_BUDGET = -1
+"""``kv_memory_budget`` value meaning "what the ring holds": one KV pair the size of the rank's shard."""
+
+
+def kept_bytes_per_rank(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
+    """Bytes of received KV each rank would save for backward under ``keep`` (its need set)."""
+    return {r: sum(block_bytes(b) for b in plan.needs(r)) for r in plan.ranks}
+
+
+def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int], budget: int = RING_BUDGET,
+                       *, cache_key: Hashable = None) -> str:
+    """``"keep"`` or ``"resend"`` for ``mode`` (Note [Backward KV modes] in
+    :mod:`megatron_fcp.schedule.program`); the same answer on every rank.
+
+    block_bytes: bytes of one block's K and V. budget: bytes per rank, or :data:`RING_BUDGET`
+    (each rank's own KV bytes). cache_key: what ``block_bytes`` depends on besides the plan (e.g.
+    the shard's shape and dtype); with it the answer is computed once per plan object and key
+    (every layer of a model calls this with the same settled plan).
+    """
+    if mode not in BACKWARD_KV_MODES:
+        raise ValueError(f"backward_kv must be one of {BACKWARD_KV_MODES}, got {mode!r} (--fcp-backward-kv)")
+    if mode != "auto":
+        return mode
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < RING_BUDGET:
+        raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {budget!r} "
+                         "(--fcp-kv-memory-budget)")
+    key = (id(plan), budget, cache_key)
+    hit = _DECISIONS.get(key)
+    if cache_key is not None and hit is not None and hit[0]() is plan:
+        return hit[1]
+    kept = kept_bytes_per_rank(plan, block_bytes)
+    decision = "keep"
+    for r in plan.ranks:
+        limit = budget if budget != RING_BUDGET else sum(block_bytes(b) for b in plan.local_blocks(r))
+        if kept[r] > limit:
+            decision = "resend"
+            break
+    if cache_key is not None:
+        if len(_DECISIONS) > 1024:
+            _DECISIONS.clear()
+        _DECISIONS[key] = (weakref.ref(plan), decision)
+    return decision
+
+
+_DECISIONS: dict[tuple, tuple[weakref.ref, str]] = {}  # (id(plan), budget, key) -> (plan ref, decision)
