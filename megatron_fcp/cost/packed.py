@@ -34,14 +34,16 @@ to the forward's 2) times the forward FLOPs:
 * FCP: the plan's rounds reversed with every transfer flipped (:meth:`Plan.backward_rounds`); each
   carries the block's partial dK/dV in the input dtype (``grad_dtype_bytes``, default
   ``shape.dtype_bytes``: the KV's bytes, as TE's ring sends dKV), as the executor sends (summed in
-  FP32, rounded per hop: Note [Backward pipeline]). Timed per rank in the executor's order (Note [Backward
-  pipeline] in ``attention/function.py``), not with a barrier per round; see
-  Note [FCP backward timeline].
+  FP32, rounded per hop: Note [Backward pipeline] in :mod:`megatron_fcp.attention.function`). What the
+  executor runs is its backward program (Note [Backward program] in
+  :mod:`megatron_fcp.schedule.program`): :func:`simulate_backward_waves` prices that program;
+  :func:`simulate_plan_backward` is the plan's backward in one pass from kept KV (Note [FCP
+  backward timeline]), the model each wave of a program is reported with.
 
 Note [FCP backward timeline]
 ----------------------------
-The executor of rank ``j`` (``R`` forward rounds, ``C_j(r)`` = its compute on the blocks it received
-in forward round ``r``, ``C_j(-1)`` = its own blocks) runs one thread, one stream::
+The one-pass backward of a plan: rank ``j`` (``R`` forward rounds, ``C_j(r)`` = its compute on the
+blocks it received in forward round ``r``, ``C_j(-1)`` = its own blocks), one thread, one stream::
 
     (resend: run the forward rounds again)            S_j = 0, or the forward's comm_s under resend
     compute C_j(R-1); post(R-1)                        P_j(R-1) = S_j + C_j(R-1)
@@ -269,8 +271,8 @@ def simulate_plan_backward(
 ) -> SimResult:
     """Backward pass of a plan (over a placement, or Megatron's zigzag split of ``shape.seq_len``
     tokens): the dK/dV reduction along the reversed rounds;
-    see Note [FCP backward timeline]. ``order="executor"``: each rank in the executor's order (the
-    default; what runs today). ``order="eager"``: a what-if executor that computes without waiting
+    see Note [FCP backward timeline]. ``order="executor"`` (default): each rank computes and posts
+    in the order of that Note. ``order="eager"``: a what-if executor that computes without waiting
     and sends each partial as soon as it is complete (its compute done and its children's partials
     in), receivers posted up front. ``timeline[k]`` is backward round ``k`` (forward round ``R-1-k``):
     first message start, last finish. ``grad_dtype_bytes``: bytes per element of the dK/dV partials

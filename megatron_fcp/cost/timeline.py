@@ -31,21 +31,12 @@ all resolved), so a message never takes a resource before one that started earli
 complete for its sender when it arrives (NCCL) or, with ``buffered_sends`` (gloo over TCP), when it
 starts: gloo's ``isend`` completes only once the peer has posted the matching receive (measured
 here: a 4 KiB .. 16 MiB send's wait returned when a receiver that posted 1 s late did), and the
-socket then takes the bytes. (Before, buffered sends were taken as complete at once; a rank ran
-ahead of a receiver that had not posted, and the emulated ``@keep`` hierarchical runs measured
-13-19% slower than priced; now 10-15%. The executor itself did not poll as modelled then: on gloo
-``test`` never answered True (Note [Testing a gloo round] in :mod:`megatron_fcp.attention.gloo_watch`), and on
-an asynchronous device the host polled at launch, not at the job's end (Note [Polling on the
-device's clock] in :mod:`megatron_fcp.attention.backward_waves`); with both fixed the emulated 2x4
-GQA head-parallel backward measured within 2-7% of this model, from +16%.) A test at
+socket then takes the bytes (a model that took buffered sends as complete at once let a rank run
+ahead of a receiver that had not posted, and under-priced them). A test at
 clock t answers False once a message of it starts at or after t, else waits (in the simulation,
 not in simulated time) until its messages are resolved and compares their arrival with t. The
-result is the last rank's end. (The executor before polling ran one step per reverse round:
-post round j, compute the j-th equal share of the jobs, wait round j; a step lasted the longer of
-the two on the slower partner, and a rank's compute waited for its partners' reductions.) The
-lock-step sum ``fetch(0) + sum_w max(reduce(w-1), compute(w),
-fetch(w+1))`` (the model before this one) put a barrier after every wave; it cannot see that a
-wave whose reduction is one slow link's transfer delays only the ranks on that transfer's path.
+result is the last rank's end. No barrier between waves: a wave whose reduction is one slow link's
+transfer delays only the ranks on that transfer's path, which a lock-step sum over waves cannot see.
 """
 
 from __future__ import annotations

@@ -40,22 +40,18 @@ their order are the same in every variant, so ``keep``, ``resend`` and ``auto`` 
 (a relay's ``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
 
 **Own blocks.** A rank's own K and V are there from the start and their partials go nowhere, so
-their jobs may run at any step that computes anyway. They used to run at the last step, beside the
-chains' sums coming home (TE's ring computes one shard per step, its own among them). That is free
-when every step's compute is alike, but a head-parallel stage ring staggered over several rounds
-computes a sliver of remote work per step and owns ``a`` members' chunks: 2 x 4 ranks, MHA,
-stagger 4, the last step computed 67 ms (all own blocks) beside 55 ms of messages while the steps
-before it computed 17-34 ms beside 55 ms each. :func:`_place_own` now gives each own block, larger
-first, to the step with the least work so far (ties: the later step), among the steps after the
-first sub-round's compute (whose partials start the chains), counted from that sub-round so that
-every backward KV mode places alike (a re-sending ring without the first sub-round kept has one
-step more in front, KV only, which gets none). A zigzag ring keeps
-its own chunks at the last step (every step's work is the same, so ties send them there); the
-stage ring above spreads them over steps 1-4 and its backward prices 12 ms less (265 -> 253 ms;
-with stagger 8 276 -> 236 ms, which the planner then prefers: fwd+bwd 0.555 -> 0.523 s at
-180 / 20 Mbit/s). Only
-where a job runs changes, not which jobs, so every backward KV mode still walks the same jobs in
-the same order and agrees bit for bit.
+their jobs may run at any step that computes anyway. :func:`_place_own` gives each own block,
+larger first, to the step where the rank has the least work so far (ties: the later step), among
+the steps after the first sub-round's compute (whose partials start the chains), counted from that
+sub-round so that every backward KV mode places alike (a re-sending ring without the first
+sub-round kept has one step more in front, KV only, which gets none). Why: a step lasts the longer
+of its busiest rank's compute and its messages, so compute piled on one step (all own blocks at the
+last one) makes that step compute-bound while the steps before it leave link time unused; a
+head-parallel stage ring staggered over several rounds, which computes a sliver of remote work per
+step and owns ``a`` members' chunks, is the case where it matters. A zigzag ring's steps carry
+equal work, so ties send its own chunks to the last step, as TE's ring computes them. Only where a
+job runs changes, not which jobs, so every backward KV mode still walks the same jobs in the same
+order and agrees bit for bit.
 
 **Memory.** Within backward a rank holds received KV of two sub-rounds (computing and arriving,
 counted from the receive buffer's allocation: two shards) plus, with ``first_kept``, the saved

@@ -30,16 +30,14 @@ a packed batch (blocks of very different work), strands a few ranks' last delive
 empty waves; where every rank's need set fits the byte budget anyway, the cap alone creates waves.
 With fine sub-blocks it starves the communication instead: at 8 parts per chunk a rank takes one
 or two small blocks per wave against a budget of eight, and every wave pays its reduction's rounds
-(dgx-a100:3, cp = 24: 195 waves). So :func:`plan_waves` packs with the cap at 1x, 2x, 4x and
+(a 1x cap on fine sub-blocks gives one wave per block or two). So :func:`plan_waves` packs with the cap at 1x, 2x, 4x and
 unbounded times the largest delivery (:data:`WAVE_CAP_SCALES`) and keeps the least *pace*: the sum
 over waves of the larger of the busiest rank's work and the most bytes a rank receives in the wave,
 each relative to the whole backward's (1.0: every wave as balanced as the one pass); among paces
-within 1% (:data:`WAVE_TIE`), the fewest waves. The byte budget binds every candidate alike. In the
-cost model (resend; Note [Wave pipeline timeline] in cost/timeline.py, NCCL's sends): the
-cp = 24 plan (131,088 tokens, GQA 32:8) takes 55 waves and 63.1 ms instead of 96.6 ms; a cp = 16
-packed plan on dgx-h100:2 (GQA 64:8, 32K tokens per rank, lognormal 8.0/1.2) one wave and 52.8 ms
-(5 waves, 57.2 ms at the 1x cap), cp = 64 on dgx-h100:8 4 waves and 92.2 ms (8 waves, 100.2 ms);
-zigzag plans at 128K on dgx-h100:2 keep the waves they had. The choice reads only the plan and
+within 1% (:data:`WAVE_TIE`), the fewest waves. The byte budget binds every candidate alike, so no
+candidate holds more received KV than another; which cap wins depends on the plan (fine sub-blocks
+and packed batches loosen it, zigzag plans with whole chunks keep the tight one). The choice reads
+only the plan and
 block sizes, so every rank and the cost model make it alike.
 
 Whether the waves re-send KV or start from what the forward kept is :func:`choose_backward_kv`'s
@@ -86,8 +84,8 @@ def leading_own_jobs(n_own: int, n_waves: int) -> int:
     arrives (Note [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`); the rest run
     last, while the last reduction returns. With several waves all run first (later waves' jobs
     hide the reductions); a single wave's reduction has nothing after it but what is left of the
-    own jobs, so half of them (rounded up) run first and half last: a packed cp = 16 batch on
-    dgx-h100:2 (one wave) 70.9 -> 69.2 ms modelled, TP = 8 with one CP rank per node 59.2 -> 56.8 ms."""
+    own jobs, so half of them (rounded up) run first and half last: the wave's reduction then
+    overlaps the second half instead of running alone at the end."""
     return n_own if n_waves > 1 else (n_own + 1) // 2
 
 
