@@ -208,3 +208,25 @@ def test_clock_for_and_reads_host():
     assert GlooTransport.reads_host
     assert reads_host(TransportWrapper(GlooTransport.__new__(GlooTransport)))
     assert not reads_host(TransportWrapper(object()))
+
+
+def test_the_emulated_stream_is_a_device_clock():
+    """Note [The emulated GPU stream]: a mark is the end of the queued work, reached once that time
+    has passed (no sleep to ask); host_wait sleeps until it and is counted; the sleep kernel names
+    its stream as its clock (the executor's pump polls it), none when it sleeps in the call."""
+    import time
+
+    from megatron_fcp.emulate.sleep_kernel import SleepKernel, VirtualStream
+
+    s = VirtualStream()
+    assert isinstance(s, DeviceClock) and s.reached(s.mark())
+    s.launch(0.02)
+    m = s.mark()
+    t0 = time.perf_counter()
+    assert not s.reached(m) and time.perf_counter() - t0 < 0.01 and not s.host_waits
+    s.host_wait(m, "test")
+    assert s.reached(m) and time.perf_counter() >= m and s.host_waits == {"test": 1}
+    s.synchronize()
+    assert s.host_waits == {"test": 1, "synchronize": 1}
+    assert clock_for(SleepKernel(1e12, stream=s), torch.device("cpu")) is s
+    assert type(clock_for(SleepKernel(1e12), torch.device("cpu"))) is DeviceClock

@@ -392,7 +392,7 @@ def run_backward_waves(ex, waves: tuple[Wave, ...], k: torch.Tensor, v: torch.Te
 
     # the first wave's own blocks are computed while its KV arrives (every mode: the same job order);
     # with one wave, half of them wait for the end, while its reduction returns (leading_own_jobs)
-    pump = _Pump(ex, ex._clock(k.device))
+    pump = _Pump(ex, ex.clock)
     first = jobs(waves[0], first=True) if waves else []
     n_own = sum(1 for b in first if b in local)
     lead = leading_own_jobs(n_own, len(waves))

@@ -204,25 +204,19 @@ class _Executor:
         self.q_ready: Callable[[], None] | None = None  # forward: called once before q is first read
         self.dq_ready: Callable[[torch.Tensor], None] | None = None  # backward: called once with the final dq
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
-        self.clock: DeviceClock | None = None   # the kernels' device clock, from the first call's tensors
+        self.clock: DeviceClock | None = None   # the kernels' device clock (device_clock.clock_for), set by a call
         for r, rnd in enumerate(plan.rounds):
             for t in rnd:
                 if t.src == rank:
                     self._last_send[t.block] = r
 
     # -- helpers -------------------------------------------------------------------------------
-    def _clock(self, device) -> DeviceClock:
-        """The device's clock (Note [No host synchronisation in the steady state])."""
-        if self.clock is None:
-            self.clock = clock_for(self.kernel, device)
-        return self.clock
-
     def _sync(self, device) -> None:
         if self.stats is not None:  # a job's compute time is measured to its end
-            self._clock(device).host_wait(self._clock(device).mark(), "stats")
+            self.clock.host_wait(self.clock.mark(), "stats")
 
     def _post(self, sends, recvs, *, round_index: int, phase: str):
-        if sends and self.clock is not None:
+        if sends:  # Note [No host synchronisation in the steady state]
             self.clock.before_send(self.transport)
         try:
             return self.transport.post(sends, recvs, round_index=round_index, phase=phase)
@@ -231,7 +225,7 @@ class _Executor:
 
     def _post_batch(self, posts):
         """Several rounds at once (:meth:`~megatron_fcp.comm.Transport.post_batch`): one handle each."""
-        if self.clock is not None and any(p.sends for p in posts):
+        if any(p.sends for p in posts):
             self.clock.before_send(self.transport)
         try:
             return self.transport.post_batch(posts)
@@ -281,7 +275,7 @@ class _Executor:
         into ``kept`` too). Returns (seconds waited, bytes sent, peak bytes of received KV alive
         at once)."""
         lay = self.layout
-        self._clock(k.device)
+        self.clock = self.clock or clock_for(self.kernel, k.device)
         have: dict[Block, torch.Tensor] = {}
         for b in self.local_blocks:
             sl = lay.local_slice(b)
@@ -387,7 +381,7 @@ class _Executor:
         t_start = time.perf_counter()
         compute_s = 0.0
         lay, hk = self.layout, k.shape[2]
-        self._clock(q.device)
+        self.clock = self.clock or clock_for(self.kernel, q.device)
         cd = compute_dtype_for(q.dtype)
         doc = dout.to(cd)
         preps: dict = {}                                                         # per-row-range layouts

@@ -30,8 +30,13 @@ leaves the rank: before a backward post that sends (dK/dV partials depend on the
 stream would wait on the compute stream's event), before each head-parallel all-to-all (out and
 dQ|dK|dV are computed), and at the end of the timed forward + backward (``cuda.synchronize``
 before the timer stops): :mod:`megatron_fcp.emulate.runners`. Forward KV transfers and relays
-never wait, as on a GPU. So the executor's own CPU work (merges, bookkeeping, autograd) overlaps
-the emulated kernels as it overlaps real ones, instead of adding to them.
+never wait, as on a GPU. Between jobs the executor only *queries* the stream, as it queries a CUDA
+stream's events: the stream is the kernel's device clock (``SleepKernel.clock``; Note [No host
+synchronisation in the steady state] in :mod:`megatron_fcp.attention.device_clock`), a mark the
+time the work queued so far ends, and the wave backward's pump polls until the job before last
+has ended (Note [Polling on the device's clock] in :mod:`megatron_fcp.attention.backward_waves`).
+So the executor's own CPU work (merges, bookkeeping, autograd) overlaps the emulated kernels as it
+overlaps real ones, instead of adding to them.
 
 ``--compute blocking-sleep`` (the emulator's first measurements) sleeps inside the kernel call
 instead: the host is busy for the block's time, and CPU work adds to the kernels. A
