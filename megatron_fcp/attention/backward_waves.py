@@ -284,7 +284,7 @@ class _Pump:
         before, self.last_mark = self.last_mark, self.clock.mark()
         self._advance()
         while self.k < len(self.order) and not self.clock.reached(before):
-            self.clock.pause()
+            self.clock.pause(before)
             self._advance()
 
     def _advance(self) -> None:

@@ -11,7 +11,7 @@ method        CPU (:class:`DeviceClock`)      CUDA (:class:`CudaClock`)         
                                               (compute) stream                   work ends
 ``reached``   True                            ``event.query()`` (non-blocking)   ``now >= mark``
 ``host_wait`` nothing                         ``event.synchronize()`` (counted)  sleep until the mark
-``pause``     nothing                         ``time.sleep(0)`` (yield the GIL)  sleep a little
+``pause``     nothing                         ``time.sleep(0)`` (yield the GIL)  sleep <= 1 ms
 ============  ==============================  =================================  =====================
 
 (:class:`~megatron_fcp.emulate.sleep_kernel.VirtualStream` implements the protocol in the
@@ -81,8 +81,10 @@ class DeviceClock:
         del mark
         self._count(why)
 
-    def pause(self) -> None:
-        """Between two non-blocking polls of a busy device: let other threads run."""
+    def pause(self, mark: Any) -> None:
+        """Between two non-blocking polls of a device not yet at ``mark``: let other threads run
+        (never past ``mark``)."""
+        del mark
 
     def before_send(self, transport) -> None:
         """Right before a post that sends: the host waits for the device only if ``transport``
@@ -117,7 +119,8 @@ class CudaClock(DeviceClock):
         if mark is not None:
             mark.synchronize()
 
-    def pause(self) -> None:
+    def pause(self, mark: Any) -> None:
+        del mark
         time.sleep(0)
 
     def before_send(self, transport) -> None:

@@ -104,8 +104,9 @@ class VirtualStream(DeviceClock):
     time the work queued so far ends, ``reached`` compares it with now, ``host_wait`` sleeps until
     it -- the executor's loops see it exactly as they see a CUDA stream's events."""
 
-    #: seconds :meth:`pause` sleeps between two polls of a busy emulated device
-    POLL_S = 2e-4
+    #: seconds :meth:`pause` sleeps at most between two polls of a busy emulated device (eight
+    #: ranks share the emulator's cores: a poll is host work that a real GPU's host does not share)
+    POLL_S = 1e-3
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,8 +130,10 @@ class VirtualStream(DeviceClock):
         if owed > 0:
             time.sleep(owed)
 
-    def pause(self) -> None:
-        time.sleep(self.POLL_S)
+    def pause(self, mark) -> None:
+        left = self.POLL_S if mark is None else min(self.POLL_S, mark - time.perf_counter())
+        if left > 0:
+            time.sleep(left)
 
     def synchronize(self) -> None:
         """Wait for everything queued (a GPU runtime's ``stream.synchronize()``)."""
