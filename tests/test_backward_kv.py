@@ -243,9 +243,9 @@ def test_timing_never_changes_the_bits():
     """The wave backward advances its reductions and re-sends on ``transport.test`` between jobs
     (Note [Backward waves]); how far they get depends on timing, the arithmetic must not. Random
     message delays, a transport whose ``test`` never knows (the base answer: rounds move only
-    at the blocking finish), and a kernel whose device the pump waits for before polling (Note
-    [Polling on the device's clock]) give bitwise the plain run's out, lse, dq, dk, dv
-    (hierarchical 2 x 2 with sub-blocks: relays and several waves; resend)."""
+    at the blocking finish), and a kernel whose device is behind the host, so that the pump keeps
+    polling between jobs (Note [Polling on the device's clock]) give bitwise the plain run's out,
+    lse, dq, dk, dv (hierarchical 2 x 2 with sub-blocks: relays and several waves; resend)."""
     from megatron_fcp.testing.harness import harness_attention
     from megatron_fcp.attention.comm import DelayTransport, Transport, TransportWrapper
 
@@ -254,24 +254,51 @@ def test_timing_never_changes_the_bits():
     class Unknowing(TransportWrapper):
         test = Transport.test                                    # always False: "unknown"
 
-    class Syncing(MathKernel):
-        """Records the device waits of Note [Polling on the device's clock] (CPU: nothing to wait for)."""
-        devices: list = []
+    import threading
 
-        def synchronize(self, device=None):
-            self.devices.append(device)
+    from megatron_fcp.attention.device_clock import DeviceClock
+
+    class Behind(DeviceClock):
+        """A device behind the host (Note [Polling on the device's clock]): each mark is reached
+        only at its second query, so the pump keeps polling between jobs (CPU: nothing to wait for)."""
+        queries = 0
+
+        def __init__(self):
+            super().__init__()
+            self.asked: set = set()
+            self.n = 0
+
+        def mark(self):
+            self.n += 1
+            return self.n
+
+        def reached(self, mark):
+            Behind.queries += 1
+            done = mark is None or mark in self.asked
+            self.asked.add(mark)
+            return done
+
+    class Clocked(MathKernel):
+        def __init__(self):
+            self._local = threading.local()
+
+        @property
+        def clock(self):                                  # one per virtual rank (thread)
+            if not hasattr(self._local, "clock"):
+                self._local.clock = Behind()
+            return self._local.clock
 
     full, placement, plan = case_setup("hier", "fp32")
     runs = {}
     for name, wrap, kernel in (("plain", None, "math"),
                                ("delayed", lambda r, t: DelayTransport(t, _delay(r)), "math"),
                                ("unknowing", lambda r, t: Unknowing(t), "math"),
-                               ("device-clock", None, Syncing())):
+                               ("device-clock", None, Clocked())):
         res = harness_attention(*full, cp=4, plan=plan, causal=True, placement=placement, backward_kv="resend",
                                 transport=wrap, kernel=kernel)
         runs[name] = [r.tensors() for r in res.ranks]
-    # the pump waited for the device before its polls (rounds queued), on the tensors' device
-    assert Syncing.devices and set(Syncing.devices) == {torch.device("cpu")}
+    # the pump polled the device's clock between jobs (rounds queued), without a host wait
+    assert Behind.queries > 0
     for name in ("delayed", "unknowing", "device-clock"):
         for a, b in zip(runs["plain"], runs[name]):
             for q in ("out", "lse", "dq", "dk", "dv"):

@@ -11,7 +11,6 @@ import ast
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "megatron_fcp"
 

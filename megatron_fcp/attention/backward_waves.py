@@ -46,18 +46,19 @@ Note [Polling on the device's clock]
 ------------------------------------
 The cost model's rank polls at the *end* of each job (Note [Wave pipeline timeline]). On a device
 that runs kernels asynchronously (CUDA; the emulator's GPU stream) the host reaches the job
-boundary once the job is *launched*: it polls long before the device gets there, finds the rounds
-it waits for still in flight (their partners' devices are behind too), launches the next jobs, and
-when it finally posts, the send waits for every kernel launched so far -- a reduction hop a job or
-more late. So when the pump has rounds queued, :meth:`_Pump.poll` first waits for the device to
-finish what was launched (``kernel.synchronize(device)``: the current CUDA stream; the emulated
-stream; nothing on CPU), then tests and posts: the host observes job ends, as priced. The price is
-the host's own time between that wait and the next launch (the poll and the next job's setup), a
-gap in the device's work the model does not count. Measured on the emulated 2 x 4 cluster (90 / 10
-Mbit/s, GQA 8:2, 4K tokens; gloo ``test`` working in both): ``fcp-hp@keep`` 1.209 -> 1.071 s
-(model 1.046 s), ``fcp-hp`` 1.410 -> 1.304 s (1.215 s), ``fcp-auto@keep`` 1.457 -> 1.384 s
-(1.470 s). Not measured on a GPU; a launch-ahead design (record an event per job, post each
-round behind the event of the job that produced it) would avoid the gap.
+boundary once the job is *launched*: polled only then, it would find the rounds it waits for
+still in flight (their partners' devices are behind too), race ahead launching the wave's jobs,
+and post the reductions at the blocking finish. Waiting for the device there
+(``synchronize``) observes job ends but leaves the device idle while the host polls, posts and
+launches. So the pump paces the host by the device's clock without synchronising
+(:class:`~megatron_fcp.attention.device_clock.DeviceClock`; Note [No host synchronisation in the
+steady state]): :meth:`_Pump.poll` takes a mark after the jobs launched so far and, while rounds
+are queued, keeps testing and posting them (non-blocking) until the device has reached the
+*previous* poll's mark -- the end of the job before the one just launched. The host launches job
+j + 1 while the device runs job j: the device always has work queued, and the host still sees
+rounds complete about when a job ends, as priced. A post's sends are ordered after their
+producer on the device (NCCL: the transport's event; no host wait). On CPU every mark is reached
+at once: one poll per job, as before.
 
 Under ``keep`` the blocks come from what the forward saved and nothing is fetched.
 
@@ -110,13 +111,13 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from megatron_fcp.attention.device_clock import DeviceClock
 from megatron_fcp.attention.comm import RoundPost
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 
 if TYPE_CHECKING:
-    from megatron_fcp.attention.kernels import BlockKernel
     from megatron_fcp.attention.layout import ShardLayout
 
 __all__ = ["BackwardHost", "run_backward_waves"]
@@ -133,7 +134,7 @@ class BackwardHost(Protocol):
     rank: int
     layout: ShardLayout
     local_blocks: tuple[Block, ...]
-    kernel: BlockKernel
+    clock: DeviceClock          # marks on the kernels' device (Note [No host synchronisation in the steady state])
 
     def post(self, sends, recvs, *, round_index: int, phase: str): ...
     def post_batch(self, posts: list[RoundPost]) -> list: ...
@@ -287,10 +288,10 @@ class _Pump:
     waits until given chains are through. A completed round is always waited (``wait``) before
     its receives are used."""
 
-    def __init__(self, ex: BackwardHost, device: torch.device) -> None:
-        self.ex, self.order, self.k, self.device = ex, [], 0, device
-        self.sync = getattr(ex.kernel, "synchronize", None)  # BlockKernel's; a duck-typed kernel may lack it
+    def __init__(self, ex: BackwardHost, clock: DeviceClock) -> None:
+        self.ex, self.order, self.k, self.clock = ex, [], 0, clock
         self.chains: list = []
+        self.last_mark = None                                        # after the jobs launched so far
 
     def extend(self, chains: list) -> None:
         n = max((c.left() for c in chains), default=0)
@@ -301,8 +302,16 @@ class _Pump:
         return c.pending is None or self.ex.test(c.pending[0])
 
     def poll(self) -> None:
-        if self.k < len(self.order) and self.sync is not None:  # rounds queued: on the device's clock
-            self.sync(self.device)                                    # (Note [Polling on the device's clock])
+        """Between two jobs (before launching the next): post what is ready; while rounds are
+        queued and the device has not reached the end of the job before last, keep polling
+        (non-blocking; Note [Polling on the device's clock])."""
+        before, self.last_mark = self.last_mark, self.clock.mark()
+        self._advance()
+        while self.k < len(self.order) and not self.clock.reached(before):
+            self.clock.pause(before)
+            self._advance()
+
+    def _advance(self) -> None:
         self._post_ready(self._take_ready([], len(self.order) - 1))
         for c in self.chains:                                    # a chain's last round: nothing behind it
             if not c.left() and c.pending is not None and self._ready(c):
@@ -407,7 +416,7 @@ def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tenso
 
     # the first wave's own blocks are computed while its KV arrives (every mode: the same job order);
     # with one wave, half of them wait for the end, while its reduction returns (leading_own_jobs)
-    pump = _Pump(ex, k.device)
+    pump = _Pump(ex, ex.clock)
     first = jobs(waves[0], first=True) if waves else []
     n_own = sum(1 for b in first if b in local)
     lead = leading_own_jobs(n_own, len(waves))

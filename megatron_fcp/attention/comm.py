@@ -102,7 +102,14 @@ class RoundPost:
 
 
 class Transport:
-    """Interface: ``post`` one round of sends/receives, ``wait`` for a posted round."""
+    """Interface: ``post`` one round of sends/receives, ``wait`` for a posted round.
+
+    ``reads_host``: the transport reads send buffers on the host (gloo stages a CUDA tensor
+    through host memory), so the device must be done with them at the post: the executor waits
+    for its device there, and only there (Note [No host synchronisation in the steady state] in
+    :mod:`megatron_fcp.attention.device_clock`). False: sends are ordered on the device."""
+
+    reads_host = False
 
     def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
         raise NotImplementedError
@@ -133,6 +140,8 @@ class GlooTransport(Transport):
     group: the CP process group (peers are global ranks, as in the plan).
     timeout_s: how long ``wait`` waits for a whole round before raising :class:`CommTimeout`.
     """
+
+    reads_host = True  # a CUDA send buffer is copied to the host at the post
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.group = group
@@ -293,6 +302,10 @@ class TransportWrapper(Transport):
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
+
+    @property
+    def reads_host(self) -> bool:  # type: ignore[override]
+        return getattr(self.inner, "reads_host", False)
 
     def post(self, round_sends: Pairs, round_recvs: Pairs, *, round_index: int, phase: str = "forward") -> Handle:
         return self.inner.post(round_sends, round_recvs, round_index=round_index, phase=phase)

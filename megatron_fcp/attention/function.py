@@ -72,6 +72,7 @@ import torch
 from megatron_fcp.attention.agreement import LastAgreed
 from megatron_fcp.attention.backward_waves import run_backward_waves
 from megatron_fcp.attention.backward_chain import run_backward_chain
+from megatron_fcp.attention.device_clock import DeviceClock, clock_for
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
@@ -197,7 +198,7 @@ class _Executor:
 
     def __init__(self, plan: Plan, rank: int, transport: Transport, causal: bool, scale: float,
                  layout: ShardLayout, stats: FCPStats | None, kernel: BlockKernel, program: BackwardProgram,
-                 q_ready: Callable[[], None] | None = None,
+                 device: torch.device, q_ready: Callable[[], None] | None = None,
                  dq_ready: Callable[[torch.Tensor], None] | None = None) -> None:
         if program.plan is not plan:
             raise ValueError("_Executor: the backward program was compiled for another plan")
@@ -210,6 +211,7 @@ class _Executor:
         self.q_ready = q_ready      # forward: called once before q is first read
         self.dq_ready = dq_ready    # backward: called once with the final dq
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
+        self.clock: DeviceClock = clock_for(kernel, device)  # Note [No host synchronisation in the steady state]
         for r, rnd in enumerate(plan.rounds):
             for t in rnd:
                 if t.src == rank:
@@ -217,12 +219,14 @@ class _Executor:
 
     # -- helpers -------------------------------------------------------------------------------
     def _sync(self, device) -> None:
-        if self.stats is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self.stats is not None:  # a job's compute time is measured to its end
+            self.clock.host_wait(self.clock.mark(), "stats")
 
     # -- what the backward runners use (the BackwardHost protocol of backward_waves) ------------
     def post(self, sends, recvs, *, round_index: int, phase: str):
         """Post one round of this rank's sends and receives (:meth:`~megatron_fcp.attention.comm.Transport.post`)."""
+        if sends:  # Note [No host synchronisation in the steady state]
+            self.clock.before_send(self.transport)
         try:
             return self.transport.post(sends, recvs, round_index=round_index, phase=phase)
         except CommTimeout as exc:  # a peer already gone: the same words as a failed wait
@@ -230,6 +234,8 @@ class _Executor:
 
     def post_batch(self, posts):
         """Several rounds at once (:meth:`~megatron_fcp.attention.comm.Transport.post_batch`): one handle each."""
+        if any(p.sends for p in posts):
+            self.clock.before_send(self.transport)
         try:
             return self.transport.post_batch(posts)
         except CommTimeout as exc:
@@ -561,7 +567,7 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
     token_bytes = 2 * math.prod(k.shape[1:]) * k.element_size()       # K and V of one token, b sequences
     program = compile_backward(plan_obj, token_bytes, policy,
                                seq_len=None if placement is not None else q.shape[0] * plan_obj.cp)
-    return _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj, program,
+    return _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj, program, q.device,
                      q_ready=q_ready, dq_ready=dq_ready)
 
 

@@ -307,6 +307,8 @@ class BlockKernel:
     Document masks (packed batches): a kernel with ``documents = True`` also takes ``q_doc=``,
     ``k_doc=`` (int64 ``[n]`` / ``[m]`` CPU tensors) and lets a query see only keys of its own
     document; without them (the zigzag path) it is never passed them.
+    A kernel whose device is not the tensors' (the emulator's) names its clock as ``clock``
+    (:func:`~megatron_fcp.attention.device_clock.clock_for`).
     """
 
     name = ""
@@ -320,13 +322,6 @@ class BlockKernel:
 
     def prepare_backward(self, q: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, h_kv: int) -> dict:
         return {}
-
-    def synchronize(self, device: "torch.device | None" = None) -> None:
-        """Wait until every kernel launched so far has run (Note [Polling on the device's clock] in
-        :mod:`megatron_fcp.attention.backward_waves`): ``device``'s current CUDA stream; on CPU the
-        kernels ran in the call, nothing to wait for."""
-        if device is not None and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
 
     def forward(self, q, k, v, q_pos, k_pos, causal: bool, scale: float, **prep):
         raise NotImplementedError

@@ -306,7 +306,7 @@ def simulate_plan_backward(
                           name=name)
     flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * backward_flop_ratio
 
-    def block_pairs(j: int, blk) -> float:
+    def rank_block_pairs(j: int, blk) -> float:
         if pl is not None:
             return pl.pairs(j, pos[blk.owner], blk.chunk)
         return int(block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.causal))
@@ -325,14 +325,14 @@ def simulate_plan_backward(
             p = block_pairs(cp, shape.seq_len, P_, jj, oo, np.array([g[2].chunk for g in got]),
                              np.array([g[2].part for g in got]), plan.causal).astype(np.float64)
         else:
-            p = np.array([block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
+            p = np.array([rank_block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
         np.add.at(C, (rr + 1, jj), p * flop_s)
         live = p > 0
         if live.any():  # one launch per (round, rank, owner) with work
             _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
             np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), cm.kernel_overhead_s)
     for j, rank in enumerate(plan.ranks):
-        own = sum(block_pairs(j, blk) for blk in plan.local_blocks(rank)
+        own = sum(rank_block_pairs(j, blk) for blk in plan.local_blocks(rank)
                   if computes is None or (blk, rank) in computes)
         C[0, j] = own * flop_s + cm.kernel_overhead_s if own else 0.0
     # resend: the forward rounds run again before anything is computed

@@ -30,8 +30,13 @@ leaves the rank: before a backward post that sends (dK/dV partials depend on the
 stream would wait on the compute stream's event), before each head-parallel all-to-all (out and
 dQ|dK|dV are computed), and at the end of the timed forward + backward (``cuda.synchronize``
 before the timer stops): :mod:`megatron_fcp.emulate.runners`. Forward KV transfers and relays
-never wait, as on a GPU. So the executor's own CPU work (merges, bookkeeping, autograd) overlaps
-the emulated kernels as it overlaps real ones, instead of adding to them.
+never wait, as on a GPU. Between jobs the executor only *queries* the stream, as it queries a CUDA
+stream's events: the stream is the kernel's device clock (``SleepKernel.clock``; Note [No host
+synchronisation in the steady state] in :mod:`megatron_fcp.attention.device_clock`), a mark the
+time the work queued so far ends, and the wave backward's pump polls until the job before last
+has ended (Note [Polling on the device's clock] in :mod:`megatron_fcp.attention.backward_waves`).
+So the executor's own CPU work (merges, bookkeeping, autograd) overlaps the emulated kernels as it
+overlaps real ones, instead of adding to them.
 
 ``--compute blocking-sleep`` (the emulator's first measurements) sleeps inside the kernel call
 instead: the host is busy for the block's time, and CPU work adds to the kernels. A
@@ -49,6 +54,7 @@ import time
 
 import torch
 
+from megatron_fcp.attention.device_clock import DeviceClock
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 
 __all__ = ["count_pairs", "Sleeper", "SleepKernel", "VirtualStream"]
@@ -91,11 +97,19 @@ class Sleeper:
         self.slept_s += time.perf_counter() - t0
 
 
-class VirtualStream:
+class VirtualStream(DeviceClock):
     """An emulated GPU stream (Note [The emulated GPU stream]): :meth:`launch` queues seconds of work
-    and returns at once; :meth:`synchronize` sleeps until the queue is done."""
+    and returns at once; :meth:`synchronize` sleeps until the queue is done. It is the kernel's
+    :class:`~megatron_fcp.attention.device_clock.DeviceClock` (``SleepKernel.clock``): a mark is the
+    time the work queued so far ends, ``reached`` compares it with now, ``host_wait`` sleeps until
+    it -- the executor's loops see it exactly as they see a CUDA stream's events."""
+
+    #: seconds :meth:`pause` sleeps at most between two polls of a busy emulated device (eight
+    #: ranks share the emulator's cores: a poll is host work that a real GPU's host does not share)
+    POLL_S = 1e-3
 
     def __init__(self) -> None:
+        super().__init__()
         self.reset()
 
     def reset(self) -> None:
@@ -104,10 +118,26 @@ class VirtualStream:
     def launch(self, seconds: float) -> None:
         self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
 
-    def synchronize(self) -> None:
-        owed = self.busy_until - time.perf_counter()
+    def mark(self) -> float:
+        return self.busy_until
+
+    def reached(self, mark) -> bool:
+        return mark is None or time.perf_counter() >= mark
+
+    def host_wait(self, mark, why: str) -> None:
+        self._count(why)
+        owed = (self.busy_until if mark is None else mark) - time.perf_counter()
         if owed > 0:
             time.sleep(owed)
+
+    def pause(self, mark) -> None:
+        left = self.POLL_S if mark is None else min(self.POLL_S, mark - time.perf_counter())
+        if left > 0:
+            time.sleep(left)
+
+    def synchronize(self) -> None:
+        """Wait for everything queued (a GPU runtime's ``stream.synchronize()``)."""
+        self.host_wait(self.busy_until, "synchronize")
 
 
 class SleepKernel(BlockKernel):
@@ -139,9 +169,14 @@ class SleepKernel(BlockKernel):
             self.stream.reset()
         self.modelled_s = 0.0
 
-    def synchronize(self, device: "torch.device | None" = None) -> None:
-        """Wait for the emulated GPU (no-op when blocking: every call already slept); ``device`` is
-        unused (the emulated stream is the kernel's own)."""
+    @property
+    def clock(self) -> VirtualStream | None:
+        """The executor's device clock: the emulated stream (None when blocking: a call returns
+        when its sleep is done, the CPU's clock)."""
+        return self.stream
+
+    def synchronize(self) -> None:
+        """Wait for the emulated GPU (no-op when blocking: every call already slept)."""
         if self.stream is not None:
             self.stream.synchronize()
 
