@@ -19,6 +19,9 @@ zero memory figures, fake streams/events)   and the rerun state machine call the
 ``arguments.get_device_arch_version`` -> 0  ``validate_args`` (cp > 1) asks it only to choose
                                             which CUDA_DEVICE_MAX_CONNECTIONS advice to print
 ``datasets.utils.compile_helpers`` no-op     the wheel ships the built helpers but no Makefile
+``training.set_jit_fusion_options`` no-op   it warms up (``torch.compile``, several seconds a rank
+                                            on CPU) fused bias-GeLU/dropout-add kernels for CUDA;
+                                            the runs turn those fusions off
 ``CudaToCpu`` (a ``TorchFunctionMode``)     ``device="cuda"``/``.cuda()``/``pin_memory`` ->
                                             CPU; ``t.type()`` reads ``torch.cuda.*`` (``clip_grads``
                                             asserts it); random tensors made "on cuda" (the JIT
@@ -177,6 +180,15 @@ def _compile_helpers() -> bool:
     return True
 
 
+def _no_jit_warmup() -> bool:
+    import megatron.training.training as training
+
+    if not hasattr(training, "set_jit_fusion_options"):
+        return False
+    training.set_jit_fusion_options = lambda *a, **k: None
+    return True
+
+
 def _fcp_cpu_shims() -> bool:
     from megatron_fcp.patches.cpu import apply_cpu_shims
 
@@ -195,6 +207,7 @@ STANDINS: tuple[Standin, ...] = (
     Standin("megatron.training.training:initialize_megatron(allow_no_cuda=True)", (0, 17), (0, 20), _allow_no_cuda),
     Standin("megatron.training.arguments:get_device_arch_version -> 0", (0, 17), (0, 20), _device_arch),
     Standin("megatron.core.datasets.utils:compile_helpers (no-op)", (0, 17), (0, 20), _compile_helpers),
+    Standin("megatron.training.training:set_jit_fusion_options (no-op)", (0, 17), (0, 20), _no_jit_warmup),
     Standin("megatron_fcp.patches.cpu shims (RNG tracker, buffers, RoPE, causal mask)", (0, 14), (0, 20),
             _fcp_cpu_shims),
     Standin("TorchFunctionMode CudaToCpu (cuda devices, .cuda(), pin_memory, Tensor.type, cuda RNG draws)",
