@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from megatron_fcp.run import split_fcp_argv
+from megatron_fcp.patches.megatron_lm import MegatronTrainingMissingError
+from megatron_fcp.run import main, split_fcp_argv
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_TRAINING = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.training") is not None
 
 
@@ -42,29 +40,29 @@ def test_yaml_enables_fcp_like_the_flag(tmp_path):
     assert config.enabled and config.graph == "ring" and rest == ["--lr", "1"]
 
 
-def _run(tmp_path, *argv):
+def _run(tmp_path, monkeypatch, capsys, *argv):
+    """``python -m megatron_fcp.run SCRIPT argv`` in this process (sys.argv and sys.path restored)."""
     script = tmp_path / "script.py"
     script.write_text("import json, sys\nprint(json.dumps({'argv': sys.argv, 'name': __name__}))\n")
-    return subprocess.run([sys.executable, "-m", "megatron_fcp.run", str(script), *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    main([str(script), *argv])
+    return capsys.readouterr()
 
 
-def test_without_fcp_the_script_runs_as_main_with_the_fcp_flags_stripped(tmp_path):
-    proc = _run(tmp_path, "--lr", "1", "--fcp-graph", "ring")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_without_fcp_the_script_runs_as_main_with_the_fcp_flags_stripped(tmp_path, monkeypatch, capsys):
+    captured = _run(tmp_path, monkeypatch, capsys, "--lr", "1", "--fcp-graph", "ring")
+    out = json.loads(captured.out.strip().splitlines()[-1])
     assert out["name"] == "__main__" and out["argv"][1:] == ["--lr", "1"]
-    assert "FCP not enabled (no --fcp); ignoring --fcp-graph ring" in proc.stderr
+    assert "FCP not enabled (no --fcp); ignoring --fcp-graph ring" in captured.err
 
 
 @pytest.mark.skipif(HAS_TRAINING, reason="megatron.training is installed (megatron-core >= 0.17)")
-def test_fcp_without_megatron_training_names_the_fix(tmp_path):
-    proc = _run(tmp_path, "--fcp")
-    assert proc.returncode != 0
-    assert "MegatronTrainingMissingError" in proc.stderr and "megatron-core>=0.17" in proc.stderr
+def test_fcp_without_megatron_training_names_the_fix(tmp_path, monkeypatch, capsys):
+    with pytest.raises(MegatronTrainingMissingError, match=r"megatron-core>=0\.17"):
+        _run(tmp_path, monkeypatch, capsys, "--fcp")
 
 
 def test_a_missing_script_is_a_usage_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megatron_fcp.run", str(tmp_path / "nope.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "not found" in proc.stderr
+    with pytest.raises(SystemExit, match="not found"):
+        main([str(tmp_path / "nope.py")])
