@@ -220,12 +220,15 @@ def run_group(env: Env, name: str, files: tuple[str, ...], tmp: Path) -> dict[st
         row["steps"] = len(runs["cp1"]["losses"])
     if name == "pretrain" and pretrain_metrics.exists():
         runs = json.loads(pretrain_metrics.read_text())
-        ref = runs["cp1"]["losses"]
-        row["max_rel_loss_diff"] = {
-            f"{k}_{'tp2cp2' if runs[k]['tp'] == 2 else 'cp2'}_vs_cp1":
-                _max_rel(runs[k]["losses"], ref) if runs[k]["losses"] and ref else None
-            for k in ("launcher", "spec")}
-        row["steps"] = len(ref)
+        row["max_rel_loss_diff"] = {}
+        for k in ("launcher", "spec"):
+            ref = "tp2cp1" if runs[k]["tp"] == 2 and "tp2cp1" in runs else "cp1"  # pretrain_runs.reference_of
+            a, b = runs[k]["losses"], runs[ref]["losses"]
+            row["max_rel_loss_diff"][f"{k}_{'tp2cp2' if runs[k]['tp'] == 2 else 'cp2'}_vs_{ref}"] = (
+                _max_rel(a, b) if a and b else None)
+        if "tp2cp1" in runs and runs["tp2cp1"]["losses"] and runs["cp1"]["losses"]:
+            row["megatron_own_tp2_vs_tp1"] = _max_rel(runs["tp2cp1"]["losses"], runs["cp1"]["losses"])
+        row["steps"] = len(runs["cp1"]["losses"])
         row["run_seconds"] = {k: v["seconds"] for k, v in runs.items()}
         row["standins"] = len(runs["cp1"].get("standins", []))
     return row
