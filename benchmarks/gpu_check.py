@@ -20,6 +20,10 @@ Sections (each skipped with a reason when what it needs is absent; nothing is in
   the bytes of its inputs and of one ``s x s`` score matrix (which must never appear).
 * ``gpt``       the tiny GPT example on CUDA for a few steps at cp = 1 vs FCP, when megatron-core is
   importable (see gpu_check.sh).
+* ``pretrain``  Megatron-LM's own ``pretrain()`` loop on CUDA with tests/megatron_driver's
+  ``pretrain_gpt.py``-shaped driver: cp = 1 (one rank) against FCP at cp = 2 through
+  ``python -m megatron_fcp.run`` (two gloo ranks sharing the GPU), 5 steps, the loop's own loss
+  dict; skipped when ``megatron.training`` is not importable (megatron-core < 0.17).
 
 The blockwise computation here is the executor's arithmetic without the transport: the same kernel
 calls, the same merge, the same backward; the harness section adds the transport and streams.
@@ -447,11 +451,38 @@ def section_gpt(device, timeout_s: int = 90) -> dict:
     return res
 
 
+def section_pretrain(device, timeout_s: int = 240) -> dict:
+    """Megatron-LM's ``pretrain()`` with FCP (launcher, cp = 2) vs cp = 1 (tests/megatron_driver)."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.training") is None:
+        return {"skipped": "megatron.training not importable (megatron-core wheels ship it from 0.17 on)"}
+    if device.type != "cuda":
+        return {"skipped": "CPU (tests/test_megatron_pretrain.py runs this on CPU)"}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "megatron_driver"))
+    from pretrain_runs import RUNS, max_rel, run_pretrain  # noqa: PLC0415
+
+    tmp = Path(tempfile.mkdtemp(prefix="fcp-pretrain-"))
+    res: dict = {}
+    for name in ("cp1", "launcher"):
+        run = run_pretrain(name, tmp, timeout_s=timeout_s, **RUNS[name])
+        res[name] = {k: run.get(k) for k in ("returncode", "seconds", "losses", "grad_norms", "layer_report",
+                                             "standins", "cuda", "megatron_core", "error")}
+        if run["returncode"] != 0:
+            res[name]["traceback"] = first_traceback(run["log"]) or run["log_tail"][-1500:]
+    a, b = res["cp1"].get("losses"), res["launcher"].get("losses")
+    if a and b and len(a) == len(b):
+        res["max_loss_rel_diff"] = max_rel(b, a)
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="gpu_check.json")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--sections", default="env,numerics,harness,speed,memory,gpt")
+    p.add_argument("--sections", default="env,numerics,harness,speed,memory,gpt,pretrain")
     p.add_argument("--seqs", default="32768,65536,131072", help="tokens for speed and memory")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
@@ -467,6 +498,7 @@ def main(argv=None) -> int:
         "speed": lambda: section_speed(device, seqs, args.repeats),
         "memory": lambda: section_memory(device, seqs) if device.type == "cuda" else {"skipped": "CPU"},
         "gpt": lambda: section_gpt(device) if device.type == "cuda" else {"skipped": "CPU"},
+        "pretrain": lambda: section_pretrain(device),
     }
     for name in args.sections.split(","):
         t0 = time.perf_counter()
@@ -506,6 +538,9 @@ def summarize(result: dict) -> dict:
     mem = result.get("memory")
     if isinstance(mem, list):
         s["memory_no_s_by_s"] = all(r["no_s_by_s"] for r in mem)
+    pre = result.get("pretrain")
+    if isinstance(pre, dict):
+        s["pretrain"] = pre.get("skipped") or pre.get("max_loss_rel_diff", "failed (see pretrain)")
     return s
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU check of megatron_fcp (README, "GPU check"): numerics, speed and memory of the CUDA
-# block kernels, the in-process multi-rank harness at cp = 4, and the tiny GPT on CUDA.
-# Installs nothing it cannot find offline: put a megatron-core wheel in ./.whl to get the GPT
-# section (otherwise it is skipped with the reason). Under 8 minutes on one H100/H200.
+# block kernels, the in-process multi-rank harness at cp = 4, the tiny GPT on CUDA, and Megatron-LM's
+# own pretrain() loop (tests/megatron_driver: cp = 1 vs FCP cp = 2 via python -m megatron_fcp.run,
+# two gloo ranks sharing the GPU). Installs nothing it cannot find offline: put a megatron-core
+# wheel in ./.whl to get the GPT sections (pretrain needs >= 0.17, which ships megatron.training;
+# otherwise each is skipped with the reason). Under 8 minutes on one H100/H200.
 #   bash benchmarks/gpu_check.sh [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -46,3 +46,10 @@ def test_a_failed_run_keeps_the_exception_line():
     assert tb.endswith("RuntimeError: expected scalar type BFloat16 but found Float")
     assert len(tb) <= 504 and "ChildFailedError" not in tb
     assert gpu_check.first_traceback("all good\n") is None
+
+
+def test_pretrain_section_skips_with_the_reason_where_it_cannot_run():
+    """Without megatron.training (megatron-core < 0.17) or without CUDA the section says why."""
+    res = gpu_check.section_pretrain(torch.device("cpu"))
+    assert "skipped" in res and ("megatron.training" in res["skipped"] or "CPU" in res["skipped"])
+    assert gpu_check.summarize({"pretrain": res})["pretrain"] == res["skipped"]

@@ -14,7 +14,9 @@ One virtual environment per megatron-core release, under ``$FCP_MATRIX_HOME`` (d
 
 Each row runs the test groups of :data:`GROUPS` with pytest, one after another (``nice``,
 ``OMP_NUM_THREADS=1``: the machine has 2 cores), and the end-to-end group reports the largest
-relative loss difference of cp=4 and tp=2 x cp=2 against cp=1 over its 20 steps. A missing
+relative loss difference of cp=4 and tp=2 x cp=2 against cp=1 over its 20 steps; the pretrain group
+(Megatron-LM's own ``pretrain()`` loop, 5 steps) reports the launcher's cp=2 and the ``--spec``
+route's tp=2 x cp=2 against cp=1, and the seconds of each run. A missing
 interpreter or a failed install is a row of the table, not a crash; the exit status is non-zero
 when a row that could run failed (a missing interpreter only warns). The table is JSON: one row
 per release with python, torch, result per group, the max relative loss difference and durations.
@@ -62,6 +64,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "training": ("tests/test_megatron_training.py",),  # skipped where the wheel has no megatron.training
     "layout": ("tests/test_layout.py",),
     "e2e": ("tests/test_gpt_e2e.py",),
+    # megatron.training's own pretrain() through megatron_fcp.run and --spec (skipped on 0.14-0.16)
+    "pretrain": ("tests/test_megatron_pretrain.py",),
 }
 E2E_TOLERANCE = 1e-5
 
@@ -185,10 +189,14 @@ def run_group(env: Env, name: str, files: tuple[str, ...], tmp: Path) -> dict[st
     cmd = ["nice", "-n", "10", str(env.python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            f"--junitxml={junit}", *files]
     metrics = tmp / "e2e-metrics.json"
+    pretrain_metrics = tmp / "pretrain-metrics.json"
     if name == "e2e":
         cmd.append(f"--fcp-e2e-metrics={metrics}")
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    if name == "pretrain":
+        run_env["FCP_PRETRAIN_METRICS_OUT"] = str(pretrain_metrics)
     t0 = time.perf_counter()
-    rc = _run(cmd, env.log, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    rc = _run(cmd, env.log, cwd=REPO, env=run_env)
     counts = _junit_counts(junit)
     passed = max(0, counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"])
     failed = counts["failures"] + counts["errors"]
@@ -210,6 +218,19 @@ def run_group(env: Env, name: str, files: tuple[str, ...], tmp: Path) -> dict[st
             "tp2cp2_vs_cp1": _max_rel(runs["tp2cp2"]["losses"], runs["cp1"]["losses"]),
         }
         row["steps"] = len(runs["cp1"]["losses"])
+    if name == "pretrain" and pretrain_metrics.exists():
+        runs = json.loads(pretrain_metrics.read_text())
+        row["max_rel_loss_diff"] = {}
+        for k in ("launcher", "spec"):
+            ref = "tp2cp1" if runs[k]["tp"] == 2 and "tp2cp1" in runs else "cp1"  # pretrain_runs.reference_of
+            a, b = runs[k]["losses"], runs[ref]["losses"]
+            row["max_rel_loss_diff"][f"{k}_{'tp2cp2' if runs[k]['tp'] == 2 else 'cp2'}_vs_{ref}"] = (
+                _max_rel(a, b) if a and b else None)
+        if "tp2cp1" in runs and runs["tp2cp1"]["losses"] and runs["cp1"]["losses"]:
+            row["megatron_own_tp2_vs_tp1"] = _max_rel(runs["tp2cp1"]["losses"], runs["cp1"]["losses"])
+        row["steps"] = len(runs["cp1"]["losses"])
+        row["run_seconds"] = {k: v["seconds"] for k, v in runs.items()}
+        row["standins"] = len(runs["cp1"].get("standins", []))
     return row
 
 
@@ -241,6 +262,11 @@ def run_row(version: str, minor: str, home: Path, groups: dict[str, tuple[str, .
     ok = all(g["result"] in ("pass", "skipped") for g in row["groups"].values())
     if "e2e" in groups:
         ok = ok and diffs is not None and row["max_rel_loss_diff"] <= E2E_TOLERANCE
+    pretrain = row["groups"].get("pretrain", {}).get("max_rel_loss_diff")
+    if pretrain:  # Megatron's own loop; absent where the wheel has no megatron.training (skipped)
+        values = [v for v in pretrain.values() if v is not None]
+        row["pretrain_max_rel_loss_diff"] = max(values) if len(values) == len(pretrain) else None
+        ok = ok and row["pretrain_max_rel_loss_diff"] is not None and row["pretrain_max_rel_loss_diff"] <= E2E_TOLERANCE
     row["tests_s"] = round(sum(g["seconds"] for g in row["groups"].values()), 1)
     row["result"] = "pass" if ok else "fail"
     row["log"] = env.log.name  # in the matrix home (--home)
@@ -256,7 +282,7 @@ def merge(table_path: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     kept = [r for r in table.get("rows", []) if r["megatron_core"] not in done]
     order = {v: i for i, (v, _) in enumerate(MATRIX)}
     table["rows"] = sorted(kept + rows, key=lambda r: order.get(r["megatron_core"], len(order)))
-    table["tolerance"] = {"max_rel_loss_diff": E2E_TOLERANCE, "steps": 20}
+    table["tolerance"] = {"max_rel_loss_diff": E2E_TOLERANCE, "steps": 20, "pretrain_steps": 5}
     table["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "gpu": False}
     table["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
     table["groups"] = {k: list(v) for k, v in GROUPS.items()}
@@ -289,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[matrix] wrote {args.out}")
     for r in rows:
         print(f"  {r['megatron_core']:8s} py{r.get('python', '?'):8s} {r['result']:15s} "
-              f"max rel loss diff {r.get('max_rel_loss_diff')}")
+              f"max rel loss diff {r.get('max_rel_loss_diff')} (pretrain() {r.get('pretrain_max_rel_loss_diff')})")
     missing = [r["megatron_core"] for r in rows if r["result"] == "no interpreter"]
     if missing:
         print(f"[matrix] WARNING: not run for lack of an interpreter: {', '.join(missing)}")
