@@ -97,6 +97,7 @@ PACKAGE_LAYERS = [
     ("attention",),             # the engine: API, executor, runners, kernels, merge, transports
     ("config",),                # FCPConfig: the one configuration object
     ("patches",),               # the Megatron integration (apply_fcp, spec class, flags, runtime)
+    ("run", "spec"),            # Megatron-LM's scripts unmodified: the launcher; the --spec functions
     ("testing",),               # in-process harness and group, gloo-world launcher
     ("emulate",),               # the emulated cluster: network namespaces, a GPU stand-in, workloads
     ("commands",),              # the CLI's commands
