@@ -46,6 +46,7 @@ def forwards_later(plan: Plan) -> set[tuple[int, Block]]:
     return {(t.src, t.block) for _, t in plan.transfers()}
 
 
+@pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_builder_preset_cp_compiles_and_verifies(preset):
     for cp in CPS:
