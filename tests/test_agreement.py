@@ -6,7 +6,7 @@ import pytest
 
 from megatron_fcp.testing.launch import run_gloo
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _worker(rank: int, world: int) -> dict:

@@ -75,7 +75,7 @@ def _per_rank(source: str, request, case) -> list[dict]:
     return [r[case.name] for r in request.getfixturevalue("gloo")]
 
 
-_DIST = pytest.mark.dist  # tests that need the gloo world
+_DIST = [pytest.mark.dist, pytest.mark.slow]  # tests that need the gloo world
 _MATRIX = [pytest.param("harness", c, id=f"harness-{c.name}") for c in CASES] + \
     [pytest.param("gloo", c, id=f"gloo-{c.name}", marks=_DIST) for c in GLOO_CASES]
 _SOURCES = ["harness", pytest.param("gloo", marks=_DIST)]
@@ -121,7 +121,8 @@ def test_public_fcp_attention_matches_the_low_level_function(request, source):
     assert len(inference) == want and all(inference)
 
 
-@_DIST
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("case", _harness_cases.CASES, ids=lambda c: c.name)
 def test_harness_reproduces_gloo_bit_for_bit(gloo, case):
     """Same plan, inputs, kernel and backward KV mode: the in-process harness (executor driven
@@ -133,7 +134,8 @@ def test_harness_reproduces_gloo_bit_for_bit(gloo, case):
             assert torch.equal(h[n], g[n]), f"rank {rank} {n}: max diff {(h[n].double() - g[n].double()).abs().max()}"
 
 
-@_DIST
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("group", ["bad_inputs_cp4", "bad_inputs_cp2"])
 def test_bad_input_raises_before_any_communication(gloo, group):
     import re
@@ -143,14 +145,16 @@ def test_bad_input_raises_before_any_communication(gloo, group):
             assert posts == 0, f"{name}: {posts} rounds posted before the error"
 
 
-@_DIST
+@pytest.mark.dist
+@pytest.mark.slow
 def test_bounded_wait_names_round_peer_and_block(gloo):
     msg = gloo[0]["timeout"]
     assert msg is not None and "forward round 3" in msg and "rank 1" in msg and "B(r1,c0,p0)" in msg, msg
     assert gloo[1]["timeout"] is None
 
 
-@_DIST
+@pytest.mark.dist
+@pytest.mark.slow
 def test_gloo_test_sees_a_round_complete_without_wait(gloo):
     r0, r1 = gloo[0]["test"], gloo[1]["test"]
     assert r0["early"] is False  # rank 1 had not posted yet
@@ -159,6 +163,7 @@ def test_gloo_test_sees_a_round_complete_without_wait(gloo):
     assert gloo[2]["test"] is None and gloo[3]["test"] is None
 
 
-@_DIST
+@pytest.mark.dist
+@pytest.mark.slow
 def test_nccl_transport_refuses_a_gloo_group(gloo):
     assert all("use GlooTransport" in r["nccl_gate"] for r in gloo), gloo[0]["nccl_gate"]

@@ -55,7 +55,7 @@ CASES = [
     C("cp3", "short", "none", False, "fp32"),
 ]
 assert set(GLOO_CASES) <= set(CASES)  # the gloo cases (tests/_thd_cases.py) are matrix cases too
-_DIST = pytest.mark.dist  # tests that need the gloo world
+_DIST = [pytest.mark.dist, pytest.mark.slow]  # tests that need the gloo world
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,8 @@ def test_ranks_without_tokens_take_part(harness):
             assert relays, case.name
 
 
-@_DIST
+@pytest.mark.dist
+@pytest.mark.slow
 def test_bad_thd_input_raises_before_any_communication(gloo):
     for r in gloo:
         for name, (msg, posts, expect) in r["bad_inputs_cp4"].items():

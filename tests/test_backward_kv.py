@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _backward_kv_cases import _DTYPES, CASES, GLOO_CASES, MODES, case_setup  # noqa: E402
 
-_DIST = pytest.mark.dist
+_DIST = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _harness(name: str, dt: str) -> list[dict]:

@@ -518,6 +518,7 @@ def _gather_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_gather_host_info_gloo():
     from megatron_fcp.testing.launch import run_gloo
 

@@ -534,6 +534,7 @@ def _root_skip_reason():
     return "emulator smoke run needs " + "; ".join(missing) if missing else None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_root_skip_reason() is not None, reason=str(_root_skip_reason()))
 def test_smoke_run_brings_up_measures_and_tears_down():
     from megatron_fcp.emulate.bench import BenchConfig, run_bench

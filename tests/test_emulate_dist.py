@@ -12,6 +12,7 @@ from megatron_fcp.emulate.probe import PROBE_BYTES, PROBE_REPEATS
 from megatron_fcp.testing.launch import run_gloo
 from tests import _emulate_cases
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # every test here starts gloo processes
 CP = 4
 TOL = 1e-10  # FP64 against FP64: only the merge order differs
 

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_fcp.testing.launch import run_gloo
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 TIMEOUT_S = 4.0
 GROUPS = ((0, 1, 2), (3, 4, 5))

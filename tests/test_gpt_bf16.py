@@ -23,6 +23,9 @@ COMMON = ["--config", TINY, "--no-progress", "--bf16", "--train-iters", str(STEP
 # BF16 keeps 8 significant bits (relative rounding 2**-9 = 2e-3 per element); FCP's merge order differs
 # from Megatron's single softmax, so losses drift apart by rounding only: measured at most 6.3e-5.
 LOSS_RTOL = 1e-3
+# A world of 2 processes, not the shared 4-process end-to-end world (tests/_megatron_world.py): at cp = 2
+# there it would run dp = 2, a different reduction than the dp = 1 this curve is measured on.
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _bf16_worker(rank: int, world: int) -> dict:

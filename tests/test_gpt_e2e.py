@@ -1,6 +1,7 @@
 """End to end: the example's tiny megatron-core GPTModel trained with FCP matches cp = 1.
 
-One 4-process gloo group runs three trainings of 20 steps on the same global batches (FP32):
+One 4-process gloo group (the world tests/_megatron_world.py shares with the recompute and packed
+end-to-end tests) runs five trainings of 20 steps on the same global batches (FP32):
 
 * cp = 1 (Megatron's own attention; world 4 = dp 4),
 * cp = 4 with FCP on the hierarchical graph of a 2 nodes x 2 ranks topology, communication not
@@ -28,71 +29,25 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-TINY = os.path.join(EXAMPLES, "configs", "tiny_cpu_cp4.yaml")
-TOPO_2X2 = os.path.join(EXAMPLES, "configs", "topology_2x2.yaml")
 if EXAMPLES not in sys.path:
     sys.path.insert(0, EXAMPLES)
+sys.path.insert(0, os.path.dirname(__file__))
 
 import pretrain_gpt_fcp as ex  # noqa: E402
+from _megatron_world import STEPS, TINY, TOPO_2X2  # noqa: E402  (the runs' arguments live there)
 
-STEPS = 20
-BLOCK_TOKENS = 8  # tp2/cp2 run: 64 tokens / cp 2 = 2 zigzag chunks of 16 = 4 blocks of 8 per rank
-COMMON = ["--config", TINY, "--no-progress", "--train-iters", str(STEPS),
-          "--micro-batch-size", "1", "--global-batch-size", "4", "--fcp-topology", TOPO_2X2,
-          "--num-query-groups", "2"]  # GQA: 4 query heads share 2 KV heads
-
-
-def _e2e_worker(rank: int, world: int, metrics_path: str) -> dict:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import pretrain_gpt_fcp as example
-
-    from megatron_fcp.attention.comm import CountingTransport, default_transport
-
-    quiet = lambda msg: None  # noqa: E731
-    out = {}
-    out["cp1"] = example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]), log=quiet)
-    out["cp4"] = example.train(*example.parse_args(COMMON + ["--metrics-json", metrics_path, "--no-fcp-overlap"]),
-                               log=quiet)
-    out["tp2cp1"] = example.train(*example.parse_args(
-        COMMON + ["--no-fcp", "--context-parallel-size", "1", "--tensor-model-parallel-size", "2"]), log=quiet)
-    counters: list[CountingTransport] = []
-
-    def counting(group):
-        transport = CountingTransport(default_transport(group))
-        counters.append(transport)
-        return transport
-
-    args, fcp = example.parse_args(COMMON + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-                                             "--fcp-block-tokens", str(BLOCK_TOKENS)])
-    out["tp2cp2"] = example.train(args, fcp, transport_factory=counting, log=quiet)
-    out["tp2cp2"]["posted"] = [(p.phase, p.kind, p.transfer.src, p.transfer.dst)
-                               for t in counters for p in t.posted]
-    out["tp2cp2"]["calls"] = len(counters)
-    counters.clear()  # cp = 4 with a head-parallel stage of degree 2: head groups {0,1}, {2,3} (the nodes)
-    args, fcp = example.parse_args(COMMON + ["--fcp-head-parallel", "2"])
-    out["cp4hp2"] = example.train(args, fcp, transport_factory=counting, log=quiet)
-    out["cp4hp2"]["posted"] = [(p.phase, p.kind, p.transfer.src, p.transfer.dst)
-                               for t in counters for p in t.posted]
-    out["cp4hp2"]["stage_groups"] = sorted({tuple(dist.get_process_group_ranks(t.inner.group)) for t in counters})
-    return out
+E2E_PARTS = ("dense",)  # what this file asks of the shared world (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, request):
-    from megatron_fcp.testing.launch import run_gloo
-
-    metrics = str(tmp_path_factory.mktemp("e2e") / "metrics.json")
-    results = run_gloo(_e2e_worker, 4, metrics, timeout_s=540)
+def runs(megatron_e2e_world, request):
+    results = [r["dense"] for r in megatron_e2e_world["ranks"]]
     report = request.config.getoption("--fcp-e2e-metrics")
     if report:  # the version matrix reads the loss differences from here
         with open(report, "w", encoding="utf-8") as fh:
             json.dump({name: {"losses": run["losses"], "grad_norms": run["grad_norms"]}
                        for name, run in results[0].items()}, fh)
-    return results, metrics
+    return results, megatron_e2e_world["metrics_path"]
 
 
 def _rel(a: float, b: float) -> float:
@@ -100,6 +55,7 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_cp4_hierarchical_matches_cp1(runs):
     results, _ = runs
     ref, fcp = results[0]["cp1"], results[0]["cp4"]
@@ -117,6 +73,7 @@ def test_cp4_hierarchical_matches_cp1(runs):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_tp2_cp2_matches_cp1(runs):
     """Losses match cp = 1 within 1e-5. Grad norms match Megatron's own tp = 2 at cp = 1 within
     1e-5 (same TP reduction order; only CP differs). Against tp = 1, Megatron's TP itself moves
@@ -133,6 +90,7 @@ def test_tp2_cp2_matches_cp1(runs):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_cp4_head_parallel_2_matches_cp1(runs):
     """cp = 4 with --fcp-head-parallel 2 on the 2 x 2 topology: an all-to-all inside each node
     ({0, 1}, {2, 3}) and the KV stage between rail peers across the nodes ({0, 2}, {1, 3}); the
@@ -154,6 +112,7 @@ def test_cp4_head_parallel_2_matches_cp1(runs):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_no_cp_transfer_touches_a_tp_peer(runs):
     from megatron_fcp.config import FCPConfig
     from megatron_fcp.patches.runtime import build_group_plan
@@ -188,6 +147,7 @@ def test_no_cp_transfer_touches_a_tp_peer(runs):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_metrics_json_written_by_rank0(runs):
     results, path = runs
     with open(path, encoding="utf-8") as fh:

@@ -1,6 +1,7 @@
 """End to end on packed batches (THD): the example's tiny GPT with FCP matches cp = 1.
 
-One 4-process gloo group trains 20 steps four times on the same packed batches (FP32; documents of
+One 4-process gloo group (the world tests/_megatron_world.py shares with the other end-to-end tests)
+trains 20 steps four times on the same packed batches (FP32; documents of
 seeded lognormal lengths, 256 tokens a sequence):
 
 * cp = 1 (dp 4): each document attended alone on one rank (SDPA per document) with Megatron's own
@@ -28,49 +29,15 @@ if EXAMPLES not in sys.path:
 
 import pretrain_gpt_fcp as ex  # noqa: E402
 
-STEPS = 20
-COMMON = ["--config", PACKED, "--no-progress", "--train-iters", str(STEPS), "--global-batch-size", "4",
-          "--num-query-groups", "2"]
+sys.path.insert(0, os.path.dirname(__file__))
+from _megatron_world import STEPS  # noqa: E402  (the runs' arguments live there)
 
-
-def _worker(rank: int, world: int) -> dict:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import pretrain_gpt_fcp as example
-
-    quiet = lambda msg: None  # noqa: E731
-    out = {}
-    out["cp1"] = example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]), log=quiet)
-    from megatron_fcp.attention import agreement
-
-    calls = []
-    real = agreement.agree  # what AgreementCache calls once per micro-batch (setup_fcp's agreement not counted)
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    agreement.agree = counting
-    try:
-        out["cp4"] = example.train(*example.parse_args(COMMON), log=quiet)
-    finally:
-        agreement.agree = real
-    out["cp4"]["agreements"] = len(calls)
-    out["tp2cp1"] = example.train(*example.parse_args(
-        COMMON + ["--no-fcp", "--context-parallel-size", "1", "--tensor-model-parallel-size", "2"]), log=quiet)
-    out["tp2cp2"] = example.train(*example.parse_args(
-        COMMON + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]), log=quiet)
-    return out
+E2E_PARTS = ("packed",)  # what this file asks of the shared world (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def runs():
-    from megatron_fcp.testing.launch import run_gloo
-
-    return run_gloo(_worker, 4, timeout_s=420)
+def runs(megatron_e2e_world):
+    return [r["packed"] for r in megatron_e2e_world["ranks"]]
 
 
 def _rel(a: float, b: float) -> float:
@@ -78,6 +45,7 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_packed_cp4_matches_cp1(runs):
     ref, fcp = runs[0]["cp1"], runs[0]["cp4"]
     assert fcp["fcp"]["packed"] and fcp["fcp"]["cp"] == 4 and fcp["fcp"]["graph"] == "hierarchical"
@@ -92,6 +60,7 @@ def test_packed_cp4_matches_cp1(runs):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_packed_tp2_cp2_matches_cp1(runs):
     ref, tp_ref, both = runs[0]["cp1"], runs[0]["tp2cp1"], runs[0]["tp2cp2"]
     assert (both["fcp"]["tp"], both["fcp"]["cp"]) == (2, 2)

@@ -27,7 +27,7 @@ from _head_parallel_cases import QUANTITIES, Case, worker  # noqa: E402
 
 from megatron_fcp.testing.launch import run_gloo  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 HEADS = {2: ((4, 4), (8, 2), (4, 1), (6, 3)), 4: ((8, 8), (8, 2), (8, 1), (12, 3))}
 CASES = [

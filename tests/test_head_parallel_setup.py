@@ -119,6 +119,7 @@ def test_packed_batches_with_the_stage_are_refused_naming_the_flag():
         att(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
 
 
+@pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 def test_auto_settles_the_planners_degree_at_setup():
     """--fcp-head-parallel auto: setup_fcp takes choose_schedule's degree for the run's shape
     (heads per tensor-parallel rank), topology and backward (waves; tests/test_runtime_schedule.py

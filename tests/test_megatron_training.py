@@ -128,6 +128,7 @@ def _snippet_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_snippet_through_megatron_training_on_gloo():
     from megatron_fcp.testing.launch import run_gloo
 

@@ -397,6 +397,7 @@ def _order_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_order_of_setup_on_gloo():
     from megatron_fcp.testing.launch import run_gloo
 

@@ -36,6 +36,7 @@ def forwards_later(plan: Plan) -> set[tuple[int, Block]]:
     return {(t.src, t.block) for _, t in plan.transfers()}
 
 
+@pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_builder_preset_cp_compiles_and_verifies(preset):
     per_node = load_topology(f"{preset}:1").gpus_per_node  # 8 on HGX, 4 on an NVL72 tray

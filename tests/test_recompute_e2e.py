@@ -2,7 +2,9 @@
 recomputation (core attention recomputed in backward) and with full-layer recomputation matches
 cp = 1 within 1e-5 relative loss over 20 steps, and the recomputation really runs (each attention
 is called twice per micro-batch: forward, then again inside backward, communication included).
-Both with the default backward KV mode (auto: re-send at cp = 4) and with keep."""
+Both with the default backward KV mode (auto: re-send at cp = 4) and with keep. The trainings run in
+the world tests/_megatron_world.py shares with the other end-to-end tests (the cp = 1 reference is
+trained once there for this file and test_gpt_e2e)."""
 
 from __future__ import annotations
 
@@ -11,54 +13,20 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
-TINY = os.path.join(EXAMPLES, "configs", "tiny_cpu_cp4.yaml")
-STEPS = 20
-COMMON = ["--config", TINY, "--no-progress", "--train-iters", str(STEPS), "--micro-batch-size", "1",
-          "--global-batch-size", "4", "--num-query-groups", "2"]
-RUNS = {
-    "selective": ["--recompute-granularity", "selective"],
-    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-    "selective-keep": ["--recompute-granularity", "selective", "--fcp-backward-kv", "keep"],
-    "none": [],
-}
+sys.path.insert(0, os.path.dirname(__file__))
+from _megatron_world import RECOMPUTE as RUNS  # noqa: E402  (the runs' arguments live there)
+from _megatron_world import STEPS  # noqa: E402
 
-
-def _worker(rank: int, world: int) -> dict:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import pretrain_gpt_fcp as example
-
-    from megatron_fcp.attention.comm import default_transport
-
-    quiet = lambda msg: None  # noqa: E731
-    out = {"cp1": example.train(*example.parse_args(COMMON + ["--no-fcp", "--context-parallel-size", "1"]),
-                                log=quiet)}
-    for name, extra in RUNS.items():
-        calls = []
-
-        def counting(group):
-            calls.append(1)
-            return default_transport(group)
-
-        args, fcp = example.parse_args(COMMON + extra)
-        out[name] = example.train(args, fcp, transport_factory=counting, log=quiet)
-        out[name]["calls"] = len(calls)
-    return out
+E2E_PARTS = ("recompute",)  # what this file asks of the shared world (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def runs():
-    from megatron_fcp.testing.launch import run_gloo
-
-    return run_gloo(_worker, 4, timeout_s=420)
+def runs(megatron_e2e_world):
+    return [r["recompute"] for r in megatron_e2e_world["ranks"]]
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_recomputation_matches_cp1(runs, name):
     ref, run = runs[0]["cp1"], runs[0][name]

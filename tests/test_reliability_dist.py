@@ -13,7 +13,7 @@ from _reliability_cases import AGREE_TIMEOUT_S, FAIL_TIMEOUT_S, FUZZ_EXAMPLES, S
 
 from megatron_fcp.testing.launch import run_gloo  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,8 @@ def _same_plan(a, b) -> bool:
 def test_wave_backward_prices_what_the_executor_runs():
     """a = 1, whole chunks, 128K on dgx-h100:2: the one-pass backward (the benchmarks' default,
     unchanged) vs the executor's waves (keep or resend, as auto decides at cp = 16: resend); two
-    parts per chunk balance the waves (the numbers FCPRuntime.parts_per_chunk's docstring quotes)."""
+    parts per chunk balance the waves (what FCPRuntime.parts_per_chunk relies on). Relations, not the
+    ratios themselves (1.33x and 1.07x when this test was written)."""
     shape = AttentionShape(131072, 32, 8, 128, 2)
     ranks = range(16)
     whole = compile_head_parallel("dgx-h100:2", ranks, shape, 1, "hierarchical")
@@ -61,10 +62,17 @@ def test_wave_backward_prices_what_the_executor_runs():
     one_halves = simulate_head_parallel(halves, "dgx-h100:2", shape)
     assert waves.meta["backward_kv"] == halved.meta["backward_kv"] == "resend"
     assert one.meta["fwd_total_s"] == waves.meta["fwd_total_s"]  # the forward is the same
-    assert 1.30 < waves.total_s / one.total_s < 1.36               # "1.33x" with whole chunks
-    assert 1.04 < halved.total_s / one_halves.total_s < 1.09       # "1.07x" with two parts
+    assert waves.meta["one_pass_bwd_s"] == one.meta["bwd_total_s"]  # the one-pass backward it is compared with
     keep = simulate_head_parallel(whole, "dgx-h100:2", shape, backward=WaveBackward("keep"))
-    assert keep.meta["backward_kv"] == "keep" and keep.total_s <= waves.total_s
+    assert keep.meta["backward_kv"] == "keep"
+    # the one-pass backward bounds the waves from below; re-sending costs at most its own transfers
+    assert one.total_s < keep.total_s <= waves.total_s
+    assert waves.meta["bwd_total_s"] <= keep.meta["bwd_total_s"] + waves.meta["resend_s"] * (1 + 1e-9)
+    assert one_halves.total_s <= halved.total_s
+    # two parts per chunk balance the waves (whole chunks: some ranks have twice the work of others in
+    # a wave): the gap to the one-pass backward shrinks, and the executor's backward gets faster
+    assert halved.total_s / one_halves.total_s < waves.total_s / one.total_s
+    assert halved.total_s < waves.total_s
 
 
 def test_auto_decides_keep_or_resend_as_the_executor_does():
@@ -86,6 +94,7 @@ def test_auto_decides_keep_or_resend_as_the_executor_does():
         WaveBackward("sometimes")
 
 
+@pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 def test_the_benchmarks_default_is_unchanged():
     """choose_head_parallel without ``backward`` prices the one-pass backward, as before (a = 2 at
     32K on dgx-h100:2, a hierarchical KV stage); the backward the runtime runs picks differently
@@ -128,6 +137,7 @@ MHA = dict(heads=32, kv_heads=32, head_dim=128)
     ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, MHA, "a=8 graph=ring parts=1 stagger=8"),
     ("single-uplink:2", 8, 32768, 2, GQA, None),
 ])
+@pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, tp, heads, label):
     """Degree, KV-stage graph and stagger: the runtime's stage plan of CP group 0 (built at setup)
     is the planner's, every other CP group's the same schedule on its own ranks; tp = 2 chooses
@@ -148,6 +158,7 @@ def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, t
     assert (rt.config.head_parallel, rt.config.graph, rt.config.block_tokens) == ("auto", "auto", 0)
 
 
+@pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 def test_explicit_flags_win_and_the_rest_is_chosen_under_them():
     shape = AttentionShape(32768, 32, 8, 128, 2)
     bw = WaveBackward()
@@ -213,6 +224,7 @@ print(c.describe(), hashlib.sha256(repr((c.plan.head_groups, c.plan.kv_plan.roun
 """
 
 
+@pytest.mark.slow  # starts Python processes
 def test_the_choice_is_deterministic_across_processes():
     """Every rank computes the choice on its own; it reads no rank, clock or hash order: two
     interpreters with different hash seeds and this one give the same choice, plan and times."""

@@ -105,7 +105,7 @@ def test_te_baselines():
         simulate_te_a2a_p2p(topo, range(12), SHAPE_128K)
 
 
-@pytest.mark.parametrize("preset", ["dgx-h100:2", "dgx-a100:2", "dgx-h100:4"])
+@pytest.mark.parametrize("preset", ["dgx-h100:2", "dgx-a100:2", pytest.param("dgx-h100:4", marks=pytest.mark.slow)])
 def test_fcp_near_lower_bound_and_2x_faster_than_te_ring(preset):
     """Headline: cp = all GPUs, 128K tokens: FCP's chosen plan within 1.15x of the lower
     bound and >= 2x faster than TE's p2p ring (communication time)."""

@@ -163,6 +163,7 @@ def _rail_2x4():
     return plan, topo, att, cm, executor_program("auto", plan, att.seq_len, att.kv_heads, att.head_dim).block_bytes
 
 
+@pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 def test_pace_lets_fine_sub_blocks_fill_the_byte_budget():
     """Note [Balanced waves]: dgx-a100:3, cp = 24, 8 uneven parts per chunk. The 1x work cap alone
     gives every rank one or two small blocks per wave (195 waves, each paying its reduction's

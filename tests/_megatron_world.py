@@ -1,0 +1,172 @@
+"""One gloo world of 4 processes for the Megatron end-to-end tests.
+
+tests/test_gpt_e2e.py (dense batches), tests/test_recompute_e2e.py (activation recomputation) and
+tests/test_gpt_packed_e2e.py (packed THD batches) all train the example's tiny megatron-core GPT
+(examples/pretrain_gpt_fcp.py, FP32, 20 steps) on 4 gloo processes and compare FCP with Megatron's
+own cp = 1 attention. They share this one world: the processes start and import megatron-core once,
+and the dense cp = 1 reference, whose arguments the dense and the recompute parts share, is trained
+once for both.
+
+A *part* is one file's set of trainings. The session fixture ``megatron_e2e_world``
+(tests/conftest.py) runs only the parts that the selected tests ask for (``E2E_PARTS`` of their
+modules), so ``pytest tests/test_gpt_e2e.py`` (what the version matrix runs) trains only the dense
+runs. Inside a rank the parts run one after another; every training sets up and tears down its own
+Megatron and FCP state (the example's ``train``), as the files' own workers did before.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+TINY = os.path.join(EXAMPLES, "configs", "tiny_cpu_cp4.yaml")  # its topology is topology_2x2.yaml
+TOPO_2X2 = os.path.join(EXAMPLES, "configs", "topology_2x2.yaml")
+PACKED = os.path.join(EXAMPLES, "configs", "tiny_cpu_cp4_packed.yaml")
+
+STEPS = 20
+# The arguments every dense training shares (GQA: 4 query heads share 2 KV heads). The tiny config's
+# topology already is TOPO_2X2; the flag only makes it explicit for the dense part's checks.
+BASE = ["--config", TINY, "--no-progress", "--train-iters", str(STEPS), "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--num-query-groups", "2"]
+CP1 = ["--no-fcp", "--context-parallel-size", "1"]
+
+# dense part (tests/test_gpt_e2e.py)
+DENSE = BASE + ["--fcp-topology", TOPO_2X2]
+BLOCK_TOKENS = 8  # tp2/cp2 run: 64 tokens / cp 2 = 2 zigzag chunks of 16 = 4 blocks of 8 per rank
+
+# recompute part (tests/test_recompute_e2e.py): name -> extra flags on BASE
+RECOMPUTE = {
+    "selective": ["--recompute-granularity", "selective"],
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "selective-keep": ["--recompute-granularity", "selective", "--fcp-backward-kv", "keep"],
+    "none": [],
+}
+
+# packed part (tests/test_gpt_packed_e2e.py)
+PACKED_COMMON = ["--config", PACKED, "--no-progress", "--train-iters", str(STEPS), "--global-batch-size", "4",
+                 "--num-query-groups", "2"]
+
+#: part -> seconds its trainings may take on 2 shared cores (the world's timeout is their sum)
+PARTS = {"dense": 540, "recompute": 420, "packed": 420}
+
+
+def _example():
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import pretrain_gpt_fcp
+
+    return pretrain_gpt_fcp
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def _posted(counters) -> list[tuple]:
+    return [(p.phase, p.kind, p.transfer.src, p.transfer.dst) for t in counters for p in t.posted]
+
+
+def _dense(example, cp1: dict, metrics_path: str) -> dict:
+    """cp = 1; cp = 4 hierarchical without overlap; tp = 2 at cp = 1; tp = 2 x cp = 2 with 2 blocks
+    per chunk, transfers counted; cp = 4 with a head-parallel stage of degree 2, transfers counted."""
+    import torch.distributed as dist
+
+    from megatron_fcp.attention.comm import CountingTransport, default_transport
+
+    out = {"cp1": cp1}
+    out["cp4"] = example.train(*example.parse_args(DENSE + ["--metrics-json", metrics_path, "--no-fcp-overlap"]),
+                               log=_quiet)
+    out["tp2cp1"] = example.train(*example.parse_args(DENSE + CP1 + ["--tensor-model-parallel-size", "2"]),
+                                  log=_quiet)
+    counters: list[CountingTransport] = []
+
+    def counting(group):
+        transport = CountingTransport(default_transport(group))
+        counters.append(transport)
+        return transport
+
+    args, fcp = example.parse_args(DENSE + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                            "--fcp-block-tokens", str(BLOCK_TOKENS)])
+    out["tp2cp2"] = example.train(args, fcp, transport_factory=counting, log=_quiet)
+    out["tp2cp2"]["posted"] = _posted(counters)
+    out["tp2cp2"]["calls"] = len(counters)
+    counters.clear()  # cp = 4 with a head-parallel stage of degree 2: head groups {0,1}, {2,3} (the nodes)
+    args, fcp = example.parse_args(DENSE + ["--fcp-head-parallel", "2"])
+    out["cp4hp2"] = example.train(args, fcp, transport_factory=counting, log=_quiet)
+    out["cp4hp2"]["posted"] = _posted(counters)
+    out["cp4hp2"]["stage_groups"] = sorted({tuple(dist.get_process_group_ranks(t.inner.group)) for t in counters})
+    return out
+
+
+def _recompute(example, cp1: dict) -> dict:
+    """cp = 4 under each recomputation of RECOMPUTE, the transports (one per attention call) counted."""
+    from megatron_fcp.attention.comm import default_transport
+
+    out = {"cp1": cp1}
+    for name, extra in RECOMPUTE.items():
+        calls = []
+
+        def counting(group):
+            calls.append(1)
+            return default_transport(group)
+
+        args, fcp = example.parse_args(BASE + extra)
+        out[name] = example.train(args, fcp, transport_factory=counting, log=_quiet)
+        out[name]["calls"] = len(calls)
+    return out
+
+
+def _packed(example) -> dict:
+    """Packed batches: cp = 1 (SDPA per document), cp = 4 with the agreements counted, tp = 2 at cp = 1
+    and tp = 2 x cp = 2."""
+    from megatron_fcp.attention import agreement
+
+    out = {"cp1": example.train(*example.parse_args(PACKED_COMMON + CP1), log=_quiet)}
+    calls = []
+    real = agreement.agree  # what AgreementCache calls once per micro-batch (setup_fcp's agreement not counted)
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    agreement.agree = counting
+    try:
+        out["cp4"] = example.train(*example.parse_args(PACKED_COMMON), log=_quiet)
+    finally:
+        agreement.agree = real
+    out["cp4"]["agreements"] = len(calls)
+    out["tp2cp1"] = example.train(*example.parse_args(PACKED_COMMON + CP1 + ["--tensor-model-parallel-size", "2"]),
+                                  log=_quiet)
+    out["tp2cp2"] = example.train(*example.parse_args(
+        PACKED_COMMON + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]), log=_quiet)
+    return out
+
+
+def worker(rank: int, world: int, parts: list[str], metrics_path: str) -> dict:
+    """Per rank: part -> run name -> the example's report of that training."""
+    example = _example()
+    out: dict = {}
+    if "dense" in parts or "recompute" in parts:
+        cp1 = example.train(*example.parse_args(BASE + CP1), log=_quiet)
+        if "dense" in parts:
+            out["dense"] = _dense(example, cp1, metrics_path)
+        if "recompute" in parts:
+            out["recompute"] = _recompute(example, cp1)
+    if "packed" in parts:
+        out["packed"] = _packed(example)
+    return out
+
+
+def run(parts: list[str], metrics_path: str) -> list[dict]:
+    """Train ``parts`` (keys of PARTS) on one gloo world of 4 processes; per rank, :func:`worker`'s dict."""
+    from megatron_fcp.testing.launch import run_gloo
+
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown end-to-end parts {unknown}; known: {sorted(PARTS)}")
+    return run_gloo(worker, 4, sorted(parts), metrics_path, timeout_s=sum(PARTS[p] for p in set(parts)))
