@@ -27,7 +27,9 @@ heads. For ``a = 1`` the stage plan is the ordinary zigzag plan (sub-blocks allo
 
 from __future__ import annotations
 
+import functools
 import math
+from types import SimpleNamespace
 from typing import Sequence
 
 from megatron_fcp.planning.blocks import Block, PlanError, Transfer, check_parts
@@ -51,7 +53,8 @@ BALANCE_MAX_GROUPS = 64
 (:func:`~megatron_fcp.planning.compile.compile_plan`'s ``balance``; O(transfers x rounds)); larger
 stages keep plain waves, which keeps a 1,024-rank head-parallel plan within the planning budget."""
 
-__all__ = ["head_parallel_degrees", "topology_head_groups", "compile_head_parallel", "stage_plan", "stage_shape"]
+__all__ = ["head_parallel_degrees", "topology_head_groups", "compile_head_parallel", "stage_plan", "stage_placement",
+           "stage_shape"]
 
 
 def _node_runs(topo: Topology, ranks: Sequence[int]) -> list[list[int]]:
@@ -166,10 +169,7 @@ def stage_plan(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Plan:
     cp, a = hp.cp, hp.degree
     if a == 1:
         return relabel_plan(hp.kv_plan, hp.kv_stage_ranks(0)).verify()  # the ordinary zigzag plan
-    base = group_placement(hp.ranks, hp.head_groups, seq_len, hp.kv_plan.causal if hp.kv_plan else causal)
-    pos = {r: hp.position(r) for r in hp.ranks}
-    blocks = tuple(tuple(Span(pos[r][1], s.start, s.end) for s in base.blocks[pos[r][0]]) for r in hp.ranks)
-    placement = Placement((seq_len,) * a, blocks, base.causal)
+    placement = stage_placement(hp, seq_len, hp.kv_plan.causal if hp.kv_plan else causal)
     rounds: tuple[tuple[Transfer, ...], ...] = ()
     if hp.kv_plan is not None:
         if hp.kv_plan.placement is not None and hp.kv_plan.placement.doc_lengths != (seq_len,):
@@ -180,4 +180,21 @@ def stage_plan(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Plan:
                                                                                  t.block.chunk, 0))
                              for t in rnd for j in range(a)) for rnd in hp.kv_plan.rounds)
     name = hp.kv_plan.name if hp.kv_plan is not None else "a2a"
-    return Plan(hp.ranks, rounds, base.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
+    return Plan(hp.ranks, rounds, placement.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
+
+
+def stage_placement(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Placement:
+    """The stage plan's placement (Note [The stage plan]; ``degree > 1``): on ``hp.ranks``, rank
+    (group ``g``, member ``j``) holds group ``g``'s zigzag chunks as spans of document ``j``. Needs
+    only the head groups (``hp.kv_plan`` may be None). Memoised: every candidate of one degree
+    shares one placement object, and with it the placement's cached need matrix and block pairs."""
+    return _stage_placement(tuple(hp.ranks), tuple(map(tuple, hp.head_groups)), hp.degree, seq_len, causal)
+
+
+@functools.lru_cache(maxsize=32)
+def _stage_placement(ranks: tuple, head_groups: tuple, degree: int, seq_len: int, causal: bool) -> Placement:
+    hp = SimpleNamespace(ranks=ranks, head_groups=head_groups, degree=degree)
+    base = group_placement(hp.ranks, hp.head_groups, seq_len, causal)
+    pos = {r: (g, j) for g, group in enumerate(hp.head_groups) for j, r in enumerate(group)}
+    blocks = tuple(tuple(Span(pos[r][1], s.start, s.end) for s in base.blocks[pos[r][0]]) for r in hp.ranks)
+    return Placement((seq_len,) * hp.degree, blocks, base.causal)

@@ -468,8 +468,10 @@ def simulate_backward_waves(
         return p * flop_s + cm.kernel_overhead_s if p else 0.0
 
     key = ("cost", kv_tok, shape.seq_len)
-    keepers = first_keepers(requested, backward_kv, plan, lambda blk: size(blk) * micro_batch, kv_memory_budget,
-                            cache_key=key + (micro_batch,)) if budget is None else frozenset()
+    batch_size, batch_key = (size, key) if micro_batch == 1 else \
+        (lambda blk: size(blk) * micro_batch, key + (micro_batch,))   # one sequence: share the caches below
+    keepers = first_keepers(requested, backward_kv, plan, batch_size, kv_memory_budget,
+                            cache_key=batch_key) if budget is None else frozenset()
     first = len(keepers) == len(plan.ranks)
     # received KV saved from the forward, per rank: keep its need set, auto (resend) the first step's
     got = first_kept_blocks(plan, size, cache_key=key) if keepers and backward_kv == "resend" else {}
