@@ -64,3 +64,64 @@ def test_the_pruned_search_finds_the_full_search_answer(preset, cp, heads, kv, s
     assert set(dict(choice.plan.auto)) <= set(everything)
     assert all(everything[k] == t for k, t in choice.plan.auto)
     assert [k for k, _ in choice.plan.auto] == [k for k in everything if k in dict(choice.plan.auto)]
+
+
+# ---- build_plan's auto and the columnar rounds (Note [Pruning auto], Note [Columnar rounds]) ----------
+
+GRAPH_CASES = [("dgx-h100:4", 32), ("dgx-a100:3", 20), ("pcie-box:2", 12), ("single-uplink:4", 32), ("dgx-h100:2", 16)]
+
+
+@pytest.mark.parametrize("preset,cp", GRAPH_CASES)
+def test_graph_floors_never_exceed_the_priced_plans(preset, cp):
+    from megatron_fcp.planning import build_graph, compile_plan, simulate_plan
+    from megatron_fcp.planning.build import NOMINAL_SHAPE, _floor
+    from megatron_fcp.planning.builders import AUTO_CANDIDATES
+
+    topo = load_topology(preset)
+    for causal in (True, False):
+        for name in AUTO_CANDIDATES:
+            cg = build_graph(topo, range(cp), name)
+            plan = compile_plan(cg, causal)
+            res = simulate_plan(plan, topo, NOMINAL_SHAPE)
+            assert _floor(cg, topo, NOMINAL_SHAPE, causal) <= min(res.comm_s, res.total_s), (name, causal)
+
+
+@pytest.mark.parametrize("preset,cp", GRAPH_CASES)
+@pytest.mark.parametrize("shaped", [False, True])
+def test_auto_picks_the_best_of_every_candidate(preset, cp, shaped):
+    """Pruned auto is pick_best over every builder's plan, each compiled and timed."""
+    from megatron_fcp.planning import build_plan, simulate_plan
+    from megatron_fcp.planning.build import NOMINAL_SHAPE
+    from megatron_fcp.planning.builders import AUTO_CANDIDATES
+
+    topo = load_topology(preset)
+    shape = dict(seq_len=65536, heads=32, kv_heads=8, head_dim=128) if shaped else {}
+    objective = "total" if shaped else "comm"
+    sim_shape = AttentionShape(65536, 32, 8, 128, 2) if shaped else NOMINAL_SHAPE
+    every = [(simulate_plan(p, topo, sim_shape, compute=shaped), p)
+             for p in (build_plan(topo, range(cp), n) for n in AUTO_CANDIDATES)]
+    want = pick_best(every, objective)[1]
+    got = build_plan(topo, range(cp), "auto", **shape)
+    assert got.name == want.name and got.rounds == want.rounds
+    times = {p.name: getattr(r, "total_s" if shaped else "comm_s") for r, p in every}
+    assert all(times[k] == t for k, t in got.auto.times)
+
+
+@pytest.mark.parametrize("preset,cp,graph", [("dgx-h100:4", 32, "hierarchical"), ("dgx-a100:3", 20, "full"),
+                                             ("pcie-box:2", 12, "leader"), ("single-uplink:4", 32, "spanning"),
+                                             ("dgx-h100:3", 20, "ring")])
+def test_columnar_rounds_are_the_loop(preset, cp, graph, monkeypatch):
+    """Above COLUMNAR_ROUNDS_MIN_CP ranks rounds are loaded as columns; the same times and loads."""
+    from megatron_fcp.planning import build_plan, cost
+    from megatron_fcp.planning.cost import simulate_plan
+
+    topo = load_topology(preset)
+    plan = build_plan(topo, range(cp), graph, parts_per_chunk=2)
+    shape = AttentionShape(131072)
+    loop = simulate_plan(plan, topo, shape, compute=False)
+    monkeypatch.setattr(cost, "COLUMNAR_ROUNDS_MIN_CP", 0)
+    cols = simulate_plan(plan, topo, shape, compute=False)
+    assert cols.comm_s == pytest.approx(loop.comm_s, rel=1e-12) and cols.bytes == loop.bytes
+    assert cols.resource_bytes.keys() == loop.resource_bytes.keys()
+    assert all(cols.resource_bytes[k] == pytest.approx(v, rel=1e-12) for k, v in loop.resource_bytes.items())
+    assert [e["bottleneck"] for e in cols.timeline] == [e["bottleneck"] for e in loop.timeline]

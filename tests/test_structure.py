@@ -96,12 +96,13 @@ def test_no_module_over_600_lines(module):
 PLANNING_LAYERS = [
     ("blocks", "megatron_layout"),
     ("needs", "placement"),     # the causal need rule; packed batches and their need sets
-    ("verify", "graph", "rounds", "table"),  # proofs of a plan; graphs over a CP group; rounds vs Delta (edge
-                                #   colouring); a plan's transfers as columns
+    ("verify", "graph", "rounds", "table", "route_table"),  # proofs of a plan; graphs over a CP group; rounds vs
+                                #   Delta (edge colouring); a plan's transfers as columns; the cost model's rounds as columns
     ("table_verify", "table_compile"),  # proofs of a columnar plan; columnar graphs and waves for large groups
     ("plan",),                  # the plan contract
     ("cost", "head_parallel"),  # cost model of a plan; the head-parallel stage (groups + KV-stage plan)
-    ("builders", "compile", "waves"),  # graph strategies; graph -> plan; backward waves of a plan
+    ("builders", "compile", "waves", "floors"),  # graph strategies; graph -> plan; backward waves of a plan;
+                                #   lower bounds that prune the searches
     ("build", "wave_timeline", "chains"),  # planner entry point; the wave loop's timeline; a ring's streaming backward
     ("baselines", "head_parallel_compile"),  # TE's schedules; head-parallel plans for a degree and graph
     ("packed_cost",),           # TE's schedules on packed documents (THD); backward of every schedule

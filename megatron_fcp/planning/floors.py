@@ -35,9 +35,9 @@ bounds, so a candidate pruned by one could not have been chosen (nor been the ru
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import Sequence
+
+import numpy as np
 
 from megatron_fcp.planning.blocks import part_span
 from megatron_fcp.planning.cost import AttentionShape, ComputeModel, _ResourceIndex, _block_pairs, causal_pairs
@@ -46,15 +46,27 @@ from megatron_fcp.planning.placement import Placement
 from megatron_fcp.planning.plan import Plan
 from megatron_fcp.topology import Topology
 
-__all__ = ["rank_pairs", "compute_floor", "reduction_floor", "kv_floor"]
+__all__ = ["rank_pairs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
+
+
+def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
+    """Ingress (bytes/s) of the distinct NICs the CP ranks ``members`` of one node use: traffic for a
+    rank enters its node through that rank's NIC (``gpu_nic``), so a node holding only some CP ranks
+    (an uneven CP group) cannot use the other GPUs' NICs. The whole node's NICs when all are used."""
+    nics = {topo.layout.gpu_nic[topo.local_rank_of(r)] for r in members} if topo.layout.gpu_nic else set()
+    return sum(topo.layout.nics[k].bandwidth for k in nics) if nics else topo.node_ingress_bandwidth()
+
+
+def _intra_ingress(topo: Topology, r: int) -> float:
+    """Ingress max-flow into rank r's GPU from GPUs of its own node only."""
+    one = Topology(topo.name, topo.layout, 1, (), topo.fabric_latency)
+    return one.gpu_ingress_bandwidth(topo.local_rank_of(r))
 
 
 def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None", seq_len: int, causal: bool,
              kv_bytes_per_token: float) -> float:
     """The forward's KV floor of Note [Backward floors] for the CP ranks ``ranks`` holding
     ``placement`` (None: Megatron's zigzag split of ``seq_len`` tokens)."""
-    from megatron_fcp.planning.baselines import _intra_ingress, member_nic_ingress  # baselines imports cost
-
     cp = len(ranks)
     if placement is None:
         idx = np.arange(cp)
@@ -140,3 +152,39 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
         wts.append(np.full(len(rid), b))
     load = np.bincount(np.concatenate(ids), weights=np.concatenate(wts), minlength=len(idx.bw))
     return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
+
+
+def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: bool, kv_bytes_per_token: float) -> float:
+    """A floor on the forward communication of any plan compiled from the CommGraph ``cg``
+    (Megatron's zigzag split of ``seq_len`` tokens): :func:`kv_floor`, and per node the KV its CP
+    ranks need from other nodes over the NICs of the ranks the graph lets blocks enter through (a
+    block crosses into a node on one of the graph's edges from another node, through its
+    receiver's NIC): a graph that enters each node at one rank (``leader``, ``ring``) is held to
+    that rank's NIC."""
+    ranks = cg.ranks
+    cp = len(ranks)
+    t = kv_floor(topo, ranks, None, seq_len, causal, kv_bytes_per_token)
+    node_of = np.array([topo.node_of(r) for r in ranks])
+    if len(set(node_of.tolist())) < 2 or not topo.layout.gpu_nic:
+        return t
+    edges = cg.edge_array()
+    pos = np.full(max(ranks) + 1, -1, dtype=np.int64)
+    pos[list(ranks)] = np.arange(cp)
+    u, v = pos[edges[:, 0]], pos[edges[:, 1]]
+    cross = node_of[u] != node_of[v]
+    entry = np.zeros(cp, dtype=bool)
+    entry[v[cross]] = True                                  # ranks a block may enter its node through
+    idx = np.arange(cp)
+    need = np.concatenate([needs_chunk(idx[:, None], idx[None, :], c, causal) for c in (0, 1)], axis=1)
+    owner = np.concatenate([idx, idx])
+    chunk_bytes = seq_len // (2 * cp) * kv_bytes_per_token
+    for x in sorted(set(node_of.tolist())):
+        members = node_of == x
+        into = int((need[members].any(axis=0) & (node_of[owner] != x)).sum())
+        if not into:
+            continue
+        nics = {topo.layout.gpu_nic[topo.local_rank_of(ranks[i])] for i in np.nonzero(members & entry)[0].tolist()}
+        if not nics:
+            return float("inf")                             # the graph never reaches this node's readers
+        t = max(t, into * chunk_bytes / sum(topo.layout.nics[k].bandwidth for k in nics))
+    return t
