@@ -24,11 +24,12 @@ Sections of the JSON:
 * ``setup``: setup times (issue 25, item 5). ``runtime_choice``: the Megatron runtime's schedule
   choice (``choose_schedule`` with the executor's backward, as ``settle_schedule`` calls it) on the
   runtime grid's cells at cp = 64 (8 nodes of each preset, every head shape and length of
-  ``bench_head_parallel.py``) and cp = 256 (32 nodes; 128K tokens, every head shape), each cell's
+  ``bench_head_parallel.py``) and cp = 256 (32 nodes; 128K tokens, GQA 32:8), each cell's
   label, wall and CPU seconds, with targets 2 s and 10 s; ``cli_plan_1024``: ``megatron-fcp plan
   --topology dgx-h100:128 --cp 1024`` as a whole fresh process (imports included; target < 5 s)
   and whether it imported torch. ``--setup-only`` runs just this section and merges it into the
-  JSON at ``--out``; ``--setup-cells N`` keeps the first N cells of each CP size (a quick look).
+  JSON at ``--out`` (rewritten after each cell); ``--setup-cells N`` / ``--setup-cells-256 N``
+  keep the first N cells at cp = 64 / 256 (a quick look; ``complete`` says whether all ran).
 """
 
 from __future__ import annotations
@@ -209,21 +210,22 @@ _CLI = ("import runpy, sys, time; t0 = time.perf_counter(); sys.argv = ['megatro
 
 def _runtime_cells(cp: int) -> list[tuple[str, int, int, int, int]]:
     """(preset, nodes, heads, KV heads, tokens) of the runtime grid at ``cp`` ranks (8 per node)."""
-    heads = ((32, 32), (32, 8), (32, 2))
+    heads = ((32, 32), (32, 8), (32, 2)) if cp <= 64 else ((32, 8),)
     seqs = (32 * 1024, 128 * 1024, 1024 * 1024) if cp <= 64 else (128 * 1024,)
     return [(p, cp // 8, h, kv, s) for p in ("dgx-a100", "dgx-h100", "pcie-box", "single-uplink")
             for h, kv in heads for s in seqs]
 
 
-def runtime_choice(cells_per_cp: int | None = None) -> dict:
-    """``choose_schedule`` as the runtime calls it, timed per cell (wall and this process's CPU)."""
+def runtime_choice(cells: dict[int, int | None], progress=None) -> dict:
+    """``choose_schedule`` as the runtime calls it, timed per cell (wall and this process's CPU);
+    ``cells``: per CP size, how many of its cells (None: all); ``progress(out)`` after each cell."""
     from megatron_fcp.planning.head_parallel_choose import choose_schedule
     from megatron_fcp.planning.waves import WaveBackward
 
     out = {}
     for cp, target in RUNTIME_CHOICE_TARGET_S.items():
         rows = []
-        for preset, nodes, h, kv, seq in _runtime_cells(cp)[:cells_per_cp]:
+        for preset, nodes, h, kv, seq in _runtime_cells(cp)[:cells.get(cp)]:
             topo = load_topology(f"{preset}:{nodes}")
             gc.collect()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -234,10 +236,15 @@ def runtime_choice(cells_per_cp: int | None = None) -> dict:
                          "total_s": c.total_s, "priced": len(c.plan.auto), "wall_s": wall, "cpu_s": cpu})
             print(f"runtime choice {preset}:{nodes} cp={cp} {h}:{kv} seq={seq}: {c.label} ({len(c.plan.auto)} priced) "
                   f"{wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
-        out[f"cp{cp}"] = {"cells": rows, "target_s": target, "wall_s_max": max(r["wall_s"] for r in rows),
-                          "cpu_s_max": max(r["cpu_s"] for r in rows),
-                          "under_target_wall": all(r["wall_s"] <= target for r in rows),
-                          "under_target_cpu": all(r["cpu_s"] <= target for r in rows)}
+            out[f"cp{cp}"] = {"cells": rows, "target_s": target, "wall_s_max": max(r["wall_s"] for r in rows),
+                              "cpu_s_max": max(r["cpu_s"] for r in rows),
+                              "under_target_wall": all(r["wall_s"] <= target for r in rows),
+                              "under_target_cpu": all(r["cpu_s"] <= target for r in rows),
+                              "complete": False}
+            if progress is not None:
+                progress(out)
+        if rows:
+            out[f"cp{cp}"]["complete"] = len(rows) == len(_runtime_cells(cp))
     return out
 
 
@@ -260,9 +267,13 @@ def cli_plan_1024(repeats: int) -> dict:
             "under_target": min(runs) < CLI_PLAN_TARGET_S, "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]}
 
 
-def setup(cells_per_cp: int | None, repeats: int) -> dict:
-    return {"runtime_choice": runtime_choice(cells_per_cp), "cli_plan_1024": cli_plan_1024(repeats),
-            "loadavg_1min": os.getloadavg()[0], "cpus": os.cpu_count()}
+def setup(cells: dict[int, int | None], repeats: int, progress=None) -> dict:
+    """The CLI first (one process), then the runtime choice cell by cell (``progress(section)``)."""
+    out = {"cli_plan_1024": cli_plan_1024(repeats), "cpus": os.cpu_count()}
+    out["runtime_choice"] = runtime_choice(cells, None if progress is None else
+                                           lambda rc: progress({**out, "runtime_choice": rc}))
+    out["loadavg_1min"] = os.getloadavg()[0]
+    return out
 
 
 def _print_setup(s: dict) -> None:
@@ -289,16 +300,22 @@ def main() -> int:
                     help="only the scale_1024 and scale_8192 sections, merged into the JSON at --out")
     ap.add_argument("--setup-only", action="store_true", help="only the setup section, merged into the JSON at --out")
     ap.add_argument("--setup-cells", type=int, default=None, metavar="N",
-                    help="setup: the first N runtime-grid cells of each CP size (default all)")
+                    help="setup: the first N runtime-grid cells at cp = 64 (default all 36)")
+    ap.add_argument("--setup-cells-256", type=int, default=None, metavar="N",
+                    help="setup: the first N cells at cp = 256 (default all 4)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     repeats = 1 if args.quick else 3
     if args.setup_only:
         out = Path(args.out)
         result = json.loads(out.read_text()) if out.exists() else {}
-        result["setup"] = setup(args.setup_cells, repeats)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+
+        def progress(section: dict) -> None:  # rewritten after each cell: an interrupted run keeps its cells
+            result["setup"] = section
+            out.write_text(json.dumps(result, indent=1))
+
+        progress(setup({64: args.setup_cells, 256: args.setup_cells_256}, repeats, progress))
         _print_setup(result["setup"])
         print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
         return 0
@@ -326,7 +343,7 @@ def main() -> int:
         "scale_1024": scale_1024(repeats),
         "scale_8192": scale_8192(repeats),
         "other_presets": other_presets(),
-        "setup": setup(args.setup_cells, repeats),
+        "setup": setup({64: args.setup_cells, 256: args.setup_cells_256}, repeats),
     }
     result["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)

@@ -88,9 +88,9 @@ def test_graph_floors_never_exceed_the_priced_plans(preset, cp):
 
 @pytest.mark.parametrize("preset,cp", GRAPH_CASES)
 @pytest.mark.parametrize("shaped", [False, True])
-def test_auto_picks_the_best_of_every_candidate(preset, cp, shaped):
+def test_auto_picks_the_best_of_every_candidate(preset, cp, shaped, monkeypatch):
     """Pruned auto is pick_best over every builder's plan, each compiled and timed."""
-    from megatron_fcp.planning import build_plan, simulate_plan
+    from megatron_fcp.planning import build, build_plan, simulate_plan
     from megatron_fcp.planning.build import NOMINAL_SHAPE
     from megatron_fcp.planning.builders import AUTO_CANDIDATES
 
@@ -101,6 +101,7 @@ def test_auto_picks_the_best_of_every_candidate(preset, cp, shaped):
     every = [(simulate_plan(p, topo, sim_shape, compute=shaped), p)
              for p in (build_plan(topo, range(cp), n) for n in AUTO_CANDIDATES)]
     want = pick_best(every, objective)[1]
+    monkeypatch.setattr(build, "PRUNE_AUTO_MIN_CP", 0)   # prune at these small sizes too
     got = build_plan(topo, range(cp), "auto", **shape)
     assert got.name == want.name and got.rounds == want.rounds
     times = {p.name: getattr(r, "total_s" if shaped else "comm_s") for r, p in every}

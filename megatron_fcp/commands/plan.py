@@ -27,6 +27,7 @@ from megatron_fcp.planning import (
     parse_tokens,
     place_packed,
 )
+from megatron_fcp.planning.blocks import Block, make_transfer
 from megatron_fcp.planning.build import NOMINAL_SHAPE
 from megatron_fcp.planning.compare import packed_need_stats
 from megatron_fcp.topology import TopologyError, load_topology
@@ -182,12 +183,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _round_lines(rounds, limit: int) -> list[str]:
+    """One line per round from ``(shown transfers, the round's count)`` pairs."""
     lines = []
-    for k, rnd in enumerate(rounds):
-        shown = rnd if limit <= 0 else rnd[:limit]
-        more = "" if len(shown) == len(rnd) else f", ... (+{len(rnd) - len(shown)} more)"
-        lines.append(f"  round {k} ({len(rnd)}): " + ", ".join(str(t) for t in shown) + more)
+    for k, (shown, n) in enumerate(rounds):
+        more = "" if len(shown) == n else f", ... (+{n - len(shown)} more)"
+        lines.append(f"  round {k} ({n}): " + ", ".join(str(t) for t in shown) + more)
     return lines
+
+
+def _shown_rounds(plan, limit: int):
+    """``plan.rounds`` cut to ``limit`` transfers per round, as ``(shown, total)`` pairs; a
+    table-backed plan (Note [Columnar plans]) builds only the transfers shown, not its ~1.5M."""
+    if plan.table is None or limit <= 0:
+        return [(rnd if limit <= 0 else rnd[:limit], len(rnd)) for rnd in plan.rounds]
+    rnd, src, dst, owner, chunk, part = plan.transfer_columns()
+    counts = np.bincount(rnd, minlength=plan.num_rounds)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    out = []
+    for k in range(plan.num_rounds):
+        sl = slice(int(starts[k]), int(starts[k]) + min(limit, int(counts[k])))
+        shown = tuple(make_transfer(s, d, Block(o, c, p)) for s, d, o, c, p in
+                      zip(src[sl].tolist(), dst[sl].tolist(), owner[sl].tolist(), chunk[sl].tolist(), part[sl].tolist()))
+        out.append((shown, int(counts[k])))
+    return out
 
 
 def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
@@ -199,10 +217,10 @@ def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
             f"{k} {v * 1e3:.3f} ms" for k, v in sorted(plan.auto.times, key=lambda kv: kv[1])))
     lines.append("  CP rank -> global rank (node.local): " + ", ".join(
         f"{i}:{r}(n{topo.node_of(r)}.{topo.local_rank_of(r)})" for i, r in enumerate(plan.ranks)))
-    lines.extend(_round_lines(plan.rounds, limit))
+    lines.extend(_round_lines(_shown_rounds(plan, limit), limit))
     if backward:
         lines.append("  backward (reversed rounds, transfers flipped: partial dK/dV flow back to owners):")
-        lines.extend(_round_lines(plan.backward_rounds(), limit))
+        lines.extend(_round_lines([(r if limit <= 0 else r[:limit], len(r)) for r in plan.backward_rounds()], limit))
     return lines
 
 

@@ -15,8 +15,9 @@ needs over the NICs the graph enters it through). Candidates are compiled and ti
 increasing floor; one whose floor is above the best communication so far (``comm``), or above
 the best total so far by more than :func:`~megatron_fcp.planning.cost.pick_best`'s 0.1% tie
 (``total``), cannot be chosen and is neither compiled nor timed (a 1,024-rank ``leader`` plan
-funnels each node through one NIC). ``plan.auto`` lists the candidates timed. Packed batches
-(ties broken by inter-node bytes) time every candidate.
+funnels each node through one NIC). This applies above :data:`PRUNE_AUTO_MIN_CP` ranks, where
+``plan.auto`` lists the candidates timed; smaller groups and packed batches (ties broken by
+inter-node bytes) time every candidate.
 """
 
 from __future__ import annotations
@@ -85,10 +86,11 @@ def build_plan(
     names = [n for n in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES)
              if len(ranks) > 1 or n == "ring"]
     graphs = {name: get_builder(name).build(topo, ranks) for name in names}
-    floors = {name: _floor(graphs[name], topo, shape, causal) if placement is None else 0.0 for name in names}
+    prune = placement is None and len(ranks) > PRUNE_AUTO_MIN_CP
+    floors = {name: _floor(graphs[name], topo, shape, causal) if prune else 0.0 for name in names}
     priced = {}
     for name in sorted(names, key=lambda n: (floors[n], names.index(n))):  # Note [Pruning auto]
-        if priced and floors[name] > _bar(priced.values(), objective):
+        if prune and priced and floors[name] > _bar(priced.values(), objective):
             continue
         plan = compile_plan(graphs.pop(name), causal, parts_per_chunk, placement=placement)
         priced[name] = (simulate_plan(plan, topo, shape, compute=objective == "total"), plan)
@@ -97,6 +99,11 @@ def build_plan(
     metric = "total_s" if objective == "total" else "comm_s"
     choice = AutoChoice(metric, tuple((p.name, getattr(r, metric)) for r, p in candidates))
     return best.with_auto(choice)
+
+
+PRUNE_AUTO_MIN_CP = 64
+"""Above this many ranks ``auto`` leaves out builders a floor rules out (Note [Pruning auto]); up to
+it every candidate is timed and recorded in ``plan.auto`` (cheap, and what the CLI compares)."""
 
 
 def _floor(cg, topo: Topology, shape: AttentionShape, causal: bool) -> float:
