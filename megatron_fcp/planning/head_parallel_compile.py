@@ -166,7 +166,7 @@ def stage_plan(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Plan:
 
     ``seq_len`` must be a multiple of ``2 * cp`` (pad first) and, for ``degree > 1``, the length the
     KV plan was compiled for."""
-    cp, a = hp.cp, hp.degree
+    a = hp.degree
     if a == 1:
         return relabel_plan(hp.kv_plan, hp.kv_stage_ranks(0)).verify()  # the ordinary zigzag plan
     placement = stage_placement(hp, seq_len, hp.kv_plan.causal if hp.kv_plan else causal)

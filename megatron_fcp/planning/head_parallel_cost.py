@@ -78,7 +78,6 @@ from megatron_fcp.planning.baselines import (
     simulate_te_a2a_p2p,
     simulate_te_p2p,
 )
-from megatron_fcp.planning.floors import compute_floor, kv_floor, reduction_floor
 from megatron_fcp.planning.chains import chain_routes
 from megatron_fcp.planning.cost import (
     AttentionShape,
@@ -88,6 +87,7 @@ from megatron_fcp.planning.cost import (
     simulate_plan,
     simulate_rounds,
 )
+from megatron_fcp.planning.floors import compute_floor, kv_floor, reduction_floor
 from megatron_fcp.planning.graph import check_cp_ranks
 from megatron_fcp.planning.head_parallel import HeadParallelPlan, check_head_parallel
 from megatron_fcp.planning.head_parallel_compile import (
@@ -109,8 +109,8 @@ from megatron_fcp.planning.plan import Plan
 from megatron_fcp.planning.waves import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "HeadParallelPricing", "degree_floor", "simulate_te", "lower_bound_all",
-           "a2a_messages"]
+__all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "HeadParallelPricing", "degree_floor",
+           "simulate_te", "lower_bound_all", "a2a_messages"]
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
@@ -237,8 +237,7 @@ class HeadParallelPricing:
         return [self._a2a_cache[key]]
 
     def _a2a_s(self, which: str) -> float:
-        return simulate_rounds(self.topo, [a2a_messages(self.hp, self.shape, which)],
-                               self.round_overhead_s).total_s if self.a2a else 0.0
+        return self._rounds(which, "a2a-" + which)[0].total_s if self.a2a else 0.0
 
     def floor(self) -> float:
         """A lower bound on :meth:`result`'s ``total_s``: the forward as priced plus a floor on the
