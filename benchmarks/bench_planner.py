@@ -21,6 +21,15 @@ Sections of the JSON:
   columnar table, docs/planner.md), the fresh process's peak RSS and the table's bytes; target < 10 s.
   ``--scale-only`` runs just the two scale sections and merges them into an existing JSON.
 * ``other_presets``: pcie-box and single-uplink for reference.
+* ``setup``: setup times (issue 25, item 5). ``runtime_choice``: the Megatron runtime's schedule
+  choice (``choose_schedule`` with the executor's backward, as ``settle_schedule`` calls it) on the
+  runtime grid's cells at cp = 64 (8 nodes of each preset, every head shape and length of
+  ``bench_head_parallel.py``) and cp = 256 (32 nodes; 128K tokens, GQA 32:8), each cell's
+  label, wall and CPU seconds, with targets 2 s and 10 s; ``cli_plan_1024``: ``megatron-fcp plan
+  --topology dgx-h100:128 --cp 1024`` as a whole fresh process (imports included; target < 5 s)
+  and whether it imported torch. ``--setup-only`` runs just this section and merges it into the
+  JSON at ``--out`` (rewritten after each cell); ``--setup-cells N`` / ``--setup-cells-256 N``
+  keep the first N cells at cp = 64 / 256 (a quick look; ``complete`` says whether all ran).
 """
 
 from __future__ import annotations
@@ -190,6 +199,94 @@ def _print_scale(cp: int, s: dict) -> None:
           f"{'met' if s['under_target'] else 'MISSED'}; load {s['loadavg_1min']:.1f} on {s['cpus']} cpus)")
 
 
+RUNTIME_CHOICE_TARGET_S = {64: 2.0, 256: 10.0}
+"""Targets: the runtime's schedule choice takes at most this long for any cell at that CP size."""
+
+CLI_PLAN_TARGET_S = 5.0
+"""Target: ``megatron-fcp plan`` at 1,024 ranks, whole process, torch import included."""
+
+_CLI = ("import runpy, sys, time; t0 = time.perf_counter(); sys.argv = ['megatron-fcp', 'plan', '--topology', "
+        "'dgx-h100:128', '--cp', '1024']; import megatron_fcp.cli as c; rc = c.main(sys.argv[1:]); "
+        "print('@@', rc, 'torch' in sys.modules, file=sys.stderr)")
+
+
+def _runtime_cells(cp: int) -> list[tuple[str, int, int, int, int]]:
+    """(preset, nodes, heads, KV heads, tokens) of the runtime grid at ``cp`` ranks (8 per node)."""
+    heads = ((32, 32), (32, 8), (32, 2)) if cp <= 64 else ((32, 8),)
+    seqs = (32 * 1024, 128 * 1024, 1024 * 1024) if cp <= 64 else (128 * 1024,)
+    return [(p, cp // 8, h, kv, s) for p in ("dgx-a100", "dgx-h100", "pcie-box", "single-uplink")
+            for h, kv in heads for s in seqs]
+
+
+def runtime_choice(cells: dict[int, int | None], progress=None) -> dict:
+    """``choose_schedule`` as the runtime calls it, timed per cell (wall and this process's CPU);
+    ``cells``: per CP size, how many of its cells (None: all); ``progress(out)`` after each cell."""
+    from megatron_fcp.planner.choose import choose_schedule
+    from megatron_fcp.schedule.program import WaveBackward
+
+    out = {}
+    for cp, target in RUNTIME_CHOICE_TARGET_S.items():
+        rows = []
+        for preset, nodes, h, kv, seq in _runtime_cells(cp)[:cells.get(cp)]:
+            topo = load_topology(f"{preset}:{nodes}")
+            gc.collect()
+            t0, c0 = time.perf_counter(), time.process_time()
+            c = choose_schedule(topo, range(cp), AttentionShape(seq, h, kv, 128, 2), backward=WaveBackward())
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            rows.append({"preset": preset, "nodes": nodes, "cp": cp, "heads": h, "kv_heads": kv, "seq": seq,
+                         "choice": c.label, "runner_up": c.runner_up[0] if c.runner_up else None,
+                         "total_s": c.total_s, "priced": len(c.plan.auto), "wall_s": wall, "cpu_s": cpu})
+            print(f"runtime choice {preset}:{nodes} cp={cp} {h}:{kv} seq={seq}: {c.label} ({len(c.plan.auto)} priced) "
+                  f"{wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
+            out[f"cp{cp}"] = {"cells": rows, "target_s": target, "wall_s_max": max(r["wall_s"] for r in rows),
+                              "cpu_s_max": max(r["cpu_s"] for r in rows),
+                              "under_target_wall": all(r["wall_s"] <= target for r in rows),
+                              "under_target_cpu": all(r["cpu_s"] <= target for r in rows),
+                              "complete": False}
+            if progress is not None:
+                progress(out)
+        if rows:
+            out[f"cp{cp}"]["complete"] = len(rows) == len(_runtime_cells(cp))
+    return out
+
+
+def cli_plan_1024(repeats: int) -> dict:
+    """The CLI plan at 1,024 ranks as a whole fresh process (wall; CPU of the child from rusage)."""
+    import resource
+
+    runs, cpus, torch = [], [], None
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-c", _CLI], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[1])
+        runs.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        torch = p.stderr.split("@@")[-1].split()[1] == "True"
+    return {"command": "megatron-fcp plan --topology dgx-h100:128 --cp 1024", "wall_s": _stats(runs),
+            "cpu_s": _stats(cpus), "imports_torch": torch, "target_s": CLI_PLAN_TARGET_S,
+            "under_target": min(runs) < CLI_PLAN_TARGET_S, "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]}
+
+
+def setup(cells: dict[int, int | None], repeats: int, progress=None) -> dict:
+    """The CLI first (one process), then the runtime choice cell by cell (``progress(section)``)."""
+    out = {"cli_plan_1024": cli_plan_1024(repeats), "cpus": os.cpu_count()}
+    out["runtime_choice"] = runtime_choice(cells, None if progress is None else
+                                           lambda rc: progress({**out, "runtime_choice": rc}))
+    out["loadavg_1min"] = os.getloadavg()[0]
+    return out
+
+
+def _print_setup(s: dict) -> None:
+    for key, r in s["runtime_choice"].items():
+        print(f"runtime choice {key}: max {r['wall_s_max']:.2f} s wall / {r['cpu_s_max']:.2f} s CPU over "
+              f"{len(r['cells'])} cells (target {r['target_s']:.0f} s)")
+    c = s["cli_plan_1024"]
+    print(f"CLI plan at 1,024 ranks: best {c['wall_s']['best']:.2f} s wall, {c['cpu_s']['best']:.2f} s CPU, "
+          f"torch imported: {c['imports_torch']} (target < {c['target_s']:.0f} s)")
+
+
 def other_presets() -> dict:
     res = {}
     for p in ("pcie-box:1", "pcie-box:2", "single-uplink:2", "single-uplink:4"):
@@ -203,9 +300,27 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sequence lengths and one 1,024-rank repeat")
     ap.add_argument("--scale-only", action="store_true",
                     help="only the scale_1024 and scale_8192 sections, merged into the JSON at --out")
+    ap.add_argument("--setup-only", action="store_true", help="only the setup section, merged into the JSON at --out")
+    ap.add_argument("--setup-cells", type=int, default=None, metavar="N",
+                    help="setup: the first N runtime-grid cells at cp = 64 (default all 36)")
+    ap.add_argument("--setup-cells-256", type=int, default=None, metavar="N",
+                    help="setup: the first N cells at cp = 256 (default all 4)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     repeats = 1 if args.quick else 3
+    if args.setup_only:
+        out = Path(args.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+        def progress(section: dict) -> None:  # rewritten after each cell: an interrupted run keeps its cells
+            result["setup"] = section
+            out.write_text(json.dumps(result, indent=1))
+
+        progress(setup({64: args.setup_cells, 256: args.setup_cells_256}, repeats, progress))
+        _print_setup(result["setup"])
+        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+        return 0
     if args.scale_only:
         out = Path(args.out)
         result = json.loads(out.read_text()) if out.exists() else {}
@@ -230,6 +345,7 @@ def main() -> int:
         "scale_1024": scale_1024(repeats),
         "scale_8192": scale_8192(repeats),
         "other_presets": other_presets(),
+        "setup": setup({64: args.setup_cells, 256: args.setup_cells_256}, repeats),
     }
     result["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
@@ -259,6 +375,7 @@ def main() -> int:
           f"hierarchical {s['extrapolation_4MB_blocks']['hierarchical_comm_s'] * 1e3:.1f} ms "
           f"({s['extrapolation_4MB_blocks']['ratio']:.1f}x)")
     _print_scale(8192, result["scale_8192"])
+    _print_setup(result["setup"])
     print(f"wrote {out} in {result['wall_s']:.1f} s")
     return 0
 

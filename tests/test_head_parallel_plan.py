@@ -20,7 +20,8 @@ from megatron_fcp.planner.choose import (
     choose_head_parallel,
     head_parallel_candidates,
 )
-from megatron_fcp.planner.head_parallel import compile_head_parallel, head_parallel_degrees, topology_head_groups
+from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.contract.head_parallel import head_parallel_degrees, topology_head_groups
 from megatron_fcp.contract.head_parallel import stage_plan
 from megatron_fcp.planner.choose import lower_bound_all
 from megatron_fcp.cost.head_parallel import simulate_head_parallel, simulate_te
@@ -284,7 +285,8 @@ def test_cli_simulate_pass_and_head_parallel_json(capsys):
 
 def test_uneven_group_bound_counts_only_the_members_nics():
     """8 + 4 ranks on two DGX nodes: the half-filled node receives through its 4 members' NICs."""
-    from megatron_fcp.cost.te import lower_bound, member_nic_ingress
+    from megatron_fcp.cost.te import lower_bound
+    from megatron_fcp.cost.floors import member_nic_ingress
     from megatron_fcp.topology import load_topology
 
     topo = load_topology("dgx-h100:2")

@@ -25,6 +25,7 @@ from megatron_fcp.planner.builders import GRAPH_CHOICES, build_graph
 from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.planner.build import NOMINAL_SHAPE
 from megatron_fcp.planner.compare import packed_need_stats
+from megatron_fcp.contract.blocks import Block, make_transfer
 from megatron_fcp.topology import TopologyError, load_topology
 
 NAME = "plan"
@@ -178,12 +179,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _round_lines(rounds, limit: int) -> list[str]:
+    """One line per round from ``(shown transfers, the round's count)`` pairs."""
     lines = []
-    for k, rnd in enumerate(rounds):
-        shown = rnd if limit <= 0 else rnd[:limit]
-        more = "" if len(shown) == len(rnd) else f", ... (+{len(rnd) - len(shown)} more)"
-        lines.append(f"  round {k} ({len(rnd)}): " + ", ".join(str(t) for t in shown) + more)
+    for k, (shown, n) in enumerate(rounds):
+        more = "" if len(shown) == n else f", ... (+{n - len(shown)} more)"
+        lines.append(f"  round {k} ({n}): " + ", ".join(str(t) for t in shown) + more)
     return lines
+
+
+def _nic_crossings(plan, topo) -> tuple[int, int, int]:
+    """(transfers, transfers whose route leaves through a NIC, those between NVLink domains), read
+    per distinct (src, dst) pair from the plan's columns (a 1,024-rank plan has ~1.5M transfers and
+    a few thousand pairs)."""
+    _, src, dst, *_ = plan.transfer_columns()
+    pairs, counts = np.unique(src.astype(np.int64) * topo.world + dst, return_counts=True)
+    over = between = 0
+    for code, n in zip(pairs.tolist(), counts.tolist()):
+        a, b = divmod(code, topo.world)
+        if any(x.name.endswith(">net") for x in topo.route(a, b).resources):
+            over += n
+            between += n if topo.domain_of(a) != topo.domain_of(b) else 0
+    return int(counts.sum()), over, between
+
+
+def _shown_rounds(plan, limit: int):
+    """``plan.rounds`` cut to ``limit`` transfers per round, as ``(shown, total)`` pairs; a
+    table-backed plan (Note [Columnar plans]) builds only the transfers shown, not its ~1.5M."""
+    if plan.table is None or limit <= 0:
+        return [(rnd if limit <= 0 else rnd[:limit], len(rnd)) for rnd in plan.rounds]
+    rnd, src, dst, owner, chunk, part = plan.transfer_columns()
+    counts = np.bincount(rnd, minlength=plan.num_rounds)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    out = []
+    for k in range(plan.num_rounds):
+        sl = slice(int(starts[k]), int(starts[k]) + min(limit, int(counts[k])))
+        shown = tuple(make_transfer(s, d, Block(o, c, p)) for s, d, o, c, p in
+                      zip(src[sl].tolist(), dst[sl].tolist(), owner[sl].tolist(), chunk[sl].tolist(), part[sl].tolist()))
+        out.append((shown, int(counts[k])))
+    return out
 
 
 def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
@@ -195,15 +228,13 @@ def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
             f"{k} {v * 1e3:.3f} ms" for k, v in sorted(plan.auto.times, key=lambda kv: kv[1])))
     lines.append("  CP rank -> global rank (node.local): " + ", ".join(
         f"{i}:{r}(n{topo.node_of(r)}.{topo.local_rank_of(r)})" for i, r in enumerate(plan.ranks)))
-    moves = [t for rnd in plan.rounds for t in rnd]
-    over_nic = [t for t in moves if any(x.name.endswith(">net") for x in topo.route(t.src, t.dst).resources)]
-    lines.append(f"  transfers over NICs: {len(over_nic)} of {len(moves)} "
-                 f"({sum(1 for t in over_nic if topo.domain_of(t.src) != topo.domain_of(t.dst))} between NVLink "
+    n_moves, over_nic, between = _nic_crossings(plan, topo)
+    lines.append(f"  transfers over NICs: {over_nic} of {n_moves} ({between} between NVLink "
                  f"domains; {topo.domains} domain(s) of {topo.nvlink_domain} node(s))")
-    lines.extend(_round_lines(plan.rounds, limit))
+    lines.extend(_round_lines(_shown_rounds(plan, limit), limit))
     if backward:
         lines.append("  backward (reversed rounds, transfers flipped: partial dK/dV flow back to owners):")
-        lines.extend(_round_lines(plan.backward_rounds(), limit))
+        lines.extend(_round_lines([(r if limit <= 0 else r[:limit], len(r)) for r in plan.backward_rounds()], limit))
     return lines
 
 

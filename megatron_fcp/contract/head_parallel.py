@@ -33,16 +33,20 @@ heads per KV head ``h / h_kv`` to be a multiple of ``kv_replication``; otherwise
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import Block, PlanError, Transfer, zigzag_chunk_index
 from megatron_fcp.contract.placement import Placement, Span
-from megatron_fcp.contract.plan import Plan
+from megatron_fcp.contract.plan import Plan, check_cp_ranks
+from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["HeadParallelPlan", "kv_replication", "check_head_parallel", "group_placement", "relabel_plan",
-           "consecutive_head_groups"]
+           "consecutive_head_groups", "stage_plan", "stage_placement", "head_parallel_degrees",
+           "topology_head_groups", "head_groups_for"]
 
 
 def kv_replication(kv_heads: int, degree: int) -> int:
@@ -212,10 +216,7 @@ def stage_plan(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Plan:
     a = hp.degree
     if a == 1:
         return relabel_plan(hp.kv_plan, hp.kv_stage_ranks(0)).verify()  # the ordinary zigzag plan
-    base = group_placement(hp.ranks, hp.head_groups, seq_len, hp.kv_plan.causal if hp.kv_plan else causal)
-    pos = {r: hp.position(r) for r in hp.ranks}
-    blocks = tuple(tuple(Span(pos[r][1], s.start, s.end) for s in base.blocks[pos[r][0]]) for r in hp.ranks)
-    placement = Placement((seq_len,) * a, blocks, base.causal)
+    placement = stage_placement(hp, seq_len, hp.kv_plan.causal if hp.kv_plan else causal)
     rounds: tuple[tuple[Transfer, ...], ...] = ()
     if hp.kv_plan is not None:
         if hp.kv_plan.placement is not None and hp.kv_plan.placement.doc_lengths != (seq_len,):
@@ -226,4 +227,74 @@ def stage_plan(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Plan:
                                                                                  t.block.chunk, 0))
                              for t in rnd for j in range(a)) for rnd in hp.kv_plan.rounds)
     name = hp.kv_plan.name if hp.kv_plan is not None else "a2a"
-    return Plan(hp.ranks, rounds, base.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
+    return Plan(hp.ranks, rounds, placement.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
+
+
+def stage_placement(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Placement:
+    """The stage plan's placement (Note [The stage plan]; ``degree > 1``): on ``hp.ranks``, rank
+    (group ``g``, member ``j``) holds group ``g``'s zigzag chunks as spans of document ``j``. Needs
+    only the head groups (``hp.kv_plan`` may be None). Memoised: every candidate of one degree
+    shares one placement object, and with it the placement's cached need matrix and block pairs."""
+    return _stage_placement(tuple(hp.ranks), tuple(map(tuple, hp.head_groups)), hp.degree, seq_len, causal)
+
+
+@functools.lru_cache(maxsize=32)
+def _stage_placement(ranks: tuple, head_groups: tuple, degree: int, seq_len: int, causal: bool) -> Placement:
+    hp = SimpleNamespace(ranks=ranks, head_groups=head_groups, degree=degree)
+    base = group_placement(hp.ranks, hp.head_groups, seq_len, causal)
+    pos = {r: (g, j) for g, group in enumerate(hp.head_groups) for j, r in enumerate(group)}
+    blocks = tuple(tuple(Span(pos[r][1], s.start, s.end) for s in base.blocks[pos[r][0]]) for r in hp.ranks)
+    return Placement((seq_len,) * hp.degree, blocks, base.causal)
+
+
+def _node_runs(topo: Topology, ranks: Sequence[int]) -> list[list[int]]:
+    """CP ranks per node (nodes in order of first appearance in CP order), each in rail order."""
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(topo.node_of(r), []).append(r)
+    for lst in groups.values():
+        lst.sort(key=topo.local_rank_of)
+    return list(groups.values())
+
+
+def head_parallel_degrees(topology: "Topology | str", cp_ranks: Sequence[int], heads: int | None = None,
+                          kv_heads: int | None = None) -> list[int]:
+    """Degrees ``a`` whose head groups fit inside nodes (``a`` divides every node's CP rank count),
+    and, when head counts are given, that :func:`check_head_parallel` accepts (ascending)."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    g = math.gcd(*[len(run) for run in _node_runs(topo, ranks)])
+    out = []
+    for a in range(1, g + 1):
+        if g % a:
+            continue
+        if heads is not None:
+            try:
+                check_head_parallel(heads, kv_heads or heads, a, len(ranks))
+            except ValueError:
+                continue
+        out.append(a)
+    return out
+
+
+def topology_head_groups(topology: "Topology | str", cp_ranks: Sequence[int], degree: int) -> tuple[tuple[int, ...], ...]:
+    """Head groups of ``degree`` ranks inside nodes; see Note [Head groups from the topology]."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    runs = _node_runs(topo, ranks)
+    bad = [len(r) for r in runs if len(r) % degree] if degree >= 1 else [0]
+    if bad:
+        raise ValueError(f"head-parallel degree {degree} must divide every node's CP rank count "
+                         f"{[len(r) for r in runs]}; use one of {head_parallel_degrees(topo, ranks)}")
+    return tuple(tuple(run[k:k + degree]) for run in runs for k in range(0, len(run), degree))
+
+
+def head_groups_for(topology: "Topology | str", cp_ranks: Sequence[int], degree: int) -> tuple[tuple[int, ...], ...]:
+    """The head groups a CP group runs with: the planner's (:func:`topology_head_groups`, inside
+    nodes) wherever ``degree`` fits every node's CP ranks; else (an explicit degree that crosses
+    nodes, which the planner does not price) ``degree`` consecutive CP ranks. The runtime builds
+    its stages and process groups with this, so it runs the groups the planner timed."""
+    try:
+        return topology_head_groups(topology, cp_ranks, degree)
+    except ValueError:
+        return consecutive_head_groups(cp_ranks, degree)

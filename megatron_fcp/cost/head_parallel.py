@@ -37,7 +37,7 @@ traffic).
 
 That backward is one pass from kept KV. The executor walks it in waves (Note [Backward waves] in
 :mod:`megatron_fcp.attention.backward_waves`), keeping or re-sending KV; given ``backward`` (a
-:class:`~megatron_fcp.schedule.program.WaveBackward`) the KV stage's backward is timed that way
+:class:`~megatron_fcp.schedule.waves.WaveBackward`) the KV stage's backward is timed that way
 (:func:`~megatron_fcp.cost.packed.simulate_backward_waves`), which is what the Megatron
 runtime prices its choice with. It can differ a lot: with whole chunks a wave gives some ranks
 twice the work of others (128K on ``dgx-h100:2``, a = 1, hierarchical: backward 55 ms in one pass,
@@ -66,10 +66,12 @@ could sit above them.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Sequence
 
 
 from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.schedule.chains import chain_routes
 from megatron_fcp.cost.model import (
     AttentionShape,
     ComputeModel,
@@ -78,9 +80,10 @@ from megatron_fcp.cost.model import (
     simulate_plan,
     simulate_rounds,
 )
+from megatron_fcp.cost.floors import compute_floor, kv_floor, reduction_floor
 from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.head_parallel import HeadParallelPlan
-from megatron_fcp.contract.head_parallel import stage_plan
+from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel
+from megatron_fcp.contract.head_parallel import stage_placement, stage_plan, topology_head_groups
 from megatron_fcp.cost.packed import (
     BACKWARD_FLOP_RATIO,
     simulate_backward_waves,
@@ -92,8 +95,8 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "simulate_te",
-           "a2a_messages"]
+__all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "HeadParallelPricing", "degree_floor",
+           "simulate_te", "a2a_messages", "stage_shape"]
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
@@ -154,61 +157,119 @@ def simulate_head_parallel(
     bytes per element of the dK/dV partials the KV stage returns (default ``shape.dtype_bytes``: the
     input dtype, what the executor sends, as Transformer Engine's ring sends dKV; 4 prices FP32
     partials). ``backward``: None times the KV stage's backward in one pass from kept KV; a
-    :class:`~megatron_fcp.schedule.program.WaveBackward` times it as the executor runs it, wave by wave
+    :class:`~megatron_fcp.schedule.waves.WaveBackward` times it as the executor runs it, wave by wave
     with KV kept or re-sent as the executor decides (:func:`_wave_backward`; ``meta["backward_kv"]``
     is the mode priced)."""
-    check_pass(pass_)
-    topo = load_topology(topology)
-    cm = compute_model or ComputeModel()
-    shape, padded = pad_for_zigzag(shape, hp.cp)
-    sp = stage_plan(hp, shape.seq_len, causal)
-    sshape = stage_shape(hp, shape) if hp.degree > 1 else shape
-    a2a = hp.degree > 1
+    return HeadParallelPricing(hp, topology, shape, pass_=pass_, causal=causal, compute_model=compute_model,
+                               round_overhead_s=round_overhead_s, backward_flop_ratio=backward_flop_ratio,
+                               grad_dtype_bytes=grad_dtype_bytes, name=name, backward=backward,
+                               overlap_q=overlap_q).result()
 
-    def rounds(which: str, label: str) -> list[SimResult]:
-        return [simulate_rounds(topo, [a2a_messages(hp, shape, which)], round_overhead_s, name=label)] if a2a else []
 
-    meta = {"graph": sp.name if hp.degree == 1 else (hp.kv_plan.name if hp.kv_plan else "a2a"),
-            "head_parallel": hp.degree, "parts_per_chunk": sp.parts_per_chunk,
-            "kv_replication": hp.kv_replication, "pass": pass_}
-    if padded:
-        meta["padded_seq_len"] = shape.seq_len
-    out = []
-    if pass_ in ("fwd", "fwd+bwd"):
-        if overlap_q and a2a and hp.kv_plan is not None:
-            q_in = rounds("q", "a2a-in-q")[0]            # on the intra links while the stage's KV moves
-            kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name,
-                               compute_from_s=q_in.total_s)
-            hidden = SimResult("a2a-in-q", 0.0, 0.0, 0.0, q_in.bytes, q_in.rounds, dict(q_in.resource_bytes),
-                               dict(q_in.resource_bandwidth))   # its bytes count, its time is in the stage's
-            fwd = combine(name, rounds("kv", "a2a-in-kv") + [hidden, kv] + rounds("q", "a2a-out"))
-        else:
-            kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
-            fwd = combine(name, rounds("qkv", "a2a-in") + [kv] + rounds("q", "a2a-out"))
-        meta["fwd_total_s"] = fwd.total_s
-        meta["fwd_comm_s"] = fwd.comm_s
-        out.append(fwd)
-    if pass_ in ("bwd", "fwd+bwd"):
-        kv = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
-                                    round_overhead_s=round_overhead_s, name=name, grad_dtype_bytes=grad_dtype_bytes)
-        if backward is not None and hp.kv_plan is not None and sp.rounds:  # a = cp: no executor, no waves
-            kv = _wave_backward(kv, sp, topo, sshape, cm, backward, grad_dtype_bytes, round_overhead_s)
-            meta["backward_kv"] = kv.meta["backward_kv"]
-            meta["backward_form"] = kv.meta["backward_form"]
-        jobs_end = kv.meta.pop("jobs_end_s", None)
-        if overlap_q and a2a and jobs_end is not None:  # dQ's all-to-all ahead of dK|dV's, from the last job
-            dq, dkv = rounds("q", "a2a-dq")[0], rounds("kv", "a2a-dkv")[0]
-            exposed = max(0.0, dq.total_s - (kv.total_s - jobs_end))   # what the stage's tail does not cover
-            dq_part = SimResult("a2a-dq", exposed, 0.0, exposed, dq.bytes, dq.rounds, dict(dq.resource_bytes),
-                                dict(dq.resource_bandwidth))
-            bwd = combine(name, rounds("q", "a2a-dout") + [kv, dq_part, dkv])
-        else:
-            bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
-        meta["bwd_total_s"] = bwd.total_s
-        meta["bwd_comm_s"] = bwd.comm_s
-        out.append(bwd)
-    meta["transfers"] = sp.num_transfers()
-    return combine(name, out, meta)
+class HeadParallelPricing:
+    """:func:`simulate_head_parallel` in two steps, so a search can stop after the cheap one: the
+    forward is priced at construction; :meth:`floor` is a lower bound on :meth:`result`'s
+    ``total_s`` from the forward's exact time and a floor on the backward (Note [Backward floors]
+    in :mod:`megatron_fcp.cost.floors`; the all-to-alls exact); :meth:`result` prices
+    the backward (the expensive step) and returns what :func:`simulate_head_parallel` returns."""
+
+    def __init__(self, hp: HeadParallelPlan, topology: "Topology | str", shape: AttentionShape, *,
+                 pass_: str = "fwd+bwd", causal: bool = True, compute_model: ComputeModel | None = None,
+                 round_overhead_s: float = 0.0, backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+                 grad_dtype_bytes: int | None = None, name: str = "fcp", backward: WaveBackward | None = None,
+                 overlap_q: bool = True) -> None:
+        check_pass(pass_)
+        self.hp, self.pass_, self.name, self.backward, self.overlap_q = hp, pass_, name, backward, overlap_q
+        self.topo = topo = load_topology(topology)
+        self.cm = cm = compute_model or ComputeModel()
+        self.round_overhead_s, self.backward_flop_ratio = round_overhead_s, backward_flop_ratio
+        self.grad_dtype_bytes = grad_dtype_bytes
+        shape, padded = pad_for_zigzag(shape, hp.cp)
+        self.shape = shape
+        self.sp = sp = stage_plan(hp, shape.seq_len, causal)
+        self.sshape = sshape = stage_shape(hp, shape) if hp.degree > 1 else shape
+        self.a2a = a2a = hp.degree > 1
+        self._a2a_cache: dict[str, SimResult] = {}
+        rounds = self._rounds
+        meta = {"graph": sp.name if hp.degree == 1 else (hp.kv_plan.name if hp.kv_plan else "a2a"),
+                "head_parallel": hp.degree, "parts_per_chunk": sp.parts_per_chunk,
+                "kv_replication": hp.kv_replication, "pass": pass_}
+        if padded:
+            meta["padded_seq_len"] = shape.seq_len
+        self.meta = meta
+        self.out: list[SimResult] = []
+        if pass_ in ("fwd", "fwd+bwd"):
+            if overlap_q and a2a and hp.kv_plan is not None:
+                q_in = rounds("q", "a2a-in-q")[0]            # on the intra links while the stage's KV moves
+                kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name,
+                                   compute_from_s=q_in.total_s)
+                hidden = SimResult("a2a-in-q", 0.0, 0.0, 0.0, q_in.bytes, q_in.rounds, dict(q_in.resource_bytes),
+                                   dict(q_in.resource_bandwidth))   # its bytes count, its time is in the stage's
+                fwd = combine(name, rounds("kv", "a2a-in-kv") + [hidden, kv] + rounds("q", "a2a-out"))
+            else:
+                kv = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
+                fwd = combine(name, rounds("qkv", "a2a-in") + [kv] + rounds("q", "a2a-out"))
+            meta["fwd_total_s"] = fwd.total_s
+            meta["fwd_comm_s"] = fwd.comm_s
+            self.out.append(fwd)
+
+    def _rounds(self, which: str, label: str) -> list[SimResult]:
+        if not self.a2a:
+            return []
+        key = which + "/" + label
+        if key not in self._a2a_cache:
+            self._a2a_cache[key] = simulate_rounds(self.topo, [a2a_messages(self.hp, self.shape, which)],
+                                                   self.round_overhead_s, name=label)
+        return [self._a2a_cache[key]]
+
+    def _a2a_s(self, which: str) -> float:
+        return self._rounds(which, "a2a-" + which)[0].total_s if self.a2a else 0.0
+
+    def floor(self) -> float:
+        """A lower bound on :meth:`result`'s ``total_s``: the forward as priced plus a floor on the
+        backward (its all-to-alls exact, the KV stage's floor of Note [Backward floors])."""
+        t = sum(p.total_s for p in self.out)
+        if self.pass_ == "fwd":
+            return t
+        hp, sp, sshape = self.hp, self.sp, self.sshape
+        ratio = min(self.backward_flop_ratio, BACKWARD_FLOP_RATIO) if self.backward is not None \
+            else self.backward_flop_ratio
+        stage = compute_floor(sp.placement, sp.cp, sshape, sp.causal, self.cm, ratio) if not sp.kv_sizes else 0.0
+        chain = self.backward is not None and hp.kv_plan is not None and sp.rounds and chain_routes(sp) is not None
+        if sp.num_rounds and not chain:  # a chain's partials travel the forward's direction
+            stage = max(stage, reduction_floor(sp, self.topo, sshape, self.grad_dtype_bytes or sshape.dtype_bytes))
+        if self.a2a:
+            last = "kv" if self.overlap_q else "qkv"  # dQ's part may hide behind the stage's tail
+            stage += self._a2a_s("q") + self._a2a_s(last)
+        return (t + stage) * (1 - 1e-9)
+
+    def result(self) -> SimResult:
+        """The full pricing (:func:`simulate_head_parallel`'s result)."""
+        hp, sp, sshape, topo, cm, name = self.hp, self.sp, self.sshape, self.topo, self.cm, self.name
+        backward, round_overhead_s, grad_dtype_bytes = self.backward, self.round_overhead_s, self.grad_dtype_bytes
+        rounds, meta, out = self._rounds, dict(self.meta), list(self.out)
+        if self.pass_ in ("bwd", "fwd+bwd"):
+            kv = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=self.backward_flop_ratio,
+                                        round_overhead_s=round_overhead_s, name=name,
+                                        grad_dtype_bytes=grad_dtype_bytes)
+            if backward is not None and hp.kv_plan is not None and sp.rounds:  # a = cp: no executor, no waves
+                kv = _wave_backward(kv, sp, topo, sshape, cm, backward, grad_dtype_bytes, round_overhead_s)
+                meta["backward_kv"] = kv.meta["backward_kv"]
+                meta["backward_form"] = kv.meta["backward_form"]
+            jobs_end = kv.meta.pop("jobs_end_s", None)
+            if self.overlap_q and self.a2a and jobs_end is not None:  # dQ's all-to-all ahead of dK|dV's, from the last job
+                dq, dkv = rounds("q", "a2a-dq")[0], rounds("kv", "a2a-dkv")[0]
+                exposed = max(0.0, dq.total_s - (kv.total_s - jobs_end))   # what the stage's tail does not cover
+                dq_part = SimResult("a2a-dq", exposed, 0.0, exposed, dq.bytes, dq.rounds, dict(dq.resource_bytes),
+                                    dict(dq.resource_bandwidth))
+                bwd = combine(name, rounds("q", "a2a-dout") + [kv, dq_part, dkv])
+            else:
+                bwd = combine(name, rounds("q", "a2a-dout") + [kv] + rounds("qkv", "a2a-dqkv"))
+            meta["bwd_total_s"] = bwd.total_s
+            meta["bwd_comm_s"] = bwd.comm_s
+            out.append(bwd)
+        meta["transfers"] = sp.num_transfers()
+        return combine(name, out, meta)
 
 
 def _wave_backward(one_pass: SimResult, sp: Plan, topo: Topology, shape: AttentionShape, cm: ComputeModel,
@@ -269,6 +330,47 @@ def simulate_te(
         meta.update(bwd_total_s=b.total_s, bwd_comm_s=b.comm_s)
         out.append(b)
     return combine(which, out, meta)
+
+
+def degree_floor(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape, degree: int, *,
+                 pass_: str = "fwd+bwd", causal: bool = True, compute_model: ComputeModel | None = None,
+                 round_overhead_s: float = 0.0, backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+                 backward: WaveBackward | None = None, overlap_q: bool = True) -> float:
+    """A lower bound on :func:`simulate_head_parallel`'s ``total_s`` for every plan of ``degree``
+    on these ranks (any KV-stage graph, stagger or sub-blocks), before any is compiled: the
+    all-to-alls exact, the forward's stage the larger of its KV floor and its compute after Q is
+    in, the backward's stage its compute (Note [Backward floors] in
+    :mod:`megatron_fcp.cost.floors`)."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    shape, _ = pad_for_zigzag(shape, len(ranks))
+    rep = check_head_parallel(shape.heads, shape.kv_heads, degree, len(ranks))
+    groups = tuple((r,) for r in ranks) if degree == 1 else topology_head_groups(topo, ranks, degree)
+    # the head groups alone (no KV plan yet): what the all-to-alls, the stage's placement and shape read
+    hp = SimpleNamespace(ranks=ranks, cp=len(ranks), degree=degree, head_groups=groups, kv_replication=rep)
+    staged = len(groups) > 1
+    placement = stage_placement(hp, shape.seq_len, causal) if degree > 1 else None
+    sshape = stage_shape(hp, shape) if degree > 1 else shape
+
+    def a2a(which: str) -> float:
+        return simulate_rounds(topo, [a2a_messages(hp, shape, which)], round_overhead_s).total_s if degree > 1 else 0.0
+
+    t = 0.0
+    if pass_ in ("fwd", "fwd+bwd"):
+        work = compute_floor(placement, len(ranks), sshape, causal, cm, 1.0) + cm.kernel_overhead_s
+        if degree > 1 and overlap_q and staged:
+            kv = kv_floor(topo, ranks, placement, shape.seq_len, causal, sshape.kv_bytes(1))
+            t += a2a("kv") + max(kv, a2a("q") + work) + a2a("q")
+        else:
+            kv = kv_floor(topo, ranks, placement, shape.seq_len, causal, sshape.kv_bytes(1)) if staged else 0.0
+            t += a2a("qkv") + max(kv, work) + a2a("q")
+    if pass_ in ("bwd", "fwd+bwd"):
+        ratio = min(backward_flop_ratio, BACKWARD_FLOP_RATIO) if backward is not None else backward_flop_ratio
+        t += compute_floor(placement, len(ranks), sshape, causal, cm, ratio)
+        if degree > 1:
+            t += a2a("q") + a2a("kv" if overlap_q else "qkv")
+    return t * (1 - 1e-9)
 
 
 def stage_shape(hp: HeadParallelPlan, shape: AttentionShape) -> AttentionShape:

@@ -46,6 +46,7 @@ from megatron_fcp.contract.blocks import part_span
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -287,6 +288,35 @@ def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_
     )
 
 
+COLUMNAR_ROUNDS_MIN_CP = 256
+"""Above this many ranks :func:`simulate_plan` without compute loads rounds as columns (Note
+[Columnar rounds] in :mod:`megatron_fcp.cost.route_table`); up to it, message by message."""
+
+
+def _finish_loads(idx, load: np.ndarray, lmax: np.ndarray, total_bytes: float, round_overhead_s: float,
+                  name: str) -> SimResult:
+    """:func:`_finish_rounds` from a ``[round, resource]`` byte matrix and each round's latency."""
+    bw = np.asarray(idx.bw, dtype=np.float64)
+    busy = load / bw[None, :] if load.size else load
+    t = 0.0
+    timeline = []
+    for k in range(load.shape[0]):
+        active = np.nonzero(load[k])[0]
+        if not len(active):
+            timeline.append({"round": k, "start_s": t, "end_s": t, "bottleneck": None, "busy": {}})
+            continue
+        j = int(np.argmax(busy[k]))
+        dur = float(busy[k, j]) + float(lmax[k]) + round_overhead_s
+        timeline.append({"round": k, "start_s": t, "end_s": t + dur, "bottleneck": idx.names[j],
+                         "busy": dict(zip([idx.names[i] for i in active], busy[k, active].tolist()))})
+        t += dur
+    res_bytes = load.sum(axis=0)
+    used = np.nonzero(res_bytes)[0]
+    return SimResult(name=name, comm_s=t, compute_s=0.0, total_s=t, bytes=total_bytes, rounds=load.shape[0],
+                     resource_bytes={idx.names[i]: float(res_bytes[i]) for i in used},
+                     resource_bandwidth={idx.names[i]: float(bw[i]) for i in used}, timeline=timeline)
+
+
 def _plan_arrays(plan: Plan):
     """(round, src, dst, owner, chunk, part) integer arrays of every transfer, plan order (read from
     a table-backed plan's columns without building its rounds)."""
@@ -327,8 +357,9 @@ def simulate_plan(
     if pl is None:
         shape, padded = pad_for_zigzag(shape, cp)
     rnd, src, dst, owner, chunk, part = _plan_arrays(plan)
-    pos = {r: i for i, r in enumerate(plan.ranks)}
-    owner_i = np.fromiter((pos[o] for o in owner), dtype=np.int64, count=len(owner))
+    pos_of = np.full(max(plan.ranks) + 1, -1, dtype=np.int64)  # global rank -> CP index, as an array
+    pos_of[list(plan.ranks)] = np.arange(cp)
+    owner_i = pos_of[owner]
     if pl is None:  # each part's own tokens (floor/ceil when P does not divide the chunk)
         p0, p1 = part_span(shape.seq_len // (2 * cp), P, part)
         if plan.kv_sizes:
@@ -347,13 +378,20 @@ def simulate_plan(
     n_rounds = plan.num_rounds
     per_round_ids, per_round_bytes, lat = [], [], []
     if len(rnd):
-        key = (rnd * cp + np.fromiter((pos[s] for s in src), np.int64, len(src))) * cp + \
-            np.fromiter((pos[d] for d in dst), np.int64, len(dst))
+        key = (rnd * cp + pos_of[src]) * cp + pos_of[dst]
         uk, inv = np.unique(key, return_inverse=True)
         agg = np.bincount(inv, weights=nbytes)
     else:
         uk, agg = np.zeros(0, np.int64), np.zeros(0)
     k_of = uk // (cp * cp)
+    if not compute and cp > COLUMNAR_ROUNDS_MIN_CP:  # Note [Columnar rounds]
+        s_i, d_i = np.divmod(uk % (cp * cp), cp)
+        load, lmax = round_loads(idx, topo, plan.ranks, k_of, s_i, d_i, agg, n_rounds)
+        res = _finish_loads(idx, load, lmax, float(nbytes.sum()), round_overhead_s, name or f"fcp-{plan.name}")
+        res.meta.update(graph=plan.name, parts_per_chunk=P, transfers=int(len(rnd)))
+        if padded:
+            res.meta["padded_seq_len"] = shape.seq_len
+        return res
     starts = np.searchsorted(k_of, np.arange(n_rounds + 1))
     entry_route: list[np.ndarray] = []
     entry_lat: list[float] = []
@@ -388,7 +426,7 @@ def simulate_plan(
 
     # compute: own blocks first (one kernel), then received blocks in plan order, each no earlier
     # than its arrival; blocks of one owner arriving at a rank in one round share one kernel
-    q_i = np.fromiter((pos[d] for d in dst), np.int64, len(dst))
+    q_i = pos_of[dst]
     head_dim_flops = 4.0 * shape.heads * shape.head_dim / cm.flops
     if pl is None:
         pairs = block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.causal) * w_owner[owner_i]

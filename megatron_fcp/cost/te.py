@@ -36,9 +36,10 @@ from megatron_fcp.cost.model import (
 )
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.needs import needs_chunk
+from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound", "member_nic_ingress", "intra_ingress"]
+__all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound"]
 
 
 def simulate_te_p2p(
@@ -174,17 +175,3 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
             t_node = max(t_node, need * chunk / b_in)
     return {"lower_bound_s": max(t_gpu, t_node), "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out,
             "causal": True}
-
-
-def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
-    """Ingress (bytes/s) of the distinct NICs the CP ranks ``members`` of one node use: traffic for a
-    rank enters its node through that rank's NIC (``gpu_nic``), so a node holding only some CP ranks
-    (an uneven CP group) cannot use the other GPUs' NICs. The whole node's NICs when all are used."""
-    nics = {topo.layout.gpu_nic[topo.local_rank_of(r)] for r in members} if topo.layout.gpu_nic else set()
-    return sum(topo.layout.nics[k].bandwidth for k in nics) if nics else topo.node_ingress_bandwidth()
-
-
-def intra_ingress(topo: Topology, r: int) -> float:
-    """Ingress max-flow into rank r's GPU from GPUs of its own node only."""
-    one = Topology(topo.name, topo.layout, 1, (), topo.fabric_latency)
-    return one.gpu_ingress_bandwidth(topo.local_rank_of(r))

@@ -39,7 +39,8 @@ from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, group_placement, relabel_plan
 from megatron_fcp.planner.choose import ScheduleChoice
-from megatron_fcp.planner.head_parallel import compile_head_parallel, head_groups_for
+from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.contract.head_parallel import head_groups_for
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.topology import TopologyError, load_topology
 

@@ -6,6 +6,18 @@ batch :data:`~megatron_fcp.planner.builders.PACKED_AUTO_CANDIDATES`, which adds 
 and timed on the cost model (:func:`~megatron_fcp.cost.model.simulate_plan`), and the best is
 kept (:func:`~megatron_fcp.cost.model.pick_best`). Auto works for every CP size and sequence
 length: a length that ``2*cp`` does not divide is padded as Megatron pads.
+
+Note [Pruning auto]
+-------------------
+Each builder's graph has a floor on the predicted time of any plan compiled from it
+(:func:`~megatron_fcp.cost.floors.graph_kv_floor`: the need-set bound, and per node the KV it
+needs over the NICs the graph enters it through). Candidates are compiled and timed in
+increasing floor; one whose floor is above the best communication so far (``comm``), or above
+the best total so far by more than :func:`~megatron_fcp.cost.model.pick_best`'s 0.1% tie
+(``total``), cannot be chosen and is neither compiled nor timed (a 1,024-rank ``leader`` plan
+funnels each node through one NIC). This applies above :data:`PRUNE_AUTO_MIN_CP` ranks, where
+``plan.auto`` lists the candidates timed; smaller groups and packed batches (ties broken by
+inter-node bytes) time every candidate.
 """
 
 from __future__ import annotations
@@ -13,9 +25,10 @@ from __future__ import annotations
 from megatron_fcp.contract.blocks import PlanError
 from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, get_builder
 from megatron_fcp.planner.compile import compile_plan
-from megatron_fcp.cost.model import AttentionShape, pick_best, simulate_plan
+from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.plan import AutoChoice, Plan
+from megatron_fcp.cost.floors import graph_kv_floor
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["build_plan", "NOMINAL_SHAPE", "PACKED_TIE"]
@@ -70,15 +83,44 @@ def build_plan(
     shape = AttentionShape(seq_len or n.seq_len, heads or n.heads, kv_heads or heads or n.kv_heads,
                            head_dim or n.head_dim, dtype_bytes)
     candidates = []
-    for name in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES):
-        if len(ranks) == 1 and name != "ring":
+    names = [n for n in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES)
+             if len(ranks) > 1 or n == "ring"]
+    graphs = {name: get_builder(name).build(topo, ranks) for name in names}
+    prune = placement is None and len(ranks) > PRUNE_AUTO_MIN_CP
+    floors = {name: _floor(graphs[name], topo, shape, causal) if prune else 0.0 for name in names}
+    priced = {}
+    for name in sorted(names, key=lambda n: (floors[n], names.index(n))):  # Note [Pruning auto]
+        if prune and priced and floors[name] > _bar(priced.values(), objective):
             continue
-        plan = compile_plan(get_builder(name).build(topo, ranks), causal, parts_per_chunk, placement=placement)
-        candidates.append((simulate_plan(plan, topo, shape, compute=objective == "total"), plan))
+        plan = compile_plan(graphs.pop(name), causal, parts_per_chunk, placement=placement)
+        priced[name] = (simulate_plan(plan, topo, shape, compute=objective == "total"), plan)
+    candidates = [priced[n] for n in names if n in priced]
     _, best = pick_best(candidates, objective) if placement is None else _least_crossing(candidates, objective)
     metric = "total_s" if objective == "total" else "comm_s"
     choice = AutoChoice(metric, tuple((p.name, getattr(r, metric)) for r, p in candidates))
     return best.with_auto(choice)
+
+
+PRUNE_AUTO_MIN_CP = 64
+"""Above this many ranks ``auto`` leaves out builders a floor rules out (Note [Pruning auto]); up to
+it every candidate is timed and recorded in ``plan.auto`` (cheap, and what the CLI compares)."""
+
+
+def _floor(cg, topo: Topology, shape: AttentionShape, causal: bool) -> float:
+    """A floor on the predicted time (comm or total) of any plan compiled from ``cg`` (Note
+    [Pruning auto]); 0 when the graph's owners carry relative KV sizes."""
+    if cg.meta.get("kv_sizes"):
+        return 0.0
+    padded, _ = pad_for_zigzag(shape, len(cg.ranks))
+    return graph_kv_floor(cg, topo, padded.seq_len, causal, padded.kv_bytes(1)) * (1 - 1e-9)
+
+
+def _bar(priced, objective: str) -> float:
+    """Above this floor a candidate cannot be :func:`~megatron_fcp.cost.model.pick_best`'s
+    choice: the least communication so far, or the least total so far and its 0.1% tie."""
+    if objective == "comm":
+        return min(r.comm_s for r, _ in priced)
+    return min(r.total_s for r, _ in priced) * (1 + 1e-3)
 
 
 def _least_crossing(candidates, objective: str):

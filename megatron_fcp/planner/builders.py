@@ -472,10 +472,18 @@ class SpanningGraph(GraphBuilder):
         cand = nx.Graph()
         cand.add_nodes_from(ranks)
         order = {r: i for i, r in enumerate(ranks)}
+        seen: dict[tuple[int, int, bool], float] = {}
+
+        def cost(a: int, b: int) -> float:  # a pair's cost depends on its local ranks and whether nodes differ
+            key = (topo.local_rank_of(a), topo.local_rank_of(b), topo.node_of(a) == topo.node_of(b))
+            if key not in seen:
+                seen[key] = max(topo.route(a, b).cost, topo.route(b, a).cost)
+            return seen[key]
+
         for members in groups.values():
             for i, a in enumerate(members):
                 for b in members[i + 1:]:
-                    cand.add_edge(a, b, cost=max(topo.route(a, b).cost, topo.route(b, a).cost))
+                    cand.add_edge(a, b, cost=cost(a, b))
         nodes = sorted(groups)
         for x, na in enumerate(nodes):
             for nb in nodes[x + 1:]:
@@ -483,7 +491,7 @@ class SpanningGraph(GraphBuilder):
                 for k in range(max(len(A), len(B))):
                     a, b = A[k % len(A)], B[k % len(B)]
                     if not cand.has_edge(a, b):
-                        cand.add_edge(a, b, cost=max(topo.route(a, b).cost, topo.route(b, a).cost))
+                        cand.add_edge(a, b, cost=cost(a, b))
         # deterministic Kruskal: ties broken by CP order
         mst = nx.Graph()
         mst.add_nodes_from(ranks)

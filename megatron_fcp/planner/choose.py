@@ -27,10 +27,30 @@ sub-blocks do. The search contains Transformer Engine's schedules: ``a = 1`` wit
 ``a = cp`` is ``a2a``; so the choice is never predicted slower than them beyond the difference of
 their own models (the ring over groups prunes relays past the last reader; TE's ring sends every
 block all the way round).
+
+Note [Pruning the search]
+-------------------------
+:func:`choose_schedule` (the runtime's choice, made on every rank at every job start) finds the
+same best candidate and runner-up as the full search without pricing every candidate's backward,
+the expensive part (waves are packed, chains stepped). Each candidate has a *floor*, a lower bound
+on its predicted total (Note [Backward floors] in :mod:`megatron_fcp.cost.floors`): a degree's
+floor before any of its plans is compiled (all-to-alls exact, the stage's KV floor and compute),
+then each compiled candidate's (its forward priced exactly, its backward's compute and dK/dV
+reduction floors). Degrees and candidates are taken in increasing floor; a candidate is priced in
+full unless its floor exceeds ``(1 + 0.1%)`` times the second-best total priced so far, above which
+:func:`~megatron_fcp.cost.model.pick_best` can make it neither the choice nor the runner-up
+(its tie is 0.1%; totals only fall as the search goes on, so a candidate left out stays out).
+One more condition keeps the answer exact: staggers and sub-blocks are built on their degree's
+best graph, so a graph within the tie of its degree's best is priced while any follow-up on any
+of the degree's graphs is not ruled out by its own floor. ``plan.auto`` then lists the candidates
+priced, in the full search's order. :func:`head_parallel_candidates` (the benchmarks') prices every
+candidate unless asked to prune.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -40,10 +60,14 @@ from megatron_fcp.planner.builders import AUTO_CANDIDATES
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, SimResult, pad_for_zigzag, pick_best
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, stage_plan
-from megatron_fcp.cost.te import intra_ingress, lower_bound, member_nic_ingress
-from megatron_fcp.planner.head_parallel import compile_head_parallel, head_parallel_degrees
-from megatron_fcp.cost.head_parallel import a2a_messages, check_pass, simulate_head_parallel, stage_shape
+from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
+from megatron_fcp.cost.te import lower_bound
+from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.contract.head_parallel import head_parallel_degrees
+from megatron_fcp.cost.head_parallel import a2a_messages, check_pass, stage_shape
 from megatron_fcp.schedule.program import WaveBackward
+from megatron_fcp.cost.head_parallel import HeadParallelPricing
+from megatron_fcp.cost.head_parallel import degree_floor as head_parallel_degree_floor
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["lower_bound_all", "build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates", "ScheduleChoice",
@@ -70,13 +94,17 @@ def head_parallel_candidates(
     min_block_tokens: int = 256,
     grad_dtype_bytes: int | None = None,
     backward: WaveBackward | None = None,
+    prune: bool = False,
 ) -> list[tuple[SimResult, HeadParallelPlan]]:
     """Every candidate of Note [Choosing the head-parallel degree] as ``(SimResult, plan)``, the
     sub-block candidates of the best ``a = 1`` plan last. ``meta`` of each: ``label``, ``builder``
     (the KV-stage graph's builder name), ``stagger``. ``grad_dtype_bytes``: the dK/dV partials'
     bytes per element (default ``shape.dtype_bytes``: the executor sends them in the input dtype).
     ``backward``: how the backward is timed
-    (:func:`~megatron_fcp.cost.head_parallel.simulate_head_parallel`; None: one pass)."""
+    (:func:`~megatron_fcp.cost.head_parallel.simulate_head_parallel`; None: one pass).
+    ``prune`` (``objective="total"`` only): leave out the candidates that a floor proves can be
+    neither the best nor the runner-up (Note [Pruning the search]); the search's answer is the
+    same, the list shorter."""
     check_pass(pass_)
     if objective not in ("comm", "total"):
         raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
@@ -98,45 +126,121 @@ def head_parallel_candidates(
         raise ValueError(f"parts_per_chunk: must be an integer >= 1 or auto, got {parts_per_chunk!r}")
     kw = dict(pass_=pass_, causal=causal, compute_model=compute_model, round_overhead_s=round_overhead_s,
               grad_dtype_bytes=grad_dtype_bytes, backward=backward)
-    out: list[tuple[SimResult, HeadParallelPlan]] = []
+    return _search(topo, ranks, padded, degrees, graphs, fixed_parts, parts_per_chunk == "auto", min_block_tokens,
+                   causal, objective, kw, prune and objective == "total")
+
+
+def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[int], graphs: list[str],
+            fixed_parts: int, parts_auto: bool, min_block_tokens: int, causal: bool, objective: str, kw: dict,
+            prune: bool) -> list[tuple[SimResult, HeadParallelPlan]]:
+    """The candidates of Note [Choosing the head-parallel degree] in their order (every degree's
+    graphs, then every degree's staggers, then ``a = 1``'s sub-blocks); ``prune``: only those a
+    floor does not rule out (Note [Pruning the search])."""
+    cp = len(ranks)
+
+    def whole(a: int) -> bool:
+        return a == cp or len(ranks) // a == 1
+
+    def pricing(a: int, g: str, **opts) -> HeadParallelPricing:
+        hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, **opts)
+        return HeadParallelPricing(hp, topo, padded, **kw)
+
+    done: dict[int, tuple[SimResult, HeadParallelPlan]] = {}   # order in the full search -> candidate
+    degree_floor: dict[int, float] = {}
+
+    def keep(order: int, pr: HeadParallelPricing, builder: str, parts: int, stagger: int) -> None:
+        res = pr.result()
+        res.meta.update(label=_label(pr.hp, res.meta["graph"], parts, stagger), builder=builder, stagger=stagger)
+        done[order] = (res, pr.hp)
+
+    def second_best() -> float:   # no candidate above (1 + 0.1%) of this can be chosen or be the runner-up
+        t = sorted(r.total_s for r, _ in done.values())[:2]
+        return t[1] * (1 + _TIE) if prune and len(t) == 2 else math.inf
+
+    def best_of(a: int) -> float:  # ... nor be within pick_best's tie of its degree's best (the stagger base)
+        t = [r.total_s for r, hp in done.values() if hp.degree == a]
+        return min(t) * (1 + _TIE) if prune and t else math.inf
+
+    chunk = padded.seq_len // (2 * cp)
+
+    def follow_ups(a: int) -> list[tuple[str, int]]:  # candidates built later on this degree's best graph
+        if not parts_auto or (a > 1 and whole(a)):
+            return []
+        if a > 1:
+            return [("stagger", st) for st in (2, 4, 8) if st <= 2 * a]
+        return [("parts_per_chunk", p) for p in (2, 4, 8) if chunk // p >= min_block_tokens]
+
+    later: dict[tuple[int, str, str, int], HeadParallelPricing] = {}
+    settled: set[int] = set()     # degrees none of whose follow-ups can win, whatever their base graph
+
+    def follow_up(a: int, g: str, opt: str, v: int) -> HeadParallelPricing:
+        if (a, g, opt, v) not in later:
+            later[(a, g, opt, v)] = pricing(a, g, **{opt: v})
+        return later[(a, g, opt, v)]
+
+    def base_matters(a: int) -> bool:
+        """Whether the follow-ups of degree ``a`` need its exact best graph: some follow-up on
+        some graph is not ruled out by its floor (once none is, that stays so)."""
+        if a in settled or not follow_ups(a):
+            return False
+        if degree_floor[a] <= second_best():
+            for x, g in order:
+                if x == a and any(follow_up(a, g, *f).floor() <= second_best() for f in follow_ups(a)):
+                    return True
+        settled.add(a)
+        return False
+
+    # Every degree's graphs, most promising first: a degree is compiled only once its floor is the
+    # least left, a candidate's backward priced only once its floor (its forward priced) is.
+    order = {}
+    n = 0
     for a in degrees:
-        whole = a == cp or len(ranks) // a == 1
-        for g in (graphs[:1] if whole else graphs):
+        for g in (graphs[:1] if whole(a) else graphs):
             if cp == 1 and g != "ring":
                 continue
-            parts = fixed_parts if a == 1 else 1
-            hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, parts_per_chunk=parts)
-            res = simulate_head_parallel(hp, topo, padded, **kw)
-            res.meta.update(label=_label(hp, res.meta["graph"], parts), builder=g, stagger=1)
-            out.append((res, hp))
-    if parts_per_chunk == "auto":  # a > 1: the best graph of each degree with its chunks staggered
-        for a in degrees:
-            mine = [c for c in out if c[1].degree == a and c[1].kv_plan is not None]
-            if a == 1 or not mine:
+            order[(a, g)] = n
+            n += 1
+    dkw = {k: kw[k] for k in ("pass_", "causal", "compute_model", "round_overhead_s", "backward")}
+    heap: list[tuple[float, int, int, str]] = []               # (floor, order, degree, graph or "" = the degree)
+    for a in dict.fromkeys(a for a, _ in order):
+        degree_floor[a] = head_parallel_degree_floor(topo, ranks, padded, a, **dkw) if prune else 0.0
+        heap.append((degree_floor[a], min(v for (x, _), v in order.items() if x == a), a, ""))
+    heapq.heapify(heap)
+    priced: dict[int, HeadParallelPricing] = {}
+    while heap:
+        f, i, a, g = heapq.heappop(heap)
+        if not g:  # a degree: compile its graphs and price their forwards, unless none can win
+            if f > second_best():
                 continue
-            best_res, _ = pick_best(mine, objective)
-            for st in (2, 4, 8):
-                if st > 2 * a:
-                    continue
-                hp = compile_head_parallel(topo, ranks, padded, a, best_res.meta["builder"], causal=causal,
-                                           stagger=st)
-                res = simulate_head_parallel(hp, topo, padded, **kw)
-                res.meta.update(label=_label(hp, res.meta["graph"], 1, st), builder=best_res.meta["builder"],
-                                stagger=st)
-                out.append((res, hp))
-    ones = [c for c in out if c[1].degree == 1]
-    if parts_per_chunk == "auto" and ones:
-        best_res, best = pick_best(ones, objective)
-        chunk = padded.seq_len // (2 * cp)
-        for p in (2, 4, 8):  # p need not divide the chunk: parts of floor/ceil size (Note [Sub-block sizes])
-            if chunk // p < min_block_tokens:
+            for (x, name), k in order.items():
+                if x == a:
+                    priced[k] = pricing(a, name, parts_per_chunk=fixed_parts if a == 1 else 1)
+                    heapq.heappush(heap, (priced[k].floor() if prune else 0.0, k, a, name))
+            continue
+        if prune and f > second_best() and (f > best_of(a) or not base_matters(a)):
+            continue
+        keep(i, priced.pop(i), g, fixed_parts if a == 1 else 1, 1)
+    # then each degree's follow-ups on its best graph: a > 1 staggered, a = 1 cut into sub-blocks
+    # (p need not divide the chunk: parts of floor/ceil size, Note [Sub-block sizes])
+    for a in sorted(degrees, key=lambda a: a == 1):
+        slot = n + (3 * len(degrees) if a == 1 else 3 * degrees.index(a))
+        mine = [done[k] for k in sorted(done) if done[k][1].degree == a and (a == 1 or done[k][1].kv_plan is not None)]
+        if not mine or not follow_ups(a) or (prune and (a in settled or degree_floor[a] > second_best())):
+            continue
+        best_res, _ = pick_best(mine, objective)
+        for j, (opt, v) in enumerate(follow_ups(a) if a == 1 else [("stagger", st) for st in (2, 4, 8)]):
+            if opt == "stagger" and v > 2 * a:
                 continue
-            hp = compile_head_parallel(topo, ranks, padded, 1, best_res.meta["builder"], causal=causal,
-                                       parts_per_chunk=p)
-            res = simulate_head_parallel(hp, topo, padded, **kw)
-            res.meta.update(label=_label(hp, res.meta["graph"], p), builder=best_res.meta["builder"], stagger=1)
-            out.append((res, hp))
-    return out
+            pr = follow_up(a, best_res.meta["builder"], opt, v)
+            if not prune or pr.floor() <= second_best():
+                keep(slot + (j if a > 1 else (2, 4, 8).index(v)), pr, best_res.meta["builder"],
+                     v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1)
+    return [done[k] for k in sorted(done)]
+
+
+_TIE = 1e-3
+""":func:`~megatron_fcp.cost.model.pick_best`'s tie: totals within this fraction of the least are
+compared by communication."""
 
 
 def build_head_parallel_plan(
@@ -196,7 +300,7 @@ def choose_head_parallel(topology: "Topology | str", cp_ranks: Sequence[int], sh
 @dataclass(frozen=True)
 class ScheduleChoice:
     """What :func:`choose_schedule` chose: ``plan`` (over the CP ranks it was asked for; ``auto``:
-    every candidate's predicted seconds), its head-parallel ``degree``, the KV-stage ``graph`` (a
+    the predicted seconds of every candidate priced, Note [Pruning the search]), its head-parallel ``degree``, the KV-stage ``graph`` (a
     builder name; for ``a = cp`` there is no stage and it is unused), ``parts`` per zigzag chunk
     (``a = 1``), ``stagger`` (``a > 1``), the predicted ``total_s`` = ``fwd_s`` + ``bwd_s`` and the
     ``backward_kv`` mode they were priced with (None: the one-pass model), ``seq_len`` (padded as
@@ -243,12 +347,13 @@ def choose_schedule(
     """The Megatron runtime's entry point: :func:`head_parallel_candidates` under the given
     constraints (``degree``, ``graph``, ``parts_per_chunk``: fixed values or ``"auto"``), timed
     forward + backward (``backward``: as the executor will run it), the best by predicted total
-    (:func:`~megatron_fcp.cost.model.pick_best`), as a :class:`ScheduleChoice`. The same plan as
+    (:func:`~megatron_fcp.cost.model.pick_best`), as a :class:`ScheduleChoice`; candidates a
+    floor rules out are not priced (Note [Pruning the search]). The same plan as
     :func:`build_head_parallel_plan` with the same arguments. Pure: every rank gets the same answer.
     Raises ValueError when a fixed ``degree`` does not fit the topology and head counts."""
     cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
                                      parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
-                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward)
+                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward, prune=True)
     res, hp = pick_best(cands, "total")
     others = [c for c in cands if c[0] is not res]
     up = pick_best(others, "total")[0] if others else None

@@ -10,7 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_fcp.cost.te import intra_ingress, lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.cost.floors import intra_ingress
+from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.cost.model import (
     AttentionShape,

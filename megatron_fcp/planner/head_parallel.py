@@ -27,7 +27,6 @@ heads. For ``a = 1`` the stage plan is the ordinary zigzag plan (sub-blocks allo
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import PlanError, check_parts
@@ -36,13 +35,7 @@ from megatron_fcp.planner.builders import get_builder
 from megatron_fcp.planner.compile import compile_plan
 from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag
 from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.head_parallel import (
-    HeadParallelPlan,
-    check_head_parallel,
-    consecutive_head_groups,
-    group_placement,
-    relabel_plan,
-)
+from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, topology_head_groups, group_placement, relabel_plan
 from megatron_fcp.topology import Topology, load_topology
 
 BALANCE_MAX_GROUPS = 64
@@ -50,60 +43,7 @@ BALANCE_MAX_GROUPS = 64
 (:func:`~megatron_fcp.planner.compile.compile_plan`'s ``balance``; O(transfers x rounds)); larger
 stages keep plain waves, which keeps a 1,024-rank head-parallel plan within the planning budget."""
 
-__all__ = ["head_parallel_degrees", "topology_head_groups", "compile_head_parallel", "head_groups_for"]
-
-
-def _node_runs(topo: Topology, ranks: Sequence[int]) -> list[list[int]]:
-    """CP ranks per node (nodes in order of first appearance in CP order), each in rail order."""
-    groups: dict[int, list[int]] = {}
-    for r in ranks:
-        groups.setdefault(topo.node_of(r), []).append(r)
-    for lst in groups.values():
-        lst.sort(key=topo.local_rank_of)
-    return list(groups.values())
-
-
-def head_parallel_degrees(topology: "Topology | str", cp_ranks: Sequence[int], heads: int | None = None,
-                          kv_heads: int | None = None) -> list[int]:
-    """Degrees ``a`` whose head groups fit inside nodes (``a`` divides every node's CP rank count),
-    and, when head counts are given, that :func:`check_head_parallel` accepts (ascending)."""
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
-    g = math.gcd(*[len(run) for run in _node_runs(topo, ranks)])
-    out = []
-    for a in range(1, g + 1):
-        if g % a:
-            continue
-        if heads is not None:
-            try:
-                check_head_parallel(heads, kv_heads or heads, a, len(ranks))
-            except ValueError:
-                continue
-        out.append(a)
-    return out
-
-
-def topology_head_groups(topology: "Topology | str", cp_ranks: Sequence[int], degree: int) -> tuple[tuple[int, ...], ...]:
-    """Head groups of ``degree`` ranks inside nodes; see Note [Head groups from the topology]."""
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
-    runs = _node_runs(topo, ranks)
-    bad = [len(r) for r in runs if len(r) % degree] if degree >= 1 else [0]
-    if bad:
-        raise ValueError(f"head-parallel degree {degree} must divide every node's CP rank count "
-                         f"{[len(r) for r in runs]}; use one of {head_parallel_degrees(topo, ranks)}")
-    return tuple(tuple(run[k:k + degree]) for run in runs for k in range(0, len(run), degree))
-
-
-def head_groups_for(topology: "Topology | str", cp_ranks: Sequence[int], degree: int) -> tuple[tuple[int, ...], ...]:
-    """The head groups a CP group runs with: the planner's (:func:`topology_head_groups`, inside
-    nodes) wherever ``degree`` fits every node's CP ranks; else (an explicit degree that crosses
-    nodes, which the planner does not price) ``degree`` consecutive CP ranks. The runtime builds
-    its stages and process groups with this, so it runs the groups the planner timed."""
-    try:
-        return topology_head_groups(topology, cp_ranks, degree)
-    except ValueError:
-        return consecutive_head_groups(cp_ranks, degree)
+__all__ = ["compile_head_parallel"]
 
 
 def compile_head_parallel(

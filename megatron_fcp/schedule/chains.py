@@ -157,7 +157,7 @@ def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | N
     hit = _STEPS.get(key)
     if cache_key is not None and hit is not None and hit[0]() is plan:
         return hit[1]
-    steps = _build(plan, block_bytes, budget, pace, first_kept)
+    steps = _build(plan, block_bytes, budget, pace, first_kept, cache_key)
     if cache_key is not None:
         if len(_STEPS) > 1024:
             _STEPS.clear()
@@ -168,14 +168,36 @@ def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | N
 _STEPS: dict[tuple, tuple[weakref.ref, tuple[ChainStep, ...] | None]] = {}
 
 
-def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
-           pace: float, first_kept: bool = False) -> tuple[ChainStep, ...] | None:
+def _basis(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None, cache_key: Hashable = None):
+    """``(routes, sub-rounds, needs, live hops)`` of a chain plan, or None when it is not one:
+    what :func:`_build` (with or without the kept first sub-round) and :func:`first_received`
+    share; computed once per plan object, budget and ``cache_key`` (with one)."""
+    key = (id(plan), budget, cache_key)
+    hit = _BASIS.get(key)
+    if cache_key is not None and hit is not None and hit[0]() is plan:
+        return hit[1]
     routes = chain_routes(plan)
-    if not routes:
+    out = None
+    if routes:
+        sub = _sub_rounds(plan, block_bytes, chain_budget(plan, block_bytes) if budget is None else budget)
+        needs = {x: plan.needs(x) for x in plan.ranks}
+        out = routes, sub, needs, _live_hops(routes, needs)
+    if cache_key is not None:
+        if len(_BASIS) > 1024:
+            _BASIS.clear()
+        _BASIS[key] = (weakref.ref(plan), out)
+    return out
+
+
+_BASIS: dict[tuple, tuple[weakref.ref, tuple | None]] = {}
+
+
+def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
+           pace: float, first_kept: bool = False, cache_key: Hashable = None) -> tuple[ChainStep, ...] | None:
+    basis = _basis(plan, block_bytes, budget, cache_key)
+    if basis is None:
         return None
-    if budget is None:
-        budget = chain_budget(plan, block_bytes)
-    sub = _sub_rounds(plan, block_bytes, budget)
+    routes, sub, needs, live = basis
     J = max(sub.values()) + 1
     d = 0 if first_kept else 1                                   # KV one step ahead of its compute
     S = J + 1 + d                                                # steps 0 .. J (+1 without the kept first)
@@ -183,8 +205,6 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
     grad: list[list[Transfer]] = [[] for _ in range(S)]
     home: list[list[Transfer]] = [[] for _ in range(S)]
     comp: list[list[tuple[Block, int]]] = [[] for _ in range(S)]
-    needs = {x: plan.needs(x) for x in plan.ranks}
-    live = _live_hops(routes, needs)
     for _, t in plan.transfers():                                # plan order within each step
         if t in live and sub[t] - 1 + d >= 0:                    # (kept first: sub-round 0 came with the forward)
             kv[sub[t] - 1 + d].append(t)
@@ -200,7 +220,14 @@ def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
                     grad[sub[nxt] + d].append(nxt)
             elif read:
                 home[sub[t] + 1 + d].append(Transfer(t.dst, b.owner, b))
-    work = block_work(plan)
+    work_of, memo = block_work(plan), {}
+
+    def work(x: int, b: Block) -> float:  # each (rank, block)'s pairs once
+        w = memo.get((x, b))
+        if w is None:
+            w = memo[(x, b)] = work_of(x, b)
+        return w
+
     _place_own(comp, plan, work, first=1 + d)               # after sub-round 0's compute, in every mode
     if _pace(comp, work) > pace:
         return None
@@ -214,8 +241,12 @@ def _place_own(comp: list[list[tuple[Block, int]]], plan: Plan, work: Callable[[
     first, ties in plan order (Note [Streaming chain backward], "Own blocks"). Reads only the plan:
     every rank and the cost model place alike."""
     S = len(comp)
+    loads: dict[int, list[float]] = {x: [0] * S for x in plan.ranks}   # each rank's work per step, one pass
+    for s in range(S):
+        for b, y in comp[s]:
+            loads[y][s] += work(y, b)
     for x in plan.ranks:
-        load = [sum(work(x, b) for b, y in comp[s] if y == x) for s in range(S)]
+        load = loads[x]
         own = sorted(plan.local_blocks(x), key=lambda b: -work(x, b))
         for b in own:
             s = min(range(first, S), key=lambda i: (load[i], -i))
@@ -236,15 +267,15 @@ def _live_hops(routes: dict, needs: dict) -> set[Transfer]:
     return live
 
 
-def first_received(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, tuple[Block, ...]]:
+def first_received(plan: Plan, block_bytes: Callable[[Block], int], *,
+                   cache_key: Hashable = None) -> dict[int, tuple[Block, ...]]:
     """Blocks each rank receives in the first sub-round that backward needs (it reads them or
     passes them on to a reader), in plan order: what ``first_kept`` keeps from the forward (the
     plan's chains; empty for a plan that is not one)."""
-    routes = chain_routes(plan)
-    if not routes:
+    basis = _basis(plan, block_bytes, None, cache_key)
+    if basis is None:
         return {}
-    sub = _sub_rounds(plan, block_bytes, chain_budget(plan, block_bytes))
-    live = _live_hops(routes, {x: plan.needs(x) for x in plan.ranks})
+    _, sub, _, live = basis
     out: dict[int, list[Block]] = {}
     for _, t in plan.transfers():
         if sub[t] == 0 and t in live:
@@ -258,7 +289,7 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
     first sub-round (:func:`first_received`, relayed blocks too: they go on from there), any other
     plan's first wave of received deliveries (Note [Backward waves])."""
     if chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
-        return first_received(plan, block_bytes)
+        return first_received(plan, block_bytes, cache_key=cache_key)
     waves = plan_waves(plan, block_bytes, cache_key=cache_key)
     out: dict[int, list[Block]] = {}
     for _, t in (waves[0].transfers if waves else ()):

@@ -1,0 +1,191 @@
+"""Lower bounds ("floors") on a candidate's time on the cost model, for pruning the schedule search. Pure, no torch.
+
+Note [Backward floors]
+----------------------
+:func:`~megatron_fcp.planner.choose.choose_schedule` prices a candidate's forward
+exactly (cheap) and runs its backward timeline (the expensive part: waves are packed, chains
+stepped) only when ``forward + backward_floor`` can still win. A floor must never exceed what
+any of the three backward timelines returns for the plan
+(:func:`~megatron_fcp.cost.packed.simulate_plan_backward`, the one pass;
+:func:`~megatron_fcp.cost.timeline.wave_timeline`, waves;
+:func:`~megatron_fcp.schedule.chains.chain_timeline`, a chain), so it takes the larger of two
+things all of them respect:
+
+* **compute**: a rank runs its gradient jobs one after another, and it computes every block its
+  queries attend to exactly once (a block with work reaches it, or is its own), so the busiest
+  rank's total work -- its queries against every key the mask allows, at the backward FLOP ratio
+  -- is a floor. Kernel launches only add to it and are left out.
+* **reduction** (not for a chain: its partials travel the forward's direction): every delivery of
+  a block to a rank whose queries attend to it returns one dK/dV partial along the reversed hop
+  (one pass: every reversed round; waves: every hop of a wave's paths), and each model
+  serialises a resource's messages (a round lasts at least each resource's busy time; the
+  timelines keep a resource busy until its previous message is through). So for every resource,
+  the partials' bytes over its bandwidth is a floor; re-sends under ``resend`` only add.
+
+The **forward's KV floor** (:func:`kv_floor`, for a degree before any of its plans is compiled):
+the forward's rounds last at least each resource's busy time, so no plan over a placement moves
+its KV faster than the most bytes any rank needs over its GPU's ingress max-flow, nor than the most
+bytes any node needs from other nodes (each block once) over its CP ranks' NICs (a block enters a
+node through a member's NIC). It is the need-set bound of
+:func:`~megatron_fcp.cost.te.lower_bound`, taken per rank.
+
+The floors are loose by design (no latency, no launches, no pipeline fill); they are exact
+bounds, so a candidate pruned by one could not have been chosen (nor been the runner-up).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from megatron_fcp.contract.blocks import part_span
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
+from megatron_fcp.contract.needs import causal_pairs
+from megatron_fcp.contract.needs import needs_chunk
+from megatron_fcp.contract.placement import Placement
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.topology import Topology
+
+__all__ = ["rank_pairs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
+
+
+def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
+    """Ingress (bytes/s) of the distinct NICs the CP ranks ``members`` of one node use: traffic for a
+    rank enters its node through that rank's NIC (``gpu_nic``), so a node holding only some CP ranks
+    (an uneven CP group) cannot use the other GPUs' NICs. The whole node's NICs when all are used."""
+    nics = {topo.layout.gpu_nic[topo.local_rank_of(r)] for r in members} if topo.layout.gpu_nic else set()
+    return sum(topo.layout.nics[k].bandwidth for k in nics) if nics else topo.node_ingress_bandwidth()
+
+
+def intra_ingress(topo: Topology, r: int) -> float:
+    """Ingress max-flow into rank r's GPU from GPUs of its own node only."""
+    one = Topology(topo.name, topo.layout, 1, (), topo.fabric_latency)
+    return one.gpu_ingress_bandwidth(topo.local_rank_of(r))
+
+
+def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None", seq_len: int, causal: bool,
+             kv_bytes_per_token: float) -> float:
+    """The forward's KV floor of Note [Backward floors] for the CP ranks ``ranks`` holding
+    ``placement`` (None: Megatron's zigzag split of ``seq_len`` tokens)."""
+    cp = len(ranks)
+    if placement is None:
+        idx = np.arange(cp)
+        need = np.concatenate([needs_chunk(idx[:, None], idx[None, :], c, causal) for c in (0, 1)], axis=1)
+        owner = np.concatenate([idx, idx])
+        tokens = np.full(2 * cp, seq_len // (2 * cp), dtype=np.float64)
+    else:
+        need = placement.need_matrix()
+        blocks = placement.block_list()
+        owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
+        tokens = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
+    node_of = np.array([topo.node_of(r) for r in ranks])
+    multi = len(set(node_of.tolist())) > 1
+    recv = (need * tokens[None, :]).sum(axis=1) * kv_bytes_per_token
+    t = max(float(recv[i]) / (topo.gpu_ingress_bandwidth(r) if multi else intra_ingress(topo, r))
+            for i, r in enumerate(ranks))
+    if multi:
+        for x in sorted(set(node_of.tolist())):
+            into = need[node_of == x].any(axis=0) & (node_of[owner] != x)
+            b_in = member_nic_ingress(topo, [r for r, m in zip(ranks, node_of == x) if m])
+            t = max(t, float((into * tokens).sum()) * kv_bytes_per_token / b_in)
+    return t
+
+
+def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: bool) -> np.ndarray:
+    """``[cp]`` query-key pairs each CP rank's queries attend to (every key the mask allows), for
+    Megatron's zigzag split of ``seq_len`` tokens (``placement`` None; a multiple of ``2 * cp``) or
+    a placement."""
+    if placement is None:
+        L = seq_len // (2 * cp)
+        j = np.arange(cp, dtype=np.int64)
+        out = np.zeros(cp, dtype=np.int64)
+        for g in (j, 2 * cp - 1 - j):  # the rank's two zigzag query chunks against the whole sequence
+            out = out + causal_pairs(g * L, (g + 1) * L, 0, seq_len, causal)
+        return out
+    return np.array([sum(int(causal_pairs(s.start, s.end, 0, placement.doc_lengths[s.doc], placement.causal))
+                         for s in spans) for spans in placement.blocks], dtype=np.int64)
+
+
+def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape, causal: bool,
+                  compute_model: ComputeModel, flop_ratio: float) -> float:
+    """The busiest rank's work in seconds at ``flop_ratio`` times the forward's FLOPs (Note
+    [Backward floors]), from :func:`rank_pairs`."""
+    pairs = rank_pairs(placement, cp, shape.seq_len, causal)
+    return float(pairs.max(initial=0)) * 4.0 * shape.heads * shape.head_dim / compute_model.flops * flop_ratio
+
+
+def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtype_bytes: int) -> float:
+    """The most any resource is busy with the dK/dV partials of reader deliveries, reversed (Note
+    [Backward floors]); ``shape``: the plan's (zigzag: ``seq_len`` a multiple of ``2 * cp``)."""
+    rnd, src, dst, owner, chunk, part = plan.transfer_columns()
+    if not len(rnd):
+        return 0.0
+    cp = plan.cp
+    pos = np.full(max(plan.ranks) + 1, -1, dtype=np.int64)
+    pos[list(plan.ranks)] = np.arange(cp)
+    s_i, d_i, o_i = pos[src], pos[dst], pos[owner]
+    pl = plan.placement
+    per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
+    if pl is None:
+        L = shape.seq_len // (2 * cp)
+        read = block_pairs(cp, shape.seq_len, plan.parts_per_chunk, d_i, o_i, chunk, part, plan.causal) > 0
+        p0, p1 = part_span(L, plan.parts_per_chunk, part)
+        tokens = (p1 - p0).astype(np.float64)
+        if plan.kv_sizes:
+            w = np.asarray(plan.kv_sizes, dtype=np.float64)
+            tokens = tokens * (w / w.mean())[o_i]
+    else:
+        offset = np.concatenate([[0], np.cumsum([len(b) for b in pl.blocks])]).astype(np.int64)
+        n = offset[o_i] + chunk
+        read = pl.need_matrix()[d_i, n]
+        tokens = np.array([s.tokens for _, _, s in pl.block_list()], dtype=np.float64)[n]
+    if not read.any():
+        return 0.0
+    key = d_i[read] * cp + s_i[read]                     # reversed: the reader returns the partial
+    uk, inv = np.unique(key, return_inverse=True)
+    nbytes = np.bincount(inv, weights=tokens[read] * per_token)
+    idx = _ResourceIndex(topo)
+    ids, wts = [], []
+    for k, b in zip(uk.tolist(), nbytes.tolist()):
+        rid, _ = idx.route(plan.ranks[k // cp], plan.ranks[k % cp])
+        ids.append(rid)
+        wts.append(np.full(len(rid), b))
+    load = np.bincount(np.concatenate(ids), weights=np.concatenate(wts), minlength=len(idx.bw))
+    return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
+
+
+def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: bool, kv_bytes_per_token: float) -> float:
+    """A floor on the forward communication of any plan compiled from the CommGraph ``cg``
+    (Megatron's zigzag split of ``seq_len`` tokens): :func:`kv_floor`, and per node the KV its CP
+    ranks need from other nodes over the NICs of the ranks the graph lets blocks enter through (a
+    block crosses into a node on one of the graph's edges from another node, through its
+    receiver's NIC): a graph that enters each node at one rank (``leader``, ``ring``) is held to
+    that rank's NIC."""
+    ranks = cg.ranks
+    cp = len(ranks)
+    t = kv_floor(topo, ranks, None, seq_len, causal, kv_bytes_per_token)
+    node_of = np.array([topo.node_of(r) for r in ranks])
+    if len(set(node_of.tolist())) < 2 or not topo.layout.gpu_nic:
+        return t
+    edges = cg.edge_array()
+    pos = np.full(max(ranks) + 1, -1, dtype=np.int64)
+    pos[list(ranks)] = np.arange(cp)
+    u, v = pos[edges[:, 0]], pos[edges[:, 1]]
+    cross = node_of[u] != node_of[v]
+    entry = np.zeros(cp, dtype=bool)
+    entry[v[cross]] = True                                  # ranks a block may enter its node through
+    idx = np.arange(cp)
+    need = np.concatenate([needs_chunk(idx[:, None], idx[None, :], c, causal) for c in (0, 1)], axis=1)
+    owner = np.concatenate([idx, idx])
+    chunk_bytes = seq_len // (2 * cp) * kv_bytes_per_token
+    for x in sorted(set(node_of.tolist())):
+        members = node_of == x
+        into = int((need[members].any(axis=0) & (node_of[owner] != x)).sum())
+        if not into:
+            continue
+        nics = {topo.layout.gpu_nic[topo.local_rank_of(ranks[i])] for i in np.nonzero(members & entry)[0].tolist()}
+        if not nics:
+            return float("inf")                             # the graph never reaches this node's readers
+        t = max(t, into * chunk_bytes / sum(topo.layout.nics[k].bandwidth for k in nics))
+    return t

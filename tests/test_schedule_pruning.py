@@ -1,0 +1,134 @@
+"""The runtime's schedule search prunes by floors and still finds the full search's answer
+(Note [Pruning the search]; Note [Backward floors])."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.cost.model import pick_best
+from megatron_fcp.planner.choose import choose_schedule, head_parallel_candidates
+from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.contract.head_parallel import head_parallel_degrees
+from megatron_fcp.cost.head_parallel import HeadParallelPricing, degree_floor, simulate_head_parallel
+from megatron_fcp.schedule.program import WaveBackward
+from megatron_fcp.topology import load_topology
+
+# (preset, CP ranks, heads, KV heads, sequence): every preset, even and uneven groups, MHA and GQA,
+# compute-bound and communication-bound lengths
+CELLS = [("dgx-h100:2", 16, 32, 8, 32768), ("dgx-a100:2", 12, 32, 32, 131072), ("pcie-box:2", 16, 32, 2, 32768),
+         ("single-uplink:2", 16, 32, 8, 131072), ("dgx-h100:1", 8, 32, 8, 1048576)]
+
+
+@pytest.mark.parametrize("preset,cp,heads,kv,seq", CELLS)
+@pytest.mark.parametrize("backward", [None, WaveBackward()], ids=["one-pass", "executor"])
+def test_floors_never_exceed_the_priced_total(preset, cp, heads, kv, seq, backward):
+    """Every candidate's floor, and its degree's floor, is at most its predicted total."""
+    topo = load_topology(preset)
+    shape = AttentionShape(seq, heads, kv, 128, 2)
+    for a in head_parallel_degrees(topo, range(cp), heads, kv):
+        lo = degree_floor(topo, range(cp), shape, a, backward=backward)
+        for graph in ("ring", "hierarchical", "full"):
+            for opts in ({}, {"parts_per_chunk": 2} if a == 1 else {"stagger": 2}):
+                if a == cp and opts:
+                    continue
+                hp = compile_head_parallel(topo, range(cp), shape, a, graph, **opts)
+                pr = HeadParallelPricing(hp, topo, shape, backward=backward)
+                total = pr.result().total_s
+                assert pr.floor() <= total and lo <= total, (a, graph, opts)
+
+
+def test_pricing_in_two_steps_is_simulate_head_parallel():
+    shape = AttentionShape(65536, 32, 8, 128, 2)
+    for preset, cp, a, graph in (("dgx-h100:2", 16, 1, "hierarchical"), ("dgx-h100:2", 16, 4, "ring"),
+                                 ("dgx-h100:2", 16, 8, "full"), ("dgx-h100:1", 8, 8, "ring")):
+        topo = load_topology(preset)
+        hp = compile_head_parallel(topo, range(cp), shape, a, graph)
+        for bw in (None, WaveBackward()):
+            one = simulate_head_parallel(hp, topo, shape, backward=bw)
+            two = HeadParallelPricing(hp, topo, shape, backward=bw).result()
+            assert (one.total_s, one.comm_s, one.bytes, one.meta) == (two.total_s, two.comm_s, two.bytes, two.meta)
+
+
+@pytest.mark.parametrize("preset,cp,heads,kv,seq", CELLS)
+def test_the_pruned_search_finds_the_full_search_answer(preset, cp, heads, kv, seq):
+    """The same choice and runner-up as pricing every candidate; the candidates priced are a
+    subset of the full list, with the same predictions."""
+    shape = AttentionShape(seq, heads, kv, 128, 2)
+    full = head_parallel_candidates(preset, range(cp), shape, backward=WaveBackward())
+    best, _ = pick_best(full, "total")
+    runner_up, _ = pick_best([c for c in full if c[0] is not best], "total")
+    choice = choose_schedule(preset, range(cp), shape, backward=WaveBackward())
+    assert choice.label == best.meta["label"] and choice.total_s == best.total_s
+    assert choice.runner_up == (runner_up.meta["label"], runner_up.total_s)
+    everything = {r.meta["label"]: r.total_s for r, _ in full}
+    assert set(dict(choice.plan.auto)) <= set(everything)
+    assert all(everything[k] == t for k, t in choice.plan.auto)
+    assert [k for k, _ in choice.plan.auto] == [k for k in everything if k in dict(choice.plan.auto)]
+
+
+# ---- build_plan's auto and the columnar rounds (Note [Pruning auto], Note [Columnar rounds]) ----------
+
+GRAPH_CASES = [("dgx-h100:4", 32), ("dgx-a100:3", 20), ("pcie-box:2", 12), ("single-uplink:4", 32), ("dgx-h100:2", 16)]
+
+
+@pytest.mark.parametrize("preset,cp", GRAPH_CASES)
+def test_graph_floors_never_exceed_the_priced_plans(preset, cp):
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner.builders import build_graph
+    from megatron_fcp.planner.compile import compile_plan
+    from megatron_fcp.planner.build import NOMINAL_SHAPE, _floor
+    from megatron_fcp.planner.builders import AUTO_CANDIDATES
+
+    topo = load_topology(preset)
+    for causal in (True, False):
+        for name in AUTO_CANDIDATES:
+            cg = build_graph(topo, range(cp), name)
+            plan = compile_plan(cg, causal)
+            res = simulate_plan(plan, topo, NOMINAL_SHAPE)
+            assert _floor(cg, topo, NOMINAL_SHAPE, causal) <= min(res.comm_s, res.total_s), (name, causal)
+
+
+@pytest.mark.parametrize("preset,cp", GRAPH_CASES)
+@pytest.mark.parametrize("shaped", [False, True])
+def test_auto_picks_the_best_of_every_candidate(preset, cp, shaped, monkeypatch):
+    """Pruned auto is pick_best over every builder's plan, each compiled and timed."""
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner import build
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.planner.build import NOMINAL_SHAPE
+    from megatron_fcp.planner.builders import AUTO_CANDIDATES
+
+    topo = load_topology(preset)
+    shape = dict(seq_len=65536, heads=32, kv_heads=8, head_dim=128) if shaped else {}
+    objective = "total" if shaped else "comm"
+    sim_shape = AttentionShape(65536, 32, 8, 128, 2) if shaped else NOMINAL_SHAPE
+    every = [(simulate_plan(p, topo, sim_shape, compute=shaped), p)
+             for p in (build_plan(topo, range(cp), n) for n in AUTO_CANDIDATES)]
+    want = pick_best(every, objective)[1]
+    monkeypatch.setattr(build, "PRUNE_AUTO_MIN_CP", 0)   # prune at these small sizes too
+    got = build_plan(topo, range(cp), "auto", **shape)
+    assert got.name == want.name and got.rounds == want.rounds
+    times = {p.name: getattr(r, "total_s" if shaped else "comm_s") for r, p in every}
+    assert all(times[k] == t for k, t in got.auto.times)
+
+
+@pytest.mark.parametrize("preset,cp,graph", [("dgx-h100:4", 32, "hierarchical"), ("dgx-a100:3", 20, "full"),
+                                             ("pcie-box:2", 12, "leader"), ("single-uplink:4", 32, "spanning"),
+                                             ("dgx-h100:3", 20, "ring")])
+def test_columnar_rounds_are_the_loop(preset, cp, graph, monkeypatch):
+    """Above COLUMNAR_ROUNDS_MIN_CP ranks rounds are loaded as columns; the same times and loads."""
+    from megatron_fcp.cost import model as cost
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.cost.model import simulate_plan
+
+    topo = load_topology(preset)
+    plan = build_plan(topo, range(cp), graph, parts_per_chunk=2)
+    shape = AttentionShape(131072)
+    loop = simulate_plan(plan, topo, shape, compute=False)
+    monkeypatch.setattr(cost, "COLUMNAR_ROUNDS_MIN_CP", 0)
+    cols = simulate_plan(plan, topo, shape, compute=False)
+    assert cols.comm_s == pytest.approx(loop.comm_s, rel=1e-12) and cols.bytes == loop.bytes
+    assert cols.resource_bytes.keys() == loop.resource_bytes.keys()
+    assert all(cols.resource_bytes[k] == pytest.approx(v, rel=1e-12) for k, v in loop.resource_bytes.items())
+    assert [e["bottleneck"] for e in cols.timeline] == [e["bottleneck"] for e in loop.timeline]
