@@ -1,6 +1,7 @@
 """Planner benchmark: simulated FCP vs Transformer Engine baselines, lower-bound ratios, compile speed.
 
-Writes ``benchmarks/results/planner.json`` (gitignored) and prints a summary. Pure CPU, no
+Writes ``benchmarks/results/planner.json`` (not committed; the setup section is, as
+``--setup-only --out benchmarks/results/setup.json``) and prints a summary. Pure CPU, no
 processes; about a minute on a quiet 2-core machine::
 
     python benchmarks/bench_planner.py [--out benchmarks/results/planner.json] [--quick] [--scale-only]
