@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Mapping
 
-from megatron_fcp.schedule.program import BACKWARD_KV_MODES, RING_BUDGET
 from megatron_fcp.planner.builders import GRAPH_CHOICES
+from megatron_fcp.schedule.program import BACKWARD_KV_MODES, RING_BUDGET
 
 __all__ = ["FCPConfig", "KERNELS", "FALLBACKS", "field_docs", "flag_of", "load_yaml"]
 

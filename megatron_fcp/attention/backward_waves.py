@@ -111,8 +111,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from megatron_fcp.attention.device_clock import DeviceClock
 from megatron_fcp.attention.comm import RoundPost
+from megatron_fcp.attention.device_clock import DeviceClock
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs

@@ -70,17 +70,17 @@ from typing import Callable, Union
 import torch
 
 from megatron_fcp.attention.agreement import LastAgreed
-from megatron_fcp.attention.backward_waves import run_backward_waves
 from megatron_fcp.attention.backward_chain import run_backward_chain
+from megatron_fcp.attention.backward_waves import run_backward_waves
+from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
 from megatron_fcp.attention.device_clock import DeviceClock, clock_for
 from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.groups import group_membership
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, CommTimeout, Transport, default_transport
-from megatron_fcp.attention.groups import group_membership
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan

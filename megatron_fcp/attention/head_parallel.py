@@ -94,15 +94,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.agreement import LastAgreed
-from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse
+from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport
 from megatron_fcp.attention.dispatch import resolve_kernel
+from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
-from megatron_fcp.schedule.program import RING_BUDGET
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport
 from megatron_fcp.contract.blocks import zigzag_chunk_index
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, group_placement
+from megatron_fcp.schedule.program import RING_BUDGET
 
 __all__ = [
     "HeadParallelGroups",

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.attention.comm import CommTimeout
+from megatron_fcp.attention.stats import FCPStats
+
 
 @dataclass
 class _Pending:

@@ -54,6 +54,7 @@ GQA).
 from __future__ import annotations
 
 import math
+
 import torch
 
 from megatron_fcp.attention.merge import merge_coefficients

@@ -20,9 +20,9 @@ import json
 import sys
 
 from megatron_fcp.commands.plan import DOC_LENGTHS_HELP, parse_doc_lengths
+from megatron_fcp.cost.model import parse_tokens
 from megatron_fcp.emulate.spec import ClusterSpec, parse_rate
 from megatron_fcp.emulate.workloads import WORKLOAD_NAMES, WorkloadShape
-from megatron_fcp.cost.model import parse_tokens
 
 NAME = "bench"
 HELP = "measure FCP against TE's schedules on an emulated multi-node cluster (--emulate; root, ip, tc)"

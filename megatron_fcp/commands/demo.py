@@ -61,8 +61,8 @@ def _inputs(cfg: dict):
 def _worker(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
-    from megatron_fcp.attention.function import FCPStats, fcp_attention_with_lse, resolve_plan
     from megatron_fcp.attention.comm_only import measure_comm_only
+    from megatron_fcp.attention.function import FCPStats, fcp_attention_with_lse, resolve_plan
     from megatron_fcp.attention.layout import zigzag_split
 
     q, k, v, do = _inputs(cfg)

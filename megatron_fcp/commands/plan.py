@@ -17,15 +17,13 @@ import sys
 
 import numpy as np
 
-from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.blocks import Block, PlanError, make_transfer
 from megatron_fcp.contract.placement import lognormal_lengths, place_packed
 from megatron_fcp.cost.model import parse_tokens
-from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.build import NOMINAL_SHAPE, build_plan
 from megatron_fcp.planner.builders import GRAPH_CHOICES, build_graph
-from megatron_fcp.planner.megatron_layout import MegatronLayout
-from megatron_fcp.planner.build import NOMINAL_SHAPE
 from megatron_fcp.planner.compare import packed_need_stats
-from megatron_fcp.contract.blocks import Block, make_transfer
+from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.topology import TopologyError, load_topology
 
 NAME = "plan"

@@ -29,10 +29,9 @@ from megatron_fcp.commands.plan import (
     resolve_topology,
 )
 from megatron_fcp.contract.blocks import PlanError
-from megatron_fcp.planner.compare import compare
-from megatron_fcp.planner.compare import compare_packed
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, parse_tokens
 from megatron_fcp.planner.builders import build_graph
+from megatron_fcp.planner.compare import compare, compare_packed
 from megatron_fcp.topology import TopologyError
 
 NAME = "simulate"

@@ -154,8 +154,8 @@ def describe_source(node) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_fcp.topology.detect import TopologyParseError, detect_topology_report
     from megatron_fcp.topology import TopologyError, serialize
+    from megatron_fcp.topology.detect import TopologyParseError, detect_topology_report
 
     logging.basicConfig(level=logging.WARNING, format="megatron-fcp topo: %(message)s")
     given = [name for name, val in (("--topology", args.topology), ("--from-nccl-xml", args.from_nccl_xml),

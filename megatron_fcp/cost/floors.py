@@ -40,11 +40,10 @@ from typing import Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import part_span
-from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
-from megatron_fcp.contract.needs import causal_pairs
-from megatron_fcp.contract.needs import needs_chunk
+from megatron_fcp.contract.needs import causal_pairs, needs_chunk
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
 from megatron_fcp.topology import Topology
 
 __all__ = ["rank_pairs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]

@@ -69,9 +69,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Sequence
 
-
-from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_p2p
-from megatron_fcp.schedule.chains import chain_routes
+from megatron_fcp.contract.head_parallel import (
+    HeadParallelPlan,
+    check_head_parallel,
+    stage_placement,
+    stage_plan,
+    topology_head_groups,
+)
+from megatron_fcp.contract.plan import Plan, check_cp_ranks
+from megatron_fcp.cost.floors import compute_floor, kv_floor, reduction_floor
 from megatron_fcp.cost.model import (
     AttentionShape,
     ComputeModel,
@@ -80,10 +86,6 @@ from megatron_fcp.cost.model import (
     simulate_plan,
     simulate_rounds,
 )
-from megatron_fcp.cost.floors import compute_floor, kv_floor, reduction_floor
-from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel
-from megatron_fcp.contract.head_parallel import stage_placement, stage_plan, topology_head_groups
 from megatron_fcp.cost.packed import (
     BACKWARD_FLOP_RATIO,
     simulate_backward_waves,
@@ -91,7 +93,8 @@ from megatron_fcp.cost.packed import (
     simulate_te_a2a_p2p_thd,
     simulate_te_p2p_thd,
 )
-from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.schedule.chains import chain_routes
 from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 

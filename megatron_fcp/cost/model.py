@@ -44,8 +44,7 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import part_span
 from megatron_fcp.contract.needs import block_pairs
-from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.plan import Plan
+from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.topology import Topology, load_topology
 

@@ -76,14 +76,20 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_p2p
-from megatron_fcp.cost.model import AttentionShape, ComputeModel, SimResult, _ResourceIndex, pad_for_zigzag, simulate_plan, simulate_rounds
 from megatron_fcp.contract.needs import block_pairs, causal_pairs
-from megatron_fcp.cost.timeline import chain_timeline
-from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.placement import check_doc_lengths
-from megatron_fcp.contract.plan import Plan
-from megatron_fcp.cost.timeline import wave_timeline
+from megatron_fcp.contract.plan import Plan, check_cp_ranks
+from megatron_fcp.cost.model import (
+    AttentionShape,
+    ComputeModel,
+    SimResult,
+    _ResourceIndex,
+    pad_for_zigzag,
+    simulate_plan,
+    simulate_rounds,
+)
+from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.cost.timeline import chain_timeline, wave_timeline
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward
 from megatron_fcp.schedule.waves import restrict
 from megatron_fcp.topology import Topology, load_topology

@@ -26,6 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_fcp.contract.needs import needs_chunk
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
 from megatron_fcp.cost.model import (
     AttentionShape,
     ComputeModel,
@@ -34,9 +37,6 @@ from megatron_fcp.cost.model import (
     pad_for_zigzag,
     simulate_rounds,
 )
-from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.needs import needs_chunk
-from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound"]

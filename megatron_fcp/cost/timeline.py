@@ -45,8 +45,8 @@ import heapq
 from typing import Callable, Sequence
 
 from megatron_fcp.contract.blocks import Block
-from megatron_fcp.cost.model import _ResourceIndex, simulate_rounds
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.model import _ResourceIndex, simulate_rounds
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology

@@ -24,14 +24,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from megatron_fcp.cost.model import ComputeModel
+from megatron_fcp.cost.packed import BACKWARD_FLOP_RATIO
 from megatron_fcp.emulate.launcher import run_ranks
 from megatron_fcp.emulate.netns import EmulatedCluster, check_prerequisites, run_prefix
 from megatron_fcp.emulate.probe import calibrated_topology, probe_pairs, summarize
 from megatron_fcp.emulate.report import assemble
 from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
 from megatron_fcp.emulate.workloads import FcpWorkload, WorkloadShape, lower_bounds, make_workloads
-from megatron_fcp.cost.model import ComputeModel
-from megatron_fcp.cost.packed import BACKWARD_FLOP_RATIO
 
 __all__ = ["BenchConfig", "COMPUTE_MODES", "MIN_STEP_S", "MAX_SLOWDOWN", "paced", "prepare", "predict_calibrated",
            "run_bench"]

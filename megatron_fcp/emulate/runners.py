@@ -34,8 +34,8 @@ import contextlib
 import torch
 
 from megatron_fcp.attention import head_parallel, head_parallel_a2a
-from megatron_fcp.attention.function import fcp_attention_with_lse
 from megatron_fcp.attention.comm import Handle, Transport, TransportWrapper
+from megatron_fcp.attention.function import fcp_attention_with_lse
 from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
 from megatron_fcp.emulate.workloads import FcpWorkload, HeadParallelWorkload, TeP2PWorkload, Workload
 

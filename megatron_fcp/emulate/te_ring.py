@@ -43,10 +43,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.merge import LseAccumulator
-from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport, default_transport
 from megatron_fcp.contract.blocks import Block, Transfer
 
 __all__ = ["TeLayout", "te_p2p_attention"]

@@ -64,23 +64,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from megatron_fcp.contract.head_parallel import HeadParallelPlan
+from megatron_fcp.contract.needs import causal_pairs
 from megatron_fcp.contract.placement import Placement, place_packed
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.cost.model import AttentionShape, ComputeModel, simulate_plan
-from megatron_fcp.contract.needs import causal_pairs
-from megatron_fcp.cost.packed import simulate_te_a2a_p2p_thd, simulate_te_p2p_thd
+from megatron_fcp.cost.head_parallel import simulate_head_parallel, stage_shape
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, pad_for_zigzag, simulate_plan
+from megatron_fcp.cost.packed import (
+    BACKWARD_FLOP_RATIO,
+    simulate_backward_waves,
+    simulate_te_a2a_p2p_thd,
+    simulate_te_p2p_thd,
+)
 from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import BUILDERS
+from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule, lower_bound_all
 from megatron_fcp.planner.compare import packed_need_stats
-from megatron_fcp.cost.model import pad_for_zigzag
-from megatron_fcp.contract.head_parallel import HeadParallelPlan
-from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule
 from megatron_fcp.planner.head_parallel import compile_head_parallel
-from megatron_fcp.cost.head_parallel import stage_shape
-from megatron_fcp.planner.choose import lower_bound_all
-from megatron_fcp.cost.head_parallel import simulate_head_parallel
-from megatron_fcp.cost.packed import BACKWARD_FLOP_RATIO, simulate_backward_waves
 from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 

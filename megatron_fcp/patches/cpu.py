@@ -49,7 +49,13 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version, resolve_target
+from megatron_fcp.patches import (
+    REGISTRY,
+    PatchTargetError,
+    check_megatron_version,
+    megatron_core_version,
+    resolve_target,
+)
 from megatron_fcp.patches.compat import source_mentions
 
 __all__ = ["CPU_SHIMS", "Shim", "apply_cpu_shims", "revert_cpu_shims", "cpu_shims_needed", "plan_cpu_shims"]

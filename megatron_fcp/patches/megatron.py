@@ -63,8 +63,14 @@ from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_vers
 from megatron_fcp.patches.compat import refuse_hybrid_cp
 from megatron_fcp.patches.packed import ROPE_TARGET, make_rope, packed_attention
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime, reset_fcp, setup_fcp
-from megatron_fcp.patches.te_spec import TE_ATTENTION, check_cp_comm_type, check_te_signature, layer_refusal
-from megatron_fcp.patches.te_spec import mask_is_causal, refuse_cp_comm_type_args
+from megatron_fcp.patches.te_spec import (
+    TE_ATTENTION,
+    check_cp_comm_type,
+    check_te_signature,
+    layer_refusal,
+    mask_is_causal,
+    refuse_cp_comm_type_args,
+)
 
 __all__ = [
     "FCPCoreAttention",

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.function import fcp_attention_with_lse
+from megatron_fcp.contract.placement import check_doc_lengths
 from megatron_fcp.patches import REGISTRY
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime
-from megatron_fcp.contract.placement import check_doc_lengths
 
 __all__ = ["doc_lengths_of", "shard_packed_batch", "packed_attention", "local_packed_attention",
            "make_rope", "ROPE_TARGET"]

@@ -30,18 +30,22 @@ import torch.distributed as dist
 from megatron_fcp.attention.agreement import AgreementCache, LastAgreed, agree
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
-from megatron_fcp.patches.schedule import schedule_report, settle_schedule
 from megatron_fcp.contract.blocks import PlanError
-from megatron_fcp.contract.placement import Placement, place_packed
+from megatron_fcp.contract.head_parallel import (
+    HeadParallelPlan,
+    check_head_parallel,
+    group_placement,
+    head_groups_for,
+    relabel_plan,
+)
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.patches.schedule import schedule_report, settle_schedule
 from megatron_fcp.planner.build import build_plan
-from megatron_fcp.planner.megatron_layout import MegatronLayout
-from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, group_placement, relabel_plan
 from megatron_fcp.planner.choose import ScheduleChoice
 from megatron_fcp.planner.head_parallel import compile_head_parallel
-from megatron_fcp.contract.head_parallel import head_groups_for
-from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
+from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.topology import TopologyError, load_topology
 
 __all__ = [

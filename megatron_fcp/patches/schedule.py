@@ -43,10 +43,10 @@ import logging
 from typing import Any
 
 from megatron_fcp.config import FCPConfig
-from megatron_fcp.cost.model import AttentionShape
-from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.contract.head_parallel import head_groups_for
+from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule
+from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.schedule.program import WaveBackward
 
 __all__ = ["settle_schedule", "schedule_report"]

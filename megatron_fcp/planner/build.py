@@ -23,12 +23,11 @@ inter-node bytes) time every candidate.
 from __future__ import annotations
 
 from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks
+from megatron_fcp.cost.floors import graph_kv_floor
+from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan
 from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, get_builder
 from megatron_fcp.planner.compile import compile_plan
-from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan
-from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.plan import AutoChoice, Plan
-from megatron_fcp.cost.floors import graph_kv_floor
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["build_plan", "NOMINAL_SHAPE", "PACKED_TIE"]

@@ -36,10 +36,16 @@ from typing import Callable, Mapping, Sequence
 import networkx as nx
 import numpy as np
 
-from megatron_fcp.planner.graph import CommGraph, TreeEdges, depths_of, parents_first, prune_bfs, runs_of, steiner_tree
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.table import TransferTable
-from megatron_fcp.planner.table_compile import full_edges, full_table, hierarchical_edges, hierarchical_table, ring_table
+from megatron_fcp.planner.graph import CommGraph, TreeEdges, depths_of, parents_first, prune_bfs, runs_of, steiner_tree
+from megatron_fcp.planner.table_compile import (
+    full_edges,
+    full_table,
+    hierarchical_edges,
+    hierarchical_table,
+    ring_table,
+)
 from megatron_fcp.topology import Topology
 
 __all__ = [

@@ -56,18 +56,16 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_fcp.planner.builders import AUTO_CANDIDATES
-from megatron_fcp.cost.model import AttentionShape, ComputeModel, SimResult, pad_for_zigzag, pick_best
+from megatron_fcp.contract.head_parallel import HeadParallelPlan, head_parallel_degrees, stage_plan
 from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.head_parallel import HeadParallelPlan, stage_plan
 from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
-from megatron_fcp.cost.te import lower_bound
-from megatron_fcp.planner.head_parallel import compile_head_parallel
-from megatron_fcp.contract.head_parallel import head_parallel_degrees
-from megatron_fcp.cost.head_parallel import a2a_messages, check_pass, stage_shape
-from megatron_fcp.schedule.program import WaveBackward
-from megatron_fcp.cost.head_parallel import HeadParallelPricing
+from megatron_fcp.cost.head_parallel import HeadParallelPricing, a2a_messages, check_pass, stage_shape
 from megatron_fcp.cost.head_parallel import degree_floor as head_parallel_degree_floor
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, SimResult, pad_for_zigzag, pick_best
+from megatron_fcp.cost.te import lower_bound
+from megatron_fcp.planner.builders import AUTO_CANDIDATES
+from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["lower_bound_all", "build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates", "ScheduleChoice",

@@ -10,9 +10,11 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_fcp.contract.head_parallel import stage_plan
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
+from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.floors import intra_ingress
-from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
-from megatron_fcp.planner.build import build_plan
+from megatron_fcp.cost.head_parallel import check_pass, simulate_te
 from megatron_fcp.cost.model import (
     AttentionShape,
     ComputeModel,
@@ -21,12 +23,6 @@ from megatron_fcp.cost.model import (
     pick_best,
     simulate_plan,
 )
-from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.planner.choose import head_parallel_candidates
-from megatron_fcp.contract.head_parallel import stage_plan
-from megatron_fcp.cost.head_parallel import check_pass, simulate_te
-from megatron_fcp.planner.choose import lower_bound_all
-from megatron_fcp.planner.rounds import plan_delta
 from megatron_fcp.cost.packed import (
     BACKWARD_FLOP_RATIO,
     simulate_backward_waves,
@@ -34,7 +30,10 @@ from megatron_fcp.cost.packed import (
     simulate_te_a2a_p2p_thd,
     simulate_te_p2p_thd,
 )
-from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
+from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.planner.choose import head_parallel_candidates, lower_bound_all
+from megatron_fcp.planner.rounds import plan_delta
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["compare", "compare_head_parallel", "compare_packed", "packed_need_stats"]

@@ -44,12 +44,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers
-from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.contract.needs import readers
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.planner.rounds import colour_rounds
 from megatron_fcp.contract.table import table_rounds
+from megatron_fcp.planner.graph import CommGraph, runs_of
+from megatron_fcp.planner.rounds import colour_rounds
 
 __all__ = ["compile_plan"]
 

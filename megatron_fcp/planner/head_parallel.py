@@ -30,12 +30,18 @@ from __future__ import annotations
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import PlanError, check_parts
+from megatron_fcp.contract.head_parallel import (
+    HeadParallelPlan,
+    check_head_parallel,
+    group_placement,
+    relabel_plan,
+    topology_head_groups,
+)
+from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import get_builder
 from megatron_fcp.planner.compile import compile_plan
-from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag
-from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, topology_head_groups, group_placement, relabel_plan
 from megatron_fcp.topology import Topology, load_topology
 
 BALANCE_MAX_GROUPS = 64

@@ -67,8 +67,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from megatron_fcp.contract.blocks import Block, Transfer
-from megatron_fcp.schedule.chains import ChainStep, chain_steps, first_kept_blocks, first_keepers, first_wave_fetch
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.schedule.chains import ChainStep, chain_steps, first_keepers, first_kept_blocks, first_wave_fetch
 from megatron_fcp.schedule.waves import BACKWARD_KV_MODES, RING_BUDGET, Wave, choose_backward_kv, plan_waves
 
 __all__ = ["BackwardPolicy", "WaveBackward", "BackwardProgram", "ProgramPost", "compile_backward", "compiled_programs",

@@ -35,14 +35,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatron_fcp.attention.agreement import LastAgreed
+from megatron_fcp.attention.comm import Transport
 from megatron_fcp.attention.function import build_executor
 from megatron_fcp.attention.kernels import reference_attention
-from megatron_fcp.schedule.program import RING_BUDGET, BackwardProgram
 from megatron_fcp.attention.layout import zigzag_split, zigzag_unsplit
 from megatron_fcp.attention.stats import FCPStats
-from megatron_fcp.attention.comm import Transport
-from megatron_fcp.testing.inprocess import InProcessGroup, VirtualRank
 from megatron_fcp.contract.placement import Placement
+from megatron_fcp.schedule.program import RING_BUDGET, BackwardProgram
+from megatron_fcp.testing.inprocess import InProcessGroup, VirtualRank
 
 __all__ = ["harness_attention", "HarnessResult", "RankResult", "per_document_reference", "check_numerics_cases",
            "QUANTITIES"]
