@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fcp.contract.placement import lognormal_lengths, place_packed
 from megatron_fcp.planner.compare import compare_packed
 from megatron_fcp.cost.model import AttentionShape, simulate_rounds
-from megatron_fcp.cost.packed import simulate_plan_backward, thd_padded_lengths, thd_rank_work
+from megatron_fcp.cost.backward import simulate_plan_backward
+from megatron_fcp.cost.te import thd_padded_lengths, thd_rank_work
 from megatron_fcp.planner.build import build_plan
-from megatron_fcp.cost.packed import simulate_backward_waves  # noqa: E402
+from megatron_fcp.cost.backward import simulate_backward_waves  # noqa: E402
 from megatron_fcp.topology import load_topology  # noqa: E402
 
 TOKENS_PER_RANK = 32768

@@ -323,7 +323,7 @@ def test_auto_keeps_the_first_wave_rank_by_rank(docs):
     from megatron_fcp.testing.harness import harness_attention, per_document_reference
     from megatron_fcp.contract.placement import place_packed
     from megatron_fcp.planner.build import build_plan
-    from megatron_fcp.cost.packed import simulate_backward_waves
+    from megatron_fcp.cost.backward import simulate_backward_waves
     from megatron_fcp.schedule.chains import first_kept_blocks, first_keepers, first_wave_fetch
     from megatron_fcp.cost.model import AttentionShape
     from megatron_fcp.schedule.waves import plan_waves

@@ -22,7 +22,7 @@ from megatron_fcp.contract.placement import place_packed
 from megatron_fcp.contract.plan import full_plan, ring_plan
 from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.planner.build import build_plan
-from megatron_fcp.cost import packed as packed_cost
+from megatron_fcp.cost import backward as packed_cost
 from megatron_fcp.schedule.program import BackwardPolicy, ProgramPost, compile_backward
 
 TOPO = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "topology_2x2.yaml")

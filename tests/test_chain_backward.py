@@ -52,7 +52,7 @@ def test_only_balanced_chains_stream():
     8.0/1.2)."""
     from megatron_fcp.contract.placement import lognormal_lengths, place_packed
     from megatron_fcp.schedule.chains import CHAIN_PACE, _build
-    from megatron_fcp.cost.packed import simulate_backward_waves
+    from megatron_fcp.cost.backward import simulate_backward_waves
 
     for cp, parts in ((4, 1), (8, 2), (16, 1)):
         assert chain_steps(ring_plan(range(cp), True, parts), lambda b: 100) is not None

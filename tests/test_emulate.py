@@ -23,7 +23,7 @@ from megatron_fcp.emulate.workloads import (FcpWorkload, HeadParallelWorkload, W
 from megatron_fcp.planner.choose import choose_schedule
 from megatron_fcp.cost.model import ComputeModel
 from megatron_fcp.schedule.program import WaveBackward
-from megatron_fcp.cost.packed import simulate_backward_waves, simulate_plan_backward
+from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 
 RUN_KEYS = {"workload", "median_s", "min_s", "max_s", "comm_s", "compute_s", "predicted_s", "lower_bound_s",
             "nodes", "ranks_per_node", "nic", "intra", "inter", "seq", "heads", "kv_heads", "head_dim", "causal",

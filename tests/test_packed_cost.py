@@ -14,7 +14,8 @@ from megatron_fcp.cli import main
 from megatron_fcp.contract.placement import lognormal_lengths, place_packed
 from megatron_fcp.planner.compare import compare_packed
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, simulate_plan
-from megatron_fcp.cost.packed import simulate_plan_backward, simulate_te_p2p_thd, thd_padded_lengths, thd_rank_work
+from megatron_fcp.cost.backward import simulate_plan_backward
+from megatron_fcp.cost.te import simulate_te_p2p_thd, thd_padded_lengths, thd_rank_work
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.contract.placement import Placement, Span, span_pairs
 

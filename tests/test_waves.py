@@ -8,7 +8,7 @@ import pytest
 from megatron_fcp.contract.placement import place_packed
 from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.planner.build import build_plan
-from megatron_fcp.cost.packed import simulate_backward_waves
+from megatron_fcp.cost.backward import simulate_backward_waves
 from megatron_fcp.schedule.waves import block_work, plan_waves, restrict, wave_budget
 
 BUILDERS = ("ring", "full", "hierarchical", "leader", "spanning", "entry")
@@ -77,7 +77,7 @@ def test_wave_cost_model_bounds_held_kv_by_the_ring_and_hides_the_resend():
     resend holds at most the ring's one shard (32 MiB) within backward, keep its need set (480 MiB
     on CP rank 0); fwd+bwd with resend within 1.15x of keep's one-pass backward."""
     from megatron_fcp.cost.model import AttentionShape, simulate_plan
-    from megatron_fcp.cost.packed import simulate_backward_waves, simulate_plan_backward
+    from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 
     shape = AttentionShape(131072, 32, 8, 128)
     plan = build_plan("dgx-h100:2", range(16), "hierarchical", parts_per_chunk=2)
@@ -207,7 +207,7 @@ def test_the_wave_timeline_has_no_barrier_between_waves():
     of a wave whose dK/dV crosses one slow rail, so keep's backward is under half the lock-step sum
     (reduce, compute and re-send of each wave in step); waiting for sends only slows it; resend
     costs more than keep; every result key the reports read is there."""
-    from megatron_fcp.cost.packed import simulate_backward_waves
+    from megatron_fcp.cost.backward import simulate_backward_waves
 
     plan, topo, att, cm, _ = _rail_2x4()
     runs = {(m, b): simulate_backward_waves(plan, topo, att, compute_model=cm, backward_kv=m, buffered_sends=b)
@@ -232,7 +232,7 @@ def test_held_kv_under_resend_stays_within_a_shard_on_a_packed_cp64_plan():
     budget is half of it and every block is smaller), far below keep's need set."""
     from megatron_fcp.contract.placement import lognormal_lengths
     from megatron_fcp.cost.model import AttentionShape
-    from megatron_fcp.cost.packed import simulate_backward_waves
+    from megatron_fcp.cost.backward import simulate_backward_waves
 
     pl = place_packed(lognormal_lengths(8.0, 1.2, 32768 * 64, 0), 64, block_tokens=4096)
     plan = build_plan("dgx-h100:8", range(64), "entry", placement=pl)

@@ -90,7 +90,7 @@ FP32's bytes for BF16/FP16), one round per chain in flight.
 Cost. ``plan_waves`` also caps a rank's work per wave (Note [Balanced waves]), so with sub-blocks
 (``parts_per_chunk`` >= 2) every rank computes about the same per wave and the waves' compute adds
 up to about the one-pass backward's; the reductions and re-sends run behind it
-(:func:`~megatron_fcp.cost.packed.simulate_backward_waves`, which follows every rank
+(:func:`~megatron_fcp.cost.backward.simulate_backward_waves`, which follows every rank
 through this loop: Note [Wave pipeline timeline] in cost/timeline.py). A round in flight
 is noticed at the next job boundary, so a reduction advances at most one round per job of the
 ranks on its path; it catches up in the blocking finish one wave later. With whole chunks under

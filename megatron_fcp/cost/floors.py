@@ -6,7 +6,7 @@ Note [Backward floors]
 exactly (cheap) and runs its backward timeline (the expensive part: waves are packed, chains
 stepped) only when ``forward + backward_floor`` can still win. A floor must never exceed what
 any of the three backward timelines returns for the plan
-(:func:`~megatron_fcp.cost.packed.simulate_plan_backward`, the one pass;
+(:func:`~megatron_fcp.cost.backward.simulate_plan_backward`, the one pass;
 :func:`~megatron_fcp.cost.timeline.wave_timeline`, waves;
 :func:`~megatron_fcp.schedule.chains.chain_timeline`, a chain), so it takes the larger of two
 things all of them respect:

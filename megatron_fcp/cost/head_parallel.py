@@ -2,7 +2,7 @@
 the lower bound over every schedule family compared. Pure, no torch.
 
 The model is :mod:`megatron_fcp.cost.model`'s (Note [Cost model]); backward timelines are
-:mod:`megatron_fcp.cost.packed`'s.
+:mod:`megatron_fcp.cost.backward`'s.
 
 Note [Head-parallel cost]
 -------------------------
@@ -22,7 +22,7 @@ softmax statistics, under 2% of O at d = 128, are not counted.) Between them the
 :func:`~megatron_fcp.planner.head_parallel.stage_plan` (all ``a`` stages at once, sharing
 links) with ``h/a`` query and ``rep * h_kv / a`` KV heads, forward through
 :func:`~megatron_fcp.cost.model.simulate_plan` (overlapped with compute) and backward through
-:func:`~megatron_fcp.cost.packed.simulate_plan_backward` (dK/dV partials along the
+:func:`~megatron_fcp.cost.backward.simulate_plan_backward` (dK/dV partials along the
 reversed trees in the input dtype, as the executor sends them, in the executor's order). The
 all-to-alls are exposed, as in Transformer Engine, but for two: with a KV stage the engine sends
 K|V's part of the forward's first all-to-all ahead and Q's behind the stage's start (Note [Q's
@@ -38,7 +38,7 @@ traffic).
 That backward is one pass from kept KV. The executor walks it in waves (Note [Backward waves] in
 :mod:`megatron_fcp.attention.backward_waves`), keeping or re-sending KV; given ``backward`` (a
 :class:`~megatron_fcp.schedule.waves.WaveBackward`) the KV stage's backward is timed that way
-(:func:`~megatron_fcp.cost.packed.simulate_backward_waves`), which is what the Megatron
+(:func:`~megatron_fcp.cost.backward.simulate_backward_waves`), which is what the Megatron
 runtime prices its choice with. It can differ a lot: with whole chunks a wave gives some ranks
 twice the work of others (128K on ``dgx-h100:2``, a = 1, hierarchical: backward 55 ms in one pass,
 88 ms in waves; two parts per chunk: 55.5 ms).
@@ -77,8 +77,10 @@ from megatron_fcp.contract.head_parallel import (
     topology_head_groups,
 )
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
+from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 from megatron_fcp.cost.floors import compute_floor, kv_floor, reduction_floor
 from megatron_fcp.cost.model import (
+    BACKWARD_FLOP_RATIO,
     AttentionShape,
     ComputeModel,
     SimResult,
@@ -86,14 +88,7 @@ from megatron_fcp.cost.model import (
     simulate_plan,
     simulate_rounds,
 )
-from megatron_fcp.cost.packed import (
-    BACKWARD_FLOP_RATIO,
-    simulate_backward_waves,
-    simulate_plan_backward,
-    simulate_te_a2a_p2p_thd,
-    simulate_te_p2p_thd,
-)
-from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_p2p
+from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_a2a_p2p_thd, simulate_te_p2p, simulate_te_p2p_thd
 from megatron_fcp.schedule.chains import chain_routes
 from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
@@ -278,7 +273,7 @@ class HeadParallelPricing:
 def _wave_backward(one_pass: SimResult, sp: Plan, topo: Topology, shape: AttentionShape, cm: ComputeModel,
                    backward: WaveBackward, grad_dtype_bytes: int, round_overhead_s: float) -> SimResult:
     """The KV stage's backward as the executor runs it
-    (:func:`~megatron_fcp.cost.packed.simulate_backward_waves` on the stage plan ``sp``: all
+    (:func:`~megatron_fcp.cost.backward.simulate_backward_waves` on the stage plan ``sp``: all
     ``a`` stages at once, each cut into the waves its executor walks; ``one_pass``: the same
     stage's one-pass backward, whose dK/dV bytes the waves send too). ``total_s`` is the waves'
     time, ``compute_s`` the sum over waves of the busiest rank's, ``comm_s`` the reductions and
@@ -310,7 +305,7 @@ def simulate_te(
 ) -> SimResult:
     """Transformer Engine's ``te-p2p`` or ``te-a2a-p2p`` for ``pass_``: the forward of
     :mod:`~megatron_fcp.cost.te`, the backward of
-    :mod:`~megatron_fcp.cost.packed` (one document: the zigzag split). Raises ValueError
+    :mod:`~megatron_fcp.cost.backward` (one document: the zigzag split). Raises ValueError
     where TE cannot run ``te-a2a-p2p``."""
     check_pass(pass_)
     topo = load_topology(topology)

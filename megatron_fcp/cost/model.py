@@ -49,6 +49,7 @@ from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
+    "BACKWARD_FLOP_RATIO",
     "AttentionShape",
     "ComputeModel",
     "SimResult",
@@ -471,3 +472,7 @@ def pick_best(candidates: "Sequence[tuple[SimResult, Any]]", objective: str = "t
     t_min = min(c[0].total_s for c in candidates)
     close = [c for c in candidates if c[0].total_s <= t_min * (1 + 1e-3)]
     return min(close, key=lambda c: c[0].comm_s)
+
+
+BACKWARD_FLOP_RATIO = 2.5
+"""Backward attention FLOPs over forward (flash-attention: 5 matmuls vs 2)."""

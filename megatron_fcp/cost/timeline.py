@@ -2,7 +2,7 @@
 
 Note [Wave pipeline timeline]
 -----------------------------
-:func:`~megatron_fcp.cost.packed.simulate_backward_waves` prices the executor's backward
+:func:`~megatron_fcp.cost.backward.simulate_backward_waves` prices the executor's backward
 (Note [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`) with this model. There is
 no barrier between waves: every rank walks its own copy of the loop and blocks only on *its own*
 messages, so a rank with nothing in wave w-1's last reverse rounds goes on to wave w+1 while the

@@ -24,8 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from megatron_fcp.cost.model import ComputeModel
-from megatron_fcp.cost.packed import BACKWARD_FLOP_RATIO
+from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, ComputeModel
 from megatron_fcp.emulate.launcher import run_ranks
 from megatron_fcp.emulate.netns import EmulatedCluster, check_prerequisites, run_prefix
 from megatron_fcp.emulate.probe import calibrated_topology, probe_pairs, summarize

@@ -31,7 +31,7 @@ Predictions are the cost model's forward + backward on the emulated cluster's To
 (:func:`~megatron_fcp.emulate.spec.emulated_topology`) with the emulated FLOP/s and no launch
 overhead (as the sleep kernel charges). FCP's backward (``fcp-*`` and every KV stage) is priced
 as the executor runs it, wave by wave
-(:func:`~megatron_fcp.cost.packed.simulate_backward_waves`), in the backward KV mode the
+(:func:`~megatron_fcp.cost.backward.simulate_backward_waves`), in the backward KV mode the
 executor picks (:func:`executor_program`: the executor's own backward program, Note [Backward
 program]; the workload compiles it once, as every rank would, and hands the mode to the ranks).
 
@@ -68,15 +68,16 @@ from megatron_fcp.contract.head_parallel import HeadParallelPlan
 from megatron_fcp.contract.needs import causal_pairs
 from megatron_fcp.contract.placement import Placement, place_packed
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.backward import simulate_backward_waves
 from megatron_fcp.cost.head_parallel import simulate_head_parallel, stage_shape
-from megatron_fcp.cost.model import AttentionShape, ComputeModel, pad_for_zigzag, simulate_plan
-from megatron_fcp.cost.packed import (
-    BACKWARD_FLOP_RATIO,
-    simulate_backward_waves,
+from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, AttentionShape, ComputeModel, pad_for_zigzag, simulate_plan
+from megatron_fcp.cost.te import (
+    lower_bound,
+    simulate_te_a2a_p2p,
     simulate_te_a2a_p2p_thd,
+    simulate_te_p2p,
     simulate_te_p2p_thd,
 )
-from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import BUILDERS
 from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule, lower_bound_all
@@ -149,7 +150,7 @@ class FcpWorkload(Workload):
 
     ``predict``: the forward (:func:`~megatron_fcp.planning.simulate_plan`) and the backward the
     executor runs, wave by wave with ``backward_kv``
-    (:func:`~megatron_fcp.cost.packed.simulate_backward_waves` with ``buffered_sends``:
+    (:func:`~megatron_fcp.cost.backward.simulate_backward_waves` with ``buffered_sends``:
     gloo's send is complete once its receiver has posted and the socket holds it; its reductions and, under
     ``resend``, its re-sends counted as communication)."""
 

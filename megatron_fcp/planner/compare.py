@@ -13,9 +13,11 @@ import numpy as np
 from megatron_fcp.contract.head_parallel import stage_plan
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 from megatron_fcp.cost.floors import intra_ingress
 from megatron_fcp.cost.head_parallel import check_pass, simulate_te
 from megatron_fcp.cost.model import (
+    BACKWARD_FLOP_RATIO,
     AttentionShape,
     ComputeModel,
     SimResult,
@@ -23,14 +25,13 @@ from megatron_fcp.cost.model import (
     pick_best,
     simulate_plan,
 )
-from megatron_fcp.cost.packed import (
-    BACKWARD_FLOP_RATIO,
-    simulate_backward_waves,
-    simulate_plan_backward,
+from megatron_fcp.cost.te import (
+    lower_bound,
+    simulate_te_a2a_p2p,
     simulate_te_a2a_p2p_thd,
+    simulate_te_p2p,
     simulate_te_p2p_thd,
 )
-from megatron_fcp.cost.te import lower_bound, simulate_te_a2a_p2p, simulate_te_p2p
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.choose import head_parallel_candidates, lower_bound_all
 from megatron_fcp.planner.rounds import plan_delta
@@ -186,7 +187,7 @@ def backward_kv_costs(plan, topology: "Topology | str", shape: AttentionShape, f
                       compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0) -> dict:
     """Memory against time of the two backward KV modes of one FCP plan (Note [Backward KV modes] in
     :mod:`megatron_fcp.schedule.program`), as the executor runs them: wave by wave
-    (:func:`~megatron_fcp.cost.packed.simulate_backward_waves`). Per mode the backward and
+    (:func:`~megatron_fcp.cost.backward.simulate_backward_waves`). Per mode the backward and
     forward+backward seconds, the most received KV any rank holds between the passes
     (``held_kv_bytes_max``) and within backward (``backward_held_kv_bytes_max``); beside them the
     one-pass backward (the whole plan reversed at once, :func:`simulate_plan_backward`: what keep
@@ -286,7 +287,7 @@ def compare_packed(
 ) -> dict:
     """Side-by-side ``te-p2p`` / ``te-a2a-p2p`` (THD, padded) / ``fcp`` (place_packed + plan) on a
     packed batch, forward and backward; see Note [Transformer Engine on a packed batch] in
-    :mod:`megatron_fcp.cost.packed`. ``shape.seq_len`` is not used (the documents set it).
+    :mod:`megatron_fcp.cost.backward`. ``shape.seq_len`` is not used (the documents set it).
 
     Returns the structure of :func:`compare` (``lower_bound_s``, ``lower_bound``, ``seq_len``,
     ``padded_seq_len`` = TE's padded THD tokens, ``schedules``, ``results``, ``plan``) plus

@@ -22,7 +22,7 @@ from the plan, the size of one token's K and V, and the :class:`BackwardPolicy`
 
 The executor is built with the program and runs it (the forward keeps ``kept(rank)``; the backward
 runner walks ``steps`` or ``waves``); the cost model prices the same object
-(:func:`~megatron_fcp.cost.packed.simulate_backward_waves`); the emulator's workloads
+(:func:`~megatron_fcp.cost.backward.simulate_backward_waves`); the emulator's workloads
 build theirs through it. :meth:`BackwardProgram.posts` lists what a rank posts, in order: a test
 holds the executor's recorded posts against it for every plan of the test matrix.
 
@@ -110,7 +110,7 @@ class WaveBackward(BackwardPolicy):
     have posted (gloo over TCP, the emulated cluster: the socket takes the bytes then); default, as
     NCCL, a send is waited until it arrives (Note [Wave pipeline timeline] in
     :mod:`megatron_fcp.cost.timeline`). Cost models take ``backward=None`` for the plain
-    one-pass backward with kept KV (:func:`~megatron_fcp.cost.packed.simulate_plan_backward`)."""
+    one-pass backward with kept KV (:func:`~megatron_fcp.cost.backward.simulate_plan_backward`)."""
 
     micro_batch: int = 1
     buffered_sends: bool = False

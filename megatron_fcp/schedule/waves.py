@@ -1,6 +1,6 @@
 """Waves of a plan's block deliveries for the wave-by-wave backward (Note [Backward waves] in
 :mod:`megatron_fcp.attention.backward_waves`). Pure data, no ``torch``: the executor and the cost
-model (:mod:`megatron_fcp.cost.packed`) split a plan the same way.
+model (:mod:`megatron_fcp.cost.backward`) split a plan the same way.
 
 A *delivery* is one rank computing one block's gradient: a block it needs, or one of its own. A
 wave is a set of deliveries and the plan transfers that bring them: for a received block, the path
