@@ -218,7 +218,7 @@ class _Executor:
                     self._last_send[t.block] = r
 
     # -- helpers -------------------------------------------------------------------------------
-    def _sync(self, device) -> None:
+    def _job_end(self) -> None:
         if self.stats is not None:  # a job's compute time is measured to its end
             self.clock.host_wait(self.clock.mark(), "stats")
 
@@ -366,7 +366,7 @@ class _Executor:
             else:
                 acc.add(*self.kernel.forward(q[rows], kv[0], kv[1], lay.q_pos[rows], lay.k_pos(block),
                                              self.causal, self.scale, **kw), rows=rows)
-            self._sync(q.device)
+            self._job_end()
             compute_s += time.perf_counter() - t0
 
         def compute_local(local_kv: dict) -> None:  # round 0 is posted: q may arrive now
@@ -425,7 +425,7 @@ class _Executor:
                     doc[rows], q[rows], kv[0], kv[1], out[rows], lse[:, :, rows], lay.q_pos[rows],
                     lay.k_pos(block), self.causal, self.scale, **kw)
                 dq[rows].add_(dq_b)
-            self._sync(q.device)
+            self._job_end()
             compute_s += time.perf_counter() - t0
             return torch.stack([dk_b, dv_b])                                     # [2, blk, b, h_kv, d]
 

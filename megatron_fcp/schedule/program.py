@@ -95,11 +95,6 @@ class BackwardPolicy:
             raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {b!r} "
                              "(--fcp-kv-memory-budget)")
 
-    @property
-    def policy(self) -> "BackwardPolicy":
-        """The decision's inputs alone (a :class:`WaveBackward` carries pricing options beside them)."""
-        return BackwardPolicy(self.backward_kv, self.kv_memory_budget)
-
 
 @dataclass(frozen=True)
 class WaveBackward(BackwardPolicy):
@@ -260,7 +255,8 @@ def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None
     ``s_local * cp``); ignored over a placement. budget: bytes a rank receives per wave or step
     (default: half the largest shard per wave, the largest shard per chain step); for studies,
     never set by the executor."""
-    policy = (policy or BackwardPolicy()).policy
+    # the decision's inputs alone: a WaveBackward's pricing options do not change the program
+    policy = BackwardPolicy() if policy is None else BackwardPolicy(policy.backward_kv, policy.kv_memory_budget)
     if plan.placement is None and seq_len is None:
         raise ValueError("compile_backward: a zigzag plan needs seq_len (the padded global sequence length)")
     seq_len = None if plan.placement is not None else int(seq_len)
