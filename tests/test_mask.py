@@ -52,8 +52,10 @@ def test_plain_masks_are_the_causal_rule():
 def test_megatron_convention_and_normalisation():
     m = Mask.of(True, (4, 0))
     assert m.window == (4, 0) and m.pairs(10, 11, 0, 20) == 5       # itself and the 4 before it
-    assert Mask.of(True, (4, 3)) == m                                 # causal bounds the right side
-    assert Mask.of(True, None) == CAUSAL == Mask.of(True, (-1, 5))
+    assert Mask.of(True, (4, -1)) == m                                # causal: right -1 means 0
+    assert Mask.of(True, None) == CAUSAL == Mask.of(True, (-1, 0))
+    with pytest.raises(ValueError, match="right side must be 0"):
+        Mask.of(True, (4, 3))
     assert as_mask(True, (4, 0)) == m and as_mask(m) is m
     with pytest.raises(ValueError, match="window=\\(left, right\\)"):
         Mask.of(True, (4,))

@@ -6,14 +6,16 @@ Every mask FCP serves is a rule on a (query position ``q``, key position ``k``) 
 document (zigzag: the whole sequence is one document; packed: positions count from each document's
 start, and pairs of two documents are never visible). A :class:`Mask` is that rule::
 
-    visible(q, k)  <=>  q - left <= k <= q + right'          right' = min(right, 0) if causal
+    visible(q, k)  <=>  q - left <= k <= q + right'          right' = 0 if causal
                                                                left, right = -1: unbounded
 
 This is the convention of Megatron's ``window_size=(left, right)``, Transformer Engine's
 ``window_size`` and flash-attn's ``window_size_left/right``: query ``i`` sees keys
 ``i - left .. i + right`` inclusive, so a causal window ``(W, 0)`` sees ``W + 1`` keys (itself and
-the ``W`` before it). ``(-1, -1)`` is no window: plain causal or full attention. A causal mask with
-``right > 0`` is the causal mask (the causal bound is the tighter one); we normalise it to 0.
+the ``W`` before it). ``(-1, -1)`` is no window: plain causal or full attention. Under a causal mask
+the right side is 0 (``-1`` is accepted and means the same); ``right > 0`` with ``causal`` is refused,
+as Transformer Engine refuses it: Megatron's local attention would apply such a window *instead of*
+the causal mask, TE's never, so no silent choice between the two is made here.
 
 The visible keys of query ``q`` are the interval ``[q - left, q + right']``, so the number of
 visible pairs between a query range and a key range is a difference of two clamped ramps
@@ -72,8 +74,12 @@ class Mask:
 
     def __post_init__(self) -> None:
         left, right = check_window((self.left, self.right))
-        if self.causal and right != 0:
-            right = 0 if left >= 0 else -1  # causal: right is implied; keep (-1, -1) for plain causal
+        if self.causal and right > 0:
+            raise ValueError(f"window=({left}, {right}) with a causal mask: a causal query sees no later key, so "
+                             "the right side must be 0 (e.g. --window-size W,0); a two-sided window needs a "
+                             "non-causal mask (attn_mask_type no_mask)")
+        if self.causal:
+            right = 0 if left >= 0 else -1  # causal: right is implied; (-1, -1) stays plain causal
         object.__setattr__(self, "left", left)
         object.__setattr__(self, "right", right)
         object.__setattr__(self, "causal", bool(self.causal))
