@@ -374,7 +374,8 @@ def compare_window(
     what Transformer Engine runs there (``te-a2a`` where heads divide by cp, ``te-all-gather``),
     the halo ring, and FCP's plan (``build_plan`` under the window: ``graph`` and, for
     ``parts_per_chunk="auto"``, 1, 2, 4 sub-blocks of at least ``min_block_tokens``, the best by
-    forward + one-pass backward :func:`~megatron_fcp.cost.backward.simulate_plan_backward`); see
+    forward + one-pass backward :func:`~megatron_fcp.cost.backward.simulate_plan_backward`, ties
+    within 0.1% broken by bytes); see
     Note [Transformer Engine under a sliding window] in :mod:`megatron_fcp.cost.te`.
 
     Returns ``{"window", "mask", "seq_len", "padded_seq_len", "lower_bound_s", "lower_bound",
@@ -406,7 +407,7 @@ def compare_window(
     chunk_tokens = shape.seq_len // (2 * cp)
     choices = [p for p in (1, 2, 4) if p == 1 or chunk_tokens // p >= min_block_tokens] \
         if parts_per_chunk == "auto" else [int(parts_per_chunk)]
-    best = None
+    tried = []
     for p in choices:
         if p > chunk_tokens:
             continue
@@ -416,11 +417,13 @@ def compare_window(
         fwd = simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s)
         bwd = simulate_plan_backward(plan, topo, shape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
                                      round_overhead_s=round_overhead_s)
-        if best is None or fwd.total_s + bwd.total_s < best[0]["fwd"].total_s + best[0]["bwd"].total_s:
-            best = ({"fwd": fwd, "bwd": bwd}, plan)
-    if best is None:
+        tried.append(({"fwd": fwd, "bwd": bwd}, plan))
+    if not tried:
         raise ValueError(f"parts_per_chunk: {parts_per_chunk} is more than the {chunk_tokens} tokens of a chunk")
-    results["fcp"], plan = best
+    step = lambda c: c[0]["fwd"].total_s + c[0]["bwd"].total_s  # noqa: E731
+    fastest = min(step(c) for c in tried)  # within 0.1% of it (compute hides the KV), the fewest bytes
+    results["fcp"], plan = min((c for c in tried if step(c) <= fastest * (1 + 1e-3)),
+                               key=lambda c: (c[0]["fwd"].bytes, step(c)))
     for name, comm in (("te-p2p", "p2p"), ("te-a2a-p2p", "a2a+p2p")):
         try:
             te_refuses_window(comm, causal, mask.window)
