@@ -128,3 +128,23 @@ def test_simulate_window_cli():
     assert out["schedules"]["fcp"]["fwd_bwd"]["total_s"] > 0
     bad = subprocess.run(cmd[:-1] + ["128"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--window" in bad.stderr
+
+
+def test_choose_schedule_plans_a_windowed_layer_with_its_own_plan():
+    from megatron_fcp.contract.blocks import PlanError
+    from megatron_fcp.planner.choose import choose_schedule
+    from megatron_fcp.planner.head_parallel import compile_head_parallel
+    from megatron_fcp.schedule.program import WaveBackward
+
+    shape = AttentionShape(65536, 32, 8, 128)
+    plain = choose_schedule("dgx-h100:2", list(range(16)), shape)
+    for backward in (None, WaveBackward()):
+        win = choose_schedule("dgx-h100:2", list(range(16)), shape, window=(1024, 0), backward=backward)
+        kv = win.plan.kv_plan
+        assert win.degree == 1 and kv.window == (1024, 0) and kv.seq_len == 65536
+        assert win.total_s < plain.total_s / 4
+        kv.verify()
+    with pytest.raises(PlanError, match="degree 1"):
+        compile_head_parallel("dgx-h100:2", range(16), shape, 2, "full", window=(1024, 0))
+    with pytest.raises(ValueError, match="one of \\[1\\]"):
+        choose_schedule("dgx-h100:2", list(range(16)), shape, degree=2, window=(1024, 0))

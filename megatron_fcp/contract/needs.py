@@ -148,11 +148,14 @@ def zigzag_need_matrix(cp: int, parts_per_chunk: int, mask: Mask, seq_len: int |
 
 @lru_cache(maxsize=64)
 def _zigzag_need(cp: int, P: int, mask: Mask, seq_len: int) -> np.ndarray:
-    b = np.arange(cp * 2 * P)
-    owner, chunk, part = b // (2 * P), (b // P) % 2, b % P
-    q = np.arange(cp)[:, None]
-    need = (block_pairs(cp, seq_len, P, q, owner[None, :], chunk[None, :], part[None, :], mask) > 0) \
-        & (owner[None, :] != q)                                                     # [cp, 2*cp*P]
+    nb = cp * 2 * P
+    b = np.arange(nb)
+    owner, chunk, part = (x[None, :] for x in (b // (2 * P), (b // P) % 2, b % P))
+    need = np.empty((cp, nb), dtype=bool)                                           # [cp, 2*cp*P]
+    step = max(1, (1 << 20) // nb)  # reader rows per pass: int64 temporaries of a few MB at any cp
+    for j0 in range(0, cp, step):
+        q = np.arange(j0, min(j0 + step, cp))[:, None]
+        need[j0:j0 + len(q)] = (block_pairs(cp, seq_len, P, q, owner, chunk, part, mask) > 0) & (owner != q)
     need.flags.writeable = False
     return need
 
