@@ -100,7 +100,8 @@ def test_packed_need_rule_matches_the_token_rule(cp, causal, window):
     assert (pl.need_matrix() == _packed_token_need(pl)).all()
     for j, i in itertools.product(range(cp), range(cp)):
         for b, k in enumerate(pl.blocks[i]):
-            want = sum(int(pl.mask.visible(np.arange(q.start, q.end)[:, None], np.arange(k.start, k.end)[None, :]).sum())
+            kpos = np.arange(k.start, k.end)[None, :]
+            want = sum(int(pl.mask.visible(np.arange(q.start, q.end)[:, None], kpos).sum())
                        for q in pl.blocks[j] if q.doc == k.doc)
             assert pl.pairs(j, i, b) == want
     plain = place_packed(docs, cp, block_tokens=8, causal=causal)

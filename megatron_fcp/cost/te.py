@@ -243,7 +243,6 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
         t = max(S * (N - 1) / (N * b_gpu), t_node)
         return {"lower_bound_s": t, "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out, "causal": False}
     # need-set aware: need[j, c*N + i] = CP rank j needs chunk c of CP rank i (the need rule)
-    idx = np.arange(N)
     need = chunk_need_matrix(N, mask, shape.seq_len)
     per_rank = int(need.sum(axis=1).max()) * chunk
     t_gpu = per_rank / b_gpu

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_fcp.contract.head_parallel import stage_plan
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
@@ -27,14 +28,13 @@ from megatron_fcp.cost.model import (
     pick_best,
     simulate_plan,
 )
-from megatron_fcp.contract.mask import Mask
 from megatron_fcp.cost.te import (
     lower_bound,
     simulate_halo_ring,
     simulate_te_a2a,
-    simulate_te_all_gather,
     simulate_te_a2a_p2p,
     simulate_te_a2a_p2p_thd,
+    simulate_te_all_gather,
     simulate_te_p2p,
     simulate_te_p2p_thd,
     te_refuses_window,
@@ -403,7 +403,8 @@ def compare_window(
                                    **kw) for d in ("fwd", "bwd")}
         except ValueError as e:
             schedules[name] = {"error": str(e)}
-    results["halo-ring"] = {d: simulate_halo_ring(topo, ranks, shape, backward=d == "bwd", **kw) for d in ("fwd", "bwd")}
+    results["halo-ring"] = {d: simulate_halo_ring(topo, ranks, shape, backward=d == "bwd", **kw)
+                            for d in ("fwd", "bwd")}
     chunk_tokens = shape.seq_len // (2 * cp)
     choices = [p for p in (1, 2, 4) if p == 1 or chunk_tokens // p >= min_block_tokens] \
         if parts_per_chunk == "auto" else [int(parts_per_chunk)]
