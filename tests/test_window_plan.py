@@ -219,6 +219,7 @@ def test_windowed_zigzag_plans_need_seq_len():
     pl = place_packed([100, 40], 2, block_tokens=32, window=(8, 0))
     with pytest.raises(PlanError, match="window"):
         full_plan([0, 1], True, placement=pl, window=(4, 0))
+    assert Plan((0, 1), (), True, placement=pl).window == (8, 0)  # a placement's plan follows its mask
     # build_plan pads seq_len as Megatron pads and records the padded length
     assert build_plan("dgx-h100:1", range(4), "full", window=(8, 0), seq_len=61).seq_len == 64
 

@@ -87,8 +87,8 @@ class Plan:
         both drops the table (``dataclasses.replace(plan, rounds=...)`` stays right).
     window: the sliding window ``(left, right)`` need sets follow (Megatron's ``window_size``, -1:
         unbounded; default ``(-1, -1)``: none); :attr:`mask` is ``causal`` and ``window`` together
-        (Note [Windowed need sets] in :mod:`megatron_fcp.contract.needs`). A placement's window
-        must be the same.
+        (Note [Windowed need sets] in :mod:`megatron_fcp.contract.needs`). Over a placement the
+        default takes the placement's window; another window is an error.
     seq_len: the padded global sequence in tokens (a multiple of ``2*cp``). Required for a
         windowed zigzag plan (its need sets depend on it); None otherwise.
     """
@@ -118,6 +118,8 @@ class Plan:
             window = Mask(bool(self.causal), *check_window(self.window)).window  # causal: right = 0
         except ValueError as e:
             raise PlanError(str(e)) from None
+        if self.placement is not None and window == (-1, -1):
+            window = self.placement.window  # a plan over a placement follows the placement's mask
         if window != self.window:
             object.__setattr__(self, "window", window)
         if self.placement is not None:
