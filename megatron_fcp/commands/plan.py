@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block, PlanError, make_transfer
+from megatron_fcp.contract.mask import check_window
 from megatron_fcp.contract.placement import lognormal_lengths, place_packed
 from megatron_fcp.cost.model import parse_tokens
 from megatron_fcp.planner.build import NOMINAL_SHAPE, build_plan
@@ -51,6 +52,24 @@ DOC_LENGTHS_HELP = (
     "token counts (e.g. 4096,100,30000); FILE = a text file of integers (separated by commas or white space) "
     "or a JSON list; lognormal:MEAN,SIGMA,TOTAL[,SEED] = seeded lognormal lengths (log-mean MEAN, log-sigma "
     "SIGMA, median exp(MEAN)) drawn until TOTAL tokens (e.g. 512k), the last one trimmed; SEED default 0")
+
+
+def add_window_argument(p: argparse.ArgumentParser) -> None:
+    """``--window L,R``: a sliding window in Megatron's convention (query i sees keys i-L..i+R)."""
+    p.add_argument("--window", metavar="L,R", default=None,
+                   help="sliding window (Megatron's --window-size): query i sees keys i-L..i+R, -1 = unbounded; "
+                        "causal forces R=0 (e.g. 4096,0). Need sets, plans and work follow it")
+
+
+def parse_window(spec: "str | None") -> "tuple[int, int] | None":
+    """``"4096,0"`` -> ``(4096, 0)``; None stays None; a ValueError naming the fix otherwise."""
+    if spec is None:
+        return None
+    try:
+        left, right = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--window: expected L,R (two integers, -1 = unbounded), got {spec!r}") from None
+    return check_window((left, right))
 
 
 def add_packed_arguments(p: argparse.ArgumentParser) -> None:
@@ -174,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-transfers", type=int, default=24, metavar="K",
                    help="transfers shown per round in the table (default 24; 0 = all)")
     p.add_argument("--backward", action="store_true", help="also print the backward (dK/dV reduction) rounds")
+    add_window_argument(p)
+    p.add_argument("--seq", default=None, help="global sequence length (128k, 1m, ...): needed with --window "
+                                               "without --doc-lengths (windowed need sets depend on it)")
 
 
 def _round_lines(rounds, limit: int) -> list[str]:
@@ -218,7 +240,8 @@ def _shown_rounds(plan, limit: int):
 
 
 def _describe_plan(plan, topo, limit: int, backward: bool) -> list[str]:
-    lines = [f"plan: graph {plan.name!r}, cp={plan.cp}, causal={plan.causal}, "
+    win = f", window={plan.window}" if plan.mask.windowed else ""
+    lines = [f"plan: graph {plan.name!r}, cp={plan.cp}, causal={plan.causal}{win}, "
              f"parts/chunk={plan.parts_per_chunk}, rounds={len(plan.rounds)}, transfers={plan.num_transfers()} "
              f"({plan.chunks_moved():g} chunks; ring moves {2 * plan.cp * (plan.cp - 1)}), verified"]
     if plan.auto is not None:
@@ -253,10 +276,15 @@ def run(args) -> int:
             raise ValueError("--parts: not used with --doc-lengths; cut blocks with --block-tokens")
         if args.block_tokens < 1:
             raise ValueError(f"--block-tokens: must be >= 1, got {args.block_tokens}")
+        window = parse_window(args.window)
+        seq = parse_tokens(args.seq) if args.seq is not None else None
+        if window is not None and seq is None and lengths is None:
+            raise ValueError("--window: a zigzag plan under a window needs the sequence length: add --seq (e.g. 128k)")
         for gi, ranks in enumerate(groups):
             pl = None if lengths is None else place_packed(lengths, len(ranks), block_tokens=args.block_tokens,
-                                                          causal=args.causal)
-            plan = build_plan(topo, ranks, args.graph, causal=args.causal, parts_per_chunk=args.parts, placement=pl)
+                                                          causal=args.causal, window=window)
+            plan = build_plan(topo, ranks, args.graph, causal=args.causal, parts_per_chunk=args.parts, placement=pl,
+                              window=window, seq_len=seq)
             print()
             if len(groups) > 1:
                 print(f"CP group {gi}/{len(groups)}: global ranks {ranks}")

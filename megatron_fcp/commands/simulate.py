@@ -6,6 +6,11 @@ Examples::
     megatron-fcp simulate dgx-h100:4 --seq 256k --heads 64 --kv-heads 8 --json
     megatron-fcp simulate cluster.yaml --cp 8 --plot fcp.png
     megatron-fcp simulate dgx-h100:8 --cp 64 --heads 64 --doc-lengths lognormal:8,1.2,2m,0
+    megatron-fcp simulate dgx-h100:2 --seq 128k --window 4096,0
+
+With ``--window L,R`` (a sliding-window layer) the schedules are what Transformer Engine runs there
+(``a2a`` where heads divide by cp, ``all_gather``; it refuses ``p2p`` and ``a2a+p2p``), the halo
+ring and FCP's windowed plan, forward and backward (:func:`megatron_fcp.planner.compare.compare_window`).
 
 With ``--doc-lengths`` (a packed batch) the schedules are TE's on the padded THD layout and FCP's
 plan over ``place_packed``, forward and backward (:func:`megatron_fcp.planning.compare_packed`).
@@ -24,14 +29,16 @@ import sys
 from megatron_fcp.commands.plan import (
     add_packed_arguments,
     add_topology_arguments,
+    add_window_argument,
     parse_doc_lengths,
+    parse_window,
     resolve_ranks,
     resolve_topology,
 )
 from megatron_fcp.contract.blocks import PlanError
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, parse_tokens
 from megatron_fcp.planner.builders import build_graph
-from megatron_fcp.planner.compare import compare, compare_packed
+from megatron_fcp.planner.compare import compare, compare_packed, compare_window
 from megatron_fcp.topology import TopologyError
 
 NAME = "simulate"
@@ -43,6 +50,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_topology_arguments(p)
     add_packed_arguments(p)
+    add_window_argument(p)
     p.add_argument("--seq", default="128k", help="global sequence length in tokens, e.g. 131072, 128k, 1m (default 128k)")
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
@@ -244,6 +252,12 @@ def run(args) -> int:
         if args.round_overhead_us < 0:
             raise ValueError(f"--round-overhead-us: must be >= 0, got {args.round_overhead_us}")
         parts = args.parts if args.parts == "auto" else _int_arg(args.parts, "--parts")
+        window = parse_window(args.window)
+        if window is not None and args.doc_lengths is not None:
+            raise ValueError("--window: not available with --doc-lengths yet (plan it with megatron-fcp plan "
+                             "--doc-lengths ... --window L,R)")
+        if window is not None:
+            return _run_window(args, topo, ranks, shape, parts, window)
         if args.doc_lengths is not None:
             return _run_packed(args, topo, ranks, shape, parts)
         hp = args.head_parallel if args.head_parallel == "auto" else _int_arg(args.head_parallel, "--head-parallel")
@@ -301,6 +315,53 @@ def _run_packed(args, topo, ranks, shape, parts) -> int:
     else:
         print(_packed_table(out, shape, topo, ranks))
     return 0
+
+
+def _run_window(args, topo, ranks, shape, parts, window) -> int:
+    if args.plot:
+        raise ValueError("--plot: not available with --window yet")
+    out = compare_window(topo, ranks, shape, window=window, causal=args.causal, graph=args.graph,
+                         parts_per_chunk=parts, compute_model=ComputeModel(flops=args.tflops * 1e12),
+                         min_block_tokens=args.min_block_tokens, objective=args.objective or "total",
+                         round_overhead_s=args.round_overhead_us * 1e-6)
+    if args.json:
+        keep = ("window", "mask", "seq_len", "padded_seq_len", "lower_bound_s", "lower_bound", "exact_need_bytes",
+                "schedules", "best_te", "fcp_vs_best_te", "a2a_bytes_over_fcp")
+        print(json.dumps({**{k: out[k] for k in keep}, "topology": topo.name, "cp_ranks": ranks}, indent=1,
+                         default=_json_default))
+    else:
+        print(_window_table(out, shape, topo, ranks))
+    return 0
+
+
+def _window_table(out: dict, shape, topo, ranks) -> str:
+    s = out["schedules"]
+    lines = [
+        f"{topo.name}: cp={len(ranks)}, seq={shape.seq_len} tokens, {out['mask']}, heads={shape.heads}, "
+        f"kv_heads={shape.kv_heads}, head_dim={shape.head_dim}, {shape.dtype_bytes} B/elem",
+        *([f"padded to {out['padded_seq_len']} tokens (a multiple of 2*cp), as Megatron pads"]
+          if out["padded_seq_len"] else []),
+        f"window need set: {out['exact_need_bytes'] / 1e9:.3f} GB (each block to each rank its window reaches); "
+        f"need-set lower bound (forward KV): {out['lower_bound_s'] * 1e3:.3f} ms",
+        "",
+        f"{'schedule':<14}{'fwd comm':>10}{'fwd tot':>10}{'bwd comm':>10}{'bwd tot':>10}{'total ms':>10}"
+        f"{'fwd GB':>9}{'inter GB':>9}  plan",
+    ]
+    for name, d in s.items():
+        if "error" in d or "refused" in d:
+            lines.append(f"{name:<14}{'n/a':>10}  ({d.get('error') or 'refused: ' + d['refused']})")
+            continue
+        f, b, t = d["fwd"], d["bwd"], d["fwd_bwd"]
+        extra = (f"graph={d['graph']} parts={d['parts_per_chunk']} bytes/need={d['bytes_over_exact']:.3f}"
+                 if name == "fcp" else f"{d.get('graph', '')} rounds={d['rounds']}")
+        lines.append(f"{name:<14}{f['comm_s'] * 1e3:>10.3f}{f['total_s'] * 1e3:>10.3f}{b['comm_s'] * 1e3:>10.3f}"
+                     f"{b['total_s'] * 1e3:>10.3f}{t['total_s'] * 1e3:>10.3f}{f['bytes'] / 1e9:>9.3f}"
+                     f"{f['inter_node_bytes'] / 1e9:>9.3f}  {extra}")
+    lines.append("")
+    lines.append(f"fcp vs TE's best here ({out['best_te']}): fwd+bwd {out['fcp_vs_best_te']:.2f}x faster"
+                 + (f"; te-a2a moves {out['a2a_bytes_over_fcp']:.2f}x fcp's bytes" if out["a2a_bytes_over_fcp"]
+                    else ""))
+    return "\n".join(lines)
 
 
 def _json_default(x):

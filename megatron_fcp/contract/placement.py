@@ -12,7 +12,12 @@ inside a document: query ``(d, p)`` attends to key ``(d', p')`` iff ``d == d'`` 
 A rank ``j`` *needs* a block ``b`` of another rank iff some query of ``j`` attends to some key of
 ``b``: ``j`` holds a span of ``b``'s document, and (causal) that span's last token is not before
 ``b``'s first token. Plans over a placement move each block exactly to the ranks that need it;
-``Block(owner, chunk, 0)`` names the ``chunk``-th block of global rank ``owner``.
+``Block(owner, chunk, 0)`` names the ``chunk``-th block of global rank ``owner``. Under a sliding
+window (``window=(left, right)``, positions inside the document, :class:`~megatron_fcp.contract.mask.Mask`)
+the rule is the general one: ``j`` needs ``b`` iff some span of ``j`` in ``b``'s document has a
+visible pair with ``b`` (:func:`span_pairs` > 0), so a document longer than the window needs only
+the ``left`` tokens before each block edge, and a rank whose windows stay inside its own blocks
+needs nothing.
 
 :func:`place_packed` builds a placement: documents up to ``block_tokens`` stay whole on one rank
 (they need no communication at all), longer ones are cut into near-equal blocks. A rank's need in a
@@ -47,6 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block
+from megatron_fcp.contract.mask import Mask, as_mask, check_window
 
 __all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
            "DEFAULT_BLOCK_TOKENS"]
@@ -68,10 +74,15 @@ class Span:
         return self.end - self.start
 
 
-def span_pairs(q: Span, k: Span, causal: bool) -> int:
-    """Query-key pairs of query span ``q`` against key span ``k`` under the document mask (exact)."""
+def span_pairs(q: Span, k: Span, causal: "bool | Mask") -> int:
+    """Query-key pairs of query span ``q`` against key span ``k`` under the document mask (exact);
+    ``causal`` may be a :class:`~megatron_fcp.contract.mask.Mask` (positions inside the document)."""
     if q.doc != k.doc or q.tokens <= 0 or k.tokens <= 0:
         return 0
+    if isinstance(causal, Mask):
+        if causal.windowed:
+            return int(causal.pairs(q.start, q.end, k.start, k.end))
+        causal = causal.causal
     if not causal:
         return q.tokens * k.tokens
     # sum over queries p in [q.start, q.end) of clamp(p - k.start + 1, 0, k.tokens)
@@ -96,16 +107,20 @@ class Placement:
     doc_lengths: tokens of each document, in batch order (all >= 1).
     blocks: ``blocks[i]`` are CP rank i's KV blocks, in local token order.
     causal: the mask the need sets follow.
+    window: the sliding window ``(left, right)`` inside each document (Megatron's convention, -1:
+        unbounded; ``(-1, -1)``: none). :attr:`mask` is ``causal`` and ``window`` together.
     """
 
     doc_lengths: tuple[int, ...]
     blocks: tuple[tuple[Span, ...], ...]
     causal: bool = True
+    window: tuple[int, int] = (-1, -1)
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "doc_lengths", tuple(int(x) for x in self.doc_lengths))
         object.__setattr__(self, "blocks", tuple(tuple(r) for r in self.blocks))
+        object.__setattr__(self, "window", Mask(bool(self.causal), *check_window(self.window)).window)
         check_doc_lengths(self.doc_lengths)
         if not self.blocks:
             raise ValueError("placement: needs at least one CP rank")
@@ -129,6 +144,11 @@ class Placement:
                 raise ValueError(f"placement: document {d} tokens [{pos}, {length}) are held by no rank")
 
     # ---- shape -------------------------------------------------------------------------------
+    @property
+    def mask(self) -> Mask:
+        """The position mask inside each document: ``causal`` and ``window``."""
+        return Mask(self.causal, *self.window)
+
     @property
     def cp(self) -> int:
         return len(self.blocks)
@@ -206,9 +226,24 @@ class Placement:
             np.maximum.at(last_q, (owners, docs), np.array([b[2].end - 1 for b in blocks], dtype=np.int64))
             held = last_q[:, docs]                                              # [cp, n_blocks]
             need = (held >= (starts[None, :] if self.causal else 0)) & (owners[None, :] != np.arange(self.cp)[:, None])
+            if self.mask.windowed:
+                need = self._window_need(blocks, docs, owners) & need  # the window only removes pairs
             need.flags.writeable = False
             self._cache["need"] = need
         return self._cache["need"]
+
+    def _window_need(self, blocks, docs: np.ndarray, owners: np.ndarray) -> np.ndarray:
+        """``[cp, n_blocks]``: CP rank j has a visible pair with block n under the window (Note
+        [Placements and document need sets]), exact pair counts of every (query span, key span)
+        pair of one document, reduced over each rank's spans."""
+        s = np.array([b[2].start for b in blocks], dtype=np.int64)
+        e = np.array([b[2].end for b in blocks], dtype=np.int64)
+        out = np.zeros((self.cp, len(blocks)), dtype=bool)
+        for d in np.unique(docs).tolist():
+            idx = np.flatnonzero(docs == d)                                      # spans of document d
+            seen = self.mask.pairs(s[idx][:, None], e[idx][:, None], s[idx][None, :], e[idx][None, :]) > 0
+            np.logical_or.at(out, (owners[idx][:, None], idx[None, :]), seen)    # [spans of d] x [spans of d]
+        return out
 
     def needs(self, ranks: Sequence[int], rank: int) -> frozenset[Block]:
         """Blocks global ``rank`` must receive (``ranks``: the CP group in CP order)."""
@@ -222,7 +257,7 @@ class Placement:
         key = ("pairs", j, i, b)
         if key not in self._cache:
             k = self.blocks[i][b]
-            self._cache[key] = sum(span_pairs(q, k, self.causal) for q in self.blocks[j] if q.doc == k.doc)
+            self._cache[key] = sum(span_pairs(q, k, self.mask) for q in self.blocks[j] if q.doc == k.doc)
         return self._cache[key]
 
     def work(self) -> np.ndarray:
@@ -233,7 +268,7 @@ class Placement:
             for s in rank_blocks:
                 by_doc.setdefault(s.doc, []).append(s)
         for j, rank_blocks in enumerate(self.blocks):
-            out[j] = sum(span_pairs(q, k, self.causal) for q in rank_blocks for k in by_doc[q.doc])
+            out[j] = sum(span_pairs(q, k, self.mask) for q in rank_blocks for k in by_doc[q.doc])
         return out
 
     def summary(self) -> str:
@@ -278,7 +313,7 @@ def lognormal_lengths(mean: float, sigma: float, total: int, seed: int = 0) -> l
     return out
 
 
-def _doc_blocks(length: int, block_tokens: int, cap: float = float("inf"), causal: bool = True,
+def _doc_blocks(length: int, block_tokens: int, cap: float = float("inf"), causal: "bool | Mask" = True,
                 min_tokens: int = 1) -> list[tuple[int, int]]:
     """A document cut into ``ceil(length / block_tokens)`` near-equal ``[start, end)`` blocks, then
     each block whose attention work (its queries against the document) exceeds ``cap`` cut further
@@ -301,8 +336,9 @@ class _Loads:
     before the rank's last query is needed.
     """
 
-    def __init__(self, lengths, cp, causal):
-        self.lengths, self.causal = lengths, causal
+    def __init__(self, lengths, cp, causal: "bool | Mask"):
+        self.mask = as_mask(causal)
+        self.lengths, self.causal = lengths, self.mask.causal
         self.work = [0] * cp
         self.need = [0] * cp
         self.docs: list[dict[int, list[Span]]] = [{} for _ in range(cp)]
@@ -310,6 +346,14 @@ class _Loads:
     def _doc_need(self, spans: list[Span], d: int) -> int:
         if not spans:
             return 0
+        if self.mask.windowed:  # the union of the spans' key ranges, less what the rank holds
+            last, covered = -1, 0
+            for a, b in sorted(self.mask.key_range(s.start, s.end - 1) for s in spans):
+                a, b = max(a, last + 1, 0), min(b, self.lengths[d] - 1)
+                if b >= a:
+                    covered += b - a + 1
+                    last = b
+            return covered - sum(s.tokens for s in spans)
         top = max(s.end for s in spans) if self.causal else self.lengths[d]
         return top - sum(s.tokens for s in spans)
 
@@ -409,6 +453,7 @@ def place_packed(
     need_weight: float = 0.0,
     refine: bool = True,
     long_slack: float = 0.0,
+    window: Sequence[int] | None = None,
 ) -> Placement:
     """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
 
@@ -431,6 +476,9 @@ def place_packed(
        ``1 + need_weight x (need / mean need - 1)`` (default ``need_weight`` 0: work alone);
     5. order each rank's blocks by (document, start).
 
+    ``window`` (``(left, right)`` inside each document, Megatron's convention): work and need follow
+    the windowed mask (a block's need is the window's reach before its edge, :class:`_Loads`).
+
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
     lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
@@ -443,19 +491,21 @@ def place_packed(
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
     if not max_block_work > 0:
         raise ValueError(f"max_block_work: must be > 0, got {max_block_work!r}")
+    mask = Mask(bool(causal), *check_window(window))
     doc_span = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
-    total = sum(span_pairs(s, s, causal) for s in doc_span.values())
+    total = sum(span_pairs(s, s, mask) for s in doc_span.values())
     cap = max_block_work * total / cp
     spans = [Span(d, a, b) for d, n in enumerate(lengths)
-             for a, b in (_doc_blocks(n, block_tokens, cap, causal, max(1, block_tokens // 8))
+             for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, block_tokens // 8))
                           if n > block_tokens else [(0, n)])]
-    wk = {s: span_pairs(s, doc_span[s.doc], causal) for s in spans}  # queries of s against its whole doc
+    wk = {s: span_pairs(s, doc_span[s.doc], mask) for s in spans}  # queries of s against its whole doc
     mean = total / cp
     is_long = lambda s: lengths[s.doc] > block_tokens  # noqa: E731
     placed: list[list[Span]] = [[] for _ in range(cp)]
     work = np.zeros(cp)
     need = np.zeros(cp)
     held: dict[int, dict[int, tuple[int, int]]] = {}  # document -> rank -> (max end, tokens held)
+    windowed = _Loads(lengths, cp, mask) if mask.windowed else None  # the need under a window
     for s in sorted((s for s in spans if is_long(s)), key=lambda s: (-s.start, -wk[s], s.doc)):
         w = wk[s]
         after = need + (s.start if causal else lengths[s.doc] - s.tokens)  # need after, on a rank without s.doc
@@ -463,6 +513,8 @@ def place_packed(
         for r, (top, toks) in hold.items():
             end = max(top, s.end) if causal else lengths[s.doc]
             after[r] = need[r] - ((top if causal else end) - toks) + end - toks - s.tokens
+        if windowed is not None:
+            after = np.array([need[r] + windowed.delta(r, s, True) for r in range(cp)], dtype=np.float64)
         room = work + w <= mean * (1 + long_slack)
         cut = [r for r in hold if room[r] and after[r] < need[r]]
         if cut:  # an earlier block of a document whose later block r holds: r's need drops; take the neediest
@@ -474,6 +526,8 @@ def place_packed(
         top, toks = hold.get(r, (0, 0))
         hold[r] = (max(top, s.end), toks + s.tokens)
         need[r] = after[r]
+        if windowed is not None:
+            windowed.apply(r, s, w, True)
         work[r] += w
         placed[r].append(s)
     heap = [(float(work[r]), r) for r in range(cp)]  # short documents: least loaded first (LPT on work)
@@ -484,11 +538,11 @@ def place_packed(
         placed[r].append(s)
         heapq.heappush(heap, (float(work[r]), r))
     if refine and cp > 1:
-        loads = _Loads(lengths, cp, causal)
+        loads = _Loads(lengths, cp, mask)
         for r in range(cp):
             for s in placed[r]:
                 loads.apply(r, s, wk[s], True)
         _refine(loads, placed, wk, 0.0, max_iter=2 * cp + 32, movable=lambda s: not is_long(s))  # need unchanged
         if max(loads.work) > (1 + tolerance) * mean:  # too few short documents: move long blocks too
             _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
-    return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal)
+    return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal, mask.window)

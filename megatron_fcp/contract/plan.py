@@ -25,14 +25,15 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block, PlanError, Transfer, blocks_of, part_tokens
-from megatron_fcp.contract.needs import need_matrix, need_set
+from megatron_fcp.contract.mask import Mask, check_window
+from megatron_fcp.contract.needs import need_matrix, need_set, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.table import TransferTable, table_columns, table_rank_rounds, table_rounds
 from megatron_fcp.contract.table_verify import verify_table
 from megatron_fcp.contract.verify import verify_plan
 from megatron_fcp.topology import Topology, TopologyError
 
-__all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "SIMPLE_PLANS", "check_cp_ranks"]
+__all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "halo_plan", "SIMPLE_PLANS", "check_cp_ranks"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,12 @@ class Plan:
         :meth:`verify`, :meth:`num_transfers`, :attr:`num_rounds` and :meth:`transfer_columns` read
         the table without building objects (Note [Columnar plans]). Explicit rounds win: a plan given
         both drops the table (``dataclasses.replace(plan, rounds=...)`` stays right).
+    window: the sliding window ``(left, right)`` need sets follow (Megatron's ``window_size``, -1:
+        unbounded; default ``(-1, -1)``: none); :attr:`mask` is ``causal`` and ``window`` together
+        (Note [Windowed need sets] in :mod:`megatron_fcp.contract.needs`). Over a placement the
+        default takes the placement's window; another window is an error.
+    seq_len: the padded global sequence in tokens (a multiple of ``2*cp``). Required for a
+        windowed zigzag plan (its need sets depend on it); None otherwise.
     """
 
     ranks: tuple[int, ...]
@@ -97,6 +104,8 @@ class Plan:
     auto: AutoChoice | None = None
     placement: Placement | None = None
     table: TransferTable | None = field(default=None, repr=False, compare=False)
+    window: tuple[int, int] = (-1, -1)
+    seq_len: int | None = None
     _verified_ports: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,17 +114,35 @@ class Plan:
                 raise PlanError("a plan needs rounds, or rounds=None and a transfer table (table=)")
         elif self.table is not None:
             object.__setattr__(self, "table", None)  # explicit rounds win
+        try:
+            window = Mask(bool(self.causal), *check_window(self.window)).window  # causal: right = 0
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        if self.placement is not None and window == (-1, -1):
+            window = self.placement.window  # a plan over a placement follows the placement's mask
+        if window != self.window:
+            object.__setattr__(self, "window", window)
         if self.placement is not None:
             pl = self.placement
             if pl.cp != len(self.ranks) or pl.causal != self.causal or self.parts_per_chunk != 1:
                 raise PlanError(f"plan over a placement: needs {pl.cp} ranks (got {len(self.ranks)}), "
                                 f"causal={pl.causal} (got {self.causal}) and parts_per_chunk=1 "
                                 f"(got {self.parts_per_chunk}); cut blocks in the placement instead")
+            if pl.window != window:
+                raise PlanError(f"plan over a placement: window={window} but the placement's is {pl.window}; "
+                                "place the batch with place_packed(window=...) and pass the same window")
+        elif self.mask.windowed:
+            zigzag_need_matrix(len(self.ranks), self.parts_per_chunk, self.mask, self.seq_len)  # checks seq_len
 
     # ---- queries ----------------------------------------------------------------------------
     @property
     def cp(self) -> int:
         return len(self.ranks)
+
+    @property
+    def mask(self) -> Mask:
+        """The position mask the need sets follow: ``causal`` and ``window``."""
+        return Mask(self.causal, *self.window)
 
     def cp_index(self, rank: int) -> int:
         try:
@@ -139,6 +166,7 @@ class Plan:
         program and the cost model all count with it."""
         if self.placement is not None:
             return self.placement.blocks[self.cp_index(block.owner)][block.chunk].tokens
+        seq_len = self.seq_len if seq_len is None else seq_len
         if seq_len is None:
             raise ValueError("Plan.block_tokens: a zigzag plan needs seq_len (the padded global sequence)")
         return part_tokens(seq_len, self.cp, self.parts_per_chunk, block.part)
@@ -154,13 +182,13 @@ class Plan:
         """Blocks global ``rank`` must receive (:func:`~megatron_fcp.contract.needs.need_set`, or the
         placement's document need sets)."""
         if self.placement is None:
-            return need_set(self.ranks, rank, self.causal, self.parts_per_chunk)
+            return need_set(self.ranks, rank, self.mask, self.parts_per_chunk, seq_len=self.seq_len)
         return self.placement.needs(self.ranks, rank)
 
     def need_matrix(self) -> np.ndarray:
         """``[cp, n_blocks]`` booleans over block ids ``offset[owner] + chunk * P + part``."""
         if self.placement is None:
-            return need_matrix(self.cp, self.parts_per_chunk, self.causal)
+            return need_matrix(self.cp, self.parts_per_chunk, self.mask, seq_len=self.seq_len)
         return self.placement.need_matrix()
 
     def transfers(self) -> Iterator[tuple[int, Transfer]]:
@@ -287,7 +315,8 @@ class Plan:
     # ---- presentation -----------------------------------------------------------------------
     def round_table(self) -> str:
         """One line per round: ``round k: src->dst:block, ...``."""
-        lines = [f"plan {self.name!r}: cp={self.cp} ranks={list(self.ranks)} causal={self.causal} "
+        mask = f" window={self.window}" if self.mask.windowed else ""
+        lines = [f"plan {self.name!r}: cp={self.cp} ranks={list(self.ranks)} causal={self.causal}{mask} "
                  f"parts/chunk={self.parts_per_chunk} rounds={len(self.rounds)} transfers={self.num_transfers()}"]
         for k, rnd in enumerate(self.rounds):
             lines.append(f"  round {k}: " + ", ".join(str(t) for t in rnd))
@@ -303,12 +332,15 @@ def _check_ranks(ranks: Iterable[int]) -> tuple[int, ...]:
     return ranks
 
 
-def ring_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1) -> Plan:
+def ring_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1, *,
+              window: tuple[int, int] | None = None, seq_len: int | None = None) -> Plan:
     """Transformer Engine's p2p ring: ``cp-1`` rounds, each rank forwards what it received.
 
     In round ``k`` CP rank ``i`` sends the KV pair of CP rank ``(i-k) mod cp`` (both chunks, as TE
     does whatever the mask) to CP rank ``i+1``. Every rank ends up with every block; with causal
-    masking some arrive only to be passed on, exactly as in TE.
+    masking some arrive only to be passed on, exactly as in TE. Under a ``window`` (``seq_len``
+    required) it stays this ring: it over-delivers and is priced so (TE itself refuses windows on
+    ``p2p``; :func:`halo_plan` is the ring that moves only the window's neighbours).
     """
     ranks = _check_ranks(ranks)
     cp = len(ranks)
@@ -320,11 +352,12 @@ def ring_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 
             dst = ranks[(i + 1) % cp]
             rnd.extend(Transfer(src, dst, b) for b in blocks_of(owner, parts_per_chunk))
         rounds.append(tuple(rnd))
-    return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="ring")
+    return Plan(ranks, tuple(rounds), causal, parts_per_chunk, name="ring", **_window_fields(causal, window, seq_len))
 
 
 def full_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1, *,
-              placement: Placement | None = None) -> Plan:
+              placement: Placement | None = None, window: tuple[int, int] | None = None,
+              seq_len: int | None = None) -> Plan:
     """The ``full`` graph's direct schedule without a topology: each owner sends each block straight
     to every rank that needs it.
 
@@ -332,11 +365,16 @@ def full_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 
     and receives from one peer per round, and blocks arrive progressively for overlap. (Compiled
     on a topology, :class:`~megatron_fcp.planner.builders.FullGraph` sends the same transfers in
     one round.) ``placement``: the same staggered rounds over a packed batch's blocks and document
-    need sets (``causal`` must be the placement's); rounds left empty are dropped.
+    need sets (``causal`` must be the placement's); rounds left empty are dropped. ``window``
+    (default: the placement's, or none) and ``seq_len`` (zigzag under a window): each block goes
+    only to the ranks its window reaches; rounds left empty are dropped.
     """
     ranks = _check_ranks(ranks)
     cp = len(ranks)
-    base = Plan(ranks, (), causal, parts_per_chunk, name="full", placement=placement)  # checks cp, causal
+    if window is None and placement is not None:
+        window = placement.window
+    base = Plan(ranks, (), causal, parts_per_chunk, name="full", placement=placement,
+                **_window_fields(causal, window, seq_len))  # checks cp, causal, window, seq_len
     needed = {r: base.needs(r) for r in ranks}
     rounds = []
     for k in range(1, cp):
@@ -344,12 +382,43 @@ def full_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 
         for i, src in enumerate(ranks):
             dst = ranks[(i + k) % cp]
             rnd.extend(Transfer(src, dst, b) for b in base.local_blocks(src) if b in needed[dst])
-        if rnd or placement is None:
+        if rnd or (placement is None and not base.mask.windowed):
             rounds.append(tuple(rnd))
     return replace(base, rounds=tuple(rounds))
 
 
-SIMPLE_PLANS = {"ring": ring_plan, "full": full_plan}
+def halo_plan(ranks: Iterable[int], causal: bool = True, parts_per_chunk: int = 1, *,
+              window: tuple[int, int] | None = None, seq_len: int | None = None) -> Plan:
+    """The halo exchange of a sliding window (Megatron-LM PR #5597's ``swa_p2p`` idea): every rank
+    receives exactly the blocks its window reaches, straight from their owners, nearest CP
+    neighbours first. Round ``d`` (``d = 1, 2, ...``) carries what CP rank ``i`` needs from CP ranks
+    ``i-d`` and ``i+d``; rounds with nothing to carry are dropped. For a causal window of at most
+    one chunk under zigzag each rank receives one chunk from each CP neighbour (two rounds; Note
+    [Windowed need sets]). Without a window it is the ``full`` plan reordered by distance.
+    """
+    ranks = _check_ranks(ranks)
+    cp = len(ranks)
+    base = Plan(ranks, (), causal, parts_per_chunk, name="halo", **_window_fields(causal, window, seq_len))
+    needed = {r: base.needs(r) for r in ranks}
+    rounds = []
+    for d in range(1, cp // 2 + 1):
+        rnd = []
+        for i, dst in enumerate(ranks):
+            for src in dict.fromkeys((ranks[(i - d) % cp], ranks[(i + d) % cp])):  # d = cp/2: one peer
+                rnd.extend(Transfer(src, dst, b) for b in base.local_blocks(src) if b in needed[dst])
+        if rnd:
+            rounds.append(tuple(rnd))
+    return replace(base, rounds=tuple(rounds))
+
+
+def _window_fields(causal: bool, window, seq_len) -> dict:
+    """``window`` and ``seq_len`` for a Plan: ``seq_len`` is kept only when the mask is windowed, so
+    a plain plan stays the plain plan whatever its caller passes."""
+    w = Mask(bool(causal), *check_window(window)).window
+    return dict(window=w, seq_len=int(seq_len) if seq_len is not None and Mask(bool(causal), *w).windowed else None)
+
+
+SIMPLE_PLANS = {"ring": ring_plan, "full": full_plan, "halo": halo_plan}
 """Plans built from the CP ranks alone (no topology), by name: what ``fcp_attention(plan=NAME)`` takes."""
 
 

@@ -124,8 +124,8 @@ def _scan(table: TransferTable, cp: int, nb: int, owner_of: np.ndarray, max_send
 
 def _need_rows(plan: "Plan", nb: int, cp: int):
     """``rows(b0, b1)``: the need matrix's rows of block ids ``b0:b1`` (``[b1 - b0, cp]`` booleans)."""
-    if plan.placement is not None:
-        need_t = plan.need_matrix().T  # [nb, cp] (placements are small)
+    if plan.placement is not None or plan.mask.windowed:
+        need_t = plan.need_matrix().T  # [nb, cp] (placements are small; windowed need sets are cached)
         return lambda b0, b1: need_t[b0:b1]
     P = plan.parts_per_chunk
     b = np.arange(nb)

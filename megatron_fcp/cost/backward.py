@@ -127,7 +127,7 @@ def simulate_plan_backward(
     def rank_block_pairs(j: int, blk) -> float:
         if pl is not None:
             return pl.pairs(j, pos[blk.owner], blk.chunk)
-        return int(block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.causal))
+        return int(block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.mask))
 
     # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks.
     # Kernel launches as in the forward (Note [Cost model]): blocks of one owner reaching a rank in one
@@ -141,7 +141,7 @@ def simulate_plan_backward(
         oo = np.array([pos[g[2].owner] for g in got])
         if pl is None:  # zigzag: every block's pairs in one vectorised call
             p = block_pairs(cp, shape.seq_len, P_, jj, oo, np.array([g[2].chunk for g in got]),
-                             np.array([g[2].part for g in got]), plan.causal).astype(np.float64)
+                             np.array([g[2].part for g in got]), plan.mask).astype(np.float64)
         else:
             p = np.array([rank_block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
         np.add.at(C, (rr + 1, jj), p * flop_s)
@@ -265,7 +265,7 @@ def simulate_backward_waves(
         pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
     else:
         pairs = lambda x, blk: int(block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
-                                                pos[blk.owner], blk.chunk, blk.part, plan.causal))
+                                                pos[blk.owner], blk.chunk, blk.part, plan.mask))
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
 
     def job_s(x: int, blk) -> float:

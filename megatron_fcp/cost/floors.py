@@ -40,7 +40,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import part_span
-from megatron_fcp.contract.needs import causal_pairs, needs_chunk
+from megatron_fcp.contract.mask import Mask
+from megatron_fcp.contract.needs import causal_pairs, chunk_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
@@ -63,14 +64,15 @@ def intra_ingress(topo: Topology, r: int) -> float:
     return one.gpu_ingress_bandwidth(topo.local_rank_of(r))
 
 
-def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None", seq_len: int, causal: bool,
-             kv_bytes_per_token: float) -> float:
+def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None", seq_len: int,
+             causal: "bool | Mask", kv_bytes_per_token: float) -> float:
     """The forward's KV floor of Note [Backward floors] for the CP ranks ``ranks`` holding
-    ``placement`` (None: Megatron's zigzag split of ``seq_len`` tokens)."""
+    ``placement`` (None: Megatron's zigzag split of ``seq_len`` tokens; ``causal`` may be a
+    windowed :class:`~megatron_fcp.contract.mask.Mask`: its need sets)."""
     cp = len(ranks)
     if placement is None:
         idx = np.arange(cp)
-        need = np.concatenate([needs_chunk(idx[:, None], idx[None, :], c, causal) for c in (0, 1)], axis=1)
+        need = chunk_need_matrix(cp, causal, seq_len)
         owner = np.concatenate([idx, idx])
         tokens = np.full(2 * cp, seq_len // (2 * cp), dtype=np.float64)
     else:
@@ -91,7 +93,7 @@ def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None"
     return t
 
 
-def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: bool) -> np.ndarray:
+def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: "bool | Mask") -> np.ndarray:
     """``[cp]`` query-key pairs each CP rank's queries attend to (every key the mask allows), for
     Megatron's zigzag split of ``seq_len`` tokens (``placement`` None; a multiple of ``2 * cp``) or
     a placement."""
@@ -102,11 +104,11 @@ def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: boo
         for g in (j, 2 * cp - 1 - j):  # the rank's two zigzag query chunks against the whole sequence
             out = out + causal_pairs(g * L, (g + 1) * L, 0, seq_len, causal)
         return out
-    return np.array([sum(int(causal_pairs(s.start, s.end, 0, placement.doc_lengths[s.doc], placement.causal))
+    return np.array([sum(int(causal_pairs(s.start, s.end, 0, placement.doc_lengths[s.doc], placement.mask))
                          for s in spans) for spans in placement.blocks], dtype=np.int64)
 
 
-def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape, causal: bool,
+def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape, causal: "bool | Mask",
                   compute_model: ComputeModel, flop_ratio: float) -> float:
     """The busiest rank's work in seconds at ``flop_ratio`` times the forward's FLOPs (Note
     [Backward floors]), from :func:`rank_pairs`."""
@@ -128,7 +130,7 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
     per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
     if pl is None:
         L = shape.seq_len // (2 * cp)
-        read = block_pairs(cp, shape.seq_len, plan.parts_per_chunk, d_i, o_i, chunk, part, plan.causal) > 0
+        read = block_pairs(cp, shape.seq_len, plan.parts_per_chunk, d_i, o_i, chunk, part, plan.mask) > 0
         p0, p1 = part_span(L, plan.parts_per_chunk, part)
         tokens = (p1 - p0).astype(np.float64)
         if plan.kv_sizes:
@@ -154,7 +156,7 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
     return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
 
 
-def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: bool, kv_bytes_per_token: float) -> float:
+def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: "bool | Mask", kv_bytes_per_token: float) -> float:
     """A floor on the forward communication of any plan compiled from the CommGraph ``cg``
     (Megatron's zigzag split of ``seq_len`` tokens): :func:`kv_floor`, and per node the KV its CP
     ranks need from other nodes over the NICs of the ranks the graph lets blocks enter through (a
@@ -175,7 +177,7 @@ def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: bool, kv_bytes_per_
     entry = np.zeros(cp, dtype=bool)
     entry[v[cross]] = True                                  # ranks a block may enter its node through
     idx = np.arange(cp)
-    need = np.concatenate([needs_chunk(idx[:, None], idx[None, :], c, causal) for c in (0, 1)], axis=1)
+    need = chunk_need_matrix(cp, causal, seq_len)
     owner = np.concatenate([idx, idx])
     chunk_bytes = seq_len // (2 * cp) * kv_bytes_per_token
     for x in sorted(set(node_of.tolist())):

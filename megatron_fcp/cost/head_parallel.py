@@ -232,7 +232,7 @@ class HeadParallelPricing:
         hp, sp, sshape = self.hp, self.sp, self.sshape
         ratio = min(self.backward_flop_ratio, BACKWARD_FLOP_RATIO) if self.backward is not None \
             else self.backward_flop_ratio
-        stage = compute_floor(sp.placement, sp.cp, sshape, sp.causal, self.cm, ratio) if not sp.kv_sizes else 0.0
+        stage = compute_floor(sp.placement, sp.cp, sshape, sp.mask, self.cm, ratio) if not sp.kv_sizes else 0.0
         chain = self.backward is not None and hp.kv_plan is not None and sp.rounds and chain_routes(sp) is not None
         if sp.num_rounds and not chain:  # a chain's partials travel the forward's direction
             stage = max(stage, reduction_floor(sp, self.topo, sshape, self.grad_dtype_bytes or sshape.dtype_bytes))

@@ -17,8 +17,9 @@ per round; ``round_overhead_s`` adds a fixed launch/sync cost per round for sens
 and the baselines, so their ratios compare like with like.
 
 *Compute* is forward block attention at ``flops`` FLOP/s: ``4 * pairs * heads * head_dim``
-FLOPs where ``pairs`` counts (query, key) token pairs the causal mask allows between the rank's
-zigzag query chunks and the block (exact integer count), plus ``kernel_overhead_s`` per block.
+FLOPs where ``pairs`` counts (query, key) token pairs the plan's mask (causal, full or a sliding
+window: ``plan.mask``) allows between the rank's zigzag query chunks and the block (exact integer
+count, :meth:`~megatron_fcp.contract.mask.Mask.pairs`), plus ``kernel_overhead_s`` per block.
 
 *Overlap*: a rank computes its own blocks from t=0 (one kernel), then each received block in plan
 order, starting no earlier than its arrival: ``end = max(end, arrival) + compute(block)``. A
@@ -60,6 +61,7 @@ __all__ = [
     "simulate_rounds",
     "simulate_plan",
     "pick_best",
+    "check_plan_seq",
     "DEFAULT_FLOPS",
 ]
 
@@ -356,6 +358,7 @@ def simulate_plan(
     padded = False
     if pl is None:
         shape, padded = pad_for_zigzag(shape, cp)
+        check_plan_seq(plan, shape.seq_len)
     rnd, src, dst, owner, chunk, part = _plan_arrays(plan)
     pos_of = np.full(max(plan.ranks) + 1, -1, dtype=np.int64)  # global rank -> CP index, as an array
     pos_of[list(plan.ranks)] = np.arange(cp)
@@ -429,7 +432,7 @@ def simulate_plan(
     q_i = pos_of[dst]
     head_dim_flops = 4.0 * shape.heads * shape.head_dim / cm.flops
     if pl is None:
-        pairs = block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.causal) * w_owner[owner_i]
+        pairs = block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
     else:
         pairs = np.array([pl.pairs(j, i, b) for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())],
                          dtype=np.float64)
@@ -442,7 +445,7 @@ def simulate_plan(
         own_q = np.repeat(np.arange(cp), 2 * P)
         own_c = np.tile(np.repeat([0, 1], P), cp)
         own_p = np.tile(np.arange(P), 2 * cp)
-        own_pairs = block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.causal) * w_owner[own_q]
+        own_pairs = block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.mask) * w_owner[own_q]
         local = np.bincount(own_q, weights=own_pairs * head_dim_flops, minlength=cp)
     else:
         local = np.array([sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) for j in range(cp)],
@@ -461,6 +464,14 @@ def simulate_plan(
     res.compute_s = float(busy.max())
     res.total_s = float(max(ends.max(), res.comm_s, res.compute_s))  # max(): float summation order
     return res
+
+
+def check_plan_seq(plan: Plan, seq_len: int) -> None:
+    """A windowed zigzag plan's need sets were derived for ``plan.seq_len`` tokens: raise ValueError
+    naming the fix when it is priced on another (padded) length."""
+    if plan.placement is None and plan.mask.windowed and plan.seq_len != seq_len:
+        raise ValueError(f"plan {plan.name!r} was built for seq_len={plan.seq_len} under window {plan.window}, "
+                         f"priced at {seq_len} tokens (padded): build it with the shape's seq_len")
 
 
 def pick_best(candidates: "Sequence[tuple[SimResult, Any]]", objective: str = "total"):

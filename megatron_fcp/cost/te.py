@@ -49,6 +49,31 @@ matmuls to the forward's 2) times the forward FLOPs:
   ``i`` and computes; both start when round ``i-1`` and step ``i-1`` are done.
 * ``te-a2a-p2p``: all-to-all of dO in, the same ring pattern across nodes, all-to-all of dQ/dK/dV out.
 * FCP's backward: :mod:`megatron_fcp.cost.backward`.
+
+Note [Transformer Engine under a sliding window]
+------------------------------------------------
+TE runs a sliding window (``window_size``) under context parallelism only with two of its four
+``cp_comm_type`` values; ``p2p`` and ``a2a+p2p`` refuse it ("Context parallelism does not support
+sliding window attention with cp_comm_type=..."). So do :func:`simulate_te_p2p`,
+:func:`simulate_te_a2a_p2p` and their THD forms here: given a window they **raise** ValueError with
+TE's reason, rather than price a schedule TE cannot run. What TE does run, priced with the
+window's real work (:meth:`~megatron_fcp.contract.mask.Mask.pairs`, the busiest rank's):
+
+* ``te-a2a`` (:func:`simulate_te_a2a`, Ulysses over the whole CP group; heads and KV heads must
+  divide by ``cp``, else ValueError as TE refuses): all-to-all of Q, K, V in (each rank keeps
+  ``heads/cp`` heads of the whole sequence), local windowed attention (the whole sequence's pairs
+  over ``cp``), all-to-all of O out; the all-to-alls are exposed. Backward: dO in, ``2.5x`` the
+  work, dQ, dK, dV out.
+* ``te-all-gather`` (:func:`simulate_te_all_gather`): every rank all-gathers K and V of the whole
+  sequence (one round, every ordered pair carrying one shard), then computes its own queries'
+  windowed work; not overlapped. Backward: the all-gather again, ``2.5x`` the work, a
+  reduce-scatter of dK, dV (the same bytes as the all-gather).
+
+Beside TE, the halo ring (:func:`simulate_halo_ring`, Megatron-LM PR #5597's ``swa_p2p`` idea):
+each rank receives exactly the ``ceil(W / chunk)`` neighbour chunks its window reaches, p2p from
+their owners, nearest first (:func:`~megatron_fcp.contract.plan.halo_plan`), overlapped with
+compute as FCP's plans are (:func:`~megatron_fcp.cost.model.simulate_plan`; backward
+:func:`~megatron_fcp.cost.backward.simulate_plan_backward`).
 """
 
 from __future__ import annotations
@@ -58,10 +83,12 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_fcp.contract.needs import causal_pairs, needs_chunk
+from megatron_fcp.contract.mask import Mask
+from megatron_fcp.contract.needs import causal_pairs, chunk_need_matrix
 from megatron_fcp.contract.placement import check_doc_lengths
-from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
+from megatron_fcp.contract.plan import check_cp_ranks, halo_plan
+from megatron_fcp.cost.backward import simulate_plan_backward
+from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress, rank_pairs
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
     AttentionShape,
@@ -69,12 +96,26 @@ from megatron_fcp.cost.model import (
     SimResult,
     kv_block_bytes,
     pad_for_zigzag,
+    simulate_plan,
     simulate_rounds,
 )
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound", "thd_padded_lengths", "thd_rank_work",
-           "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd"]
+           "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "simulate_te_a2a", "simulate_te_all_gather",
+           "simulate_halo_ring", "te_refuses_window", "TE_WINDOW_TYPES"]
+
+TE_WINDOW_TYPES = ("a2a", "all_gather")
+"""TE's ``cp_comm_type`` values that run a sliding window (Note [Transformer Engine under a sliding window])."""
+
+
+def te_refuses_window(cp_comm_type: str, causal: bool, window) -> None:
+    """Raise ValueError, as TE does, when ``cp_comm_type`` cannot run ``window`` (``p2p``, ``a2a+p2p``)."""
+    mask = Mask.of(causal, window)
+    if mask.windowed and cp_comm_type not in TE_WINDOW_TYPES:
+        raise ValueError(f"te-{cp_comm_type}: Transformer Engine refuses a sliding window {mask.window} with "
+                         f"cp_comm_type={cp_comm_type!r} (only {' and '.join(TE_WINDOW_TYPES)} run it): price "
+                         "simulate_te_a2a / simulate_te_all_gather instead")
 
 
 def simulate_te_p2p(
@@ -86,8 +127,11 @@ def simulate_te_p2p(
     compute: bool = True,
     compute_model: ComputeModel | None = None,
     round_overhead_s: float = 0.0,
+    window=None,
 ) -> SimResult:
-    """Transformer Engine ``p2p`` (zigzag ring); see Note [Cost model]."""
+    """Transformer Engine ``p2p`` (zigzag ring); see Note [Cost model]. Raises ValueError under a
+    sliding ``window``, as TE does (Note [Transformer Engine under a sliding window])."""
+    te_refuses_window("p2p", causal, window)
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cm = compute_model or ComputeModel()
@@ -120,12 +164,15 @@ def simulate_te_a2a_p2p(
     compute: bool = True,
     compute_model: ComputeModel | None = None,
     round_overhead_s: float = 0.0,
+    window=None,
 ) -> SimResult:
     """Transformer Engine ``a2a+p2p``: Ulysses inside nodes, ring across rail peers.
 
     Raises ValueError when it does not apply: nodes hold different numbers of CP ranks, or heads
-    / kv_heads are not divisible by the ranks per node (TE's own requirement).
+    / kv_heads are not divisible by the ranks per node (TE's own requirement), or under a sliding
+    ``window`` (TE refuses it).
     """
+    te_refuses_window("a2a+p2p", causal, window)
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cm = compute_model or ComputeModel()
@@ -173,9 +220,10 @@ def simulate_te_a2a_p2p(
 
 
 def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
-                causal: bool = False) -> dict:
+                causal: bool = False, window=None) -> dict:
     """Lower bound on one layer's KV exchange time; see Note [Cost model]. Returns a dict with
-    ``lower_bound_s`` and its ingredients (``S``, ``N``, ``n``, ``B_gpu``, ``B_out``)."""
+    ``lower_bound_s`` and its ingredients (``S``, ``N``, ``n``, ``B_gpu``, ``B_out``). Under a
+    sliding ``window`` the need-set bound counts the window's need sets (Note [Windowed need sets])."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     N = len(ranks)
@@ -186,17 +234,17 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
     chunk = S / (2 * N)
     b_gpu = min(topo.gpu_ingress_bandwidth(r) if n > 1 else intra_ingress(topo, r) for r in ranks)
     b_out = topo.node_ingress_bandwidth() if n > 1 else float("inf")
-    if not causal:
+    mask = Mask.of(causal, window)
+    if not causal and not mask.windowed:
         # every node receives the KV of every other node's ranks through its own members' NICs
         t_node = max(S * (1 - sum(1 for r in ranks if topo.node_of(r) == x) / N) /
                      member_nic_ingress(topo, [r for r in ranks if topo.node_of(r) == x]) for x in nodes) \
             if n > 1 else 0.0
         t = max(S * (N - 1) / (N * b_gpu), t_node)
         return {"lower_bound_s": t, "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out, "causal": False}
-    # need-set aware: count[j, i] = chunks of CP rank i that CP rank j needs (the need rule)
-    idx = np.arange(N)
-    count = sum(needs_chunk(idx[:, None], idx[None, :], c, True).astype(np.int64) for c in (0, 1))
-    per_rank = int(count.sum(axis=1).max()) * chunk
+    # need-set aware: need[j, c*N + i] = CP rank j needs chunk c of CP rank i (the need rule)
+    need = chunk_need_matrix(N, mask, shape.seq_len)
+    per_rank = int(need.sum(axis=1).max()) * chunk
     t_gpu = per_rank / b_gpu
     t_node = 0.0
     if n > 1:
@@ -204,12 +252,12 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
         for x in nodes:
             members = node_of == x
             # a block crosses into node x once if any member needs it, through its members' NICs
-            need = sum(int(needs_chunk(idx[members][:, None], idx[~members][None, :], c, True).any(axis=0).sum())
-                       for c in (0, 1))
+            outside = np.concatenate([~members, ~members])
+            into = int((need[members].any(axis=0) & outside).sum())
             b_in = member_nic_ingress(topo, [r for r, m in zip(ranks, members) if m])
-            t_node = max(t_node, need * chunk / b_in)
+            t_node = max(t_node, into * chunk / b_in)
     return {"lower_bound_s": max(t_gpu, t_node), "S": S, "N": N, "n": n, "B_gpu": b_gpu, "B_out": b_out,
-            "causal": True}
+            "causal": bool(causal), "window": mask.window}
 
 
 def thd_padded_lengths(doc_lengths: Sequence[int], cp: int) -> np.ndarray:
@@ -273,10 +321,12 @@ def simulate_te_p2p_thd(
     compute_model: ComputeModel | None = None,
     backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
     round_overhead_s: float = 0.0,
+    window=None,
 ) -> SimResult:
     """TE ``p2p`` on a packed batch (forward, or ``backward=True``); ``shape.seq_len`` is not used.
     See Note [Transformer Engine on a packed batch]. ``meta``: ``padded_tokens``, ``padding_overhead``
-    (padded tokens over real tokens, minus 1), ``work_max_over_mean``."""
+    (padded tokens over real tokens, minus 1), ``work_max_over_mean``. Refuses a ``window`` as TE does."""
+    te_refuses_window("p2p", causal, window)
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cm = compute_model or ComputeModel()
@@ -313,9 +363,11 @@ def simulate_te_a2a_p2p_thd(
     compute_model: ComputeModel | None = None,
     backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
     round_overhead_s: float = 0.0,
+    window=None,
 ) -> SimResult:
     """TE ``a2a+p2p`` on a packed batch (padded THD layout); raises ValueError where TE cannot run it
-    (see :func:`~megatron_fcp.cost.te.simulate_te_a2a_p2p`)."""
+    (see :func:`~megatron_fcp.cost.te.simulate_te_a2a_p2p`), a sliding ``window`` included."""
+    te_refuses_window("a2a+p2p", causal, window)
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cm = compute_model or ComputeModel()
@@ -362,3 +414,111 @@ def _thd_meta(res: SimResult, doc_lengths, tshape: AttentionShape, work: np.ndar
     real = int(sum(doc_lengths))
     res.meta.update(padded_tokens=tshape.seq_len, padding_overhead=tshape.seq_len / real - 1.0,
                     work_max_over_mean=float(work.max() / work.mean()) if work.mean() > 0 else 1.0)
+
+
+def _exposed(topo: Topology, rounds: list, work_s: float, round_overhead_s: float, name: str, meta: dict) -> SimResult:
+    """Rounds back to back with ``work_s`` of compute after all rounds but the last (an exposed
+    all-to-all / all-gather before the attention, one after it; ``rounds[-1]`` may be empty)."""
+    pre, post = rounds[:-1], rounds[-1:]
+    a = simulate_rounds(topo, [r for r in pre if r], round_overhead_s, name=name)
+    b = simulate_rounds(topo, [r for r in post if r], round_overhead_s, name=name)
+    res = SimResult(name, a.comm_s + b.comm_s, work_s, a.comm_s + work_s + b.comm_s, a.bytes + b.bytes,
+                    a.rounds + b.rounds, {k: a.resource_bytes.get(k, 0.0) + b.resource_bytes.get(k, 0.0)
+                                          for k in {**a.resource_bytes, **b.resource_bytes}},
+                    {**a.resource_bandwidth, **b.resource_bandwidth}, a.timeline + b.timeline, meta)
+    return res
+
+
+def _window_work_s(cp: int, shape: AttentionShape, mask: Mask, cm: ComputeModel, ratio: float) -> tuple[float, float]:
+    """``(the busiest zigzag rank's seconds, the whole sequence's seconds over cp)`` of windowed work."""
+    per_rank = rank_pairs(None, cp, shape.seq_len, mask)
+    total = float(mask.pairs(0, shape.seq_len, 0, shape.seq_len)) if mask.windowed else float(per_rank.sum())
+    flop = 4.0 * shape.heads * shape.head_dim / cm.flops * ratio
+    return float(per_rank.max()) * flop + cm.kernel_overhead_s, total / cp * flop + cm.kernel_overhead_s
+
+
+def simulate_te_a2a(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    window=None,
+    backward: bool = False,
+    compute_model: ComputeModel | None = None,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    round_overhead_s: float = 0.0,
+) -> SimResult:
+    """Transformer Engine ``a2a`` (Ulysses over the CP group) under ``causal`` and ``window``,
+    forward or ``backward``; see Note [Transformer Engine under a sliding window]. Raises ValueError
+    unless ``heads`` and ``kv_heads`` divide by the CP size (TE's requirement)."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    cp = len(ranks)
+    if shape.heads % cp or shape.kv_heads % cp:
+        raise ValueError(f"te-a2a: heads ({shape.heads}) and kv_heads ({shape.kv_heads}) must divide by the CP "
+                         f"size {cp} (Transformer Engine's a2a splits heads over the CP group)")
+    shape, _ = pad_for_zigzag(shape, cp)
+    mask = Mask.of(causal, window)
+    L2 = shape.seq_len / cp
+    pairs = [(a, b) for a in ranks for b in ranks if a != b]
+    qkv = [(a, b, (shape.q_bytes(L2) + shape.kv_bytes(L2)) / cp) for a, b in pairs]
+    q = [(a, b, shape.q_bytes(L2) / cp) for a, b in pairs]
+    _, work = _window_work_s(cp, shape, mask, cm, backward_flop_ratio if backward else 1.0)
+    rounds = [q, qkv] if backward else [qkv, q]
+    return _exposed(topo, rounds, work, round_overhead_s, "te-a2a",
+                    {"graph": "a2a", "window": mask.window, "pass": "bwd" if backward else "fwd"})
+
+
+def simulate_te_all_gather(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    window=None,
+    backward: bool = False,
+    compute_model: ComputeModel | None = None,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+    round_overhead_s: float = 0.0,
+) -> SimResult:
+    """Transformer Engine ``all_gather`` under ``causal`` and ``window``, forward or ``backward``
+    (KV all-gathered, not overlapped; backward: the all-gather again and a reduce-scatter of dK/dV);
+    see Note [Transformer Engine under a sliding window]."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cm = compute_model or ComputeModel()
+    cp = len(ranks)
+    shape, _ = pad_for_zigzag(shape, cp)
+    mask = Mask.of(causal, window)
+    shard = shape.kv_bytes(shape.seq_len / cp)
+    gather = [(a, b, shard) for a in ranks for b in ranks if a != b]
+    work, _ = _window_work_s(cp, shape, mask, cm, backward_flop_ratio if backward else 1.0)
+    rounds = [gather, gather] if backward else [gather, []]  # backward: gather, work, reduce-scatter
+    return _exposed(topo, rounds, work, round_overhead_s, "te-all-gather",
+                    {"graph": "all_gather", "window": mask.window, "pass": "bwd" if backward else "fwd"})
+
+
+def simulate_halo_ring(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    shape: AttentionShape,
+    *,
+    causal: bool = True,
+    window=None,
+    backward: bool = False,
+    compute_model: ComputeModel | None = None,
+    round_overhead_s: float = 0.0,
+) -> SimResult:
+    """The halo ring (PR #5597's ``swa_p2p`` idea: :func:`~megatron_fcp.contract.plan.halo_plan`,
+    whole chunks) under ``causal`` and ``window``, forward or ``backward``; see Note [Transformer
+    Engine under a sliding window]."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    shape, _ = pad_for_zigzag(shape, len(ranks))
+    plan = halo_plan(ranks, causal, 1, window=window, seq_len=shape.seq_len)
+    kw = dict(compute_model=compute_model, round_overhead_s=round_overhead_s, name="halo-ring")
+    res = simulate_plan_backward(plan, topo, shape, **kw) if backward else simulate_plan(plan, topo, shape, **kw)
+    res.meta.update(graph="halo", window=plan.window, transfers=plan.num_transfers())
+    return res

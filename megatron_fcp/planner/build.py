@@ -23,9 +23,10 @@ inter-node bytes) time every candidate.
 from __future__ import annotations
 
 from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.mask import Mask, check_window
 from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks
 from megatron_fcp.cost.floors import graph_kv_floor
-from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan
+from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan, zigzag_padded_len
 from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, get_builder
 from megatron_fcp.planner.compile import compile_plan
 from megatron_fcp.topology import Topology, load_topology
@@ -54,6 +55,7 @@ def build_plan(
     dtype_bytes=2,
     objective=None,
     placement=None,
+    window=None,
 ) -> Plan:
     """Verified plan for the CP group ``cp_ranks`` (global ranks, CP order) on ``topology``.
 
@@ -66,13 +68,30 @@ def build_plan(
     shape fields come from :data:`NOMINAL_SHAPE`. ``plan.auto`` records every candidate's time.
     ``placement``: plan a packed batch (:func:`~megatron_fcp.contract.placement.place_packed`,
     CP order = ``cp_ranks``) instead of Megatron's zigzag split; block sizes then come from it.
+    ``window``: a sliding window ``(left, right)`` (Megatron's ``window_size``; default the
+    placement's, or none): every block moves only to the ranks its window reaches (Note [Windowed
+    need sets]); a windowed zigzag plan needs ``seq_len`` (padded to a multiple of ``2*cp`` as
+    Megatron pads; the plan records the padded length).
     """
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
         raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    if window is None and placement is not None:
+        window = placement.window
+    try:
+        mask = Mask(bool(causal), *check_window(window))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    plan_seq = None
+    if mask.windowed and placement is None:
+        if seq_len is None:
+            raise PlanError(f"build_plan: a zigzag plan under the {mask.describe()} mask needs seq_len (its need "
+                            "sets depend on the sequence length in tokens); pass seq_len=")
+        plan_seq = zigzag_padded_len(int(seq_len), len(ranks))
+    win = dict(window=mask.window, seq_len=plan_seq)
     if graph != "auto":
-        return compile_plan(get_builder(graph).build(topo, ranks), causal, parts_per_chunk, placement=placement)
+        return compile_plan(get_builder(graph).build(topo, ranks), causal, parts_per_chunk, placement=placement, **win)
 
     if objective is None:
         objective = "total" if seq_len is not None and heads is not None and head_dim is not None else "comm"
@@ -86,12 +105,12 @@ def build_plan(
              if len(ranks) > 1 or n == "ring"]
     graphs = {name: get_builder(name).build(topo, ranks) for name in names}
     prune = placement is None and len(ranks) > PRUNE_AUTO_MIN_CP
-    floors = {name: _floor(graphs[name], topo, shape, causal) if prune else 0.0 for name in names}
+    floors = {name: _floor(graphs[name], topo, shape, mask) if prune else 0.0 for name in names}
     priced = {}
     for name in sorted(names, key=lambda n: (floors[n], names.index(n))):  # Note [Pruning auto]
         if prune and priced and floors[name] > _bar(priced.values(), objective):
             continue
-        plan = compile_plan(graphs.pop(name), causal, parts_per_chunk, placement=placement)
+        plan = compile_plan(graphs.pop(name), causal, parts_per_chunk, placement=placement, **win)
         priced[name] = (simulate_plan(plan, topo, shape, compute=objective == "total"), plan)
     candidates = [priced[n] for n in names if n in priced]
     _, best = pick_best(candidates, objective) if placement is None else _least_crossing(candidates, objective)
@@ -105,7 +124,7 @@ PRUNE_AUTO_MIN_CP = 64
 it every candidate is timed and recorded in ``plan.auto`` (cheap, and what the CLI compares)."""
 
 
-def _floor(cg, topo: Topology, shape: AttentionShape, causal: bool) -> float:
+def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask") -> float:
     """A floor on the predicted time (comm or total) of any plan compiled from ``cg`` (Note
     [Pruning auto]); 0 when the graph's owners carry relative KV sizes."""
     if cg.meta.get("kv_sizes"):

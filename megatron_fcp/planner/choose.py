@@ -57,6 +57,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, head_parallel_degrees, stage_plan
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
 from megatron_fcp.cost.head_parallel import HeadParallelPricing, a2a_messages, check_pass, stage_shape
@@ -93,6 +94,7 @@ def head_parallel_candidates(
     grad_dtype_bytes: int | None = None,
     backward: WaveBackward | None = None,
     prune: bool = False,
+    window: tuple[int, int] | None = None,
 ) -> list[tuple[SimResult, HeadParallelPlan]]:
     """Every candidate of Note [Choosing the head-parallel degree] as ``(SimResult, plan)``, the
     sub-block candidates of the best ``a = 1`` plan last. ``meta`` of each: ``label``, ``builder``
@@ -102,8 +104,10 @@ def head_parallel_candidates(
     (:func:`~megatron_fcp.cost.head_parallel.simulate_head_parallel`; None: one pass).
     ``prune`` (``objective="total"`` only): leave out the candidates that a floor proves can be
     neither the best nor the runner-up (Note [Pruning the search]); the search's answer is the
-    same, the list shorter."""
+    same, the list shorter. ``window`` (a sliding window, Megatron's ``(left, right)``): need sets,
+    work and floors follow it; only degree 1 is planned under a window."""
     check_pass(pass_)
+    mask = Mask.of(causal, window)
     if objective not in ("comm", "total"):
         raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
     topo = load_topology(topology)
@@ -111,6 +115,8 @@ def head_parallel_candidates(
     cp = len(ranks)
     padded, _ = pad_for_zigzag(shape, cp)
     valid = head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads)
+    if mask.windowed:
+        valid = [1]  # head-parallel stages under a window are not planned (compile_head_parallel)
     if degree == "auto":  # sub-blocks asked for: only a = 1 cuts chunks (placements move whole chunks)
         degrees = [1] if isinstance(parts_per_chunk, int) and parts_per_chunk > 1 else valid
     else:
@@ -122,15 +128,15 @@ def head_parallel_candidates(
     fixed_parts = parts_per_chunk if parts_per_chunk != "auto" else 1
     if not isinstance(fixed_parts, int) or fixed_parts < 1:
         raise ValueError(f"parts_per_chunk: must be an integer >= 1 or auto, got {parts_per_chunk!r}")
-    kw = dict(pass_=pass_, causal=causal, compute_model=compute_model, round_overhead_s=round_overhead_s,
-              grad_dtype_bytes=grad_dtype_bytes, backward=backward)
+    kw = dict(pass_=pass_, causal=mask if mask.windowed else causal, compute_model=compute_model,
+              round_overhead_s=round_overhead_s, grad_dtype_bytes=grad_dtype_bytes, backward=backward)
     return _search(topo, ranks, padded, degrees, graphs, fixed_parts, parts_per_chunk == "auto", min_block_tokens,
-                   causal, objective, kw, prune and objective == "total")
+                   causal, objective, kw, prune and objective == "total", mask.window)
 
 
 def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[int], graphs: list[str],
             fixed_parts: int, parts_auto: bool, min_block_tokens: int, causal: bool, objective: str, kw: dict,
-            prune: bool) -> list[tuple[SimResult, HeadParallelPlan]]:
+            prune: bool, window: tuple[int, int] = (-1, -1)) -> list[tuple[SimResult, HeadParallelPlan]]:
     """The candidates of Note [Choosing the head-parallel degree] in their order (every degree's
     graphs, then every degree's staggers, then ``a = 1``'s sub-blocks); ``prune``: only those a
     floor does not rule out (Note [Pruning the search])."""
@@ -140,7 +146,7 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
         return a == cp or len(ranks) // a == 1
 
     def pricing(a: int, g: str, **opts) -> HeadParallelPricing:
-        hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, **opts)
+        hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window, **opts)
         return HeadParallelPricing(hp, topo, padded, **kw)
 
     done: dict[int, tuple[SimResult, HeadParallelPlan]] = {}   # order in the full search -> candidate
@@ -341,6 +347,7 @@ def choose_schedule(
     grad_dtype_bytes: int | None = None,
     backward: WaveBackward | None = None,
     compute_model: ComputeModel | None = None,
+    window: tuple[int, int] | None = None,
 ) -> ScheduleChoice:
     """The Megatron runtime's entry point: :func:`head_parallel_candidates` under the given
     constraints (``degree``, ``graph``, ``parts_per_chunk``: fixed values or ``"auto"``), timed
@@ -348,10 +355,12 @@ def choose_schedule(
     (:func:`~megatron_fcp.cost.model.pick_best`), as a :class:`ScheduleChoice`; candidates a
     floor rules out are not priced (Note [Pruning the search]). The same plan as
     :func:`build_head_parallel_plan` with the same arguments. Pure: every rank gets the same answer.
-    Raises ValueError when a fixed ``degree`` does not fit the topology and head counts."""
+    Raises ValueError when a fixed ``degree`` does not fit the topology and head counts.
+    ``window``: a sliding-window layer's ``(left, right)``: its own plan (degree 1, need sets and work
+    of the window; Note [Windowed need sets])."""
     cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
                                      parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
-                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward, prune=True)
+                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward, prune=True, window=window)
     res, hp = pick_best(cands, "total")
     others = [c for c in cands if c[0] is not res]
     up = pick_best(others, "total")[0] if others else None

@@ -1,5 +1,7 @@
 """Schedules side by side: TE p2p, TE a2a+p2p and FCP's best plan on one topology and shape
-(:func:`compare`), or on a packed batch of documents, forward and backward (:func:`compare_packed`).
+(:func:`compare`), or on a packed batch of documents, forward and backward (:func:`compare_packed`),
+or on a sliding-window layer: what TE runs there (a2a, all_gather), a halo ring and FCP, forward and
+backward (:func:`compare_window`).
 
 The comparison the CLI (``megatron-fcp simulate``) and the benchmarks report. Pure, no torch.
 """
@@ -11,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_fcp.contract.head_parallel import stage_plan
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
@@ -27,17 +30,25 @@ from megatron_fcp.cost.model import (
 )
 from megatron_fcp.cost.te import (
     lower_bound,
+    simulate_halo_ring,
+    simulate_te_a2a,
     simulate_te_a2a_p2p,
     simulate_te_a2a_p2p_thd,
+    simulate_te_all_gather,
     simulate_te_p2p,
     simulate_te_p2p_thd,
+    te_refuses_window,
 )
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.choose import head_parallel_candidates, lower_bound_all
 from megatron_fcp.planner.rounds import plan_delta
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["compare", "compare_head_parallel", "compare_packed", "packed_need_stats"]
+__all__ = ["compare", "compare_head_parallel", "compare_packed", "packed_need_stats", "compare_window",
+           "WINDOW_SCHEDULES"]
+
+WINDOW_SCHEDULES = ("te-a2a", "te-all-gather", "halo-ring", "fcp", "te-p2p", "te-a2a-p2p")
+"""Schedules :func:`compare_window` reports, in order (TE's p2p and a2a+p2p as refused)."""
 
 
 def compare(
@@ -342,3 +353,99 @@ def compare_packed(
             "seq_len": pl.total_tokens, "padded_seq_len": results["te-p2p"]["fwd"].meta["padded_tokens"],
             "schedules": {k: schedules[k] for k in order if k in schedules},
             "results": results, "plan": plan, "placement": pl}
+
+
+def compare_window(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int] | None,
+    shape: AttentionShape,
+    *,
+    window,
+    causal: bool = True,
+    graph: str = "auto",
+    parts_per_chunk: "int | str" = "auto",
+    compute_model: ComputeModel | None = None,
+    min_block_tokens: int = 256,
+    objective: str = "total",
+    round_overhead_s: float = 0.0,
+    backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+) -> dict:
+    """One sliding-window layer (Megatron's ``window_size=(left, right)``), forward and backward:
+    what Transformer Engine runs there (``te-a2a`` where heads divide by cp, ``te-all-gather``),
+    the halo ring, and FCP's plan (``build_plan`` under the window: ``graph`` and, for
+    ``parts_per_chunk="auto"``, 1, 2, 4 sub-blocks of at least ``min_block_tokens``, the best by
+    forward + one-pass backward :func:`~megatron_fcp.cost.backward.simulate_plan_backward`, ties
+    within 0.1% broken by bytes); see
+    Note [Transformer Engine under a sliding window] in :mod:`megatron_fcp.cost.te`.
+
+    Returns ``{"window", "mask", "seq_len", "padded_seq_len", "lower_bound_s", "lower_bound",
+    "exact_need_bytes", "schedules", "results", "plan", "best_te", "fcp_vs_best_te",
+    "a2a_bytes_over_fcp"}``: ``schedules[name]`` as :func:`compare_packed`'s (forward at the top,
+    ``fwd``/``bwd``/``fwd_bwd``), ``{"error": reason}`` where TE cannot run it (heads), or
+    ``{"refused": reason}`` for ``te-p2p`` / ``te-a2a-p2p`` (TE refuses windows there). ``best_te``:
+    the TE schedule with the least forward + backward time; ``fcp_vs_best_te``: its time over
+    FCP's (> 1: FCP is faster); ``a2a_bytes_over_fcp``: te-a2a's forward bytes over FCP's.
+    """
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
+    cp = len(ranks)
+    mask = Mask.of(causal, window)
+    asked = shape.seq_len
+    shape, padded = pad_for_zigzag(shape, cp)
+    cm = compute_model or ComputeModel()
+    kw = dict(causal=causal, window=mask.window, compute_model=cm, round_overhead_s=round_overhead_s)
+    lb = lower_bound(topo, ranks, shape, causal=causal, window=mask.window)
+    results: dict[str, dict] = {}
+    schedules: dict[str, dict] = {}
+    for name, fn in (("te-a2a", simulate_te_a2a), ("te-all-gather", simulate_te_all_gather)):
+        try:
+            results[name] = {d: fn(topo, ranks, shape, backward=d == "bwd", backward_flop_ratio=backward_flop_ratio,
+                                   **kw) for d in ("fwd", "bwd")}
+        except ValueError as e:
+            schedules[name] = {"error": str(e)}
+    results["halo-ring"] = {d: simulate_halo_ring(topo, ranks, shape, backward=d == "bwd", **kw)
+                            for d in ("fwd", "bwd")}
+    chunk_tokens = shape.seq_len // (2 * cp)
+    choices = [p for p in (1, 2, 4) if p == 1 or chunk_tokens // p >= min_block_tokens] \
+        if parts_per_chunk == "auto" else [int(parts_per_chunk)]
+    tried = []
+    for p in choices:
+        if p > chunk_tokens:
+            continue
+        plan = build_plan(topo, ranks, graph, causal=causal, window=mask.window, parts_per_chunk=p,
+                          seq_len=shape.seq_len, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                          dtype_bytes=shape.dtype_bytes, objective=objective)
+        fwd = simulate_plan(plan, topo, shape, compute_model=cm, name="fcp", round_overhead_s=round_overhead_s)
+        bwd = simulate_plan_backward(plan, topo, shape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+                                     round_overhead_s=round_overhead_s)
+        tried.append(({"fwd": fwd, "bwd": bwd}, plan))
+    if not tried:
+        raise ValueError(f"parts_per_chunk: {parts_per_chunk} is more than the {chunk_tokens} tokens of a chunk")
+    step = lambda c: c[0]["fwd"].total_s + c[0]["bwd"].total_s  # noqa: E731
+    fastest = min(step(c) for c in tried)  # within 0.1% of it (compute hides the KV), the fewest bytes
+    results["fcp"], plan = min((c for c in tried if step(c) <= fastest * (1 + 1e-3)),
+                               key=lambda c: (c[0]["fwd"].bytes, step(c)))
+    for name, comm in (("te-p2p", "p2p"), ("te-a2a-p2p", "a2a+p2p")):
+        try:
+            te_refuses_window(comm, causal, mask.window)
+        except ValueError as e:
+            schedules[name] = {"refused": str(e)}
+    need = plan.need_matrix()
+    tokens = np.array([plan.block_tokens(b) for b in plan.blocks()], dtype=np.float64)
+    exact = float((need * tokens[None, :]).sum()) * shape.kv_bytes(1)
+    for k, r in results.items():
+        schedules[k] = _packed_entry(r["fwd"], r["bwd"], lb["lower_bound_s"])
+    schedules["fcp"].update(graph=plan.name, parts_per_chunk=plan.parts_per_chunk, exact_need_bytes=exact,
+                            bytes_over_exact=schedules["fcp"]["bytes"] / exact if exact else 1.0)
+    te = [k for k in ("te-a2a", "te-all-gather") if k in results]
+    best_te = min(te, key=lambda k: schedules[k]["fwd_bwd"]["total_s"])
+    fcp_s = schedules["fcp"]["fwd_bwd"]["total_s"]
+    fcp_b = schedules["fcp"]["bytes"]
+    return {"window": mask.window, "mask": mask.describe(), "seq_len": asked,
+            "padded_seq_len": shape.seq_len if padded else None, "lower_bound_s": lb["lower_bound_s"],
+            "lower_bound": lb, "exact_need_bytes": exact,
+            "schedules": {k: schedules[k] for k in WINDOW_SCHEDULES if k in schedules}, "results": results,
+            "plan": plan, "best_te": best_te,
+            "fcp_vs_best_te": schedules[best_te]["fwd_bwd"]["total_s"] / fcp_s if fcp_s else float("inf"),
+            "a2a_bytes_over_fcp": (schedules["te-a2a"]["bytes"] / fcp_b if fcp_b else float("inf"))
+            if "te-a2a" in results else None}

@@ -21,6 +21,13 @@ Note [Compiling a plan]
    plan order, so an NVLink block should not queue behind one still crossing the network).
 5. *Verify.* The plan is checked by :meth:`Plan.verify` (with the port limits) before return.
 
+Under a sliding window (Note [Windowed need sets] in :mod:`megatron_fcp.contract.needs`) the
+readers are the window's; the parts of one zigzag chunk may then have different readers (a later
+part reaches further), so a chunk's tree spans the union of its parts' readers and each part's
+copy is pruned back to the edges that lead to one of *its* readers (:func:`_prune_parts`): every
+block still goes only where it is needed (or relayed to a need). Windowed plans are compiled as
+objects (no wave tables) and drop trailing empty rounds.
+
 Above :data:`CHECK_TREES_MAX_CP` ranks without port limits every edge lands on its due round and
 the builders of ``hierarchical``, ``ring`` and ``full`` write those rounds as numpy columns (Note
 [Compiling to a table] in :mod:`megatron_fcp.planner.table_compile`); a plan of more than
@@ -44,7 +51,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers
-from megatron_fcp.contract.needs import readers
+from megatron_fcp.contract.mask import Mask, check_window
+from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import table_rounds
@@ -67,8 +75,14 @@ def compile_plan(
     packing: str = "list",
     stagger_blocks: int = 1,
     columnar: bool = True,
+    window: tuple[int, int] | None = None,
+    seq_len: int | None = None,
 ) -> Plan:
     """Compile a CommGraph into a Plan; see Note [Compiling a plan].
+
+    ``window`` (``(left, right)``, Megatron's convention; default: the placement's, or none) and
+    ``seq_len`` (the padded global sequence: required for a windowed zigzag plan): need sets follow
+    the windowed mask.
 
     ``packing`` (with port limits): ``"list"`` (list scheduling, the default) or ``"colour"``: with
     one send and one receive per rank per round and one-hop trees, exactly Delta rounds by bipartite
@@ -89,17 +103,26 @@ def compile_plan(
     :mod:`megatron_fcp.contract.table`): the same rounds, materialised on first access of
     ``plan.rounds``. False builds objects as before (tests compare the two).
     """
+    if window is None and placement is not None:
+        window = placement.window
+    try:
+        mask = Mask(bool(causal), *check_window(window))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if mask.windowed and placement is None:
+        zigzag_need_matrix(len(cg.ranks), parts_per_chunk, mask, seq_len)  # checks seq_len first
     with gc_paused():
         return _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing,
-                        stagger_blocks, columnar)
+                        stagger_blocks, columnar, mask, seq_len if mask.windowed else None)
 
 
-def _sources(ranks, causal: bool, placement: Placement | None):
-    """``(owner, chunk, readers)`` of every block (every chunk under zigzag) that someone needs."""
+def _sources(ranks, causal: "bool | Mask", placement: Placement | None, seq_len: int | None = None, P: int = 1):
+    """``(owner, chunk, readers)`` of every block (every chunk under zigzag: the readers of any of
+    its parts) that someone needs."""
     if placement is None:
         for i, owner in enumerate(ranks):
             for chunk in (0, 1):
-                dests = readers(ranks, i, chunk, causal)
+                dests = readers(ranks, i, chunk, causal, seq_len=seq_len, parts_per_chunk=P)
                 if dests:
                     yield owner, chunk, dests
         return
@@ -111,7 +134,9 @@ def _sources(ranks, causal: bool, placement: Placement | None):
 
 
 def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing="list",
-             stagger_blocks=1, columnar=True) -> Plan:
+             stagger_blocks=1, columnar=True, mask: Mask | None = None, seq_len: int | None = None) -> Plan:
+    mask = mask or Mask(bool(causal))
+    windowed = mask.windowed
     if not isinstance(stagger_blocks, int) or stagger_blocks < 1 or (stagger_blocks > 1 and placement is None):
         raise PlanError(f"stagger_blocks: an integer >= 1, above 1 only over a placement (zigzag plans stagger "
                         f"sub-blocks: parts_per_chunk), got {stagger_blocks!r}")
@@ -122,6 +147,9 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
                         "max_recvs=1")
     if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
         raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
+    if placement is not None and placement.window != mask.window:
+        raise PlanError(f"placement: its window is {placement.window}, the plan's {mask.window}; place the batch "
+                        "with place_packed(window=...) and compile with the same window")
     if placement is not None and (placement.cp != len(cg.ranks) or placement.causal != causal or parts_per_chunk != 1):
         raise PlanError(f"placement: has {placement.cp} ranks and causal={placement.causal}, the graph "
                         f"{len(cg.ranks)} ranks and causal={causal}; parts_per_chunk must be 1 (got "
@@ -136,9 +164,11 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
     limited = max_sends is not None or max_recvs is not None
     sizes = cg.meta.get("kv_sizes")
     header = dict(name=cg.name, max_sends=max_sends, max_recvs=max_recvs, placement=placement,
-                  kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None)
+                  kv_sizes=tuple(float(sizes.get(r, 1.0)) for r in ranks) if sizes else None,
+                  window=mask.window, seq_len=seq_len)
+    need_of = mask if windowed else causal  # what the readers follow
     table = None
-    if not check and not limited and placement is None and columnar and cg.builder is not None:
+    if not check and not limited and placement is None and columnar and cg.builder is not None and not windowed:
         table = cg.builder.wave_table(cg, causal, P)  # the waves below, as columns (or None)
     if table is not None and table.num_transfers > BALANCE_MAX_TRANSFERS:
         plan = Plan(ranks, None, causal, P, table=table, **header)
@@ -148,11 +178,11 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
     elif not check and not limited:
         # large group: trees as runs of equal depth straight into waves (no per-edge tuples)
         runs = [(owner, chunk, [(d + chunk % stagger_blocks, us, vs) for d, us, vs in cg.tree_runs(owner, dests, chunk)])
-                for owner, chunk, dests in _sources(ranks, causal, placement)]
+                for owner, chunk, dests in _sources(ranks, need_of, placement, seq_len, P)]
         plan_rounds = _waves(runs, P, stagger)
     else:
         trees = []  # (owner, chunk, edges parents-first, depth of each edge's receiver)
-        for owner, chunk, dests in _sources(ranks, causal, placement):
+        for owner, chunk, dests in _sources(ranks, need_of, placement, seq_len, P):
             tree, depths = cg.tree_with_depths(owner, dests, chunk)
             if check:
                 _check_tree(cg, owner, dests, tree)
@@ -169,8 +199,10 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
         else:
             plan_rounds = _waves([(o, c, runs_of(t, d)) for o, c, t, d in trees], P, stagger)
 
-    while placement is not None and plan_rounds and not plan_rounds[-1]:
-        plan_rounds = plan_rounds[:-1]  # trailing rounds left empty (zigzag plans keep them: golden digests)
+    if windowed and placement is None and P > 1:
+        plan_rounds = _prune_parts(plan_rounds, zigzag_need_matrix(len(ranks), P, mask, seq_len), ranks, P)
+    while (placement is not None or windowed) and plan_rounds and not plan_rounds[-1]:
+        plan_rounds = plan_rounds[:-1]  # trailing rounds left empty (plain zigzag plans keep them: golden digests)
     if sum(len(r) for r in plan_rounds) <= BALANCE_MAX_TRANSFERS:
         plan_rounds = _fast_links_first(cg, plan_rounds)
     plan = Plan(ranks, plan_rounds, causal, P, **header)
@@ -185,6 +217,22 @@ first, all readers reached); larger groups rely on the builders' tests and on Pl
 
 BALANCE_MAX_TRANSFERS = 200_000
 """Above this many transfers the compiler keeps plain waves (leaf balancing is O(transfers x rounds))."""
+
+
+def _prune_parts(rounds, need: np.ndarray, ranks, P: int) -> tuple[tuple[Transfer, ...], ...]:
+    """Drop the transfers of a sub-block that lead to none of its readers (Note [Compiling a
+    plan], windows): scanning rounds last to first, a transfer stays iff its receiver needs the
+    block or forwards it in a later round (by a transfer that stayed); a staying transfer makes its
+    sender a forwarder of the block. ``need``: ``[cp, 2*cp*P]`` (block id ``(owner*2+chunk)*P+part``)."""
+    pos = {r: i for i, r in enumerate(ranks)}
+    forwards: set[tuple[int, Block]] = set()
+    out = []
+    for rnd in reversed(rounds):
+        keep = [t for t in rnd if (t.dst, t.block) in forwards
+                or need[pos[t.dst], (pos[t.block.owner] * 2 + t.block.chunk) * P + t.block.part]]
+        forwards.update((t.src, t.block) for t in keep)
+        out.append(tuple(keep))
+    return tuple(reversed(out))
 
 
 def _count(trees, P: int) -> int:

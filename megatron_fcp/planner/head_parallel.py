@@ -37,6 +37,7 @@ from megatron_fcp.contract.head_parallel import (
     relabel_plan,
     topology_head_groups,
 )
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag
 from megatron_fcp.planner.build import build_plan
@@ -63,6 +64,7 @@ def compile_head_parallel(
     parts_per_chunk: int = 1,
     head_groups: Sequence[Sequence[int]] | None = None,
     stagger: int = 1,
+    window: tuple[int, int] | None = None,
 ) -> HeadParallelPlan:
     """A verified :class:`HeadParallelPlan` for ``degree`` and the KV-stage ``graph`` (a builder name).
 
@@ -72,7 +74,8 @@ def compile_head_parallel(
     gives the ordinary zigzag plan (``parts_per_chunk`` sub-blocks) on virtual ranks; placements take
     whole chunks, so ``parts_per_chunk`` must be 1 for ``degree > 1``; instead ``stagger`` > 1 starts
     a group's ``b``-th chunk ``b mod stagger`` rounds late (``compile_plan(stagger_blocks=...)``), so
-    its chunks pipeline through relays as sub-blocks do.
+    its chunks pipeline through relays as sub-blocks do. ``window`` (a sliding window, Megatron's
+    ``(left, right)``): only ``degree = 1`` (the windowed zigzag plan of ``shape.seq_len``, padded).
     """
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
@@ -85,12 +88,17 @@ def compile_head_parallel(
     else:
         groups = topology_head_groups(topo, ranks, degree)
     shape, _ = pad_for_zigzag(shape, cp)
+    mask = Mask.of(causal, window)
+    if mask.windowed and degree != 1:
+        raise PlanError(f"head-parallel degree {degree} under the {mask.describe()} mask: windowed layers are "
+                        "planned with degree 1 (KV distribution) only; use degree 1")
     G = len(groups)
     if degree == 1:
         if [g[0] for g in groups] != list(ranks):
             raise PlanError("degree 1: head groups must list the CP ranks in CP order")
         check_parts(shape.seq_len // (2 * cp), parts_per_chunk)  # uneven parts are fine (Note [Sub-block sizes])
-        plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk)
+        plan = build_plan(topo, ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk, window=mask.window,
+                          seq_len=shape.seq_len)
         kv = relabel_plan(plan, range(G))
     elif parts_per_chunk != 1 or (stagger != 1 and G == 1):
         raise PlanError(f"parts_per_chunk: a head-parallel KV stage (degree {degree}) moves whole chunks; got "

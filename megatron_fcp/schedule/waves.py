@@ -103,7 +103,7 @@ def block_work(plan: Plan) -> Callable[[int, Block], float]:
     P = plan.parts_per_chunk
     seq = 2 * plan.cp * P * 64
     return lambda rank, b: float(block_pairs(plan.cp, seq, P, pos[rank], pos[b.owner], b.chunk, b.part,
-                                              plan.causal))
+                                              plan.mask))
 
 
 def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
