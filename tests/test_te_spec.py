@@ -254,7 +254,7 @@ REFUSED = [
                                                         r"--fp8-dot-product-attention"),
     ("fp8-mha", dict(fp8_multi_head_attention=True), r"FP8 attention \(fp8_multi_head_attention\)"),
     ("window", dict(window_size=(128, 0)), r"sliding-window attention \(window_size=\(128, 0\)\).*--window-size"),
-    ("softmax", dict(softmax_type="off-by-one"), r"softmax_type='off-by-one'"),
+    ("softmax", dict(softmax_type="quiet"), r"softmax_type='quiet' is not supported"),
     ("qk-clip", dict(qk_clip=True), r"qk_clip needs the max attention logit.*--qk-clip"),
     ("batch-invariant", dict(batch_invariant_mode=True), r"batch_invariant_mode.*--batch-invariant-mode"),
     ("cross", dict(extra={"attention_type": "cross"}), r"attention_type='cross'"),
