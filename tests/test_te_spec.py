@@ -187,6 +187,34 @@ def test_forward_takes_each_releases_keywords(applied, version):
     assert out.shape == (8, 2, 32) and torch.allclose(out, ref, atol=1e-12)
 
 
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_te_spec_with_learnable_sinks_builds_fcp_with_tes_parameter(applied, version):
+    """softmax_type="learnable" on the TE spec: FCP serves the layer and holds the sink under TE's
+    name and shape (``softmax_offset``, ``[heads / tp]``), so checkpoints keep their keys; at cp = 1
+    the module computes the sink's softmax (FP64 reference with the sink as one more column)."""
+    from megatron_fcp.patches import megatron as pm
+
+    stub = applied(version)
+    module = _build(stub, layer=2, softmax_type="learnable")
+    assert isinstance(module, pm.FCPCoreAttention) and stub.TEDotProductAttention.built == []
+    assert current_runtime().layer_report[2]["attention"] == "fcp"
+    assert isinstance(module.softmax_offset, torch.nn.Parameter) and module.softmax_offset.shape == (4,)
+    assert list(module.state_dict()) == ["softmax_offset"]
+    local = pm.FCPCoreAttention(config=_tcfg(cp=1, softmax_type="learnable"), layer_number=1,
+                                attn_mask_type=_AttnMaskType.causal, pg_collection=_pgs(1)).double()
+    with torch.no_grad():
+        local.softmax_offset.copy_(torch.tensor([2.0, -1.0, 0.0, 0.5]))
+    q, k, v = (torch.randn(8, 1, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    out = local(q, k, v, None, attn_mask_type=_AttnMaskType.causal)
+    scores = (q.permute(1, 2, 0, 3) @ k.permute(1, 2, 3, 0)) / 8 ** 0.5 \
+        + torch.full((8, 8), float("-inf"), dtype=torch.float64).triu(1)              # [1, 4, 8, 8]
+    column = local.softmax_offset.detach().view(1, 4, 1, 1).expand(1, 4, 8, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    ref = (probs @ v.permute(1, 2, 0, 3)).permute(2, 0, 1, 3).reshape(8, 1, 32)
+    assert torch.allclose(out, ref, atol=1e-12)
+
+
 def test_revert_restores_the_te_bindings_exactly(applied):
     from megatron_fcp.patches import megatron as pm
 
