@@ -8,7 +8,8 @@ nothing with FCP's code. :func:`packed_sink_reference` attends each document alo
 
 :func:`worker` is the real process-group path (4 gloo processes): ``fcp_attention_with_lse`` through
 autograd on zigzag shards (learnable and off-by-one) and over a placement, the head-parallel stage
-at a = 2 (a KV stage) and a = 4 (local attention over the whole sequence), and the bad-input
+at a = 2 (a KV stage; also with KV heads repeated, h = 6, h_kv = 3) and a = 4 (local attention over
+the whole sequence), and the bad-input
 probes, each rank reporting its local errors and its share of dsink (the parent sums the shares:
 Note [The sink's gradient across ranks] in megatron_fcp.attention.sinks).
 """
@@ -177,5 +178,6 @@ def worker(rank: int, world: int) -> dict:
     out["packed"] = _packed_case(rank, world)
     out["hp2"] = _head_parallel_case(rank, world, 2, {2: groups[0]}, (4, 2))
     out["hp4"] = _head_parallel_case(rank, world, 4, {}, (8, 2))
+    out["hp2-rep"] = _head_parallel_case(rank, world, 2, {2: groups[0]}, (6, 3))  # KV heads repeated
     out["bad_inputs"] = _bad_inputs()
     return out
