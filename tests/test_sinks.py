@@ -8,7 +8,7 @@ ranks] in megatron_fcp.attention.sinks).
 * In process (the harness, FP64 within 1e-12 x max(1, max|ref|)): cp = 2, 3, 4; zigzag and packed;
   GQA 4:2; plans full and ring (packed: full and a compiled ring over the placement); backward KV
   keep and resend; both sink types; causal and not. BF16 by the 2x rule against plain BF16
-  attention with the same sink. Large and very negative sinks give finite results.
+  attention with the same sink; the fused CPU kernel in FP32. Large and very negative sinks give finite results.
 * On gloo (4 processes, autograd): zigzag (learnable: dsink shares sum to the reference; off-by-one:
   zeros without grad), packed, the head-parallel stage at a = 2 (KV stage) and a = 4 (local), bad
   sinks refused before any communication.
@@ -152,6 +152,30 @@ def test_bf16_two_x_rule(layout, cp):
         slack = 2 * ((r.to(bf) + 0.3 - 0.3) - r.to(bf)).abs().max().item()
         assert err <= 2 * base_err + slack, f"{n}: {err:.3g} > 2 x {base_err:.3g} + {slack:.3g}"
         assert err <= 2 ** -6 * max(1.0, r.abs().max().item()), f"{n}: {err:.3g}"
+
+
+@pytest.mark.parametrize("layout", ("zigzag", "packed"))
+def test_fused_cpu_kernel_fp32(layout):
+    """The fused CPU flash block kernel (FP32) takes the sink-merged out and lse in its backward
+    as the math kernel does: within 1e-5 of the FP64 reference, dsink included."""
+    from megatron_fcp.contract.placement import place_packed
+
+    f32 = torch.float32
+    if layout == "zigzag":
+        q, k, v, do, sink = inputs("flash-zig", 48, 2, 4, 2)
+        ref = sink_reference(q, k, v, do, sink, causal=True, scale=1 / math.sqrt(8))
+        res = harness_attention(*(x.float() for x in (q, k, v, do)), cp=3, plan="ring", kernel="cpu-flash",
+                                softmax_offset=sink.to(f32))
+    else:
+        pl = place_packed(DOCS, 4, block_tokens=8, causal=True)
+        q, k, v, do, sink = inputs("flash-thd", pl.total_tokens, 1, 4, 2, thd=True)
+        ref = packed_sink_reference(q, k, v, do, sink, DOCS, causal=True, scale=1 / math.sqrt(8))
+        res = harness_attention(*(x.float() for x in (q, k, v, do)), placement=pl, kernel="cpu-flash",
+                                softmax_offset=sink.to(f32))
+    got = _gathered(res)
+    for n in ALL:
+        err = (got[n].double() - ref[n]).abs().max().item()
+        assert err <= 1e-5 * max(1.0, ref[n].abs().max().item()), f"{n}: {err:.3g}"
 
 
 def test_fp32_sink_with_bf16_inputs():
