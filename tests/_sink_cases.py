@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

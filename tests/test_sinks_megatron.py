@@ -107,7 +107,7 @@ def test_learnable_offset_is_megatrons(results):
         assert res["shape"] == [(2,), (2,)] and res["dtype"][0] == res["dtype"][1]
         assert res["equal"] and res["attrs"][0] == res["attrs"][1]
         assert res["sharded"][0] == res["sharded"][1]
-        (key, (shape, offset, frag)), = [(v[0], v[1:]) for v in res["sharded"][0].values()]
+        (key, (shape, _offset, frag)), = [(v[0], v[1:]) for v in res["sharded"][0].values()]
         assert key == "layer.core_attention.softmax_offset" and shape == (4,) and frag[0] == 2
 
 
