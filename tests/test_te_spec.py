@@ -340,6 +340,17 @@ def test_fallback_runs_te_with_the_layers_own_arguments(applied):
     assert current_runtime().layer_report[2]["attention"] == "megatron"
 
 
+def test_fallback_shares_the_layers_sink_parameter(applied):
+    """A layer that falls back keeps one sink parameter: TE's module uses FCP's (the one the
+    optimizer was built with, since the fallback module is built at the first forward)."""
+    stub = applied(fallback="megatron")
+    windowed = _build(stub, layer=2, window_size=(64, 0), softmax_type="learnable")
+    q = torch.zeros(4, 1, 4, 8)
+    assert windowed(q, q, q, None, attn_mask_type=_AttnMaskType.causal) == "te"
+    assert windowed._fallback_module.softmax_offset is windowed.softmax_offset
+    assert [n for n, _ in windowed.named_parameters()] == ["softmax_offset"]
+
+
 def test_fallback_on_a_release_without_num_splits_does_not_pass_it(applied):
     stub = applied("0.15.3", fallback="megatron")
     module = _build(stub, "0.15.3", layer=1)
