@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default="vanilla",
+                   help="attention sinks (megatron-core 0.15+): off-by-one adds 1 to every softmax denominator, "
+                        "learnable a trained logit per head")
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
@@ -233,8 +236,20 @@ def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
         add_bias_linear=not args.disable_bias_linear,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         perform_initialization=True, masked_softmax_fusion=False,  # Megatron's fused softmax needs apex-era CUDA extensions
-        **_recompute_kwargs(args),
+        **_recompute_kwargs(args), **_softmax_kwargs(args),
     )
+
+
+def _softmax_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``softmax_type`` where it is not vanilla (megatron-core 0.14 has no such field: refused there)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    if args.softmax_type == "vanilla":
+        return {}
+    if "softmax_type" not in inspect.signature(TransformerConfig).parameters:
+        raise ValueError(f"--softmax-type {args.softmax_type} needs megatron-core 0.15 or later (TransformerConfig "
+                         "has no softmax_type here); drop --softmax-type")
+    return {"softmax_type": args.softmax_type}
 
 
 def _recompute_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -477,6 +492,9 @@ def train(
                 f"{m['resend_bytes_sent']} B; Transformer Engine's ring saves its last received shard "
                 f"({m['ring_in_flight_kv_bytes']} B) between the passes and holds that much in flight")
         metrics = {"losses": losses, "grad_norms": grad_norms, "fcp": info, "seconds": elapsed}
+        if args.softmax_type != "vanilla":  # this rank's sink logits after training (its TP heads)
+            metrics["softmax_offset"] = {n: p.detach().double().tolist() for n, p in model.named_parameters()
+                                         if n.endswith("softmax_offset")}
         if args.metrics_json and rank == 0:
             with open(args.metrics_json, "w", encoding="utf-8") as fh:
                 json.dump(metrics, fh, indent=1)

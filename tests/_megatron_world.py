@@ -1,7 +1,7 @@
 """One gloo world of 4 processes for the Megatron end-to-end tests.
 
 tests/test_gpt_e2e.py (dense batches), tests/test_recompute_e2e.py (activation recomputation) and
-tests/test_gpt_packed_e2e.py (packed THD batches) all train the example's tiny megatron-core GPT
+tests/test_gpt_packed_e2e.py (packed THD batches) and tests/test_sinks_e2e.py (attention sinks) all train the example's tiny megatron-core GPT
 (examples/pretrain_gpt_fcp.py, FP32, 20 steps) on 4 gloo processes and compare FCP with Megatron's
 own cp = 1 attention. They share this one world: the processes start and import megatron-core once,
 and the dense cp = 1 reference, whose arguments the dense and the recompute parts share, is trained
@@ -48,8 +48,22 @@ RECOMPUTE = {
 PACKED_COMMON = ["--config", PACKED, "--no-progress", "--train-iters", str(STEPS), "--global-batch-size", "4",
                  "--num-query-groups", "2"]
 
+# sinks part (tests/test_sinks_e2e.py): name -> (flags; the dense runs' arguments with sinks)
+SINKS = {
+    "cp1": BASE + CP1 + ["--softmax-type", "learnable"],
+    "cp4": DENSE + ["--softmax-type", "learnable"],
+    "tp2cp1": BASE + CP1 + ["--softmax-type", "learnable", "--tensor-model-parallel-size", "2"],
+    "tp2cp2": DENSE + ["--softmax-type", "learnable", "--tensor-model-parallel-size", "2",
+                       "--context-parallel-size", "2", "--fcp-block-tokens", str(BLOCK_TOKENS)],
+    "cp4hp2": DENSE + ["--softmax-type", "learnable", "--fcp-head-parallel", "2"],
+    "cp1-off-by-one": BASE + CP1 + ["--softmax-type", "off-by-one"],
+    "cp4-off-by-one": DENSE + ["--softmax-type", "off-by-one", "--fcp-backward-kv", "resend"],
+    "packed-cp1": PACKED_COMMON + CP1 + ["--softmax-type", "learnable"],
+    "packed-cp4": PACKED_COMMON + ["--softmax-type", "learnable"],
+}
+
 #: part -> seconds its trainings may take on 2 shared cores (the world's timeout is their sum)
-PARTS = {"dense": 540, "recompute": 420, "packed": 420}
+PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600}
 
 
 def _example():
@@ -147,6 +161,13 @@ def _packed(example) -> dict:
     return out
 
 
+def _sinks(example) -> dict:
+    """Learnable sinks: cp = 1 (Megatron's DotProductAttention with its SoftmaxOne), cp = 4, tp = 2
+    at cp = 1 and tp = 2 x cp = 2, cp = 4 with a head-parallel stage of degree 2; off-by-one at cp = 1
+    and cp = 4 (backward re-sending KV); packed at cp = 1 and cp = 4."""
+    return {name: example.train(*example.parse_args(argv), log=_quiet) for name, argv in SINKS.items()}
+
+
 def worker(rank: int, world: int, parts: list[str], metrics_path: str) -> dict:
     """Per rank: part -> run name -> the example's report of that training."""
     example = _example()
@@ -159,6 +180,8 @@ def worker(rank: int, world: int, parts: list[str], metrics_path: str) -> dict:
             out["recompute"] = _recompute(example, cp1)
     if "packed" in parts:
         out["packed"] = _packed(example)
+    if "sinks" in parts:
+        out["sinks"] = _sinks(example)
     return out
 
 

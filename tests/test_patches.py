@@ -231,9 +231,12 @@ def test_fcp_core_attention_rejects_unsupported(stub):
     with pytest.raises(NotImplementedError, match="sliding-window"):
         pm.FCPCoreAttention(config=_tcfg(cp=1, window_size=(128, 0)), layer_number=1,
                             attn_mask_type=None, pg_collection=_pgs(1))
-    with pytest.raises(NotImplementedError, match="softmax_type"):
-        pm.FCPCoreAttention(config=_tcfg(cp=1, softmax_type="learnable"), layer_number=1,
+    with pytest.raises(NotImplementedError, match="softmax_type='quiet'"):
+        pm.FCPCoreAttention(config=_tcfg(cp=1, softmax_type="quiet"), layer_number=1,
                             attn_mask_type=None, pg_collection=_pgs(1))
+    sinks = pm.FCPCoreAttention(config=_tcfg(cp=1, softmax_type="learnable"), layer_number=1,  # served
+                                attn_mask_type=None, pg_collection=_pgs(1))
+    assert isinstance(sinks.softmax_offset, torch.nn.Parameter) and sinks.softmax_offset.shape == (4,)
     att = pm.FCPCoreAttention(config=_tcfg(cp=1, attention_dropout=0.1), layer_number=1,
                               attn_mask_type=None, pg_collection=_pgs(1))
     q = torch.zeros(4, 1, 4, 8)

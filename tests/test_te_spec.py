@@ -187,6 +187,34 @@ def test_forward_takes_each_releases_keywords(applied, version):
     assert out.shape == (8, 2, 32) and torch.allclose(out, ref, atol=1e-12)
 
 
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_te_spec_with_learnable_sinks_builds_fcp_with_tes_parameter(applied, version):
+    """softmax_type="learnable" on the TE spec: FCP serves the layer and holds the sink under TE's
+    name and shape (``softmax_offset``, ``[heads / tp]``), so checkpoints keep their keys; at cp = 1
+    the module computes the sink's softmax (FP64 reference with the sink as one more column)."""
+    from megatron_fcp.patches import megatron as pm
+
+    stub = applied(version)
+    module = _build(stub, layer=2, softmax_type="learnable")
+    assert isinstance(module, pm.FCPCoreAttention) and stub.TEDotProductAttention.built == []
+    assert current_runtime().layer_report[2]["attention"] == "fcp"
+    assert isinstance(module.softmax_offset, torch.nn.Parameter) and module.softmax_offset.shape == (4,)
+    assert list(module.state_dict()) == ["softmax_offset"]
+    local = pm.FCPCoreAttention(config=_tcfg(cp=1, softmax_type="learnable"), layer_number=1,
+                                attn_mask_type=_AttnMaskType.causal, pg_collection=_pgs(1)).double()
+    with torch.no_grad():
+        local.softmax_offset.copy_(torch.tensor([2.0, -1.0, 0.0, 0.5]))
+    q, k, v = (torch.randn(8, 1, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    out = local(q, k, v, None, attn_mask_type=_AttnMaskType.causal)
+    scores = (q.permute(1, 2, 0, 3) @ k.permute(1, 2, 3, 0)) / 8 ** 0.5 \
+        + torch.full((8, 8), float("-inf"), dtype=torch.float64).triu(1)              # [1, 4, 8, 8]
+    column = local.softmax_offset.detach().view(1, 4, 1, 1).expand(1, 4, 8, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    ref = (probs @ v.permute(1, 2, 0, 3)).permute(2, 0, 1, 3).reshape(8, 1, 32)
+    assert torch.allclose(out, ref, atol=1e-12)
+
+
 def test_revert_restores_the_te_bindings_exactly(applied):
     from megatron_fcp.patches import megatron as pm
 
@@ -254,7 +282,7 @@ REFUSED = [
                                                         r"--fp8-dot-product-attention"),
     ("fp8-mha", dict(fp8_multi_head_attention=True), r"FP8 attention \(fp8_multi_head_attention\)"),
     ("window", dict(window_size=(128, 0)), r"sliding-window attention \(window_size=\(128, 0\)\).*--window-size"),
-    ("softmax", dict(softmax_type="off-by-one"), r"softmax_type='off-by-one'"),
+    ("softmax", dict(softmax_type="quiet"), r"softmax_type='quiet' is not supported"),
     ("qk-clip", dict(qk_clip=True), r"qk_clip needs the max attention logit.*--qk-clip"),
     ("batch-invariant", dict(batch_invariant_mode=True), r"batch_invariant_mode.*--batch-invariant-mode"),
     ("cross", dict(extra={"attention_type": "cross"}), r"attention_type='cross'"),
@@ -310,6 +338,17 @@ def test_fallback_runs_te_with_the_layers_own_arguments(applied):
     assert len(te.built) == 1 and te.built[0]["cp_comm_type"] == "a2a" and te.built[0]["softmax_scale"] == 0.5
     assert te.called[0]["num_splits"] == 2 and te.called[0]["attn_mask_type"] == _AttnMaskType.causal
     assert current_runtime().layer_report[2]["attention"] == "megatron"
+
+
+def test_fallback_shares_the_layers_sink_parameter(applied):
+    """A layer that falls back keeps one sink parameter: TE's module uses FCP's (the one the
+    optimizer was built with, since the fallback module is built at the first forward)."""
+    stub = applied(fallback="megatron")
+    windowed = _build(stub, layer=2, window_size=(64, 0), softmax_type="learnable")
+    q = torch.zeros(4, 1, 4, 8)
+    assert windowed(q, q, q, None, attn_mask_type=_AttnMaskType.causal) == "te"
+    assert windowed._fallback_module.softmax_offset is windowed.softmax_offset
+    assert [n for n, _ in windowed.named_parameters()] == ["softmax_offset"]
 
 
 def test_fallback_on_a_release_without_num_splits_does_not_pass_it(applied):

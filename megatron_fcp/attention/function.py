@@ -80,6 +80,7 @@ from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
+from megatron_fcp.attention.sinks import apply_sink, check_softmax_offset, sink_grad, sink_logits
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.placement import Placement
@@ -160,12 +161,13 @@ def check_qkv(q, k, v, *, thd: bool = False, softmax_scale: float | None = None)
 
 
 def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_scale,
-              kernel: KernelLike = "auto", placement: Placement | None = None):
+              kernel: KernelLike = "auto", placement: Placement | None = None, softmax_offset=None):
     """Check everything this rank can check locally; return (plan, rank, scale, kernel).
 
     Zigzag: q, k, v are ``[s_local, b, h, d]``. Over a placement: THD ``[t_local, h, d]``."""
     thd = placement is not None
     check_qkv(q, k, v, thd=thd, softmax_scale=softmax_scale)
+    check_softmax_offset(softmax_offset, q.shape[-2], q.device)
     s_local, d = q.shape[0], q.shape[-1]
     kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=q.shape[-1])
     if thd and not getattr(kernel_obj, "documents", False):
@@ -199,7 +201,7 @@ class _Executor:
     def __init__(self, plan: Plan, rank: int, transport: Transport, causal: bool, scale: float,
                  layout: ShardLayout, stats: FCPStats | None, kernel: BlockKernel, program: BackwardProgram,
                  device: torch.device, q_ready: Callable[[], None] | None = None,
-                 dq_ready: Callable[[torch.Tensor], None] | None = None) -> None:
+                 dq_ready: Callable[[torch.Tensor], None] | None = None, sink: torch.Tensor | None = None) -> None:
         if program.plan is not plan:
             raise ValueError("_Executor: the backward program was compiled for another plan")
         self.plan, self.rank, self.transport, self.kernel = plan, rank, transport, kernel
@@ -210,6 +212,7 @@ class _Executor:
         self.num_rounds = len(plan.rounds)
         self.q_ready = q_ready      # forward: called once before q is first read
         self.dq_ready = dq_ready    # backward: called once with the final dq
+        self.sink = sink            # [h] sink logits, accumulation dtype, or None (Note in attention.sinks)
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
         self.clock: DeviceClock = clock_for(kernel, device)  # Note [No host synchronisation in the steady state]
         for r, rnd in enumerate(plan.rounds):
@@ -383,6 +386,8 @@ class _Executor:
         wait_s, bytes_sent, peak = self._distribute(k, v, "forward", compute_local, on_received, kept,
                                                     relay_keep=keep_only)
         out, lse = acc.result()
+        if self.sink is not None:  # once, after every block: Note [A sink enters once, after the merge]
+            out, lse = apply_sink(out, lse, self.sink)
         if self.stats is not None:
             self.stats.forward_total_s += time.perf_counter() - t_start
             self.stats.forward_compute_s += compute_s
@@ -395,6 +400,13 @@ class _Executor:
         return out, lse, kept
 
     # -- backward ------------------------------------------------------------------------------
+    def sink_grad(self, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor | None:
+        """This rank's rows' gradient of the sink logits ``[h]`` (accumulation dtype; None without a
+        sink): ``out``/``lse`` are what :meth:`forward` returned (the sink merged in)."""
+        if self.sink is None:
+            return None
+        return sink_grad(dout.to(out.dtype), out, lse, self.sink)
+
     def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor] | None):
         """Returns dq [n,b,h,d], dk, dv [n,b,h_kv,d] in q's dtype (see Note [Backward pipeline]).
         ``kept`` None: re-send the KV wave by wave (Note [Backward waves] in backward_waves)."""
@@ -473,9 +485,12 @@ class _FCPAttentionFunction(torch.autograd.Function):
     """autograd wrapper: forward/backward delegate to an :class:`_Executor` built per call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, executor: _Executor):
-        out, lse, kept = executor.forward_saving(q, k, v, any(ctx.needs_input_grad[:3]))
+    def forward(ctx, q, k, v, softmax_offset, executor: _Executor):
+        # softmax_offset is an input only so that autograd hands its gradient back; the executor
+        # holds its values (executor.sink)
+        out, lse, kept = executor.forward_saving(q, k, v, any(ctx.needs_input_grad[:4]))
         ctx.executor, ctx.out_acc, ctx.lse, ctx.kept = executor, out, lse, kept
+        ctx.offset_dtype = None if softmax_offset is None else softmax_offset.dtype
         ctx.save_for_backward(q, k, v)
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
@@ -483,9 +498,12 @@ class _FCPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v = ctx.saved_tensors
+        dsink = None
+        if ctx.needs_input_grad[3]:  # out and lse have the sink in them: Note in attention.sinks
+            dsink = ctx.executor.sink_grad(dout, ctx.out_acc, ctx.lse).to(ctx.offset_dtype)
         dq, dk, dv = ctx.executor.backward(dout, q, k, v, ctx.out_acc, ctx.lse, ctx.kept)
         ctx.kept = ctx.out_acc = ctx.lse = None
-        return dq, dk, dv, None
+        return dq, dk, dv, dsink, None
 
 
 def fcp_attention_with_lse(
@@ -495,6 +513,7 @@ def fcp_attention_with_lse(
     placement: Placement | None = None, backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False,
     q_ready: Callable[[], None] | None = None, dq_ready: Callable[[torch.Tensor], None] | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs):
     ``[b, h, s_local]`` for zigzag shards, ``[h, t_local]`` over a ``placement`` (THD).
@@ -523,15 +542,17 @@ def fcp_attention_with_lse(
     sums are waited for, so dq may leave while they arrive (the head-parallel stage posts dQ's
     all-to-all there: Note [dQ's all-to-all ahead of dK|dV's] in
     :mod:`megatron_fcp.attention.head_parallel`).
+    softmax_offset: attention sinks, see :func:`fcp_attention`; the returned lse includes the sink.
     """
     executor = build_executor(q, k, v, cp_group=cp_group, plan=plan, causal=causal, softmax_scale=softmax_scale,
                               transport=transport, stats=stats, timeout_s=timeout_s, kernel=kernel,
                               placement=placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
-                              agreement=agreement, q_ready=q_ready, dq_ready=dq_ready)
+                              agreement=agreement, q_ready=q_ready, dq_ready=dq_ready, softmax_offset=softmax_offset)
     if placement is None:
-        out, lse = _FCPAttentionFunction.apply(q, k, v, executor)
+        out, lse = _FCPAttentionFunction.apply(q, k, v, softmax_offset, executor)
     else:
-        out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), executor)  # b = 1
+        out, lse = _FCPAttentionFunction.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), softmax_offset,
+                                               executor)                     # b = 1
         out, lse = out.squeeze(1), lse.squeeze(0)                           # [t, h, d], [h, t]
     if check_numerics:
         check_finite(out, lse, f"FCP attention forward on rank {executor.rank} (plan {executor.plan.name!r})")
@@ -541,20 +562,21 @@ def fcp_attention_with_lse(
 def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=None, transport=None, stats=None,
                    timeout_s=DEFAULT_TIMEOUT_S, kernel="math", placement=None, backward_kv="auto",
                    kv_memory_budget=RING_BUDGET, agreement=PLAN_AGREEMENT, q_ready=None,
-                   dq_ready=None) -> _Executor:
+                   dq_ready=None, softmax_offset=None) -> _Executor:
     """What one :func:`fcp_attention_with_lse` call runs (same arguments): validate, agree, pick the
     transport, compile the backward program (Note [Backward program] in
     :mod:`megatron_fcp.schedule.program`) and return the plan executor, complete. The in-process
     harness (:mod:`megatron_fcp.testing.harness`) drives it directly instead of through autograd."""
     policy = BackwardPolicy(backward_kv, kv_memory_budget)          # bad values fail before any communication
     plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
-                                                  placement)
+                                                  placement, softmax_offset)
     if agreement is not None:
         thd = placement is not None
         agreement.ensure({
             "shape": (tuple(q.shape[1:] if thd else q.shape), tuple(k.shape[1:] if thd else k.shape)),
             "dtype": str(q.dtype),
             "causal": causal, "softmax_scale": scale, "kernel": kernel_obj.name,
+            "sink": softmax_offset is not None,                      # that a sink is used, not its values
             "placement": None if placement is None else placement.blocks,
             "plan": (plan_obj.name, plan_obj.ranks, plan_obj.parts_per_chunk, plan_obj.rounds),
         }, cp_group, what="fcp_attention", timeout_s=timeout_s)
@@ -568,13 +590,13 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
     program = compile_backward(plan_obj, token_bytes, policy,
                                seq_len=None if placement is not None else q.shape[0] * plan_obj.cp)
     return _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj, program, q.device,
-                     q_ready=q_ready, dq_ready=dq_ready)
+                     q_ready=q_ready, dq_ready=dq_ready, sink=sink_logits(softmax_offset, compute_dtype_for(q.dtype)))
 
 
 def fcp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
     causal: bool = True, softmax_scale: float | None = None, kernel: KernelLike = "auto",
-    placement: Placement | None = None,
+    placement: Placement | None = None, softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole CP group's sequence (or packed batch), for this rank's shard.
 
@@ -597,7 +619,14 @@ def fcp_attention(
     ``BlockKernel`` instance (with ``documents = True`` for a placement). Returns out shaped like
     q, in q's dtype; differentiable in q, k, v. Raises ValueError (naming the fix) before any
     communication on bad input.
+
+    softmax_offset: attention sinks (Megatron's ``softmax_type`` ``"off-by-one"``/``"learnable"``):
+    a finite float tensor ``[h]`` on q's device, one logit per query head of this call, that joins
+    every row's softmax denominator unscaled (:mod:`megatron_fcp.attention.sinks`); any float
+    dtype, differentiable (its gradient is this rank's rows' share: Note [The sink's gradient
+    across ranks]). None: plain softmax.
     """
     out, _ = fcp_attention_with_lse(q, k, v, cp_group=cp_group, plan=plan, causal=causal,
-                                    softmax_scale=softmax_scale, kernel=kernel, placement=placement)
+                                    softmax_scale=softmax_scale, kernel=kernel, placement=placement,
+                                    softmax_offset=softmax_offset)
     return out

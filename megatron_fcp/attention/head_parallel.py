@@ -99,6 +99,7 @@ from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
+from megatron_fcp.attention.sinks import apply_sink, check_softmax_offset, sink_grad, sink_logits
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.contract.blocks import zigzag_chunk_index
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, check_head_parallel, group_placement
@@ -195,13 +196,19 @@ def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, hea
 # G == 1: attention over the whole sequence on this rank (Ulysses)
 # ---------------------------------------------------------------------------------------------
 class _LocalAttention(torch.autograd.Function):
-    """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``."""
+    """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``;
+    ``softmax_offset`` [h] or None: the sink, merged once after the kernel (attention.sinks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, causal: bool, scale: float):
+    def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, causal: bool, scale: float,
+                softmax_offset: torch.Tensor | None):
         hk = k.shape[2]
         out, lse = kernel.forward(q, k, v, pos, pos, causal, scale, **kernel.prepare_forward(q, hk, scale))
+        sink = sink_logits(softmax_offset, out.dtype)
+        if sink is not None:  # Note [A sink enters once, after the merge]
+            out, lse = apply_sink(out, lse, sink)
         ctx.kernel, ctx.pos, ctx.causal, ctx.scale = kernel, pos, causal, scale
+        ctx.sink, ctx.offset_dtype = sink, None if softmax_offset is None else softmax_offset.dtype
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
@@ -211,9 +218,10 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         kern, pos = ctx.kernel, ctx.pos
         doc = dout.to(compute_dtype_for(q.dtype))
+        dsink = sink_grad(doc, out, lse, ctx.sink).to(ctx.offset_dtype) if ctx.needs_input_grad[7] else None
         dq, dk, dv = kern.backward(doc, q, k, v, out, lse, pos, pos, ctx.causal, ctx.scale,
                                    **kern.prepare_backward(q, doc, out, k.shape[2]))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsink
 
 
 def _group_positions(hp_plan: HeadParallelPlan, group: tuple[int, ...], s_local: int) -> torch.Tensor:
@@ -227,8 +235,9 @@ def _group_positions(hp_plan: HeadParallelPlan, group: tuple[int, ...], s_local:
 # ---------------------------------------------------------------------------------------------
 # validation (before any communication) and the entry points
 # ---------------------------------------------------------------------------------------------
-def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel):
+def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel, softmax_offset=None):
     check_qkv(q, k, v, softmax_scale=softmax_scale)                     # the tensors, as fcp_attention checks them
+    check_softmax_offset(softmax_offset, q.shape[2], q.device)
     s, b, h, d = q.shape
     if not isinstance(hp_plan, HeadParallelPlan):
         raise ValueError(f"hp_plan must be a megatron_fcp.contract.head_parallel.HeadParallelPlan, got "
@@ -296,7 +305,7 @@ def fcp_head_parallel_attention_with_lse(
     kernel: str | BlockKernel = "auto", transport: Transport | None = None, stats: FCPStats | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False, return_lse: bool = True,
-    overlap_q: bool = True,
+    overlap_q: bool = True, softmax_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention of this rank's zigzag shard through the head-parallel stage.
 
@@ -311,11 +320,15 @@ def fcp_head_parallel_attention_with_lse(
     all-to-all bytes). Returns out [s_local, b, h, d] in q's dtype (differentiable in q, k, v) and
     lse [b, h, s_local] (FP32, FP64 for FP64 inputs), or None with ``return_lse=False``.
     overlap_q: with a KV stage, send Q's all-to-all behind the stage's start (Note [Q's all-to-all
-    behind the KV stage]; False: one Q|K|V all-to-all first, Transformer Engine's order). Raises
-    ValueError naming the fix before any communication on bad input.
+    behind the KV stage]; False: one Q|K|V all-to-all first, Transformer Engine's order).
+    softmax_offset: sink logits ``[h]`` (the layer's heads, as for
+    :func:`~megatron_fcp.attention.function.fcp_attention`); after the all-to-all each rank applies
+    those of the heads it holds (head shard ``j``: heads ``j*h/a .. (j+1)*h/a``), once per row, and
+    autograd maps their gradient back to the layer's heads. Raises ValueError naming the fix before
+    any communication on bad input.
     """
     rank, g, j, rep, scale, kern, groups = _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale,
-                                                     kernel)
+                                                     kernel, softmax_offset)
     if agreement is not None and hp_plan.degree > 1:
         kv = hp_plan.kv_plan
         agreement.ensure({
@@ -323,23 +336,26 @@ def fcp_head_parallel_attention_with_lse(
             "softmax_scale": scale, "kernel": kern.name, "return_lse": return_lse,
             "head_parallel": (hp_plan.ranks, hp_plan.degree, hp_plan.head_groups, hp_plan.kv_replication),
             "kv_plan": None if kv is None else (kv.name, kv.ranks, kv.rounds), "overlap_q": overlap_q,
+            "sink": softmax_offset is not None,
         }, cp_group, what="fcp head-parallel attention", timeout_s=timeout_s)
     s, b, h, d = q.shape
     a = hp_plan.degree
     if hp_plan.cp == 1:  # nothing to distribute
-        out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), causal, scale)
+        out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), causal, scale,
+                                         softmax_offset)
     elif a == 1 and hp_plan.kv_plan.placement is None:  # degree 1 from compile_head_parallel: plain FCP
         out, lse = fcp_attention_with_lse(                                   # [s, b, h, d], [b, h, s]
             q, k, v, cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
             transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern, backward_kv=backward_kv,
-            kv_memory_budget=kv_memory_budget, agreement=agreement)
+            kv_memory_budget=kv_memory_budget, agreement=agreement, softmax_offset=softmax_offset)
     elif a == 1:  # no head-parallel stage: the KV stage over the CP group on the zigzag placement
         out3, lse = fcp_attention_with_lse(
             q.reshape(s, b * h, d), k.reshape(s, b * k.shape[2], d), v.reshape(s, b * v.shape[2], d),
             cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
             transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern,
             placement=hp_plan.kv_plan.placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
-            agreement=agreement)
+            agreement=agreement,                                        # heads folded b-major: [b*h]
+            softmax_offset=None if softmax_offset is None else softmax_offset.repeat(b))
         out, lse = out3.view(s, b, h, d), lse.view(b, h, s)
     else:
         if rep > 1:  # GQA with h_kv not divisible by a: repeat each KV head (grads summed back)
@@ -348,9 +364,10 @@ def fcp_head_parallel_attention_with_lse(
         stage = hp_plan.kv_plan is not None                          # G > 1: Q's a2a behind the stage's start
         qs, ks, vs = _QKVToHeads.apply(q, k, v, comm, stage and overlap_q)  # [a*s, b, h/a | H/a | H/a, d]
         n, hq, hk = a * s, h // a, k.shape[2] // a
+        sink_j = None if softmax_offset is None else softmax_offset.view(a, hq)[j]  # [h/a]: head shard j's
         if not stage:  # G == 1: the whole sequence is here for h/a heads
             pos = _group_positions(hp_plan, hp_plan.head_groups[g], s)
-            o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, causal, scale)
+            o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, causal, scale, sink_j)
         else:
             plan_j = hp_plan.kv_plan_for(j)
             try:
@@ -359,7 +376,8 @@ def fcp_head_parallel_attention_with_lse(
                     plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
                     timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
                     kv_memory_budget=kv_memory_budget, agreement=agreement, q_ready=comm.finish_pending,
-                    dq_ready=(lambda g: comm.post_dq(g.view(n, b, hq, d))) if overlap_q else None)
+                    dq_ready=(lambda g: comm.post_dq(g.view(n, b, hq, d))) if overlap_q else None,
+                    softmax_offset=None if sink_j is None else sink_j.repeat(b))    # [b*h/a], b-major
             finally:
                 comm.finish_pending()                                # never leave Q's a2a behind (errors too)
             o_st, l_st = o3.view(n, b, hq, d), l3.view(b, hq, n)      # [a*s, b, h/a, d], [b, h/a, a*s]

@@ -23,6 +23,9 @@ binding (megatron-core 0.16.1)                                   CPU meaning
 ``...rotary_pos_embedding:get_pos_emb_on_this_cp_rank``         zigzag slice without pinned/CUDA
                                                                  index tensors
 ``fusions.fused_softmax:get_default_causal_mask``               mask built on the CPU
+``transformer.dot_product_attention:DotProductAttention          the sink's ``softmax_offset``
+.__init__`` (0.15+)                                              (``softmax_type`` off-by-one /
+                                                                 learnable) created on the CPU
 ==============================================================  ==================================
 
 Each shim is gated on what the installed megatron-core really has: it is installed only where
@@ -57,6 +60,7 @@ from megatron_fcp.patches import (
     resolve_target,
 )
 from megatron_fcp.patches.compat import source_mentions
+from megatron_fcp.patches.sinks import make_softmax_offset, softmax_type_of
 
 __all__ = ["CPU_SHIMS", "Shim", "apply_cpu_shims", "revert_cpu_shims", "cpu_shims_needed", "plan_cpu_shims"]
 
@@ -197,6 +201,28 @@ def _make_default_causal_mask(original: Callable) -> Callable:
     return get_default_causal_mask
 
 
+# ---- attention sinks ---------------------------------------------------------------------------
+def _make_dpa_init(original: Callable) -> Callable:
+    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+        """Megatron's constructor, its ``softmax_offset`` made on the CPU: the original runs with
+        ``softmax_type`` "vanilla" (the offset is where it reaches for CUDA), then the offset is
+        created as megatron-core creates it (:func:`~megatron_fcp.patches.sinks.make_softmax_offset`),
+        at the same point, the end of construction, so the same seed draws the same value."""
+        kind = softmax_type_of(config)
+        if kind == "vanilla":
+            original(self, config, *args, **kwargs)
+            return
+        config.softmax_type = "vanilla"
+        try:
+            original(self, config, *args, **kwargs)
+        finally:
+            config.softmax_type = kind
+        del self.softmax_offset                                  # the vanilla constructor's None
+        make_softmax_offset(self, config, self.num_attention_heads_per_partition, device=torch.device("cpu"))
+
+    return __init__
+
+
 @dataclass(frozen=True)
 class Shim:
     """One CPU shim: ``target`` is replaced by ``make(original)`` where the gate says it is needed.
@@ -236,6 +262,8 @@ CPU_SHIMS: tuple[Shim, ...] = (
     Shim(f"{_ROPE}:RotaryEmbedding.forward", _make_rope_forward, required=False),
     Shim(f"{_ROPE}:get_pos_emb_on_this_cp_rank", _make_pos_emb_on_cp_rank),
     Shim("megatron.core.fusions.fused_softmax:get_default_causal_mask", _make_default_causal_mask),
+    Shim("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__", _make_dpa_init,
+         required=False),
 )
 
 

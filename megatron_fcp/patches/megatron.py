@@ -63,6 +63,7 @@ from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_vers
 from megatron_fcp.patches.compat import refuse_hybrid_cp
 from megatron_fcp.patches.packed import ROPE_TARGET, make_rope, packed_attention
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime, reset_fcp, setup_fcp
+from megatron_fcp.patches.sinks import dense_sink_attention, make_softmax_offset, softmax_offset_sharded_state_dict
 from megatron_fcp.patches.te_spec import (
     TE_ATTENTION,
     check_cp_comm_type,
@@ -122,6 +123,14 @@ def _tp_size_from(pg_collection: Any) -> int:
     return ps.get_tensor_model_parallel_world_size()
 
 
+def _tp_group_from(pg_collection: Any) -> Any:
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    return ps.get_tensor_model_parallel_group(check_initialized=False)
+
+
 def _group_size(group: Any) -> int:
     return 1 if group is None else int(group.size())
 
@@ -145,11 +154,16 @@ class FCPCoreAttention(torch.nn.Module):
     placement of the documents (lay the batch out with
     :func:`megatron_fcp.patches.packed.shard_packed_batch`); returns ``[t, h*d]``.
 
+    Attention sinks (``config.softmax_type`` ``"off-by-one"`` / ``"learnable"``): the module holds
+    ``softmax_offset`` exactly as megatron-core's ``DotProductAttention`` does (a parameter of
+    ``[heads / tp]`` for learnable, same name, init and sharded state dict:
+    :mod:`megatron_fcp.patches.sinks`) and hands it to the engine, which merges it once per row.
+
     Unsupported (raise ``NotImplementedError`` naming the option, or with ``--fcp-fallback
     megatron`` run Megatron's own attention class for that layer and log it once per reason; see
     Note [No silent fallbacks]): attention bias, padding/arbitrary masks outside THD, packed formats
     other than THD, attention dropout > 0 in training, and what
-    :func:`~megatron_fcp.patches.te_spec.layer_refusal` lists (sliding windows, non-vanilla softmax,
+    :func:`~megatron_fcp.patches.te_spec.layer_refusal` lists (sliding windows, an unknown softmax_type,
     FP8 attention, QK-clip, batch-invariant mode, cross attention, K/V head sizes that differ).
     A per-layer ``cp_comm_type`` list with different values raises
     :class:`~megatron_fcp.patches.te_spec.CPCommTypeError`. Always refused:
@@ -205,6 +219,8 @@ class FCPCoreAttention(torch.nn.Module):
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
         self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP refuses qk-clip
         self._check_config(config, cp_comm_type, attention_type, k_channels, v_channels)
+        # where megatron-core's DotProductAttention creates it, so the same seed draws the same init
+        make_softmax_offset(self, config, self.num_attention_heads_per_partition)
         if self.cp_size > 1:
             runtime = _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
             runtime.report_layer(self.layer_number, self._fallback_reason, cp_group=self.cp_group)
@@ -220,6 +236,12 @@ class FCPCoreAttention(torch.nn.Module):
                                k_channels=k_channels, v_channels=v_channels)
         if reason is not None:
             self._fallback_reason = self._unsupported(reason)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: Any = (), metadata: dict | None = None) -> Any:
+        """As megatron-core's ``DotProductAttention``: a learnable ``softmax_offset`` sharded over TP
+        along dim 0 (:func:`~megatron_fcp.patches.sinks.softmax_offset_sharded_state_dict`)."""
+        return softmax_offset_sharded_state_dict(self, prefix, sharded_offsets, metadata,
+                                                 _tp_group_from(self.pg_collection))
 
     def _unsupported(self, reason: str) -> str:
         """Raise ``NotImplementedError(reason)`` unless ``--fcp-fallback megatron`` allows running
@@ -245,6 +267,8 @@ class FCPCoreAttention(torch.nn.Module):
                     "local DotProductAttention runs cp = 1 only; with CP > 1 the fallback needs Transformer "
                     "Engine's attention (the TE spec on GPU)") from exc
             module._fcp_fallback = True  # the forward guard lets it run
+            if isinstance(getattr(self, "softmax_offset", None), torch.nn.Parameter):
+                module.softmax_offset = self.softmax_offset  # one sink parameter: the one the optimizer holds
             self._fallback_module = module
         logged = _STATE.setdefault("fallback_logged", set())
         if reason not in logged:
@@ -314,7 +338,8 @@ class FCPCoreAttention(torch.nn.Module):
             return packed_attention(self, query, key, value, packed_seq_params, causal=causal, transport=_transport)
         s, b, h, d = query.shape  # [s, b, h, d]; key/value [s, b, h_kv, d]
         if self.cp_size == 1:
-            out = _local_attention(query, key, value, causal=causal, scale=self.softmax_scale)
+            out = _local_attention(query, key, value, causal=causal, scale=self.softmax_scale,
+                                   softmax_offset=self.softmax_offset)
         else:
             from megatron_fcp.attention.function import fcp_attention_with_lse  # noqa: PLC0415
 
@@ -325,7 +350,8 @@ class FCPCoreAttention(torch.nn.Module):
             kw = dict(causal=causal, softmax_scale=self.softmax_scale, kernel=runtime.config.kernel,
                       backward_kv=runtime.config.backward_kv, kv_memory_budget=runtime.config.kv_memory_budget,
                       stats=runtime.layer_stats(self.layer_number), timeout_s=runtime.config.timeout_s,
-                      check_numerics=runtime.config.check_numerics, agreement=runtime.plan_agreement)
+                      check_numerics=runtime.config.check_numerics, agreement=runtime.plan_agreement,
+                      softmax_offset=self.softmax_offset)
             hp = runtime.head_parallel(self.cp_group, causal=causal, s_local=s, heads=h, kv_heads=key.shape[2])
             if hp is None:
                 out, _ = fcp_attention_with_lse(query, key, value, cp_group=self.cp_group, plan=plan,
@@ -377,8 +403,12 @@ def _transport(runtime: Any, group: Any) -> Any:
     return transport if runtime.config.overlap else SerialTransport(transport)
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
-    """Single-rank attention, ``q [s, b, h, d]``, ``k/v [s, b, h_kv, d]`` -> ``[s, b, h, d]``."""
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                     softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Single-rank attention, ``q [s, b, h, d]``, ``k/v [s, b, h_kv, d]`` -> ``[s, b, h, d]``
+    (with a sink: :func:`~megatron_fcp.patches.sinks.dense_sink_attention`)."""
+    if softmax_offset is not None:
+        return dense_sink_attention(q, k, v, softmax_offset, causal=causal, scale=scale)
     group = q.shape[2] // k.shape[2]
     if group > 1:  # GQA: each KV head serves `group` query heads
         k = k.repeat_interleave(group, dim=2)

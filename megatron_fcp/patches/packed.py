@@ -131,9 +131,16 @@ def shard_packed_batch(batch: dict[str, torch.Tensor], cu_seqlens: Any, *, cp_gr
 
 
 def local_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...], *,
-                           causal: bool, scale: float) -> torch.Tensor:
+                           causal: bool, scale: float, softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
     """Single-rank attention of a packed batch, each document alone: q ``[t, h, d]``, k/v
-    ``[t, h_kv, d]`` -> ``[t, h, d]`` (torch SDPA per document)."""
+    ``[t, h_kv, d]`` -> ``[t, h, d]`` (torch SDPA per document; with a sink ``[h]``,
+    :func:`~megatron_fcp.patches.sinks.dense_sink_attention` per document)."""
+    if softmax_offset is not None:
+        from megatron_fcp.patches.sinks import dense_sink_attention  # noqa: PLC0415
+
+        bounds = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
+        return torch.cat([dense_sink_attention(*(x[a:z, None] for x in (q, k, v)), softmax_offset, causal=causal,
+                                               scale=scale)[:, 0] for a, z in zip(bounds, bounds[1:])])
     group = q.shape[1] // k.shape[1]
     if group > 1:  # GQA: each KV head serves `group` query heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -157,7 +164,8 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     if module.cp_size == 1:
         if t != sum(lengths):
             raise ValueError(f"q has {t} tokens but cu_seqlens describes {sum(lengths)}")
-        out = local_packed_attention(query, key, value, lengths, causal=causal, scale=module.softmax_scale)
+        out = local_packed_attention(query, key, value, lengths, causal=causal, scale=module.softmax_scale,
+                                     softmax_offset=getattr(module, "softmax_offset", None))
         return out.reshape(t, -1)
     runtime = current_runtime()
     if runtime is None:
@@ -175,7 +183,8 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                          "megatron_fcp.patches.packed.shard_packed_batch (not get_batch_on_this_cp_rank)")
     runtime.agreement.ensure(
         {"doc_lengths": lengths, "placement": placement.blocks, "plan": plan.rounds, "causal": causal,
-         "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), str(key.dtype))},
+         "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), str(key.dtype)),
+         "sink": getattr(module, "softmax_offset", None) is not None},
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
     out, _ = fcp_attention_with_lse(query, key, value, cp_group=module.cp_group, plan=plan, placement=placement,
                                     causal=causal, softmax_scale=module.softmax_scale,
@@ -184,7 +193,8 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                     kv_memory_budget=runtime.config.kv_memory_budget,
                                     stats=runtime.layer_stats(module.layer_number),
                                     timeout_s=runtime.config.timeout_s, check_numerics=runtime.config.check_numerics,
-                                    agreement=None)  # agreed above, once per micro-batch
+                                    agreement=None,  # agreed above, once per micro-batch
+                                    softmax_offset=getattr(module, "softmax_offset", None))
     return out.reshape(t, -1)
 
 

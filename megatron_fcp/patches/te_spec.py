@@ -37,14 +37,17 @@ Kept: every other submodule of the spec (only the ``core_attention`` binding cha
 ``attn_mask_type`` (causal, ``causal_bottom_right``, ``no_mask``; with packed THD batches also
 ``padding_causal`` and ``padding``, whose padding is the documents' ``cu_seqlens``);
 ``softmax_scale``; ``attention_dropout`` (0 in training); GQA (``num_query_groups``);
-``k_channels``; ``packed_seq_params`` in THD through FCP's packed path; ``pg_collection`` /
+``k_channels``; attention sinks (``softmax_type`` ``off-by-one`` and ``learnable``: FCP's module
+holds ``softmax_offset`` under TE's name and shape, :mod:`megatron_fcp.patches.sinks`);
+``packed_seq_params`` in THD through FCP's packed path; ``pg_collection`` /
 ``model_comm_pgs``; ``num_splits`` is accepted and ignored (FCP's own blocks fix the order of its
 arithmetic); FP8 *linear layers* (``config.fp8`` alone: TE's attention then runs in BF16 too).
 
 Refused, each with ``NotImplementedError`` naming the option and the fix (with ``--fcp-fallback
 megatron`` that layer runs TE's own ``TEDotProductAttention`` instead, logged once per reason):
 FP8 attention (``fp8_dot_product_attention``, ``fp8_multi_head_attention``), sliding windows on the
-layers ``window_size`` / ``window_attn_skip_freq`` select, non-vanilla softmax, QK-clip
+layers ``window_size`` / ``window_attn_skip_freq`` select, a ``softmax_type`` megatron-core does not
+define, QK-clip
 (``qk_clip``, ``log_max_attention_logit``: TE reports max logits, FCP does not), batch-invariant
 mode, cross attention, different K and V head sizes (MLA), and, at forward time, attention bias,
 padding or arbitrary masks without a THD batch.
@@ -162,8 +165,10 @@ def layer_refusal(config: Any, *, layer_number: int, attention_type: str = "self
     if _window_layer(config, layer_number):
         return (f"FCPCoreAttention: sliding-window attention (window_size={getattr(config, 'window_size')}) "
                 "is not supported; drop --window-size")
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        return f"FCPCoreAttention: softmax_type={config.softmax_type!r} is not supported (vanilla only)"
+    softmax_type = getattr(config, "softmax_type", "vanilla") or "vanilla"  # sinks: served (patches.sinks)
+    if softmax_type not in ("vanilla", "off-by-one", "learnable"):
+        return (f"FCPCoreAttention: softmax_type={softmax_type!r} is not supported (vanilla, off-by-one and "
+                "learnable are)")
     clip = [name for name in ("qk_clip", "log_max_attention_logit") if getattr(config, name, False)]
     if clip:
         return (f"FCPCoreAttention: {' and '.join(clip)} needs the max attention logit per head, which FCP "

@@ -68,6 +68,7 @@ class RankResult:
     backward_kv: str                            # "keep" | "resend", as decided for this call
     kept_bytes: int                             # received KV held from forward to backward
     program: "BackwardProgram | None" = None    # the backward program the executor ran
+    dsink: torch.Tensor | None = None           # [h] this rank's rows' sink gradient (softmax_offset given)
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return {n: getattr(self, n) for n in QUANTITIES}
@@ -101,7 +102,7 @@ def harness_attention(
     softmax_scale: float | None = None, kernel: Any = "math", placement: Placement | None = None,
     backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET, device: "str | torch.device | None" = None,
     timeout_s: float = 60.0, transport: Callable[[int, Transport], Transport] | None = None,
-    stats: bool = False, agree: bool = False,
+    stats: bool = False, agree: bool = False, softmax_offset: torch.Tensor | None = None,
 ) -> HarnessResult:
     """Run FCP attention (forward, and backward when ``dout`` is given) for every CP rank in one process.
 
@@ -113,6 +114,9 @@ def harness_attention(
     device); ``"cuda"``: one stream per rank on the current GPU. transport: ``(rank, inner) ->
     Transport`` to wrap each rank's in-process transport (e.g. ``CountingTransport(inner)``).
     stats: fill an :class:`FCPStats` per rank. agree: run the agreement step (in process) first.
+    softmax_offset: sink logits ``[h]`` (every rank gets them); each rank's ``dsink`` is its rows'
+    share in the offset's dtype (the full gradient is their sum: Note [The sink's gradient across
+    ranks] in :mod:`megatron_fcp.attention.sinks`).
     Other arguments as for :func:`~megatron_fcp.attention.function.fcp_attention_with_lse`.
     Errors raised by any rank (validation, :class:`~megatron_fcp.attention.comm.CommTimeout`) are re-raised.
     """
@@ -146,21 +150,24 @@ def harness_attention(
         with torch.no_grad():
             ex = build_executor(ql, kl, vl, cp_group=h, plan=plan_arg, causal=causal, softmax_scale=softmax_scale,
                                 transport=tr, stats=st, timeout_s=timeout_s, kernel=kernel, placement=placement,
-                                backward_kv=backward_kv, kv_memory_budget=kv_memory_budget, agreement=agreement)
+                                backward_kv=backward_kv, kv_memory_budget=kv_memory_budget, agreement=agreement,
+                                softmax_offset=None if softmax_offset is None else softmax_offset.to(device))
             if thd:  # the engine runs THD as b = 1, like fcp_attention_with_lse
                 ql, kl, vl = (x.unsqueeze(1) for x in (ql, kl, vl))               # [t, 1, h(_kv), d]
                 dl = dl.unsqueeze(1) if dl is not None else None
             out_acc, lse, kept = ex.forward_saving(ql, kl, vl, dl is not None)   # what autograd saves; compute dtype
             kept_bytes = sum(x.numel() * x.element_size() for x in kept.values()) if kept else 0
             out = out_acc.to(ql.dtype)
-            grads = (None, None, None)
-            if dl is not None:
+            grads, dsink = (None, None, None), None
+            if dl is not None:  # the order of _FCPAttentionFunction.backward
+                dsink = ex.sink_grad(dl, out_acc, lse)
+                dsink = None if dsink is None else dsink.to(softmax_offset.dtype)
                 grads = ex.backward(dl, ql, kl, vl, out_acc, lse, kept)
         if thd:
             out, lse = out.squeeze(1), lse.squeeze(0)                              # [t, h, d], [h, t]
             grads = tuple(g.squeeze(1) if g is not None else None for g in grads)
         return RankResult(h.rank, h.index, out, lse, *grads, transport=tr, stats=st, backward_kv=ex.backward_kv,
-                          kept_bytes=kept_bytes, program=ex.program)
+                          kept_bytes=kept_bytes, program=ex.program, dsink=dsink)
 
     results = group.run(one_rank, timeout_s=timeout_s * 4)
     if device.type == "cuda":  # made on the ranks' streams, used on the caller's from now on
