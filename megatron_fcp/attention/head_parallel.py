@@ -96,7 +96,7 @@ import torch.distributed as dist
 from megatron_fcp.attention.agreement import LastAgreed
 from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport
 from megatron_fcp.attention.dispatch import resolve_kernel
-from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse
+from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse, resolve_mask
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.stats import FCPStats
@@ -195,13 +195,14 @@ def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, hea
 # G == 1: attention over the whole sequence on this rank (Ulysses)
 # ---------------------------------------------------------------------------------------------
 class _LocalAttention(torch.autograd.Function):
-    """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``."""
+    """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``,
+    under ``mask`` (a :class:`~megatron_fcp.contract.mask.Mask`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, causal: bool, scale: float):
+    def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, mask, scale: float):
         hk = k.shape[2]
-        out, lse = kernel.forward(q, k, v, pos, pos, causal, scale, **kernel.prepare_forward(q, hk, scale))
-        ctx.kernel, ctx.pos, ctx.causal, ctx.scale = kernel, pos, causal, scale
+        out, lse = kernel.forward(q, k, v, pos, pos, mask, scale, **kernel.prepare_forward(q, hk, scale))
+        ctx.kernel, ctx.pos, ctx.mask, ctx.scale = kernel, pos, mask, scale
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
@@ -211,7 +212,7 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         kern, pos = ctx.kernel, ctx.pos
         doc = dout.to(compute_dtype_for(q.dtype))
-        dq, dk, dv = kern.backward(doc, q, k, v, out, lse, pos, pos, ctx.causal, ctx.scale,
+        dq, dk, dv = kern.backward(doc, q, k, v, out, lse, pos, pos, ctx.mask, ctx.scale,
                                    **kern.prepare_backward(q, doc, out, k.shape[2]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -296,7 +297,7 @@ def fcp_head_parallel_attention_with_lse(
     kernel: str | BlockKernel = "auto", transport: Transport | None = None, stats: FCPStats | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False, return_lse: bool = True,
-    overlap_q: bool = True,
+    overlap_q: bool = True, window: "tuple[int, int] | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention of this rank's zigzag shard through the head-parallel stage.
 
@@ -311,15 +312,19 @@ def fcp_head_parallel_attention_with_lse(
     all-to-all bytes). Returns out [s_local, b, h, d] in q's dtype (differentiable in q, k, v) and
     lse [b, h, s_local] (FP32, FP64 for FP64 inputs), or None with ``return_lse=False``.
     overlap_q: with a KV stage, send Q's all-to-all behind the stage's start (Note [Q's all-to-all
-    behind the KV stage]; False: one Q|K|V all-to-all first, Transformer Engine's order). Raises
+    behind the KV stage]; False: one Q|K|V all-to-all first, Transformer Engine's order).
+    window: a sliding window ``(left, right)`` as for ``fcp_attention``; heads do not move tokens'
+    positions, so the stage passes it through unchanged (the local attention and the KV stage run
+    it on global positions). Raises
     ValueError naming the fix before any communication on bad input.
     """
+    mask = resolve_mask(causal, window)                     # bad windows fail before any communication
     rank, g, j, rep, scale, kern, groups = _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale,
                                                      kernel)
     if agreement is not None and hp_plan.degree > 1:
         kv = hp_plan.kv_plan
         agreement.ensure({
-            "shape": (tuple(q.shape), tuple(k.shape)), "dtype": str(q.dtype), "causal": causal,
+            "shape": (tuple(q.shape), tuple(k.shape)), "dtype": str(q.dtype), "causal": causal, "window": mask.window,
             "softmax_scale": scale, "kernel": kern.name, "return_lse": return_lse,
             "head_parallel": (hp_plan.ranks, hp_plan.degree, hp_plan.head_groups, hp_plan.kv_replication),
             "kv_plan": None if kv is None else (kv.name, kv.ranks, kv.rounds), "overlap_q": overlap_q,
@@ -327,19 +332,19 @@ def fcp_head_parallel_attention_with_lse(
     s, b, h, d = q.shape
     a = hp_plan.degree
     if hp_plan.cp == 1:  # nothing to distribute
-        out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), causal, scale)
+        out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), mask, scale)
     elif a == 1 and hp_plan.kv_plan.placement is None:  # degree 1 from compile_head_parallel: plain FCP
         out, lse = fcp_attention_with_lse(                                   # [s, b, h, d], [b, h, s]
             q, k, v, cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
             transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern, backward_kv=backward_kv,
-            kv_memory_budget=kv_memory_budget, agreement=agreement)
+            kv_memory_budget=kv_memory_budget, agreement=agreement, window=window)
     elif a == 1:  # no head-parallel stage: the KV stage over the CP group on the zigzag placement
         out3, lse = fcp_attention_with_lse(
             q.reshape(s, b * h, d), k.reshape(s, b * k.shape[2], d), v.reshape(s, b * v.shape[2], d),
             cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
             transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern,
             placement=hp_plan.kv_plan.placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
-            agreement=agreement)
+            agreement=agreement, window=window)
         out, lse = out3.view(s, b, h, d), lse.view(b, h, s)
     else:
         if rep > 1:  # GQA with h_kv not divisible by a: repeat each KV head (grads summed back)
@@ -350,7 +355,7 @@ def fcp_head_parallel_attention_with_lse(
         n, hq, hk = a * s, h // a, k.shape[2] // a
         if not stage:  # G == 1: the whole sequence is here for h/a heads
             pos = _group_positions(hp_plan, hp_plan.head_groups[g], s)
-            o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, causal, scale)
+            o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, mask, scale)
         else:
             plan_j = hp_plan.kv_plan_for(j)
             try:
@@ -358,7 +363,7 @@ def fcp_head_parallel_attention_with_lse(
                     qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d), cp_group=groups.kv_group,
                     plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
                     timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
-                    kv_memory_budget=kv_memory_budget, agreement=agreement, q_ready=comm.finish_pending,
+                    kv_memory_budget=kv_memory_budget, agreement=agreement, window=window, q_ready=comm.finish_pending,
                     dq_ready=(lambda g: comm.post_dq(g.view(n, b, hq, d))) if overlap_q else None)
             finally:
                 comm.finish_pending()                                # never leave Q's a2a behind (errors too)
