@@ -191,7 +191,9 @@ def flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, mask: "Mask | bool", 
     run); rows of a document the block lacks are masked; anything else goes to ``math`` for that
     run's rows.
 
-    With a sliding window, per query run against its key segment: :meth:`Mask.classify` of the
+    With a sliding window, per query run against its key segment (a causal window whose left edge
+    lies before the segment for every row of the run is plain causal there, the rule above):
+    :meth:`Mask.classify` of the
     whole run first (``full``: one full piece; ``masked``: nothing), else the rows split by
     :meth:`Mask.key_range` into those that see nothing (left out), those that see every key
     (``full``) and the band rows (at most two ranges: the window cuts the block's end, or its
@@ -233,10 +235,10 @@ def flash_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, mask: "Mask | bool", 
             pieces.append((ra, rb, MATH, 0, m))
             continue
         k0, k1 = seg
-        if windowed:
+        if windowed and not (causal and mask.key_range(int(qp[rb - 1]), int(qp[rb - 1]))[0] <= int(kp[k0])):
             _window_pieces(pieces, add_full, mask, qp, kp, ra, rb, k0, k1, m, bands)
-            continue
-        if not causal:
+            continue                                        # (else the window starts before the block for
+        if not causal:                                      # every row of the run: plain causal here)
             add_full(ra, rb, k0, k1)
             continue
         klo, khi, qlo = int(kp[k0]), int(kp[k1 - 1]), int(qp[ra])
