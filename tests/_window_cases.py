@@ -41,6 +41,35 @@ def worker(rank: int, world: int) -> dict:
         want = {n: zigzag_split(ref[n], world, rank, seq_dim=2 if n == "lse" else 0) for n in got}
         report[name] = {n: ((got[n].double() - want[n]).abs().max().item(), want[n].abs().max().item())
                         for n in got}
+    report.update(_head_parallel(rank, world, group, (q, k, v, do), scale))
+    return report
+
+
+def _head_parallel(rank: int, world: int, group, inputs, scale) -> dict:
+    """The head-parallel stage passes the window through: degree 4 (Ulysses: the local kernel over
+    the whole sequence) and degree 2 (a KV stage over the group placement), GQA 4:2."""
+    from _head_parallel_cases import make_hp_plan
+    from megatron_fcp.attention.head_parallel import create_head_parallel_groups, fcp_head_parallel_attention_with_lse
+    from megatron_fcp.attention.kernels import reference_attention
+    from megatron_fcp.attention.layout import zigzag_split
+
+    q, k, v, do = inputs
+    ranks, s = tuple(range(world)), q.shape[0]
+    report = {}
+    plans = {4: make_hp_plan(ranks, 4, s, True, "full", 4, 2), 2: make_hp_plan(ranks, 2, s, True, "full", 4, 2)}
+    groups = {2: create_head_parallel_groups([plans[2]])[0], 4: None}
+    window = (5, 0)
+    ref = reference_attention(q, k, v, causal=True, scale=scale, dout=do, window=window)
+    for degree, hp in plans.items():
+        ql, kl, vl = (zigzag_split(x, world, rank).requires_grad_() for x in (q, k, v))
+        out, lse = fcp_head_parallel_attention_with_lse(ql, kl, vl, cp_group=group, hp_plan=hp, groups=groups[degree],
+                                                        causal=True, softmax_scale=scale, kernel="math",
+                                                        window=window)
+        out.backward(zigzag_split(do, world, rank))
+        got = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+        want = {n: zigzag_split(ref[n], world, rank, seq_dim=2 if n == "lse" else 0) for n in got}
+        report[f"head-parallel-a{degree}-w5"] = {
+            n: ((got[n].double() - want[n]).abs().max().item(), want[n].abs().max().item()) for n in got}
     return report
 
 

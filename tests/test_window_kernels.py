@@ -325,3 +325,14 @@ def test_windowed_bindings_pass_flash_attn_keywords():
     assert FlashAttnOps.windows and not CpuFlashKernel._OPS.windows
     assert TorchCudaFlashOps().windows == ("window_size_left" in str(
         torch.ops.aten._flash_attention_forward.default._schema))
+
+
+@pytest.mark.parametrize("name, mask", MASKS, ids=[m[0] for m in MASKS])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_emulator_counts_windowed_pairs(name, mask, layout):
+    """The emulator's sleep kernel prices a block by the pairs the mask leaves (Mask.visible)."""
+    from megatron_fcp.emulate.sleep_kernel import count_pairs
+
+    _, _, _, _, qp, kp, docs = _case(layout)
+    want = _visible(qp, kp, mask, docs.get("q_doc"), docs.get("k_doc")).sum(1)
+    assert torch.equal(count_pairs(qp, kp, mask, docs.get("q_doc"), docs.get("k_doc")), want)
