@@ -220,6 +220,11 @@ def test_a_plan_built_for_another_mask_is_refused():
         resolve_mask(True, (4, 0), plan)
     with pytest.raises(ValueError, match="placement"):
         resolve_mask(True, None, None, types.SimpleNamespace(mask=Mask(True, 8, 0)))
+    # a plan for the mask without a window delivers a superset: it runs (the executor skips the rest)
+    assert resolve_mask(True, (4, 0), types.SimpleNamespace(mask=Mask(True))) == Mask(True, 4, 0)
+    assert resolve_mask(False, (4, 3), types.SimpleNamespace(mask=Mask(False))) == Mask(False, 4, 3)
+    with pytest.raises(ValueError, match="rebuild the plan"):       # causal need sets lack later keys
+        resolve_mask(False, (4, 3), types.SimpleNamespace(mask=Mask(True)))
 
 
 def test_ranks_that_disagree_on_the_window_raise():

@@ -109,6 +109,7 @@ __all__ = [
     "FCPNumericsError",
     "PLAN_AGREEMENT",
     "check_finite",
+    "resolve_mask",
 ]
 
 KernelLike = Union[str, BlockKernel]  # PlanLike, PLAN_ALIASES, resolve_plan: attention/resolve.py
@@ -175,14 +176,19 @@ def check_qkv(q, k, v, *, thd: bool = False, softmax_scale: float | None = None)
 def resolve_mask(causal: bool, window, plan=None, placement: Placement | None = None) -> Mask:
     """The call's :class:`~megatron_fcp.contract.mask.Mask` from ``causal`` and ``window``
     (Megatron's ``(left, right)``, -1 unbounded, None: no window), checked against the mask a
-    plan or placement object carries (``.mask``, where it has one); ValueError naming the fix."""
+    plan or placement object carries (``.mask``, where it has one); ValueError naming the fix.
+
+    A plan built for the call's mask runs; so does one built for a mask without a window that
+    sees every pair the call's sees (full attention's, or causal's under a causal window): its need
+    sets contain the window's, it only delivers more (the executor skips what no query sees)."""
     try:
         mask = Mask.of(causal, check_window(window))
     except ValueError as exc:
         raise ValueError(f"fcp_attention: {exc}") from None
     for what, obj in (("plan", plan), ("placement", placement)):
         theirs = getattr(obj, "mask", None)  # plans/placements built for a mask carry it
-        if theirs is not None and theirs != mask:
+        covers = theirs is not None and not theirs.windowed and (not theirs.causal or mask.causal)
+        if theirs is not None and theirs != mask and not covers:
             raise ValueError(f"the {what} was built for {theirs.describe()} but attention runs {mask.describe()}; "
                              f"rebuild the {what} with window={mask.window} (need sets differ), or pass "
                              f"window={theirs.window}")
