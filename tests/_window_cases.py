@@ -49,7 +49,11 @@ def _head_parallel(rank: int, world: int, group, inputs, scale) -> dict:
     """The head-parallel stage passes the window through: degree 4 (Ulysses: the local kernel over
     the whole sequence) and degree 2 (a KV stage over the group placement), GQA 4:2."""
     from _head_parallel_cases import make_hp_plan
-    from megatron_fcp.attention.head_parallel import create_head_parallel_groups, fcp_head_parallel_attention_with_lse
+
+    from megatron_fcp.attention.head_parallel import (
+        create_head_parallel_groups,
+        fcp_head_parallel_attention_with_lse,
+    )
     from megatron_fcp.attention.kernels import reference_attention
     from megatron_fcp.attention.layout import zigzag_split
 

@@ -649,9 +649,10 @@ def fcp_attention(
 
     window: a sliding window ``(left, right)`` in Megatron's convention (``--window-size``; query
     ``i`` sees keys ``i - left .. i + right`` inclusive, -1 unbounded, ``right`` is 0 under
-    ``causal``; over a placement, positions inside each document); None: no window. Any plan is
-    exact under a window: blocks outside every local window are received (if the plan sends them)
-    but not computed (Note [Windowed attention in the executor]).
+    ``causal``; over a placement, positions inside each document); None: no window. A plan for
+    the window's mask, or for the unwindowed mask (``"ring"``, ``"full"``: they deliver more), is
+    exact: blocks outside every local window are received (if the plan sends them) but not
+    computed (Note [Windowed attention in the executor]).
     softmax_scale defaults to ``1/sqrt(d)``. kernel: the block kernel: ``"auto"`` (default: the
     best that runs here, :mod:`megatron_fcp.attention.dispatch`), ``"math"`` (pure torch, any dtype
     incl. FP64), ``"cpu-flash"``, ``"cuda-flash"``, ``"flash-attn"`` (fused ops) or a

@@ -47,7 +47,7 @@ from megatron_fcp.attention.kernels import (
     block_attention_forward,
     compute_dtype_for,
 )
-from megatron_fcp.attention.tiles import BAND, CAUSAL, FULL, MATH, flash_pieces, flash_window
+from megatron_fcp.attention.tiles import BAND, CAUSAL, MATH, flash_pieces, flash_window
 from megatron_fcp.contract.mask import as_mask
 
 __all__ = ["FusedPiecesKernel", "CpuFlashKernel", "CudaFlashKernel", "FlashAttnKernel"]

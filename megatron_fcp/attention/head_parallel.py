@@ -96,7 +96,13 @@ import torch.distributed as dist
 from megatron_fcp.attention.agreement import LastAgreed
 from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport
 from megatron_fcp.attention.dispatch import resolve_kernel
-from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse, resolve_mask
+from megatron_fcp.attention.function import (
+    PLAN_AGREEMENT,
+    check_finite,
+    check_qkv,
+    fcp_attention_with_lse,
+    resolve_mask,
+)
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.stats import FCPStats

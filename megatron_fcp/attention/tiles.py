@@ -118,9 +118,9 @@ def math_tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, mask: "Mask | bool", ro
 def sees_any(q_pos: torch.Tensor, k_pos: torch.Tensor, mask: "Mask | bool", q_doc: torch.Tensor | None = None,
              k_doc: torch.Tensor | None = None) -> bool:
     """Whether some query may see some key (False: the block is fully masked for these rows and the
-    executor skips it). Runs of queries against runs of keys of the same document, each pair
-    classed by :meth:`Mask.classify`; conservative (a key run's classes use its position range), so
-    True never hides a visible pair."""
+    executor skips it). Increasing runs of queries against increasing runs of keys of the same
+    document, each pair classed by :meth:`Mask.classify` (exact on runs: True iff a pair is
+    visible). No rows or no keys: False."""
     mask = as_mask(mask)
     n, m = q_pos.numel(), k_pos.numel()
     if n == 0 or m == 0:
