@@ -258,3 +258,25 @@ def test_gloo_zigzag_cp4_windows_through_autograd():
         for case, errs in report.items():
             for n, (err, ref_max) in errs.items():
                 assert err <= 1e-12 * max(1.0, ref_max), (case, n, err)
+
+
+@pytest.mark.parametrize("backward_kv", ["keep", "resend"])
+def test_compiled_plans_with_relays_stay_exact_under_a_window(backward_kv):
+    """build_plan's spanning trees (relays, two parts per chunk) and, packed, a compiled plan over
+    the placement: blocks a rank only relays, or receives but does not see, are not computed."""
+    from megatron_fcp.planner.build import build_plan
+
+    cp, ranks = 4, (0, 1, 2, 3)
+    q, k, v, do = _zigzag_inputs(cp, chunk=8)
+    plan = build_plan("pcie-box:1", ranks, "spanning", causal=True, parts_per_chunk=2)
+    ref = reference_attention(q, k, v, causal=True, scale=0.3, dout=do, window=(3, 0))
+    res = harness_attention(q, k, v, do, cp=cp, plan=plan, softmax_scale=0.3, kernel="math", window=(3, 0),
+                            backward_kv=backward_kv)
+    _assert_exact(res, ref)
+    q, k, v, do = _packed_inputs()
+    pl = place_packed(DOCS, cp, block_tokens=5, causal=False)
+    plan = build_plan("pcie-box:1", ranks, "spanning", causal=False, placement=pl)
+    ref = per_document_reference(q, k, v, do, DOCS, False, 0.3, window=(2, 3))
+    res = harness_attention(q, k, v, do, placement=pl, plan=plan, causal=False, softmax_scale=0.3, kernel="math",
+                            window=(2, 3), backward_kv=backward_kv)
+    _assert_exact(res, ref)
