@@ -279,3 +279,47 @@ def test_compiled_plans_with_relays_stay_exact_under_a_window(backward_kv):
     res = harness_attention(q, k, v, do, placement=pl, plan=plan, causal=False, softmax_scale=0.3, kernel="math",
                             window=(2, 3), backward_kv=backward_kv)
     _assert_exact(res, ref)
+
+
+def _plans_take_windows() -> bool:
+    import inspect
+
+    from megatron_fcp.contract.plan import full_plan
+    return "window" in inspect.signature(full_plan).parameters
+
+
+def _forward_bytes(res) -> int:
+    return sum(p.nbytes for r in res.ranks for p in r.transport.posted if p.kind == "send" and p.phase == "forward")
+
+
+@pytest.mark.skipif(not _plans_take_windows(), reason="plans carry no window here (the planner side of issue 27)")
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_windowed_plans_run_exactly_and_move_fewer_bytes(cp):
+    """Plans built for the window (full_plan / halo_plan with window=, place_packed(window=)) run
+    exactly, move fewer bytes than the causal plan, and a plan for another window is refused."""
+    from megatron_fcp.contract.plan import full_plan, halo_plan
+
+    ranks = tuple(range(cp))
+    q, k, v, do = _zigzag_inputs(cp)
+    s = q.shape[0]
+    count = dict(transport=lambda rank, inner: CountingTransport(inner))
+    for causal, window in ((True, (2, 0)), (True, (9, 0)), (False, (4, 3))):
+        ref = reference_attention(q, k, v, causal=causal, scale=0.3, dout=do, window=window)
+        causal_full = harness_attention(q, k, v, do, cp=cp, plan="full", causal=causal, softmax_scale=0.3,
+                                        kernel="math", window=window, **count)
+        for make, backward_kv in ((full_plan, "keep"), (halo_plan, "resend")):
+            plan = make(ranks, causal, window=window, seq_len=s).verify()
+            res = harness_attention(q, k, v, do, cp=cp, plan=plan, causal=causal, softmax_scale=0.3, kernel="math",
+                                    window=window, backward_kv=backward_kv, **count)
+            _assert_exact(res, ref)
+            assert _forward_bytes(res) <= _forward_bytes(causal_full)
+        with pytest.raises(ValueError, match="rebuild the plan"):
+            harness_attention(q, k, v, do, cp=cp, plan=full_plan(ranks, causal, window=window, seq_len=s).verify(),
+                              causal=causal, window=(window[0] + 1, window[1]), timeout_s=5.0)
+    q, k, v, do = _packed_inputs()
+    for causal, window in ((True, (3, 0)), (False, (2, 3))):
+        pl = place_packed(DOCS, cp, block_tokens=5, causal=causal, window=window)
+        ref = per_document_reference(q, k, v, do, DOCS, causal, 0.3, window=window)
+        res = harness_attention(q, k, v, do, placement=pl, plan=full_plan(ranks, causal, placement=pl).verify(),
+                                causal=causal, softmax_scale=0.3, kernel="math", window=window)
+        _assert_exact(res, ref)
