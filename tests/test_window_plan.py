@@ -224,9 +224,11 @@ def test_windowed_zigzag_plans_need_seq_len():
     assert build_plan("dgx-h100:1", range(4), "full", window=(8, 0), seq_len=61).seq_len == 64
 
 
-def test_a_causal_window_drops_right():
-    p = full_plan(range(2), True, window=(8, 5), seq_len=32)
-    assert p.window == (8, 0)
+def test_a_causal_window_takes_no_right_side():
+    """right -1 under causal means 0; right > 0 is refused (contract/mask.py: TE refuses it too)."""
+    assert full_plan(range(2), True, window=(8, -1), seq_len=32).window == (8, 0)
+    with pytest.raises(ValueError, match="right side must be 0"):
+        full_plan(range(2), True, window=(8, 5), seq_len=32)
 
 
 def test_ring_plan_under_a_window_over_delivers_and_verifies():

@@ -10,6 +10,17 @@ computed on. One executor serves both layouts: what it needs to know about token
 shard layout (Note [Shard layouts] in :mod:`megatron_fcp.attention.layout`). Over a placement a
 block is computed only against the query rows of its document, merged into those rows.
 
+Note [Windowed attention in the executor]
+-----------------------------------------
+The call's mask (:class:`~megatron_fcp.contract.mask.Mask`: ``causal`` and ``window=(left,
+right)`` in Megatron's convention) is resolved once, in :func:`_validate` (checked against the
+plan's and placement's own mask where they carry one), agreed by the ranks with the other facts,
+and passed to every kernel call. A block that has no visible pair with this rank's query rows
+(:func:`~megatron_fcp.attention.tiles.sees_any`: e.g. a block wholly before every query's
+window) is not computed: no kernel call in forward (nothing merged), a zero dK/dV partial in
+backward (the plan still routes and returns it). So a plan that delivers more than the window
+needs (a causal ``ring`` or ``full`` plan) stays exact; the extra blocks cost bytes, not compute.
+
 Note [Forward pipeline]
 -----------------------
 A block travels as one tensor ``[2, blk, b, h_kv, d]`` (K and V stacked) in the input dtype::
@@ -82,7 +93,9 @@ from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
 from megatron_fcp.attention.sinks import apply_sink, check_softmax_offset, sink_grad, sink_logits
 from megatron_fcp.attention.stats import FCPStats
+from megatron_fcp.attention.tiles import sees_any
 from megatron_fcp.contract.blocks import Block
+from megatron_fcp.contract.mask import Mask, check_window
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, BackwardProgram, compile_backward
@@ -97,6 +110,7 @@ __all__ = [
     "FCPNumericsError",
     "PLAN_AGREEMENT",
     "check_finite",
+    "resolve_mask",
 ]
 
 KernelLike = Union[str, BlockKernel]  # PlanLike, PLAN_ALIASES, resolve_plan: attention/resolve.py
@@ -160,12 +174,35 @@ def check_qkv(q, k, v, *, thd: bool = False, softmax_scale: float | None = None)
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
 
 
+def resolve_mask(causal: bool, window, plan=None, placement: Placement | None = None) -> Mask:
+    """The call's :class:`~megatron_fcp.contract.mask.Mask` from ``causal`` and ``window``
+    (Megatron's ``(left, right)``, -1 unbounded, None: no window), checked against the mask a
+    plan or placement object carries (``.mask``, where it has one); ValueError naming the fix.
+
+    A plan built for the call's mask runs; so does one built for a mask without a window that
+    sees every pair the call's sees (full attention's, or causal's under a causal window): its need
+    sets contain the window's, it only delivers more (the executor skips what no query sees)."""
+    try:
+        mask = Mask.of(causal, check_window(window))
+    except ValueError as exc:
+        raise ValueError(f"fcp_attention: {exc}") from None
+    for what, obj in (("plan", plan), ("placement", placement)):
+        theirs = getattr(obj, "mask", None)  # plans/placements built for a mask carry it
+        covers = theirs is not None and not theirs.windowed and (not theirs.causal or mask.causal)
+        if theirs is not None and theirs != mask and not covers:
+            raise ValueError(f"the {what} was built for {theirs.describe()} but attention runs {mask.describe()}; "
+                             f"rebuild the {what} with window={mask.window} (need sets differ), or pass "
+                             f"window={theirs.window}")
+    return mask
+
+
 def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_scale,
-              kernel: KernelLike = "auto", placement: Placement | None = None, softmax_offset=None):
-    """Check everything this rank can check locally; return (plan, rank, scale, kernel).
+              kernel: KernelLike = "auto", placement: Placement | None = None, softmax_offset=None, window=None):
+    """Check everything this rank can check locally; return (plan, rank, scale, kernel, mask).
 
     Zigzag: q, k, v are ``[s_local, b, h, d]``. Over a placement: THD ``[t_local, h, d]``."""
     thd = placement is not None
+    mask = resolve_mask(causal, window, plan, placement)  # the mask comes from here only
     check_qkv(q, k, v, thd=thd, softmax_scale=softmax_scale)
     check_softmax_offset(softmax_offset, q.shape[-2], q.device)
     s_local, d = q.shape[0], q.shape[-1]
@@ -187,7 +224,8 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
         raise ValueError(f"the plan cuts each {s_local // 2}-token zigzag chunk into {ppc} parts, more than it has "
                          f"tokens; build the plan with parts_per_chunk <= {max(s_local // 2, 1)}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    return plan, rank, scale, kernel_obj
+    resolve_mask(causal, window, plan)  # a named plan, now built: its mask (if any) agrees too
+    return plan, rank, scale, kernel_obj, mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,14 +236,16 @@ class _Executor:
     knows about tokens comes from a :class:`~megatron_fcp.attention.layout.ShardLayout` (zigzag or
     placement; Note [Shard layouts]); tensors are ``[n, b, h, d]`` (THD runs as ``b = 1``)."""
 
-    def __init__(self, plan: Plan, rank: int, transport: Transport, causal: bool, scale: float,
+    def __init__(self, plan: Plan, rank: int, transport: Transport, mask: Mask, scale: float,
                  layout: ShardLayout, stats: FCPStats | None, kernel: BlockKernel, program: BackwardProgram,
                  device: torch.device, q_ready: Callable[[], None] | None = None,
                  dq_ready: Callable[[torch.Tensor], None] | None = None, sink: torch.Tensor | None = None) -> None:
         if program.plan is not plan:
             raise ValueError("_Executor: the backward program was compiled for another plan")
         self.plan, self.rank, self.transport, self.kernel = plan, rank, transport, kernel
-        self.causal, self.scale, self.layout, self.stats = causal, scale, layout, stats
+        self.mask, self.scale, self.layout, self.stats = mask, scale, layout, stats
+        self.causal = mask.causal
+        self._sees: dict[Block, bool] = {}  # block -> some local query sees some of its keys
         self.program = program      # every backward decision (Note [Backward program])
         self.needs = plan.needs(rank)
         self.local_blocks = layout.local_blocks
@@ -279,6 +319,17 @@ class _Executor:
             kw["q_doc"] = self.layout.q_doc[rows]
             kw["k_doc"] = self.layout.k_doc(block)
         return rows, kw
+
+    def sees(self, block: Block) -> bool:
+        """Whether the block has a visible pair with this rank's query rows (Note [Windowed
+        attention in the executor]); a block without one is never computed."""
+        if block not in self._sees:
+            lay = self.layout
+            rows = lay.q_rows(block)
+            rows = slice(None) if rows is None else rows
+            self._sees[block] = sees_any(lay.q_pos[rows], lay.k_pos(block), self.mask,
+                                         None if lay.q_doc is None else lay.q_doc[rows], lay.k_doc(block))
+        return self._sees[block]
 
     # -- forward -------------------------------------------------------------------------------
     def _distribute(self, k: torch.Tensor, v: torch.Tensor, phase: str,
@@ -361,14 +412,16 @@ class _Executor:
 
         def compute(block: Block, kv: torch.Tensor) -> None:
             nonlocal compute_s
+            if not self.sees(block):
+                return                                                           # no visible pair: nothing to merge
             t0 = time.perf_counter()
             rows, kw = self._rows_args(block, preps, prepare)
             if rows is None:
                 acc.add(*self.kernel.forward(q, kv[0], kv[1], lay.q_pos, lay.k_pos(block),
-                                             self.causal, self.scale, **kw))
+                                             self.mask, self.scale, **kw))
             else:
                 acc.add(*self.kernel.forward(q[rows], kv[0], kv[1], lay.q_pos[rows], lay.k_pos(block),
-                                             self.causal, self.scale, **kw), rows=rows)
+                                             self.mask, self.scale, **kw), rows=rows)
             self._job_end()
             compute_s += time.perf_counter() - t0
 
@@ -426,16 +479,18 @@ class _Executor:
         def compute(block: Block, kv: torch.Tensor) -> torch.Tensor:
             """Adds the block's dq; returns its dK/dV partial [2, blk, b, h_kv, d]."""
             nonlocal compute_s
+            if not self.sees(block):
+                return torch.zeros(kv.shape, dtype=cd, device=kv.device)        # no visible pair: zero partial
             t0 = time.perf_counter()
             rows, kw = self._rows_args(block, preps, prepare)
             if rows is None:
                 dq_b, dk_b, dv_b = self.kernel.backward(
-                    doc, q, kv[0], kv[1], out, lse, lay.q_pos, lay.k_pos(block), self.causal, self.scale, **kw)
+                    doc, q, kv[0], kv[1], out, lse, lay.q_pos, lay.k_pos(block), self.mask, self.scale, **kw)
                 dq.add_(dq_b)
             else:
                 dq_b, dk_b, dv_b = self.kernel.backward(
                     doc[rows], q[rows], kv[0], kv[1], out[rows], lse[:, :, rows], lay.q_pos[rows],
-                    lay.k_pos(block), self.causal, self.scale, **kw)
+                    lay.k_pos(block), self.mask, self.scale, **kw)
                 dq[rows].add_(dq_b)
             self._job_end()
             compute_s += time.perf_counter() - t0
@@ -514,6 +569,7 @@ def fcp_attention_with_lse(
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False,
     q_ready: Callable[[], None] | None = None, dq_ready: Callable[[torch.Tensor], None] | None = None,
     softmax_offset: torch.Tensor | None = None,
+    window: "tuple[int, int] | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`fcp_attention` but also returns ``lse`` (FP32, FP64 for FP64 inputs):
     ``[b, h, s_local]`` for zigzag shards, ``[h, t_local]`` over a ``placement`` (THD).
@@ -521,14 +577,14 @@ def fcp_attention_with_lse(
     transport: override the default (gloo / NCCL by the group's backend), e.g. a CountingTransport.
     stats: an :class:`FCPStats` to add this call's times and bytes to (forward now, backward later).
     timeout_s: bound on each round's wait for the default transport, and on the agreement.
-    kernel, plan, placement: see :func:`fcp_attention`.
+    kernel, plan, placement, window: see :func:`fcp_attention`.
     backward_kv: ``"auto"`` (default, as the plugin's: keep while every rank's kept bytes fit
     ``kv_memory_budget``, bytes per rank, default the ring's, else re-send with the first step kept
     where it fits), ``"keep"`` (save received KV for backward: no KV traffic in backward, most
     memory) or ``"resend"`` (re-send it in backward; keep nothing); Note [Backward KV modes] in
     :mod:`megatron_fcp.schedule.program`. Outputs and gradients are bitwise the same.
     agreement: before the first transfer of a plan on a group the CP ranks agree (one bounded
-    collective) on the plan, shapes, dtypes, causal, scale and kernel; repeated calls with the same
+    collective) on the plan, shapes, dtypes, causal, window, scale and kernel; repeated calls with the same
     facts skip it (:class:`~megatron_fcp.attention.agreement.LastAgreed`). ``None``: the caller agreed
     already (the Megatron packed path agrees once per micro-batch). Every rank of the group must
     pass the same kind of ``agreement``.
@@ -547,7 +603,8 @@ def fcp_attention_with_lse(
     executor = build_executor(q, k, v, cp_group=cp_group, plan=plan, causal=causal, softmax_scale=softmax_scale,
                               transport=transport, stats=stats, timeout_s=timeout_s, kernel=kernel,
                               placement=placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
-                              agreement=agreement, q_ready=q_ready, dq_ready=dq_ready, softmax_offset=softmax_offset)
+                              agreement=agreement, q_ready=q_ready, dq_ready=dq_ready, softmax_offset=softmax_offset,
+                              window=window)
     if placement is None:
         out, lse = _FCPAttentionFunction.apply(q, k, v, softmax_offset, executor)
     else:
@@ -562,20 +619,20 @@ def fcp_attention_with_lse(
 def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=None, transport=None, stats=None,
                    timeout_s=DEFAULT_TIMEOUT_S, kernel="math", placement=None, backward_kv="auto",
                    kv_memory_budget=RING_BUDGET, agreement=PLAN_AGREEMENT, q_ready=None,
-                   dq_ready=None, softmax_offset=None) -> _Executor:
+                   dq_ready=None, softmax_offset=None, window=None) -> _Executor:
     """What one :func:`fcp_attention_with_lse` call runs (same arguments): validate, agree, pick the
     transport, compile the backward program (Note [Backward program] in
     :mod:`megatron_fcp.schedule.program`) and return the plan executor, complete. The in-process
     harness (:mod:`megatron_fcp.testing.harness`) drives it directly instead of through autograd."""
     policy = BackwardPolicy(backward_kv, kv_memory_budget)          # bad values fail before any communication
-    plan_obj, rank, scale, kernel_obj = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
-                                                  placement, softmax_offset)
+    plan_obj, rank, scale, kernel_obj, mask = _validate(q, k, v, cp_group, plan, causal, softmax_scale, kernel,
+                                                        placement, softmax_offset, window)
     if agreement is not None:
         thd = placement is not None
         agreement.ensure({
             "shape": (tuple(q.shape[1:] if thd else q.shape), tuple(k.shape[1:] if thd else k.shape)),
             "dtype": str(q.dtype),
-            "causal": causal, "softmax_scale": scale, "kernel": kernel_obj.name,
+            "causal": causal, "window": mask.window, "softmax_scale": scale, "kernel": kernel_obj.name,
             "sink": softmax_offset is not None,                      # that a sink is used, not its values
             "placement": None if placement is None else placement.blocks,
             "plan": (plan_obj.name, plan_obj.ranks, plan_obj.parts_per_chunk, plan_obj.rounds),
@@ -589,7 +646,7 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
     token_bytes = 2 * math.prod(k.shape[1:]) * k.element_size()       # K and V of one token, b sequences
     program = compile_backward(plan_obj, token_bytes, policy,
                                seq_len=None if placement is not None else q.shape[0] * plan_obj.cp)
-    return _Executor(plan_obj, rank, transport, causal, scale, layout, stats, kernel_obj, program, q.device,
+    return _Executor(plan_obj, rank, transport, mask, scale, layout, stats, kernel_obj, program, q.device,
                      q_ready=q_ready, dq_ready=dq_ready, sink=sink_logits(softmax_offset, compute_dtype_for(q.dtype)))
 
 
@@ -597,6 +654,7 @@ def fcp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, plan: PlanLike | None = None,
     causal: bool = True, softmax_scale: float | None = None, kernel: KernelLike = "auto",
     placement: Placement | None = None, softmax_offset: torch.Tensor | None = None,
+    window: "tuple[int, int] | None" = None,
 ) -> torch.Tensor:
     """Exact attention over the whole CP group's sequence (or packed batch), for this rank's shard.
 
@@ -613,6 +671,12 @@ def fcp_attention(
     document). plan: None or ``"full"`` (direct rounds, ``full_plan(ranks, causal,
     placement=placement)``) or a Plan over this placement (``build_plan(..., placement=)``).
 
+    window: a sliding window ``(left, right)`` in Megatron's convention (``--window-size``; query
+    ``i`` sees keys ``i - left .. i + right`` inclusive, -1 unbounded, ``right`` is 0 under
+    ``causal``; over a placement, positions inside each document); None: no window. A plan for
+    the window's mask, or for the unwindowed mask (``"ring"``, ``"full"``: they deliver more), is
+    exact: blocks outside every local window are received (if the plan sends them) but not
+    computed (Note [Windowed attention in the executor]).
     softmax_scale defaults to ``1/sqrt(d)``. kernel: the block kernel: ``"auto"`` (default: the
     best that runs here, :mod:`megatron_fcp.attention.dispatch`), ``"math"`` (pure torch, any dtype
     incl. FP64), ``"cpu-flash"``, ``"cuda-flash"``, ``"flash-attn"`` (fused ops) or a
@@ -628,5 +692,5 @@ def fcp_attention(
     """
     out, _ = fcp_attention_with_lse(q, k, v, cp_group=cp_group, plan=plan, causal=causal,
                                     softmax_scale=softmax_scale, kernel=kernel, placement=placement,
-                                    softmax_offset=softmax_offset)
+                                    softmax_offset=softmax_offset, window=window)
     return out

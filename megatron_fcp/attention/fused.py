@@ -6,10 +6,14 @@ contract (``(out, lse)`` in FP32, masks from positions and document ids, rows th
 :class:`~megatron_fcp.attention.fused_ops.FusedOps` binding:
 
 1. :func:`~megatron_fcp.attention.tiles.flash_pieces` cuts the (query shard, KV block) pair into
-   pieces a fused op can express: ``full`` (no mask), ``causal`` (square: a query run against its
-   own positions) and ``math`` (anything else, e.g. a query run starting inside the block: run by
-   the math kernel on those rows, bounded tiles, never an ``s x s`` matrix; logged once per kernel
-   on CUDA because it is slow there); fully masked rows are skipped.
+   pieces a fused op can express under the call's :class:`~megatron_fcp.contract.mask.Mask`:
+   ``full`` (no mask), ``causal`` (square: a query run against its own positions), ``band`` (a
+   sliding window's edge rows, on bindings with ``windows = True``: flash-attn's
+   ``window_size_left/right`` from :func:`~megatron_fcp.attention.tiles.flash_window`, one dense
+   call per piece) and ``math`` (anything else, e.g. a query run starting inside the block, or a
+   window's edge rows on a binding without window arguments: run by the math kernel on those
+   rows, bounded tiles, never an ``s x s`` matrix; logged once per kernel on CUDA because it is
+   slow there); fully masked rows are skipped.
 2. Pieces of one kind run in **one varlen call** when the binding has a varlen form and the batch
    is 1 (THD: one piece per document of a packed shard), each piece a segment (``cu_seqlens``),
    otherwise one dense call each.
@@ -43,7 +47,8 @@ from megatron_fcp.attention.kernels import (
     block_attention_forward,
     compute_dtype_for,
 )
-from megatron_fcp.attention.tiles import CAUSAL, FULL, MATH, flash_pieces
+from megatron_fcp.attention.tiles import BAND, CAUSAL, MATH, flash_pieces, flash_window
+from megatron_fcp.contract.mask import as_mask
 
 __all__ = ["FusedPiecesKernel", "CpuFlashKernel", "CudaFlashKernel", "FlashAttnKernel"]
 
@@ -77,6 +82,15 @@ def _gaps(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
     if pos < n:
         out.append((pos, n))
     return out
+
+
+def _window(kind: str, q_pos, k_pos, piece, mask) -> dict:
+    """The op's ``window=`` keyword for a ``band`` piece (flash-attn's convention:
+    :func:`~megatron_fcp.attention.tiles.flash_window`), none for other kinds."""
+    if kind != BAND:
+        return {}
+    a, z, _, k0, k1 = piece
+    return {"window": flash_window(int(q_pos[a]), z - a, int(k_pos[k0]), k1 - k0, mask)}
 
 
 def _cu(lengths: list[int], device) -> torch.Tensor:
@@ -126,14 +140,15 @@ class FusedPiecesKernel(BlockKernel):
         return {"q_c": q.to(od), "dout_c": dout.to(od), "out_c": out.to(od)}   # [n, b, h, d] x3
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_c=None, q_doc=None, k_doc=None):
+    def forward(self, q, k, v, q_pos, k_pos, mask, scale, q_c=None, q_doc=None, k_doc=None):
         n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
+        mask = as_mask(mask)
         cd = compute_dtype_for(q.dtype)
         ops = self.ops_for(q.dtype)
         od = ops.op_dtype(q.dtype)
         qc = q.to(od) if q_c is None else q_c                                    # [n, b, h, d]
         kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
-        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        pieces = flash_pieces(q_pos, k_pos, mask, q_doc, k_doc, bands=ops.windows)
         out = torch.empty(n, b, h, d, dtype=cd, device=q.device)                 # every row written once:
         lse = torch.empty((b, h, n), dtype=cd, device=q.device)                  # by a piece, or as empty
         for a, z in _gaps([(p[0], p[1]) for p in pieces], n):                     # rows that see no key
@@ -144,12 +159,13 @@ class FusedPiecesKernel(BlockKernel):
             if kind == MATH:
                 for a, z, _, _, _ in pieces:
                     self._note_math(q.device)
-                    o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, causal, scale,
+                    o_p, l_p = block_attention_forward(q[a:z], k, v, q_pos[a:z], k_pos, mask, scale,
                                                        **_docs(q_doc, k_doc, a, z))
                     out[a:z], lse[:, :, a:z] = o_p, l_p
             elif len(pieces) == 1:
                 a, z, _, k0, k1 = pieces[0]
-                o_p, l_p = ops.forward(_bshd(qc[a:z]), _bshd(kc[k0:k1]), _bshd(vc[k0:k1]), kind == CAUSAL, scale)
+                o_p, l_p = ops.forward(_bshd(qc[a:z]), _bshd(kc[k0:k1]), _bshd(vc[k0:k1]), kind == CAUSAL, scale,
+                                       **_window(kind, q_pos, k_pos, pieces[0], mask))
                 out[a:z] = _bshd(o_p)                                            # [t, b, h, d]
                 lse[:, :, a:z] = l_p                                             # [b, h, t]
             else:                                                                # varlen, b == 1
@@ -168,9 +184,10 @@ class FusedPiecesKernel(BlockKernel):
         return out, lse
 
     # -- backward ---------------------------------------------------------------------------
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_c=None, dout_c=None, out_c=None,
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c=None, dout_c=None, out_c=None,
                  q_doc=None, k_doc=None):
         n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
+        mask = as_mask(mask)
         m = k.shape[0]
         cd = compute_dtype_for(q.dtype)
         ops = self.ops_for(q.dtype)
@@ -180,7 +197,7 @@ class FusedPiecesKernel(BlockKernel):
         ouc = out.to(od) if out_c is None else out_c                             # [n, b, h, d]
         kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
         lse = lse.to(torch.float32)                                              # [b, h, n]; ops take FP32
-        pieces = flash_pieces(q_pos, k_pos, causal, q_doc, k_doc)
+        pieces = flash_pieces(q_pos, k_pos, mask, q_doc, k_doc, bands=ops.windows)
         dq = torch.empty(n, b, h, d, dtype=cd, device=q.device)                  # every row written once
         for a, z in _gaps([(p[0], p[1]) for p in pieces], n):
             dq[a:z] = 0.0
@@ -190,14 +207,15 @@ class FusedPiecesKernel(BlockKernel):
             if kind == MATH:
                 for a, z, _, _, _ in pieces:
                     g = block_attention_backward(dout[a:z], q[a:z], k, v, out[a:z], lse[:, :, a:z].to(cd), q_pos[a:z],
-                                                 k_pos, causal, scale, **_docs(q_doc, k_doc, a, z))
+                                                 k_pos, mask, scale, **_docs(q_doc, k_doc, a, z))
                     dq[a:z] = g[0]
                     dk.add_(g[1])
                     dv.add_(g[2])
             elif len(pieces) == 1:
                 a, z, _, k0, k1 = pieces[0]
                 dq_p, dk_p, dv_p = ops.backward(_bshd(doc[a:z]), _bshd(qc[a:z]), _bshd(kc[k0:k1]), _bshd(vc[k0:k1]),
-                                                _bshd(ouc[a:z]), lse[:, :, a:z], kind == CAUSAL, scale)
+                                                _bshd(ouc[a:z]), lse[:, :, a:z], kind == CAUSAL, scale,
+                                                **_window(kind, q_pos, k_pos, pieces[0], mask))
                 dq[a:z] = _bshd(dq_p)                                            # [t, b, h, d]
                 dk[k0:k1].add_(_bshd(dk_p))                                      # [k1-k0, b, hk, d]
                 dv[k0:k1].add_(_bshd(dv_p))
@@ -224,13 +242,14 @@ class FusedPiecesKernel(BlockKernel):
     # -- helpers ----------------------------------------------------------------------------
     @staticmethod
     def _groups(pieces, ops: FusedOps, b: int) -> list[tuple[str, list]]:
-        """Pieces as ``(kind, pieces)`` calls: math pieces one by one; fused pieces of one kind in
-        one varlen call when the binding has one and ``b == 1``, else one dense call each."""
+        """Pieces as ``(kind, pieces)`` calls: math and band pieces one by one (each band piece has
+        its own window arguments); fused pieces of one kind in one varlen call when the binding has
+        one and ``b == 1``, else one dense call each."""
         out: list[tuple[str, list]] = []
         batched = ops.varlen and b == 1
         by_kind: dict[str, list] = {}
         for p in pieces:
-            if p[2] == MATH or not batched:
+            if p[2] in (MATH, BAND) or not batched:
                 out.append((p[2], [p]))
             else:
                 by_kind.setdefault(p[2], []).append(p)
@@ -243,7 +262,8 @@ class FusedPiecesKernel(BlockKernel):
         if device.type == "cuda" and self.name not in FusedPiecesKernel._math_noted:
             FusedPiecesKernel._math_noted.add(self.name)
             log.warning("kernel %r: some query rows meet a KV block in a shape the fused op cannot mask "
-                        "(a query run starting inside the block); they run on the math kernel (exact, slower)",
+                        "(a query run starting inside the block, or a window's edge the op has no "
+                        "window argument for); they run on the math kernel (exact, slower)",
                         self.name)
 
 
@@ -257,7 +277,8 @@ class CpuFlashKernel(FusedPiecesKernel):
     BF16; that breaks the cancellation in ``dQ = dS K`` when keys share a large component (logits
     spread over 1e4: dq errors of ~100 vs max|dq| 8, measured), and on this CPU (AVX-512 BF16, one
     thread) the BF16 op is no faster than the FP32 one. The CPU op has no varlen form and only
-    top-left causal, so pieces run one call each."""
+    top-left causal, so pieces run one call each, and a sliding window's edge rows (``band``
+    pieces) run on the math kernel; rows a window sees whole run on the op."""
 
     name = "cpu-flash"
     _OPS = CpuFlashOps()

@@ -14,6 +14,10 @@ Contract (all tensors on the op's device; ``b`` batch, ``t`` queries, ``m`` keys
   inputs in :meth:`op_dtype`, last dim contiguous; ``causal`` is the square (top-left = bottom-right)
   causal mask: the kernel only asks for it with ``t == m``.
 * ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq [b,t,h,d], dk, dv [b,m,h_kv,d])``.
+* Bindings with ``windows = True`` also take ``window=(wl, wr)`` on ``forward`` / ``backward``:
+  flash-attn's ``window_size_left/right`` (bottom-right aligned; Note [flash-attn's window
+  convention] in :mod:`megatron_fcp.attention.tiles`), passed with ``causal=False``; the kernel
+  passes it only for ``band`` pieces whose rows all see a key.
 * Bindings with ``varlen = True`` also take packed segments (no batch dim; ``b = 1`` callers):
   ``forward_varlen(q [T,h,d], k, v [M,h_kv,d], cu_q, cu_k (int32 [S+1]), max_q, max_k, causal,
   scale) -> (o [T,h,d], lse [h,T] fp32)`` and ``backward_varlen(..., out, lse [h,T], ...)``.
@@ -54,6 +58,7 @@ class FusedOps:
     name = ""
     device_type = "cuda"
     varlen = False
+    windows = False  # forward/backward take window=(wl, wr), flash-attn's convention
 
     def unavailable(self) -> str | None:
         """None if the ops can run here, else why not (names the fix)."""
@@ -162,7 +167,7 @@ class LoopVarlenOps(FusedOps):
 
     def __init__(self, inner: FusedOps) -> None:
         self.inner = inner
-        self.name, self.device_type = inner.name, inner.device_type
+        self.name, self.device_type, self.windows = inner.name, inner.device_type, inner.windows
 
     def unavailable(self):
         return self.inner.unavailable()
@@ -170,11 +175,11 @@ class LoopVarlenOps(FusedOps):
     def op_dtype(self, dtype):
         return self.inner.op_dtype(dtype)
 
-    def forward(self, q, k, v, causal, scale):
-        return self.inner.forward(q, k, v, causal, scale)
+    def forward(self, q, k, v, causal, scale, **window):
+        return self.inner.forward(q, k, v, causal, scale, **window)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+    def backward(self, dout, q, k, v, out, lse, causal, scale, **window):
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale, **window)
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         o = torch.empty_like(q)                                           # [T, h, d]
@@ -207,6 +212,19 @@ def _cuda_missing(op_names: tuple[str, ...]) -> str | None:
     return None
 
 
+def _has_window_args(op_names: tuple[str, ...]) -> bool:
+    """Whether this torch's ops take ``window_size_left/right`` (their schema names them)."""
+    try:
+        return all("window_size_left" in str(getattr(torch.ops.aten, n).default._schema) for n in op_names)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _torch_window(window) -> dict:
+    """``window=(wl, wr)`` as torch's flash-op keywords (none without a window)."""
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
 class TorchCudaFlashOps(FusedOps):
     """torch's vendored FlashAttention-2: ``aten._flash_attention_forward(q, k, v, cum_seq_q,
     cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale)`` returns
@@ -214,7 +232,9 @@ class TorchCudaFlashOps(FusedOps):
     varlen (``[total, h, d]``); ``aten._flash_attention_backward(dout, q, k, v, out, lse, cum_seq_q,
     cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale)`` -> ``(dq, dk,
     dv)``. FP16/BF16, head dim a multiple of 8 up to 256, GQA native. With ``t == m`` its
-    bottom-right causal mask is the square one the kernel asks for."""
+    bottom-right causal mask is the square one the kernel asks for. Torch builds whose schema has
+    ``window_size_left/right`` (2.5+; checked: 2.13) take sliding-window bands (``windows``), in
+    flash-attn's convention (the vendored kernel's)."""
 
     name, varlen = "torch-flash", True
     _OPS = ("_flash_attention_forward", "_flash_attention_backward")
@@ -222,6 +242,7 @@ class TorchCudaFlashOps(FusedOps):
     def __init__(self) -> None:
         self._rng: dict = {}                                               # device -> (rng_state, unused)
         self._varlen_lse_dim: int | None = None                            # 2: [h, T]; 3: [S, h, max_q]
+        self.windows = _has_window_args(self._OPS)
 
     def unavailable(self):
         return _cuda_missing(self._OPS)
@@ -238,17 +259,17 @@ class TorchCudaFlashOps(FusedOps):
             self._rng[device] = (z, torch.zeros((), dtype=torch.int64, device=device))
         return self._rng[device]
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, window=None):
         o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale)
+            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale, **_torch_window(window))
         self._rng.setdefault(q.device, (rng, unused))
         return o, lse                                                      # [b,t,h,d], [b,h,t]
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         rng, unused = self._rng_state(q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal, rng, unused,
-            scale=scale)
+            scale=scale, **_torch_window(window))
         return dq, dk, dv
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -338,7 +359,7 @@ class FlashAttnOps(FusedOps):
     window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)`` (fills
     dq, dk, dv) and their ``_varlen_`` forms (LSE ``[h, T]``). Arguments are passed by keyword."""
 
-    name, varlen = "flash-attn", True
+    name, varlen, windows = "flash-attn", True, True
 
     def __init__(self) -> None:
         self._fa = None
@@ -371,16 +392,21 @@ class FlashAttnOps(FusedOps):
 
     _NO_WINDOW = dict(window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None)
 
-    def forward(self, q, k, v, causal, scale):
+    def _window(self, window) -> dict:
+        """flash-attn's window keywords: ``window=(wl, wr)`` (its own convention) or none."""
+        return self._NO_WINDOW if window is None else {
+            **self._NO_WINDOW, "window_size_left": window[0], "window_size_right": window[1]}
+
+    def forward(self, q, k, v, causal, scale, window=None):
         o, lse, _, _ = self._module()._flash_attn_forward(
-            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_softmax=False, **self._NO_WINDOW)
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_softmax=False, **self._window(window))
         return o, lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._module()._flash_attn_backward(
             dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            deterministic=False, rng_state=None, **self._NO_WINDOW)
+            deterministic=False, rng_state=None, **self._window(window))
         return dq, dk, dv
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

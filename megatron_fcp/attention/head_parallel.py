@@ -96,7 +96,13 @@ import torch.distributed as dist
 from megatron_fcp.attention.agreement import LastAgreed
 from megatron_fcp.attention.comm import DEFAULT_TIMEOUT_S, Transport
 from megatron_fcp.attention.dispatch import resolve_kernel
-from megatron_fcp.attention.function import PLAN_AGREEMENT, check_finite, check_qkv, fcp_attention_with_lse
+from megatron_fcp.attention.function import (
+    PLAN_AGREEMENT,
+    check_finite,
+    check_qkv,
+    fcp_attention_with_lse,
+    resolve_mask,
+)
 from megatron_fcp.attention.head_parallel_a2a import _HeadComm, _OutToSeq, _QKVToHeads
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.attention.sinks import apply_sink, check_softmax_offset, sink_grad, sink_logits
@@ -196,18 +202,19 @@ def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, hea
 # G == 1: attention over the whole sequence on this rank (Ulysses)
 # ---------------------------------------------------------------------------------------------
 class _LocalAttention(torch.autograd.Function):
-    """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``;
-    ``softmax_offset`` [h] or None: the sink, merged once after the kernel (attention.sinks)."""
+    """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``,
+    under ``mask`` (a :class:`~megatron_fcp.contract.mask.Mask`); ``softmax_offset`` [h] or None: the
+    sink, merged once after the kernel (attention.sinks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, causal: bool, scale: float,
+    def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, mask, scale: float,
                 softmax_offset: torch.Tensor | None):
         hk = k.shape[2]
-        out, lse = kernel.forward(q, k, v, pos, pos, causal, scale, **kernel.prepare_forward(q, hk, scale))
+        out, lse = kernel.forward(q, k, v, pos, pos, mask, scale, **kernel.prepare_forward(q, hk, scale))
         sink = sink_logits(softmax_offset, out.dtype)
         if sink is not None:  # Note [A sink enters once, after the merge]
             out, lse = apply_sink(out, lse, sink)
-        ctx.kernel, ctx.pos, ctx.causal, ctx.scale = kernel, pos, causal, scale
+        ctx.kernel, ctx.pos, ctx.mask, ctx.scale = kernel, pos, mask, scale
         ctx.sink, ctx.offset_dtype = sink, None if softmax_offset is None else softmax_offset.dtype
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
@@ -219,7 +226,7 @@ class _LocalAttention(torch.autograd.Function):
         kern, pos = ctx.kernel, ctx.pos
         doc = dout.to(compute_dtype_for(q.dtype))
         dsink = sink_grad(doc, out, lse, ctx.sink).to(ctx.offset_dtype) if ctx.needs_input_grad[7] else None
-        dq, dk, dv = kern.backward(doc, q, k, v, out, lse, pos, pos, ctx.causal, ctx.scale,
+        dq, dk, dv = kern.backward(doc, q, k, v, out, lse, pos, pos, ctx.mask, ctx.scale,
                                    **kern.prepare_backward(q, doc, out, k.shape[2]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsink
 
@@ -306,6 +313,7 @@ def fcp_head_parallel_attention_with_lse(
     timeout_s: float = DEFAULT_TIMEOUT_S, backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET,
     agreement: LastAgreed | None = PLAN_AGREEMENT, check_numerics: bool = False, return_lse: bool = True,
     overlap_q: bool = True, softmax_offset: torch.Tensor | None = None,
+    window: "tuple[int, int] | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention of this rank's zigzag shard through the head-parallel stage.
 
@@ -324,15 +332,18 @@ def fcp_head_parallel_attention_with_lse(
     softmax_offset: sink logits ``[h]`` (the layer's heads, as for
     :func:`~megatron_fcp.attention.function.fcp_attention`); after the all-to-all each rank applies
     those of the heads it holds (head shard ``j``: heads ``j*h/a .. (j+1)*h/a``), once per row, and
-    autograd maps their gradient back to the layer's heads. Raises ValueError naming the fix before
-    any communication on bad input.
+    autograd maps their gradient back to the layer's heads.
+    window: a sliding window ``(left, right)`` as for ``fcp_attention``; heads do not move tokens'
+    positions, so the stage passes it through unchanged (the local attention and the KV stage run
+    it on global positions). Raises ValueError naming the fix before any communication on bad input.
     """
+    mask = resolve_mask(causal, window)                     # bad windows fail before any communication
     rank, g, j, rep, scale, kern, groups = _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale,
                                                      kernel, softmax_offset)
     if agreement is not None and hp_plan.degree > 1:
         kv = hp_plan.kv_plan
         agreement.ensure({
-            "shape": (tuple(q.shape), tuple(k.shape)), "dtype": str(q.dtype), "causal": causal,
+            "shape": (tuple(q.shape), tuple(k.shape)), "dtype": str(q.dtype), "causal": causal, "window": mask.window,
             "softmax_scale": scale, "kernel": kern.name, "return_lse": return_lse,
             "head_parallel": (hp_plan.ranks, hp_plan.degree, hp_plan.head_groups, hp_plan.kv_replication),
             "kv_plan": None if kv is None else (kv.name, kv.ranks, kv.rounds), "overlap_q": overlap_q,
@@ -341,20 +352,20 @@ def fcp_head_parallel_attention_with_lse(
     s, b, h, d = q.shape
     a = hp_plan.degree
     if hp_plan.cp == 1:  # nothing to distribute
-        out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), causal, scale,
+        out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), mask, scale,
                                          softmax_offset)
     elif a == 1 and hp_plan.kv_plan.placement is None:  # degree 1 from compile_head_parallel: plain FCP
         out, lse = fcp_attention_with_lse(                                   # [s, b, h, d], [b, h, s]
             q, k, v, cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
             transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern, backward_kv=backward_kv,
-            kv_memory_budget=kv_memory_budget, agreement=agreement, softmax_offset=softmax_offset)
+            kv_memory_budget=kv_memory_budget, agreement=agreement, softmax_offset=softmax_offset, window=window)
     elif a == 1:  # no head-parallel stage: the KV stage over the CP group on the zigzag placement
         out3, lse = fcp_attention_with_lse(
             q.reshape(s, b * h, d), k.reshape(s, b * k.shape[2], d), v.reshape(s, b * v.shape[2], d),
             cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
             transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern,
             placement=hp_plan.kv_plan.placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
-            agreement=agreement,                                        # heads folded b-major: [b*h]
+            agreement=agreement, window=window,                         # heads folded b-major: [b*h]
             softmax_offset=None if softmax_offset is None else softmax_offset.repeat(b))
         out, lse = out3.view(s, b, h, d), lse.view(b, h, s)
     else:
@@ -367,7 +378,7 @@ def fcp_head_parallel_attention_with_lse(
         sink_j = None if softmax_offset is None else softmax_offset.view(a, hq)[j]  # [h/a]: head shard j's
         if not stage:  # G == 1: the whole sequence is here for h/a heads
             pos = _group_positions(hp_plan, hp_plan.head_groups[g], s)
-            o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, causal, scale, sink_j)
+            o_st, l_st = _LocalAttention.apply(qs, ks, vs, kern, pos, mask, scale, sink_j)
         else:
             plan_j = hp_plan.kv_plan_for(j)
             try:
@@ -375,7 +386,7 @@ def fcp_head_parallel_attention_with_lse(
                     qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d), cp_group=groups.kv_group,
                     plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
                     timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
-                    kv_memory_budget=kv_memory_budget, agreement=agreement, q_ready=comm.finish_pending,
+                    kv_memory_budget=kv_memory_budget, agreement=agreement, window=window, q_ready=comm.finish_pending,
                     dq_ready=(lambda g: comm.post_dq(g.view(n, b, hq, d))) if overlap_q else None,
                     softmax_offset=None if sink_j is None else sink_j.repeat(b))    # [b*h/a], b-major
             finally:

@@ -16,8 +16,11 @@ inputs are upcast once per call). ``out`` and ``lse`` (and the backward's ``dq, 
 returned in the compute dtype, never cast back, so partial results can be merged across blocks in
 FP32 (see :mod:`megatron_fcp.attention.merge`); the caller casts the final result.
 
-Mask: causal means key position <= query position; non-causal sees everything; with document ids
-a query sees only keys of its own document. A query row that
+Mask: a :class:`~megatron_fcp.contract.mask.Mask` (``mask``; a bool is ``causal`` through
+:func:`~megatron_fcp.contract.mask.as_mask`): causal means key position <= query position,
+non-causal sees everything, a sliding window ``(left, right)`` bounds both (Megatron's
+convention: query ``q`` sees keys ``q - left .. q + right``); with document ids a query sees only
+keys of its own document (positions are then positions inside the document). A query row that
 sees no key of the block gets ``out = 0`` and ``lse = -inf`` (never NaN), which the merge treats as
 an empty contribution.
 
@@ -38,10 +41,12 @@ Tiles (:mod:`megatron_fcp.attention.tiles`): query rows are cut into tiles that 
 in positions or a document (the two zigzag chunks of a shard are separate runs), and a block's
 keys into chunks of at most ``_KEY_CHUNK`` that never cross a document; pairs of two documents are
 skipped; inside
-a query tile the chunks are folded with the same online log-sum-exp merge as blocks are. A
-(tile, chunk) pair whose queries all precede the chunk's keys is *fully masked* and skipped (rows
-that see no chunk stay 0 / -inf); a pair whose earliest query follows every key is *fully
-visible* and runs without a mask; only diagonal pairs build the mask from positions.
+a query tile the chunks are folded with the same online log-sum-exp merge as blocks are. Each
+(tile, chunk) pair is classed by :meth:`Mask.classify`: *fully masked* pairs (the chunk after
+every query, or before every window) are skipped (rows that see no chunk stay 0 / -inf), *fully
+visible* pairs run without a mask, and only *partial* pairs (the diagonal, a window's edges)
+build the mask from positions (:meth:`Mask.visible`), their chunk first clipped to
+:meth:`Mask.key_range` of the tile.
 
 Block kernels as strategies: the functions above are the ``"math"`` kernel (:class:`MathKernel`),
 the exact reference. Kernels on fused ops (``cpu-flash``, ``cuda-flash``, ``flash-attn``) live in
@@ -59,6 +64,7 @@ import torch
 
 from megatron_fcp.attention.merge import merge_coefficients
 from megatron_fcp.attention.tiles import PARTIAL, math_tiles
+from megatron_fcp.contract.mask import Mask, as_mask
 
 __all__ = [
     "compute_dtype_for",
@@ -132,15 +138,16 @@ def prepare_query(q: torch.Tensor, h_kv: int, scale: float = 1.0) -> torch.Tenso
     return x.permute(1, 2, 0, 3).reshape(b, h_kv, h // h_kv, n, d)
 
 
-def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, g: int, device) -> torch.Tensor:
-    """Visibility [g*T, m] (True = key visible) for a tile, repeated over the g stacked heads."""
-    vis = k_pos.to(device)[None, :] <= q_pos.to(device)[:, None]  # [T, m]
-    return vis.repeat(g, 1)
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, g: int, device, mask: Mask) -> torch.Tensor:
+    """Visibility [g*T, m] (True = key visible) for a tile, repeated over the g stacked heads
+    (positions are CPU tensors: :meth:`Mask.visible` on them, then one copy to ``device``)."""
+    vis = torch.from_numpy(mask.visible(q_pos.numpy()[:, None], k_pos.numpy()[None, :]))  # [T, m]
+    return vis.to(device).repeat(g, 1)
 
 
 def block_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
+    q_pos: torch.Tensor, k_pos: torch.Tensor, mask: "Mask | bool", scale: float,
     rows_per_tile: int | None = None, q_layout: torch.Tensor | None = None,
     key_chunk: int | None = None, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,16 +156,18 @@ def block_attention_forward(
     ``key_chunk`` override the automatic tile height and key chunk length (tests use tiny ones);
     ``q_layout`` is an optional ``prepare_query(q, h_kv, scale)`` reused across blocks.
     ``q_doc`` / ``k_doc`` (int64 [n] / [m], CPU): document ids; a query sees only keys of its own
-    document (then positions are positions inside the document)."""
+    document (then positions are positions inside the document). ``mask``: a
+    :class:`~megatron_fcp.contract.mask.Mask` or a bool (``causal``)."""
     n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
     m, g = k.shape[0], h // hk
+    mask = as_mask(mask)
     cd = compute_dtype_for(q.dtype)
     qh = q_layout if q_layout is not None else prepare_query(q, hk, scale)  # [b, hk, g, n, d]
     kh = k.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
     out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
-    tiles = math_tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+    tiles = math_tiles(q_pos, k_pos, mask, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
                    q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
@@ -167,7 +176,7 @@ def block_attention_forward(
         for c0, c1, kind in chunks:
             s = torch.matmul(qt, kh[:, :, c0:c1].transpose(-1, -2))       # [b, hk, g*t, c]
             if kind == PARTIAL:
-                s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
+                s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device, mask), -math.inf)
             mx = s.amax(dim=-1, keepdim=True)                              # [b, hk, g*t, 1]
             p = torch.softmax(s, dim=-1)                                   # fused max/exp/sum/scale
             del s
@@ -198,7 +207,7 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def block_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor,
-    q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, scale: float,
+    q_pos: torch.Tensor, k_pos: torch.Tensor, mask: "Mask | bool", scale: float,
     delta: torch.Tensor | None = None, rows_per_tile: int | None = None,
     q_layout: torch.Tensor | None = None, dout_layout: torch.Tensor | None = None,
     key_chunk: int | None = None, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
@@ -209,10 +218,11 @@ def block_attention_backward(
     Returns ``dq [n,b,h,d]`` (this block's contribution; sum over blocks gives dQ) and
     ``dk, dv [m,b,h_kv,d]`` for this block, all in the compute dtype. ``q_layout`` /
     ``dout_layout``: optional unscaled ``prepare_query(q, h_kv)`` / ``prepare_query(dout, h_kv)``.
-    ``q_doc`` / ``k_doc``: document ids as in :func:`block_attention_forward`.
+    ``q_doc`` / ``k_doc`` and ``mask``: as in :func:`block_attention_forward`.
     """
     n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
     m, g = k.shape[0], h // hk
+    mask = as_mask(mask)
     cd = compute_dtype_for(q.dtype)
     if delta is None:
         delta = attention_delta(dout, out)
@@ -226,7 +236,7 @@ def block_attention_backward(
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
     dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
-    tiles = math_tiles(q_pos, k_pos, causal, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
+    tiles = math_tiles(q_pos, k_pos, mask, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
                    q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
@@ -239,7 +249,7 @@ def block_attention_backward(
             kc, vc = kh[:, :, c0:c1], vh[:, :, c0:c1]                      # [b, hk, c, d]
             s = torch.matmul(qt, kc.transpose(-1, -2)).mul_(scale)         # [b, hk, g*t, c]
             if kind == PARTIAL:
-                s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device), -math.inf)
+                s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device, mask), -math.inf)
             p = s.sub_(lse_t).exp_()                                       # P = exp(S - lse)
             dv[:, :, c0:c1].add_(torch.matmul(p.transpose(-1, -2), dot))   # [b, hk, c, d]
             dp = torch.matmul(dot, vc.transpose(-1, -2))                   # [b, hk, g*t, c]
@@ -253,20 +263,22 @@ def block_attention_backward(
 
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-    dout: torch.Tensor | None = None, rows_per_tile: int = 1024,
+    dout: torch.Tensor | None = None, rows_per_tile: int = 1024, window: "tuple[int, int] | None" = None,
 ) -> dict[str, torch.Tensor]:
     """Plain single-device attention with torch autograd, in the inputs' own dtype (no upcast).
 
     Used as the FP64 reference (pass float64 tensors) and as "plain PyTorch attention in BF16"
     (pass bf16 tensors) for the flash-attn tolerance rule. q: [s,b,h,d], k, v: [s,b,h_kv,d] over
     the *global* sequence (positions 0..s-1). Independent of the kernels above: GQA by
-    ``repeat_interleave``, ``torch.softmax`` / ``torch.logsumexp``. Query rows are processed in
-    tiles (each row's output depends only on its own query, so per-tile autograd is exact and
-    memory stays bounded); with ``causal`` a tile only looks at keys up to its last query. Returns ``out [s,b,h,d]``, ``lse [b,h,s]`` and, if ``dout`` is given,
-    ``dq, dk, dv``.
+    ``repeat_interleave``, ``torch.softmax`` / ``torch.logsumexp``, the dense visibility matrix of
+    :meth:`Mask.visible` (``causal`` and ``window``, Megatron's ``(left, right)``). Query rows are
+    processed in tiles (each row's output depends only on its own query, so per-tile autograd is
+    exact and memory stays bounded); with ``causal`` a tile only looks at keys up to its last
+    query. Returns ``out [s,b,h,d]``, ``lse [b,h,s]`` and, if ``dout`` is given, ``dq, dk, dv``.
     """
     s, b, h, d = q.shape
     g = h // k.shape[2]
+    mask = Mask.of(causal, window)
     kf = k.detach().requires_grad_(dout is not None)
     vf = v.detach().requires_grad_(dout is not None)
     outs, lses, dqs = [], [], []
@@ -277,8 +289,9 @@ def reference_attention(
         kr = kf[:sk].repeat_interleave(g, dim=2).permute(1, 2, 0, 3)       # [b, h, sk, d]
         vr = vf[:sk].repeat_interleave(g, dim=2).permute(1, 2, 0, 3)       # [b, h, sk, d]
         sc = torch.matmul(qt.permute(1, 2, 0, 3), kr.transpose(-1, -2)) * scale  # [b, h, t, sk]
-        if causal:
-            vis = torch.arange(sk, device=q.device)[None, :] <= torch.arange(a, z, device=q.device)[:, None]
+        if causal or mask.windowed:
+            vis = torch.from_numpy(mask.visible(torch.arange(a, z).numpy()[:, None],
+                                                torch.arange(sk).numpy()[None, :])).to(q.device)  # [t, sk]
             sc = sc.masked_fill(~vis, -math.inf)
         o = torch.matmul(torch.softmax(sc, dim=-1), vr).permute(2, 0, 1, 3)  # [t, b, h, d]
         lses.append(torch.logsumexp(sc, dim=-1).detach())
@@ -298,10 +311,12 @@ def reference_attention(
 class BlockKernel:
     """One way to compute attention of a query shard against one KV block, and its backward.
 
-    Contract (every kernel): ``forward(q, k, v, q_pos, k_pos, causal, scale, **prep)`` returns
-    ``(out [n,b,h,d], lse [b,h,n])`` in the compute dtype (:func:`compute_dtype_for`); rows that see
+    Contract (every kernel): ``forward(q, k, v, q_pos, k_pos, mask, scale, **prep)`` returns
+    ``(out [n,b,h,d], lse [b,h,n])`` in the compute dtype (:func:`compute_dtype_for`); ``mask`` is
+    a :class:`~megatron_fcp.contract.mask.Mask` (causal, full or a sliding window; the executor
+    always passes one, a bool still means ``causal`` through ``as_mask``); rows that see
     no key of the block give out 0 and lse -inf. ``backward(dout, q, k, v, out, lse, q_pos, k_pos,
-    causal, scale, **prep)`` returns this block's ``dq [n,b,h,d]``, ``dk, dv [m,b,h_kv,d]`` in the
+    mask, scale, **prep)`` returns this block's ``dq [n,b,h,d]``, ``dk, dv [m,b,h_kv,d]`` in the
     compute dtype, given the *final* (all-block) FP32 ``out`` and ``lse``. ``prepare_forward`` /
     ``prepare_backward`` build per-shard keyword arguments reused across the blocks of one shard.
     ``check(dtype, device)`` raises ValueError naming the fix when the kernel cannot run them.
@@ -324,10 +339,10 @@ class BlockKernel:
     def prepare_backward(self, q: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, h_kv: int) -> dict:
         return {}
 
-    def forward(self, q, k, v, q_pos, k_pos, causal: bool, scale: float, **prep):
+    def forward(self, q, k, v, q_pos, k_pos, mask: "Mask | bool", scale: float, **prep):
         raise NotImplementedError
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal: bool, scale: float, **prep):
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, mask: "Mask | bool", scale: float, **prep):
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -352,8 +367,8 @@ class MathKernel(BlockKernel):
         return {"delta": attention_delta(dout, out),                       # [b, h, n]
                 "q_layout": prepare_query(q, h_kv), "dout_layout": prepare_query(dout, h_kv)}
 
-    def forward(self, q, k, v, q_pos, k_pos, causal, scale, **prep):
-        return block_attention_forward(q, k, v, q_pos, k_pos, causal, scale, **prep)
+    def forward(self, q, k, v, q_pos, k_pos, mask, scale, **prep):
+        return block_attention_forward(q, k, v, q_pos, k_pos, mask, scale, **prep)
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, **prep):
-        return block_attention_backward(dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, **prep)
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, **prep):
+        return block_attention_backward(dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, **prep)

@@ -56,16 +56,29 @@ import torch
 
 from megatron_fcp.attention.device_clock import DeviceClock
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
+from megatron_fcp.contract.mask import Mask, as_mask
 
 __all__ = ["count_pairs", "Sleeper", "SleepKernel", "VirtualStream"]
 
 _DOC_STRIDE = 1 << 40  # document id * stride + position: one sort key for (document, position)
 
 
-def count_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+def count_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: "bool | Mask",
                 q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
-    """Keys each query row sees (int64 ``[n]``): causal means key position <= query position, and
+    """Keys each query row sees (int64 ``[n]``): causal means key position <= query position (a
+    :class:`~megatron_fcp.contract.mask.Mask` with a window: its ``offsets`` bound key - query), and
     with document ids only keys of the query's own document count (positions inside documents)."""
+    mask = as_mask(causal)
+    causal = mask.causal
+    if mask.windowed:                           # keys at doc*S + [q + lo, q + hi], clipped to the document
+        lo, hi = mask.offsets
+        q_doc = torch.zeros_like(q_pos) if q_doc is None else q_doc
+        k_doc = torch.zeros_like(k_pos) if k_doc is None else k_doc
+        ks = torch.sort(k_doc * _DOC_STRIDE + k_pos).values
+        base = q_doc * _DOC_STRIDE
+        first = base + torch.clamp(q_pos + max(int(lo), -_DOC_STRIDE), min=0)
+        last = base + torch.clamp(q_pos + min(int(hi), _DOC_STRIDE), max=_DOC_STRIDE - 1)
+        return (torch.searchsorted(ks, last, right=True) - torch.searchsorted(ks, first, right=False)).clamp(min=0)
     if q_doc is None:
         if not causal:
             return torch.full(q_pos.shape, k_pos.numel(), dtype=torch.int64)

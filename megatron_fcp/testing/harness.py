@@ -103,6 +103,7 @@ def harness_attention(
     backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET, device: "str | torch.device | None" = None,
     timeout_s: float = 60.0, transport: Callable[[int, Transport], Transport] | None = None,
     stats: bool = False, agree: bool = False, softmax_offset: torch.Tensor | None = None,
+    window: "tuple[int, int] | None" = None,
 ) -> HarnessResult:
     """Run FCP attention (forward, and backward when ``dout`` is given) for every CP rank in one process.
 
@@ -117,6 +118,7 @@ def harness_attention(
     softmax_offset: sink logits ``[h]`` (every rank gets them); each rank's ``dsink`` is its rows'
     share in the offset's dtype (the full gradient is their sum: Note [The sink's gradient across
     ranks] in :mod:`megatron_fcp.attention.sinks`).
+    window: a sliding window ``(left, right)`` (Megatron's convention), as for ``fcp_attention``.
     Other arguments as for :func:`~megatron_fcp.attention.function.fcp_attention_with_lse`.
     Errors raised by any rank (validation, :class:`~megatron_fcp.attention.comm.CommTimeout`) are re-raised.
     """
@@ -151,7 +153,8 @@ def harness_attention(
             ex = build_executor(ql, kl, vl, cp_group=h, plan=plan_arg, causal=causal, softmax_scale=softmax_scale,
                                 transport=tr, stats=st, timeout_s=timeout_s, kernel=kernel, placement=placement,
                                 backward_kv=backward_kv, kv_memory_budget=kv_memory_budget, agreement=agreement,
-                                softmax_offset=None if softmax_offset is None else softmax_offset.to(device))
+                                softmax_offset=None if softmax_offset is None else softmax_offset.to(device),
+                                window=window)
             if thd:  # the engine runs THD as b = 1, like fcp_attention_with_lse
                 ql, kl, vl = (x.unsqueeze(1) for x in (ql, kl, vl))               # [t, 1, h(_kv), d]
                 dl = dl.unsqueeze(1) if dl is not None else None
@@ -182,14 +185,16 @@ def harness_attention(
 # ---------------------------------------------------------------------------------------------
 # references and the ready-made numerics matrix
 # ---------------------------------------------------------------------------------------------
-def per_document_reference(q, k, v, do, lengths: Sequence[int], causal: bool, scale: float) -> dict:
+def per_document_reference(q, k, v, do, lengths: Sequence[int], causal: bool, scale: float,
+                           window: "tuple[int, int] | None" = None) -> dict:
     """Each document of a packed batch attended alone by plain torch autograd (in the inputs'
-    dtype), concatenated: out, dq ``[T, h, d]``, dk, dv ``[T, h_kv, d]``, lse ``[h, T]``."""
+    dtype; ``window`` inside each document), concatenated: out, dq ``[T, h, d]``, dk, dv
+    ``[T, h_kv, d]``, lse ``[h, T]``."""
     parts, start = [], 0
     for n in lengths:
         sl = slice(start, start + n)
         parts.append(reference_attention(q[sl, None], k[sl, None], v[sl, None], causal=causal, scale=scale,
-                                         dout=do[sl, None]))
+                                         dout=do[sl, None], window=window))
         start += n
     res = {name: torch.cat([p[name][:, 0] for p in parts]) for name in ("out", "dq", "dk", "dv")}
     res["lse"] = torch.cat([p["lse"][0] for p in parts], dim=-1)
