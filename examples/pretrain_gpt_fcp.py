@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention sinks (megatron-core 0.15+): off-by-one adds 1 to every softmax denominator, "
                         "learnable a trained logit per head")
     g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--window-size", type=_window_arg, default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention (Megatron's window_size; causal: W,0)")
+    g.add_argument("--window-attn-skip-freq", type=int, default=None,
+                   help="every N-th layer full attention, the others windowed (Megatron's rule)")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="auto: transformer_engine on CUDA when installed, else local")
@@ -122,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
     add_fcp_args(p)
     return p
+
+
+def _window_arg(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-size {text!r}: expected LEFT,RIGHT (e.g. 16,0)") from None
+    return (left, right)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, FCPConfig]:
@@ -236,6 +248,7 @@ def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
         add_bias_linear=not args.disable_bias_linear,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         perform_initialization=True, masked_softmax_fusion=False,  # Megatron's fused softmax needs apex-era CUDA extensions
+        window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         **_recompute_kwargs(args), **_softmax_kwargs(args),
     )
 
@@ -340,6 +353,7 @@ def train(
     from megatron_fcp.patches.megatron import apply_fcp, assert_model_uses_fcp, revert_fcp  # noqa: PLC0415
     from megatron_fcp.patches.packed import shard_packed_batch  # noqa: PLC0415
     from megatron_fcp.patches.runtime import setup_fcp  # noqa: PLC0415
+    from megatron_fcp.patches.te_spec import model_windows  # noqa: PLC0415
 
     rank, world = dist.get_rank(), dist.get_world_size()
     say = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
@@ -360,13 +374,14 @@ def train(
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         info: dict[str, Any] = {"enabled": fcp.enabled, "cp": layout.cp, "tp": layout.tp, "dp": layout.dp,
                                 "graph": None, "topology": fcp.topology, "plan_ranks": None}
+        tconfig = _transformer_config(args, dtype)
         if fcp.enabled:
             apply_fcp(fcp)
             heads = args.num_attention_heads
             runtime = setup_fcp(
                 fcp, seq_len=None if args.packed else args.seq_length, heads=heads, kv_heads=args.num_query_groups or heads,
                 head_dim=args.hidden_size // heads, dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
-                micro_batch=args.micro_batch_size,
+                micro_batch=args.micro_batch_size, windows=model_windows(tconfig),
             )
             runtime.transport_factory = transport_factory
             runtime.record_stats = True  # each layer's latest FCPStats: KV held, peak, re-sent
@@ -390,7 +405,7 @@ def train(
 
             spec.submodules.self_attention.submodules.core_attention = FCPCoreAttention
         model = GPTModel(
-            config=_transformer_config(args, dtype), transformer_layer_spec=spec,
+            config=tconfig, transformer_layer_spec=spec,
             vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length,
             position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

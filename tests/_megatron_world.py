@@ -1,7 +1,8 @@
 """One gloo world of 4 processes for the Megatron end-to-end tests.
 
 tests/test_gpt_e2e.py (dense batches), tests/test_recompute_e2e.py (activation recomputation) and
-tests/test_gpt_packed_e2e.py (packed THD batches) and tests/test_sinks_e2e.py (attention sinks) all train the example's tiny megatron-core GPT
+tests/test_gpt_packed_e2e.py (packed THD batches), tests/test_sinks_e2e.py (attention sinks) and
+tests/test_window_e2e.py (sliding windows) all train the example's tiny megatron-core GPT
 (examples/pretrain_gpt_fcp.py, FP32, 20 steps) on 4 gloo processes and compare FCP with Megatron's
 own cp = 1 attention. They share this one world: the processes start and import megatron-core once,
 and the dense cp = 1 reference, whose arguments the dense and the recompute parts share, is trained
@@ -62,8 +63,14 @@ SINKS = {
     "packed-cp4": PACKED_COMMON + ["--softmax-type", "learnable"],
 }
 
+# window part (tests/test_window_e2e.py): gpt-oss-like interleaving, layer 1 windowed (16 tokens: two
+# zigzag chunks at cp = 4, one at cp = 2), layer 2 full (Megatron's window_attn_skip_freq rule), with
+# learnable sinks on both (GPT_OSS); packed batches with the window alone
+WINDOW = ["--window-size", "16,0", "--window-attn-skip-freq", "2"]
+GPT_OSS = WINDOW + ["--softmax-type", "learnable"]
+
 #: part -> seconds its trainings may take on 2 shared cores (the world's timeout is their sum)
-PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600}
+PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600, "window": 480}
 
 
 def _example():
@@ -166,6 +173,32 @@ def _sinks(example) -> dict:
     at cp = 1 and tp = 2 x cp = 2, cp = 4 with a head-parallel stage of degree 2; off-by-one at cp = 1
     and cp = 4 (backward re-sending KV); packed at cp = 1 and cp = 4."""
     return {name: example.train(*example.parse_args(argv), log=_quiet) for name, argv in SINKS.items()}
+def _window(example) -> dict:
+    """gpt-oss-like (GPT_OSS: interleaved window / full layers, learnable sinks): cp = 1 (Megatron's own
+    windowed attention with its SoftmaxOne), cp = 4 with every transfer counted, tp = 2 at cp = 1 and
+    tp = 2 x cp = 2; packed batches with the window inside each document at cp = 1 and cp = 4."""
+    from megatron_fcp.attention.comm import CountingTransport, default_transport
+
+    counters: list[CountingTransport] = []
+
+    def counting(group):
+        transport = CountingTransport(default_transport(group))
+        counters.append(transport)
+        return transport
+
+    out = {"cp1": example.train(*example.parse_args(BASE + CP1 + GPT_OSS), log=_quiet)}
+    args, fcp = example.parse_args(BASE + GPT_OSS)
+    out["cp4"] = example.train(args, fcp, transport_factory=counting, log=_quiet)
+    # per attention call, in call order (layer 1 windowed, layer 2 full, per micro-batch): KV bytes received
+    out["cp4"]["recv_bytes"] = [sum(p.nbytes for p in t.posted if p.kind == "recv" and p.phase == "forward")
+                                for t in counters]
+    out["tp2cp1"] = example.train(*example.parse_args(BASE + CP1 + GPT_OSS + ["--tensor-model-parallel-size", "2"]),
+                                  log=_quiet)
+    out["tp2cp2"] = example.train(*example.parse_args(
+        BASE + GPT_OSS + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]), log=_quiet)
+    out["packed_cp1"] = example.train(*example.parse_args(PACKED_COMMON + CP1 + WINDOW), log=_quiet)
+    out["packed_cp4"] = example.train(*example.parse_args(PACKED_COMMON + WINDOW), log=_quiet)
+    return out
 
 
 def worker(rank: int, world: int, parts: list[str], metrics_path: str) -> dict:
@@ -182,6 +215,8 @@ def worker(rank: int, world: int, parts: list[str], metrics_path: str) -> dict:
         out["packed"] = _packed(example)
     if "sinks" in parts:
         out["sinks"] = _sinks(example)
+    if "window" in parts:
+        out["window"] = _window(example)
     return out
 
 

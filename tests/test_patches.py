@@ -228,8 +228,8 @@ def test_version_outside_supported_range(monkeypatch):
 def test_fcp_core_attention_rejects_unsupported(stub):
     from megatron_fcp.patches import megatron as pm
 
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        pm.FCPCoreAttention(config=_tcfg(cp=1, window_size=(128, 0)), layer_number=1,
+    with pytest.raises(NotImplementedError, match="qk_clip"):
+        pm.FCPCoreAttention(config=_tcfg(cp=1, qk_clip=True), layer_number=1,
                             attn_mask_type=None, pg_collection=_pgs(1))
     with pytest.raises(NotImplementedError, match="softmax_type='quiet'"):
         pm.FCPCoreAttention(config=_tcfg(cp=1, softmax_type="quiet"), layer_number=1,

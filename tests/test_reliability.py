@@ -104,8 +104,8 @@ def test_without_fallback_every_unsupported_layer_raises_with_the_reason(stub):
     from megatron_fcp.patches import megatron as pm
 
     _apply(FCPConfig(enabled=True, graph="ring", topology="dgx-h100:1"))
-    with pytest.raises(NotImplementedError, match=r"sliding-window .*\[layer 2\]; or pass --fcp-fallback megatron"):
-        _te_module(stub, layer=2, window_size=(64, 0))
+    with pytest.raises(NotImplementedError, match=r"qk_clip .*\[layer 2\]; or pass --fcp-fallback megatron"):
+        _te_module(stub, layer=2, qk_clip=True)
     module = _te_module(stub, layer=3)
     assert isinstance(module, pm.FCPCoreAttention)
     q = torch.zeros(4, 1, 4, 8)
@@ -121,17 +121,17 @@ def test_fallback_megatron_runs_megatrons_class_and_logs_once_per_reason(stub, c
     _apply(FCPConfig(enabled=True, graph="ring", topology="dgx-h100:1", fallback="megatron"))
     q = torch.zeros(4, 1, 4, 8)
     with caplog.at_level(logging.WARNING, logger="megatron_fcp"):
-        windowed = _te_module(stub, layer=1, window_size=(64, 0))
-        assert isinstance(windowed, pm.FCPCoreAttention)
-        assert windowed(q, q, q, None) == "te-ring" and windowed(q, q, q, None) == "te-ring"
+        clipped = _te_module(stub, layer=1, qk_clip=True)
+        assert isinstance(clipped, pm.FCPCoreAttention)
+        assert clipped(q, q, q, None) == "te-ring" and clipped(q, q, q, None) == "te-ring"
         biased = _te_module(stub, layer=2)
         for _ in range(3):
             assert biased(q, q, q, None, attention_bias=torch.zeros(1)) == "te-ring"
     logged = [r.getMessage() for r in caplog.records if "runs Megatron's" in r.getMessage()]
-    assert len(logged) == 2 and "sliding-window" in logged[0] and "attention_bias" in logged[1], logged
+    assert len(logged) == 2 and "qk_clip" in logged[0] and "attention_bias" in logged[1], logged
     report = current_runtime().layer_report
     assert report[1] == {"attention": "megatron", "reason": report[1]["reason"]}
-    assert "sliding-window" in report[1]["reason"] and "attention_bias" in report[2]["reason"]
+    assert "qk_clip" in report[1]["reason"] and "attention_bias" in report[2]["reason"]
 
 
 def test_fallback_megatron_says_when_megatrons_class_cannot_serve_either(stub):
@@ -162,8 +162,8 @@ def test_user_report_hierarchical_cp_never_silently_runs_without_cp(stub, caplog
         assert entry["attention"] == "fcp" and entry["plan"] == "hierarchical" and entry["cp_ranks"] == [0, 1, 2, 3]
     lines = [r.getMessage() for r in caplog.records if "FCP attention, plan" in r.getMessage()]
     assert len(lines) == 3 and "layer 1: FCP attention, plan 'hierarchical'" in lines[0], lines
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        _te_module(stub, cp=4, layer=4, window_size=(8, 0))
+    with pytest.raises(NotImplementedError, match="qk_clip"):
+        _te_module(stub, cp=4, layer=4, qk_clip=True)
 
 
 # ---- the error catalogue ------------------------------------------------------------------------------------

@@ -281,7 +281,6 @@ REFUSED = [
     ("fp8-dpa", dict(fp8_dot_product_attention=True), r"FP8 attention \(fp8_dot_product_attention\).*"
                                                         r"--fp8-dot-product-attention"),
     ("fp8-mha", dict(fp8_multi_head_attention=True), r"FP8 attention \(fp8_multi_head_attention\)"),
-    ("window", dict(window_size=(128, 0)), r"sliding-window attention \(window_size=\(128, 0\)\).*--window-size"),
     ("softmax", dict(softmax_type="quiet"), r"softmax_type='quiet' is not supported"),
     ("qk-clip", dict(qk_clip=True), r"qk_clip needs the max attention logit.*--qk-clip"),
     ("batch-invariant", dict(batch_invariant_mode=True), r"batch_invariant_mode.*--batch-invariant-mode"),
@@ -314,17 +313,30 @@ def test_fp8_linear_layers_alone_are_kept(applied):
     assert isinstance(_build(stub, fp8="hybrid"), pm.FCPCoreAttention)
 
 
-def test_window_refused_only_on_the_layers_megatron_windows(applied, monkeypatch):
-    """window_attn_skip_freq=2: layers 2, 4, ... are full attention (megatron-core's own rule)."""
+def test_window_only_on_the_layers_megatron_windows(applied, monkeypatch):
+    """window_attn_skip_freq=2: layers 2, 4, ... are full attention (megatron-core's own rule); FCP
+    serves both kinds, each layer with its own window (Note [Per-layer plans])."""
     from megatron_fcp.patches import megatron as pm
+    from megatron_fcp.patches.te_spec import model_windows
 
     stub = applied()
     utils = types.ModuleType("megatron.core.transformer.utils")
     utils.is_layer_window_attention = lambda window, freq, layer: bool(window) and layer % freq != 0
     monkeypatch.setitem(sys.modules, "megatron.core.transformer.utils", utils)
-    with pytest.raises(NotImplementedError, match=r"sliding-window .*\[layer 1\]"):
-        _build(stub, layer=1, window_size=(64, 0), window_attn_skip_freq=2)
-    assert isinstance(_build(stub, layer=2, window_size=(64, 0), window_attn_skip_freq=2), pm.FCPCoreAttention)
+    windowed = _build(stub, layer=1, window_size=(64, 0), window_attn_skip_freq=2)
+    full = _build(stub, layer=2, window_size=(64, 0), window_attn_skip_freq=2)
+    assert isinstance(windowed, pm.FCPCoreAttention) and isinstance(full, pm.FCPCoreAttention)
+    assert windowed.window == (64, 0) and full.window is None
+    cfg = types.SimpleNamespace(window_size=(64, 0), window_attn_skip_freq=2, num_layers=4)
+    assert model_windows(cfg) == ((64, 0),)
+    assert model_windows(types.SimpleNamespace(window_size=None, num_layers=4)) == ()
+
+
+def test_causal_window_with_a_right_side_is_refused(applied):
+    """A causal layer sees no later key: window (W, R > 0) is refused as TE refuses it."""
+    stub = applied()
+    with pytest.raises(NotImplementedError, match=r"right side must be 0"):
+        _build(stub, layer=1, window_size=(64, 8))
 
 
 def test_fallback_runs_te_with_the_layers_own_arguments(applied):
@@ -332,9 +344,9 @@ def test_fallback_runs_te_with_the_layers_own_arguments(applied):
     (its cp_comm_type included) and called with the caller's keywords (num_splits included)."""
     stub = applied(fallback="megatron")
     te = stub.TEDotProductAttention
-    windowed = _build(stub, layer=2, cp_comm_type="a2a", window_size=(64, 0), softmax_scale=0.5)
+    clipped = _build(stub, layer=2, cp_comm_type="a2a", qk_clip=True, softmax_scale=0.5)
     q = torch.zeros(4, 1, 4, 8)
-    assert windowed(q, q, q, None, attn_mask_type=_AttnMaskType.causal, num_splits=2) == "te"
+    assert clipped(q, q, q, None, attn_mask_type=_AttnMaskType.causal, num_splits=2) == "te"
     assert len(te.built) == 1 and te.built[0]["cp_comm_type"] == "a2a" and te.built[0]["softmax_scale"] == 0.5
     assert te.called[0]["num_splits"] == 2 and te.called[0]["attn_mask_type"] == _AttnMaskType.causal
     assert current_runtime().layer_report[2]["attention"] == "megatron"

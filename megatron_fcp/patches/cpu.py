@@ -26,6 +26,7 @@ binding (megatron-core 0.16.1)                                   CPU meaning
 ``transformer.dot_product_attention:DotProductAttention          the sink's ``softmax_offset``
 .__init__`` (0.15+)                                              (``softmax_type`` off-by-one /
                                                                  learnable) created on the CPU
+``fusions.fused_softmax:get_sliding_window_causal_mask``        the window's band on the CPU (0.15+)
 ==============================================================  ==================================
 
 Each shim is gated on what the installed megatron-core really has: it is installed only where
@@ -221,6 +222,15 @@ def _make_dpa_init(original: Callable) -> Callable:
         make_softmax_offset(self, config, self.num_attention_heads_per_partition, device=torch.device("cpu"))
 
     return __init__
+def _make_sliding_window_mask(original: Callable) -> Callable:
+    def get_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+        """True = masked, ``[sq, skv]`` on the CPU: key ``j`` is visible to query ``i`` iff
+        ``i + skv - sq - left <= j <= i + skv - sq + right`` (megatron-core's band, bottom-right aligned)."""
+        ones = torch.ones(sq, skv, dtype=torch.bool)
+        band = torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+        return ~band
+
+    return get_sliding_window_causal_mask
 
 
 @dataclass(frozen=True)
@@ -264,6 +274,8 @@ CPU_SHIMS: tuple[Shim, ...] = (
     Shim("megatron.core.fusions.fused_softmax:get_default_causal_mask", _make_default_causal_mask),
     Shim("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__", _make_dpa_init,
          required=False),
+    Shim("megatron.core.fusions.fused_softmax:get_sliding_window_causal_mask", _make_sliding_window_mask,
+         required=False),  # 0.15+: the local attention's sliding window (the cp = 1 reference of windowed layers)
 )
 
 

@@ -59,9 +59,10 @@ import torch
 
 from megatron_fcp.attention.function import FCPNumericsError
 from megatron_fcp.config import FCPConfig
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.patches import REGISTRY, PatchTargetError, check_megatron_version, megatron_core_version
 from megatron_fcp.patches.compat import refuse_hybrid_cp
-from megatron_fcp.patches.packed import ROPE_TARGET, make_rope, packed_attention
+from megatron_fcp.patches.packed import ROPE_TARGET, make_rope, packed_attention, window_mask
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime, reset_fcp, setup_fcp
 from megatron_fcp.patches.sinks import dense_sink_attention, make_softmax_offset, softmax_offset_sharded_state_dict
 from megatron_fcp.patches.te_spec import (
@@ -69,7 +70,9 @@ from megatron_fcp.patches.te_spec import (
     check_cp_comm_type,
     check_te_signature,
     layer_refusal,
+    layer_window,
     mask_is_causal,
+    model_windows,
     refuse_cp_comm_type_args,
 )
 
@@ -163,7 +166,7 @@ class FCPCoreAttention(torch.nn.Module):
     megatron`` run Megatron's own attention class for that layer and log it once per reason; see
     Note [No silent fallbacks]): attention bias, padding/arbitrary masks outside THD, packed formats
     other than THD, attention dropout > 0 in training, and what
-    :func:`~megatron_fcp.patches.te_spec.layer_refusal` lists (sliding windows, an unknown softmax_type,
+    :func:`~megatron_fcp.patches.te_spec.layer_refusal` lists (an unknown softmax_type,
     FP8 attention, QK-clip, batch-invariant mode, cross attention, K/V head sizes that differ).
     A per-layer ``cp_comm_type`` list with different values raises
     :class:`~megatron_fcp.patches.te_spec.CPCommTypeError`. Always refused:
@@ -218,12 +221,14 @@ class FCPCoreAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
         self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP refuses qk-clip
+        self.window = layer_window(config, self.layer_number)  # None: full length (Note [Per-layer plans])
         self._check_config(config, cp_comm_type, attention_type, k_channels, v_channels)
         # where megatron-core's DotProductAttention creates it, so the same seed draws the same init
         make_softmax_offset(self, config, self.num_attention_heads_per_partition)
         if self.cp_size > 1:
             runtime = _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
-            runtime.report_layer(self.layer_number, self._fallback_reason, cp_group=self.cp_group)
+            runtime.report_layer(self.layer_number, self._fallback_reason, cp_group=self.cp_group,
+                                 window=self.window)
 
     def _check_config(self, config: Any, cp_comm_type: Any, attention_type: str, k_channels: int | None,
                       v_channels: int | None) -> None:
@@ -234,6 +239,13 @@ class FCPCoreAttention(torch.nn.Module):
                                logged=_STATE.setdefault("cp_comm_logged", set()))
         reason = layer_refusal(config, layer_number=self.layer_number, attention_type=attention_type,
                                k_channels=k_channels, v_channels=v_channels)
+        if reason is None and self.window is not None:
+            try:
+                Mask.of(mask_is_causal(self.attn_mask_type, packed=True), self.window)
+            except NotImplementedError:
+                pass  # a mask type FCP refuses: said at forward time with its own reason
+            except ValueError as exc:
+                reason = f"FCPCoreAttention: --window-size {self.window} with {self.attn_mask_type}: {exc}"
         if reason is not None:
             self._fallback_reason = self._unsupported(reason)
 
@@ -278,7 +290,7 @@ class FCPCoreAttention(torch.nn.Module):
                            type(module).__name__)
         runtime = current_runtime()
         if runtime is not None:
-            runtime.report_layer(self.layer_number, reason, cp_group=self.cp_group)
+            runtime.report_layer(self.layer_number, reason, cp_group=self.cp_group, window=self.window)
         return module(*args, **kwargs)
 
     def _causal(self, attn_mask_type: Any, packed_seq_params: Any = None) -> bool:
@@ -335,24 +347,26 @@ class FCPCoreAttention(torch.nn.Module):
     def _fcp_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
                      packed_seq_params: Any) -> torch.Tensor:
         if packed_seq_params is not None:  # q [t, h, d] -> [t, h*d]; Note in megatron_fcp.patches.packed
-            return packed_attention(self, query, key, value, packed_seq_params, causal=causal, transport=_transport)
+            return packed_attention(self, query, key, value, packed_seq_params, causal=causal, transport=_transport,
+                                    window=self.window)
         s, b, h, d = query.shape  # [s, b, h, d]; key/value [s, b, h_kv, d]
         if self.cp_size == 1:
             out = _local_attention(query, key, value, causal=causal, scale=self.softmax_scale,
-                                   softmax_offset=self.softmax_offset)
+                                   softmax_offset=self.softmax_offset, window=self.window)
         else:
             from megatron_fcp.attention.function import fcp_attention_with_lse  # noqa: PLC0415
 
             runtime = current_runtime()
             if runtime is None:
                 raise FCPStateError("FCP runtime was reset after this model was built; rebuild the model")
-            plan = runtime.plan_for_group(self.cp_group, causal=causal, s_local=s)
-            kw = dict(causal=causal, softmax_scale=self.softmax_scale, kernel=runtime.config.kernel,
+            plan = runtime.plan_for_group(self.cp_group, causal=causal, s_local=s, window=self.window)
+            kw = dict(causal=causal, window=self.window, softmax_scale=self.softmax_scale, kernel=runtime.config.kernel,
                       backward_kv=runtime.config.backward_kv, kv_memory_budget=runtime.config.kv_memory_budget,
                       stats=runtime.layer_stats(self.layer_number), timeout_s=runtime.config.timeout_s,
                       check_numerics=runtime.config.check_numerics, agreement=runtime.plan_agreement,
                       softmax_offset=self.softmax_offset)
-            hp = runtime.head_parallel(self.cp_group, causal=causal, s_local=s, heads=h, kv_heads=key.shape[2])
+            hp = runtime.head_parallel(self.cp_group, causal=causal, s_local=s, heads=h, kv_heads=key.shape[2],
+                                       window=self.window)
             if hp is None:
                 out, _ = fcp_attention_with_lse(query, key, value, cp_group=self.cp_group, plan=plan,
                                                 transport=_transport(runtime, self.cp_group), **kw)
@@ -404,18 +418,22 @@ def _transport(runtime: Any, group: Any) -> Any:
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                     softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
+                     softmax_offset: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> torch.Tensor:
     """Single-rank attention, ``q [s, b, h, d]``, ``k/v [s, b, h_kv, d]`` -> ``[s, b, h, d]``
-    (with a sink: :func:`~megatron_fcp.patches.sinks.dense_sink_attention`)."""
+    (with a sink: :func:`~megatron_fcp.patches.sinks.dense_sink_attention`); a ``window`` becomes an
+    explicit mask from :class:`~megatron_fcp.contract.mask.Mask`'s rule."""
     if softmax_offset is not None:
-        return dense_sink_attention(q, k, v, softmax_offset, causal=causal, scale=scale)
+        return dense_sink_attention(q, k, v, softmax_offset, causal=causal, scale=scale, window=window)
     group = q.shape[2] // k.shape[2]
     if group > 1:  # GQA: each KV head serves `group` query heads
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
     qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, h, s, d]
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    mask = None if window is None else window_mask(q.shape[0], causal, window, q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal and mask is None,
+                                                           attn_mask=mask, scale=scale)
     return out.permute(2, 0, 1, 3)  # [s, b, h, d]
+
 
 
 def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
@@ -437,6 +455,7 @@ def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
         head_dim=head_dim,
         dtype_bytes=torch.tensor([], dtype=transformer_config.params_dtype).element_size(),
         micro_batch=_megatron_training_arg("micro_batch_size") or 1,
+        windows=model_windows(transformer_config),
     )
 
 

@@ -33,16 +33,18 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.function import fcp_attention_with_lse
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import check_doc_lengths
 from megatron_fcp.patches import REGISTRY
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime
 
 __all__ = ["doc_lengths_of", "shard_packed_batch", "packed_attention", "local_packed_attention",
-           "make_rope", "ROPE_TARGET"]
+           "make_rope", "window_mask", "ROPE_TARGET"]
 
 ROPE_TARGET = "megatron.core.transformer.attention:apply_rotary_pos_emb"
 """The RoPE binding ``Attention.forward`` looks up (every supported megatron-core)."""
@@ -131,31 +133,37 @@ def shard_packed_batch(batch: dict[str, torch.Tensor], cu_seqlens: Any, *, cp_gr
 
 
 def local_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...], *,
-                           causal: bool, scale: float, softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
+                           causal: bool, scale: float, softmax_offset: torch.Tensor | None = None,
+                           window: tuple[int, int] | None = None) -> torch.Tensor:
     """Single-rank attention of a packed batch, each document alone: q ``[t, h, d]``, k/v
     ``[t, h_kv, d]`` -> ``[t, h, d]`` (torch SDPA per document; with a sink ``[h]``,
-    :func:`~megatron_fcp.patches.sinks.dense_sink_attention` per document)."""
+    :func:`~megatron_fcp.patches.sinks.dense_sink_attention` per document; a ``window`` inside each
+    document)."""
     if softmax_offset is not None:
         from megatron_fcp.patches.sinks import dense_sink_attention  # noqa: PLC0415
 
         bounds = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
         return torch.cat([dense_sink_attention(*(x[a:z, None] for x in (q, k, v)), softmax_offset, causal=causal,
-                                               scale=scale)[:, 0] for a, z in zip(bounds, bounds[1:])])
+                                               scale=scale, window=window)[:, 0] for a, z in zip(bounds, bounds[1:])])
     group = q.shape[1] // k.shape[1]
     if group > 1:  # GQA: each KV head serves `group` query heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     outs, start = [], 0
     for n in lengths:
         qh, kh, vh = (x[start:start + n].transpose(0, 1) for x in (q, k, v))  # [h, n, d]
-        outs.append(torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
-                    .transpose(0, 1))
+        mask = None if window is None else window_mask(n, causal, window, q.device)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal and mask is None,
+                                                                     attn_mask=mask, scale=scale).transpose(0, 1))
         start += n
     return torch.cat(outs)
 
 
 def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     packed_seq_params: Any, *, causal: bool, transport: Callable[[Any], Any]) -> torch.Tensor:
-    """``FCPCoreAttention``'s packed path: q ``[t_local, h, d]`` -> ``[t_local, h*d]``."""
+                     packed_seq_params: Any, *, causal: bool, transport: Callable[[Any], Any],
+                     window: tuple[int, int] | None = None) -> torch.Tensor:
+    """``FCPCoreAttention``'s packed path: q ``[t_local, h, d]`` -> ``[t_local, h*d]``; ``window``: the
+    layer's sliding window inside each document (its plan over the batch's placement, Note
+    [Per-layer plans] in :mod:`megatron_fcp.patches.runtime`)."""
     lengths = doc_lengths_of(packed_seq_params)
     if query.dim() != 3:
         raise ValueError(f"packed (THD) attention expects q [t, h, d] (Megatron squeezes the batch of 1), "
@@ -165,7 +173,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         if t != sum(lengths):
             raise ValueError(f"q has {t} tokens but cu_seqlens describes {sum(lengths)}")
         out = local_packed_attention(query, key, value, lengths, causal=causal, scale=module.softmax_scale,
-                                     softmax_offset=getattr(module, "softmax_offset", None))
+                                     softmax_offset=getattr(module, "softmax_offset", None), window=window)
         return out.reshape(t, -1)
     runtime = current_runtime()
     if runtime is None:
@@ -174,7 +182,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         raise NotImplementedError(f"packed (THD) batches with CP > 1 need FCP's RoPE binding ({ROPE_TARGET}), "
                                   "which apply_fcp() could not install in this megatron-core")
     ranks = tuple(dist.get_process_group_ranks(module.cp_group))
-    plan = runtime.packed_plan(ranks, lengths, causal=causal)
+    plan = runtime.packed_plan(ranks, lengths, causal=causal, window=window)
     placement = plan.placement
     index = ranks.index(dist.get_rank())
     if t != placement.tokens(index):
@@ -182,12 +190,12 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                          f"{placement.tokens(index)}: lay the batch out with "
                          "megatron_fcp.patches.packed.shard_packed_batch (not get_batch_on_this_cp_rank)")
     runtime.agreement.ensure(
-        {"doc_lengths": lengths, "placement": placement.blocks, "plan": plan.rounds, "causal": causal,
+        {"doc_lengths": lengths, "placement": placement.blocks, "plan": plan.rounds, "causal": causal, "window": window,
          "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), str(key.dtype)),
          "sink": getattr(module, "softmax_offset", None) is not None},
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
     out, _ = fcp_attention_with_lse(query, key, value, cp_group=module.cp_group, plan=plan, placement=placement,
-                                    causal=causal, softmax_scale=module.softmax_scale,
+                                    causal=causal, window=window, softmax_scale=module.softmax_scale,
                                     transport=transport(runtime, module.cp_group), kernel=runtime.config.kernel,
                                     backward_kv=runtime.config.backward_kv,
                                     kv_memory_budget=runtime.config.kv_memory_budget,
@@ -196,6 +204,13 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                     agreement=None,  # agreed above, once per micro-batch
                                     softmax_offset=getattr(module, "softmax_offset", None))
     return out.reshape(t, -1)
+
+
+def window_mask(n: int, causal: bool, window: tuple[int, int], device: Any = None) -> torch.Tensor:
+    """``[n, n]`` booleans, True = visible, of ``window`` over positions 0..n-1 of one sequence or
+    document (SDPA's ``attn_mask`` for the single-rank paths), by :class:`Mask`'s rule."""
+    pos = np.arange(n)
+    return torch.from_numpy(Mask.of(causal, window).visible(pos[:, None], pos[None, :])).to(device)
 
 
 def _packed_positions(cu_seqlens: Any, cp_group: Any, tokens: int) -> torch.Tensor | None:

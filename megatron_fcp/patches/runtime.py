@@ -14,10 +14,34 @@ group; a group that was not settled (the groups were re-created after setup) rai
 :class:`FCPStateError` instead of running with a stale plan. Which head-parallel degree, graph and
 block size they run is the planner's choice (:mod:`megatron_fcp.patches.schedule`, Note [The
 runtime runs the planner's choice]).
+
+Note [Per-layer plans]
+----------------------
+A model may mix masks: ``window_size`` with ``window_attn_skip_freq`` gives sliding-window layers
+between full-attention ones (gpt-oss, Gemma 2/3), by megatron-core's own rule
+(:func:`~megatron_fcp.patches.te_spec.layer_window`). Each distinct mask gets its own plan:
+
+* full-attention layers run the settled schedule (head-parallel degree, graph, parts: the planner's
+  choice of Note [The runtime runs the planner's choice]);
+* a windowed layer runs a plan built under its window (``build_plan(..., window=, seq_len=)``), which
+  moves each block only to the ranks whose window reaches it: with a window shorter than a zigzag
+  chunk that is a halo of neighbour blocks, and a rank whose window lies inside its own shard
+  receives nothing. Its graph is the configured one (``auto``: the builder the cost model prices
+  fastest under the window) with the run's parts per chunk, and it runs **without** the
+  head-parallel stage: the stage's all-to-all moves a (a-1)/a share of every token's Q, K, V and
+  output, while a window's need is its halo, so the stage is not priced for windowed layers yet.
+
+:func:`setup_fcp` builds the windowed plans of the model's windows (``windows=``, from the model
+config by :func:`~megatron_fcp.patches.megatron` at model build) at the settled length with the
+full-attention plan, and the setup agreement compares them all. The layer report says which layer
+runs which plan (``window`` and ``plan`` per layer). Packed batches are laid out once per
+micro-batch (one placement for every layer); a windowed layer's plan is over that same placement
+with the window's need sets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import OrderedDict
@@ -31,6 +55,7 @@ from megatron_fcp.attention.agreement import AgreementCache, LastAgreed, agree
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.head_parallel import (
     HeadParallelPlan,
     check_head_parallel,
@@ -149,13 +174,17 @@ def build_group_plan(
     head_dim: int | None = None,
     dtype_bytes: int = 2,
     placement: Placement | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Plan:
     """Build the plan of one CP group with the configured graph (verified as it is built);
-    ``placement``: a packed batch's placement instead of Megatron's zigzag split."""
+    ``placement``: a packed batch's placement instead of Megatron's zigzag split; ``window``: a
+    sliding window (Megatron's ``(left, right)``): the plan moves each block only to the ranks whose
+    window reaches it (a zigzag plan then needs ``seq_len``, the padded global sequence)."""
+    extra = {} if window is None else {"window": tuple(window)}
     plan = build_plan(
         topology, tuple(cp_ranks), config.graph, causal=causal, parts_per_chunk=parts_per_chunk,
         seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
-        placement=placement,
+        placement=placement, **extra,
     )
     if tuple(plan.ranks) != tuple(cp_ranks):
         raise PlanError(f"planner returned ranks {list(plan.ranks)} for CP group {list(cp_ranks)}")
@@ -215,6 +244,8 @@ class FCPRuntime:
     seq_len: int | None
     plan_args: dict = field(default_factory=dict)
     plans: dict[tuple[tuple[int, ...], bool, int], Plan] = field(default_factory=dict)
+    windows: tuple[tuple[int, int], ...] = ()  # the model's distinct sliding windows (setup_fcp)
+    window_plans: dict[tuple, Plan] = field(default_factory=dict)  # (ranks, causal, window, parts, seq_len) -> plan
     groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> the group object
     transport_factory: Any = None  # group -> Transport per call; None = the backend's default
     transports: dict[int, Any] = field(default_factory=dict)  # id(group) -> default transport
@@ -244,14 +275,16 @@ class FCPRuntime:
         1: no stage)."""
         return self.hp_degree if self.hp_degree is not None else self.config.head_parallel_degree(self.layout.cp)
 
-    def head_parallel(self, group: Any, *, causal: bool, s_local: int, heads: int, kv_heads: int):
+    def head_parallel(self, group: Any, *, causal: bool, s_local: int, heads: int, kv_heads: int,
+                      window: tuple[int, int] | None = None):
         """``(HeadParallelPlan, HeadParallelGroups)`` of the live CP group ``group`` (registered by
         :meth:`plan_for_group`) for this call's shapes, or None without a head-parallel stage.
-        Plans are built once per shape (pure); the groups were created at :func:`setup_fcp`."""
+        Plans are built once per shape (pure); the groups were created at :func:`setup_fcp`.
+        Windowed layers run without the stage (Note [Per-layer plans])."""
         from megatron_fcp.attention.head_parallel import HeadParallelGroups  # noqa: PLC0415
 
         degree = self.head_parallel_degree()
-        if degree == 1:
+        if degree == 1 or window is not None:
             return None
         ranks = tuple(dist.get_process_group_ranks(group))
         key = (ranks, bool(causal), int(s_local), int(heads), int(kv_heads))
@@ -274,36 +307,44 @@ class FCPRuntime:
             head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2),
             graph=c.graph if c is not None else None, stagger=c.stagger if c is not None else 1)
 
-    def report_layer(self, layer: int, fallback_reason: str | None = None, *, cp_group: Any = None) -> dict:
+    def report_layer(self, layer: int, fallback_reason: str | None = None, *, cp_group: Any = None,
+                     window: tuple[int, int] | None = None) -> dict:
         """Record (and log at INFO, once per layer and state) what serves ``layer``'s CP attention:
-        FCP with the settled plan of this rank's CP group, or Megatron's own attention and why."""
+        FCP with the settled plan of this rank's CP group for the layer's mask (``window``: its sliding
+        window, Note [Per-layer plans]), or Megatron's own attention and why."""
         if fallback_reason is not None:
             entry = {"attention": "megatron", "reason": fallback_reason}
         else:
-            plan = self._settled_plan_of(cp_group)
+            plan = self._settled_plan_of(cp_group, window)
             entry = {"attention": "fcp", "graph": self.config.graph,
+                     "window": None if window is None else list(window),
                      "plan": None if plan is None else plan.name,
                      "cp_ranks": None if plan is None else list(plan.ranks),
                      "rounds": None if plan is None else len(plan.rounds),
-                     "head_parallel": self.head_parallel_degree(),
-                     "schedule": None if self.schedule is None else self.schedule.label,
-                     "predicted_ms": None if self.schedule is None else round(self.schedule.total_s * 1e3, 4)}
+                     "head_parallel": self.head_parallel_degree() if window is None else 1,
+                     "schedule": None if self.schedule is None or window is not None else self.schedule.label,
+                     "predicted_ms": None if self.schedule is None or window is not None
+                     else round(self.schedule.total_s * 1e3, 4)}
         if self.layer_report.get(layer) != entry:
             self.layer_report[layer] = entry
             if entry["attention"] == "fcp":
-                logger.info("megatron_fcp: layer %d: FCP attention, plan %r (asked graph %r) over CP ranks %s, "
-                            "%s rounds", layer, entry["plan"], entry["graph"], entry["cp_ranks"], entry["rounds"])
+                logger.info("megatron_fcp: layer %d: FCP attention%s, plan %r (asked graph %r) over CP ranks %s, "
+                            "%s rounds", layer, "" if window is None else f" with window {tuple(window)}",
+                            entry["plan"], entry["graph"], entry["cp_ranks"], entry["rounds"])
             else:
                 logger.warning("megatron_fcp: layer %d: Megatron's own attention (--fcp-fallback megatron): %s",
                                layer, fallback_reason)
         return entry
 
-    def _settled_plan_of(self, cp_group: Any) -> Plan | None:
+    def _settled_plan_of(self, cp_group: Any, window: tuple[int, int] | None = None) -> Plan | None:
         try:
             ranks = tuple(dist.get_process_group_ranks(cp_group))
         except Exception:  # noqa: BLE001 - no live group (hand-made layouts in tests): this rank's group
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             ranks = self.layout.cp_group_of(rank) if rank < self.layout.world else None
+        if window is not None:
+            return next((p for k, p in self.window_plans.items() if k[0] == ranks and k[1] and k[2] == tuple(window)),
+                        None)
         return next((p for (r, c, _), p in self.plans.items() if r == ranks and c), None)
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
@@ -318,13 +359,20 @@ class FCPRuntime:
         self.packed.move_to_end(key)
         return self.packed[key]
 
-    def packed_plan(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool = True) -> Plan:
-        """The verified plan of CP group ``cp_ranks`` for a packed batch (cached by the lengths)."""
+    def packed_plan(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool = True,
+                    window: tuple[int, int] | None = None) -> Plan:
+        """The verified plan of CP group ``cp_ranks`` for a packed batch (cached by the lengths and the
+        layer's mask). Every layer's plan is over the batch's one placement (the tokens are laid out
+        once per micro-batch, by :meth:`packed_placement`); a windowed layer's plan moves only what
+        its window needs over that same placement (Note [Per-layer plans])."""
         if tuple(cp_ranks) not in self.layout.cp_groups():
             raise FCPStateError(f"CP group {list(cp_ranks)} is not a CP group of this run's layout; call setup_fcp() again")
-        key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
+        window = None if window is None else tuple(window)
+        key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal), window)
         if key not in self.packed:
             placement = self.packed_placement(doc_lengths, causal=causal)
+            if window is not None:  # the same blocks, need sets under the layer's window
+                placement = dataclasses.replace(placement, window=window)
             self._remember(key, build_group_plan(self.config, self.topology, tuple(cp_ranks), causal=causal,
                                                  placement=placement, **self.plan_args))
         self.packed.move_to_end(key)
@@ -367,7 +415,23 @@ class FCPRuntime:
             logger.info("built FCP plan variant %s on first use", key)
         return self.plans[key]
 
-    def plan_for_group(self, group: Any, *, causal: bool, s_local: int) -> Plan:
+    def window_plan(self, cp_ranks: tuple[int, ...], *, causal: bool, window: tuple[int, int], s_local: int) -> Plan:
+        """The plan of a windowed layer (Note [Per-layer plans]): settled at setup for the settled
+        length, other lengths built once on first use (a window's need sets depend on the length)."""
+        parts = self.parts_per_chunk(s_local)
+        seq_len = s_local * len(cp_ranks)
+        key = (tuple(cp_ranks), bool(causal), tuple(window), parts, seq_len)
+        if key not in self.window_plans:
+            if tuple(cp_ranks) not in {k[0] for k in self.plans}:
+                raise FCPStateError(
+                    f"no FCP plan was settled for CP group {list(cp_ranks)}: call setup_fcp() after "
+                    "initialize_model_parallel() and before building the model"
+                )
+            self.window_plans[key] = self._build(cp_ranks, causal, parts, window=tuple(window), seq_len=seq_len)
+            logger.info("built FCP plan for window %s (%d tokens) on first use", tuple(window), seq_len)
+        return self.window_plans[key]
+
+    def plan_for_group(self, group: Any, *, causal: bool, s_local: int, window: tuple[int, int] | None = None) -> Plan:
         """Plan of the live CP process group ``group``.
 
         Raises :class:`FCPStateError` when ``group`` was destroyed, or when Megatron's current CP
@@ -394,11 +458,19 @@ class FCPRuntime:
                 f"CP group {list(ranks)} was re-created after setup_fcp(); the settled plan belongs "
                 "to the old communicator. Call setup_fcp() again and rebuild the model"
             )
+        if window is not None:
+            return self.window_plan(ranks, causal=causal, window=window, s_local=s_local)
         return self.plan(ranks, causal=causal, parts_per_chunk=self.parts_per_chunk(s_local))
 
-    def _build(self, cp_ranks: tuple[int, ...], causal: bool, parts: int) -> Plan:
-        """A plain (no head-parallel stage) plan: a = 1's settled graph, else the configured one."""
+    def _build(self, cp_ranks: tuple[int, ...], causal: bool, parts: int, *, window: tuple[int, int] | None = None,
+               seq_len: int | None = None) -> Plan:
+        """A plain (no head-parallel stage) plan: a = 1's settled graph, else the configured one.
+        Windowed: the configured graph (``auto``: the builder the cost model prices fastest under the
+        window), over ``seq_len`` tokens (Note [Per-layer plans])."""
         c = self.schedule
+        if window is not None:
+            return build_group_plan(self.config, self.topology, cp_ranks, causal=causal, parts_per_chunk=parts,
+                                    seq_len=seq_len, window=window, **self.plan_args)
         config = self.config.replace(graph=c.graph) if c is not None and c.degree == 1 else self.config
         return build_group_plan(config, self.topology, cp_ranks, causal=causal,
                                 parts_per_chunk=parts, seq_len=self.seq_len, **self.plan_args)
@@ -443,6 +515,7 @@ def setup_fcp(
     layout: MegatronLayout | None = None,
     groups: dict[tuple[int, ...], Any] | None = None,
     micro_batch: int = 1,
+    windows: tuple[tuple[int, int], ...] = (),
 ) -> FCPRuntime:
     """Settle FCP for this process: validate, build + verify every CP group's causal plan.
 
@@ -451,7 +524,9 @@ def setup_fcp(
     With the shapes known the head-parallel degree, graph and block size are the planner's choice
     under the flags given (Note [The runtime runs the planner's choice] in
     :mod:`megatron_fcp.patches.schedule`; ``micro_batch``: sequences per call, which prices an
-    explicit ``--fcp-kv-memory-budget``).
+    explicit ``--fcp-kv-memory-budget``). ``windows``: the model's distinct sliding windows
+    (Megatron's ``(left, right)``; Note [Per-layer plans]): each gets its plan at the settled length,
+    built and agreed here with the full-attention plan.
     Raises ``ValueError``/``PlanError`` naming the flag to change before any communication.
     Then the ranks of this rank's live CP group agree on :func:`setup_fingerprint` (one bounded
     collective; skipped without a live group): ranks configured differently raise
@@ -473,7 +548,10 @@ def setup_fcp(
         config, layout, topology, seq_len,
         plan_args=dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
         groups=dict(groups or {}), micro_batch=micro_batch,
+        windows=tuple(sorted({tuple(int(x) for x in w) for w in windows})),
     )
+    for window in runtime.windows:
+        Mask.of(True, window)  # ValueError naming the fix before anything else
     if seq_len is not None:
         config.parts_per_chunk(seq_len // (2 * layout.cp))  # ValueError naming the flag, before anything else
     degree = config.head_parallel_degree(layout.cp)
@@ -491,6 +569,9 @@ def setup_fcp(
     if layout.cp > 1:
         for cp_ranks in layout.cp_groups():
             runtime.plans[(cp_ranks, True, parts)] = runtime._build(cp_ranks, True, parts)
+            if seq_len is not None:
+                for window in runtime.windows:
+                    runtime.window_plan(cp_ranks, causal=True, window=window, s_local=seq_len // layout.cp)
             if degree > 1 and heads is not None and seq_len is not None:  # the stage's plan at the settled length
                 key = (cp_ranks, True, seq_len // layout.cp, tp_heads, tp_kv)
                 runtime.hp_plans[key] = runtime._build_stage(cp_ranks, degree, seq_len, True, tp_heads, tp_kv)
@@ -519,6 +600,8 @@ def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int
         "config": tuple(sorted(config.items())),
         "schedule": None if runtime.schedule is None else runtime.schedule.label,
         "plan": (plan.name, plan.ranks, plan.causal, plan.parts_per_chunk, plan.rounds),
+        "windows": tuple((key[2:], p.name, p.rounds) for key, p in sorted(runtime.window_plans.items())
+                         if key[0] == tuple(cp_ranks)),
     }
 
 

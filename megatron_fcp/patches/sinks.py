@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
+
+from megatron_fcp.contract.mask import Mask
 
 __all__ = ["SOFTMAX_TYPES", "softmax_type_of", "make_softmax_offset", "softmax_offset_sharded_state_dict",
            "dense_sink_attention"]
@@ -87,18 +90,23 @@ def softmax_offset_sharded_state_dict(module: torch.nn.Module, prefix: str, shar
 
 
 def dense_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_offset: torch.Tensor, *,
-                         causal: bool, scale: float) -> torch.Tensor:
+                         causal: bool, scale: float, window: tuple[int, int] | None = None) -> torch.Tensor:
     """Single-rank attention with a sink, as megatron-core's ``SoftmaxOne`` computes it: the
     unscaled sink logit as one more column of the scaled scores, softmax in FP32 (FP64 for FP64),
     the column dropped. q ``[s, b, h, d]``, k/v ``[s, b, h_kv, d]``, offset ``[h]`` -> ``[s, b, h, d]``
-    in q's dtype (FCP's cp = 1 path; with CP the engine merges the sink: attention.sinks)."""
+    in q's dtype (FCP's cp = 1 path; with CP the engine merges the sink: attention.sinks). ``window``:
+    a sliding window by :class:`~megatron_fcp.contract.mask.Mask`'s rule."""
     s, b, h, _ = q.shape
     group = h // k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     kr = k.repeat_interleave(group, dim=2).permute(1, 2, 3, 0).to(acc)          # [b, h, d, s]
     vr = v.repeat_interleave(group, dim=2).permute(1, 2, 0, 3).to(acc)          # [b, h, s, d]
     scores = torch.matmul(q.permute(1, 2, 0, 3).to(acc), kr) * scale            # [b, h, s, s]
-    if causal:
+    if window is not None:
+        pos = np.arange(s)
+        visible = torch.from_numpy(Mask.of(causal, window).visible(pos[:, None], pos[None, :])).to(q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    elif causal:
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     column = softmax_offset.to(acc).view(1, h, 1, 1).expand(b, h, s, 1)         # not scaled
     probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]

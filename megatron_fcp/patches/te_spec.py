@@ -38,16 +38,17 @@ Kept: every other submodule of the spec (only the ``core_attention`` binding cha
 ``padding_causal`` and ``padding``, whose padding is the documents' ``cu_seqlens``);
 ``softmax_scale``; ``attention_dropout`` (0 in training); GQA (``num_query_groups``);
 ``k_channels``; attention sinks (``softmax_type`` ``off-by-one`` and ``learnable``: FCP's module
-holds ``softmax_offset`` under TE's name and shape, :mod:`megatron_fcp.patches.sinks`);
+holds ``softmax_offset`` under TE's name and shape, :mod:`megatron_fcp.patches.sinks`); sliding
+windows (``window_size`` on the layers megatron-core's ``window_attn_skip_freq`` rule selects,
+:func:`layer_window`: each distinct window runs its own plan);
 ``packed_seq_params`` in THD through FCP's packed path; ``pg_collection`` /
 ``model_comm_pgs``; ``num_splits`` is accepted and ignored (FCP's own blocks fix the order of its
 arithmetic); FP8 *linear layers* (``config.fp8`` alone: TE's attention then runs in BF16 too).
 
 Refused, each with ``NotImplementedError`` naming the option and the fix (with ``--fcp-fallback
 megatron`` that layer runs TE's own ``TEDotProductAttention`` instead, logged once per reason):
-FP8 attention (``fp8_dot_product_attention``, ``fp8_multi_head_attention``), sliding windows on the
-layers ``window_size`` / ``window_attn_skip_freq`` select, a ``softmax_type`` megatron-core does not
-define, QK-clip
+FP8 attention (``fp8_dot_product_attention``, ``fp8_multi_head_attention``), a ``softmax_type``
+megatron-core does not define, QK-clip
 (``qk_clip``, ``log_max_attention_logit``: TE reports max logits, FCP does not), batch-invariant
 mode, cross attention, different K and V head sizes (MLA), and, at forward time, attention bias,
 padding or arbitrary masks without a THD batch.
@@ -76,6 +77,8 @@ __all__ = [
     "TE_INIT_PARAMETERS",
     "TE_FORWARD_PARAMETERS",
     "CPCommTypeError",
+    "layer_window",
+    "model_windows",
     "check_te_signature",
     "layer_refusal",
     "check_cp_comm_type",
@@ -136,16 +139,28 @@ def check_te_signature(cls: type) -> None:
 
 
 # ---- per-layer refusals -------------------------------------------------------------------------------
-def _window_layer(config: Any, layer_number: int) -> bool:
-    """Whether TE would give this layer a sliding window (megatron-core's own rule where it has one)."""
+def layer_window(config: Any, layer_number: int) -> tuple[int, int] | None:
+    """This layer's sliding window ``(left, right)`` in Megatron's convention, or None for full-length
+    attention: ``config.window_size`` on the layers megatron-core's own rule
+    (``is_layer_window_attention``, with ``window_attn_skip_freq``) windows; every layer where the
+    installed megatron-core has no such rule (0.14 and stubs), as its attention does."""
     window = getattr(config, "window_size", None)
     if not window:
-        return False
+        return None
     try:
         from megatron.core.transformer.utils import is_layer_window_attention  # noqa: PLC0415 - 0.15+
     except ImportError:
-        return True  # 0.14 (and stubs): the window applies to every layer
-    return bool(is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number))
+        return tuple(int(x) for x in window)  # 0.14 (and stubs): the window applies to every layer
+    if not is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    return tuple(int(x) for x in window)
+
+
+def model_windows(config: Any) -> tuple[tuple[int, int], ...]:
+    """The distinct sliding windows of the model's layers (1..``config.num_layers``), sorted; ``()``
+    without ``window_size``. What :func:`~megatron_fcp.patches.runtime.setup_fcp` settles plans for."""
+    layers = int(getattr(config, "num_layers", 0) or 0)
+    return tuple(sorted({w for n in range(1, layers + 1) if (w := layer_window(config, n)) is not None}))
 
 
 def layer_refusal(config: Any, *, layer_number: int, attention_type: str = "self",
@@ -162,9 +177,6 @@ def layer_refusal(config: Any, *, layer_number: int, attention_type: str = "self
         return (f"FCPCoreAttention: FP8 attention ({' and '.join(fp8)}) is not supported; drop "
                 "--fp8-dot-product-attention / --fp8-multi-head-attention (FP8 linear layers, --fp8-format, "
                 "work with FCP)")
-    if _window_layer(config, layer_number):
-        return (f"FCPCoreAttention: sliding-window attention (window_size={getattr(config, 'window_size')}) "
-                "is not supported; drop --window-size")
     softmax_type = getattr(config, "softmax_type", "vanilla") or "vanilla"  # sinks: served (patches.sinks)
     if softmax_type not in ("vanilla", "off-by-one", "learnable"):
         return (f"FCPCoreAttention: softmax_type={softmax_type!r} is not supported (vanilla, off-by-one and "
