@@ -63,7 +63,7 @@ def test_setup_settles_and_agrees_a_plan_per_window():
     assert small.num_transfers() < large.num_transfers() <= plain.num_transfers()
     assert len(runtime.window_plans) == 2  # settled at setup, reused on use
     fingerprint = setup_fingerprint(runtime, ranks, runtime.parts_per_chunk(64))
-    assert [w[0][1] for w in fingerprint["windows"]] == [(16, 0), (64, 0)]
+    assert [w[0][0] for w in fingerprint["windows"]] == [(16, 0), (64, 0)]
     entry = runtime.report_layer(1, cp_group=None, window=(16, 0))
     assert entry["window"] == [16, 0] and entry["head_parallel"] == 1 and entry["rounds"] == len(small.rounds)
 
