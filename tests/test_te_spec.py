@@ -356,11 +356,11 @@ def test_fallback_shares_the_layers_sink_parameter(applied):
     """A layer that falls back keeps one sink parameter: TE's module uses FCP's (the one the
     optimizer was built with, since the fallback module is built at the first forward)."""
     stub = applied(fallback="megatron")
-    windowed = _build(stub, layer=2, window_size=(64, 0), softmax_type="learnable")
+    clipped = _build(stub, layer=2, qk_clip=True, softmax_type="learnable")
     q = torch.zeros(4, 1, 4, 8)
-    assert windowed(q, q, q, None, attn_mask_type=_AttnMaskType.causal) == "te"
-    assert windowed._fallback_module.softmax_offset is windowed.softmax_offset
-    assert [n for n, _ in windowed.named_parameters()] == ["softmax_offset"]
+    assert clipped(q, q, q, None, attn_mask_type=_AttnMaskType.causal) == "te"
+    assert clipped._fallback_module.softmax_offset is clipped.softmax_offset
+    assert [n for n, _ in clipped.named_parameters()] == ["softmax_offset"]
 
 
 def test_fallback_on_a_release_without_num_splits_does_not_pass_it(applied):
