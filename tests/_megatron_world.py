@@ -189,15 +189,28 @@ def _window(example) -> dict:
     out = {"cp1": example.train(*example.parse_args(BASE + CP1 + GPT_OSS), log=_quiet)}
     args, fcp = example.parse_args(BASE + GPT_OSS)
     out["cp4"] = example.train(args, fcp, transport_factory=counting, log=_quiet)
-    # per attention call, in call order (layer 1 windowed, layer 2 full, per micro-batch): KV bytes received
-    out["cp4"]["recv_bytes"] = [sum(p.nbytes for p in t.posted if p.kind == "recv" and p.phase == "forward")
-                                for t in counters]
+    # per attention call, in call order (layer 1 windowed, layer 2 full, per micro-batch): forward receives
+    out["cp4"]["forward_recvs"] = [sum(1 for p in t.posted if p.kind == "recv" and p.phase == "forward")
+                                   for t in counters]
     out["tp2cp1"] = example.train(*example.parse_args(BASE + CP1 + GPT_OSS + ["--tensor-model-parallel-size", "2"]),
                                   log=_quiet)
     out["tp2cp2"] = example.train(*example.parse_args(
         BASE + GPT_OSS + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]), log=_quiet)
     out["packed_cp1"] = example.train(*example.parse_args(PACKED_COMMON + CP1 + WINDOW), log=_quiet)
-    out["packed_cp4"] = example.train(*example.parse_args(PACKED_COMMON + WINDOW), log=_quiet)
+    from megatron_fcp.attention import agreement
+
+    calls, real = [], agreement.agree
+
+    def counting_agree(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    agreement.agree = counting_agree
+    try:
+        out["packed_cp4"] = example.train(*example.parse_args(PACKED_COMMON + WINDOW), log=_quiet)
+    finally:
+        agreement.agree = real
+    out["packed_cp4"]["agreements"] = len(calls)
     return out
 
 

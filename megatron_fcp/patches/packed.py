@@ -189,8 +189,14 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError(f"this rank holds {t} tokens but FCP's placement of the batch gives it "
                          f"{placement.tokens(index)}: lay the batch out with "
                          "megatron_fcp.patches.packed.shard_packed_batch (not get_batch_on_this_cp_rank)")
+    # One agreement per micro-batch covers every layer: the plans of all the model's masks over this
+    # batch's placement (Note [Per-layer plans] in megatron_fcp.patches.runtime), so each layer's
+    # call checks the same facts and the windowed layers add no collective.
+    masks = sorted({None, *runtime.windows, window}, key=lambda w: (w is not None, w))
+    plans = tuple((w, plan.rounds if w == window else runtime.packed_plan(ranks, lengths, causal=causal, window=w).rounds)
+                  for w in masks)
     runtime.agreement.ensure(
-        {"doc_lengths": lengths, "placement": placement.blocks, "plan": plan.rounds, "causal": causal, "window": window,
+        {"doc_lengths": lengths, "placement": placement.blocks, "plans": plans, "causal": causal,
          "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), str(key.dtype)),
          "sink": getattr(module, "softmax_offset", None) is not None},
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
