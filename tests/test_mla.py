@@ -209,3 +209,16 @@ def test_bad_shapes_raise_before_any_communication(shapes, match):
     q, k, v = (torch.randn(*s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         harness_attention(q, k, v, cp=2, plan="full", timeout_s=5.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# real process groups (the shared gloo world, tests/_mla_cases.py)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.slow
+def test_gloo_process_groups_match_the_reference(gloo_attention_world):
+    per_rank = [r["mla"] for r in gloo_attention_world]
+    for r in per_rank:
+        assert "must agree on every dim but the head size" in r["bad"], r["bad"]
+        for layout in ("zigzag", "packed"):
+            assert all(e < 1e-12 for e in r[layout].values()), (layout, r[layout])
