@@ -23,6 +23,17 @@ binding (megatron-core 0.16.1)                                   CPU meaning
 ``...rotary_pos_embedding:get_pos_emb_on_this_cp_rank``         zigzag slice without pinned/CUDA
                                                                  index tensors
 ``fusions.fused_softmax:get_default_causal_mask``               mask built on the CPU
+``transformer.multi_latent_attention:RotaryEmbedding``          MLA's own RoPE built with
+                                                                 ``use_cpu_initialization=True``
+                                                                 (MLA passes no flag, so its
+                                                                 ``__init__`` asks for a CUDA
+                                                                 device); the same table
+``transformer.multi_latent_attention:TELinear``                 only where TE is absent and the
+                                                                 name is megatron-core's
+                                                                 ``MagicMock`` stand-in: a class
+                                                                 nothing is an instance of (MLA's
+                                                                 ``isinstance(linear_proj,
+                                                                 TELinear)`` needs a type)
 ==============================================================  ==================================
 
 Each shim is gated on what the installed megatron-core really has: it is installed only where
@@ -187,6 +198,37 @@ def _make_pos_emb_on_cp_rank(original: Callable) -> Callable:
     return get_pos_emb_on_this_cp_rank
 
 
+def _make_mla_rope(original: type) -> type:
+    """MLA builds its ``RotaryEmbedding`` without ``use_cpu_initialization`` (so on the current CUDA
+    device); the subclass builds the same ``inv_freq`` on the CPU. Nothing else differs: the RoPE
+    table is computed by the (shimmed) ``get_emb`` exactly as the GPT model's own RoPE."""
+
+    class RotaryEmbedding(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["use_cpu_initialization"] = True
+            super().__init__(*args, **kwargs)
+
+    RotaryEmbedding.__qualname__ = original.__qualname__
+    RotaryEmbedding.__module__ = original.__module__
+    return RotaryEmbedding
+
+
+def _is_te_standin(current: Any) -> bool:
+    """Whether a TE class name is megatron-core's no-TE stand-in (not a class) and TE is absent."""
+    import importlib.util  # noqa: PLC0415
+
+    return not isinstance(current, type) and importlib.util.find_spec("transformer_engine") is None
+
+
+def _make_no_te_linear(original: Any) -> type:
+    class TELinear:
+        """Stand-in for Transformer Engine's ``TELinear`` where TE is not installed: nothing is an
+        instance of it, so MLA's ``isinstance(self.linear_proj, TELinear)`` is False, as it is
+        for every local-spec layer."""
+
+    return TELinear
+
+
 # ---- masks -------------------------------------------------------------------------------------
 def _make_default_causal_mask(original: Callable) -> Callable:
     @lru_cache(maxsize=8)
@@ -209,6 +251,7 @@ class Shim:
     make: Callable[[Callable], Callable]
     required: bool = True
     cuda_words: tuple[str, ...] = ("cuda", "pin_memory")
+    needed: Callable[[Any], bool] | None = None   # replaces the source gate when given
 
     def skip_reason(self) -> str | None:
         """Why this shim is not needed by the installed megatron-core, or None when it is."""
@@ -221,6 +264,8 @@ class Shim:
         current = getattr(owner, attr)
         if getattr(current, "__fcp_patched__", False):
             return None  # ours already: installing again is the idempotent no-op
+        if self.needed is not None:
+            return None if self.needed(current) else f"not needed in megatron-core {megatron_core_version()} here"
         if source_mentions(current, self.cuda_words) is False:
             return f"its megatron-core {megatron_core_version()} source does not use CUDA"
         return None
@@ -236,6 +281,9 @@ CPU_SHIMS: tuple[Shim, ...] = (
     Shim(f"{_ROPE}:RotaryEmbedding.forward", _make_rope_forward, required=False),
     Shim(f"{_ROPE}:get_pos_emb_on_this_cp_rank", _make_pos_emb_on_cp_rank),
     Shim("megatron.core.fusions.fused_softmax:get_default_causal_mask", _make_default_causal_mask),
+    Shim("megatron.core.transformer.multi_latent_attention:RotaryEmbedding", _make_mla_rope, required=False),
+    Shim("megatron.core.transformer.multi_latent_attention:TELinear", _make_no_te_linear, required=False,
+         needed=_is_te_standin),
 )
 
 

@@ -150,7 +150,8 @@ class FCPCoreAttention(torch.nn.Module):
     Note [No silent fallbacks]): attention bias, padding/arbitrary masks outside THD, packed formats
     other than THD, attention dropout > 0 in training, and what
     :func:`~megatron_fcp.patches.te_spec.layer_refusal` lists (sliding windows, non-vanilla softmax,
-    FP8 attention, QK-clip, batch-invariant mode, cross attention, K/V head sizes that differ).
+    FP8 attention, QK-clip, batch-invariant mode, cross attention). K and V head sizes may differ
+(multi-latent attention: ``k_channels != v_channels``; the output has ``v_channels`` per head).
     A per-layer ``cp_comm_type`` list with different values raises
     :class:`~megatron_fcp.patches.te_spec.CPCommTypeError`. Always refused:
     padded THD variants and Megatron's hybrid/dynamic CP (``config.hybrid_context_parallel``, or
@@ -199,6 +200,7 @@ class FCPCoreAttention(torch.nn.Module):
         tp = _tp_size_from(pg_collection)
         head_dim = k_channels or getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
         self.hidden_size_per_attention_head = int(head_dim)
+        self.v_head_dim = int(v_channels or head_dim)  # MLA: V (and the output) has its own head size
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -206,7 +208,8 @@ class FCPCoreAttention(torch.nn.Module):
         self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP refuses qk-clip
         self._check_config(config, cp_comm_type, attention_type, k_channels, v_channels)
         if self.cp_size > 1:
-            runtime = _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
+            runtime = _ensure_runtime(config, head_dim=head_dim,  # plans settled before the first step
+                                      v_head_dim=self.v_head_dim if self.v_head_dim != head_dim else None)
             runtime.report_layer(self.layer_number, self._fallback_reason, cp_group=self.cp_group)
 
     def _check_config(self, config: Any, cp_comm_type: Any, attention_type: str, k_channels: int | None,
@@ -312,7 +315,8 @@ class FCPCoreAttention(torch.nn.Module):
                      packed_seq_params: Any) -> torch.Tensor:
         if packed_seq_params is not None:  # q [t, h, d] -> [t, h*d]; Note in megatron_fcp.patches.packed
             return packed_attention(self, query, key, value, packed_seq_params, causal=causal, transport=_transport)
-        s, b, h, d = query.shape  # [s, b, h, d]; key/value [s, b, h_kv, d]
+        s, b, h, _ = query.shape  # [s, b, h, d]; key [s, b, h_kv, d], value [s, b, h_kv, d_v] (MLA: d_v != d)
+        d_v = value.shape[-1]
         if self.cp_size == 1:
             out = _local_attention(query, key, value, causal=causal, scale=self.softmax_scale)
         else:
@@ -337,7 +341,7 @@ class FCPCoreAttention(torch.nn.Module):
                 stage = None if groups.kv_group is None else _transport(runtime, groups.kv_group)
                 out = fcp_head_parallel_attention(query, key, value, cp_group=self.cp_group, hp_plan=hp_plan,
                                                   groups=groups, transport=stage, **kw)
-        return out.reshape(s, b, h * d)  # [s, b, h*d]
+        return out.reshape(s, b, h * d_v)  # [s, b, h*d_v]
 
 
 def _head_parallel_degree() -> int:
@@ -378,17 +382,18 @@ def _transport(runtime: Any, group: Any) -> Any:
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
-    """Single-rank attention, ``q [s, b, h, d]``, ``k/v [s, b, h_kv, d]`` -> ``[s, b, h, d]``."""
+    """Single-rank attention, ``q [s, b, h, d]``, ``k [s, b, h_kv, d]``, ``v [s, b, h_kv, d_v]`` ->
+    ``[s, b, h, d_v]`` (torch's SDPA takes d_v != d: its math path runs it)."""
     group = q.shape[2] // k.shape[2]
     if group > 1:  # GQA: each KV head serves `group` query heads
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
     qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, h, s, d]
     out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
-    return out.permute(2, 0, 1, 3)  # [s, b, h, d]
+    return out.permute(2, 0, 1, 3)  # [s, b, h, d_v]
 
 
-def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
+def _ensure_runtime(transformer_config: Any, *, head_dim: int, v_head_dim: int | None = None) -> Any:
     """The settled runtime, settling it now (at model build, on every rank) if needed."""
     runtime = current_runtime()
     config = _STATE["config"] or FCPConfig(enabled=True)
@@ -404,7 +409,7 @@ def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
         seq_len=_megatron_training_arg("seq_length"),
         heads=transformer_config.num_attention_heads,
         kv_heads=transformer_config.num_query_groups or transformer_config.num_attention_heads,
-        head_dim=head_dim,
+        head_dim=head_dim, v_head_dim=v_head_dim,
         dtype_bytes=torch.tensor([], dtype=transformer_config.params_dtype).element_size(),
         micro_batch=_megatron_training_arg("micro_batch_size") or 1,
     )

@@ -132,8 +132,8 @@ def shard_packed_batch(batch: dict[str, torch.Tensor], cu_seqlens: Any, *, cp_gr
 
 def local_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...], *,
                            causal: bool, scale: float) -> torch.Tensor:
-    """Single-rank attention of a packed batch, each document alone: q ``[t, h, d]``, k/v
-    ``[t, h_kv, d]`` -> ``[t, h, d]`` (torch SDPA per document)."""
+    """Single-rank attention of a packed batch, each document alone: q ``[t, h, d]``, k ``[t, h_kv,
+    d]``, v ``[t, h_kv, d_v]`` -> ``[t, h, d_v]`` (torch SDPA per document)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:  # GQA: each KV head serves `group` query heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -175,7 +175,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                          "megatron_fcp.patches.packed.shard_packed_batch (not get_batch_on_this_cp_rank)")
     runtime.agreement.ensure(
         {"doc_lengths": lengths, "placement": placement.blocks, "plan": plan.rounds, "causal": causal,
-         "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), str(key.dtype))},
+         "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), value.shape[-1], str(key.dtype))},
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
     out, _ = fcp_attention_with_lse(query, key, value, cp_group=module.cp_group, plan=plan, placement=placement,
                                     causal=causal, softmax_scale=module.softmax_scale,
