@@ -222,3 +222,32 @@ def test_gloo_process_groups_match_the_reference(gloo_attention_world):
         assert "must agree on every dim but the head size" in r["bad"], r["bad"]
         for layout in ("zigzag", "packed"):
             assert all(e < 1e-12 for e in r[layout].values()), (layout, r[layout])
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost model
+# ---------------------------------------------------------------------------------------------
+def test_cost_model_bytes_follow_d_qk_plus_d_v_and_flops_d_qk_plus_d_v():
+    """MLA's KV moves (d_qk + d_v) / (2 d_qk) of the bytes d_v = d_qk moves (FCP forward and
+    backward, TE's ring), and a pair costs 2 h (d_qk + d_v) FLOPs: DeepSeek-V3's head sizes."""
+    from megatron_fcp.cost.backward import simulate_plan_backward
+    from megatron_fcp.cost.model import AttentionShape, ComputeModel, kv_block_bytes, simulate_plan
+    from megatron_fcp.cost.te import simulate_te_p2p
+
+    ranks = tuple(range(8))
+    plan = full_plan(ranks, True)
+    eq = AttentionShape(64 * 1024, 16, 16, 192)
+    mla = AttentionShape(64 * 1024, 16, 16, 192, v_head_dim=128)
+    ratio = (192 + 128) / (2 * 192)
+    assert mla.kv_bytes(10) == 10 * 16 * 320 * 2 and mla.kv_bytes(1) == pytest.approx(ratio * eq.kv_bytes(1))
+    assert kv_block_bytes(1024, 4, 16, 192, v_head_dim=128) == pytest.approx(ratio * kv_block_bytes(1024, 4, 16, 192))
+    fwd = [simulate_plan(plan, "dgx-h100:1", s, compute=False).bytes for s in (mla, eq)]
+    bwd = [simulate_plan_backward(plan, "dgx-h100:1", s).bytes for s in (mla, eq)]
+    te = [simulate_te_p2p("dgx-h100:1", ranks, s, compute=False).bytes for s in (mla, eq)]
+    for m, e in (fwd, bwd, te):
+        assert m == pytest.approx(ratio * e) and m < e
+    assert mla.pair_flops == 2 * 16 * 320 and eq.pair_flops == 4 * 16 * 192
+    cm = ComputeModel(flops=1e12, kernel_overhead_s=0.0)
+    assert cm.time(1e6, mla) == pytest.approx(cm.time(1e6, eq) * 320 / 384)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        AttentionShape(1024, v_head_dim=0)

@@ -28,6 +28,9 @@ binding (megatron-core 0.16.1)                                   CPU meaning
                                                                  (MLA passes no flag, so its
                                                                  ``__init__`` asks for a CUDA
                                                                  device); the same table
+``tensor_parallel.mappings:_gather_along_last_dim``             the all-gather's buffer on the
+                                                                 input's device (MLA gathers its
+                                                                 compressed KV across TP ranks)
 ``transformer.multi_latent_attention:TELinear``                 only where TE is absent and the
                                                                  name is megatron-core's
                                                                  ``MagicMock`` stand-in: a class
@@ -133,6 +136,31 @@ def _make_get_tensor(original: Callable) -> Callable:
         return buf[:required].view(*tensor_shape)
 
     return get_tensor
+
+
+# ---- tensor-parallel all-gather ----------------------------------------------------------------
+_GATHER_PARAMS = ("input_", "group")
+
+
+def _make_gather_along_last_dim(original: Callable) -> Callable:
+    params = tuple(inspect.signature(inspect.unwrap(original)).parameters)
+    if params != _GATHER_PARAMS:
+        raise PatchTargetError(
+            f"cannot shim megatron.core.tensor_parallel.mappings:_gather_along_last_dim{params} in megatron-core "
+            f"{megatron_core_version()}: the CPU shim reimplements _gather_along_last_dim{_GATHER_PARAMS}")
+
+    def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+        """Megatron's all-gather along the last dim, its buffer on ``input_``'s device: gather
+        ``[a*n, ...]`` along dim 0 (rank order), then concatenate the pieces along the last dim."""
+        world_size = group.size()
+        if world_size == 1:
+            return input_
+        out = torch.empty((input_.shape[0] * world_size, *input_.shape[1:]), dtype=input_.dtype,
+                          device=input_.device)
+        torch.distributed.all_gather_into_tensor(out, input_.contiguous(), group=group)
+        return torch.cat(out.chunk(world_size, dim=0), dim=-1).contiguous()
+
+    return _gather_along_last_dim
 
 
 # ---- RoPE --------------------------------------------------------------------------------------
@@ -277,6 +305,8 @@ CPU_SHIMS: tuple[Shim, ...] = (
     Shim(f"{_RANDOM}:_set_cuda_rng_state", _make_set_rng_state),
     Shim(f"{_RANDOM}:CudaRNGStatesTracker.add", _make_tracker_add),
     Shim("megatron.core.utils:GlobalMemoryBuffer.get_tensor", _make_get_tensor),
+    Shim("megatron.core.tensor_parallel.mappings:_gather_along_last_dim", _make_gather_along_last_dim,
+         required=False),
     Shim(f"{_ROPE}:RotaryEmbedding.get_emb", _make_get_emb, required=False),
     Shim(f"{_ROPE}:RotaryEmbedding.forward", _make_rope_forward, required=False),
     Shim(f"{_ROPE}:get_pos_emb_on_this_cp_rank", _make_pos_emb_on_cp_rank),
