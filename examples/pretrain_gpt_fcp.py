@@ -215,7 +215,8 @@ def _kv_memory_report(runtime, args: argparse.Namespace, layout, dtype: torch.dt
     """Layer 1's KV bytes of its latest call (measured by FCPStats) beside the ring's in-flight KV:
     one KV pair the size of this rank's shard (local tokens x 2 x KV heads of the TP partition x d)."""
     stats = runtime.stats[min(runtime.stats)]
-    kv_heads = (args.num_query_groups or args.num_attention_heads) // layout.tp
+    kv_heads = (args.num_attention_heads if args.multi_latent_attention
+                else args.num_query_groups or args.num_attention_heads) // layout.tp
     tokens = args.seq_length // layout.cp  # the packed placement gives about as many per rank
     d_k, d_v = _head_dims(args)
     per_token = kv_heads * (d_k + d_v) * torch.tensor([], dtype=dtype).element_size()
@@ -369,7 +370,8 @@ def train(
             apply_fcp(fcp)
             heads = args.num_attention_heads
             runtime = setup_fcp(
-                fcp, seq_len=None if args.packed else args.seq_length, heads=heads, kv_heads=args.num_query_groups or heads,
+                fcp, seq_len=None if args.packed else args.seq_length, heads=heads,
+                kv_heads=heads if args.multi_latent_attention else args.num_query_groups or heads,  # MLA: no groups
                 head_dim=_head_dims(args)[0], v_head_dim=_head_dims(args)[1] if args.multi_latent_attention else None,
                 dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
                 micro_batch=args.micro_batch_size,

@@ -202,7 +202,7 @@ class FCPCoreAttention(torch.nn.Module):
         self.hidden_size_per_attention_head = int(head_dim)
         self.v_head_dim = int(v_channels or head_dim)  # MLA: V (and the output) has its own head size
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
-        self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+        self.num_query_groups_per_partition = max(1, _kv_heads(config) // tp)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
         self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP refuses qk-clip
@@ -393,6 +393,14 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     return out.permute(2, 0, 1, 3)  # [s, b, h, d_v]
 
 
+def _kv_heads(config: Any) -> int:
+    """KV heads of the model: ``num_query_groups`` (GQA), but every query head's own under
+    multi-latent attention (MLA's K and V have ``num_attention_heads`` heads; it ignores groups)."""
+    if getattr(config, "multi_latent_attention", False):
+        return config.num_attention_heads
+    return config.num_query_groups or config.num_attention_heads
+
+
 def _ensure_runtime(transformer_config: Any, *, head_dim: int, v_head_dim: int | None = None) -> Any:
     """The settled runtime, settling it now (at model build, on every rank) if needed."""
     runtime = current_runtime()
@@ -408,7 +416,7 @@ def _ensure_runtime(transformer_config: Any, *, head_dim: int, v_head_dim: int |
         config,
         seq_len=_megatron_training_arg("seq_length"),
         heads=transformer_config.num_attention_heads,
-        kv_heads=transformer_config.num_query_groups or transformer_config.num_attention_heads,
+        kv_heads=_kv_heads(transformer_config),
         head_dim=head_dim, v_head_dim=v_head_dim,
         dtype_bytes=torch.tensor([], dtype=transformer_config.params_dtype).element_size(),
         micro_batch=_megatron_training_arg("micro_batch_size") or 1,
