@@ -40,7 +40,7 @@ def worker(rank: int, world: int) -> dict:
         out["bad"] = str(exc)
     # zigzag, ring plan, GQA 4:2
     s = 2 * world * 6
-    q, do = torch.randn(s, 2, 4, D_QK, generator=g, dtype=torch.float64), None
+    q = torch.randn(s, 2, 4, D_QK, generator=g, dtype=torch.float64)
     k = torch.randn(s, 2, 2, D_QK, generator=g, dtype=torch.float64)
     v = torch.randn(s, 2, 2, D_V, generator=g, dtype=torch.float64)
     do = torch.randn(s, 2, 4, D_V, generator=g, dtype=torch.float64)
@@ -52,7 +52,7 @@ def worker(rank: int, world: int) -> dict:
     out["zigzag"] = _errors({"out": o.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}, want)
     # packed, full plan, MQA 4:1
     t = sum(DOCS)
-    q, do = torch.randn(t, 4, D_QK, generator=g, dtype=torch.float64), None
+    q = torch.randn(t, 4, D_QK, generator=g, dtype=torch.float64)
     k = torch.randn(t, 1, D_QK, generator=g, dtype=torch.float64)
     v = torch.randn(t, 1, D_V, generator=g, dtype=torch.float64)
     do = torch.randn(t, 4, D_V, generator=g, dtype=torch.float64)
