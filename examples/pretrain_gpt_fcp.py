@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="auto: transformer_engine on CUDA when installed, else local")
     g.add_argument("--bf16", action="store_true", help="BF16 parameters and compute (GPU)")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek-style MLA (MLATransformerConfig): K and V of different head sizes")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="MLA: query compression rank (default none)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: KV compression rank")
+    g.add_argument("--qk-head-dim", type=int, default=32, help="MLA: query/key head size without RoPE")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=16, help="MLA: query/key RoPE head size")
+    g.add_argument("--v-head-dim", type=int, default=24, help="MLA: value head size")
     g.add_argument("--recompute-granularity", choices=("selective", "full"), default=None,
                    help="activation recomputation: selective (the core attention is recomputed in "
                         "backward) or full (whole layers; with --recompute-method/--recompute-num-layers)")
@@ -223,9 +230,11 @@ def _kv_memory_report(runtime, args: argparse.Namespace, layout, dtype: torch.dt
     """Layer 1's KV bytes of its latest call (measured by FCPStats) beside the ring's in-flight KV:
     one KV pair the size of this rank's shard (local tokens x 2 x KV heads of the TP partition x d)."""
     stats = runtime.stats[min(runtime.stats)]
-    kv_heads = (args.num_query_groups or args.num_attention_heads) // layout.tp
+    kv_heads = (args.num_attention_heads if args.multi_latent_attention
+                else args.num_query_groups or args.num_attention_heads) // layout.tp
     tokens = args.seq_length // layout.cp  # the packed placement gives about as many per rank
-    per_token = 2 * kv_heads * (args.hidden_size // args.num_attention_heads) * torch.tensor([], dtype=dtype).element_size()
+    d_k, d_v = _head_dims(args)
+    per_token = kv_heads * (d_k + d_v) * torch.tensor([], dtype=dtype).element_size()
     return {"backward_kv": stats.backward_kv, "saved_kv_bytes": stats.saved_kv_bytes,
             "peak_kv_bytes": stats.peak_kv_bytes, "backward_peak_kv_bytes": stats.backward_peak_kv_bytes,
             "resend_bytes_sent": stats.resend_bytes_sent,
@@ -233,10 +242,22 @@ def _kv_memory_report(runtime, args: argparse.Namespace, layout, dtype: torch.dt
             "head_parallel_bytes_sent": stats.head_parallel_bytes_sent}
 
 
-def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+def _head_dims(args: argparse.Namespace) -> tuple[int, int]:
+    """(query/key head size, value head size): MLA's are qk_head_dim + qk_pos_emb_head_dim and v_head_dim."""
+    if args.multi_latent_attention:
+        return args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
+    return (args.hidden_size // args.num_attention_heads,) * 2
 
-    return TransformerConfig(
+
+def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: PLC0415
+
+    mla: dict[str, Any] = {}
+    if args.multi_latent_attention:  # rope_type "rope": Megatron's RotaryEmbedding (yarn needs its fused kernels)
+        mla = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                   qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rope_type="rope",
+                   rotary_base=args.rotary_base)
+    return (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -249,7 +270,7 @@ def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         perform_initialization=True, masked_softmax_fusion=False,  # Megatron's fused softmax needs apex-era CUDA extensions
         window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
-        **_recompute_kwargs(args), **_softmax_kwargs(args),
+        **_recompute_kwargs(args), **_softmax_kwargs(args), **mla,
     )
 
 
@@ -280,7 +301,7 @@ def _recompute_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "recompute_num_layers": args.recompute_num_layers or 1}
 
 
-def _layer_spec(impl: str, normalization: str = "LayerNorm"):
+def _layer_spec(impl: str, normalization: str = "LayerNorm", mla: bool = False):
     from megatron.core.models.gpt import gpt_layer_specs as specs  # noqa: PLC0415
 
     if impl == "auto":
@@ -293,8 +314,8 @@ def _layer_spec(impl: str, normalization: str = "LayerNorm"):
             except ImportError:
                 pass
     if impl == "transformer_engine":
-        return impl, specs.get_gpt_layer_with_transformer_engine_spec()
-    return impl, specs.get_gpt_layer_local_spec(normalization=normalization)
+        return impl, specs.get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=mla)
+    return impl, specs.get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=mla)
 
 
 def _float16_module(model: torch.nn.Module) -> torch.nn.Module:
@@ -379,8 +400,10 @@ def train(
             apply_fcp(fcp)
             heads = args.num_attention_heads
             runtime = setup_fcp(
-                fcp, seq_len=None if args.packed else args.seq_length, heads=heads, kv_heads=args.num_query_groups or heads,
-                head_dim=args.hidden_size // heads, dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
+                fcp, seq_len=None if args.packed else args.seq_length, heads=heads,
+                kv_heads=heads if args.multi_latent_attention else args.num_query_groups or heads,  # MLA: no groups
+                head_dim=_head_dims(args)[0], v_head_dim=_head_dims(args)[1] if args.multi_latent_attention else None,
+                dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
                 micro_batch=args.micro_batch_size, windows=model_windows(tconfig),
             )
             runtime.transport_factory = transport_factory
@@ -399,8 +422,10 @@ def train(
                             transfers=plan.num_transfers(), head_parallel=runtime.head_parallel_degree(),
                             schedule=runtime.schedule_report())
                 say(runtime.summary(0))
-        impl, spec = _layer_spec(args.transformer_impl, args.normalization)
-        if args.packed and impl == "local":  # Megatron's local attention refuses THD: FCP's spec route
+        impl, spec = _layer_spec(args.transformer_impl, args.normalization, args.multi_latent_attention)
+        if (args.packed or args.multi_latent_attention) and impl == "local":
+            # Megatron's local attention refuses THD and MLA's k_channels/v_channels: FCP's spec route
+            # (at cp = 1 FCPCoreAttention is torch's SDPA, the reference)
             from megatron_fcp.patches.megatron import FCPCoreAttention  # noqa: PLC0415
 
             spec.submodules.self_attention.submodules.core_attention = FCPCoreAttention

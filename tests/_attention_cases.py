@@ -292,7 +292,7 @@ def _bad_inputs(group, group_ranks: tuple, rank: int) -> dict:
         "dtype": (dict(q=t(), k=t(dtype=torch.float64), v=t()), {}, "dtypes differ"),
         "device": (dict(q=t(), k=t(device="meta"), v=t()), {}, "different devices"),
         "seq_shape": (dict(q=t(s=8), k=t(s=10), v=t(s=10)), {}, "must agree on s_local"),
-        "kv_shape": (dict(q=t(), k=t(h=2), v=t(h=4)), {}, "same shape"),
+        "kv_shape": (dict(q=t(), k=t(h=2), v=t(h=4)), {}, "must agree on every dim but the head size"),
         "plan_ranks": (dict(q=t(), k=t(), v=t()), dict(plan=ring_plan(tuple(reversed(ranks)))),
                        "not the CP group's ranks"),
         "plan_causal": (dict(q=t(), k=t(), v=t()), dict(plan=ring_plan(ranks, causal=False)), "causal=False"),

@@ -31,12 +31,13 @@ class Case:
     kernel: str = "math"
     tokens: int = 4       # tokens per zigzag chunk
     swapped: bool = False  # head groups ((1, 0), (3, 2)): member order differs from the groups' rank order
+    d_v: int = 8          # V's head size (q and k have 8); another value is MLA's
 
     @property
     def name(self) -> str:
         return (f"a{self.degree}-{self.kv}-{'causal' if self.causal else 'full'}-h{self.heads[0]}kv{self.heads[1]}"
                 f"-{self.dtype}" + (f"-{self.kernel}" if self.kernel != "math" else "")
-                + ("-swapped" if self.swapped else ""))
+                + ("-swapped" if self.swapped else "") + (f"-dv{self.d_v}" if self.d_v != 8 else ""))
 
 
 def make_hp_plan(ranks: tuple, degree: int, seq_len: int, causal: bool, kv: str, heads: int, kv_heads: int,
@@ -75,7 +76,10 @@ def _inputs(case: Case, cp: int):
     s = 2 * cp * case.tokens
     g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     q, do = (torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(s, b, hk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k = torch.randn(s, b, hk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(s, b, hk, case.d_v, generator=g, dtype=torch.float64)
+    if case.d_v != d:
+        do = torch.randn(s, b, h, case.d_v, generator=g, dtype=torch.float64)
     dt = DTYPES[case.dtype]
     return [x.to(dt) for x in (q, k, v, do)]
 

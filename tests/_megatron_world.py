@@ -1,8 +1,9 @@
 """One gloo world of 4 processes for the Megatron end-to-end tests.
 
 tests/test_gpt_e2e.py (dense batches), tests/test_recompute_e2e.py (activation recomputation) and
-tests/test_gpt_packed_e2e.py (packed THD batches), tests/test_sinks_e2e.py (attention sinks) and
-tests/test_window_e2e.py (sliding windows) all train the example's tiny megatron-core GPT
+tests/test_gpt_packed_e2e.py (packed THD batches), tests/test_sinks_e2e.py (attention sinks),
+tests/test_window_e2e.py (sliding windows) and tests/test_gpt_mla_e2e.py (multi-latent attention)
+all train the example's tiny megatron-core GPT
 (examples/pretrain_gpt_fcp.py, FP32, 20 steps) on 4 gloo processes and compare FCP with Megatron's
 own cp = 1 attention. They share this one world: the processes start and import megatron-core once,
 and the dense cp = 1 reference, whose arguments the dense and the recompute parts share, is trained
@@ -69,8 +70,12 @@ SINKS = {
 WINDOW = ["--window-size", "16,0", "--window-attn-skip-freq", "2"]
 GPT_OSS = WINDOW + ["--softmax-type", "learnable"]
 
+# MLA part (tests/test_gpt_mla_e2e.py): megatron-core's MLASelfAttention on the local spec (the
+# example's defaults: qk 32 + RoPE 16 = d_qk 48, d_v 24, KV rank 32)
+MLA = BASE + ["--multi-latent-attention", "--fcp-topology", TOPO_2X2]
+
 #: part -> seconds its trainings may take on 2 shared cores (the world's timeout is their sum)
-PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600, "window": 480}
+PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600, "window": 480, "mla": 480}
 
 
 def _example():
@@ -173,6 +178,8 @@ def _sinks(example) -> dict:
     at cp = 1 and tp = 2 x cp = 2, cp = 4 with a head-parallel stage of degree 2; off-by-one at cp = 1
     and cp = 4 (backward re-sending KV); packed at cp = 1 and cp = 4."""
     return {name: example.train(*example.parse_args(argv), log=_quiet) for name, argv in SINKS.items()}
+
+
 def _window(example) -> dict:
     """gpt-oss-like (GPT_OSS: interleaved window / full layers, learnable sinks): cp = 1 (Megatron's own
     windowed attention with its SoftmaxOne), cp = 4 with every transfer counted, tp = 2 at cp = 1 and
@@ -214,6 +221,20 @@ def _window(example) -> dict:
     return out
 
 
+def _mla(example) -> dict:
+    """MLA: cp = 1 (FCPCoreAttention at cp = 1 is torch's SDPA: Megatron's local attention refuses
+    MLA's k_channels), cp = 4 under the settled schedule, cp = 4 without a head-parallel stage (the
+    KV blocks of d_qk + d_v channels travel), tp = 2 at cp = 1 and tp = 2 x cp = 2."""
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    return {
+        "cp1": example.train(*example.parse_args(MLA + CP1), log=_quiet),
+        "cp4": example.train(*example.parse_args(MLA), log=_quiet),
+        "cp4hp1": example.train(*example.parse_args(MLA + ["--fcp-head-parallel", "1"]), log=_quiet),
+        "tp2cp1": example.train(*example.parse_args(MLA + CP1 + tp2), log=_quiet),
+        "tp2cp2": example.train(*example.parse_args(MLA + tp2 + ["--context-parallel-size", "2"]), log=_quiet),
+    }
+
+
 def worker(rank: int, world: int, parts: list[str], metrics_path: str) -> dict:
     """Per rank: part -> run name -> the example's report of that training."""
     example = _example()
@@ -230,6 +251,8 @@ def worker(rank: int, world: int, parts: list[str], metrics_path: str) -> dict:
         out["sinks"] = _sinks(example)
     if "window" in parts:
         out["window"] = _window(example)
+    if "mla" in parts:
+        out["mla"] = _mla(example)
     return out
 
 

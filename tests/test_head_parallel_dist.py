@@ -42,6 +42,9 @@ CASES = [
     Case(1, "zigzag", causal, (4, 2), dtype) for causal in (True, False) for dtype in ("fp64", "bf16")
 ] + [  # head groups (1, 0), (3, 2): member order is not the process groups' rank order
     Case(2, "full", causal, (4, 1), "fp64", swapped=True) for causal in (True, False)
+] + [  # MLA: V's head size 4 or 12 against q/k's 8, in the KV stage (a = 2, with and without GQA) and a = 4
+    Case(a, "full", True, heads, dtype, d_v=dv)
+    for a, heads, dv in ((2, (4, 2), 4), (2, (4, 4), 12), (4, (8, 2), 4)) for dtype in ("fp64", "bf16")
 ] + [  # the fused CPU flash block kernel in the KV stage (a = 2) and over the whole sequence (a = 4)
     Case(a, "full", True, heads, dtype, kernel="cpu-flash")
     for a, heads in ((2, (6, 3)), (4, (8, 2))) for dtype in ("fp32", "bf16")
@@ -83,8 +86,8 @@ def test_all_to_all_bytes(results, case):
     h, hk = case.heads
     s_local, elem = 2 * case.tokens, {"fp64": 8, "fp32": 4, "bf16": 2}[case.dtype]
     hp = make_hp_plan((0, 1, 2, 3), case.degree, 4 * s_local, case.causal, "full", h, hk, swapped=case.swapped)
-    fwd = head_parallel_bytes(hp, s_local, 2, h, hk, 8, elem)
-    fwd_lse = head_parallel_bytes(hp, s_local, 2, h, hk, 8, elem, with_lse=True)
+    fwd = head_parallel_bytes(hp, s_local, 2, h, hk, 8, elem, v_head_dim=case.d_v)
+    fwd_lse = head_parallel_bytes(hp, s_local, 2, h, hk, 8, elem, with_lse=True, v_head_dim=case.d_v)
     assert all(r[case.name]["a2a_bytes"] == fwd_lse + fwd for r in results)  # forward (+ LSE) and backward
     assert (fwd > 0) == (case.degree > 1)
 

@@ -215,6 +215,26 @@ def test_te_spec_with_learnable_sinks_builds_fcp_with_tes_parameter(applied, ver
     assert torch.allclose(out, ref, atol=1e-12)
 
 
+def test_mla_head_sizes_are_served_through_the_te_spec_slot(applied):
+    """MLA (k_channels 24 != v_channels 16) through the TE spec's slot: FCP serves it (TE's class is
+    never built); at cp = 1 its out has v_channels per head and matches an FP64 reference."""
+    from megatron_fcp.patches import megatron as pm
+
+    stub = applied("0.16.1")
+    served = _build(stub, cp=2, extra={"k_channels": 24, "v_channels": 16})  # cp = 2: FCP's, not TE's
+    assert stub.TEDotProductAttention.built == [] and served._fallback_reason is None and served.v_head_dim == 16
+    module = pm.FCPCoreAttention(config=_tcfg(cp=1), layer_number=1, attn_mask_type=_AttnMaskType.causal,
+                                 pg_collection=_pgs(1), k_channels=24, v_channels=16)
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(8, 2, 4, 24, dtype=torch.float64, generator=g) for _ in range(2))
+    v = torch.randn(8, 2, 4, 16, dtype=torch.float64, generator=g)
+    out = module(q, k, v, None, attn_mask_type=_AttnMaskType.causal, attention_bias=None, packed_seq_params=None)
+    ref = torch.softmax((q.permute(1, 2, 0, 3) @ k.permute(1, 2, 3, 0)) / 24 ** 0.5
+                        + torch.full((8, 8), float("-inf"), dtype=torch.float64).triu(1), dim=-1)
+    ref = (ref @ v.permute(1, 2, 0, 3)).permute(2, 0, 1, 3).reshape(8, 2, 64)  # [s, b, h*d_v]
+    assert out.shape == (8, 2, 64) and torch.allclose(out, ref, atol=1e-12)
+
+
 def test_revert_restores_the_te_bindings_exactly(applied):
     from megatron_fcp.patches import megatron as pm
 
@@ -285,7 +305,6 @@ REFUSED = [
     ("qk-clip", dict(qk_clip=True), r"qk_clip needs the max attention logit.*--qk-clip"),
     ("batch-invariant", dict(batch_invariant_mode=True), r"batch_invariant_mode.*--batch-invariant-mode"),
     ("cross", dict(extra={"attention_type": "cross"}), r"attention_type='cross'"),
-    ("mla-kv", dict(extra={"k_channels": 24, "v_channels": 16}), r"k_channels=24, v_channels=16"),
 ]
 
 
@@ -515,9 +534,12 @@ def test_real_te_spec_gets_fcp_and_keeps_every_other_submodule(real_te_spec):
                      attention_type="self", cp_comm_type=None, softmax_scale=None, pg_collection=_pgs(2))
     assert isinstance(module, pm.FCPCoreAttention) and te.built == []
     assert module._causal(None) is True and module.num_query_groups_per_partition == 2
-    with pytest.raises(NotImplementedError, match="K and V head sizes differ"):  # MLA's head sizes
-        fcp_cls(config=tcfg, layer_number=2, attn_mask_type=AttnMaskType.causal, attention_type="self",
-                k_channels=24, v_channels=16, cp_comm_type=None, softmax_scale=None, pg_collection=_pgs(2))
+    # MLA's head sizes (k_channels != v_channels) are served: FCP, not TE, with both sizes kept
+    mla_module = fcp_cls(config=tcfg, layer_number=2, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                         k_channels=24, v_channels=16, cp_comm_type=None, softmax_scale=None, pg_collection=_pgs(2))
+    assert mla_module._fallback_reason is None and te.built == []
+    assert (mla_module.hidden_size_per_attention_head, mla_module.v_head_dim) == (24, 16)
+    assert mla_module.softmax_scale == pytest.approx(24 ** -0.5)
     pm.revert_fcp()
     assert specs.get_gpt_layer_with_transformer_engine_spec().submodules.self_attention.submodules.core_attention is te
 

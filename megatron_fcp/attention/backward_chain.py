@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from megatron_fcp.attention.backward_waves import BackwardHost
+from megatron_fcp.attention.kv_block import pack_kv
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.schedule.chains import ChainStep
 
@@ -70,7 +71,7 @@ def run_backward_chain(ex: BackwardHost, steps: tuple[ChainStep, ...], k: torch.
 
     def stack(b: Block) -> torch.Tensor:
         sl = lay.local_slice(b)
-        return torch.stack([k[sl], v[sl]])                                      # [2, blk, b, h_kv, d]
+        return pack_kv(k[sl], v[sl])                                            # [2, blk, b, h_kv, d]
 
     def used(b: Block) -> None:
         nonlocal alive

@@ -113,6 +113,7 @@ import torch
 
 from megatron_fcp.attention.comm import RoundPost
 from megatron_fcp.attention.device_clock import DeviceClock
+from megatron_fcp.attention.kv_block import pack_kv
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
@@ -176,7 +177,7 @@ class _Fetch:
                 self.last[t.block] = r
                 if t.block.owner == ex.rank and t.block not in self.have:
                     sl = ex.layout.local_slice(t.block)
-                    self.have[t.block] = torch.stack([k[sl], v[sl]])             # [2, blk, b, h_kv, d]
+                    self.have[t.block] = pack_kv(k[sl], v[sl])                   # [2, blk, b, h_kv, d]
                 elif kept and t.block in kept:                                   # a relay sends what it kept
                     self.have[t.block] = kept[t.block]
         self.relaying: dict[Block, torch.Tensor] = {}                            # received, still to forward
@@ -407,7 +408,7 @@ def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tenso
     def run_job(b: Block, fetch: _Fetch | None, g: dict) -> None:
         if b in local:
             sl = lay.local_slice(b)
-            add(g, b, compute(b, torch.stack([k[sl], v[sl]])))
+            add(g, b, compute(b, pack_kv(k[sl], v[sl])))
         elif b in kept:                                          # keep, or the first wave kept
             add(g, b, compute(b, kept[b]))
         else:

@@ -42,20 +42,24 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 _logged: set = set()
 
 
-def _check(kernel: BlockKernel, dtype: torch.dtype, device: torch.device, head_dim: int | None) -> None:
+def _check(kernel: BlockKernel, dtype: torch.dtype, device: torch.device, head_dim: int | None,
+           v_head_dim: int | None = None) -> None:
     kernel.check(dtype, device)
     if head_dim is not None and isinstance(kernel, FusedPiecesKernel):
-        kernel.check_head_dim(dtype, head_dim)
+        # fused ops run K and V at one head size: V (or Q and K) padded to the larger (MLA)
+        kernel.check_head_dim(dtype, max(head_dim, v_head_dim or head_dim))
 
 
-def choose_kernel(dtype: torch.dtype, device, head_dim: int | None = None) -> BlockKernel:
-    """``auto``: the first kernel of :data:`AUTO_ORDER` that can run ``dtype`` on ``device``."""
+def choose_kernel(dtype: torch.dtype, device, head_dim: int | None = None,
+                  v_head_dim: int | None = None) -> BlockKernel:
+    """``auto``: the first kernel of :data:`AUTO_ORDER` that can run ``dtype`` on ``device``
+    (at q/k head size ``head_dim`` and v head size ``v_head_dim``, default the same)."""
     device = torch.device(device)
     skipped = []
     for name in AUTO_ORDER.get(device.type, ("math",)):
         kernel = BLOCK_KERNELS[name]
         try:
-            _check(kernel, dtype, device, head_dim)
+            _check(kernel, dtype, device, head_dim, v_head_dim)
         except ValueError as exc:
             skipped.append(f"{name}: {exc}")
             continue
@@ -68,18 +72,19 @@ def choose_kernel(dtype: torch.dtype, device, head_dim: int | None = None) -> Bl
     raise ValueError(f"no block kernel can run {dtype} on {device}: " + "; ".join(skipped))
 
 
-def resolve_kernel(kernel: "str | BlockKernel", dtype: torch.dtype, device, head_dim: int | None = None) -> BlockKernel:
+def resolve_kernel(kernel: "str | BlockKernel", dtype: torch.dtype, device, head_dim: int | None = None,
+                   v_head_dim: int | None = None) -> BlockKernel:
     """The :class:`BlockKernel` for ``kernel`` (``"auto"``, a name in :data:`BLOCK_KERNELS` or an
-    instance), checked against ``dtype`` / ``device`` (and ``head_dim`` for fused kernels);
-    ValueError naming the fix otherwise."""
+    instance), checked against ``dtype`` / ``device`` (and ``head_dim``, ``v_head_dim`` for fused
+    kernels); ValueError naming the fix otherwise."""
     if isinstance(kernel, BlockKernel):
         obj = kernel
     elif kernel == "auto":
-        return choose_kernel(dtype, device, head_dim)
+        return choose_kernel(dtype, device, head_dim, v_head_dim)
     elif isinstance(kernel, str) and kernel in BLOCK_KERNELS:
         obj = BLOCK_KERNELS[kernel]
     else:
         raise ValueError(f"unknown block kernel {kernel!r}; use one of {list(KERNEL_CHOICES)} "
                          f"(default 'auto') or a BlockKernel instance")
-    _check(obj, dtype, torch.device(device), head_dim)
+    _check(obj, dtype, torch.device(device), head_dim, v_head_dim)
     return obj

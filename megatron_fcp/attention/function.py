@@ -23,7 +23,9 @@ needs (a causal ``ring`` or ``full`` plan) stays exact; the extra blocks cost by
 
 Note [Forward pipeline]
 -----------------------
-A block travels as one tensor ``[2, blk, b, h_kv, d]`` (K and V stacked) in the input dtype::
+A block travels as one tensor ``[2, blk, b, h_kv, d]`` (K and V stacked; ``[blk, b, h_kv, d_k + d_v]``
+when K and V have different head sizes, MLA: Note [KV block tensors] in
+:mod:`megatron_fcp.attention.kv_block`) in the input dtype::
 
     post(round 0)
     compute local blocks                     # overlaps round 0
@@ -88,6 +90,7 @@ from megatron_fcp.attention.device_clock import DeviceClock, clock_for
 from megatron_fcp.attention.dispatch import resolve_kernel
 from megatron_fcp.attention.groups import group_membership
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
+from megatron_fcp.attention.kv_block import kv_block_shape, kv_token_elems, pack_kv, split_kv
 from megatron_fcp.attention.layout import PlacementLayout, ShardLayout, ZigzagLayout
 from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.resolve import PLAN_ALIASES, PlanLike, check_placement, resolve_plan
@@ -145,7 +148,8 @@ def check_qkv(q, k, v, *, thd: bool = False, softmax_scale: float | None = None)
     """The checks every entry point makes of its tensors before any communication (this one and the
     head-parallel stage's): ranks, one dtype and device, q and k/v agreeing on tokens, batch and
     head size, query heads a multiple of KV heads, a positive finite scale. Zigzag tensors are
-    ``[s_local, b, heads, head_dim]``, THD ones (``thd``) ``[t_local, heads, head_dim]``."""
+    ``[s_local, b, heads, head_dim]``, THD ones (``thd``) ``[t_local, heads, head_dim]``. q and k
+    share the head size ``d_qk``; v may have its own ``d_v`` (MLA), out then has ``d_v``."""
     ndim, dims = (3, "[t_local, heads, head_dim] (THD, no batch dim)") if thd else (4, "[s_local, b, heads, head_dim]")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != ndim:
@@ -158,14 +162,18 @@ def check_qkv(q, k, v, *, thd: bool = False, softmax_scale: float | None = None)
         raise ValueError(f"dtype {q.dtype} is not supported; use one of {[str(d) for d in _DTYPES]}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
-                         f"{'[t_local, h_kv, d]' if thd else '[s_local, b, h_kv, d]'}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on every dim but the head size "
+                         f"({'[t_local, h_kv, d_qk]' if thd else '[s_local, b, h_kv, d_qk]'} and "
+                         f"{'[t_local, h_kv, d_v]' if thd else '[s_local, b, h_kv, d_v]'}: the same tokens and KV "
+                         f"heads; only MLA's head sizes may differ)")
+    if v.shape[-1] < 1:
+        raise ValueError(f"v {tuple(v.shape)} has head size 0; pass values with at least one channel")
     s_local, h, d = q.shape[0], q.shape[-2], q.shape[-1]
     if k.shape[0] != s_local or k.shape[-1] != d or k.shape[1:-2] != q.shape[1:-2]:
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on "
-                         f"{'t_local' if thd else 's_local, batch'} and head_dim (self-attention over the "
-                         f"same local tokens)")
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on "
+                         f"{'t_local' if thd else 's_local, batch'} and head_dim d_qk (self-attention over the "
+                         f"same local tokens; v may have its own head size d_v)")
     h_kv = k.shape[-2]
     if h_kv < 1 or h % h_kv != 0:
         raise ValueError(f"query heads h={h} must be a multiple of KV heads h_kv={h_kv} (GQA/MQA); "
@@ -206,7 +214,7 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
     check_qkv(q, k, v, thd=thd, softmax_scale=softmax_scale)
     check_softmax_offset(softmax_offset, q.shape[-2], q.device)
     s_local, d = q.shape[0], q.shape[-1]
-    kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=q.shape[-1])
+    kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=q.shape[-1], v_head_dim=v.shape[-1])
     if thd and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents); "
                          f"use kernel='auto' (or any fused kernel, or 'math') for a placement")
@@ -223,7 +231,7 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
     if not thd and not 1 <= ppc <= s_local // 2:  # uneven parts are fine (Note [Sub-block sizes])
         raise ValueError(f"the plan cuts each {s_local // 2}-token zigzag chunk into {ppc} parts, more than it has "
                          f"tokens; build the plan with parts_per_chunk <= {max(s_local // 2, 1)}")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)  # d = d_qk
     resolve_mask(causal, window, plan)  # a named plan, now built: its mask (if any) agrees too
     return plan, rank, scale, kernel_obj, mask
 
@@ -239,7 +247,8 @@ class _Executor:
     def __init__(self, plan: Plan, rank: int, transport: Transport, mask: Mask, scale: float,
                  layout: ShardLayout, stats: FCPStats | None, kernel: BlockKernel, program: BackwardProgram,
                  device: torch.device, q_ready: Callable[[], None] | None = None,
-                 dq_ready: Callable[[torch.Tensor], None] | None = None, sink: torch.Tensor | None = None) -> None:
+                 dq_ready: Callable[[torch.Tensor], None] | None = None, sink: torch.Tensor | None = None,
+                 v_head_dim: int | None = None) -> None:
         if program.plan is not plan:
             raise ValueError("_Executor: the backward program was compiled for another plan")
         self.plan, self.rank, self.transport, self.kernel = plan, rank, transport, kernel
@@ -253,6 +262,7 @@ class _Executor:
         self.q_ready = q_ready      # forward: called once before q is first read
         self.dq_ready = dq_ready    # backward: called once with the final dq
         self.sink = sink            # [h] sink logits, accumulation dtype, or None (Note in attention.sinks)
+        self.v_head_dim = v_head_dim  # d_v when it differs from d_qk (MLA); None: the same
         self._last_send: dict[Block, int] = {}  # received block -> last round this rank forwards it
         self.clock: DeviceClock = clock_for(kernel, device)  # Note [No host synchronisation in the steady state]
         for r, rnd in enumerate(plan.rounds):
@@ -303,8 +313,11 @@ class _Executor:
         return self.transport.test(handle)
 
     def kv_shape(self, block: Block, x: torch.Tensor) -> tuple[int, ...]:
-        """[2, block tokens, b, h_kv, d]: K and V (or dK and dV) of ``block`` as one tensor."""
-        return (2, self.layout.block_tokens(block), x.shape[1], x.shape[2], x.shape[3])
+        """K and V (or dK and dV) of ``block`` as one tensor, ``x`` the local K [n, b, h_kv, d_qk]:
+        [2, block tokens, b, h_kv, d], or [block tokens, b, h_kv, d_qk + d_v] for MLA (Note [KV block
+        tensors] in :mod:`megatron_fcp.attention.kv_block`)."""
+        d_v = self.v_head_dim if self.v_head_dim is not None else x.shape[3]
+        return kv_block_shape(self.layout.block_tokens(block), x.shape[1], x.shape[2], x.shape[3], d_v)
 
     def _rows_args(self, block: Block, cache: dict, prepare) -> tuple[slice | None, dict]:
         """Query rows that may attend ``block`` and the kernel's keyword arguments for them:
@@ -346,7 +359,7 @@ class _Executor:
         have: dict[Block, torch.Tensor] = {}
         for b in self.local_blocks:
             sl = lay.local_slice(b)
-            have[b] = torch.stack([k[sl], v[sl]])                               # [2, blk, b, h_kv, d]
+            have[b] = pack_kv(k[sl], v[sl])                                     # [2, blk, b, h_kv, d]
         local = set(have)
         wait_s, bytes_sent, alive, peak = 0.0, 0, 0, 0
 
@@ -404,7 +417,7 @@ class _Executor:
         compute_s = 0.0
         lay, hk = self.layout, k.shape[2]
         preps: dict = {}                                                         # per-row-range layouts
-        acc = LseAccumulator.empty(*q.shape, compute_dtype_for(q.dtype), q.device)  # blocks merge into row ranges
+        acc = LseAccumulator.empty(*q.shape[:3], v.shape[3], compute_dtype_for(q.dtype), q.device)  # out: d_v
         kept: dict[Block, torch.Tensor] = {}
 
         def prepare(rows):
@@ -416,11 +429,12 @@ class _Executor:
                 return                                                           # no visible pair: nothing to merge
             t0 = time.perf_counter()
             rows, kw = self._rows_args(block, preps, prepare)
+            kb, vb = split_kv(kv, q.shape[-1])                                   # [blk, b, h_kv, d_qk | d_v]
             if rows is None:
-                acc.add(*self.kernel.forward(q, kv[0], kv[1], lay.q_pos, lay.k_pos(block),
+                acc.add(*self.kernel.forward(q, kb, vb, lay.q_pos, lay.k_pos(block),
                                              self.mask, self.scale, **kw))
             else:
-                acc.add(*self.kernel.forward(q[rows], kv[0], kv[1], lay.q_pos[rows], lay.k_pos(block),
+                acc.add(*self.kernel.forward(q[rows], kb, vb, lay.q_pos[rows], lay.k_pos(block),
                                              self.mask, self.scale, **kw), rows=rows)
             self._job_end()
             compute_s += time.perf_counter() - t0
@@ -448,7 +462,7 @@ class _Executor:
             self.stats.forward_bytes_sent += bytes_sent
             self.stats.saved_kv_bytes += sum(x.numel() * x.element_size() for x in kept.values())
             self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, peak)
-            self.stats.ring_kv_bytes = max(self.stats.ring_kv_bytes, 2 * k.numel() * k.element_size())
+            self.stats.ring_kv_bytes = max(self.stats.ring_kv_bytes, (k.numel() + v.numel()) * k.element_size())
             self.stats.backward_kv = self.backward_kv
         return out, lse, kept
 
@@ -461,7 +475,7 @@ class _Executor:
         return sink_grad(dout.to(out.dtype), out, lse, self.sink)
 
     def backward(self, dout, q, k, v, out, lse, kept: dict[Block, torch.Tensor] | None):
-        """Returns dq [n,b,h,d], dk, dv [n,b,h_kv,d] in q's dtype (see Note [Backward pipeline]).
+        """Returns dq [n,b,h,d_qk], dk [n,b,h_kv,d_qk], dv [n,b,h_kv,d_v] in q's dtype (see Note [Backward pipeline]).
         ``kept`` None: re-send the KV wave by wave (Note [Backward waves] in backward_waves)."""
         t_start = time.perf_counter()
         compute_s = 0.0
@@ -477,24 +491,25 @@ class _Executor:
             return self.kernel.prepare_backward(q[rows], doc[rows], out[rows], hk)
 
         def compute(block: Block, kv: torch.Tensor) -> torch.Tensor:
-            """Adds the block's dq; returns its dK/dV partial [2, blk, b, h_kv, d]."""
+            """Adds the block's dq; returns its dK/dV partial [2, blk, b, h_kv, d] (MLA: Note [KV block tensors])."""
             nonlocal compute_s
             if not self.sees(block):
                 return torch.zeros(kv.shape, dtype=cd, device=kv.device)        # no visible pair: zero partial
             t0 = time.perf_counter()
             rows, kw = self._rows_args(block, preps, prepare)
+            kb, vb = split_kv(kv, q.shape[-1])                                   # [blk, b, h_kv, d_qk | d_v]
             if rows is None:
                 dq_b, dk_b, dv_b = self.kernel.backward(
-                    doc, q, kv[0], kv[1], out, lse, lay.q_pos, lay.k_pos(block), self.mask, self.scale, **kw)
+                    doc, q, kb, vb, out, lse, lay.q_pos, lay.k_pos(block), self.mask, self.scale, **kw)
                 dq.add_(dq_b)
             else:
                 dq_b, dk_b, dv_b = self.kernel.backward(
-                    doc[rows], q[rows], kv[0], kv[1], out[rows], lse[:, :, rows], lay.q_pos[rows],
+                    doc[rows], q[rows], kb, vb, out[rows], lse[:, :, rows], lay.q_pos[rows],
                     lay.k_pos(block), self.mask, self.scale, **kw)
                 dq[rows].add_(dq_b)
             self._job_end()
             compute_s += time.perf_counter() - t0
-            return torch.stack([dk_b, dv_b])                                     # [2, blk, b, h_kv, d]
+            return pack_kv(dk_b, dv_b)                                           # [2, blk, b, h_kv, d]
 
         dq_out: list[torch.Tensor] = []
 
@@ -520,12 +535,11 @@ class _Executor:
             self.stats.backward_peak_kv_bytes = max(self.stats.backward_peak_kv_bytes, held)
             self.stats.backward_waves = len(prog.steps if prog.steps is not None else prog.waves)
             self.stats.backward_form = prog.form
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [n, b, h_kv, d]
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)               # [n, b, h_kv, d_qk]
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)               # [n, b, h_kv, d_v]
         for b in self.local_blocks:
             sl = lay.local_slice(b)
-            dk[sl] = grads[b][0]
-            dv[sl] = grads[b][1]
+            dk[sl], dv[sl] = split_kv(grads[b], k.shape[-1])
         if self.stats is not None:
             self.stats.backward_total_s += time.perf_counter() - t_start
             self.stats.backward_compute_s += compute_s
@@ -630,7 +644,8 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
     if agreement is not None:
         thd = placement is not None
         agreement.ensure({
-            "shape": (tuple(q.shape[1:] if thd else q.shape), tuple(k.shape[1:] if thd else k.shape)),
+            "shape": (tuple(q.shape[1:] if thd else q.shape), tuple(k.shape[1:] if thd else k.shape),
+                      v.shape[-1]),
             "dtype": str(q.dtype),
             "causal": causal, "window": mask.window, "softmax_scale": scale, "kernel": kernel_obj.name,
             "sink": softmax_offset is not None,                      # that a sink is used, not its values
@@ -643,11 +658,13 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
         layout: ShardLayout = ZigzagLayout(plan_obj.ranks, rank, q.shape[0], plan_obj.parts_per_chunk, causal)
     else:
         layout = PlacementLayout(placement, plan_obj.ranks, rank)
-    token_bytes = 2 * math.prod(k.shape[1:]) * k.element_size()       # K and V of one token, b sequences
+    batch = 1 if placement is not None else k.shape[1]
+    token_bytes = batch * kv_token_elems(k.shape[-2], k.shape[-1], v.shape[-1]) * k.element_size()  # K and V
     program = compile_backward(plan_obj, token_bytes, policy,
                                seq_len=None if placement is not None else q.shape[0] * plan_obj.cp)
     return _Executor(plan_obj, rank, transport, mask, scale, layout, stats, kernel_obj, program, q.device,
-                     q_ready=q_ready, dq_ready=dq_ready, sink=sink_logits(softmax_offset, compute_dtype_for(q.dtype)))
+                     q_ready=q_ready, dq_ready=dq_ready, sink=sink_logits(softmax_offset, compute_dtype_for(q.dtype)),
+                     v_head_dim=v.shape[-1] if v.shape[-1] != k.shape[-1] else None)
 
 
 def fcp_attention(
@@ -660,6 +677,9 @@ def fcp_attention(
 
     Zigzag (``placement=None``): q [s_local, b, h, d]; k, v [s_local, b, h_kv, d] (h % h_kv == 0),
     Megatron's zigzag layout (``get_batch_on_this_cp_rank``); all ranks pass the same shapes.
+    MLA: v may have its own head size, v [s_local, b, h_kv, d_v] (q and k keep ``d``); out then
+    has ``d_v``, and KV blocks travel without padding (Note [KV block tensors] in
+    :mod:`megatron_fcp.attention.kv_block`).
     plan: ``"ring"`` (Transformer Engine's p2p ring; also what None means), ``"full"`` (each block
     straight to its readers), or a :class:`~megatron_fcp.planning.Plan` over
     ``dist.get_process_group_ranks(cp_group)`` with the same ``causal``.
@@ -677,11 +697,11 @@ def fcp_attention(
     the window's mask, or for the unwindowed mask (``"ring"``, ``"full"``: they deliver more), is
     exact: blocks outside every local window are received (if the plan sends them) but not
     computed (Note [Windowed attention in the executor]).
-    softmax_scale defaults to ``1/sqrt(d)``. kernel: the block kernel: ``"auto"`` (default: the
+    softmax_scale defaults to ``1/sqrt(d)`` (``d`` of q and k). kernel: the block kernel: ``"auto"`` (default: the
     best that runs here, :mod:`megatron_fcp.attention.dispatch`), ``"math"`` (pure torch, any dtype
     incl. FP64), ``"cpu-flash"``, ``"cuda-flash"``, ``"flash-attn"`` (fused ops) or a
     ``BlockKernel`` instance (with ``documents = True`` for a placement). Returns out shaped like
-    q, in q's dtype; differentiable in q, k, v. Raises ValueError (naming the fix) before any
+    q (with v's head size), in q's dtype; differentiable in q, k, v. Raises ValueError (naming the fix) before any
     communication on bad input.
 
     softmax_offset: attention sinks (Megatron's ``softmax_type`` ``"off-by-one"``/``"learnable"``):

@@ -20,6 +20,16 @@ contract (``(out, lse)`` in FP32, masks from positions and document ids, rows th
 3. Inputs are cast once per shard to the op's dtype (:meth:`FusedOps.op_dtype`: FP32 on CPU, the
    input's half type for FlashAttention, FP32 for the memory-efficient kernel); results are
    written into FP32 buffers, so blocks merge in FP32 whatever the op ran in.
+4. Different head sizes for K and V (MLA, ``d_v != d_qk``): torch's fused CPU op, torch's
+   FlashAttention-2 and the flash-attn package all require one head size for Q, K and V, so the
+   kernel pads with zero channels to ``D = max(d_qk, d_v)`` around the op, as megatron-core pads V
+   for THD: V (and in backward ``dout`` and ``out``) when ``d_v < d_qk``, Q and K when ``d_v >
+   d_qk``. Exact: a zero channel adds nothing to ``q.k``, the padded output channels are
+   ``P @ 0 = 0`` and sliced off, as are the gradients of the padding; ``D = rowsum(dout * out)``
+   is unchanged (zeros times zeros). The scale is passed explicitly (``1/sqrt(d_qk)``), never
+   derived from ``D``. Only the op's inputs are padded (per block, in the op's dtype); KV blocks
+   travel unpadded (Note [KV block tensors] in :mod:`megatron_fcp.attention.kv_block`), and
+   pieces delegated to the math kernel run at the true sizes.
 
 Kernels: :class:`CpuFlashKernel` (``cpu-flash``), :class:`CudaFlashKernel` (``cuda-flash``:
 torch's FlashAttention-2 for FP16/BF16, its memory-efficient kernel for FP32) and
@@ -91,6 +101,11 @@ def _window(kind: str, q_pos, k_pos, piece, mask) -> dict:
         return {}
     a, z, _, k0, k1 = piece
     return {"window": flash_window(int(q_pos[a]), z - a, int(k_pos[k0]), k1 - k0, mask)}
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., d] -> [..., width] with zero channels after the d real ones (x itself if d == width)."""
+    if x.shape[-1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def _cu(lengths: list[int], device) -> torch.Tensor:
@@ -137,7 +152,9 @@ class FusedPiecesKernel(BlockKernel):
 
     def prepare_backward(self, q, dout, out, h_kv):
         od = self._od(q.dtype)
-        return {"q_c": q.to(od), "dout_c": dout.to(od), "out_c": out.to(od)}   # [n, b, h, d] x3
+        w = max(q.shape[-1], dout.shape[-1])                                     # one head size (item 4)
+        return {"q_c": _pad_to(q.to(od), w), "dout_c": _pad_to(dout.to(od), w),  # [n, b, h, w] x3
+                "out_c": _pad_to(out.to(od), w)}
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, q, k, v, q_pos, k_pos, mask, scale, q_c=None, q_doc=None, k_doc=None):
@@ -146,10 +163,12 @@ class FusedPiecesKernel(BlockKernel):
         cd = compute_dtype_for(q.dtype)
         ops = self.ops_for(q.dtype)
         od = ops.op_dtype(q.dtype)
-        qc = q.to(od) if q_c is None else q_c                                    # [n, b, h, d]
-        kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
+        d_v = v.shape[3]
+        w = max(d, d_v)                                                          # the op's head size (item 4)
+        qc = _pad_to(q.to(od) if q_c is None else q_c, w)                        # [n, b, h, w]
+        kc, vc = _pad_to(k.to(od), w), _pad_to(v.to(od), w)                      # [m, b, hk, w]
         pieces = flash_pieces(q_pos, k_pos, mask, q_doc, k_doc, bands=ops.windows)
-        out = torch.empty(n, b, h, d, dtype=cd, device=q.device)                 # every row written once:
+        out = torch.empty(n, b, h, d_v, dtype=cd, device=q.device)               # every row written once:
         lse = torch.empty((b, h, n), dtype=cd, device=q.device)                  # by a piece, or as empty
         for a, z in _gaps([(p[0], p[1]) for p in pieces], n):                     # rows that see no key
             out[a:z] = 0.0
@@ -166,7 +185,7 @@ class FusedPiecesKernel(BlockKernel):
                 a, z, _, k0, k1 = pieces[0]
                 o_p, l_p = ops.forward(_bshd(qc[a:z]), _bshd(kc[k0:k1]), _bshd(vc[k0:k1]), kind == CAUSAL, scale,
                                        **_window(kind, q_pos, k_pos, pieces[0], mask))
-                out[a:z] = _bshd(o_p)                                            # [t, b, h, d]
+                out[a:z] = _bshd(o_p)[..., :d_v]                                 # [t, b, h, d_v]
                 lse[:, :, a:z] = l_p                                             # [b, h, t]
             else:                                                                # varlen, b == 1
                 q_r = [(a, z) for a, z, _, _, _ in pieces]
@@ -175,10 +194,10 @@ class FusedPiecesKernel(BlockKernel):
                 o_v, l_v = ops.forward_varlen(_cat_ranges(qc[:, 0], q_r), _cat_ranges(kc[:, 0], k_r),
                                               _cat_ranges(vc[:, 0], k_r), cu_q, cu_k,
                                               max(z - a for a, z in q_r), max(k1 - k0 for k0, k1 in k_r),
-                                              kind == CAUSAL, scale)             # [T, h, d], [h, T]
+                                              kind == CAUSAL, scale)             # [T, h, w], [h, T]
                 pos = 0
                 for a, z in q_r:
-                    out[a:z, 0] = o_v[pos:pos + z - a]
+                    out[a:z, 0] = o_v[pos:pos + z - a, :, :d_v]
                     lse[0, :, a:z] = l_v[:, pos:pos + z - a]
                     pos += z - a
         return out, lse
@@ -188,21 +207,22 @@ class FusedPiecesKernel(BlockKernel):
                  q_doc=None, k_doc=None):
         n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
         mask = as_mask(mask)
-        m = k.shape[0]
+        m, d_v = k.shape[0], v.shape[3]
+        w = max(d, d_v)                                                          # the op's head size (item 4)
         cd = compute_dtype_for(q.dtype)
         ops = self.ops_for(q.dtype)
         od = ops.op_dtype(q.dtype)
-        qc = q.to(od) if q_c is None else q_c                                    # [n, b, h, d]
-        doc = dout.to(od) if dout_c is None else dout_c                          # [n, b, h, d]
-        ouc = out.to(od) if out_c is None else out_c                             # [n, b, h, d]
-        kc, vc = k.to(od), v.to(od)                                              # [m, b, hk, d]
+        qc = _pad_to(q.to(od) if q_c is None else q_c, w)                        # [n, b, h, w]
+        doc = _pad_to(dout.to(od) if dout_c is None else dout_c, w)              # [n, b, h, w]
+        ouc = _pad_to(out.to(od) if out_c is None else out_c, w)                 # [n, b, h, w]
+        kc, vc = _pad_to(k.to(od), w), _pad_to(v.to(od), w)                      # [m, b, hk, w]
         lse = lse.to(torch.float32)                                              # [b, h, n]; ops take FP32
         pieces = flash_pieces(q_pos, k_pos, mask, q_doc, k_doc, bands=ops.windows)
         dq = torch.empty(n, b, h, d, dtype=cd, device=q.device)                  # every row written once
         for a, z in _gaps([(p[0], p[1]) for p in pieces], n):
             dq[a:z] = 0.0
         dk = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)                 # pieces add into key ranges
-        dv = torch.zeros(m, b, hk, d, dtype=cd, device=q.device)
+        dv = torch.zeros(m, b, hk, d_v, dtype=cd, device=q.device)
         for kind, pieces in self._groups(pieces, ops, b):
             if kind == MATH:
                 for a, z, _, _, _ in pieces:
@@ -216,9 +236,9 @@ class FusedPiecesKernel(BlockKernel):
                 dq_p, dk_p, dv_p = ops.backward(_bshd(doc[a:z]), _bshd(qc[a:z]), _bshd(kc[k0:k1]), _bshd(vc[k0:k1]),
                                                 _bshd(ouc[a:z]), lse[:, :, a:z], kind == CAUSAL, scale,
                                                 **_window(kind, q_pos, k_pos, pieces[0], mask))
-                dq[a:z] = _bshd(dq_p)                                            # [t, b, h, d]
-                dk[k0:k1].add_(_bshd(dk_p))                                      # [k1-k0, b, hk, d]
-                dv[k0:k1].add_(_bshd(dv_p))
+                dq[a:z] = _bshd(dq_p)[..., :d]                                   # [t, b, h, d]
+                dk[k0:k1].add_(_bshd(dk_p)[..., :d])                             # [k1-k0, b, hk, d]
+                dv[k0:k1].add_(_bshd(dv_p)[..., :d_v])                           # padding's gradient dropped
             else:                                                                # varlen, b == 1
                 q_r = [(a, z) for a, z, _, _, _ in pieces]
                 k_r = [(k0, k1) for _, _, _, k0, k1 in pieces]
@@ -230,12 +250,12 @@ class FusedPiecesKernel(BlockKernel):
                     max(z - a for a, z in q_r), max(k1 - k0 for k0, k1 in k_r), kind == CAUSAL, scale)
                 pos = 0
                 for a, z in q_r:
-                    dq[a:z, 0] = dq_v[pos:pos + z - a]
+                    dq[a:z, 0] = dq_v[pos:pos + z - a, :, :d]
                     pos += z - a
                 pos = 0
                 for k0, k1 in k_r:
-                    dk[k0:k1, 0] += dk_v[pos:pos + k1 - k0]
-                    dv[k0:k1, 0] += dv_v[pos:pos + k1 - k0]
+                    dk[k0:k1, 0] += dk_v[pos:pos + k1 - k0, :, :d]
+                    dv[k0:k1, 0] += dv_v[pos:pos + k1 - k0, :, :d_v]
                     pos += k1 - k0
         return dq, dk, dv
 

@@ -72,7 +72,10 @@ Bytes per rank and direction (E = element size): the Q/K/V a2a sends ``(a-1)/a *
 the O a2a ``(a-1)/a * s*b*h*d*E`` (LSE: ``(a-1)/a * s*b*h`` FP32 values when returned); the KV
 stage moves the blocks of the KV plan, one per member's zigzag chunk, ``[2, s/2, b*H/a, d]``: 1/a
 of the heads of ``a`` times the tokens. Replication (rep > 1) multiplies the K/V part of the a2a
-and the KV stage by ``rep``. With ``a = 1`` there is no a2a and the stage is plain FCP over the
+and the KV stage by ``rep``. MLA (V's head size ``d_v`` differs from ``d``): heads and channels
+travel flattened side by side, unpadded: Q/K/V ``(a-1)/a * s*b*(h*d + H*(d + d_v))*E``, O
+``(a-1)/a * s*b*h*d_v*E``; KV-stage blocks as Note [KV block tensors] in
+:mod:`megatron_fcp.attention.kv_block` says. With ``a = 1`` there is no a2a and the stage is plain FCP over the
 zigzag chunks: as a placement (the runtime's plan), or, for a plan from
 :func:`~megatron_fcp.planner.head_parallel.compile_head_parallel` (a zigzag KV plan,
 sub-blocks allowed), ``fcp_attention_with_lse`` on the zigzag shards with that plan.
@@ -184,16 +187,18 @@ def create_head_parallel_groups(partitions: Sequence[HeadParallelPlan | Sequence
 
 
 def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, heads: int, kv_heads: int,
-                        head_dim: int, elem_bytes: int, with_lse: bool = False) -> int:
+                        head_dim: int, elem_bytes: int, with_lse: bool = False, v_head_dim: int | None = None) -> int:
     """Bytes one rank sends in the forward all-to-alls of one call: Q|K|V in, O out and, with
     ``with_lse``, the LSE (in the compute dtype: 8 bytes for FP64 inputs, else 4). The backward
-    sends the same minus the LSE (dO in, dQ|dK|dV out)."""
+    sends the same minus the LSE (dO in, dQ|dK|dV out). ``v_head_dim``: V's (and O's) head size
+    when it differs from Q's and K's ``head_dim`` (MLA)."""
     a = hp_plan.degree
     if a == 1:
         return 0
+    d_v = head_dim if v_head_dim is None else v_head_dim
     big_h = kv_heads * check_head_parallel(heads, kv_heads, a, hp_plan.cp)
-    per_shard = s_local * batch * head_dim
-    sent = (a - 1) * per_shard * ((heads + 2 * big_h) // a + heads // a) * elem_bytes
+    per_token = (heads // a) * head_dim + (big_h // a) * (head_dim + d_v) + (heads // a) * d_v  # q|k|v in, o out
+    sent = (a - 1) * s_local * batch * per_token * elem_bytes
     lse_bytes = 8 if elem_bytes == 8 else 4
     return sent + ((a - 1) * s_local * batch * (heads // a) * lse_bytes if with_lse else 0)
 
@@ -258,7 +263,7 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel,
     if s % 2:
         raise ValueError(f"local sequence length {s} must be even (two zigzag chunks); pad the global sequence "
                          f"to a multiple of 2*cp = {2 * hp_plan.cp}")
-    kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=d)
+    kernel_obj = resolve_kernel(kernel, q.dtype, q.device, head_dim=d, v_head_dim=v.shape[3])
     zigzag = hp_plan.kv_plan is not None and hp_plan.kv_plan.placement is None  # degree 1, plain FCP
     if hp_plan.num_groups > 1 and not zigzag and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents), which the "
@@ -318,7 +323,7 @@ def fcp_head_parallel_attention_with_lse(
     """Exact attention of this rank's zigzag shard through the head-parallel stage.
 
     q [s_local, b, h, d]; k, v [s_local, b, h_kv, d] (Megatron's zigzag shard, the same shapes on
-    every rank). hp_plan: over ``dist.get_process_group_ranks(cp_group)``; its KV-stage plan over
+    every rank; MLA: v [s_local, b, h_kv, d_v], out then has d_v). hp_plan: over ``dist.get_process_group_ranks(cp_group)``; its KV-stage plan over
     ``group_placement(ranks, head_groups, s_local * cp, causal)`` (degree 1: or a zigzag plan, as
     ``compile_head_parallel`` builds) and ``kv_replication`` matching
     the head counts (:func:`~megatron_fcp.contract.head_parallel.check_head_parallel`). groups:
@@ -343,13 +348,15 @@ def fcp_head_parallel_attention_with_lse(
     if agreement is not None and hp_plan.degree > 1:
         kv = hp_plan.kv_plan
         agreement.ensure({
-            "shape": (tuple(q.shape), tuple(k.shape)), "dtype": str(q.dtype), "causal": causal, "window": mask.window,
+            "shape": (tuple(q.shape), tuple(k.shape), v.shape[3]), "dtype": str(q.dtype), "causal": causal,
+            "window": mask.window,
             "softmax_scale": scale, "kernel": kern.name, "return_lse": return_lse,
             "head_parallel": (hp_plan.ranks, hp_plan.degree, hp_plan.head_groups, hp_plan.kv_replication),
             "kv_plan": None if kv is None else (kv.name, kv.ranks, kv.rounds), "overlap_q": overlap_q,
             "sink": softmax_offset is not None,
         }, cp_group, what="fcp head-parallel attention", timeout_s=timeout_s)
     s, b, h, d = q.shape
+    d_v = v.shape[3]                                                     # = d unless MLA
     a = hp_plan.degree
     if hp_plan.cp == 1:  # nothing to distribute
         out, lse = _LocalAttention.apply(q, k, v, kern, _group_positions(hp_plan, hp_plan.ranks, s), mask, scale,
@@ -361,19 +368,19 @@ def fcp_head_parallel_attention_with_lse(
             kv_memory_budget=kv_memory_budget, agreement=agreement, softmax_offset=softmax_offset, window=window)
     elif a == 1:  # no head-parallel stage: the KV stage over the CP group on the zigzag placement
         out3, lse = fcp_attention_with_lse(
-            q.reshape(s, b * h, d), k.reshape(s, b * k.shape[2], d), v.reshape(s, b * v.shape[2], d),
+            q.reshape(s, b * h, d), k.reshape(s, b * k.shape[2], d), v.reshape(s, b * v.shape[2], d_v),
             cp_group=groups.kv_group, plan=hp_plan.kv_plan_for(0), causal=causal, softmax_scale=scale,
             transport=transport, stats=stats, timeout_s=timeout_s, kernel=kern,
             placement=hp_plan.kv_plan.placement, backward_kv=backward_kv, kv_memory_budget=kv_memory_budget,
             agreement=agreement, window=window,                         # heads folded b-major: [b*h]
             softmax_offset=None if softmax_offset is None else softmax_offset.repeat(b))
-        out, lse = out3.view(s, b, h, d), lse.view(b, h, s)
+        out, lse = out3.view(s, b, h, d_v), lse.view(b, h, s)
     else:
         if rep > 1:  # GQA with h_kv not divisible by a: repeat each KV head (grads summed back)
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)   # [s, b, H, d]
         comm = _HeadComm(groups.head_group, hp_plan.head_groups[g], timeout_s, stats)
         stage = hp_plan.kv_plan is not None                          # G > 1: Q's a2a behind the stage's start
-        qs, ks, vs = _QKVToHeads.apply(q, k, v, comm, stage and overlap_q)  # [a*s, b, h/a | H/a | H/a, d]
+        qs, ks, vs = _QKVToHeads.apply(q, k, v, comm, stage and overlap_q)  # [a*s, b, h/a | H/a | H/a, d | d | d_v]
         n, hq, hk = a * s, h // a, k.shape[2] // a
         sink_j = None if softmax_offset is None else softmax_offset.view(a, hq)[j]  # [h/a]: head shard j's
         if not stage:  # G == 1: the whole sequence is here for h/a heads
@@ -383,7 +390,7 @@ def fcp_head_parallel_attention_with_lse(
             plan_j = hp_plan.kv_plan_for(j)
             try:
                 o3, l3 = fcp_attention_with_lse(
-                    qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d), cp_group=groups.kv_group,
+                    qs.view(n, b * hq, d), ks.view(n, b * hk, d), vs.view(n, b * hk, d_v), cp_group=groups.kv_group,
                     plan=plan_j, causal=causal, softmax_scale=scale, transport=transport, stats=stats,
                     timeout_s=timeout_s, kernel=kern, placement=plan_j.placement, backward_kv=backward_kv,
                     kv_memory_budget=kv_memory_budget, agreement=agreement, window=window, q_ready=comm.finish_pending,
@@ -391,8 +398,8 @@ def fcp_head_parallel_attention_with_lse(
                     softmax_offset=None if sink_j is None else sink_j.repeat(b))    # [b*h/a], b-major
             finally:
                 comm.finish_pending()                                # never leave Q's a2a behind (errors too)
-            o_st, l_st = o3.view(n, b, hq, d), l3.view(b, hq, n)      # [a*s, b, h/a, d], [b, h/a, a*s]
-        out = _OutToSeq.apply(o_st, comm)                               # [s, b, h, d]
+            o_st, l_st = o3.view(n, b, hq, d_v), l3.view(b, hq, n)    # [a*s, b, h/a, d_v], [b, h/a, a*s]
+        out = _OutToSeq.apply(o_st, comm)                               # [s, b, h, d_v]
         lse = None
         if return_lse:
             with torch.no_grad():

@@ -153,49 +153,62 @@ class _HeadComm:
         return x.permute(1, 2, 0, 3, 4).reshape(n // self.a, b, self.a * w, d)
 
 
+def _features(xs, lead: tuple[int, ...]) -> torch.Tensor:
+    """Tensors [*lead, w_i, d_i] -> [*lead, sum(w_i * d_i), 1]: heads and channels flattened side by
+    side, so Q, K and V of different head sizes (MLA) travel in one all-to-all."""
+    return torch.cat([x.reshape(*lead, -1) for x in xs], dim=-1).unsqueeze(-1)
+
+
+def _unfeatures(y: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Inverse of :func:`_features`: y [*lead, F] -> [*lead, w_i, d_i] per ``shapes`` (views)."""
+    parts = torch.split(y, [w * d for w, d in shapes], dim=-1)
+    return [p.reshape(*p.shape[:-1], w, d) for p, (w, d) in zip(parts, shapes)]
+
+
 class _QKVToHeads(torch.autograd.Function):
-    """q [s,b,h,d], k/v [s,b,H,d] -> [a*s, b, h/a | H/a | H/a, d] of this member's head shard;
-    backward: one a2a of dq|dk|dv back. ``defer_q``: K|V's all-to-all first, then Q's posted and
-    left in flight (``comm.pending``; the returned q is filled by ``comm.finish_pending()``): Note
-    [Q's all-to-all behind the KV stage]."""
+    """q [s,b,h,d], k [s,b,H,d], v [s,b,H,d_v] -> [a*s, b, h/a | H/a | H/a, d | d | d_v] of this
+    member's head shard; backward: one a2a of dq|dk|dv back. Heads and channels travel flattened
+    side by side (:func:`_features`), so ``d_v`` may differ from ``d`` (MLA) and no padding is
+    sent. ``defer_q``: K|V's all-to-all first, then Q's posted and left in flight
+    (``comm.pending``; the returned q is filled by ``comm.finish_pending()``): Note [Q's all-to-all
+    behind the KV stage]."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm: _HeadComm, defer_q: bool = False):
         s, b, h, d = q.shape
         a, big_h = comm.a, k.shape[2]
         ctx.comm, ctx.widths = comm, (h // a, big_h // a, big_h // a)
-        ctx.shape, ctx.dtype, ctx.device = (a * s, b, sum(ctx.widths), d), q.dtype, q.device
+        ctx.shapes = tuple(zip(ctx.widths, (d, d, v.shape[3])))            # (heads, channels) of q, k, v
+        ctx.n, ctx.b, ctx.dtype, ctx.device = a * s, b, q.dtype, q.device
         if not defer_q:
-            packed = torch.cat([x.reshape(s, b, a, x.shape[2] // a, d) for x in (q, k, v)], dim=3)  # [s,b,a,w,d]
-            y = comm.to_heads(packed, "q|k|v forward")                  # [a*s, b, w, d]
-            return tuple(t.contiguous() for t in torch.split(y, ctx.widths, dim=2))
-        packed = torch.cat([x.reshape(s, b, a, big_h // a, d) for x in (k, v)], dim=3)            # [s,b,a,2H/a,d]
-        kv = comm.to_heads(packed, "k|v forward")                                                # [a*s, b, 2H/a, d]
+            packed = _features([x.reshape(s, b, a, x.shape[2] // a, x.shape[3]) for x in (q, k, v)], (s, b, a))
+            y = comm.to_heads(packed, "q|k|v forward")                  # [a*s, b, F, 1]
+            return tuple(t.contiguous() for t in _unfeatures(y.squeeze(-1), ctx.shapes))
+        packed = _features([x.reshape(s, b, a, big_h // a, x.shape[3]) for x in (k, v)], (s, b, a))  # [s,b,a,F,1]
+        kv = comm.to_heads(packed, "k|v forward")                                                # [a*s, b, F, 1]
         pending = comm.start(q.reshape(s, b, a, h // a, d).permute(2, 0, 1, 3, 4), "q forward")  # [a, s, b, h/a, d]
         qs = pending.recv if comm.identity else torch.empty_like(pending.recv)
         comm.pending = (pending, qs)
-        ks, vs = (t.contiguous() for t in torch.split(kv, ctx.widths[1:], dim=2))
+        ks, vs = (t.contiguous() for t in _unfeatures(kv.squeeze(-1), ctx.shapes[1:]))
         return qs.view(a * s, b, h // a, d), ks, vs
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        n, b, _, d = ctx.shape
+        n, b = ctx.n, ctx.b
         comm, a = ctx.comm, ctx.comm.a
+        s = n // a
         grads = [g if g is not None else torch.zeros(n, b, w, d, dtype=ctx.dtype, device=ctx.device)
-                 for g, w in zip((dq, dk, dv), ctx.widths)]
+                 for g, (w, d) in zip((dq, dk, dv), ctx.shapes)]
         if comm.pending_dq is None:                                             # one dQ|dK|dV all-to-all
-            x = comm.to_seq(torch.cat(grads, dim=2), "dq|dk|dv backward")       # [s, b, a*w, d]
-            x = x.view(n // a, b, a, sum(ctx.widths), d)
-            parts = torch.split(x, ctx.widths, dim=3)                           # [s, b, a, w_i, d]
+            x = comm.to_seq(_features(grads, (n, b)), "dq|dk|dv backward")       # [s, b, a*F, 1]
+            parts = _unfeatures(x.view(s, b, a, -1), ctx.shapes)                # [s, b, a, w_i, d_i]
         else:  # dQ's went ahead (Note [dQ's all-to-all ahead of dK|dV's]); the stage's dq is that one
-            w_kv = sum(ctx.widths[1:])
-            y = torch.cat(grads[1:], dim=2).view(a, n // a, b, w_kv, d)
+            y = _features(grads[1:], (n, b)).view(a, s, b, -1)                  # [a, s, b, F_kv]
             kv_pending = comm.start(y, "dk|dv backward")                      # posted before dQ's is waited
             dq_x = comm.finish_dq()                                             # [s, b, a, h/a, d]
-            x = comm.finish(kv_pending).permute(1, 2, 0, 3, 4)                  # [s, b, a, 2H/a, d]
-            parts = (dq_x, *torch.split(x, ctx.widths[1:], dim=3))
-        s = n // a
-        return (*(p.reshape(s, b, -1, d) for p in parts), None, None)
+            x = comm.finish(kv_pending).permute(1, 2, 0, 3)                     # [s, b, a, F_kv]
+            parts = (dq_x, *_unfeatures(x, ctx.shapes[1:]))
+        return (*(p.reshape(s, b, -1, d) for p, (_, d) in zip(parts, ctx.shapes)), None, None)
 
 
 class _OutToSeq(torch.autograd.Function):

@@ -4,11 +4,13 @@ Pure torch math, any dtype and device (the exact reference; fused kernels: :mod:
 
 Shapes (Megatron's ``[s, b, h, d]`` convention):
     q:    [n, b, h, d]        n query tokens, h query heads
-    k, v: [m, b, h_kv, d]     m key tokens of one block, h_kv KV heads, h % h_kv == 0 (GQA / MQA)
+    k, v: [m, b, h_kv, d]     m key tokens of one block, h_kv KV heads, h % h_kv == 0 (GQA / MQA);
+                              v may have its own head size d_v (MLA: k [m, b, h_kv, d], v [m, b,
+                              h_kv, d_v]; scores use d, out and dv have d_v)
     q_pos: int64 [n], k_pos: int64 [m]   global token positions (CPU tensors; used to classify tiles)
     q_doc: int64 [n], k_doc: int64 [m]   optional document ids (packed batches; positions are then
                                          positions inside the document)
-    out:  [n, b, h, d]        softmax(q k^T * scale + mask) v over this block only
+    out:  [n, b, h, d_v]      softmax(q k^T * scale + mask) v over this block only
     lse:  [b, h, n]           log-sum-exp of the masked, scaled scores over this block
 
 Precision: the *compute dtype* is float64 for float64 inputs and float32 otherwise (bf16/fp16/fp32
@@ -95,9 +97,9 @@ def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                   k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
                   k_doc: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [n,b,h,d] and k, v [m,b,h_kv,d]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"expected q [n,b,h,d], k [m,b,h_kv,d] and v [m,b,h_kv,d_v] (d_v may differ: MLA); "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     n, b, h, d = q.shape
     _, bk, hk, dk = k.shape
     if bk != b or dk != d or h % hk != 0:
@@ -151,7 +153,7 @@ def block_attention_forward(
     rows_per_tile: int | None = None, q_layout: torch.Tensor | None = None,
     key_chunk: int | None = None, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d], lse [b,h,n])`` in the
+    """Attention of ``q`` against one KV block; returns ``(out [n,b,h,d_v], lse [b,h,n])`` in the
     compute dtype (see module docstring for shapes, mask and precision). ``rows_per_tile`` and
     ``key_chunk`` override the automatic tile height and key chunk length (tests use tiny ones);
     ``q_layout`` is an optional ``prepare_query(q, h_kv, scale)`` reused across blocks.
@@ -164,8 +166,9 @@ def block_attention_forward(
     cd = compute_dtype_for(q.dtype)
     qh = q_layout if q_layout is not None else prepare_query(q, hk, scale)  # [b, hk, g, n, d]
     kh = k.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
-    vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
-    out = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
+    vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, dv]
+    dv_ = v.shape[3]
+    out = torch.zeros(b, hk, g, n, dv_, dtype=cd, device=q.device)
     lse = torch.full((b, hk, g, n), -math.inf, dtype=cd, device=q.device)
     tiles = math_tiles(q_pos, k_pos, mask, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
                    q_doc, k_doc)
@@ -187,19 +190,19 @@ def block_attention_forward(
             l_c = mx - torch.log(p.amax(dim=-1, keepdim=True))
             if kind == PARTIAL:
                 l_c.masked_fill_(empty, -math.inf)
-            o_c = torch.matmul(p, vh[:, :, c0:c1])                         # [b, hk, g*t, d]
+            o_c = torch.matmul(p, vh[:, :, c0:c1])                         # [b, hk, g*t, dv]
             if o_t is None:
                 o_t, l_t = o_c, l_c
             else:                                                          # online softmax
                 l_t, ca, cb = merge_coefficients(l_t, l_c)
                 o_t.mul_(ca).addcmul_(o_c, cb)
-        out[:, :, :, a:z] = o_t.view(b, hk, g, t, d)
+        out[:, :, :, a:z] = o_t.view(b, hk, g, t, dv_)
         lse[:, :, :, a:z] = l_t.view(b, hk, g, t)
-    return out.view(b, h, n, d).permute(2, 0, 1, 3), lse.view(b, h, n)
+    return out.view(b, h, n, dv_).permute(2, 0, 1, 3), lse.view(b, h, n)
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """D = rowsum(dout * out): [n,b,h,d] x2 -> [b,h,n] in the compute dtype."""
+    """D = rowsum(dout * out): [n,b,h,d_v] x2 -> [b,h,n] in the compute dtype."""
     cd = torch.promote_types(compute_dtype_for(dout.dtype), compute_dtype_for(out.dtype))
     return (dout.to(cd) * out.to(cd)).sum(dim=-1).permute(1, 2, 0)
 
@@ -214,9 +217,9 @@ def block_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the *final* (all-block) ``out`` and ``lse``.
 
-    dout, out: [n,b,h,d]; lse: [b,h,n]; delta (optional, precomputed :func:`attention_delta`): [b,h,n].
+    dout, out: [n,b,h,d_v]; lse: [b,h,n]; delta (optional, precomputed :func:`attention_delta`): [b,h,n].
     Returns ``dq [n,b,h,d]`` (this block's contribution; sum over blocks gives dQ) and
-    ``dk, dv [m,b,h_kv,d]`` for this block, all in the compute dtype. ``q_layout`` /
+    ``dk [m,b,h_kv,d]``, ``dv [m,b,h_kv,d_v]`` for this block, all in the compute dtype. ``q_layout`` /
     ``dout_layout``: optional unscaled ``prepare_query(q, h_kv)`` / ``prepare_query(dout, h_kv)``.
     ``q_doc`` / ``k_doc`` and ``mask``: as in :func:`block_attention_forward`.
     """
@@ -227,31 +230,31 @@ def block_attention_backward(
     if delta is None:
         delta = attention_delta(dout, out)
     qh = q_layout if q_layout is not None else prepare_query(q, hk)            # [b, hk, g, n, d]
-    doh = dout_layout if dout_layout is not None else prepare_query(dout, hk)  # [b, hk, g, n, d]
+    doh = dout_layout if dout_layout is not None else prepare_query(dout, hk)  # [b, hk, g, n, dv]
     lse_h = lse.to(cd).reshape(b, hk, g, n)
     lse_h = torch.where(torch.isinf(lse_h), torch.zeros_like(lse_h), lse_h)  # empty rows -> P = 0
     dl_h = delta.to(cd).reshape(b, hk, g, n)
     kh = k.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
-    vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, d]
+    vh = v.to(cd).permute(1, 2, 0, 3).contiguous()                        # [b, hk, m, dv]
     dq = torch.zeros(b, hk, g, n, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
-    dv = torch.zeros(b, hk, m, d, dtype=cd, device=q.device)
+    dv = torch.zeros(b, hk, m, v.shape[3], dtype=cd, device=q.device)
     tiles = math_tiles(q_pos, k_pos, mask, rows_per_tile or _rows_per_tile(b, h, m), key_chunk or _KEY_CHUNK,
                    q_doc, k_doc)
     for a, z, chunks in tiles:
         t = z - a
         qt = _q_tile(qh, a, z)                                             # [b, hk, g*t, d]
-        dot = _q_tile(doh, a, z)                                           # [b, hk, g*t, d]
+        dot = _q_tile(doh, a, z)                                           # [b, hk, g*t, dv]
         lse_t = lse_h[:, :, :, a:z].reshape(b, hk, g * t, 1)
         dl_t = dl_h[:, :, :, a:z].reshape(b, hk, g * t, 1)
         dq_t = torch.zeros_like(qt)                                        # [b, hk, g*t, d]
         for c0, c1, kind in chunks:
-            kc, vc = kh[:, :, c0:c1], vh[:, :, c0:c1]                      # [b, hk, c, d]
+            kc, vc = kh[:, :, c0:c1], vh[:, :, c0:c1]                      # [b, hk, c, d | dv]
             s = torch.matmul(qt, kc.transpose(-1, -2)).mul_(scale)         # [b, hk, g*t, c]
             if kind == PARTIAL:
                 s.masked_fill_(~_mask(q_pos[a:z], k_pos[c0:c1], g, q.device, mask), -math.inf)
             p = s.sub_(lse_t).exp_()                                       # P = exp(S - lse)
-            dv[:, :, c0:c1].add_(torch.matmul(p.transpose(-1, -2), dot))   # [b, hk, c, d]
+            dv[:, :, c0:c1].add_(torch.matmul(p.transpose(-1, -2), dot))   # [b, hk, c, dv]
             dp = torch.matmul(dot, vc.transpose(-1, -2))                   # [b, hk, g*t, c]
             ds = dp.sub_(dl_t).mul_(p)                                     # dS = P * (dP - D)
             dq_t.add_(torch.matmul(ds, kc))
@@ -268,13 +271,13 @@ def reference_attention(
     """Plain single-device attention with torch autograd, in the inputs' own dtype (no upcast).
 
     Used as the FP64 reference (pass float64 tensors) and as "plain PyTorch attention in BF16"
-    (pass bf16 tensors) for the flash-attn tolerance rule. q: [s,b,h,d], k, v: [s,b,h_kv,d] over
-    the *global* sequence (positions 0..s-1). Independent of the kernels above: GQA by
+    (pass bf16 tensors) for the flash-attn tolerance rule. q: [s,b,h,d], k: [s,b,h_kv,d], v:
+    [s,b,h_kv,d_v] over the *global* sequence (positions 0..s-1). Independent of the kernels above: GQA by
     ``repeat_interleave``, ``torch.softmax`` / ``torch.logsumexp``, the dense visibility matrix of
     :meth:`Mask.visible` (``causal`` and ``window``, Megatron's ``(left, right)``). Query rows are
     processed in tiles (each row's output depends only on its own query, so per-tile autograd is
     exact and memory stays bounded); with ``causal`` a tile only looks at keys up to its last
-    query. Returns ``out [s,b,h,d]``, ``lse [b,h,s]`` and, if ``dout`` is given, ``dq, dk, dv``.
+    query. Returns ``out [s,b,h,d_v]``, ``lse [b,h,s]`` and, if ``dout`` is given, ``dq, dk, dv``.
     """
     s, b, h, d = q.shape
     g = h // k.shape[2]
@@ -287,13 +290,13 @@ def reference_attention(
         qt = q[a:z].detach().requires_grad_(dout is not None)
         sk = min(z, kf.shape[0]) if causal else kf.shape[0]                # later keys are masked
         kr = kf[:sk].repeat_interleave(g, dim=2).permute(1, 2, 0, 3)       # [b, h, sk, d]
-        vr = vf[:sk].repeat_interleave(g, dim=2).permute(1, 2, 0, 3)       # [b, h, sk, d]
+        vr = vf[:sk].repeat_interleave(g, dim=2).permute(1, 2, 0, 3)       # [b, h, sk, d_v]
         sc = torch.matmul(qt.permute(1, 2, 0, 3), kr.transpose(-1, -2)) * scale  # [b, h, t, sk]
         if causal or mask.windowed:
             vis = torch.from_numpy(mask.visible(torch.arange(a, z).numpy()[:, None],
                                                 torch.arange(sk).numpy()[None, :])).to(q.device)  # [t, sk]
             sc = sc.masked_fill(~vis, -math.inf)
-        o = torch.matmul(torch.softmax(sc, dim=-1), vr).permute(2, 0, 1, 3)  # [t, b, h, d]
+        o = torch.matmul(torch.softmax(sc, dim=-1), vr).permute(2, 0, 1, 3)  # [t, b, h, d_v]
         lses.append(torch.logsumexp(sc, dim=-1).detach())
         if dout is not None:
             o.backward(dout[a:z])
@@ -312,11 +315,12 @@ class BlockKernel:
     """One way to compute attention of a query shard against one KV block, and its backward.
 
     Contract (every kernel): ``forward(q, k, v, q_pos, k_pos, mask, scale, **prep)`` returns
-    ``(out [n,b,h,d], lse [b,h,n])`` in the compute dtype (:func:`compute_dtype_for`); ``mask`` is
+    ``(out [n,b,h,d_v], lse [b,h,n])`` in the compute dtype (:func:`compute_dtype_for`); ``mask`` is
     a :class:`~megatron_fcp.contract.mask.Mask` (causal, full or a sliding window; the executor
     always passes one, a bool still means ``causal`` through ``as_mask``); rows that see
-    no key of the block give out 0 and lse -inf. ``backward(dout, q, k, v, out, lse, q_pos, k_pos,
-    mask, scale, **prep)`` returns this block's ``dq [n,b,h,d]``, ``dk, dv [m,b,h_kv,d]`` in the
+    no key of the block give out 0 and lse -inf (v's head size ``d_v`` may differ from q's and k's
+    ``d``: MLA). ``backward(dout, q, k, v, out, lse, q_pos, k_pos,
+    mask, scale, **prep)`` returns this block's ``dq [n,b,h,d]``, ``dk [m,b,h_kv,d]``, ``dv [m,b,h_kv,d_v]`` in the
     compute dtype, given the *final* (all-block) FP32 ``out`` and ``lse``. ``prepare_forward`` /
     ``prepare_backward`` build per-shard keyword arguments reused across the blocks of one shard.
     ``check(dtype, device)`` raises ValueError naming the fix when the kernel cannot run them.

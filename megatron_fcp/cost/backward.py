@@ -117,12 +117,12 @@ def simulate_plan_backward(
         shape, _ = pad_for_zigzag(shape, cp)
     block_tokens = lambda blk: plan.block_tokens(blk, shape.seq_len)  # noqa: E731
     grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes                  # partials travel in the input dtype
-    per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
+    per_token = shape.kv_token_elems * grad_dtype_bytes
     nbytes = lambda t: block_tokens(t.block) * per_token  # noqa: E731
     brounds = plan.backward_rounds()
     res = simulate_rounds(topo, [[(t.src, t.dst, nbytes(t)) for t in rnd] for rnd in brounds], round_overhead_s,
                           name=name)
-    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * backward_flop_ratio
+    flop_s = shape.pair_flops / cm.flops * backward_flop_ratio
 
     def rank_block_pairs(j: int, blk) -> float:
         if pl is not None:
@@ -203,7 +203,7 @@ def simulate_plan_backward(
     ends = (P if order == "executor" else np.maximum(eager_end, start + C.sum(axis=0))) if R else start + C[0]
     res.compute_s = float(C.sum(axis=0).max()) if cp else 0.0
     res.total_s = float(max(ends.max(), res.compute_s)) if cp else 0.0
-    kv_bytes = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    kv_bytes = (kv_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
     held = [0.0 if backward_kv == "resend" or computes is not None
             else sum(block_tokens(b) for b in needs[r]) * kv_bytes for r in plan.ranks]
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
@@ -252,21 +252,21 @@ def simulate_backward_waves(
     cm = compute_model or ComputeModel()
     pl, cp = plan.placement, plan.cp
     zshape = pad_for_zigzag(shape, cp)[0] if pl is None else shape
-    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
     # the executor's program: its block bytes are micro_batch sequences' (Note [Backward program])
     program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
                                budget=None if budget is None else budget * micro_batch)
     block_tokens = lambda blk: plan.block_tokens(blk, program.seq_len)  # noqa: E731
     size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
     backward_kv = program.mode
-    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops * BACKWARD_FLOP_RATIO
+    flop_s = shape.pair_flops / cm.flops * BACKWARD_FLOP_RATIO
     pos = {r: i for i, r in enumerate(plan.ranks)}
     if pl is not None:
         pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
     else:
         pairs = lambda x, blk: int(block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
                                                 pos[blk.owner], blk.chunk, blk.part, plan.mask))
-    grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * 2 * shape.kv_heads * shape.head_dim
+    grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
 
     def job_s(x: int, blk) -> float:
         p = pairs(x, blk)

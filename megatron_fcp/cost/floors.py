@@ -113,7 +113,7 @@ def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape,
     """The busiest rank's work in seconds at ``flop_ratio`` times the forward's FLOPs (Note
     [Backward floors]), from :func:`rank_pairs`."""
     pairs = rank_pairs(placement, cp, shape.seq_len, causal)
-    return float(pairs.max(initial=0)) * 4.0 * shape.heads * shape.head_dim / compute_model.flops * flop_ratio
+    return float(pairs.max(initial=0)) * shape.pair_flops / compute_model.flops * flop_ratio
 
 
 def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtype_bytes: int) -> float:
@@ -127,7 +127,7 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
     pos[list(plan.ranks)] = np.arange(cp)
     s_i, d_i, o_i = pos[src], pos[dst], pos[owner]
     pl = plan.placement
-    per_token = 2 * shape.kv_heads * shape.head_dim * grad_dtype_bytes
+    per_token = shape.kv_token_elems * grad_dtype_bytes
     if pl is None:
         L = shape.seq_len // (2 * cp)
         read = block_pairs(cp, shape.seq_len, plan.parts_per_chunk, d_i, o_i, chunk, part, plan.mask) > 0

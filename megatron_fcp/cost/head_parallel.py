@@ -375,4 +375,4 @@ def stage_shape(hp: HeadParallelPlan, shape: AttentionShape) -> AttentionShape:
     """The attention shape one KV stage works on: ``h/a`` query heads, ``h_kv * rep / a`` KV heads."""
     a = hp.degree
     return AttentionShape(shape.seq_len, shape.heads // a, shape.kv_heads * hp.kv_replication // a,
-                          shape.head_dim, shape.dtype_bytes)
+                          shape.head_dim, shape.dtype_bytes, shape.v_head_dim)

@@ -16,10 +16,12 @@ per round; ``round_overhead_s`` adds a fixed launch/sync cost per round for sens
 (optimistic), a slow message holds its round back (pessimistic). The same model times FCP plans
 and the baselines, so their ratios compare like with like.
 
-*Compute* is forward block attention at ``flops`` FLOP/s: ``4 * pairs * heads * head_dim``
-FLOPs where ``pairs`` counts (query, key) token pairs the plan's mask (causal, full or a sliding
-window: ``plan.mask``) allows between the rank's zigzag query chunks and the block (exact integer
-count, :meth:`~megatron_fcp.contract.mask.Mask.pairs`), plus ``kernel_overhead_s`` per block.
+*Compute* is forward block attention at ``flops`` FLOP/s: ``2 * pairs * heads * (head_dim +
+v_head_dim)`` FLOPs (``QK^T`` on ``head_dim``, ``PV`` on ``v_head_dim``; ``4 * pairs * heads *
+head_dim`` when they are equal, MLA aside: :attr:`AttentionShape.pair_flops`) where ``pairs``
+counts (query, key) token pairs the plan's mask (causal, full or a sliding window: ``plan.mask``)
+allows between the rank's zigzag query chunks and the block (exact integer count,
+:meth:`~megatron_fcp.contract.mask.Mask.pairs`), plus ``kernel_overhead_s`` per block.
 
 *Overlap*: a rank computes its own blocks from t=0 (one kernel), then each received block in plan
 order, starting no earlier than its arrival: ``end = max(end, arrival) + compute(block)``. A
@@ -87,34 +89,64 @@ def parse_tokens(value: "str | int") -> int:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """One attention layer's sequence and head shape (``dtype_bytes`` per element)."""
+    """One attention layer's sequence and head shape (``dtype_bytes`` per element).
+
+    ``head_dim`` is the head size of queries and keys; ``v_head_dim`` that of values (and of the
+    output), None for the same: MLA (DeepSeek-V3: 192 and 128) sets it. A token's K and V then
+    take ``kv_heads * (head_dim + v_head_dim)`` elements (:attr:`kv_token_elems`), a (query, key)
+    pair ``2 * heads * (head_dim + v_head_dim)`` FLOPs (:attr:`pair_flops`)."""
 
     seq_len: int
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
     dtype_bytes: int = 2
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "heads", "kv_heads", "head_dim", "dtype_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        v = self.v_head_dim
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"v_head_dim: must be a positive integer or None (= head_dim), got {v!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads: {self.kv_heads} must divide heads ({self.heads})")
 
+    @property
+    def d_v(self) -> int:
+        """Values' head size: ``v_head_dim``, or ``head_dim`` when None."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def kv_token_elems(self) -> int:
+        """Elements of one token's K and V: ``kv_heads * (head_dim + d_v)``."""
+        return self.kv_heads * (self.head_dim + self.d_v)
+
+    @property
+    def pair_flops(self) -> float:
+        """Forward FLOPs of one (query, key) pair over all heads: ``2 * heads * (head_dim + d_v)``."""
+        return 2.0 * self.heads * (self.head_dim + self.d_v)
+
     def kv_bytes(self, tokens: float) -> float:
-        return tokens * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        return tokens * self.kv_token_elems * self.dtype_bytes
 
     def q_bytes(self, tokens: float) -> float:
         return tokens * self.heads * self.head_dim * self.dtype_bytes
 
+    def o_bytes(self, tokens: float) -> float:
+        """The output's (and its gradient's) bytes: ``d_v`` per head."""
+        return tokens * self.heads * self.d_v * self.dtype_bytes
+
 
 def kv_block_bytes(seq_len: int, cp: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2,
-                   parts_per_chunk: int = 1) -> float:
+                   parts_per_chunk: int = 1, v_head_dim: int | None = None) -> float:
     """Bytes of one KV block (K and V of ``seq_len / (2*cp*parts)`` tokens; the mean block when
-    ``parts`` does not divide the chunk: :func:`simulate_plan` prices each part's own tokens)."""
-    return seq_len / (2 * cp * parts_per_chunk) * 2 * kv_heads * head_dim * dtype_bytes
+    ``parts`` does not divide the chunk: :func:`simulate_plan` prices each part's own tokens).
+    ``v_head_dim``: V's head size when it differs from K's (MLA)."""
+    d_v = head_dim if v_head_dim is None else v_head_dim
+    return seq_len / (2 * cp * parts_per_chunk) * kv_heads * (head_dim + d_v) * dtype_bytes
 
 
 def zigzag_padded_len(seq_len: int, cp: int) -> int:
@@ -143,7 +175,7 @@ class ComputeModel:
             raise ValueError(f"kernel_overhead_s: must be >= 0, got {self.kernel_overhead_s!r}")
 
     def time(self, pairs: "np.ndarray | float", shape: AttentionShape) -> "np.ndarray | float":
-        flop = 4.0 * np.asarray(pairs, dtype=np.float64) * shape.heads * shape.head_dim
+        flop = np.asarray(pairs, dtype=np.float64) * shape.pair_flops
         return np.where(np.asarray(pairs) > 0, flop / self.flops + self.kernel_overhead_s, 0.0)
 
 
@@ -430,7 +462,7 @@ def simulate_plan(
     # compute: own blocks first (one kernel), then received blocks in plan order, each no earlier
     # than its arrival; blocks of one owner arriving at a rank in one round share one kernel
     q_i = pos_of[dst]
-    head_dim_flops = 4.0 * shape.heads * shape.head_dim / cm.flops
+    head_dim_flops = shape.pair_flops / cm.flops
     if pl is None:
         pairs = block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
     else:

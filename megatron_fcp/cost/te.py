@@ -137,7 +137,8 @@ def simulate_te_p2p(
     cm = compute_model or ComputeModel()
     cp = len(ranks)
     shape, _ = pad_for_zigzag(shape, cp)  # as Megatron pads
-    pair_bytes = 2 * kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes)
+    pair_bytes = 2 * kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes,
+                                    v_head_dim=shape.v_head_dim)
     rounds = [[(ranks[i], ranks[(i + 1) % cp], pair_bytes) for i in range(cp)] for _ in range(cp - 1)]
     res = simulate_rounds(topo, rounds, round_overhead_s, name="te-p2p")
     res.meta.update(graph="ring", steps=cp)
@@ -194,7 +195,7 @@ def simulate_te_a2a_p2p(
     n = len(nodes)
     L2 = shape.seq_len / cp  # tokens per rank (two zigzag chunks)
     a2a_in = [(a, b, (shape.q_bytes(L2) + shape.kv_bytes(L2)) / g) for m in groups.values() for a in m for b in m if a != b]
-    a2a_out = [(a, b, shape.q_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
+    a2a_out = [(a, b, shape.o_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
     ring_bytes = shape.kv_bytes(L2)  # node sequence (g*L2 tokens) of heads/g KV heads
     ring = [[(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k], ring_bytes) for x in range(n) for k in range(g)]
             for _ in range(n - 1)]
@@ -333,7 +334,7 @@ def simulate_te_p2p_thd(
     cp = len(ranks)
     tshape = _thd_shape(doc_lengths, cp, shape)
     work = thd_rank_work(doc_lengths, cp, causal)
-    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops
+    flop_s = shape.pair_flops / cm.flops
     ratio = backward_flop_ratio if backward else 1.0
     step = float(work.max()) / cp * flop_s * ratio + cm.kernel_overhead_s
     if not backward:
@@ -378,7 +379,7 @@ def simulate_te_a2a_p2p_thd(
     work = thd_rank_work(doc_lengths, cp, causal)
     node_of = np.array([topo.node_of(r) for r in ranks])
     node_work = max(int(work[node_of == x].sum()) for x in set(node_of.tolist()))
-    flop_s = 4.0 * shape.heads * shape.head_dim / cm.flops
+    flop_s = shape.pair_flops / cm.flops
     ratio = backward_flop_ratio if backward else 1.0
     step = node_work / (g * n) * flop_s * ratio + cm.kernel_overhead_s
     groups: dict[int, list[int]] = {}
@@ -398,7 +399,7 @@ def simulate_te_a2a_p2p_thd(
         res.compute_s = step * n
         res.total_s = max(t + d_out, res.comm_s)
     else:
-        pre = [(a, b, tshape.q_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
+        pre = [(a, b, tshape.o_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
         post = [(a, b, (tshape.q_bytes(L2) + tshape.kv_bytes(L2)) / g) for m in groups.values() for a in m for b in m
                 if a != b]
         hops = [(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k]) for x in range(n) for k in range(g)] \
@@ -433,7 +434,7 @@ def _window_work_s(cp: int, shape: AttentionShape, mask: Mask, cm: ComputeModel,
     """``(the busiest zigzag rank's seconds, the whole sequence's seconds over cp)`` of windowed work."""
     per_rank = rank_pairs(None, cp, shape.seq_len, mask)
     total = float(mask.pairs(0, shape.seq_len, 0, shape.seq_len)) if mask.windowed else float(per_rank.sum())
-    flop = 4.0 * shape.heads * shape.head_dim / cm.flops * ratio
+    flop = shape.pair_flops / cm.flops * ratio
     return float(per_rank.max()) * flop + cm.kernel_overhead_s, total / cp * flop + cm.kernel_overhead_s
 
 

@@ -27,6 +27,20 @@ binding (megatron-core 0.16.1)                                   CPU meaning
 .__init__`` (0.15+)                                              (``softmax_type`` off-by-one /
                                                                  learnable) created on the CPU
 ``fusions.fused_softmax:get_sliding_window_causal_mask``        the window's band on the CPU (0.15+)
+``transformer.multi_latent_attention:RotaryEmbedding``          MLA's own RoPE built with
+                                                                 ``use_cpu_initialization=True``
+                                                                 (MLA passes no flag, so its
+                                                                 ``__init__`` asks for a CUDA
+                                                                 device); the same table
+``tensor_parallel.mappings:_gather_along_last_dim``             the all-gather's buffer on the
+                                                                 input's device (MLA gathers its
+                                                                 compressed KV across TP ranks)
+``transformer.multi_latent_attention:TELinear``                 only where TE is absent and the
+                                                                 name is megatron-core's
+                                                                 ``MagicMock`` stand-in: a class
+                                                                 nothing is an instance of (MLA's
+                                                                 ``isinstance(linear_proj,
+                                                                 TELinear)`` needs a type)
 ==============================================================  ==================================
 
 Each shim is gated on what the installed megatron-core really has: it is installed only where
@@ -129,6 +143,31 @@ def _make_get_tensor(original: Callable) -> Callable:
     return get_tensor
 
 
+# ---- tensor-parallel all-gather ----------------------------------------------------------------
+_GATHER_PARAMS = ("input_", "group")
+
+
+def _make_gather_along_last_dim(original: Callable) -> Callable:
+    params = tuple(inspect.signature(inspect.unwrap(original)).parameters)
+    if params != _GATHER_PARAMS:
+        raise PatchTargetError(
+            f"cannot shim megatron.core.tensor_parallel.mappings:_gather_along_last_dim{params} in megatron-core "
+            f"{megatron_core_version()}: the CPU shim reimplements _gather_along_last_dim{_GATHER_PARAMS}")
+
+    def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+        """Megatron's all-gather along the last dim, its buffer on ``input_``'s device: gather
+        ``[a*n, ...]`` along dim 0 (rank order), then concatenate the pieces along the last dim."""
+        world_size = group.size()
+        if world_size == 1:
+            return input_
+        out = torch.empty((input_.shape[0] * world_size, *input_.shape[1:]), dtype=input_.dtype,
+                          device=input_.device)
+        torch.distributed.all_gather_into_tensor(out, input_.contiguous(), group=group)
+        return torch.cat(out.chunk(world_size, dim=0), dim=-1).contiguous()
+
+    return _gather_along_last_dim
+
+
 # ---- RoPE --------------------------------------------------------------------------------------
 def _rope_table(rope: Any, max_seq_len: int, offset: int) -> torch.Tensor:
     """RoPE table ``[max_seq_len, 1, 1, dim]`` computed where ``inv_freq`` lives (the CPU)."""
@@ -192,6 +231,37 @@ def _make_pos_emb_on_cp_rank(original: Callable) -> Callable:
     return get_pos_emb_on_this_cp_rank
 
 
+def _make_mla_rope(original: type) -> type:
+    """MLA builds its ``RotaryEmbedding`` without ``use_cpu_initialization`` (so on the current CUDA
+    device); the subclass builds the same ``inv_freq`` on the CPU. Nothing else differs: the RoPE
+    table is computed by the (shimmed) ``get_emb`` exactly as the GPT model's own RoPE."""
+
+    class RotaryEmbedding(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["use_cpu_initialization"] = True
+            super().__init__(*args, **kwargs)
+
+    RotaryEmbedding.__qualname__ = original.__qualname__
+    RotaryEmbedding.__module__ = original.__module__
+    return RotaryEmbedding
+
+
+def _is_te_standin(current: Any) -> bool:
+    """Whether a TE class name is megatron-core's no-TE stand-in (not a class) and TE is absent."""
+    import importlib.util  # noqa: PLC0415
+
+    return not isinstance(current, type) and importlib.util.find_spec("transformer_engine") is None
+
+
+def _make_no_te_linear(original: Any) -> type:
+    class TELinear:
+        """Stand-in for Transformer Engine's ``TELinear`` where TE is not installed: nothing is an
+        instance of it, so MLA's ``isinstance(self.linear_proj, TELinear)`` is False, as it is
+        for every local-spec layer."""
+
+    return TELinear
+
+
 # ---- masks -------------------------------------------------------------------------------------
 def _make_default_causal_mask(original: Callable) -> Callable:
     @lru_cache(maxsize=8)
@@ -245,6 +315,7 @@ class Shim:
     make: Callable[[Callable], Callable]
     required: bool = True
     cuda_words: tuple[str, ...] = ("cuda", "pin_memory")
+    needed: Callable[[Any], bool] | None = None   # replaces the source gate when given
 
     def skip_reason(self) -> str | None:
         """Why this shim is not needed by the installed megatron-core, or None when it is."""
@@ -257,6 +328,8 @@ class Shim:
         current = getattr(owner, attr)
         if getattr(current, "__fcp_patched__", False):
             return None  # ours already: installing again is the idempotent no-op
+        if self.needed is not None:
+            return None if self.needed(current) else f"not needed in megatron-core {megatron_core_version()} here"
         if source_mentions(current, self.cuda_words) is False:
             return f"its megatron-core {megatron_core_version()} source does not use CUDA"
         return None
@@ -268,6 +341,8 @@ CPU_SHIMS: tuple[Shim, ...] = (
     Shim(f"{_RANDOM}:_set_cuda_rng_state", _make_set_rng_state),
     Shim(f"{_RANDOM}:CudaRNGStatesTracker.add", _make_tracker_add),
     Shim("megatron.core.utils:GlobalMemoryBuffer.get_tensor", _make_get_tensor),
+    Shim("megatron.core.tensor_parallel.mappings:_gather_along_last_dim", _make_gather_along_last_dim,
+         required=False),
     Shim(f"{_ROPE}:RotaryEmbedding.get_emb", _make_get_emb, required=False),
     Shim(f"{_ROPE}:RotaryEmbedding.forward", _make_rope_forward, required=False),
     Shim(f"{_ROPE}:get_pos_emb_on_this_cp_rank", _make_pos_emb_on_cp_rank),
@@ -276,6 +351,9 @@ CPU_SHIMS: tuple[Shim, ...] = (
          required=False),
     Shim("megatron.core.fusions.fused_softmax:get_sliding_window_causal_mask", _make_sliding_window_mask,
          required=False),  # 0.15+: the local attention's sliding window (the cp = 1 reference of windowed layers)
+    Shim("megatron.core.transformer.multi_latent_attention:RotaryEmbedding", _make_mla_rope, required=False),
+    Shim("megatron.core.transformer.multi_latent_attention:TELinear", _make_no_te_linear, required=False,
+         needed=_is_te_standin),
 )
 
 

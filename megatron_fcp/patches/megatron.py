@@ -167,7 +167,8 @@ class FCPCoreAttention(torch.nn.Module):
     Note [No silent fallbacks]): attention bias, padding/arbitrary masks outside THD, packed formats
     other than THD, attention dropout > 0 in training, and what
     :func:`~megatron_fcp.patches.te_spec.layer_refusal` lists (an unknown softmax_type,
-    FP8 attention, QK-clip, batch-invariant mode, cross attention, K/V head sizes that differ).
+    FP8 attention, QK-clip, batch-invariant mode, cross attention). K and V head sizes may differ
+    (multi-latent attention: ``k_channels != v_channels``; the output has ``v_channels`` per head).
     A per-layer ``cp_comm_type`` list with different values raises
     :class:`~megatron_fcp.patches.te_spec.CPCommTypeError`. Always refused:
     padded THD variants and Megatron's hybrid/dynamic CP (``config.hybrid_context_parallel``, or
@@ -216,8 +217,9 @@ class FCPCoreAttention(torch.nn.Module):
         tp = _tp_size_from(pg_collection)
         head_dim = k_channels or getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
         self.hidden_size_per_attention_head = int(head_dim)
+        self.v_head_dim = int(v_channels or head_dim)  # MLA: V (and the output) has its own head size
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
-        self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+        self.num_query_groups_per_partition = max(1, _kv_heads(config) // tp)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
         self.current_max_attn_logits = None  # read by Megatron's qk-clip; FCP refuses qk-clip
@@ -226,7 +228,8 @@ class FCPCoreAttention(torch.nn.Module):
         # where megatron-core's DotProductAttention creates it, so the same seed draws the same init
         make_softmax_offset(self, config, self.num_attention_heads_per_partition)
         if self.cp_size > 1:
-            runtime = _ensure_runtime(config, head_dim=head_dim)  # plans settled before the first step
+            runtime = _ensure_runtime(config, head_dim=head_dim,  # plans settled before the first step
+                                      v_head_dim=self.v_head_dim if self.v_head_dim != head_dim else None)
             runtime.report_layer(self.layer_number, self._fallback_reason, cp_group=self.cp_group,
                                  window=self.window)
 
@@ -349,7 +352,8 @@ class FCPCoreAttention(torch.nn.Module):
         if packed_seq_params is not None:  # q [t, h, d] -> [t, h*d]; Note in megatron_fcp.patches.packed
             return packed_attention(self, query, key, value, packed_seq_params, causal=causal, transport=_transport,
                                     window=self.window)
-        s, b, h, d = query.shape  # [s, b, h, d]; key/value [s, b, h_kv, d]
+        s, b, h, _ = query.shape  # [s, b, h, d]; key [s, b, h_kv, d], value [s, b, h_kv, d_v] (MLA: d_v != d)
+        d_v = value.shape[-1]
         if self.cp_size == 1:
             out = _local_attention(query, key, value, causal=causal, scale=self.softmax_scale,
                                    softmax_offset=self.softmax_offset, window=self.window)
@@ -377,7 +381,7 @@ class FCPCoreAttention(torch.nn.Module):
                 stage = None if groups.kv_group is None else _transport(runtime, groups.kv_group)
                 out = fcp_head_parallel_attention(query, key, value, cp_group=self.cp_group, hp_plan=hp_plan,
                                                   groups=groups, transport=stage, **kw)
-        return out.reshape(s, b, h * d)  # [s, b, h*d]
+        return out.reshape(s, b, h * d_v)  # [s, b, h*d_v]
 
 
 def _head_parallel_degree() -> int:
@@ -419,9 +423,10 @@ def _transport(runtime: Any, group: Any) -> Any:
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                      softmax_offset: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> torch.Tensor:
-    """Single-rank attention, ``q [s, b, h, d]``, ``k/v [s, b, h_kv, d]`` -> ``[s, b, h, d]``
-    (with a sink: :func:`~megatron_fcp.patches.sinks.dense_sink_attention`); a ``window`` becomes an
-    explicit mask from :class:`~megatron_fcp.contract.mask.Mask`'s rule."""
+    """Single-rank attention, ``q [s, b, h, d]``, ``k [s, b, h_kv, d]``, ``v [s, b, h_kv, d_v]`` ->
+    ``[s, b, h, d_v]`` (torch's SDPA takes d_v != d: its math path runs it; with a sink:
+    :func:`~megatron_fcp.patches.sinks.dense_sink_attention`); a ``window`` becomes an explicit mask
+    from :class:`~megatron_fcp.contract.mask.Mask`'s rule."""
     if softmax_offset is not None:
         return dense_sink_attention(q, k, v, softmax_offset, causal=causal, scale=scale, window=window)
     group = q.shape[2] // k.shape[2]
@@ -432,11 +437,18 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     mask = None if window is None else window_mask(q.shape[0], causal, window, q.device)
     out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal and mask is None,
                                                            attn_mask=mask, scale=scale)
-    return out.permute(2, 0, 1, 3)  # [s, b, h, d]
+    return out.permute(2, 0, 1, 3)  # [s, b, h, d_v]
 
 
+def _kv_heads(config: Any) -> int:
+    """KV heads of the model: ``num_query_groups`` (GQA), but every query head's own under
+    multi-latent attention (MLA's K and V have ``num_attention_heads`` heads; it ignores groups)."""
+    if getattr(config, "multi_latent_attention", False):
+        return config.num_attention_heads
+    return config.num_query_groups or config.num_attention_heads
 
-def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
+
+def _ensure_runtime(transformer_config: Any, *, head_dim: int, v_head_dim: int | None = None) -> Any:
     """The settled runtime, settling it now (at model build, on every rank) if needed."""
     runtime = current_runtime()
     config = _STATE["config"] or FCPConfig(enabled=True)
@@ -451,8 +463,8 @@ def _ensure_runtime(transformer_config: Any, *, head_dim: int) -> Any:
         config,
         seq_len=_megatron_training_arg("seq_length"),
         heads=transformer_config.num_attention_heads,
-        kv_heads=transformer_config.num_query_groups or transformer_config.num_attention_heads,
-        head_dim=head_dim,
+        kv_heads=_kv_heads(transformer_config),
+        head_dim=head_dim, v_head_dim=v_head_dim,
         dtype_bytes=torch.tensor([], dtype=transformer_config.params_dtype).element_size(),
         micro_batch=_megatron_training_arg("micro_batch_size") or 1,
         windows=model_windows(transformer_config),

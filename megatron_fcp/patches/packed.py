@@ -135,8 +135,8 @@ def shard_packed_batch(batch: dict[str, torch.Tensor], cu_seqlens: Any, *, cp_gr
 def local_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...], *,
                            causal: bool, scale: float, softmax_offset: torch.Tensor | None = None,
                            window: tuple[int, int] | None = None) -> torch.Tensor:
-    """Single-rank attention of a packed batch, each document alone: q ``[t, h, d]``, k/v
-    ``[t, h_kv, d]`` -> ``[t, h, d]`` (torch SDPA per document; with a sink ``[h]``,
+    """Single-rank attention of a packed batch, each document alone: q ``[t, h, d]``, k ``[t, h_kv,
+    d]``, v ``[t, h_kv, d_v]`` -> ``[t, h, d_v]`` (torch SDPA per document; with a sink ``[h]``,
     :func:`~megatron_fcp.patches.sinks.dense_sink_attention` per document; a ``window`` inside each
     document)."""
     if softmax_offset is not None:
@@ -197,7 +197,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                   for w in masks)
     runtime.agreement.ensure(
         {"doc_lengths": lengths, "placement": placement.blocks, "plans": plans, "causal": causal,
-         "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), str(key.dtype)),
+         "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), value.shape[-1], str(key.dtype)),
          "sink": getattr(module, "softmax_offset", None) is not None},
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
     out, _ = fcp_attention_with_lse(query, key, value, cp_group=module.cp_group, plan=plan, placement=placement,

@@ -513,6 +513,7 @@ def setup_fcp(
     head_dim: int | None = None,
     dtype_bytes: int = 2,
     layout: MegatronLayout | None = None,
+    v_head_dim: int | None = None,
     groups: dict[tuple[int, ...], Any] | None = None,
     micro_batch: int = 1,
     windows: tuple[tuple[int, int], ...] = (),
@@ -524,9 +525,10 @@ def setup_fcp(
     With the shapes known the head-parallel degree, graph and block size are the planner's choice
     under the flags given (Note [The runtime runs the planner's choice] in
     :mod:`megatron_fcp.patches.schedule`; ``micro_batch``: sequences per call, which prices an
-    explicit ``--fcp-kv-memory-budget``). ``windows``: the model's distinct sliding windows
-    (Megatron's ``(left, right)``; Note [Per-layer plans]): each gets its plan at the settled length,
-    built and agreed here with the full-attention plan.
+    explicit ``--fcp-kv-memory-budget``; ``v_head_dim``: V's head size when it differs from
+    ``head_dim``, multi-latent attention, which prices the KV bytes). ``windows``: the model's
+    distinct sliding windows (Megatron's ``(left, right)``; Note [Per-layer plans]): each gets its
+    plan at the settled length, built and agreed here with the full-attention plan.
     Raises ``ValueError``/``PlanError`` naming the flag to change before any communication.
     Then the ranks of this rank's live CP group agree on :func:`setup_fingerprint` (one bounded
     collective; skipped without a live group): ranks configured differently raise
@@ -563,7 +565,8 @@ def setup_fcp(
             raise ValueError(f"--fcp-head-parallel {degree} with {tp_heads} query / {tp_kv} KV heads per "
                              f"tensor-parallel rank: {exc}") from exc
     runtime.schedule = settle_schedule(config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
-                                       head_dim=head_dim, dtype_bytes=dtype_bytes, micro_batch=micro_batch)
+                                       head_dim=head_dim, dtype_bytes=dtype_bytes, micro_batch=micro_batch,
+                                       v_head_dim=v_head_dim)
     degree = runtime.hp_degree = runtime.schedule.degree if runtime.schedule is not None else degree
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     if layout.cp > 1:

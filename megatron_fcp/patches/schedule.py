@@ -55,15 +55,16 @@ logger = logging.getLogger("megatron_fcp.runtime")
 
 def settle_schedule(config: FCPConfig, layout: MegatronLayout, topology: Any, *, seq_len: int | None,
                     heads: int | None, kv_heads: int | None, head_dim: int | None, dtype_bytes: int,
-                    micro_batch: int = 1) -> ScheduleChoice | None:
+                    micro_batch: int = 1, v_head_dim: int | None = None) -> ScheduleChoice | None:
     """The schedule this run settles (Note [The runtime runs the planner's choice]), or None when
     there is nothing to choose (CP off, shapes unknown) or an explicit degree does not fit the
-    topology. ``heads`` / ``kv_heads``: the model's (split here by tensor parallelism). Raises
+    topology. ``heads`` / ``kv_heads``: the model's (split here by tensor parallelism); ``v_head_dim``:
+    V's head size when it differs from ``head_dim`` (MLA), which prices the KV bytes. Raises
     ValueError naming the flag when ``--fcp-block-tokens`` does not divide the zigzag chunk."""
     if layout.cp == 1 or seq_len is None or heads is None or head_dim is None:
         return None
     tp_heads, tp_kv = heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)
-    shape = AttentionShape(seq_len, tp_heads, tp_kv, head_dim, dtype_bytes)
+    shape = AttentionShape(seq_len, tp_heads, tp_kv, head_dim, dtype_bytes, v_head_dim)
     degree = config.head_parallel
     parts: int | str = "auto"
     if config.block_tokens and not (degree != "auto" and degree > 1):

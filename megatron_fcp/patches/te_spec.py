@@ -37,11 +37,13 @@ Kept: every other submodule of the spec (only the ``core_attention`` binding cha
 ``attn_mask_type`` (causal, ``causal_bottom_right``, ``no_mask``; with packed THD batches also
 ``padding_causal`` and ``padding``, whose padding is the documents' ``cu_seqlens``);
 ``softmax_scale``; ``attention_dropout`` (0 in training); GQA (``num_query_groups``);
-``k_channels``; attention sinks (``softmax_type`` ``off-by-one`` and ``learnable``: FCP's module
-holds ``softmax_offset`` under TE's name and shape, :mod:`megatron_fcp.patches.sinks`); sliding
-windows (``window_size`` on the layers megatron-core's ``window_attn_skip_freq`` rule selects,
-:func:`layer_window`: each distinct window runs its own plan);
-``packed_seq_params`` in THD through FCP's packed path; ``pg_collection`` /
+``k_channels`` and ``v_channels``, equal or not (multi-latent attention: K and V travel at their own
+head sizes, Note [KV block tensors] in :mod:`megatron_fcp.attention.kv_block`; fused block kernels
+pad V to K's size around the op, as megatron-core pads V for THD); attention sinks (``softmax_type``
+``off-by-one`` and ``learnable``: FCP's module holds ``softmax_offset`` under TE's name and shape,
+:mod:`megatron_fcp.patches.sinks`); sliding windows (``window_size`` on the layers megatron-core's
+``window_attn_skip_freq`` rule selects, :func:`layer_window`: each distinct window runs its own
+plan); ``packed_seq_params`` in THD through FCP's packed path; ``pg_collection`` /
 ``model_comm_pgs``; ``num_splits`` is accepted and ignored (FCP's own blocks fix the order of its
 arithmetic); FP8 *linear layers* (``config.fp8`` alone: TE's attention then runs in BF16 too).
 
@@ -50,7 +52,7 @@ megatron`` that layer runs TE's own ``TEDotProductAttention`` instead, logged on
 FP8 attention (``fp8_dot_product_attention``, ``fp8_multi_head_attention``), a ``softmax_type``
 megatron-core does not define, QK-clip
 (``qk_clip``, ``log_max_attention_logit``: TE reports max logits, FCP does not), batch-invariant
-mode, cross attention, different K and V head sizes (MLA), and, at forward time, attention bias,
+mode, cross attention, and, at forward time, attention bias,
 padding or arbitrary masks without a THD batch.
 
 ``cp_comm_type``: FCP *is* the CP communication, so it replaces the value of every layer it
@@ -188,9 +190,7 @@ def layer_refusal(config: Any, *, layer_number: int, attention_type: str = "self
     if getattr(config, "batch_invariant_mode", False):
         return ("FCPCoreAttention: batch_invariant_mode is not supported (FCP's blocks depend on the CP "
                 "plan, not on one fixed split); drop --batch-invariant-mode")
-    if k_channels is not None and v_channels is not None and k_channels != v_channels:
-        return (f"FCPCoreAttention: K and V head sizes differ (k_channels={k_channels}, "
-                f"v_channels={v_channels}, as in multi-latent attention); FCP needs equal sizes")
+    del k_channels, v_channels  # any sizes: MLA's differ (Note [What FCP keeps and refuses ...])
     return None
 
 

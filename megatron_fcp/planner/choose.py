@@ -388,7 +388,7 @@ def _stage_bound(topo: Topology, hp: HeadParallelPlan, shape: AttentionShape, ca
     sp = stage_plan(hp, shape.seq_len, causal)
     pl = sp.placement
     sshape = stage_shape(hp, shape)
-    per_tok = 2 * sshape.kv_heads * sshape.head_dim * elem_bytes
+    per_tok = sshape.kv_token_elems * elem_bytes
     need = pl.need_matrix()                                           # [cp, blocks]
     blocks = pl.block_list()
     tok = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
