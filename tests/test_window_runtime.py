@@ -72,3 +72,20 @@ def test_bad_window_is_refused_at_setup():
     cfg = FCPConfig(enabled=True, graph="full", topology="dgx-h100:1")
     with pytest.raises(ValueError, match="right side must be 0"):
         setup_fcp(cfg, layout=MegatronLayout(world=4, cp=4), groups={}, seq_len=256, windows=((16, 4),))
+
+
+def test_each_window_gets_its_own_schedule_choice():
+    """graph auto: the full layers' schedule may take a head-parallel stage; each window its own
+    choice at degree 1 (the planner's, priced under the window), which its plan then runs."""
+    cfg = FCPConfig(enabled=True, topology="dgx-h100:2")
+    layout = MegatronLayout(world=16, cp=16)
+    runtime = setup_fcp(cfg, layout=layout, groups={}, seq_len=64 * 1024, heads=16, kv_heads=16, head_dim=64,
+                        windows=((1024, 0),))
+    choice = runtime.window_schedules[(1024, 0)]
+    assert choice is not None and choice.degree == 1 and choice.seq_len == 64 * 1024
+    ranks = layout.cp_groups()[0]
+    plan = runtime.window_plan(ranks, causal=True, window=(1024, 0), s_local=4096)
+    assert plan.name == choice.graph and plan.parts_per_chunk == choice.parts and plan.window == (1024, 0)
+    entry = runtime.report_layer(3, cp_group=None, window=(1024, 0))
+    assert entry["schedule"] == choice.label and entry["plan"] == choice.graph
+    assert runtime.schedule.total_s > choice.total_s  # a 1K window of 64K tokens: far less to move and compute

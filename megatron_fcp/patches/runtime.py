@@ -26,10 +26,12 @@ between full-attention ones (gpt-oss, Gemma 2/3), by megatron-core's own rule
 * a windowed layer runs a plan built under its window (``build_plan(..., window=, seq_len=)``), which
   moves each block only to the ranks whose window reaches it: with a window shorter than a zigzag
   chunk that is a halo of neighbour blocks, and a rank whose window lies inside its own shard
-  receives nothing. Its graph is the configured one (``auto``: the builder the cost model prices
-  fastest under the window) with the run's parts per chunk, and it runs **without** the
-  head-parallel stage: the stage's all-to-all moves a (a-1)/a share of every token's Q, K, V and
-  output, while a window's need is its halo, so the stage is not priced for windowed layers yet.
+  receives nothing. Its schedule (graph and parts per chunk) is the planner's choice for that
+  window, settled at setup as the full layers' is (``settle_schedule(..., window=)``: every graph
+  and block size priced forward + backward under the window's need sets and work), and it runs
+  **without** the head-parallel stage: the stage's all-to-all moves a (a-1)/a share of every
+  token's Q, K, V and output, while a window's need is its halo, so the stage is not priced for
+  windowed layers yet.
 
 :func:`setup_fcp` builds the windowed plans of the model's windows (``windows=``, from the model
 config by :func:`~megatron_fcp.patches.megatron` at model build) at the settled length with the
@@ -245,6 +247,7 @@ class FCPRuntime:
     plan_args: dict = field(default_factory=dict)
     plans: dict[tuple[tuple[int, ...], bool, int], Plan] = field(default_factory=dict)
     windows: tuple[tuple[int, int], ...] = ()  # the model's distinct sliding windows (setup_fcp)
+    window_schedules: dict[tuple[int, int], ScheduleChoice | None] = field(default_factory=dict)  # settled per window
     window_plans: dict[tuple, Plan] = field(default_factory=dict)  # (ranks, causal, window, parts, seq_len) -> plan
     groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # CP ranks -> the group object
     transport_factory: Any = None  # group -> Transport per call; None = the backend's default
@@ -321,10 +324,10 @@ class FCPRuntime:
                      "plan": None if plan is None else plan.name,
                      "cp_ranks": None if plan is None else list(plan.ranks),
                      "rounds": None if plan is None else len(plan.rounds),
-                     "head_parallel": self.head_parallel_degree() if window is None else 1,
-                     "schedule": None if self.schedule is None or window is not None else self.schedule.label,
-                     "predicted_ms": None if self.schedule is None or window is not None
-                     else round(self.schedule.total_s * 1e3, 4)}
+                     "head_parallel": self.head_parallel_degree() if window is None else 1}
+            c = self.schedule if window is None else self.window_schedules.get(tuple(window))
+            entry.update(schedule=None if c is None else c.label,
+                         predicted_ms=None if c is None else round(c.total_s * 1e3, 4))
         if self.layer_report.get(layer) != entry:
             self.layer_report[layer] = entry
             if entry["attention"] == "fcp":
@@ -416,10 +419,12 @@ class FCPRuntime:
         return self.plans[key]
 
     def window_plan(self, cp_ranks: tuple[int, ...], *, causal: bool, window: tuple[int, int], s_local: int) -> Plan:
-        """The plan of a windowed layer (Note [Per-layer plans]): settled at setup for the settled
-        length, other lengths built once on first use (a window's need sets depend on the length)."""
-        parts = self.parts_per_chunk(s_local)
+        """The plan of a windowed layer (Note [Per-layer plans]): at the settled length the window's
+        settled schedule (graph, parts), built at setup; other lengths once on first use with the
+        configured graph and the parts rule (a window's need sets depend on the length)."""
         seq_len = s_local * len(cp_ranks)
+        c = self.window_schedules.get(tuple(window))
+        parts = c.parts if c is not None and seq_len == c.seq_len else self.parts_per_chunk(s_local)
         key = (tuple(cp_ranks), bool(causal), tuple(window), parts, seq_len)
         if key not in self.window_plans:
             if tuple(cp_ranks) not in {k[0] for k in self.plans}:
@@ -465,11 +470,14 @@ class FCPRuntime:
     def _build(self, cp_ranks: tuple[int, ...], causal: bool, parts: int, *, window: tuple[int, int] | None = None,
                seq_len: int | None = None) -> Plan:
         """A plain (no head-parallel stage) plan: a = 1's settled graph, else the configured one.
-        Windowed: the configured graph (``auto``: the builder the cost model prices fastest under the
-        window), over ``seq_len`` tokens (Note [Per-layer plans])."""
+        Windowed: the window's settled graph at its settled length, else the configured one
+        (``auto``: the builder the cost model prices fastest under the window), over ``seq_len``
+        tokens (Note [Per-layer plans])."""
         c = self.schedule
         if window is not None:
-            return build_group_plan(self.config, self.topology, cp_ranks, causal=causal, parts_per_chunk=parts,
+            w = self.window_schedules.get(tuple(window))
+            config = self.config.replace(graph=w.graph) if w is not None and w.seq_len == seq_len else self.config
+            return build_group_plan(config, self.topology, cp_ranks, causal=causal, parts_per_chunk=parts,
                                     seq_len=seq_len, window=window, **self.plan_args)
         config = self.config.replace(graph=c.graph) if c is not None and c.degree == 1 else self.config
         return build_group_plan(config, self.topology, cp_ranks, causal=causal,
@@ -567,6 +575,10 @@ def setup_fcp(
     runtime.schedule = settle_schedule(config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                                        head_dim=head_dim, dtype_bytes=dtype_bytes, micro_batch=micro_batch,
                                        v_head_dim=v_head_dim)
+    for window in runtime.windows:  # each windowed mask its own schedule (Note [Per-layer plans])
+        runtime.window_schedules[window] = settle_schedule(
+            config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            dtype_bytes=dtype_bytes, micro_batch=micro_batch, v_head_dim=v_head_dim, window=window)
     degree = runtime.hp_degree = runtime.schedule.degree if runtime.schedule is not None else degree
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     if layout.cp > 1:
@@ -605,6 +617,7 @@ def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int
         "plan": (plan.name, plan.ranks, plan.causal, plan.parts_per_chunk, plan.rounds),
         "windows": tuple((key[2:], p.name, p.rounds) for key, p in sorted(runtime.window_plans.items())
                          if key[0] == tuple(cp_ranks)),
+        "window_schedules": tuple((w, None if c is None else c.label) for w, c in sorted(runtime.window_schedules.items())),
     }
 
 

@@ -55,17 +55,20 @@ logger = logging.getLogger("megatron_fcp.runtime")
 
 def settle_schedule(config: FCPConfig, layout: MegatronLayout, topology: Any, *, seq_len: int | None,
                     heads: int | None, kv_heads: int | None, head_dim: int | None, dtype_bytes: int,
-                    micro_batch: int = 1, v_head_dim: int | None = None) -> ScheduleChoice | None:
+                    micro_batch: int = 1, v_head_dim: int | None = None,
+                    window: tuple[int, int] | None = None) -> ScheduleChoice | None:
     """The schedule this run settles (Note [The runtime runs the planner's choice]), or None when
     there is nothing to choose (CP off, shapes unknown) or an explicit degree does not fit the
     topology. ``heads`` / ``kv_heads``: the model's (split here by tensor parallelism); ``v_head_dim``:
-    V's head size when it differs from ``head_dim`` (MLA), which prices the KV bytes. Raises
+    V's head size when it differs from ``head_dim`` (MLA), which prices the KV bytes; ``window``: a
+    windowed layer's schedule (degree 1, the window's need sets and work: Note [Per-layer plans] in
+    :mod:`megatron_fcp.patches.runtime`). Raises
     ValueError naming the flag when ``--fcp-block-tokens`` does not divide the zigzag chunk."""
     if layout.cp == 1 or seq_len is None or heads is None or head_dim is None:
         return None
     tp_heads, tp_kv = heads // layout.tp, max(1, (kv_heads or heads) // layout.tp)
     shape = AttentionShape(seq_len, tp_heads, tp_kv, head_dim, dtype_bytes, v_head_dim)
-    degree = config.head_parallel
+    degree = config.head_parallel if window is None else 1   # windowed layers run without the stage
     parts: int | str = "auto"
     if config.block_tokens and not (degree != "auto" and degree > 1):
         parts = config.parts_per_chunk(seq_len // (2 * layout.cp))  # ValueError naming the flag
@@ -75,15 +78,17 @@ def settle_schedule(config: FCPConfig, layout: MegatronLayout, topology: Any, *,
     try:
         choice = choose_schedule(topology, cp_ranks, shape, degree=degree, graph=config.graph, parts_per_chunk=parts,
                                  causal=True, grad_dtype_bytes=dtype_bytes,  # partials travel in the params dtype
-                                 backward=WaveBackward(config.backward_kv, config.kv_memory_budget, micro_batch))
+                                 backward=WaveBackward(config.backward_kv, config.kv_memory_budget, micro_batch),
+                                 window=window)
     except ValueError as exc:  # an explicit degree the topology cannot place inside nodes
         logger.info("FCP schedule (%s): no planner choice (%s); the flags as given, defaults for the rest", flags, exc)
         return None
     if choice.degree > 1 and choice.plan.head_groups != head_groups_for(topology, cp_ranks, choice.degree):
         raise AssertionError(f"the planner's head groups {choice.plan.head_groups} are not the runtime's "
                              f"(head_groups_for): one rule must decide them")   # an invariant, not user input
-    logger.info("FCP schedule (%s) for %d tokens, %d/%d heads per TP rank, cp %d on %s: %s", flags, seq_len, tp_heads,
-                tp_kv, layout.cp, getattr(topology, "name", topology), choice.describe())
+    logger.info("FCP schedule (%s)%s for %d tokens, %d/%d heads per TP rank, cp %d on %s: %s", flags,
+                "" if window is None else f" of window {tuple(window)}", seq_len, tp_heads, tp_kv, layout.cp,
+                getattr(topology, "name", topology), choice.describe())
     return choice
 
 
