@@ -269,9 +269,26 @@ def _transformer_config(args: argparse.Namespace, dtype: torch.dtype):
         add_bias_linear=not args.disable_bias_linear,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         perform_initialization=True, masked_softmax_fusion=False,  # Megatron's fused softmax needs apex-era CUDA extensions
-        window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
-        **_recompute_kwargs(args), **_softmax_kwargs(args), **mla,
+        **_window_kwargs(args), **_recompute_kwargs(args), **_softmax_kwargs(args), **mla,
     )
+
+
+def _window_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``window_size`` (and ``window_attn_skip_freq``) where given (megatron-core 0.14 has no
+    ``window_attn_skip_freq``: refused there; its window applies to every layer)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    if args.window_size is None:
+        if args.window_attn_skip_freq is not None:
+            raise ValueError("--window-attn-skip-freq needs --window-size")
+        return {}
+    out: dict[str, Any] = {"window_size": args.window_size}
+    if args.window_attn_skip_freq is not None:
+        if "window_attn_skip_freq" not in inspect.signature(TransformerConfig).parameters:
+            raise ValueError("--window-attn-skip-freq needs megatron-core 0.15 or later (TransformerConfig has no "
+                             "window_attn_skip_freq here: the window applies to every layer); drop it")
+        out["window_attn_skip_freq"] = args.window_attn_skip_freq
+    return out
 
 
 def _softmax_kwargs(args: argparse.Namespace) -> dict[str, Any]:
