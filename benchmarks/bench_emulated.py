@@ -183,7 +183,8 @@ def tuned_targets(results: dict) -> dict:
 
 
 def _summary(results: dict, errors: dict, started: float) -> dict:
-    return {"issue": 11, "wall_s": time.time() - started, "configs": results, "errors": errors,
+    issue = 27 if results and all(k in WINDOW_CONFIGS for k in results) else 11  # --window-only: issue 27's
+    return {"issue": issue, "wall_s": time.time() - started, "configs": results, "errors": errors,
             "targets": targets(results), "targets_keep": {k.replace("fcp-auto", KEEP): v for k, v in targets(results, KEEP).items()},
             **{f"targets_{n.replace('fcp-', '').replace('@', '_')}": {k.replace("fcp-auto", n): v
                                                                      for k, v in targets(results, n).items()}
