@@ -354,7 +354,7 @@ def test_windowed_workloads_refuse_tes_p2p_and_price_what_runs():
     te = by["te-a2a"]
     assert te.unavailable is None and te.hp_plan.degree == 8 and te.hp_plan.kv_plan is None
     assert te.hp_plan.head_groups == (tuple(range(8)),)
-    kw = dict(causal=True, window=(128, 0), compute_model=cm)
+    kw = {"causal": True, "window": (128, 0), "compute_model": cm}
     want = sum(simulate_te_a2a(topo, range(8), shape.attention(), backward=b, **kw).total_s for b in (False, True))
     assert te.predict(topo, cm)["predicted_s"] == pytest.approx(want, rel=1e-12)
     for name in ("fcp-auto", "fcp-full/2", "fcp-hp"):
@@ -370,7 +370,7 @@ def test_windowed_workloads_refuse_tes_p2p_and_price_what_runs():
     assert by["fcp-hp"].plan.rounds == choice.plan.kv_plan_for(0).rounds
     # the window's need sets: FCP's plans move less than the causal plan's; the bound is the window's
     causal = make_workloads(["fcp-full"], replace(shape, window=None), topo, cm)[0]
-    sent = lambda w: simulate_plan(w.plan, topo, shape.attention(), compute_model=cm).bytes  # noqa: E731
+    sent = lambda w: simulate_plan(w.plan, topo, shape.attention(), compute_model=cm).bytes
     assert sent(by["fcp-full/2"]) < sent(causal) / 4
     assert lower_bounds(shape, topo, cm)["lower_bound_s"] < lower_bounds(replace(shape, window=None), topo,
                                                                           cm)["lower_bound_s"]

@@ -326,7 +326,7 @@ class TeA2AWorkload(HeadParallelWorkload):
         if self.hp_plan is None:  # TE cannot run it here (heads, packed): nothing to price
             return {"predicted_s": None, "prediction_note": self.unavailable}
         s = self.shape
-        kw = dict(causal=s.causal, window=s.window, compute_model=cm)
+        kw = {"causal": s.causal, "window": s.window, "compute_model": cm}
         fwd = simulate_te_a2a(topo, self.ranks, s.attention(), **kw)
         bwd = simulate_te_a2a(topo, self.ranks, s.attention(), backward=True, **kw)
         return _sum(fwd, bwd)
