@@ -6,6 +6,7 @@ calibrated sleep; docs/emulator.md), writes ``benchmarks/results/emulated.json``
 every run and every target (its value and a ``met`` flag) and a plot beside it. As root::
 
     python benchmarks/bench_emulated.py [--out benchmarks/results/emulated.json] [--only NAME,...]
+    python benchmarks/bench_emulated.py --window-only   # issue 27: a sliding window, -> emulated_window.json
 
 Links: intra 360 Mbit/s, inter 40 Mbit/s (9:1, NVLink4 450 GB/s to one NDR NIC's 50 GB/s; time
 scale 10,000; 400 TFLOP/s become 40 GFLOP/s of sleep), halved or quartered for a configuration whose
@@ -65,6 +66,27 @@ CONFIGS = {
     **{f"sweep-2x4-{s // 1024}k": _cfg(2, 4, WorkloadShape(s, heads=16, kv_heads=2, head_dim=32),
                                        ("te-p2p", "fcp-auto", KEEP, "fcp-hp"), component_repeats=1) for s in SWEEP},
 }
+
+#: issue 27's windowed configuration (``--window-only``, benchmarks/results/emulated_window.json): a
+#: causal window of 512 tokens at 16K on 2 x 4 rail, a quarter of a rank's 2048 tokens, so a rank needs
+#: only its neighbours' last 512 tokens while TE's a2a moves every token's Q, K, V and O. te-p2p and
+#: te-a2a-p2p are listed to record TE's refusal (not run).
+WINDOW_CONFIGS = {
+    "rail-2x4-window-512": _cfg(2, 4, WorkloadShape(16384, heads=8, kv_heads=8, head_dim=64, window=(512, 0)),
+                                ("te-p2p", "te-a2a-p2p", "te-a2a", "fcp-auto", "fcp-full", "fcp-hp")),
+}
+ALL_CONFIGS = {**CONFIGS, **WINDOW_CONFIGS}
+
+
+def window_targets(results: dict) -> dict:
+    """Issue 27's emulated targets: FCP (``fcp-auto``, ``fcp-hp``) at least 2x faster than TE's a2a."""
+    t: dict = {}
+    for cfg in WINDOW_CONFIGS:
+        te = _run(results.get(cfg, {"runs": []}), "te-a2a")
+        for name in ("fcp-auto", "fcp-hp"):
+            r = _run(results.get(cfg, {"runs": []}), name)
+            t[f"{cfg}: {name} vs te-a2a"] = _target(te["median_s"] / r["median_s"] if te and r else None, ">=", 2.0)
+    return t
 
 
 def _run(res: dict, name: str) -> dict | None:
@@ -161,12 +183,14 @@ def tuned_targets(results: dict) -> dict:
 
 
 def _summary(results: dict, errors: dict, started: float) -> dict:
-    return {"issue": 11, "wall_s": time.time() - started, "configs": results, "errors": errors,
+    issue = 27 if results and all(k in WINDOW_CONFIGS for k in results) else 11  # --window-only: issue 27's
+    return {"issue": issue, "wall_s": time.time() - started, "configs": results, "errors": errors,
             "targets": targets(results), "targets_keep": {k.replace("fcp-auto", KEEP): v for k, v in targets(results, KEEP).items()},
             **{f"targets_{n.replace('fcp-', '').replace('@', '_')}": {k.replace("fcp-auto", n): v
                                                                      for k, v in targets(results, n).items()}
                for n in HP},
-            "targets_tuned": tuned_targets(results), "prediction": prediction_target(results)}
+            "targets_tuned": tuned_targets(results), "targets_window": window_targets(results),
+            "prediction": prediction_target(results)}
 
 
 def plot_sweep(sweep: list[dict], path: str) -> None:
@@ -273,22 +297,29 @@ def repredict(res: dict, cfg: BenchConfig) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "emulated.json"))
+    ap.add_argument("--out", default=None, help="default results/emulated.json (--window-only: emulated_window.json)")
     ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     ap.add_argument("--repeats", type=int, default=None, help="override the repeats (quick checks)")
     ap.add_argument("--merge", action="store_true", help="add to the configurations already in --out")
     ap.add_argument("--markdown", action="store_true",
                     help="re-score --out's targets, print its runs as a markdown table, redraw the sweep, exit")
+    ap.add_argument("--window-only", action="store_true",
+                    help="run the sliding-window configuration (issue 27) instead; --out defaults to "
+                         "results/emulated_window.json")
     ap.add_argument("--repredict", action="store_true",
                     help="recompute --out's predictions and lower bounds with today's cost model (the measured "
                          "times stay), re-score the targets, exit; plans must be the ones measured")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(Path(__file__).parent / "results" / ("emulated_window.json" if args.window_only
+                                                           else "emulated.json"))
+    configs = WINDOW_CONFIGS if args.window_only else CONFIGS
     if args.repredict:
         with open(args.out) as f:
             out = json.load(f)
         for name, res in out["configs"].items():
             c = res["cluster"]  # the rates it was measured at
-            repredict(res, replace(CONFIGS[name], cluster=replace(CONFIGS[name].cluster, intra_bps=parse_rate(c["intra"]),
+            repredict(res, replace(ALL_CONFIGS[name], cluster=replace(ALL_CONFIGS[name].cluster, intra_bps=parse_rate(c["intra"]),
                                                                    inter_bps=parse_rate(c["inter"]))))
         out.update({k: v for k, v in _summary(out["configs"], out.get("errors", {}), 0.0).items()
                     if k not in ("wall_s", "configs", "errors")})
@@ -308,7 +339,7 @@ def main() -> int:
         plot_sweep([v for k, v in out["configs"].items() if k.startswith("sweep-")],
                    str(Path(args.out).with_name("emulated_sweep.png")))
         return 0
-    names = [n for n in args.only.split(",") if n] or list(CONFIGS)
+    names = [n for n in args.only.split(",") if n] or list(configs)
     results, errors, started = {}, {}, time.time()
     if args.merge and Path(args.out).exists():
         with open(args.out) as f:
@@ -317,7 +348,7 @@ def main() -> int:
         started -= old.get("wall_s", 0.0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in names:
-        cfg = paced(CONFIGS[name])  # Note [Rates the host keeps up with]
+        cfg = paced(ALL_CONFIGS[name])  # Note [Rates the host keeps up with]
         if args.repeats:
             cfg = replace(cfg, repeats=args.repeats, component_repeats=min(cfg.component_repeats, args.repeats))
         print(f"== {name}", file=sys.stderr, flush=True)
@@ -331,7 +362,7 @@ def main() -> int:
         out = _summary(results, errors, started)
         with open(args.out, "w") as f:  # after every configuration: a crash keeps what was measured
             json.dump(out, f, indent=1)
-    panels = [n for n in CONFIGS if n in results and not n.startswith("sweep-")]
+    panels = [n for n in ALL_CONFIGS if n in results and not n.startswith("sweep-")]
     if panels:
         plot([results[n] for n in panels], str(Path(args.out).with_suffix(".png")), panels)
     sweep = [results[n] for n in CONFIGS if n in results and n.startswith("sweep-")]
@@ -341,7 +372,7 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"prediction: {out['prediction']}")
-    for which in ("targets", "targets_keep", "targets_hp", "targets_hp_keep", "targets_tuned"):
+    for which in ("targets", "targets_keep", "targets_hp", "targets_hp_keep", "targets_tuned", "targets_window"):
         print(f"-- {which}")
         for k, v in out[which].items():
             if isinstance(v, dict):

@@ -126,3 +126,28 @@ def head_parallel_worker(rank: int, world: int) -> dict:
             "dq": _err(runner.q.grad, ref["dq"][idx]), "dk": _err(runner.k.grad, ref["dk"][idx]),
             "dv": _err(runner.v.grad, ref["dv"][idx])}
     return res
+
+
+def window_worker(rank: int, world: int) -> dict:
+    """te-a2a, fcp-auto and fcp-hp runners under a sliding window (2 nodes x 2 ranks) in FP64 against
+    single-device windowed attention: out and dq/dk/dv through the runner."""
+    from megatron_fcp.emulate.runners import make_runner
+    from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
+    from megatron_fcp.emulate.workloads import WorkloadShape, make_workloads
+
+    topo = emulated_topology(ClusterSpec(2, 2))
+    h, hk, d, s, window = 4, 4, 8, 2 * world * 6, (5, 0)  # chunks of 6 tokens: a window into the neighbour's
+    res = {}
+    for name in ("te-a2a", "fcp-auto", "fcp-hp"):
+        w = make_workloads([name], WorkloadShape(s, h, hk, d, True, window=window), topo)[0]
+        runner = make_runner(w, rank, dist.group.WORLD)
+        g = torch.Generator().manual_seed(5)
+        q, k, v, do = (torch.randn(s, 1, x, d, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
+        ref = reference_attention(q, k, v, causal=True, scale=1 / math.sqrt(d), dout=do, window=window)
+        idx = torch.from_numpy(TeLayout([s], world).token_index(rank))  # Megatron's zigzag shard
+        runner.q, runner.k, runner.v = (x[idx].clone().requires_grad_(True) for x in (q, k, v))
+        out = runner.attention("math", GlooTransport(dist.group.WORLD, 60))
+        out.backward(do[idx])
+        res[name] = {"out": _err(out, ref["out"][idx]), "dq": _err(runner.q.grad, ref["dq"][idx]),
+                     "dk": _err(runner.k.grad, ref["dk"][idx]), "dv": _err(runner.v.grad, ref["dv"][idx])}
+    return res

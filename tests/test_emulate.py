@@ -335,6 +335,69 @@ def test_workloads_plans_predictions_and_the_hook():
     assert keep.predict(topo, cm)["predicted_s"] < resend.predict(topo, cm)["predicted_s"]
 
 
+def test_windowed_workloads_refuse_tes_p2p_and_price_what_runs():
+    """Under a window: te-p2p / te-a2a-p2p refused with TE's reason (not run, not priced); te-a2a (degree
+    cp, one head group, no KV stage) priced by TE's a2a model; FCP's plans built under the window and
+    priced as the executor runs them; fcp-hp the runtime's windowed choice."""
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.cost.te import simulate_te_a2a
+
+    topo = emulated_topology(ClusterSpec(2, 4))
+    cm = ComputeModel(flops=4e10, kernel_overhead_s=0.0)
+    shape = WorkloadShape(4096, 8, 8, 64, window=(128, -1))
+    assert shape.window == (128, 0) and shape.describe()["window"] == [128, 0]  # causal: right side 0
+    names = ["te-p2p", "te-a2a-p2p", "te-a2a", "fcp-auto", "fcp-full/2", "fcp-hp"]
+    by = {w.name: w for w in make_workloads(names, shape, topo, cm)}
+    for name, comm in (("te-p2p", "p2p"), ("te-a2a-p2p", "a2a+p2p")):
+        assert by[name].unavailable == f"not available: TE refuses sliding windows with cp_comm_type={comm}"
+        assert by[name].predict(topo, cm)["predicted_s"] is None
+    te = by["te-a2a"]
+    assert te.unavailable is None and te.hp_plan.degree == 8 and te.hp_plan.kv_plan is None
+    assert te.hp_plan.head_groups == (tuple(range(8)),)
+    kw = {"causal": True, "window": (128, 0), "compute_model": cm}
+    want = sum(simulate_te_a2a(topo, range(8), shape.attention(), backward=b, **kw).total_s for b in (False, True))
+    assert te.predict(topo, cm)["predicted_s"] == pytest.approx(want, rel=1e-12)
+    for name in ("fcp-auto", "fcp-full/2", "fcp-hp"):
+        w = by[name]
+        assert isinstance(w, FcpWorkload) and w.plan.window == (128, 0), name
+        fwd = simulate_plan(w.plan, topo, shape.attention(), compute_model=cm)
+        bwd = simulate_backward_waves(w.plan, topo, shape.attention(), compute_model=cm, backward_kv=w.executor_kv,
+                                      buffered_sends=True)
+        assert w.predict(topo, cm)["predicted_s"] == pytest.approx(fwd.total_s + bwd["bwd_s"], rel=1e-12), name
+    choice = choose_schedule(topo, range(8), shape.attention(), causal=True, grad_dtype_bytes=2, compute_model=cm,
+                             backward=WaveBackward("auto", buffered_sends=True), window=(128, 0))
+    assert by["fcp-hp"].info["choice"]["label"] == choice.label
+    assert by["fcp-hp"].plan.rounds == choice.plan.kv_plan_for(0).rounds
+    # the window's need sets: FCP's plans move less than the causal plan's; the bound is the window's
+    causal = make_workloads(["fcp-full"], replace(shape, window=None), topo, cm)[0]
+    sent = lambda w: simulate_plan(w.plan, topo, shape.attention(), compute_model=cm).bytes
+    assert sent(by["fcp-full/2"]) < sent(causal) / 4
+    assert lower_bounds(shape, topo, cm)["lower_bound_s"] < lower_bounds(replace(shape, window=None), topo,
+                                                                          cm)["lower_bound_s"]
+    # TE's a2a needs heads and KV heads divisible by cp; without a window te-p2p runs again
+    gqa = make_workloads(["te-a2a"], replace(shape, kv_heads=2), topo, cm)[0]
+    assert gqa.unavailable and "divisible by the CP size 8" in gqa.unavailable
+    assert gqa.predict(topo, cm)["predicted_s"] is None
+    plain = make_workloads(["te-p2p", "te-a2a"], replace(shape, window=None), topo, cm)
+    assert all(w.unavailable is None for w in plain)
+
+
+def test_cli_window_flag():
+    import argparse
+
+    from megatron_fcp.commands import bench as bench_cmd
+
+    p = argparse.ArgumentParser()
+    bench_cmd.add_arguments(p)
+    cfg = bench_cmd.config_from_args(p.parse_args(["--emulate", "--heads", "8", "--window", "512,0"]))
+    assert cfg.shape.window == (512, 0)
+    assert bench_cmd.config_from_args(p.parse_args(["--emulate"])).shape.window is None
+    with pytest.raises(ValueError, match="--window"):
+        bench_cmd.config_from_args(p.parse_args(["--emulate", "--window", "512"]))
+    with pytest.raises(ValueError, match="right side must be 0"):
+        bench_cmd.config_from_args(p.parse_args(["--emulate", "--window", "512,4"]))
+
+
 # (nodes, ranks per node, workload, shape): the choice is a = 2 with stagger 4 (keep), a = 1 with 2
 # parts (auto re-sends) and a = 1 whole chunks (@resend)
 HP_CASES = [(2, 2, "fcp-hp", WorkloadShape(1024, 4, 4, 32)), (2, 2, "fcp-hp", WorkloadShape(8192, 2, 1, 32)),

@@ -105,3 +105,12 @@ def test_worker_loop_alternates_and_times_every_mode(compute, docs):
     assert (set(modelled) == {"te-p2p", "fcp-auto"}) == (compute != "cpu")
     for name, seconds in modelled.items():  # the timer stops when the (emulated) device is done
         assert seconds > 0.005 and min(times[name]["overlap"] + times[name]["compute"]) >= seconds - 1e-3
+
+
+def test_windowed_runners_match_fp64_reference():
+    """te-a2a (Ulysses over the CP group), fcp-auto and fcp-hp under a sliding window are exact."""
+    res = run_gloo(_emulate_cases.window_worker, CP, timeout_s=240)
+    for rank, r in enumerate(res):
+        for case, errs in r.items():
+            for q in ("out", "dq", "dk", "dv"):
+                assert errs[q] < TOL, f"rank {rank} {case} {q}: max error {errs[q]:.3g}"

@@ -5,6 +5,7 @@ Examples (as root; needs ``ip`` and ``tc``)::
     megatron-fcp bench --emulate --nodes 2 --ranks-per-node 4 --nic rail --intra 360mbit --inter 40mbit \\
         --seq 4k --heads 4 --kv-heads 4 --head-dim 64 --workloads te-p2p,te-a2a-p2p,fcp-auto,fcp-hp --repeats 5
     megatron-fcp bench --emulate --nodes 2 --ranks-per-node 4 --doc-lengths lognormal:6,1.0,16k --json out.json
+    megatron-fcp bench --emulate --seq 4k --heads 8 --kv-heads 8 --window 512,0 --workloads te-a2a,fcp-auto,fcp-full
 
 Every rank is a network namespace, links are shaped veth pairs, the ranks run real gloo; the block
 kernel is a sleep of the cost model's GPU time stretched by the cluster's time scale, on an
@@ -20,6 +21,7 @@ import json
 import sys
 
 from megatron_fcp.commands.plan import DOC_LENGTHS_HELP, parse_doc_lengths
+from megatron_fcp.contract.mask import check_window
 from megatron_fcp.cost.model import parse_tokens
 from megatron_fcp.emulate.spec import ClusterSpec, parse_rate
 from megatron_fcp.emulate.workloads import WORKLOAD_NAMES, WorkloadShape
@@ -46,12 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask (default on)")
     p.add_argument("--doc-lengths", metavar="LIST|FILE|lognormal:MEAN,SIGMA,TOTAL[,SEED]",
                    help="a packed batch (THD) instead of one sequence; " + DOC_LENGTHS_HELP)
+    p.add_argument("--window", metavar="L,R", default=None,
+                   help="a sliding window (Megatron's --window-size: query i sees keys i-L..i+R, -1 unbounded; "
+                        "causal: R = 0); te-p2p and te-a2a-p2p are then refused, as TE refuses them")
     p.add_argument("--block-tokens", type=int, default=4096, help="with --doc-lengths: FCP's block size (default 4096)")
     p.add_argument("--parts", type=int, default=1, help="FCP sub-blocks per zigzag chunk (default 1)")
     p.add_argument("--backward-kv", choices=("auto", "keep", "resend"), default="auto",
                    help="FCP's backward KV mode, as --fcp-backward-kv (default auto)")
     p.add_argument("--workloads", default="te-p2p,te-a2a-p2p,fcp-auto,fcp-hp",
-                   help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default te-p2p,te-a2a-p2p,fcp-auto,fcp-hp; fcp-hp: the schedule the plugin's runtime settles)")
+                   help=f"comma-separated, from: {', '.join(WORKLOAD_NAMES)} (default te-p2p,te-a2a-p2p,fcp-auto,fcp-hp; fcp-hp: the schedule the plugin's runtime settles; te-a2a: TE's Ulysses over the CP group)")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per workload, alternating "
                                                            "between workloads (default 5)")
     p.add_argument("--component-repeats", type=int, default=2,
@@ -67,6 +72,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PATH.png", help="bar chart of measured, predicted and the lower bound")
 
 
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """``"512,0"`` -> ``(512, 0)``; None stays None. ValueError names the flag and the form."""
+    if text is None:
+        return None
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--window: {text!r} is not L,R (two integers, -1 = unbounded; e.g. --window 512,0)") from None
+    return check_window((left, right))
+
+
 def config_from_args(args):
     """The :class:`~megatron_fcp.emulate.bench.BenchConfig` of the parsed flags (ValueError names the flag)."""
     from megatron_fcp.emulate.bench import BenchConfig
@@ -75,7 +91,8 @@ def config_from_args(args):
                           parse_rate(args.inter, "--inter"))
     docs = tuple(parse_doc_lengths(args.doc_lengths)) if args.doc_lengths else None
     shape = WorkloadShape(parse_tokens(args.seq), args.heads, args.kv_heads or args.heads, args.head_dim,
-                          args.causal, docs, args.parts, args.block_tokens, args.backward_kv)
+                          args.causal, docs, args.parts, args.block_tokens, args.backward_kv,
+                          parse_window(args.window))
     shape.attention()  # validates heads / kv_heads
     names = tuple(n.strip() for n in args.workloads.split(",") if n.strip())
     return BenchConfig(cluster, shape, names, args.repeats, args.component_repeats, 1, args.compute, args.tflops,

@@ -71,7 +71,9 @@ def table(result: dict) -> str:
             f"{c['inter']} (time scale {c['time_scale']:.0f}); seq {w['seq']}"
             + (f" in {len(docs)} documents" if docs else "")
             + f", heads {w['heads']}/{w['kv_heads']}, head_dim {w['head_dim']}, "
-            f"{'causal' if w['causal'] else 'full'}; lower bound {b['lower_bound_s']:.3f} s")
+            f"{'causal' if w['causal'] else 'full'}"
+            + (f", window ({w['window'][0]}, {w['window'][1]})" if w.get("window") else "")
+            + f"; lower bound {b['lower_bound_s']:.3f} s")
     cols = ("workload", "median", "min-max", "comm", "compute", "predicted", "err", "/LB", "vs te-p2p", "graph")
     rows = [cols]
     for r in result["runs"]:

@@ -12,7 +12,7 @@ Tensors are bf16, ``b = 1``; the inputs are random, the same shapes on every ran
 unpickled the same plan, and an agreement collective per switch of plan would cross the shaped
 network inside the timed region.
 
-``te-a2a-p2p`` and ``fcp-hp`` run
+``te-a2a``, ``te-a2a-p2p`` and ``fcp-hp`` run
 :func:`~megatron_fcp.attention.head_parallel.fcp_head_parallel_attention` (zigzag shards
 ``[s_local, 1, h, d]``): the runner creates the plan's head-group and KV-stage process groups when
 it is built (:func:`~megatron_fcp.attention.head_parallel.create_head_parallel_groups`; every
@@ -37,7 +37,7 @@ from megatron_fcp.attention import head_parallel, head_parallel_a2a
 from megatron_fcp.attention.comm import Handle, Transport, TransportWrapper
 from megatron_fcp.attention.function import fcp_attention_with_lse
 from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
-from megatron_fcp.emulate.workloads import FcpWorkload, HeadParallelWorkload, TeP2PWorkload, Workload
+from megatron_fcp.emulate.workloads import FcpWorkload, HeadParallelWorkload, TeA2AWorkload, TeP2PWorkload, Workload
 
 __all__ = ["DeviceSyncTransport", "NullTransport", "Runner", "make_runner"]
 
@@ -122,7 +122,8 @@ class _Fcp(Runner):
         w = self.w
         out, _ = fcp_attention_with_lse(self.q, self.k, self.v, cp_group=self.group, plan=w.plan,
                                         causal=w.shape.causal, transport=transport, kernel=kernel,
-                                        placement=w.placement, backward_kv=w.executor_kv, agreement=None)
+                                        placement=w.placement, backward_kv=w.executor_kv, agreement=None,
+                                        window=w.shape.window)
         return out
 
 
@@ -179,7 +180,8 @@ def _synced_all_to_all(kernel):
 
 
 class _HeadParallel(Runner):
-    """``te-a2a-p2p`` / ``fcp-hp``: the head-parallel engine over ``w.hp_plan`` (module docstring)."""
+    """``te-a2a`` / ``te-a2a-p2p`` / ``fcp-hp``: the head-parallel engine over ``w.hp_plan`` (module
+    docstring), under the shape's window."""
 
     def __init__(self, w: HeadParallelWorkload, rank: int, group, timeout_s: float | None = None) -> None:
         s, hp = w.shape, w.hp_plan
@@ -196,7 +198,7 @@ class _HeadParallel(Runner):
         return head_parallel.fcp_head_parallel_attention(
             self.q, self.k, self.v, cp_group=self.group, hp_plan=w.hp_plan, groups=self.groups,
             causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.executor_kv, agreement=None,
-            overlap_q=w.overlap_q)
+            overlap_q=w.overlap_q, window=w.shape.window)
 
     def run(self, kernel, transport) -> None:
         with contextlib.ExitStack() as stack:
@@ -208,7 +210,8 @@ class _HeadParallel(Runner):
 
 
 #: workload class -> runner class.
-_RUNNERS: dict[type, type] = {FcpWorkload: _Fcp, TeP2PWorkload: _TeP2P, HeadParallelWorkload: _HeadParallel}
+_RUNNERS: dict[type, type] = {FcpWorkload: _Fcp, TeP2PWorkload: _TeP2P, HeadParallelWorkload: _HeadParallel,
+                              TeA2AWorkload: _HeadParallel}
 
 
 def make_runner(w: Workload, rank: int, group) -> Runner:

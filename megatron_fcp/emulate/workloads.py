@@ -4,6 +4,12 @@ Workload names (``--workloads``):
 
 * ``te-p2p``: Transformer Engine's p2p ring (:mod:`megatron_fcp.emulate.te_ring`), on Megatron's
   zigzag or, with ``--doc-lengths``, on TE's padded per-document THD layout;
+* ``te-a2a``: TE's ``a2a`` (Ulysses over the whole CP group), run by our head-parallel engine at
+  degree ``a = cp`` (one head group, no KV stage): one all-to-all of Q|K|V in, local attention of
+  ``heads / cp`` heads over the whole sequence (under the window, if any), one all-to-all of O out
+  (backward: dO in, dQ|dK|dV out), the schedule TE runs. Only where heads and KV heads divide by
+  cp (TE's requirement) and on one sequence (zigzag). Predicted by TE's own model
+  (:func:`~megatron_fcp.cost.te.simulate_te_a2a`), which prices exactly that schedule;
 * ``te-a2a-p2p``: TE's hierarchical ``a2a+p2p`` (Ulysses inside a node, ring across nodes), run by
   our head-parallel engine (:mod:`megatron_fcp.attention.head_parallel`): degree = ranks per node,
   a node's ranks one head group, the KV stage a ``ring`` over the head groups, received KV kept
@@ -27,6 +33,11 @@ Workload names (``--workloads``):
   ``--backward-kv``, and ``/P`` its sub-blocks per zigzag chunk, overriding ``--parts``
   (``fcp-auto@keep/4``).
 
+Under a sliding window (``--window L,R``, :attr:`WorkloadShape.window`; Note [Windowed workloads])
+every workload that can run it does: FCP's plans are built under the window, ``fcp-hp`` settles the
+windowed choice (degree 1), ``te-a2a`` runs the window in its local attention; ``te-p2p`` and
+``te-a2a-p2p`` are not run, as TE refuses them.
+
 Predictions are the cost model's forward + backward on the emulated cluster's Topology
 (:func:`~megatron_fcp.emulate.spec.emulated_topology`) with the emulated FLOP/s and no launch
 overhead (as the sleep kernel charges). FCP's backward (``fcp-*`` and every KV stage) is priced
@@ -44,6 +55,19 @@ the KV's bytes per element, what our executor sends (partials summed in FP32, se
 dtype, as TE's ring). ``lower_bound_all_families_s`` is the bound over every schedule family
 (head-parallel degrees included, :func:`~megatron_fcp.planning.lower_bound_all`, dK/dV at the
 KV's bytes) with the same compute.
+
+Note [Windowed workloads]
+-------------------------
+A window is a property of the mask (:class:`~megatron_fcp.contract.mask.Mask`), not of a schedule:
+every plan, kernel call and prediction of a windowed configuration takes the same ``Mask.of(causal,
+window)``. FCP's plans carry it (``plan.window``, the need sets of Note [Windowed need sets]) and the
+executor and the sleep kernel run it (``window=``, :func:`~megatron_fcp.emulate.sleep_kernel.count_pairs`
+counts the window's pairs), so the model prices the window's bytes and work as they run. Transformer
+Engine runs a sliding window under CP only with ``a2a`` and ``all_gather``
+(:func:`~megatron_fcp.cost.te.te_refuses_window`); ``te-p2p`` and ``te-a2a-p2p`` under a window are
+reported with TE's reason and neither run nor predicted (a prediction of a schedule TE cannot run
+would compare against nothing). ``te-a2a``'s plan is the window-free degree-``cp`` plan (no KV
+stage: nothing in it depends on the mask); the window goes to the engine's local attention.
 
 Note [te-a2a-p2p on the head-parallel engine]
 ---------------------------------------------
@@ -65,7 +89,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from megatron_fcp.contract.head_parallel import HeadParallelPlan
-from megatron_fcp.contract.needs import causal_pairs
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import Placement, place_packed
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.backward import simulate_backward_waves
@@ -73,10 +97,12 @@ from megatron_fcp.cost.head_parallel import simulate_head_parallel, stage_shape
 from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, AttentionShape, ComputeModel, pad_for_zigzag, simulate_plan
 from megatron_fcp.cost.te import (
     lower_bound,
+    simulate_te_a2a,
     simulate_te_a2a_p2p,
     simulate_te_a2a_p2p_thd,
     simulate_te_p2p,
     simulate_te_p2p_thd,
+    te_refuses_window,
 )
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import BUILDERS
@@ -86,20 +112,22 @@ from megatron_fcp.planner.head_parallel import compile_head_parallel
 from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 
-__all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "WORKLOAD_NAMES",
+__all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "TeA2AWorkload",
+           "WORKLOAD_NAMES",
            "make_workloads", "lower_bounds", "predict_head_parallel", "executor_program",
            "fcp_hp_choice"]
 
 DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for; dK/dV partials too
 
 #: Every workload name ``--workloads`` accepts.
-WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a-p2p", "fcp-auto", "fcp-hp", *(f"fcp-{g}" for g in BUILDERS))
+WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a", "te-a2a-p2p", "fcp-auto", "fcp-hp", *(f"fcp-{g}" for g in BUILDERS))
 
 
 @dataclass(frozen=True)
 class WorkloadShape:
     """One attention layer, named like the CLI flags. ``doc_lengths``: a packed batch (THD), else
-    one sequence of ``seq`` tokens (Megatron's zigzag; padded to a multiple of ``2*cp``)."""
+    one sequence of ``seq`` tokens (Megatron's zigzag; padded to a multiple of ``2*cp``).
+    ``window``: a sliding window ``(left, right)`` (Megatron's ``window_size``; None: none)."""
 
     seq: int
     heads: int = 8
@@ -110,6 +138,17 @@ class WorkloadShape:
     parts: int = 1
     block_tokens: int = 4096
     backward_kv: str = "auto"
+    window: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None:  # normalized (a causal (W, -1) is (W, 0)); bad windows fail here
+            m = Mask.of(self.causal, self.window)
+            object.__setattr__(self, "window", m.window if m.windowed else None)
+
+    @property
+    def mask(self) -> Mask:
+        """The layer's mask: ``causal`` and ``window``."""
+        return Mask.of(self.causal, self.window)
 
     def attention(self) -> AttentionShape:
         seq = sum(self.doc_lengths) if self.doc_lengths else self.seq
@@ -118,7 +157,8 @@ class WorkloadShape:
     def describe(self) -> dict:
         return {"seq": sum(self.doc_lengths) if self.doc_lengths else self.seq, "heads": self.heads,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "causal": self.causal,
-                "doc_lengths": list(self.doc_lengths) if self.doc_lengths else None, "dtype": "bf16"}
+                "doc_lengths": list(self.doc_lengths) if self.doc_lengths else None, "dtype": "bf16",
+                "window": list(self.window) if self.window else None}
 
 
 @dataclass
@@ -183,10 +223,14 @@ class TeP2PWorkload(Workload):
         s = self.shape
         shape = s.attention()
         docs = list(s.doc_lengths) if s.doc_lengths else [shape.seq_len]
-        if s.doc_lengths:
-            fwd = simulate_te_p2p_thd(topo, self.ranks, docs, shape, causal=s.causal, compute_model=cm)
-        else:
-            fwd = simulate_te_p2p(topo, self.ranks, shape, causal=s.causal, compute_model=cm)
+        try:
+            if s.doc_lengths:
+                fwd = simulate_te_p2p_thd(topo, self.ranks, docs, shape, causal=s.causal, compute_model=cm,
+                                          window=s.window)
+            else:
+                fwd = simulate_te_p2p(topo, self.ranks, shape, causal=s.causal, compute_model=cm, window=s.window)
+        except ValueError as e:  # a window: TE refuses it, and so does its model
+            return {"predicted_s": None, "prediction_note": str(e)}
         bwd = simulate_te_p2p_thd(topo, self.ranks, docs, shape, causal=s.causal, backward=True, compute_model=cm)
         return _sum(fwd, bwd)
 
@@ -247,12 +291,12 @@ class HeadParallelWorkload(Workload):
         shape = s.attention()
         try:
             if s.doc_lengths:
-                kw = dict(causal=s.causal, compute_model=cm)
+                kw = dict(causal=s.causal, compute_model=cm, window=s.window)
                 fwd = simulate_te_a2a_p2p_thd(topo, self.ranks, list(s.doc_lengths), shape, **kw)
                 bwd = simulate_te_a2a_p2p_thd(topo, self.ranks, list(s.doc_lengths), shape, backward=True, **kw)
                 return _sum(fwd, bwd)
-            fwd = simulate_te_a2a_p2p(topo, self.ranks, shape, causal=s.causal, compute_model=cm)
-        except ValueError as e:  # TE cannot run it (heads do not divide)
+            fwd = simulate_te_a2a_p2p(topo, self.ranks, shape, causal=s.causal, compute_model=cm, window=s.window)
+        except ValueError as e:  # TE cannot run it (heads do not divide, or a window)
             return {"predicted_s": None, "prediction_note": str(e)}
         # backward of the zigzag a2a+p2p: the packed model with one document is the same schedule
         bwd = simulate_te_a2a_p2p_thd(topo, self.ranks, [shape.seq_len], shape, causal=s.causal, backward=True,
@@ -269,6 +313,52 @@ class HeadParallelWorkload(Workload):
             out.update(predicted_te_model_s=te["predicted_s"], predicted_te_model_fwd_s=te["predicted_fwd_s"],
                        predicted_te_model_bwd_s=te["predicted_bwd_s"])
         return out
+
+
+@dataclass
+class TeA2AWorkload(HeadParallelWorkload):
+    """``te-a2a``: TE's Ulysses over the whole CP group, the head-parallel engine at degree ``cp``
+    (module docstring). ``predict``: TE's model of that schedule
+    (:func:`~megatron_fcp.cost.te.simulate_te_a2a`, forward and backward: the all-to-alls exposed, the
+    local windowed work of the whole sequence over cp) under the shape's mask."""
+
+    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+        if self.hp_plan is None:  # TE cannot run it here (heads, packed): nothing to price
+            return {"predicted_s": None, "prediction_note": self.unavailable}
+        s = self.shape
+        kw = {"causal": s.causal, "window": s.window, "compute_model": cm}
+        fwd = simulate_te_a2a(topo, self.ranks, s.attention(), **kw)
+        bwd = simulate_te_a2a(topo, self.ranks, s.attention(), backward=True, **kw)
+        return _sum(fwd, bwd)
+
+
+def _te_a2a(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...]) -> Workload:
+    """TE's a2a where TE can run it: heads and KV heads divisible by cp; one sequence (zigzag)."""
+    name, cp = "te-a2a", len(ranks)
+    why = None
+    if shape.doc_lengths:
+        why = "not available: the head-parallel engine runs Megatron's zigzag layout, not packed batches (THD)"
+    elif shape.heads % cp or shape.kv_heads % cp:
+        why = (f"not available: TE's a2a needs heads ({shape.heads}) and KV heads ({shape.kv_heads}) divisible by "
+               f"the CP size {cp}")
+    if why:
+        return TeA2AWorkload(name, shape, ranks, unavailable=why)
+    att, _ = pad_for_zigzag(shape.attention(), cp)
+    hp = compile_head_parallel(topo, ranks, att, cp, "ring", causal=shape.causal,  # no KV stage: mask-free
+                               head_groups=[ranks])  # one head group: the whole CP group, across nodes
+    w = TeA2AWorkload(name, shape, ranks, hp_plan=hp, backward_kv="keep")
+    w.info = {**_hp_info(w), "graph": f"a2a x{cp} (TE a2a)"}
+    return w
+
+
+def _window_refusal(name: str, shape: WorkloadShape) -> str | None:
+    """TE's reason for not running ``te-p2p`` / ``te-a2a-p2p`` under the shape's window (None: it runs)."""
+    comm = {"te-p2p": "p2p", "te-a2a-p2p": "a2a+p2p"}[name]
+    try:
+        te_refuses_window(comm, shape.causal, shape.window)
+    except ValueError:
+        return f"not available: TE refuses sliding windows with cp_comm_type={comm}"
+    return None
 
 
 def _hp_info(w: HeadParallelWorkload) -> dict:
@@ -314,7 +404,8 @@ def fcp_hp_choice(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], 
     budget, ``b = 1``), partials in bf16, timed on the emulated compute model ``cm``, sends
     buffered as gloo's over TCP are (``WaveBackward.buffered_sends``)."""
     return choose_schedule(topo, ranks, shape.attention(), causal=shape.causal, grad_dtype_bytes=DTYPE_BYTES,
-                           backward=WaveBackward(shape.backward_kv, buffered_sends=True), compute_model=cm)
+                           backward=WaveBackward(shape.backward_kv, buffered_sends=True), compute_model=cm,
+                           window=shape.window)
 
 
 def _choice_info(choice: ScheduleChoice) -> dict:
@@ -363,7 +454,8 @@ def _fcp(name: str, graph: str, shape: WorkloadShape, topo: Topology, ranks: tup
     try:
         plan = build_plan(topo, ranks, graph, causal=shape.causal, parts_per_chunk=1 if placement else shape.parts,
                           seq_len=att.seq_len, heads=att.heads, kv_heads=att.kv_heads, head_dim=att.head_dim,
-                          dtype_bytes=DTYPE_BYTES, objective="total", placement=placement)
+                          dtype_bytes=DTYPE_BYTES, objective="total", placement=placement,
+                          window=shape.window)
     except (ValueError, TypeError) as e:
         return FcpWorkload(name, shape, ranks, unavailable=f"not available: {e}")
     w = FcpWorkload(name, shape, ranks, plan=plan, placement=placement, requested_kv=shape.backward_kv)
@@ -414,11 +506,18 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology,
     placement = None
     if shape.doc_lengths:
         placement = place_packed(list(shape.doc_lengths), len(ranks), block_tokens=shape.block_tokens,
-                                 causal=shape.causal)
+                                 causal=shape.causal, window=shape.window)
     out: list[Workload] = []
     for n in names:
-        if n == "te-p2p":
+        refused = _window_refusal(n, shape) if n in ("te-p2p", "te-a2a-p2p") else None
+        if refused and n == "te-p2p":
+            out.append(TeP2PWorkload(n, shape, ranks, unavailable=refused))
+        elif refused:
+            out.append(HeadParallelWorkload(n, shape, ranks, unavailable=refused))
+        elif n == "te-p2p":
             out.append(TeP2PWorkload(n, shape, ranks, info={"graph": "ring (TE p2p)", "rounds": len(ranks) - 1}))
+        elif n == "te-a2a":
+            out.append(_te_a2a(shape, topo, ranks))
         elif n == "te-a2a-p2p":
             out.append(_te_a2a_p2p(shape, topo, ranks))
         else:
@@ -438,20 +537,22 @@ def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placeme
     att = shape.attention()
     ranks = tuple(range(topo.world))
     N = len(ranks)
+    mask = shape.mask
     if shape.doc_lengths:
         pl = placement_plan.placement
         comm_fwd = packed_need_stats(placement_plan, topo, att)["lower_bound_s"]
-        pairs = float(sum(int(causal_pairs(0, L, 0, L, shape.causal)) for L in pl.doc_lengths))
+        pairs = float(sum(int(mask.pairs(0, L, 0, L)) for L in pl.doc_lengths))
     else:
-        comm_fwd = lower_bound(topo, ranks, att, causal=shape.causal)["lower_bound_s"]
+        comm_fwd = lower_bound(topo, ranks, att, causal=shape.causal, window=shape.window)["lower_bound_s"]
         S = -(-att.seq_len // (2 * N)) * (2 * N)
-        pairs = float(causal_pairs(0, S, 0, S, shape.causal))
+        pairs = float(mask.pairs(0, S, 0, S))
     flop_s = 4.0 * att.heads * att.head_dim / cm.flops
     compute = pairs / N * flop_s * (1 + BACKWARD_FLOP_RATIO)
     comm = 2 * comm_fwd  # the dK/dV reduction moves the forward's bytes back (partials in the KV dtype)
     out = {"lower_bound_s": max(compute, comm), "lower_bound_compute_s": compute, "lower_bound_comm_s": comm,
            "lower_bound_comm_fwd_s": comm_fwd}
-    if not shape.doc_lengths:  # every family (head-parallel degrees too); comm then compute, as the KV-only bound
+    if not shape.doc_lengths and not mask.windowed:  # every family (head-parallel degrees too); comm then compute,
+        # as the KV-only bound (lower_bound_all has no windowed form: under a window only degree 1 is planned)
         fam = lower_bound_all(topo, ranks, att, causal=shape.causal, pass_="fwd+bwd")
         out["lower_bound_all_families_s"] = max(compute, fam["lower_bound_s"])
         out["lower_bound_all_families_degree"] = fam["degree"]
