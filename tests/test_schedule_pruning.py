@@ -42,7 +42,8 @@ def test_floors_never_exceed_the_priced_total(preset, cp, heads, kv, seq, backwa
                     continue
                 hp = compile_head_parallel(topo, range(cp), shape, a, graph, **opts)
                 pr = HeadParallelPricing(hp, topo, shape, backward=backward)
-                total = pr.result().total_s
+                res = pr.result()
+                total = res.total_s
                 assert pr.floor() <= pr.tight_floor() <= total, (a, graph, opts)
                 assert lo <= by_graph <= total, (a, graph, opts)
 

@@ -14,7 +14,11 @@ things all of them respect:
 * **compute**: a rank runs its gradient jobs one after another, and it computes every block its
   queries attend to exactly once (a block with work reaches it, or is its own), so the busiest
   rank's total work -- its queries against every key the mask allows, at the backward FLOP ratio
-  -- is a floor. Kernel launches only add to it and are left out.
+  -- is a floor; and every model launches at least one kernel per owner whose blocks a rank
+  computes on (the one pass per owner and round, a chain per owner and step, the waves per
+  block, the forward per owner and round), so each rank's work plus that many launches is one
+  too (:func:`rank_owners`). Where compute hides communication the launches are most of the gap
+  between the floor and the priced time.
 * **reduction** (not for a chain: its partials travel the forward's direction): every delivery of
   a block to a rank whose queries attend to it returns one dK/dV partial along the reversed hop
   (one pass: every reversed round; waves: every hop of a wave's paths), and each model
@@ -46,7 +50,7 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
 from megatron_fcp.topology import Topology
 
-__all__ = ["rank_pairs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
+__all__ = ["rank_pairs", "rank_owners", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
 
 
 def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
@@ -107,11 +111,32 @@ def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: boo
 
 
 def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape, causal: bool,
-                  compute_model: ComputeModel, flop_ratio: float) -> float:
+                  compute_model: ComputeModel, flop_ratio: float, launches: bool = False) -> float:
     """The busiest rank's work in seconds at ``flop_ratio`` times the forward's FLOPs (Note
-    [Backward floors]), from :func:`rank_pairs`."""
-    pairs = rank_pairs(placement, cp, shape.seq_len, causal)
-    return float(pairs.max(initial=0)) * 4.0 * shape.heads * shape.head_dim / compute_model.flops * flop_ratio
+    [Backward floors]), from :func:`rank_pairs`; ``launches``: each rank's plus one kernel launch
+    per owner whose blocks its queries attend to (:func:`rank_owners`)."""
+    pairs = rank_pairs(placement, cp, shape.seq_len, causal).astype(np.float64)
+    t = pairs * (4.0 * shape.heads * shape.head_dim / compute_model.flops * flop_ratio)
+    if launches:
+        t = t + rank_owners(placement, cp, causal) * compute_model.kernel_overhead_s
+    return float(t.max(initial=0))
+
+
+def rank_owners(placement: "Placement | None", cp: int, causal: bool) -> np.ndarray:
+    """``[cp]`` owners (the rank itself included) of the blocks each CP rank's queries attend to:
+    every model launches at least one kernel per such owner in each pass (the forward per owner and
+    round, the chain backward per owner and step, the waves per block; Note [Backward floors])."""
+    idx = np.arange(cp)
+    if placement is None:
+        need = np.stack([needs_chunk(idx[:, None], idx[None, :], c, causal) for c in (0, 1)]).any(axis=0)
+    else:
+        owner = np.array([i for i, _, _ in placement.block_list()], dtype=np.int64)
+        need = np.zeros((cp, cp), dtype=bool)
+        rows, cols = np.nonzero(placement.need_matrix())
+        need[rows, owner[cols]] = True
+    # its own blocks, where it holds any: its queries attend to their diagonal
+    need[idx, idx] = True if placement is None else [placement.tokens(j) > 0 for j in range(cp)]
+    return need.sum(axis=1)
 
 
 def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtype_bytes: int) -> float:

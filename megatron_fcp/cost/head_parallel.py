@@ -250,6 +250,12 @@ class HeadParallelPricing:
             self._floors["tight"] = self.floor() if chain is None else max(self.floor(), self._floor(chain))
         return self._floors["tight"]
 
+    def _reduction(self) -> float:
+        if "reduction" not in self._floors:
+            self._floors["reduction"] = reduction_floor(self.sp, self.topo, self.sshape,
+                                                        self.grad_dtype_bytes or self.sshape.dtype_bytes)
+        return self._floors["reduction"]
+
     def known_floor(self) -> float:
         """The tightest floor computed so far (:meth:`tight_floor` once asked, else :meth:`floor`)."""
         return self._floors.get("tight", self.floor())
@@ -269,9 +275,10 @@ class HeadParallelPricing:
         sp, sshape = self.sp, self.sshape
         ratio = min(self.backward_flop_ratio, BACKWARD_FLOP_RATIO) if self.backward is not None \
             else self.backward_flop_ratio
-        stage = compute_floor(sp.placement, sp.cp, sshape, sp.causal, self.cm, ratio) if not sp.kv_sizes else 0.0
+        stage = compute_floor(sp.placement, sp.cp, sshape, sp.causal, self.cm, ratio, launches=True) \
+            if not sp.kv_sizes else 0.0
         if sp.num_rounds and not self.chain():  # a chain's partials travel the forward's direction
-            stage = max(stage, reduction_floor(sp, self.topo, sshape, self.grad_dtype_bytes or sshape.dtype_bytes))
+            stage = max(stage, self._reduction())
         if chain_s is not None:
             stage = max(stage, chain_s)
         if self.a2a:
@@ -403,7 +410,7 @@ def degree_floor(topology: "Topology | str", cp_ranks: Sequence[int], shape: Att
 
     t = 0.0
     if pass_ in ("fwd", "fwd+bwd"):
-        work = compute_floor(placement, len(ranks), sshape, causal, cm, 1.0) + cm.kernel_overhead_s
+        work = compute_floor(placement, len(ranks), sshape, causal, cm, 1.0, launches=True)
         kv = kv_floor(topo, ranks, placement, shape.seq_len, causal, sshape.kv_bytes(1)) if staged else 0.0
         kv = max(kv, kv_s or 0.0)
         if degree > 1 and overlap_q and staged:
@@ -412,7 +419,7 @@ def degree_floor(topology: "Topology | str", cp_ranks: Sequence[int], shape: Att
             t += a2a("qkv") + max(kv, work) + a2a("q")
     if pass_ in ("bwd", "fwd+bwd"):
         ratio = min(backward_flop_ratio, BACKWARD_FLOP_RATIO) if backward is not None else backward_flop_ratio
-        t += compute_floor(placement, len(ranks), sshape, causal, cm, ratio)
+        t += compute_floor(placement, len(ranks), sshape, causal, cm, ratio, launches=True)
         if degree > 1:
             t += a2a("q") + a2a("kv" if overlap_q else "qkv")
     return t * (1 - 1e-9)
