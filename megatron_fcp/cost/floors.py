@@ -8,7 +8,7 @@ stepped) only when ``forward + backward_floor`` can still win. A floor must neve
 any of the three backward timelines returns for the plan
 (:func:`~megatron_fcp.cost.backward.simulate_plan_backward`, the one pass;
 :func:`~megatron_fcp.cost.timeline.wave_timeline`, waves;
-:func:`~megatron_fcp.schedule.chains.chain_timeline`, a chain), so it takes the larger of two
+:func:`~megatron_fcp.schedule.chains.chain_timeline`, a chain), so it takes the largest of the
 things all of them respect:
 
 * **compute**: a rank runs its gradient jobs one after another, and it computes every block its
@@ -25,6 +25,12 @@ things all of them respect:
   serialises a resource's messages (a round lasts at least each resource's busy time; the
   timelines keep a resource busy until its previous message is through). So for every resource,
   the partials' bytes over its bandwidth is a floor; re-sends under ``resend`` only add.
+
+* **chain steps** (a chain only, once its backward program is compiled:
+  :func:`~megatron_fcp.cost.backward.chain_compute_floor`): the lock-step chain timeline adds,
+  step by step, the longer of the busiest rank's jobs and the step's messages, so the sum over
+  steps of the busiest rank's jobs is a floor; it is above the compute floor where the steps
+  compute unevenly (a staggered stage ring).
 
 The **forward's KV floor** (:func:`kv_floor`, for a degree before any of its plans is compiled):
 the forward's rounds last at least each resource's busy time, so no plan over a placement moves

@@ -32,19 +32,35 @@ Note [Pruning the search]
 -------------------------
 :func:`choose_schedule` (the runtime's choice, made on every rank at every job start) finds the
 same best candidate and runner-up as the full search without pricing every candidate's backward,
-the expensive part (waves are packed, chains stepped). Each candidate has a *floor*, a lower bound
-on its predicted total (Note [Backward floors] in :mod:`megatron_fcp.cost.floors`): a degree's
-floor before any of its plans is compiled (all-to-alls exact, the stage's KV floor and compute),
-then each compiled candidate's (its forward priced exactly, its backward's compute and dK/dV
-reduction floors). Degrees and candidates are taken in increasing floor; a candidate is priced in
-full unless its floor exceeds ``(1 + 0.1%)`` times the second-best total priced so far, above which
-:func:`~megatron_fcp.cost.model.pick_best` can make it neither the choice nor the runner-up
-(its tie is 0.1%; totals only fall as the search goes on, so a candidate left out stays out).
-One more condition keeps the answer exact: staggers and sub-blocks are built on their degree's
-best graph, so a graph within the tie of its degree's best is priced while any follow-up on any
-of the degree's graphs is not ruled out by its own floor. ``plan.auto`` then lists the candidates
-priced, in the full search's order. :func:`head_parallel_candidates` (the benchmarks') prices every
-candidate unless asked to prune.
+the expensive part (waves are packed, chains stepped), and without compiling most of them. Each
+candidate has a *floor*, a lower bound on its predicted total (Note [Backward floors] in
+:mod:`megatron_fcp.cost.floors`), refined in steps, each only once the candidate's floor is the
+least left (a heap):
+
+1. its degree's (before any plan of the degree is compiled: all-to-alls exact, the stage's KV
+   floor, each rank's compute with one kernel launch per owner it reads);
+2. its graph's (``a = 1``: the degree's with the graph's own KV floor,
+   :func:`~megatron_fcp.cost.floors.graph_kv_floor`, which holds a ring or a leader tree to one
+   NIC per node; the graph is built, no plan compiled);
+3. compiled: its forward priced exactly, its backward's compute and (waves) dK/dV reduction floors;
+4. tight: a chain's backward program compiled and the sum of its steps' busiest compute
+   (:func:`~megatron_fcp.cost.backward.chain_compute_floor`; staggered rings compute unevenly per step);
+5. priced.
+
+A candidate is dropped at any step where its floor exceeds ``(1 + 0.1%)`` times the second-best
+total priced so far, above which :func:`~megatron_fcp.cost.model.pick_best` can make it neither
+the choice nor the runner-up (its tie is 0.1%; totals only fall as the search goes on, so a
+candidate left out stays out). One more condition keeps the answer exact: staggers and sub-blocks
+are built on their degree's best graph, so a candidate that may be that graph (its floor within
+the tie of its degree's best priced total) is kept while any follow-up on any graph that may be
+the base is not ruled out by its own floor (the graph's floor first, then compiled). When none of
+a degree's candidates is priced yet and the one at hand is a chain whose program is compiled, it
+is priced (cheap) rather than compiling every graph's follow-ups: its total bounds which graphs
+may still be the base. Pricing more than needed never changes the answer. The search prices with
+``one_pass=False`` (:class:`~megatron_fcp.cost.head_parallel.HeadParallelPricing`): the one-pass
+backward that is otherwise reported beside the executor's is not priced. ``plan.auto`` then lists
+the candidates priced, in the full search's order. :func:`head_parallel_candidates` (the
+benchmarks') prices every candidate unless asked to prune.
 """
 
 from __future__ import annotations
