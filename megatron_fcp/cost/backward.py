@@ -64,7 +64,7 @@ from megatron_fcp.cost.model import (
 )
 from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward
-from megatron_fcp.schedule.waves import restrict
+from megatron_fcp.schedule.waves import restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -330,8 +330,7 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     if pl is not None:
         pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
     else:
-        pairs = lambda x, blk: int(block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
-                                                pos[blk.owner], blk.chunk, blk.part, plan.causal))
+        pairs = zigzag_pairs(plan, zshape.seq_len)
     return program, block_tokens, size, pairs, flop_s
 
 

@@ -52,6 +52,8 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Hashable, Mapping
 
+import numpy as np
+
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
@@ -100,10 +102,37 @@ def block_work(plan: Plan) -> Callable[[int, Block], float]:
     if plan.placement is not None:
         pl = plan.placement
         return lambda rank, b: float(pl.pairs(pos[rank], pos[b.owner], b.chunk))
-    P = plan.parts_per_chunk
-    seq = 2 * plan.cp * P * 64
-    return lambda rank, b: float(block_pairs(plan.cp, seq, P, pos[rank], pos[b.owner], b.chunk, b.part,
-                                              plan.causal))
+    pairs = zigzag_pairs(plan, 2 * plan.cp * plan.parts_per_chunk * 64)
+    return lambda rank, b: float(pairs(rank, b))
+
+
+def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
+    """``pairs(rank, block)``: :func:`~megatron_fcp.contract.needs.block_pairs` of a zigzag plan's
+    rank against one of its blocks for a ``seq_len``-token sequence, read from one vectorised
+    ``[cp, blocks]`` table (the same integers as the call per pair), built once per plan object
+    and length."""
+    key = (id(plan), seq_len)
+    hit = _PAIRS.get(key)
+    if hit is not None and hit[0]() is plan:
+        return hit[1]
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    blocks = plan.blocks()
+    col = {b: k for k, b in enumerate(blocks)}
+    o, c, p = (np.array([f(b) for b in blocks], dtype=np.int64)[None, :]
+               for f in (lambda b: pos[b.owner], lambda b: b.chunk, lambda b: b.part))
+    rows = block_pairs(plan.cp, seq_len, plan.parts_per_chunk, np.arange(plan.cp)[:, None], o, c, p,
+                       plan.causal).tolist()                               # [cp][blocks]
+
+    def pairs(rank: int, b: Block) -> int:
+        return rows[pos[rank]][col[b]]
+
+    if len(_PAIRS) > 256:
+        _PAIRS.clear()
+    _PAIRS[key] = (weakref.ref(plan), pairs)
+    return pairs
+
+
+_PAIRS: dict[tuple, tuple[weakref.ref, Callable[[int, Block], int]]] = {}
 
 
 def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
