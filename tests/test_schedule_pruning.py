@@ -23,19 +23,45 @@ CELLS = [("dgx-h100:2", 16, 32, 8, 32768), ("dgx-a100:2", 12, 32, 32, 131072), (
 @pytest.mark.parametrize("preset,cp,heads,kv,seq", CELLS)
 @pytest.mark.parametrize("backward", [None, WaveBackward()], ids=["one-pass", "executor"])
 def test_floors_never_exceed_the_priced_total(preset, cp, heads, kv, seq, backward):
-    """Every candidate's floor, and its degree's floor, is at most its predicted total."""
+    """Every candidate's floor, its tighter floor (a chain's steps' compute), its degree's floor
+    and (a = 1) its graph's floor are at most its predicted total."""
+    from megatron_fcp.cost.floors import graph_kv_floor
+    from megatron_fcp.cost.model import pad_for_zigzag
+    from megatron_fcp.planner.builders import build_graph
+
     topo = load_topology(preset)
     shape = AttentionShape(seq, heads, kv, 128, 2)
+    padded, _ = pad_for_zigzag(shape, cp)
     for a in head_parallel_degrees(topo, range(cp), heads, kv):
         lo = degree_floor(topo, range(cp), shape, a, backward=backward)
-        for graph in ("ring", "hierarchical", "full"):
+        for graph in ("ring", "hierarchical", "full", "leader"):
+            kv_s = graph_kv_floor(build_graph(topo, range(cp), graph), topo, padded.seq_len, True, padded.kv_bytes(1))
+            by_graph = degree_floor(topo, range(cp), shape, a, backward=backward, kv_s=kv_s) if a == 1 else lo
             for opts in ({}, {"parts_per_chunk": 2} if a == 1 else {"stagger": 2}):
                 if a == cp and opts:
                     continue
                 hp = compile_head_parallel(topo, range(cp), shape, a, graph, **opts)
                 pr = HeadParallelPricing(hp, topo, shape, backward=backward)
-                total = pr.result().total_s
-                assert pr.floor() <= total and lo <= total, (a, graph, opts)
+                res = pr.result()
+                total = res.total_s
+                assert pr.floor() <= pr.tight_floor() <= total, (a, graph, opts)
+                assert lo <= by_graph <= total, (a, graph, opts)
+
+
+def test_a_search_pricing_skips_the_one_pass_backward_only():
+    """``one_pass=False`` (the runtime's search) prices the same times and communication."""
+    shape = AttentionShape(65536, 32, 8, 128, 2)
+    for preset, cp, a, graph, opts in (("dgx-h100:2", 16, 1, "hierarchical", {}), ("dgx-h100:2", 16, 4, "ring", {}),
+                                       ("dgx-h100:2", 16, 4, "ring", {"stagger": 2}),
+                                       ("pcie-box:2", 16, 1, "ring", {"parts_per_chunk": 2})):
+        topo = load_topology(preset)
+        hp = compile_head_parallel(topo, range(cp), shape, a, graph, **opts)
+        full = HeadParallelPricing(hp, topo, shape, backward=WaveBackward()).result()
+        lean = HeadParallelPricing(hp, topo, shape, backward=WaveBackward(), one_pass=False).result()
+        assert (lean.total_s, lean.comm_s, lean.compute_s) == (full.total_s, full.comm_s, full.compute_s)
+        assert all(full.meta[k] == v for k, v in lean.meta.items())   # less reported, nothing different
+        assert {"backward_kv", "backward_form", "fwd_total_s", "bwd_total_s"} <= \
+            set(lean.meta)
 
 
 def test_pricing_in_two_steps_is_simulate_head_parallel():

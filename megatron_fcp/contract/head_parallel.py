@@ -106,10 +106,13 @@ def group_placement(ranks: Sequence[int], head_groups: Sequence[Sequence[int]], 
 
 
 def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
-    """The same schedule with CP index ``i`` of ``plan`` renamed to global rank ``ranks[i]``."""
+    """The same schedule with CP index ``i`` of ``plan`` renamed to global rank ``ranks[i]``
+    (``plan`` itself when that renames nothing: a zigzag plan over ranks ``0..cp-1``)."""
     ranks = tuple(ranks)
     if len(ranks) != plan.cp:
         raise PlanError(f"relabel: {len(ranks)} ranks for a plan over {plan.cp}")
+    if ranks == tuple(plan.ranks):
+        return plan
     to = {old: new for old, new in zip(plan.ranks, ranks)}
 
     renamed: dict[Block, Block] = {}

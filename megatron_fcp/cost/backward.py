@@ -62,14 +62,15 @@ from megatron_fcp.cost.model import (
     simulate_plan,
     simulate_rounds,
 )
-from megatron_fcp.cost.timeline import chain_timeline, wave_timeline
+from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward
-from megatron_fcp.schedule.waves import restrict
+from megatron_fcp.schedule.waves import restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
     "simulate_plan_backward",
     "simulate_backward_waves",
+    "chain_compute_floor",
 ]
 
 def simulate_plan_backward(
@@ -247,25 +248,11 @@ def simulate_backward_waves(
     ``backward_kv="auto"``: keep or resend as the executor decides
     (:func:`~megatron_fcp.schedule.program.compile_backward`, ``kv_memory_budget`` bytes per rank
     against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced."""
-    policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
-    pl, cp = plan.placement, plan.cp
-    zshape = pad_for_zigzag(shape, cp)[0] if pl is None else shape
-    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
-    # the executor's program: its block bytes are micro_batch sequences' (Note [Backward program])
-    program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
-                               budget=None if budget is None else budget * micro_batch)
-    block_tokens = lambda blk: plan.block_tokens(blk, program.seq_len)  # noqa: E731
-    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
+    program, block_tokens, size, pairs, flop_s = _program(plan, shape, cm, backward_kv, kv_memory_budget,
+                                                          micro_batch, kv_dtype_bytes, budget)
     backward_kv = program.mode
-    flop_s = shape.pair_flops / cm.flops * BACKWARD_FLOP_RATIO
-    pos = {r: i for i, r in enumerate(plan.ranks)}
-    if pl is not None:
-        pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
-    else:
-        pairs = lambda x, blk: int(block_pairs(cp, zshape.seq_len, plan.parts_per_chunk, pos[x],  # noqa: E731
-                                                pos[blk.owner], blk.chunk, blk.part, plan.mask))
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
 
     def job_s(x: int, blk) -> float:
@@ -322,6 +309,47 @@ def simulate_backward_waves(
             "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
             "first_kept_ranks": len(keepers), "jobs_end_s": max(timeline["jobs_end_s"], default=0.0),
             "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0)}
+
+
+def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: str, kv_memory_budget: int,
+             micro_batch: int, kv_dtype_bytes: int | None, budget: int | None):
+    """What :func:`simulate_backward_waves` and :func:`chain_compute_floor` price from: the
+    executor's program (its block bytes are ``micro_batch`` sequences', Note [Backward program]),
+    a block's tokens and one sequence's K|V bytes, a job's query-key pairs and the backward's
+    seconds per pair."""
+    policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
+    pl, cp = plan.placement, plan.cp
+    zshape = pad_for_zigzag(shape, cp)[0] if pl is None else shape
+    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
+    program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
+                               budget=None if budget is None else budget * micro_batch)
+    block_tokens = lambda blk: plan.block_tokens(blk, program.seq_len)  # noqa: E731
+    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
+    flop_s = shape.pair_flops / cm.flops * BACKWARD_FLOP_RATIO
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    if pl is not None:
+        pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
+    else:
+        pairs = zigzag_pairs(plan, zshape.seq_len)
+    return program, block_tokens, size, pairs, flop_s
+
+
+def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: ComputeModel | None = None,
+                        backward_kv: str = "auto", kv_memory_budget: int = RING_BUDGET, micro_batch: int = 1,
+                        kv_dtype_bytes: int | None = None) -> float | None:
+    """A floor on :func:`simulate_backward_waves`'s ``bwd_s`` for a plan whose backward streams as
+    chains (None when its program runs in waves): the sum over the chain's steps of the busiest
+    rank's jobs and launches (:func:`~megatron_fcp.cost.timeline.chain_step_compute`), which the
+    lock-step :func:`~megatron_fcp.cost.timeline.chain_timeline` adds up with each step's
+    messages where those take longer (Note [Backward floors]). It reads the program that pricing
+    the backward reads (memoised on the plan), not the messages: a fraction of the price."""
+    cm = compute_model or ComputeModel()
+    program, _, _, pairs, flop_s = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
+                                            kv_dtype_bytes, None)
+    if program.steps is None:
+        return None
+    return float(sum(chain_step_compute(program.steps, lambda x, blk: pairs(x, blk) * flop_s,
+                                        cm.kernel_overhead_s)))
 
 
 def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,

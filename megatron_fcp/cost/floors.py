@@ -8,19 +8,29 @@ stepped) only when ``forward + backward_floor`` can still win. A floor must neve
 any of the three backward timelines returns for the plan
 (:func:`~megatron_fcp.cost.backward.simulate_plan_backward`, the one pass;
 :func:`~megatron_fcp.cost.timeline.wave_timeline`, waves;
-:func:`~megatron_fcp.schedule.chains.chain_timeline`, a chain), so it takes the larger of two
+:func:`~megatron_fcp.schedule.chains.chain_timeline`, a chain), so it takes the largest of the
 things all of them respect:
 
 * **compute**: a rank runs its gradient jobs one after another, and it computes every block its
   queries attend to exactly once (a block with work reaches it, or is its own), so the busiest
   rank's total work -- its queries against every key the mask allows, at the backward FLOP ratio
-  -- is a floor. Kernel launches only add to it and are left out.
+  -- is a floor; and every model launches at least one kernel per owner whose blocks a rank
+  computes on (the one pass per owner and round, a chain per owner and step, the waves per
+  block, the forward per owner and round), so each rank's work plus that many launches is one
+  too (:func:`rank_owners`). Where compute hides communication the launches are most of the gap
+  between the floor and the priced time.
 * **reduction** (not for a chain: its partials travel the forward's direction): every delivery of
   a block to a rank whose queries attend to it returns one dK/dV partial along the reversed hop
   (one pass: every reversed round; waves: every hop of a wave's paths), and each model
   serialises a resource's messages (a round lasts at least each resource's busy time; the
   timelines keep a resource busy until its previous message is through). So for every resource,
   the partials' bytes over its bandwidth is a floor; re-sends under ``resend`` only add.
+
+* **chain steps** (a chain only, once its backward program is compiled:
+  :func:`~megatron_fcp.cost.backward.chain_compute_floor`): the lock-step chain timeline adds,
+  step by step, the longer of the busiest rank's jobs and the step's messages, so the sum over
+  steps of the busiest rank's jobs is a floor; it is above the compute floor where the steps
+  compute unevenly (a staggered stage ring).
 
 The **forward's KV floor** (:func:`kv_floor`, for a degree before any of its plans is compiled):
 the forward's rounds last at least each resource's busy time, so no plan over a placement moves
@@ -47,7 +57,7 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
 from megatron_fcp.topology import Topology
 
-__all__ = ["rank_pairs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
+__all__ = ["rank_pairs", "rank_owners", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
 
 
 def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
@@ -109,11 +119,34 @@ def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: "bo
 
 
 def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape, causal: "bool | Mask",
-                  compute_model: ComputeModel, flop_ratio: float) -> float:
+                  compute_model: ComputeModel, flop_ratio: float, launches: bool = False) -> float:
     """The busiest rank's work in seconds at ``flop_ratio`` times the forward's FLOPs (Note
-    [Backward floors]), from :func:`rank_pairs`."""
-    pairs = rank_pairs(placement, cp, shape.seq_len, causal)
-    return float(pairs.max(initial=0)) * shape.pair_flops / compute_model.flops * flop_ratio
+    [Backward floors]), from :func:`rank_pairs`; ``launches``: each rank's plus one kernel launch
+    per owner whose blocks its queries attend to (:func:`rank_owners`)."""
+    pairs = rank_pairs(placement, cp, shape.seq_len, causal).astype(np.float64)
+    t = pairs * (shape.pair_flops / compute_model.flops * flop_ratio)
+    if launches:
+        t = t + rank_owners(placement, cp, causal, shape.seq_len) * compute_model.kernel_overhead_s
+    return float(t.max(initial=0))
+
+
+def rank_owners(placement: "Placement | None", cp: int, causal: "bool | Mask", seq_len: int | None = None) -> np.ndarray:
+    """``[cp]`` owners (the rank itself included) of the blocks each CP rank's queries attend to:
+    every model launches at least one kernel per such owner in each pass (the forward per owner and
+    round, the chain backward per owner and step, the waves per block; Note [Backward floors]).
+    Zigzag: by chunk under ``causal`` (a :class:`~megatron_fcp.contract.mask.Mask` with a window needs
+    ``seq_len``: the windowed chunk need rule)."""
+    idx = np.arange(cp)
+    if placement is None:
+        need = chunk_need_matrix(cp, causal, seq_len).reshape(cp, 2, cp).any(axis=1)  # chunk-major columns
+    else:
+        owner = np.array([i for i, _, _ in placement.block_list()], dtype=np.int64)
+        need = np.zeros((cp, cp), dtype=bool)
+        rows, cols = np.nonzero(placement.need_matrix())
+        need[rows, owner[cols]] = True
+    # its own blocks, where it holds any: its queries attend to their diagonal
+    need[idx, idx] = True if placement is None else [placement.tokens(j) > 0 for j in range(cp)]
+    return need.sum(axis=1)
 
 
 def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtype_bytes: int) -> float:

@@ -77,7 +77,7 @@ from megatron_fcp.contract.head_parallel import (
     topology_head_groups,
 )
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
-from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
+from megatron_fcp.cost.backward import chain_compute_floor, simulate_backward_waves, simulate_plan_backward
 from megatron_fcp.cost.floors import compute_floor, kv_floor, reduction_floor
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
@@ -169,15 +169,21 @@ class HeadParallelPricing:
     forward is priced at construction; :meth:`floor` is a lower bound on :meth:`result`'s
     ``total_s`` from the forward's exact time and a floor on the backward (Note [Backward floors]
     in :mod:`megatron_fcp.cost.floors`; the all-to-alls exact); :meth:`result` prices
-    the backward (the expensive step) and returns what :func:`simulate_head_parallel` returns."""
+    the backward (the expensive step) and returns what :func:`simulate_head_parallel` returns.
+    ``one_pass=False`` (a search that needs only times: :func:`~megatron_fcp.planner.choose.choose_schedule`):
+    where the backward is priced as the executor runs it (``backward``), the one-pass backward it is
+    otherwise reported beside is not priced; times and communication are the same, the stage's
+    backward bytes and ``one_pass_bwd_s`` are left out."""
 
     def __init__(self, hp: HeadParallelPlan, topology: "Topology | str", shape: AttentionShape, *,
                  pass_: str = "fwd+bwd", causal: bool = True, compute_model: ComputeModel | None = None,
                  round_overhead_s: float = 0.0, backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
                  grad_dtype_bytes: int | None = None, name: str = "fcp", backward: WaveBackward | None = None,
-                 overlap_q: bool = True) -> None:
+                 overlap_q: bool = True, one_pass: bool = True) -> None:
         check_pass(pass_)
         self.hp, self.pass_, self.name, self.backward, self.overlap_q = hp, pass_, name, backward, overlap_q
+        self.one_pass = one_pass
+        self._floors: dict[str, float] = {}
         self.topo = topo = load_topology(topology)
         self.cm = cm = compute_model or ComputeModel()
         self.round_overhead_s, self.backward_flop_ratio = round_overhead_s, backward_flop_ratio
@@ -226,16 +232,55 @@ class HeadParallelPricing:
     def floor(self) -> float:
         """A lower bound on :meth:`result`'s ``total_s``: the forward as priced plus a floor on the
         backward (its all-to-alls exact, the KV stage's floor of Note [Backward floors])."""
+        if "floor" not in self._floors:
+            self._floors["floor"] = self._floor(None)
+        return self._floors["floor"]
+
+    def tight_floor(self) -> float:
+        """:meth:`floor`, raised where the KV stage's backward streams as chains by the sum of its
+        steps' busiest compute (:func:`~megatron_fcp.cost.backward.chain_compute_floor`: the
+        backward's program is compiled, its messages not priced). For a search, after
+        :meth:`floor` has not ruled the candidate out; the program is what :meth:`result` reads."""
+        if "tight" not in self._floors:
+            chain = None
+            if self.pass_ != "fwd" and self.chain():
+                b = self.backward
+                chain = chain_compute_floor(self.sp, self.sshape, compute_model=self.cm, backward_kv=b.backward_kv,
+                                            kv_memory_budget=b.kv_memory_budget, micro_batch=b.micro_batch)
+            self._floors["tight"] = self.floor() if chain is None else max(self.floor(), self._floor(chain))
+        return self._floors["tight"]
+
+    def _reduction(self) -> float:
+        if "reduction" not in self._floors:
+            self._floors["reduction"] = reduction_floor(self.sp, self.topo, self.sshape,
+                                                        self.grad_dtype_bytes or self.sshape.dtype_bytes)
+        return self._floors["reduction"]
+
+    def known_floor(self) -> float:
+        """The tightest floor computed so far (:meth:`tight_floor` once asked, else :meth:`floor`)."""
+        return self._floors.get("tight", self.floor())
+
+    def chain(self) -> bool:
+        """Whether the KV stage's backward is priced as the executor runs it and may stream as chains."""
+        if "chain" not in self._floors:
+            hp, sp = self.hp, self.sp
+            self._floors["chain"] = bool(self.backward is not None and hp.kv_plan is not None and sp.rounds
+                                         and chain_routes(sp) is not None)
+        return bool(self._floors["chain"])
+
+    def _floor(self, chain_s: float | None) -> float:
         t = sum(p.total_s for p in self.out)
         if self.pass_ == "fwd":
             return t
-        hp, sp, sshape = self.hp, self.sp, self.sshape
+        sp, sshape = self.sp, self.sshape
         ratio = min(self.backward_flop_ratio, BACKWARD_FLOP_RATIO) if self.backward is not None \
             else self.backward_flop_ratio
-        stage = compute_floor(sp.placement, sp.cp, sshape, sp.mask, self.cm, ratio) if not sp.kv_sizes else 0.0
-        chain = self.backward is not None and hp.kv_plan is not None and sp.rounds and chain_routes(sp) is not None
-        if sp.num_rounds and not chain:  # a chain's partials travel the forward's direction
-            stage = max(stage, reduction_floor(sp, self.topo, sshape, self.grad_dtype_bytes or sshape.dtype_bytes))
+        stage = compute_floor(sp.placement, sp.cp, sshape, sp.mask, self.cm, ratio, launches=True) \
+            if not sp.kv_sizes else 0.0
+        if sp.num_rounds and not self.chain():  # a chain's partials travel the forward's direction
+            stage = max(stage, self._reduction())
+        if chain_s is not None:
+            stage = max(stage, chain_s)
         if self.a2a:
             last = "kv" if self.overlap_q else "qkv"  # dQ's part may hide behind the stage's tail
             stage += self._a2a_s("q") + self._a2a_s(last)
@@ -247,11 +292,18 @@ class HeadParallelPricing:
         backward, round_overhead_s, grad_dtype_bytes = self.backward, self.round_overhead_s, self.grad_dtype_bytes
         rounds, meta, out = self._rounds, dict(self.meta), list(self.out)
         if self.pass_ in ("bwd", "fwd+bwd"):
-            kv = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=self.backward_flop_ratio,
-                                        round_overhead_s=round_overhead_s, name=name,
-                                        grad_dtype_bytes=grad_dtype_bytes)
-            if backward is not None and hp.kv_plan is not None and sp.rounds:  # a = cp: no executor, no waves
+            executor = backward is not None and hp.kv_plan is not None and sp.rounds   # a = cp: no executor, no waves
+            if executor and not self.one_pass:   # its times are replaced below: only a search's answer is wanted
+                kv = SimResult(name, 0.0, 0.0, 0.0, 0.0, 0)
+            else:
+                kv = simulate_plan_backward(sp, topo, sshape, compute_model=cm,
+                                            backward_flop_ratio=self.backward_flop_ratio,
+                                            round_overhead_s=round_overhead_s, name=name,
+                                            grad_dtype_bytes=grad_dtype_bytes)
+            if executor:
                 kv = _wave_backward(kv, sp, topo, sshape, cm, backward, grad_dtype_bytes, round_overhead_s)
+                if not self.one_pass:
+                    del kv.meta["one_pass_bwd_s"]
                 meta["backward_kv"] = kv.meta["backward_kv"]
                 meta["backward_form"] = kv.meta["backward_form"]
             jobs_end = kv.meta.pop("jobs_end_s", None)
@@ -333,12 +385,14 @@ def simulate_te(
 def degree_floor(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape, degree: int, *,
                  pass_: str = "fwd+bwd", causal: bool = True, compute_model: ComputeModel | None = None,
                  round_overhead_s: float = 0.0, backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
-                 backward: WaveBackward | None = None, overlap_q: bool = True) -> float:
+                 backward: WaveBackward | None = None, overlap_q: bool = True, kv_s: float | None = None) -> float:
     """A lower bound on :func:`simulate_head_parallel`'s ``total_s`` for every plan of ``degree``
     on these ranks (any KV-stage graph, stagger or sub-blocks), before any is compiled: the
     all-to-alls exact, the forward's stage the larger of its KV floor and its compute after Q is
     in, the backward's stage its compute (Note [Backward floors] in
-    :mod:`megatron_fcp.cost.floors`)."""
+    :mod:`megatron_fcp.cost.floors`). ``kv_s``: a floor on the forward stage's KV time known for
+    the plans bounded (one graph's: :func:`~megatron_fcp.cost.floors.graph_kv_floor`), taken where
+    it is above the placement's."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cm = compute_model or ComputeModel()
@@ -356,16 +410,16 @@ def degree_floor(topology: "Topology | str", cp_ranks: Sequence[int], shape: Att
 
     t = 0.0
     if pass_ in ("fwd", "fwd+bwd"):
-        work = compute_floor(placement, len(ranks), sshape, causal, cm, 1.0) + cm.kernel_overhead_s
+        work = compute_floor(placement, len(ranks), sshape, causal, cm, 1.0, launches=True)
+        kv = kv_floor(topo, ranks, placement, shape.seq_len, causal, sshape.kv_bytes(1)) if staged else 0.0
+        kv = max(kv, kv_s or 0.0)
         if degree > 1 and overlap_q and staged:
-            kv = kv_floor(topo, ranks, placement, shape.seq_len, causal, sshape.kv_bytes(1))
             t += a2a("kv") + max(kv, a2a("q") + work) + a2a("q")
         else:
-            kv = kv_floor(topo, ranks, placement, shape.seq_len, causal, sshape.kv_bytes(1)) if staged else 0.0
             t += a2a("qkv") + max(kv, work) + a2a("q")
     if pass_ in ("bwd", "fwd+bwd"):
         ratio = min(backward_flop_ratio, BACKWARD_FLOP_RATIO) if backward is not None else backward_flop_ratio
-        t += compute_floor(placement, len(ranks), sshape, causal, cm, ratio)
+        t += compute_floor(placement, len(ranks), sshape, causal, cm, ratio, launches=True)
         if degree > 1:
             t += a2a("q") + a2a("kv" if overlap_q else "qkv")
     return t * (1 - 1e-9)

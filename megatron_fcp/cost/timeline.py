@@ -51,7 +51,7 @@ from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology
 
-__all__ = ["wave_timeline", "chain_timeline"]
+__all__ = ["wave_timeline", "chain_timeline", "chain_step_compute"]
 
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
@@ -303,13 +303,7 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
     busiest rank's last job)."""
     total = resend_s = jobs_end = 0.0
     comps, comms = [], []
-    for st in steps:
-        busy: dict[int, float] = {}
-        owners: set = set()
-        for b, x in st.computes:
-            busy[x] = busy.get(x, 0.0) + job_s(x, b) + (launch_s if (x, b.owner) not in owners else 0.0)
-            owners.add((x, b.owner))
-        c = max(busy.values(), default=0.0)
+    for st, c in zip(steps, chain_step_compute(steps, job_s, launch_s)):
         msgs = [(t.src, t.dst, grad_bytes(t.block)) for t in st.grad + st.home]
         kvm = [(t.src, t.dst, kv_bytes(t.block)) for t in st.kv] if resend else []
         m = simulate_rounds(topo, [msgs + kvm], round_overhead_s).comm_s if msgs or kvm else 0.0
@@ -321,3 +315,18 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
             jobs_end = total + c
         total += max(c, m)
     return {"total_s": total, "compute_s": comps, "comm_s": comms, "resend_s": resend_s, "jobs_end_s": jobs_end}
+
+
+def chain_step_compute(steps: Sequence[ChainStep], job_s: Callable[[int, Block], float],
+                       launch_s: float = 0.0) -> list[float]:
+    """Per step of ``steps``, the busiest rank's jobs: ``job_s`` each plus one launch per owner
+    (:func:`chain_timeline`'s compute; their sum is a floor on its total)."""
+    out = []
+    for st in steps:
+        busy: dict[int, float] = {}
+        owners: set = set()
+        for b, x in st.computes:
+            busy[x] = busy.get(x, 0.0) + job_s(x, b) + (launch_s if (x, b.owner) not in owners else 0.0)
+            owners.add((x, b.owner))
+        out.append(max(busy.values(), default=0.0))
+    return out

@@ -32,19 +32,35 @@ Note [Pruning the search]
 -------------------------
 :func:`choose_schedule` (the runtime's choice, made on every rank at every job start) finds the
 same best candidate and runner-up as the full search without pricing every candidate's backward,
-the expensive part (waves are packed, chains stepped). Each candidate has a *floor*, a lower bound
-on its predicted total (Note [Backward floors] in :mod:`megatron_fcp.cost.floors`): a degree's
-floor before any of its plans is compiled (all-to-alls exact, the stage's KV floor and compute),
-then each compiled candidate's (its forward priced exactly, its backward's compute and dK/dV
-reduction floors). Degrees and candidates are taken in increasing floor; a candidate is priced in
-full unless its floor exceeds ``(1 + 0.1%)`` times the second-best total priced so far, above which
-:func:`~megatron_fcp.cost.model.pick_best` can make it neither the choice nor the runner-up
-(its tie is 0.1%; totals only fall as the search goes on, so a candidate left out stays out).
-One more condition keeps the answer exact: staggers and sub-blocks are built on their degree's
-best graph, so a graph within the tie of its degree's best is priced while any follow-up on any
-of the degree's graphs is not ruled out by its own floor. ``plan.auto`` then lists the candidates
-priced, in the full search's order. :func:`head_parallel_candidates` (the benchmarks') prices every
-candidate unless asked to prune.
+the expensive part (waves are packed, chains stepped), and without compiling most of them. Each
+candidate has a *floor*, a lower bound on its predicted total (Note [Backward floors] in
+:mod:`megatron_fcp.cost.floors`), refined in steps, each only once the candidate's floor is the
+least left (a heap):
+
+1. its degree's (before any plan of the degree is compiled: all-to-alls exact, the stage's KV
+   floor, each rank's compute with one kernel launch per owner it reads);
+2. its graph's (``a = 1``: the degree's with the graph's own KV floor,
+   :func:`~megatron_fcp.cost.floors.graph_kv_floor`, which holds a ring or a leader tree to one
+   NIC per node; the graph is built, no plan compiled);
+3. compiled: its forward priced exactly, its backward's compute and (waves) dK/dV reduction floors;
+4. tight: a chain's backward program compiled and the sum of its steps' busiest compute
+   (:func:`~megatron_fcp.cost.backward.chain_compute_floor`; staggered rings compute unevenly per step);
+5. priced.
+
+A candidate is dropped at any step where its floor exceeds ``(1 + 0.1%)`` times the second-best
+total priced so far, above which :func:`~megatron_fcp.cost.model.pick_best` can make it neither
+the choice nor the runner-up (its tie is 0.1%; totals only fall as the search goes on, so a
+candidate left out stays out). One more condition keeps the answer exact: staggers and sub-blocks
+are built on their degree's best graph, so a candidate that may be that graph (its floor within
+the tie of its degree's best priced total) is kept while any follow-up on any graph that may be
+the base is not ruled out by its own floor (the graph's floor first, then compiled). When none of
+a degree's candidates is priced yet and the one at hand is a chain whose program is compiled, it
+is priced (cheap) rather than compiling every graph's follow-ups: its total bounds which graphs
+may still be the base. Pricing more than needed never changes the answer. The search prices with
+``one_pass=False`` (:class:`~megatron_fcp.cost.head_parallel.HeadParallelPricing`): the one-pass
+backward that is otherwise reported beside the executor's is not priced. ``plan.auto`` then lists
+the candidates priced, in the full search's order. :func:`head_parallel_candidates` (the
+benchmarks') prices every candidate unless asked to prune.
 """
 
 from __future__ import annotations
@@ -59,12 +75,12 @@ import numpy as np
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, head_parallel_degrees, stage_plan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress
+from megatron_fcp.cost.floors import graph_kv_floor, intra_ingress, member_nic_ingress
 from megatron_fcp.cost.head_parallel import HeadParallelPricing, a2a_messages, check_pass, stage_shape
 from megatron_fcp.cost.head_parallel import degree_floor as head_parallel_degree_floor
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, SimResult, pad_for_zigzag, pick_best
 from megatron_fcp.cost.te import lower_bound
-from megatron_fcp.planner.builders import AUTO_CANDIDATES
+from megatron_fcp.planner.builders import AUTO_CANDIDATES, get_builder
 from megatron_fcp.planner.head_parallel import compile_head_parallel
 from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
@@ -147,7 +163,7 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
 
     def pricing(a: int, g: str, **opts) -> HeadParallelPricing:
         hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window, **opts)
-        return HeadParallelPricing(hp, topo, padded, **kw)
+        return HeadParallelPricing(hp, topo, padded, one_pass=not prune, **kw)
 
     done: dict[int, tuple[SimResult, HeadParallelPlan]] = {}   # order in the full search -> candidate
     degree_floor: dict[int, float] = {}
@@ -182,6 +198,30 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
             later[(a, g, opt, v)] = pricing(a, g, **{opt: v})
         return later[(a, g, opt, v)]
 
+    def below(pr: HeadParallelPricing) -> bool:  # not ruled out: its floor, then its tighter floor
+        return pr.floor() <= second_best() and pr.tight_floor() <= second_best()
+
+    def can_be_base(a: int, g: str) -> bool:  # within pick_best's tie of the degree's best priced so far
+        k = order[(a, g)]
+        lo = done[k][0].total_s if k in done else priced[k].known_floor() if k in priced else floors.get(k, 0.0)
+        return lo <= best_of(a)
+
+    graph_floors: dict[tuple[int, str], float] = {}
+
+    def graph_floor(a: int, g: str) -> float:
+        """A floor on every plan of degree ``a`` with KV-stage graph ``g`` (any sub-blocks or
+        stagger), before any is compiled: the degree's, for ``a = 1`` with the graph's own KV floor
+        (:func:`~megatron_fcp.cost.floors.graph_kv_floor`: a graph entering each node at one
+        rank is held to its NIC)."""
+        if (a, g) not in graph_floors:
+            kv_s = None
+            if a == 1 and len(ranks) > 1:
+                kv_s = graph_kv_floor(get_builder(g).build(topo, ranks), topo, padded.seq_len, causal,
+                                      padded.kv_bytes(1))
+            graph_floors[(a, g)] = head_parallel_degree_floor(topo, ranks, padded, a, kv_s=kv_s, **dkw) \
+                if kv_s is not None else degree_floor[a]
+        return graph_floors[(a, g)]
+
     def base_matters(a: int) -> bool:
         """Whether the follow-ups of degree ``a`` need its exact best graph: some follow-up on
         some graph is not ruled out by its floor (once none is, that stays so)."""
@@ -189,7 +229,8 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
             return False
         if degree_floor[a] <= second_best():
             for x, g in order:
-                if x == a and any(follow_up(a, g, *f).floor() <= second_best() for f in follow_ups(a)):
+                if x == a and can_be_base(a, g) and graph_floor(a, g) <= second_best() and \
+                        any(below(follow_up(a, g, *f)) for f in follow_ups(a)):
                     return True
         settled.add(a)
         return False
@@ -211,17 +252,39 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
         heap.append((degree_floor[a], min(v for (x, _), v in order.items() if x == a), a, ""))
     heapq.heapify(heap)
     priced: dict[int, HeadParallelPricing] = {}
+    floors: dict[int, float] = {}     # a candidate not compiled yet: its graph's floor
+    step: dict[int, int] = {}         # how far its floor is refined: 0 its graph's, 1 compiled, 2 tight
     while heap:
         f, i, a, g = heapq.heappop(heap)
-        if not g:  # a degree: compile its graphs and price their forwards, unless none can win
+        if not g:  # a degree: its graphs' floors (a = 1: each graph's own), unless none can win
             if f > second_best():
                 continue
             for (x, name), k in order.items():
                 if x == a:
-                    priced[k] = pricing(a, name, parts_per_chunk=fixed_parts if a == 1 else 1)
-                    heapq.heappush(heap, (priced[k].floor() if prune else 0.0, k, a, name))
+                    floors[k] = max(f, graph_floor(a, name)) if prune else 0.0
+                    step[k] = 0
+                    heapq.heappush(heap, (floors[k], k, a, name))
             continue
-        if prune and f > second_best() and (f > best_of(a) or not base_matters(a)):
+        if prune and f > second_best():
+            # it cannot win, but it may be its degree's best graph, on which the follow-ups are built.
+            # A chain whose program is compiled is cheap to price, and bounds its degree's best
+            # graph: when none of its degree is priced it is, rather than compiling the follow-ups of
+            # every graph to see whether the base matters
+            cheap = step[i] == 2 and priced[i].chain() and math.isinf(best_of(a))
+            if f > best_of(a) or not (cheap or base_matters(a)):
+                continue
+            if cheap:
+                keep(i, priced.pop(i), g, fixed_parts if a == 1 else 1, 1)
+                continue
+        if step[i] == 0:    # compile it and price its forward
+            priced[i] = pricing(a, g, parts_per_chunk=fixed_parts if a == 1 else 1)
+            step[i] = 1
+            if prune:
+                heapq.heappush(heap, (priced[i].floor(), i, a, g))
+                continue
+        if prune and step[i] == 1:   # its tighter floor, in its place in the order
+            step[i] = 2
+            heapq.heappush(heap, (priced[i].tight_floor(), i, a, g))
             continue
         keep(i, priced.pop(i), g, fixed_parts if a == 1 else 1, 1)
     # then each degree's follow-ups on its best graph: a > 1 staggered, a = 1 cut into sub-blocks
@@ -236,7 +299,7 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
             if opt == "stagger" and v > 2 * a:
                 continue
             pr = follow_up(a, best_res.meta["builder"], opt, v)
-            if not prune or pr.floor() <= second_best():
+            if not prune or below(pr):
                 keep(slot + (j if a > 1 else (2, 4, 8).index(v)), pr, best_res.meta["builder"],
                      v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1)
     return [done[k] for k in sorted(done)]

@@ -52,6 +52,8 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Hashable, Mapping
 
+import numpy as np
+
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
@@ -100,10 +102,38 @@ def block_work(plan: Plan) -> Callable[[int, Block], float]:
     if plan.placement is not None:
         pl = plan.placement
         return lambda rank, b: float(pl.pairs(pos[rank], pos[b.owner], b.chunk))
-    P = plan.parts_per_chunk
-    seq = 2 * plan.cp * P * 64
-    return lambda rank, b: float(block_pairs(plan.cp, seq, P, pos[rank], pos[b.owner], b.chunk, b.part,
-                                              plan.mask))
+    # relative work: 64 tokens per sub-block; a windowed plan's own length (its window is in tokens)
+    pairs = zigzag_pairs(plan, plan.seq_len if plan.mask.windowed else 2 * plan.cp * plan.parts_per_chunk * 64)
+    return lambda rank, b: float(pairs(rank, b))
+
+
+def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
+    """``pairs(rank, block)``: :func:`~megatron_fcp.contract.needs.block_pairs` of a zigzag plan's
+    rank against one of its blocks for a ``seq_len``-token sequence under the plan's mask, read from
+    one vectorised ``[cp, blocks]`` table (the same integers as the call per pair), built once per
+    plan object and length."""
+    key = (id(plan), seq_len)
+    hit = _PAIRS.get(key)
+    if hit is not None and hit[0]() is plan:
+        return hit[1]
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    blocks = plan.blocks()
+    col = {b: k for k, b in enumerate(blocks)}
+    o, c, p = (np.array([f(b) for b in blocks], dtype=np.int64)[None, :]
+               for f in (lambda b: pos[b.owner], lambda b: b.chunk, lambda b: b.part))
+    rows = block_pairs(plan.cp, seq_len, plan.parts_per_chunk, np.arange(plan.cp)[:, None], o, c, p,
+                       plan.mask).tolist()                                 # [cp][blocks]
+
+    def pairs(rank: int, b: Block) -> int:
+        return rows[pos[rank]][col[b]]
+
+    if len(_PAIRS) > 256:
+        _PAIRS.clear()
+    _PAIRS[key] = (weakref.ref(plan), pairs)
+    return pairs
+
+
+_PAIRS: dict[tuple, tuple[weakref.ref, Callable[[int, Block], int]]] = {}
 
 
 def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
@@ -174,82 +204,108 @@ def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> f
 def _pack(plan: Plan, block_bytes: Callable[[Block], int], budget: int, work: Callable[[int, Block], float],
           scale: float) -> tuple[Wave, ...]:
     """Greedy packing (module docstring) with a rank's work per wave capped at ``scale`` times the
-    largest single delivery's (a rank's first delivery of a wave always fits)."""
-    parent: dict[tuple[Block, int], tuple[int, Transfer]] = {}    # (block, reader) -> how it arrives
-    readers: dict[Block, list[int]] = {}
-    for r, t in plan.transfers():
-        if (t.block, t.dst) not in parent:
-            parent[(t.block, t.dst)] = (r, t)
-            readers.setdefault(t.block, []).append(t.dst)
-    left = {x: set(plan.needs(x)) for x in plan.ranks}             # received deliveries still to do
+    largest single delivery's (a rank's first delivery of a wave always fits). Blocks are
+    numbered (``bid``) for the bookkeeping; the waves hold the plan's blocks and transfers."""
+    blocks: list[Block] = []
+    bid: dict[Block, int] = {}
+
+    def num(b: Block) -> int:
+        i = bid.get(b)
+        if i is None:
+            i = bid[b] = len(blocks)
+            blocks.append(b)
+        return i
+
+    transfers = [(r, t, num(t.block)) for r, t in plan.transfers()]
+    parent: dict[tuple[int, int], tuple[int, Transfer]] = {}      # (block, reader) -> how it arrives
+    readers: dict[int, list[int]] = {}
+    for r, t, i in transfers:
+        if (i, t.dst) not in parent:
+            parent[(i, t.dst)] = (r, t)
+            readers.setdefault(i, []).append(t.dst)
+    left = {x: {num(b) for b in plan.needs(x)} for x in plan.ranks}   # received deliveries still to do
     local = {x: list(plan.local_blocks(x)) for x in plan.ranks}
+    owner = [b.owner for b in blocks]
+    memo: dict[tuple[int, int], float] = {}
+
+    def wk(x: int, i: int) -> float:
+        w = memo.get((x, i))
+        if w is None:
+            w = memo[(x, i)] = work(x, blocks[i])
+        return w
+
     order = list(readers)
-    pending = {b: [x for x in readers[b] if b in left[x]] for b in order}     # readers still to serve
-    top = max([work(x, b) for x in plan.ranks for b in left[x]] + [work(x, b) for x in plan.ranks for b in local[x]]
+    pending = {i: [x for x in readers[i] if i in left[x]] for i in order}     # readers still to serve
+    top = max([wk(x, i) for x in plan.ranks for i in left[x]] + [work(x, b) for x in plan.ranks for b in local[x]]
               + [0.0])
     cap_of = dict.fromkeys(plan.ranks, top * scale)
-    size = {b: block_bytes(b) for b in plan.blocks()}
+    size = {num(b): block_bytes(b) for b in plan.blocks()}
     slot: dict[tuple[int, Transfer], int] = {}                     # (round, transfer) -> its place in the round
     for r, rnd in enumerate(plan.rounds):
-        for i, t in enumerate(rnd):
-            slot.setdefault((r, t), i)
-    lightest = {x: sorted(left[x], key=lambda b, x=x: work(x, b)) for x in plan.ranks}  # least work first
+        for k, t in enumerate(rnd):
+            slot.setdefault((r, t), k)
+    lightest = {x: sorted(left[x], key=lambda i, x=x: wk(x, i)) for x in plan.ranks}  # least work first
     first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
     waves = []
     while any(left.values()) or any(local.values()):
         load: dict[int, int] = {}
         comp: dict[int, float] = {}
-        carried: dict[tuple[Block, int], tuple[int, Transfer]] = {}
+        carried: dict[tuple[int, int], tuple[int, Transfer]] = {}
         computes: set = set()
 
         mins: dict[int, float] = {}
 
         def min_work(x: int) -> float:  # least work of a delivery x still has to do
             if x not in mins:
-                lst, i = lightest[x], first_left[x]
-                while i < len(lst) and lst[i] not in left[x]:
-                    i += 1
-                first_left[x] = i
-                mins[x] = work(x, lst[i]) if i < len(lst) else 0.0
+                lst, k = lightest[x], first_left[x]
+                while k < len(lst) and lst[k] not in left[x]:
+                    k += 1
+                first_left[x] = k
+                mins[x] = wk(x, lst[k]) if k < len(lst) else 0.0
             return mins[x]
 
-        def take(b: Block, x: int) -> None:
-            computes.add((b, x))
-            comp[x] = comp.get(x, 0.0) + work(x, b)
+        def take(i: int, x: int, w: float) -> None:
+            computes.add((i, x))
+            comp[x] = comp.get(x, 0.0) + w
 
         hungry = {x for x in plan.ranks if left[x]}                # ranks that may still take work
-        for b in order:
+        for i in order:
             if not hungry:
                 break
-            if not pending[b]:
+            if not pending[i]:
                 continue
-            for x in pending[b]:
-                if b not in left[x] or x not in hungry or (comp.get(x, 0.0) and comp[x] + work(x, b) > cap_of[x]):
+            o, n_i = owner[i], size[i]
+            for x in pending[i]:
+                if x not in hungry or i not in left[x]:
+                    continue
+                w = wk(x, i)
+                if comp.get(x, 0.0) and comp[x] + w > cap_of[x]:
                     continue
                 path, y = [], x
-                while y != b.owner and (b, y) not in carried:
+                while y != o and (i, y) not in carried:
                     path.append(y)
-                    y = parent[(b, y)][1].src
-                if computes and any(load.get(d, 0) + size[b] > budget for d in path):
+                    y = parent[(i, y)][1].src
+                if computes and any(load.get(d, 0) + n_i > budget for d in path):
                     continue
                 for d in path:
-                    load[d] = load.get(d, 0) + size[b]
-                    carried[(b, d)] = parent[(b, d)]
-                take(b, x)
-                left[x].discard(b)
+                    load[d] = load.get(d, 0) + n_i
+                    carried[(i, d)] = parent[(i, d)]
+                take(i, x, w)
+                left[x].discard(i)
                 for d in path[1:]:                               # relays that need it compute it too
-                    if b in left[d] and comp.get(d, 0.0) + work(d, b) <= cap_of[d]:
-                        take(b, d)
-                        left[d].discard(b)
+                    if i in left[d] and comp.get(d, 0.0) + wk(d, i) <= cap_of[d]:
+                        take(i, d, wk(d, i))
+                        left[d].discard(i)
                 for d in path:                                   # full: no delivery of theirs fits any more
                     if not left[d] or (comp.get(d, 0.0) and comp[d] + min_work(d) > cap_of[d]) or load[d] >= budget:
                         hungry.discard(d)
-            pending[b] = [x for x in pending[b] if b in left[x]]
+            pending[i] = [x for x in pending[i] if i in left[x]]
         for x in plan.ranks:                                     # own blocks fill spare work
             while local[x] and (not comp.get(x, 0.0) or comp[x] + work(x, local[x][0]) <= cap_of[x]):
-                take(local[x].pop(0), x)
-        transfers = tuple(sorted(carried.values(), key=lambda rt: (rt[0], slot[rt])))
-        waves.append(Wave(transfers, frozenset(computes)))
+                b = local[x].pop(0)
+                take(num(b), x, work(x, b))
+        moved = tuple(sorted(carried.values(), key=lambda rt: (rt[0], slot[rt])))
+        waves.append(Wave(moved, frozenset((blocks[i], x) for i, x in computes)))
     return tuple(waves)
 
 
