@@ -198,6 +198,11 @@ def resolve_mask(causal: bool, window, plan=None, placement: Placement | None = 
         theirs = getattr(obj, "mask", None)  # plans/placements built for a mask carry it
         covers = theirs is not None and not theirs.windowed and (not theirs.causal or mask.causal)
         if theirs is not None and theirs != mask and not covers:
+            if theirs.causal != mask.causal:
+                build = "place_packed" if what == "placement" else "build_plan"
+                raise ValueError(f"the {what} was built with causal={theirs.causal} but attention runs "
+                                 f"causal={mask.causal}; rebuild the {what} with {build}(..., causal={mask.causal}) "
+                                 f"(need sets differ), or pass causal={theirs.causal}")
             raise ValueError(f"the {what} was built for {theirs.describe()} but attention runs {mask.describe()}; "
                              f"rebuild the {what} with window={mask.window} (need sets differ), or pass "
                              f"window={theirs.window}")
