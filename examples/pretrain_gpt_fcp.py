@@ -136,11 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _window_arg(text: str) -> tuple[int, int]:
+    from megatron_fcp.contract.mask import parse_window  # noqa: PLC0415
+
     try:
-        left, right = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--window-size {text!r}: expected LEFT,RIGHT (e.g. 16,0)") from None
-    return (left, right)
+        return parse_window(text, "--window-size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, FCPConfig]:

@@ -21,7 +21,7 @@ import json
 import sys
 
 from megatron_fcp.commands.plan import DOC_LENGTHS_HELP, parse_doc_lengths
-from megatron_fcp.contract.mask import check_window
+from megatron_fcp.contract.mask import parse_window
 from megatron_fcp.cost.model import parse_tokens
 from megatron_fcp.emulate.spec import ClusterSpec, parse_rate
 from megatron_fcp.emulate.workloads import WORKLOAD_NAMES, WorkloadShape
@@ -72,15 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PATH.png", help="bar chart of measured, predicted and the lower bound")
 
 
-def parse_window(text: str | None) -> tuple[int, int] | None:
-    """``"512,0"`` -> ``(512, 0)``; None stays None. ValueError names the flag and the form."""
-    if text is None:
-        return None
-    try:
-        left, right = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--window: {text!r} is not L,R (two integers, -1 = unbounded; e.g. --window 512,0)") from None
-    return check_window((left, right))
 
 
 def config_from_args(args):

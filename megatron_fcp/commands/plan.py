@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block, PlanError, make_transfer
-from megatron_fcp.contract.mask import check_window
+from megatron_fcp.contract.mask import parse_window
 from megatron_fcp.contract.placement import lognormal_lengths, place_packed
 from megatron_fcp.cost.model import parse_tokens
 from megatron_fcp.planner.build import NOMINAL_SHAPE, build_plan
@@ -61,15 +61,6 @@ def add_window_argument(p: argparse.ArgumentParser) -> None:
                         "causal forces R=0 (e.g. 4096,0). Need sets, plans and work follow it")
 
 
-def parse_window(spec: "str | None") -> "tuple[int, int] | None":
-    """``"4096,0"`` -> ``(4096, 0)``; None stays None; a ValueError naming the fix otherwise."""
-    if spec is None:
-        return None
-    try:
-        left, right = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise ValueError(f"--window: expected L,R (two integers, -1 = unbounded), got {spec!r}") from None
-    return check_window((left, right))
 
 
 def add_packed_arguments(p: argparse.ArgumentParser) -> None:

@@ -31,11 +31,11 @@ from megatron_fcp.commands.plan import (
     add_topology_arguments,
     add_window_argument,
     parse_doc_lengths,
-    parse_window,
     resolve_ranks,
     resolve_topology,
 )
 from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.mask import parse_window
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, parse_tokens
 from megatron_fcp.planner.builders import build_graph
 from megatron_fcp.planner.compare import compare, compare_packed, compare_window

@@ -37,7 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Mask", "CAUSAL", "FULL", "as_mask", "check_window", "FULL_PAIRS", "PARTIAL_PAIRS", "NO_PAIRS"]
+__all__ = ["Mask", "CAUSAL", "FULL", "as_mask", "check_window", "parse_window", "FULL_PAIRS", "PARTIAL_PAIRS",
+           "NO_PAIRS"]
 
 FULL_PAIRS, PARTIAL_PAIRS, NO_PAIRS = "full", "partial", "masked"
 """Classes of a (query range, key range) pair: every pair visible, some, none."""
@@ -57,6 +58,19 @@ def check_window(window: Sequence[int] | None) -> tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"window={window!r}: each side must be >= 0, or -1 for unbounded")
     return (left, right)
+
+
+def parse_window(text: str | None, flag: str = "--window") -> tuple[int, int] | None:
+    """A command line's ``"L,R"`` (e.g. ``"4096,0"``) as ``(left, right)``, checked; None stays
+    None. ValueError naming ``flag`` and the form otherwise (every CLI and the example parse here)."""
+    if text is None:
+        return None
+    try:
+        left, right = (int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected L,R (two integers, -1 = unbounded; e.g. {flag} 4096,0), "
+                         f"got {text!r}") from None
+    return check_window((left, right))
 
 
 @dataclass(frozen=True)

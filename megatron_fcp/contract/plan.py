@@ -33,7 +33,7 @@ from megatron_fcp.contract.table_verify import verify_table
 from megatron_fcp.contract.verify import verify_plan
 from megatron_fcp.topology import Topology, TopologyError
 
-__all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "halo_plan", "SIMPLE_PLANS", "check_cp_ranks"]
+__all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "halo_plan", "SIMPLE_PLANS", "check_cp_ranks", "plan_mask"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,17 @@ class _Rounds:
 
     def __set__(self, plan, value) -> None:
         plan.__dict__["_rounds"] = value
+
+
+def plan_mask(causal: bool, window, placement: Placement | None = None) -> Mask:
+    """The mask a plan is built for: ``causal`` and ``window`` (None: the placement's window, or
+    none), checked; :class:`~megatron_fcp.contract.blocks.PlanError` naming the fix otherwise."""
+    if window is None and placement is not None:
+        window = placement.window
+    try:
+        return Mask(bool(causal), *check_window(window))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,6 @@ from megatron_fcp.attention.agreement import AgreementCache, LastAgreed, agree
 from megatron_fcp.attention.stats import FCPStats
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.contract.blocks import PlanError
-from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.head_parallel import (
     HeadParallelPlan,
     check_head_parallel,
@@ -65,6 +64,7 @@ from megatron_fcp.contract.head_parallel import (
     head_groups_for,
     relabel_plan,
 )
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape

@@ -23,8 +23,8 @@ inter-node bytes) time every candidate.
 from __future__ import annotations
 
 from megatron_fcp.contract.blocks import PlanError
-from megatron_fcp.contract.mask import Mask, check_window
-from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks
+from megatron_fcp.contract.mask import Mask
+from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks, plan_mask
 from megatron_fcp.cost.floors import graph_kv_floor
 from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan, zigzag_padded_len
 from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, get_builder
@@ -77,12 +77,7 @@ def build_plan(
     ranks = check_cp_ranks(topo, cp_ranks)
     if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
         raise PlanError(f"parts_per_chunk: must be an integer >= 1, got {parts_per_chunk!r}")
-    if window is None and placement is not None:
-        window = placement.window
-    try:
-        mask = Mask(bool(causal), *check_window(window))
-    except ValueError as e:
-        raise PlanError(str(e)) from None
+    mask = plan_mask(causal, window, placement)
     plan_seq = None
     if mask.windowed and placement is None:
         if seq_len is None:

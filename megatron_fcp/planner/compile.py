@@ -51,10 +51,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers
-from megatron_fcp.contract.mask import Mask, check_window
+from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
-from megatron_fcp.contract.plan import Plan
+from megatron_fcp.contract.plan import Plan, plan_mask
 from megatron_fcp.contract.table import table_rounds
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
@@ -103,12 +103,7 @@ def compile_plan(
     :mod:`megatron_fcp.contract.table`): the same rounds, materialised on first access of
     ``plan.rounds``. False builds objects as before (tests compare the two).
     """
-    if window is None and placement is not None:
-        window = placement.window
-    try:
-        mask = Mask(bool(causal), *check_window(window))
-    except ValueError as e:
-        raise PlanError(str(e)) from None
+    mask = plan_mask(causal, window, placement)
     if mask.windowed and placement is None:
         zigzag_need_matrix(len(cg.ranks), parts_per_chunk, mask, seq_len)  # checks seq_len first
     with gc_paused():
