@@ -75,7 +75,7 @@ GPT_OSS = WINDOW + ["--softmax-type", "learnable"]
 MLA = BASE + ["--multi-latent-attention", "--fcp-topology", TOPO_2X2]
 
 #: part -> seconds its trainings may take on 2 shared cores (the world's timeout is their sum)
-PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600, "window": 480, "mla": 480}
+PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600, "window": 600, "mla": 480}
 
 
 def _example():
@@ -183,7 +183,8 @@ def _sinks(example) -> dict:
 def _window(example) -> dict:
     """gpt-oss-like (GPT_OSS: interleaved window / full layers, learnable sinks): cp = 1 (Megatron's own
     windowed attention with its SoftmaxOne), cp = 4 with every transfer counted, tp = 2 at cp = 1 and
-    tp = 2 x cp = 2; packed batches with the window inside each document at cp = 1 and cp = 4."""
+    tp = 2 x cp = 2; packed batches with the window inside each document at cp = 1 and cp = 4, and at
+    tp = 2 with cp = 1 and cp = 2."""
     from megatron_fcp.attention.comm import CountingTransport, default_transport
 
     counters: list[CountingTransport] = []
@@ -218,6 +219,10 @@ def _window(example) -> dict:
     finally:
         agreement.agree = real
     out["packed_cp4"]["agreements"] = len(calls)
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    out["packed_tp2cp1"] = example.train(*example.parse_args(PACKED_COMMON + CP1 + WINDOW + tp2), log=_quiet)
+    out["packed_tp2cp2"] = example.train(*example.parse_args(PACKED_COMMON + WINDOW + tp2 + ["--context-parallel-size",
+                                                                                            "2"]), log=_quiet)
     return out
 
 

@@ -13,7 +13,7 @@ document with the window's mask.
   the windowed layer's receives are exactly its windowed plan's, fewer than a causal plan's.
 * tp = 2 x cp = 2: losses and grad norms within 1e-5 of Megatron's tp = 2 at cp = 1.
 * packed batches at cp = 4: the window inside each document, within 1e-5 of cp = 1; one agreement
-  per micro-batch covers both layers' plans.
+  per micro-batch covers both layers' plans; and at tp = 2 x cp = 2 within 1e-5 of tp = 2, cp = 1.
 """
 
 from __future__ import annotations
@@ -91,3 +91,11 @@ def test_packed_window_cp4_matches_cp1(runs):
     assert fcp["fcp"]["packed"] and fcp["fcp"]["cp"] == 4
     _close(fcp, ref)
     assert fcp["agreements"] == 4 * STEPS  # one per micro-batch for both layers' plans, not one per layer
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_packed_window_tp2_cp2_matches_tp2_cp1(runs):
+    ref, both = runs[0]["packed_tp2cp1"], runs[0]["packed_tp2cp2"]
+    assert both["fcp"]["packed"] and (both["fcp"]["tp"], both["fcp"]["cp"]) == (2, 2)
+    _close(both, ref, "tp=2,cp=1")
