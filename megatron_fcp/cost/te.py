@@ -430,6 +430,14 @@ def _exposed(topo: Topology, rounds: list, work_s: float, round_overhead_s: floa
     return res
 
 
+def _window_inputs(topology, cp_ranks, shape: AttentionShape, causal: bool, window, compute_model):
+    """What every TE schedule under a window starts from: the topology, the checked ranks, the
+    compute model, the shape padded as Megatron pads (``2*cp``) and the mask."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    return topo, ranks, compute_model or ComputeModel(), pad_for_zigzag(shape, len(ranks))[0], Mask.of(causal, window)
+
+
 def _window_work_s(cp: int, shape: AttentionShape, mask: Mask, cm: ComputeModel, ratio: float) -> tuple[float, float]:
     """``(the busiest zigzag rank's seconds, the whole sequence's seconds over cp)`` of windowed work."""
     per_rank = rank_pairs(None, cp, shape.seq_len, mask)
@@ -453,15 +461,11 @@ def simulate_te_a2a(
     """Transformer Engine ``a2a`` (Ulysses over the CP group) under ``causal`` and ``window``,
     forward or ``backward``; see Note [Transformer Engine under a sliding window]. Raises ValueError
     unless ``heads`` and ``kv_heads`` divide by the CP size (TE's requirement)."""
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
-    cm = compute_model or ComputeModel()
+    topo, ranks, cm, shape, mask = _window_inputs(topology, cp_ranks, shape, causal, window, compute_model)
     cp = len(ranks)
     if shape.heads % cp or shape.kv_heads % cp:
         raise ValueError(f"te-a2a: heads ({shape.heads}) and kv_heads ({shape.kv_heads}) must divide by the CP "
                          f"size {cp} (Transformer Engine's a2a splits heads over the CP group)")
-    shape, _ = pad_for_zigzag(shape, cp)
-    mask = Mask.of(causal, window)
     L2 = shape.seq_len / cp
     pairs = [(a, b) for a in ranks for b in ranks if a != b]
     qkv = [(a, b, (shape.q_bytes(L2) + shape.kv_bytes(L2)) / cp) for a, b in pairs]
@@ -487,12 +491,8 @@ def simulate_te_all_gather(
     """Transformer Engine ``all_gather`` under ``causal`` and ``window``, forward or ``backward``
     (KV all-gathered, not overlapped; backward: the all-gather again and a reduce-scatter of dK/dV);
     see Note [Transformer Engine under a sliding window]."""
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
-    cm = compute_model or ComputeModel()
+    topo, ranks, cm, shape, mask = _window_inputs(topology, cp_ranks, shape, causal, window, compute_model)
     cp = len(ranks)
-    shape, _ = pad_for_zigzag(shape, cp)
-    mask = Mask.of(causal, window)
     shard = shape.kv_bytes(shape.seq_len / cp)
     gather = [(a, b, shard) for a in ranks for b in ranks if a != b]
     work, _ = _window_work_s(cp, shape, mask, cm, backward_flop_ratio if backward else 1.0)
