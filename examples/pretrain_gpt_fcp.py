@@ -371,6 +371,23 @@ def _progress(total: int, enabled: bool):
 
 
 # ---- the run ---------------------------------------------------------------------------------------
+def _process_groups() -> set:
+    """The process groups this process holds now (torch's registry)."""
+    return set(dist.distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_since(before: set) -> None:
+    """Destroy the process groups created since ``before`` (Megatron's and FCP's of one training).
+
+    ``destroy_model_parallel`` only forgets megatron-core's groups; each gloo group keeps its
+    connection threads (two per peer) until destroyed, so trainings run one after another in a
+    process would pile them up. Destroying a group is local: no rank waits for another.
+    """
+    for group in sorted(_process_groups() - before, key=lambda g: dist.distributed_c10d._world.pg_names[g],
+                        reverse=True):
+        dist.destroy_process_group(group)
+
+
 def train(
     args: argparse.Namespace,
     fcp: FCPConfig,
@@ -404,6 +421,7 @@ def train(
     if not use_cuda:
         apply_cpu_shims()
 
+    groups_before = _process_groups()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=1,
         context_parallel_size=layout.cp, create_gloo_process_groups=False,
@@ -560,6 +578,7 @@ def train(
     finally:
         revert_fcp()
         ps.destroy_model_parallel()
+        _destroy_groups_since(groups_before)
 
 
 def run_worker(rank: int, world: int, argv: Sequence[str]) -> dict[str, Any]:

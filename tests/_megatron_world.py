@@ -110,10 +110,12 @@ def _dense(example, cp1: dict, metrics_path: str) -> dict:
     out["tp2cp1"] = example.train(*example.parse_args(DENSE + CP1 + ["--tensor-model-parallel-size", "2"]),
                                   log=_quiet)
     counters: list[CountingTransport] = []
+    group_ranks: list[tuple[int, ...]] = []  # read when the transport is made: train() destroys its groups
 
     def counting(group):
         transport = CountingTransport(default_transport(group))
         counters.append(transport)
+        group_ranks.append(tuple(dist.get_process_group_ranks(group)))
         return transport
 
     args, fcp = example.parse_args(DENSE + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
@@ -122,10 +124,11 @@ def _dense(example, cp1: dict, metrics_path: str) -> dict:
     out["tp2cp2"]["posted"] = _posted(counters)
     out["tp2cp2"]["calls"] = len(counters)
     counters.clear()  # cp = 4 with a head-parallel stage of degree 2: head groups {0,1}, {2,3} (the nodes)
+    group_ranks.clear()
     args, fcp = example.parse_args(DENSE + ["--fcp-head-parallel", "2"])
     out["cp4hp2"] = example.train(args, fcp, transport_factory=counting, log=_quiet)
     out["cp4hp2"]["posted"] = _posted(counters)
-    out["cp4hp2"]["stage_groups"] = sorted({tuple(dist.get_process_group_ranks(t.inner.group)) for t in counters})
+    out["cp4hp2"]["stage_groups"] = sorted(set(group_ranks))
     return out
 
 

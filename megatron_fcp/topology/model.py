@@ -388,6 +388,20 @@ class Topology:
         """NVLink domain of rank ``r`` (Note [NVLink domains]): its host when ``nvlink_domain == 1``."""
         return self.rank_map[r][0] // self.nvlink_domain
 
+    def domains_of(self, ranks):
+        """NVLink domain of each rank of the integer array ``ranks`` (vectorised :meth:`domain_of`).
+
+        A route leaves through a NIC exactly when its two ends' domains differ (:meth:`route`), so
+        ``domains_of(src) != domains_of(dst)`` counts NIC crossings without building routes.
+        """
+        import numpy as np
+
+        domains = self._cache.get("domain-array")
+        if domains is None:
+            domains = np.array([n // self.nvlink_domain for n, _ in self.rank_map], dtype=np.int64)
+            self._cache["domain-array"] = domains
+        return domains[np.asarray(ranks, dtype=np.int64)]
+
     @property
     def domains(self) -> int:
         return -(-self.nodes // self.nvlink_domain)
