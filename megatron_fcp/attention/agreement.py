@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from megatron_fcp.attention.groups import VirtualGroup
 
-__all__ = ["FCPAgreementError", "field_digests", "agree", "AgreementCache", "LastAgreed",
+__all__ = ["FCPAgreementError", "field_digests", "agree", "gather_json", "AgreementCache", "LastAgreed",
            "DEFAULT_AGREEMENT_TIMEOUT_S"]
 
 DEFAULT_AGREEMENT_TIMEOUT_S = 300.0
@@ -85,7 +85,19 @@ def _gather_digests(digests: dict[str, str], group: Any, timeout_s: float, what:
                                                dtype=torch.uint8)
     mine = mine.to(device)
     slots = [torch.empty_like(mine) for _ in ranks]
-    work = dist.all_gather(slots, mine, group=group, async_op=True)
+    _bounded(dist.all_gather(slots, mine, group=group, async_op=True), timeout_s,
+             f"{what}: agreement across the CP group {ranks}")
+    out = []
+    for slot in slots:
+        raw = bytes(slot.cpu().tolist())
+        n = int.from_bytes(raw[:8], "little")
+        out.append(dict(json.loads(raw[8:8 + n].decode())))
+    return out
+
+
+def _bounded(work: Any, timeout_s: float, what: str) -> None:
+    """Wait for a collective at most ``timeout_s``; raise :class:`FCPAgreementError` (``what`` did
+    not complete ...) if it does not complete."""
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
@@ -94,17 +106,32 @@ def _gather_digests(digests: dict[str, str], group: Any, timeout_s: float, what:
         err = None
     if ok is False:
         raise FCPAgreementError(
-            f"{what}: agreement across the CP group {ranks} did not complete within {timeout_s:g} s"
+            f"{what} did not complete within {timeout_s:g} s"
             + (f" ({err})" if err is not None else "") + ": a rank of the group is dead, stuck, failed "
             "its own checks before this point, or holds a plan its group agreed on before (see the other "
             "ranks' errors); the group is unusable after this"
         ) from err
-    out = []
-    for slot in slots:
-        raw = bytes(slot.cpu().tolist())
-        n = int.from_bytes(raw[:8], "little")
-        out.append(dict(json.loads(raw[8:8 + n].decode())))
-    return out
+
+
+def gather_json(obj: Any, group: Any = None, *, what: str, timeout_s: float = DEFAULT_AGREEMENT_TIMEOUT_S) -> list:
+    """Every rank's JSON-serialisable ``obj`` in rank order: two bounded ``all_gather`` (the payload
+    lengths, then the payloads padded to the longest), each waited for at most ``timeout_s``
+    (:class:`FCPAgreementError` otherwise). JSON keeps floats exact (shortest round-tripping repr)."""
+    world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    payload = json.dumps(obj).encode()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in ranks]
+    _bounded(dist.all_gather(sizes, size, group=group, async_op=True), timeout_s, f"{what}: exchange across the ranks {ranks}")
+    n = [int(x.item()) for x in sizes]
+    mine = torch.zeros(max(n), dtype=torch.uint8)
+    mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+    mine = mine.to(device)
+    slots = [torch.empty_like(mine) for _ in ranks]
+    _bounded(dist.all_gather(slots, mine, group=group, async_op=True), timeout_s, f"{what}: exchange across the ranks {ranks}")
+    return [json.loads(bytes(slot[:k].cpu().tolist()).decode()) for slot, k in zip(slots, n)]
 
 
 def agree(fields: Mapping[str, Any], group: Any = None, *, what: str = "FCP plan",

@@ -68,7 +68,7 @@ from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape
-from megatron_fcp.patches.schedule import schedule_report, settle_schedule
+from megatron_fcp.patches.schedule import schedule_report, search_share, settle_schedule
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.choose import ScheduleChoice
 from megatron_fcp.planner.head_parallel import compile_head_parallel
@@ -572,13 +572,16 @@ def setup_fcp(
         except ValueError as exc:
             raise ValueError(f"--fcp-head-parallel {degree} with {tp_heads} query / {tp_kv} KV heads per "
                              f"tensor-parallel rank: {exc}") from exc
+    share = search_share(layout, runtime.groups, config.timeout_s)
+    if share is not None:  # the shared search's inputs first: ranks that differ would post other gathers
+        agree(setup_inputs(runtime), None, what="FCP setup", timeout_s=config.timeout_s)
     runtime.schedule = settle_schedule(config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                                        head_dim=head_dim, dtype_bytes=dtype_bytes, micro_batch=micro_batch,
-                                       v_head_dim=v_head_dim)
+                                       v_head_dim=v_head_dim, share=share)
     for window in runtime.windows:  # each windowed mask its own schedule (Note [Per-layer plans])
         runtime.window_schedules[window] = settle_schedule(
             config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            dtype_bytes=dtype_bytes, micro_batch=micro_batch, v_head_dim=v_head_dim, window=window)
+            dtype_bytes=dtype_bytes, micro_batch=micro_batch, v_head_dim=v_head_dim, window=window, share=share)
     degree = runtime.hp_degree = runtime.schedule.degree if runtime.schedule is not None else degree
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     if layout.cp > 1:
@@ -598,12 +601,12 @@ def setup_fcp(
     return runtime
 
 
-def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int) -> dict[str, Any]:
-    """What the ranks of CP group ``cp_ranks`` must hold identically after :func:`setup_fcp`, in
-    the order a disagreement is reported (causes before the plan they lead to)."""
+def setup_inputs(runtime: FCPRuntime) -> dict[str, Any]:
+    """What :func:`setup_fcp` plans from, which every rank must hold identically: the causes of
+    :func:`setup_fingerprint`, agreed first over the job when the schedule search is shared
+    (a rank with other inputs would post other gathers)."""
     config = runtime.config.to_dict()
     config.pop("topology")  # a file path may differ per rank; the loaded topology is compared
-    plan = runtime.plans[(tuple(cp_ranks), True, parts)]
     return {
         "topology": runtime.topology,
         "layout": (runtime.layout.world, runtime.layout.tp, runtime.layout.pp, runtime.layout.cp),
@@ -613,6 +616,17 @@ def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int
         "shapes": tuple((k, v) for k, v in sorted(runtime.plan_args.items()) if k != "dtype_bytes"),
         "dtype_bytes": runtime.plan_args.get("dtype_bytes"),
         "config": tuple(sorted(config.items())),
+        "micro_batch": runtime.micro_batch,
+        "window_sizes": runtime.windows,
+    }
+
+
+def setup_fingerprint(runtime: FCPRuntime, cp_ranks: tuple[int, ...], parts: int) -> dict[str, Any]:
+    """What the ranks of CP group ``cp_ranks`` must hold identically after :func:`setup_fcp`, in
+    the order a disagreement is reported (causes before the plan they lead to)."""
+    plan = runtime.plans[(tuple(cp_ranks), True, parts)]
+    return {
+        **setup_inputs(runtime),
         "schedule": None if runtime.schedule is None else runtime.schedule.label,
         "plan": (plan.name, plan.ranks, plan.causal, plan.parts_per_chunk, plan.rounds),
         "windows": tuple((key[2:], p.name, p.rounds) for key, p in sorted(runtime.window_plans.items())

@@ -32,7 +32,10 @@ planner's head groups, one node's CP ranks in rail order, are the same for Megat
 and a logged warning says when not). Other sequence lengths keep the chosen degree, graph and
 stagger; their parts come from ``FCPRuntime.parts_per_chunk``'s rule. The choice is a pure
 function of the flags, the topology and the shapes, so every rank settles the same one (the
-setup agreement compares it). Without the shapes at setup (``heads``, ``head_dim`` or
+setup agreement compares it). In a job of several processes the search is shared (Note [Sharing
+the search] in :mod:`megatron_fcp.planner.choose`): :func:`search_share` splits it over the job's
+ranks (the default group, when it spans the layout's world), each pricing its part, one bounded
+gather per round, the same answer on every rank. Without the shapes at setup (``heads``, ``head_dim`` or
 ``seq_len`` unknown, packed batches) there is no choice: degree 1 for ``auto``, the configured
 graph and the parts rule.
 """
@@ -45,24 +48,46 @@ from typing import Any
 from megatron_fcp.config import FCPConfig
 from megatron_fcp.contract.head_parallel import head_groups_for
 from megatron_fcp.cost.model import AttentionShape
-from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule
+from megatron_fcp.planner.choose import ScheduleChoice, SearchShare, choose_schedule
 from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.schedule.program import WaveBackward
 
-__all__ = ["settle_schedule", "schedule_report"]
+__all__ = ["settle_schedule", "search_share", "schedule_report"]
 
 logger = logging.getLogger("megatron_fcp.runtime")
+
+def search_share(layout: MegatronLayout, groups: dict, timeout_s: float = 300.0) -> SearchShare | None:
+    """The schedule search's share of this process (Note [Sharing the search]): over the default
+    process group when it is initialised, spans the layout's world, has more than one rank and
+    this rank has a live CP group in ``groups`` (ranks that agree at setup; the caller agrees on
+    the search's inputs over the default group first); None otherwise (the search runs whole
+    here). Every rank decides alike: it reads only the groups.
+    Each gather waits at most ``timeout_s`` (``--fcp-timeout-s``): a rank that failed before the
+    search makes the others raise, as the setup agreement does."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from megatron_fcp.attention.agreement import gather_json  # noqa: PLC0415
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != layout.world \
+            or layout.world < 2:
+        return None
+    if not any(dist.get_rank() in ranks and group is not None for ranks, group in groups.items()):
+        return None
+    return SearchShare(dist.get_rank(), dist.get_world_size(),
+                       lambda obj: gather_json(obj, what="FCP schedule search", timeout_s=timeout_s))
+
 
 def settle_schedule(config: FCPConfig, layout: MegatronLayout, topology: Any, *, seq_len: int | None,
                     heads: int | None, kv_heads: int | None, head_dim: int | None, dtype_bytes: int,
                     micro_batch: int = 1, v_head_dim: int | None = None,
-                    window: tuple[int, int] | None = None) -> ScheduleChoice | None:
+                    window: tuple[int, int] | None = None, share: SearchShare | None = None) -> ScheduleChoice | None:
     """The schedule this run settles (Note [The runtime runs the planner's choice]), or None when
     there is nothing to choose (CP off, shapes unknown) or an explicit degree does not fit the
     topology. ``heads`` / ``kv_heads``: the model's (split here by tensor parallelism); ``v_head_dim``:
     V's head size when it differs from ``head_dim`` (MLA), which prices the KV bytes; ``window``: a
     windowed layer's schedule (degree 1, the window's need sets and work: Note [Per-layer plans] in
-    :mod:`megatron_fcp.patches.runtime`). Raises
+    :mod:`megatron_fcp.patches.runtime`); ``share``: this rank's part of a shared search
+    (:func:`search_share`; every rank of it must call this alike). Raises
     ValueError naming the flag when ``--fcp-block-tokens`` does not divide the zigzag chunk."""
     if layout.cp == 1 or seq_len is None or heads is None or head_dim is None:
         return None
@@ -79,7 +104,7 @@ def settle_schedule(config: FCPConfig, layout: MegatronLayout, topology: Any, *,
         choice = choose_schedule(topology, cp_ranks, shape, degree=degree, graph=config.graph, parts_per_chunk=parts,
                                  causal=True, grad_dtype_bytes=dtype_bytes,  # partials travel in the params dtype
                                  backward=WaveBackward(config.backward_kv, config.kv_memory_budget, micro_batch),
-                                 window=window)
+                                 window=window, share=share)
     except ValueError as exc:  # an explicit degree the topology cannot place inside nodes
         logger.info("FCP schedule (%s): no planner choice (%s); the flags as given, defaults for the rest", flags, exc)
         return None

@@ -61,6 +61,23 @@ may still be the base. Pricing more than needed never changes the answer. The se
 backward that is otherwise reported beside the executor's is not priced. ``plan.auto`` then lists
 the candidates priced, in the full search's order. :func:`head_parallel_candidates` (the
 benchmarks') prices every candidate unless asked to prune.
+
+Note [Sharing the search]
+-------------------------
+Every rank of a job makes the same choice (it is a pure function of flags, topology and shapes),
+so at scale every rank repeating the whole search is the same work done once per rank. With a
+:class:`SearchShare` (the Megatron runtime passes one over the job's ranks, Note [The runtime runs
+the planner's choice] in :mod:`megatron_fcp.patches.schedule`), :func:`choose_schedule` splits the
+*full* search instead: rank ``i`` of ``n`` prices the base candidates whose place in the order is
+``i`` mod ``n``, the ranks exchange their totals (one gather of a few hundred bytes per candidate;
+JSON writes a float as its shortest round-tripping ``repr``, so every rank holds the same bits), every rank takes each degree's best
+graph with :func:`~megatron_fcp.cost.model.pick_best` as the full search does, the follow-ups
+(staggers, sub-blocks) on those graphs are dealt on from where the base candidates stopped (to the
+ranks those left idle) and gathered, and every rank picks
+from the whole list and compiles the winner's plan. The answer is the full search's by construction
+(so the pruned search's: Note [Pruning the search]); what a rank computes is about
+``1 / n`` of it, bounded below by its costliest candidate in each of the two rounds. ``plan.auto``
+then lists every candidate.
 """
 
 from __future__ import annotations
@@ -68,7 +85,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -86,7 +103,7 @@ from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["lower_bound_all", "build_head_parallel_plan", "choose_head_parallel", "head_parallel_candidates", "ScheduleChoice",
-           "choose_schedule"]
+           "SearchShare", "choose_schedule"]
 
 
 def _label(hp: HeadParallelPlan, graph: str, parts: int, stagger: int = 1) -> str:
@@ -111,7 +128,8 @@ def head_parallel_candidates(
     backward: WaveBackward | None = None,
     prune: bool = False,
     window: tuple[int, int] | None = None,
-) -> list[tuple[SimResult, HeadParallelPlan]]:
+    share: "SearchShare | None" = None,
+) -> list[tuple[SimResult, HeadParallelPlan | None]]:
     """Every candidate of Note [Choosing the head-parallel degree] as ``(SimResult, plan)``, the
     sub-block candidates of the best ``a = 1`` plan last. ``meta`` of each: ``label``, ``builder``
     (the KV-stage graph's builder name), ``stagger``. ``grad_dtype_bytes``: the dK/dV partials'
@@ -121,7 +139,9 @@ def head_parallel_candidates(
     ``prune`` (``objective="total"`` only): leave out the candidates that a floor proves can be
     neither the best nor the runner-up (Note [Pruning the search]); the search's answer is the
     same, the list shorter. ``window`` (a sliding window, Megatron's ``(left, right)``): need sets,
-    work and floors follow it; only degree 1 is planned under a window."""
+    work and floors follow it; only degree 1 is planned under a window. ``share``: this process's
+    part of the full search split over several (Note [Sharing the search]); the candidates come
+    back without their plans (None), which the caller compiles for the one it picks."""
     check_pass(pass_)
     mask = Mask.of(causal, window)
     if objective not in ("comm", "total"):
@@ -146,8 +166,80 @@ def head_parallel_candidates(
         raise ValueError(f"parts_per_chunk: must be an integer >= 1 or auto, got {parts_per_chunk!r}")
     kw = dict(pass_=pass_, causal=mask if mask.windowed else causal, compute_model=compute_model,
               round_overhead_s=round_overhead_s, grad_dtype_bytes=grad_dtype_bytes, backward=backward)
+    if share is not None and share.size > 1:
+        return _shared_search(topo, ranks, padded, degrees, graphs, fixed_parts, parts_per_chunk == "auto",
+                              min_block_tokens, causal, objective, kw, mask.window, share)
     return _search(topo, ranks, padded, degrees, graphs, fixed_parts, parts_per_chunk == "auto", min_block_tokens,
                    causal, objective, kw, prune and objective == "total", mask.window)
+
+
+@dataclass(frozen=True)
+class SearchShare:
+    """One process's part of a search split over ``size`` processes (Note [Sharing the search]):
+    ``rank`` in ``0 .. size - 1`` and ``gather(obj) -> [every rank's obj, in rank order]``, a
+    collective every rank calls with the same sequence of calls (obj: JSON-serialisable)."""
+
+    rank: int
+    size: int
+    gather: Callable[[Any], list]
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.size, int) and self.size >= 1 and isinstance(self.rank, int) and 0 <= self.rank < self.size):
+            raise ValueError(f"SearchShare: rank must be in 0..size-1 and size >= 1, got rank {self.rank!r} "
+                             f"of size {self.size!r}")
+
+
+_SHARED_META = ("label", "builder", "stagger", "graph", "head_parallel", "parts_per_chunk", "fwd_total_s",
+                "bwd_total_s", "backward_kv", "backward_form")
+
+
+def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[int], graphs: list[str],
+                   fixed_parts: int, parts_auto: bool, min_block_tokens: int, causal: bool, objective: str, kw: dict,
+                   window: tuple[int, int], share: SearchShare) -> list[tuple[SimResult, None]]:
+    """The full search's candidates, priced ``1 / share.size`` per rank (Note [Sharing the
+    search]), in the full search's order, without plans."""
+    cp = len(ranks)
+    chunk = padded.seq_len // (2 * cp)
+    order = _base_order(ranks, degrees, graphs)
+    done: dict[int, tuple[SimResult, None]] = {}
+    kv_stage: dict[int, bool] = {}   # place -> the candidate has a KV stage (a > 1 follow-ups build on those)
+
+    dealt = [0]   # jobs dealt so far: the follow-ups go on to the ranks the base candidates left idle
+
+    def price(jobs: list[tuple[int, int, str, dict, int, int]]) -> None:
+        """Price this rank's share of ``jobs`` (place, degree, graph, options, parts, stagger), gather all."""
+        mine, first = [], dealt[0]
+        dealt[0] += len(jobs)
+        for i, (k, a, g, opts, parts, stagger) in enumerate(jobs):
+            if (first + i) % share.size != share.rank:
+                continue
+            hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window, **opts)
+            res = HeadParallelPricing(hp, topo, padded, one_pass=False, **kw).result()
+            res.meta.update(label=_label(hp, res.meta["graph"], parts, stagger), builder=g, stagger=stagger)
+            mine.append([k, res.total_s, res.comm_s, res.compute_s, res.bytes, res.rounds, hp.kv_plan is not None,
+                         {m: res.meta.get(m) for m in _SHARED_META}])
+        for part in share.gather(mine):
+            for k, total, comm, compute, nbytes, rounds, stage, meta in part:
+                done[k] = (SimResult("fcp", comm, compute, total, nbytes, rounds, meta=dict(meta)), None)
+                kv_stage[k] = stage
+
+    price([(k, a, g, {"parts_per_chunk": fixed_parts if a == 1 else 1}, fixed_parts if a == 1 else 1, 1)
+           for (a, g), k in order.items()])
+    follow = []
+    for a in sorted(degrees, key=lambda a: a == 1):
+        if not parts_auto or (a > 1 and (a == cp or cp // a == 1)):
+            continue
+        ups = [("stagger", st) for st in (2, 4, 8) if st <= 2 * a] if a > 1 else \
+            [("parts_per_chunk", p) for p in (2, 4, 8) if chunk // p >= min_block_tokens]
+        mine = [done[k] for k in sorted(done) if done[k][0].meta["head_parallel"] == a and (a == 1 or kv_stage[k])]
+        if not mine or not ups:
+            continue
+        base = pick_best(mine, objective)[0].meta["builder"]
+        follow += [(k, a, base, {opt: v}, v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1)
+                   for k, opt, v in _follow_up_slots(len(order), degrees, a, ups)]
+    if follow:
+        price(follow)
+    return [done[k] for k in sorted(done)]
 
 
 def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[int], graphs: list[str],
@@ -237,14 +329,8 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
 
     # Every degree's graphs, most promising first: a degree is compiled only once its floor is the
     # least left, a candidate's backward priced only once its floor (its forward priced) is.
-    order = {}
-    n = 0
-    for a in degrees:
-        for g in (graphs[:1] if whole(a) else graphs):
-            if cp == 1 and g != "ring":
-                continue
-            order[(a, g)] = n
-            n += 1
+    order = _base_order(ranks, degrees, graphs)
+    n = len(order)
     dkw = {k: kw[k] for k in ("pass_", "causal", "compute_model", "round_overhead_s", "backward")}
     heap: list[tuple[float, int, int, str]] = []               # (floor, order, degree, graph or "" = the degree)
     for a in dict.fromkeys(a for a, _ in order):
@@ -290,19 +376,37 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
     # then each degree's follow-ups on its best graph: a > 1 staggered, a = 1 cut into sub-blocks
     # (p need not divide the chunk: parts of floor/ceil size, Note [Sub-block sizes])
     for a in sorted(degrees, key=lambda a: a == 1):
-        slot = n + (3 * len(degrees) if a == 1 else 3 * degrees.index(a))
         mine = [done[k] for k in sorted(done) if done[k][1].degree == a and (a == 1 or done[k][1].kv_plan is not None)]
         if not mine or not follow_ups(a) or (prune and (a in settled or degree_floor[a] > second_best())):
             continue
         best_res, _ = pick_best(mine, objective)
-        for j, (opt, v) in enumerate(follow_ups(a) if a == 1 else [("stagger", st) for st in (2, 4, 8)]):
-            if opt == "stagger" and v > 2 * a:
-                continue
+        for k, opt, v in _follow_up_slots(n, degrees, a, follow_ups(a)):
             pr = follow_up(a, best_res.meta["builder"], opt, v)
             if not prune or below(pr):
-                keep(slot + (j if a > 1 else (2, 4, 8).index(v)), pr, best_res.meta["builder"],
-                     v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1)
+                keep(k, pr, best_res.meta["builder"], v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1)
     return [done[k] for k in sorted(done)]
+
+
+def _base_order(ranks: tuple, degrees: list[int], graphs: list[str]) -> dict[tuple[int, str], int]:
+    """(degree, graph) -> its place in the full search's order: every degree's graphs (one graph
+    where the degree is the whole group: no KV stage)."""
+    cp, order = len(ranks), {}
+    for a in degrees:
+        for g in (graphs[:1] if a == cp or cp // a == 1 else graphs):
+            if cp == 1 and g != "ring":
+                continue
+            order[(a, g)] = len(order)
+    return order
+
+
+def _follow_up_slots(n: int, degrees: list[int], a: int, follow_ups: list[tuple[str, int]]) -> list[tuple[int, str, int]]:
+    """``(place in the order, option, value)`` of degree ``a``'s follow-ups after the ``n`` base
+    candidates: each degree > 1 three slots (staggers 2, 4, 8) in degree order, then ``a = 1``'s
+    (sub-blocks 2, 4, 8)."""
+    slot = n + (3 * len(degrees) if a == 1 else 3 * degrees.index(a))
+    if a == 1:
+        return [(slot + (2, 4, 8).index(v), opt, v) for opt, v in follow_ups]
+    return [(slot + j, "stagger", st) for j, st in enumerate((2, 4, 8)) if ("stagger", st) in follow_ups]
 
 
 _TIE = 1e-3
@@ -411,6 +515,7 @@ def choose_schedule(
     backward: WaveBackward | None = None,
     compute_model: ComputeModel | None = None,
     window: tuple[int, int] | None = None,
+    share: SearchShare | None = None,
 ) -> ScheduleChoice:
     """The Megatron runtime's entry point: :func:`head_parallel_candidates` under the given
     constraints (``degree``, ``graph``, ``parts_per_chunk``: fixed values or ``"auto"``), timed
@@ -420,11 +525,21 @@ def choose_schedule(
     :func:`build_head_parallel_plan` with the same arguments. Pure: every rank gets the same answer.
     Raises ValueError when a fixed ``degree`` does not fit the topology and head counts.
     ``window``: a sliding-window layer's ``(left, right)``: its own plan (degree 1, need sets and work
-    of the window; Note [Windowed need sets])."""
+    of the window; Note [Windowed need sets]). ``share``: this process's part of the search split
+    over several that all call this with the same arguments (Note [Sharing the search]): the same
+    answer, every candidate priced by one of them."""
     cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
                                      parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
-                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward, prune=True, window=window)
+                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward, prune=True, window=window,
+                                     share=share)
     res, hp = pick_best(cands, "total")
+    if hp is None:  # a shared search: the winner's plan, compiled as its pricing compiled it
+        topo = load_topology(topology)
+        hp = compile_head_parallel(topo, check_cp_ranks(topo, cp_ranks), pad_for_zigzag(shape, len(cp_ranks))[0],
+                                   res.meta["head_parallel"], res.meta["builder"], causal=causal,
+                                   window=Mask.of(causal, window).window,
+                                   **({"parts_per_chunk": res.meta["parts_per_chunk"]} if res.meta["head_parallel"] == 1
+                                      else {"stagger": res.meta["stagger"]}))
     others = [c for c in cands if c[0] is not res]
     up = pick_best(others, "total")[0] if others else None
     return ScheduleChoice(

@@ -1,0 +1,81 @@
+"""The runtime's schedule search split over the job's ranks (Note [Sharing the search] in
+megatron_fcp/planner/choose.py) gives every rank the single-process search's answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_fcp.cost.model import AttentionShape
+from megatron_fcp.planner.choose import SearchShare, choose_schedule
+from megatron_fcp.planner.megatron_layout import MegatronLayout
+from megatron_fcp.schedule.program import WaveBackward
+from megatron_fcp.testing.shared_search import run_shared_search
+
+# (preset, CP ranks, shape, constraints): GQA and MHA, a compute-bound length, one node and two,
+# a fixed degree, a sliding window (degree 1 only)
+CELLS = [
+    ("dgx-h100:1", 8, AttentionShape(32768, 32, 8, 128, 2), {}),
+    pytest.param("pcie-box:2", 16, AttentionShape(32768, 32, 2, 128, 2), {}, marks=pytest.mark.slow),
+    ("dgx-a100:2", 12, AttentionShape(131072, 32, 32, 128, 2), {"degree": 4}),
+    ("dgx-h100:1", 8, AttentionShape(65536, 16, 4, 128, 2), {"window": (4096, 0)}),
+]
+
+
+def _facts(choice):
+    """Everything a choice says but its plan (compared as a whole where it is at hand)."""
+    return (choice.label, choice.total_s, choice.fwd_s, choice.bwd_s, choice.runner_up, choice.backward_kv,
+            choice.backward_form, choice.degree, choice.graph, choice.parts, choice.stagger, choice.seq_len)
+
+
+@pytest.mark.parametrize("preset,cp,shape,opts", CELLS)
+def test_a_shared_search_is_the_single_process_answer(preset, cp, shape, opts):
+    """Every rank of a search shared over 2 and 5 ranks: the same choice, runner-up, times and
+    plan as one process searching alone; each candidate is priced by exactly one rank."""
+    alone = choose_schedule(preset, range(cp), shape, backward=WaveBackward(), **opts)
+    for n in (2, 5):
+        run = run_shared_search(n, preset, range(cp), shape, backward=WaveBackward(), **opts)
+        choices, sent = run.choices, run.sent
+        assert all(_facts(c) == _facts(alone) and c.plan == alone.plan for c in choices)
+        priced = [k for k, _ in choices[0].plan.auto]
+        assert set(dict(alone.plan.auto)) <= set(priced)                      # the pruned search's are among them
+        assert all(dict(choices[0].plan.auto)[k] == t for k, t in alone.plan.auto)
+        rounds = len(sent[0])
+        per_round = [sum(s[i] for s in sent) for i in range(rounds)]
+        assert sum(per_round) == len(priced) and all(max(s) - min(s) <= 1 for s in zip(*sent))
+
+
+def test_search_share_refuses_a_rank_outside_its_size():
+    with pytest.raises(ValueError, match="rank must be in 0..size-1"):
+        SearchShare(3, 3, lambda obj: [obj])
+
+
+def _gloo_search(rank: int, world: int, preset: str, cp: int, seq: int) -> dict:
+    import torch.distributed as dist
+
+    from megatron_fcp.attention.agreement import gather_json
+    from megatron_fcp.patches.schedule import search_share
+
+    floats = gather_json([rank, 0.1 + rank / 3, {"x": [1e-300, 2.5e300]}], what="test")
+    share = search_share(MegatronLayout(world=world, tp=1, pp=1, cp=world), {tuple(range(world)): dist.group.WORLD})
+    assert search_share(MegatronLayout(world=world, tp=1, pp=1, cp=world), {}) is None  # no live group: alone
+    shape = AttentionShape(seq, 32, 8, 128, 2)
+    shared = choose_schedule(preset, range(cp), shape, backward=WaveBackward(), share=share)
+    dist.barrier()
+    return {"floats": floats, "share": (share.rank, share.size), "facts": _facts(shared)}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_the_runtime_shares_the_search_over_gloo():
+    """Three gloo processes: ``gather_json`` returns every rank's object with floats exact;
+    ``search_share`` spans the world; the shared choice is the one-process choice."""
+    from megatron_fcp.testing.launch import run_gloo
+
+    out = run_gloo(_gloo_search, 3, "dgx-h100:1", 8, 32768, timeout_s=240)
+    alone = choose_schedule("dgx-h100:1", range(8), AttentionShape(32768, 32, 8, 128, 2), backward=WaveBackward())
+    for r, o in enumerate(out):
+        assert o["share"] == (r, 3)
+        assert o["floats"] == [[k, 0.1 + k / 3, {"x": [1e-300, 2.5e300]}] for k in range(3)]
+        assert tuple(json.loads(json.dumps(o["facts"]))) == tuple(json.loads(json.dumps(_facts(alone))))
