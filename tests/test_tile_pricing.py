@@ -187,3 +187,52 @@ def test_packed_floors_under_tiles():
     bwd = simulate_plan_backward(plan, topo, shape, compute_model=TILED)
     assert compute_floor(pl, 4, shape, pl.mask, TILED, 1.0, launches=True) <= fwd.compute_s
     assert compute_floor(pl, 4, shape, pl.mask, TILED, 2.5, launches=True) <= bwd.compute_s
+
+
+# ---- the emulator's sleep kernel sleeps what the model prices -------------------------------------
+
+def test_the_sleep_kernel_sleeps_the_tile_priced_block():
+    """SleepKernel with a tiled model: rank r's two zigzag chunks on one block cost what
+    zigzag_block_work prices plus one launch, forward and backward; a packed call's documents are
+    priced per document run."""
+    import torch
+
+    from megatron_fcp.emulate.sleep_kernel import SleepKernel, VirtualStream, call_runs
+
+    seq, cp, h, h_kv, d = 4096, 4, 4, 2, 16
+    shape = AttentionShape(seq, h, h_kv, d, 2)
+    L = seq // (2 * cp)
+    for r, owner, chunk in ((0, 0, 0), (2, 1, 1), (3, 0, 1), (1, 3, 0)):
+        q_pos = torch.cat([torch.arange(r * L, (r + 1) * L), torch.arange((7 - r) * L, (8 - r) * L)])
+        g = owner if chunk == 0 else 2 * cp - 1 - owner
+        k_pos = torch.arange(g * L, (g + 1) * L)
+        q, k = torch.zeros(2 * L, 1, h, d), torch.zeros(L, 1, h_kv, d)
+        for backward, ratio in ((False, 1.0), (True, 2.5)):
+            kern = SleepKernel(1e12, stream=VirtualStream(), compute_model=TILED)
+            if backward:
+                kern.backward(q, q, k, k, q, None, q_pos, k_pos, True, 1.0)
+            else:
+                kern.forward(q, k, k, q_pos, k_pos, True, 1.0)
+            want = float(zigzag_block_work(TILED, shape, cp, 1, r, owner, chunk, 0, CAUSAL, ratio))
+            assert kern.modelled_s == pytest.approx(want + TILED.launch_s(ratio) if want else 0.0, rel=1e-12)
+    pos, doc = torch.tensor([0, 1, 2, 0, 1, 5, 6]), torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    assert call_runs(pos, doc) == [(0, 0, 3), (1, 0, 2), (1, 5, 2)]
+    with pytest.raises(ValueError, match="tiled"):
+        SleepKernel(1e12, compute_model=ComputeModel())
+
+
+def test_the_emulated_compute_model_is_the_calibration_stretched():
+    from megatron_fcp.emulate.bench import BenchConfig
+    from megatron_fcp.emulate.spec import ClusterSpec
+    from megatron_fcp.emulate.workloads import WorkloadShape
+
+    cluster = ClusterSpec(2, 2)
+    shape = WorkloadShape(8192, 8, 2, 32, True)
+    flops = BenchConfig(cluster, shape).compute_model()
+    tiled = BenchConfig(cluster, shape, kernel="h200-fa2").compute_model()
+    assert flops.kernel is None and tiled.launch_s() == tiled.launch_s(2.5) == 0.0
+    att = shape.attention()
+    s = cluster.time_scale
+    assert tiled.work_s(300, 0, 300, 0, att, CAUSAL) == pytest.approx(s * TILED.work_s(300, 0, 300, 0, att, CAUSAL))
+    with pytest.raises(ValueError, match="kernel-model"):
+        BenchConfig(cluster, shape, kernel="nope")

@@ -192,6 +192,16 @@ class KernelCalibration:
     head_dim: int = 128
     source: str = ""
 
+    def scaled(self, factor: float, launches: bool = True) -> "KernelCalibration":
+        """Every constant times ``factor`` (an emulated cluster's time scale; ``launches=False``
+        drops the launch cost, as the emulator drops the FLOP model's: a stretched launch would
+        dwarf the small emulated shapes' work)."""
+        def one(c: TileCosts) -> TileCosts:
+            return replace(c, tile_s=c.tile_s * factor, q_tile_s=c.q_tile_s * factor, k_tile_s=c.k_tile_s * factor,
+                           merge_s=c.merge_s * factor, launch_s=c.launch_s * factor if launches else 0.0)
+        return replace(self, name=f"{self.name}x{factor:g}" + ("" if launches else "-nolaunch"), fwd=one(self.fwd),
+                       bwd=one(self.bwd))
+
 
 KERNEL_CALIBRATIONS: dict[str, KernelCalibration] = {
     # benchmarks/results/tile_fit.json, "h200" (python benchmarks/fit_tiles.py; docs/planner.md §4b):
