@@ -236,3 +236,21 @@ def test_the_emulated_compute_model_is_the_calibration_stretched():
     assert tiled.work_s(300, 0, 300, 0, att, CAUSAL) == pytest.approx(s * TILED.work_s(300, 0, 300, 0, att, CAUSAL))
     with pytest.raises(ValueError, match="kernel-model"):
         BenchConfig(cluster, shape, kernel="nope")
+
+
+# ---- block size from the kernel model (issue 28 item 5) ---------------------------------------------
+
+def test_block_tokens_come_from_the_kernel_model():
+    from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
+    from megatron_fcp.cost.model import FLOP_MODEL_BLOCK_TOKENS, block_efficiency, kernel_block_tokens
+
+    assert kernel_block_tokens(ComputeModel(), SHAPE) == FLOP_MODEL_BLOCK_TOKENS == DEFAULT_BLOCK_TOKENS
+    n = kernel_block_tokens(TILED, SHAPE)
+    assert n % 128 == 0 and block_efficiency(TILED, n, SHAPE) >= 0.8 > block_efficiency(TILED, n - 128, SHAPE)
+    # efficiency rises with size; a stricter target asks for larger blocks; fewer heads amortise less
+    effs = [block_efficiency(TILED, t, SHAPE) for t in (256, 1024, 4096, 16384)]
+    assert effs == sorted(effs) and effs[-1] < 1
+    assert kernel_block_tokens(TILED, SHAPE, 0.9) > n
+    assert kernel_block_tokens(TILED, AttentionShape(1, 8, 8, 128)) >= n
+    with pytest.raises(ValueError, match="efficiency"):
+        kernel_block_tokens(TILED, SHAPE, 1.0)

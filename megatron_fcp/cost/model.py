@@ -59,7 +59,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import part_span
-from megatron_fcp.contract.mask import Mask, as_mask
+from megatron_fcp.contract.mask import FULL, Mask, as_mask
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
@@ -73,6 +73,7 @@ __all__ = [
     "KernelCalibration",
     "KERNEL_CALIBRATIONS",
     "zigzag_block_work",
+    "kernel_block_tokens",
     "SimResult",
     "kv_block_bytes",
     "parse_tokens",
@@ -350,6 +351,44 @@ def zigzag_block_work(cm: ComputeModel, shape: AttentionShape, cp: int, P: int, 
             vals.append(memo[key])
         out += np.asarray(vals, dtype=np.float64).reshape(q.shape)
     return out
+
+
+FLOP_MODEL_BLOCK_TOKENS = 4096
+"""The block size without a kernel model (:data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`)."""
+
+
+def block_efficiency(cm: ComputeModel, tokens: int, shape: AttentionShape) -> float:
+    """Of a ``tokens`` x ``tokens`` full-mask block call (a block read by a later query chunk, merged,
+    one launch), forward plus backward: the work at the kernel's tile-pair rate over its priced
+    time (launch included). 1.0 for the FLOP model."""
+    if cm.kernel is None:
+        return 1.0
+    ideal = actual = 0.0
+    for ratio in (1.0, BACKWARD_FLOP_RATIO):
+        c = cm.tile_costs(shape, ratio)
+        ideal += shape.heads * c.tile_s * tokens * tokens / (c.q_tile * c.k_tile)
+        actual += cm.work_s(tokens, 10 * tokens, tokens, 0, shape, FULL, ratio) + cm.launch_s(ratio)
+    return ideal / actual
+
+
+def kernel_block_tokens(cm: ComputeModel, shape: AttentionShape, efficiency: float = 0.8,
+                        limit: int = 1 << 16) -> int:
+    """Default block tokens for a kernel calibration and device (Note [Cost model], compute by
+    tiles): the fewest tokens, a multiple of the kernel's tiles, whose full block runs at
+    ``efficiency`` of the tile rate or better (:func:`block_efficiency`: launches and the per-query-
+    tile cost amortised), at most ``limit``; :data:`FLOP_MODEL_BLOCK_TOKENS` for the FLOP model,
+    which cannot see block shape. Smaller blocks balance and pipeline better, larger ones compute
+    faster: this is the smallest that costs the kernel at most ``1 - efficiency``."""
+    if not 0 < efficiency < 1:
+        raise ValueError(f"efficiency: a fraction in (0, 1), got {efficiency!r}")
+    if cm.kernel is None:
+        return FLOP_MODEL_BLOCK_TOKENS
+    c = cm.tile_costs(shape)
+    step = int(np.lcm(c.q_tile, c.k_tile))
+    n = step
+    while n < limit and block_efficiency(cm, n, shape) < efficiency:
+        n += step
+    return min(n, limit)
 
 
 @dataclass
