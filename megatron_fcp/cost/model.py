@@ -229,6 +229,17 @@ def _tiles(n: int, m: int, delta: int, mask: Mask, q_tile: int, k_tile: int) -> 
     return count_tiles(n, m, delta, 0, mask, q_tile, k_tile)
 
 
+@functools.lru_cache(maxsize=256)
+def _scaled_costs(k: KernelCalibration, dims: int, flop_ratio: float) -> TileCosts:
+    """:meth:`ComputeModel.tile_costs` for head sizes summing to ``dims`` (memoised: on every call's path)."""
+    base = k.fwd if flop_ratio == 1.0 else k.bwd
+    s = dims / (2.0 * k.head_dim)
+    if flop_ratio != 1.0:
+        s *= flop_ratio / BACKWARD_FLOP_RATIO
+    return replace(base, tile_s=base.tile_s * s, q_tile_s=base.q_tile_s * s, k_tile_s=base.k_tile_s * s,
+                   merge_s=base.merge_s * s)
+
+
 @dataclass(frozen=True)
 class ComputeModel:
     """Attention compute speed: ``flops`` FLOP/s and a fixed ``kernel_overhead_s`` per block; or,
@@ -272,15 +283,9 @@ class ComputeModel:
         """The calibration's constants for ``shape``'s head sizes and a pass of ``flop_ratio`` times
         the forward's FLOPs (1: the forward; else the backward's constants scaled by ``flop_ratio /
         BACKWARD_FLOP_RATIO``); None for the FLOP model."""
-        k = self.kernel
-        if k is None:
+        if self.kernel is None:
             return None
-        base = k.fwd if flop_ratio == 1.0 else k.bwd
-        s = (shape.head_dim + shape.d_v) / (2.0 * k.head_dim)
-        if flop_ratio != 1.0:
-            s *= flop_ratio / BACKWARD_FLOP_RATIO
-        return replace(base, tile_s=base.tile_s * s, q_tile_s=base.q_tile_s * s, k_tile_s=base.k_tile_s * s,
-                       merge_s=base.merge_s * s)
+        return _scaled_costs(self.kernel, shape.head_dim + shape.d_v, float(flop_ratio))
 
     def launch_s(self, flop_ratio: float = 1.0) -> float:
         """Seconds of one kernel launch in a pass of ``flop_ratio`` (``kernel_overhead_s``, or the
