@@ -246,11 +246,11 @@ def test_block_tokens_come_from_the_kernel_model():
 
     assert kernel_block_tokens(ComputeModel(), SHAPE) == FLOP_MODEL_BLOCK_TOKENS == DEFAULT_BLOCK_TOKENS
     n = kernel_block_tokens(TILED, SHAPE)
-    assert n % 128 == 0 and block_efficiency(TILED, n, SHAPE) >= 0.8 > block_efficiency(TILED, n - 128, SHAPE)
+    assert n == 4096 and block_efficiency(TILED, n, SHAPE) >= 0.8 > block_efficiency(TILED, n // 2, SHAPE)
     # efficiency rises with size; a stricter target asks for larger blocks; fewer heads amortise less
     effs = [block_efficiency(TILED, t, SHAPE) for t in (256, 1024, 4096, 16384)]
     assert effs == sorted(effs) and effs[-1] < 1
     assert kernel_block_tokens(TILED, SHAPE, 0.9) > n
-    assert kernel_block_tokens(TILED, AttentionShape(1, 8, 8, 128)) >= n
+    assert kernel_block_tokens(TILED, AttentionShape(1, 8, 8, 128)) == 2 * n   # fewer heads: launches dearer
     with pytest.raises(ValueError, match="efficiency"):
         kernel_block_tokens(TILED, SHAPE, 1.0)

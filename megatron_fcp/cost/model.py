@@ -379,20 +379,20 @@ def block_efficiency(cm: ComputeModel, tokens: int, shape: AttentionShape) -> fl
 def kernel_block_tokens(cm: ComputeModel, shape: AttentionShape, efficiency: float = 0.8,
                         limit: int = 1 << 16) -> int:
     """Default block tokens for a kernel calibration and device (Note [Cost model], compute by
-    tiles): the fewest tokens, a multiple of the kernel's tiles, whose full block runs at
-    ``efficiency`` of the tile rate or better (:func:`block_efficiency`: launches and the per-query-
-    tile cost amortised), at most ``limit``; :data:`FLOP_MODEL_BLOCK_TOKENS` for the FLOP model,
-    which cannot see block shape. Smaller blocks balance and pipeline better, larger ones compute
-    faster: this is the smallest that costs the kernel at most ``1 - efficiency``."""
+    tiles): the fewest tokens, the kernel's tile times a power of two (so blocks split evenly into
+    tiles and into halves for sub-blocks), whose full block runs at ``efficiency`` of the tile rate
+    or better (:func:`block_efficiency`: launches, the per-query-tile cost and the merge
+    amortised), at most ``limit``; :data:`FLOP_MODEL_BLOCK_TOKENS` for the FLOP model, which cannot
+    see block shape. Smaller blocks balance and pipeline better, larger ones compute faster: this
+    is the smallest that costs the kernel at most ``1 - efficiency``."""
     if not 0 < efficiency < 1:
         raise ValueError(f"efficiency: a fraction in (0, 1), got {efficiency!r}")
     if cm.kernel is None:
         return FLOP_MODEL_BLOCK_TOKENS
     c = cm.tile_costs(shape)
-    step = int(np.lcm(c.q_tile, c.k_tile))
-    n = step
+    n = int(np.lcm(c.q_tile, c.k_tile))
     while n < limit and block_efficiency(cm, n, shape) < efficiency:
-        n += step
+        n *= 2
     return min(n, limit)
 
 
