@@ -312,20 +312,44 @@ class ComputeModel:
         c = self.tile_costs(shape, flop_ratio)
         if c is None:
             return float(mask.pairs(q0, q0 + rows, k0, k0 + keys)) * self.pair_s(shape, flop_ratio)
-        if rows <= 0 or keys <= 0:
-            return 0.0
-        t = _tiles(int(rows), int(keys), int(q0) - int(k0), mask, c.q_tile, c.k_tile)
-        if t.q_tiles == 0:
-            return 0.0
-        return shape.heads * (c.tile_s * (t.full + c.partial_cost * t.partial) + c.q_tile_s * t.q_tiles
-                              + c.k_tile_s * t.k_tiles + (c.merge_s * rows if merged else 0.0))
+        return _call_work(c, shape.heads, int(rows), int(q0) - int(k0), int(keys), mask, merged)
 
     def spans_work_s(self, q_spans, k_span, shape: AttentionShape, mask: "bool | Mask",
                      flop_ratio: float = 1.0) -> float:
         """Work of one reader's query spans (objects with ``doc``, ``start``, ``end``: a packed
-        placement's) against one key span: a call per span of the key's document."""
-        return float(sum(self.work_s(q.end - q.start, q.start, k_span.end - k_span.start, k_span.start, shape, mask,
-                                     flop_ratio) for q in q_spans if q.doc == k_span.doc))
+        placement's) against one key span: a call per span of the key's document (memoised per
+        spans object, key span and pass)."""
+        c = self.tile_costs(shape, flop_ratio)
+        if c is None:
+            return float(sum(self.work_s(q.end - q.start, q.start, k_span.end - k_span.start, k_span.start, shape,
+                                         mask, flop_ratio) for q in q_spans if q.doc == k_span.doc))
+        mask = as_mask(mask)
+        key = (id(q_spans), k_span, c, shape.heads, mask)
+        hit = _SPANS.get(key)
+        if hit is not None and hit[0] is q_spans:
+            return hit[1]
+        m, k0 = k_span.end - k_span.start, k_span.start
+        w = float(sum(_call_work(c, shape.heads, q.end - q.start, q.start - k0, m, mask, True)
+                      for q in q_spans if q.doc == k_span.doc))
+        if len(_SPANS) > 1 << 18:
+            _SPANS.clear()
+        _SPANS[key] = (q_spans, w)
+        return w
+
+
+_SPANS: dict = {}
+"""(id of a spans tuple, key span, costs, heads, mask) -> (the tuple, seconds): :meth:`ComputeModel.spans_work_s`."""
+
+
+def _call_work(c: TileCosts, heads: int, rows: int, delta: int, keys: int, mask: Mask, merged: bool) -> float:
+    """One call's tile-priced work (launch not included): ``rows`` rows starting ``delta`` after its keys."""
+    if rows <= 0 or keys <= 0:
+        return 0.0
+    t = _tiles(rows, keys, delta, mask, c.q_tile, c.k_tile)
+    if t.q_tiles == 0:
+        return 0.0
+    return heads * (c.tile_s * (t.full + c.partial_cost * t.partial) + c.q_tile_s * t.q_tiles
+                    + c.k_tile_s * t.k_tiles + (c.merge_s * rows if merged else 0.0))
 
 
 def zigzag_block_work(cm: ComputeModel, shape: AttentionShape, cp: int, P: int, q_index, owner_index, chunk, part,
