@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(not comparable)")
     p.add_argument("--tflops", type=float, default=400.0,
                    help="GPU attention TFLOP/s the sleep stands for, before the time scale (default 400)")
+    p.add_argument("--kernel-model", metavar="CALIBRATION", default=None,
+                   help="price and sleep block kernels by tiles with this calibration (e.g. h200-fa2; "
+                        "Note [Tile-priced kernels]); default: FLOPs at --tflops")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is killed (default 1800)")
     p.add_argument("--json", metavar="PATH", help="write the results (runs, bounds, assumptions) as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="bar chart of measured, predicted and the lower bound")
@@ -87,7 +90,7 @@ def config_from_args(args):
     shape.attention()  # validates heads / kv_heads
     names = tuple(n.strip() for n in args.workloads.split(",") if n.strip())
     return BenchConfig(cluster, shape, names, args.repeats, args.component_repeats, 1, args.compute, args.tflops,
-                       args.timeout)
+                       args.timeout, getattr(args, "kernel_model", None))
 
 
 def run(args) -> int:

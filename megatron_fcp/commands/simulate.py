@@ -69,10 +69,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FCP's head-parallel degree: an integer (ranks per head group, inside a node) or auto "
                         "(default: chosen by predicted time; 1 = KV distribution only)")
     p.add_argument("--tflops", type=float, default=400.0, help="sustained attention TFLOP/s per GPU (default 400)")
+    p.add_argument("--kernel-model", metavar="CALIBRATION", default=None,
+                   help="price block kernels by the tiles they touch with this calibration (e.g. h200-fa2; Note "
+                        "[Tile-priced kernels]), FCP and TE alike; default: FLOPs at --tflops")
     p.add_argument("--round-overhead-us", type=float, default=0.0,
                    help="fixed launch/sync cost per round in microseconds, on top of route latency (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw FCP's graph and per-resource timeline (needs matplotlib)")
+
+
+def _compute_model(args) -> ComputeModel:
+    """The FLOP model at ``--tflops``, or the ``--kernel-model`` calibration (ValueError names it)."""
+    if args.kernel_model:
+        return ComputeModel.tiled(args.kernel_model, flops=args.tflops * 1e12)
+    return ComputeModel(flops=args.tflops * 1e12)
 
 
 def _shape(args):
@@ -263,7 +273,7 @@ def run(args) -> int:
         hp = args.head_parallel if args.head_parallel == "auto" else _int_arg(args.head_parallel, "--head-parallel")
         objective = args.objective or ("comm" if (args.pass_, hp) == ("fwd", 1) else "total")
         out = compare(topo, ranks, shape, graph=args.graph, parts_per_chunk=parts, causal=args.causal,
-                      compute_model=ComputeModel(flops=args.tflops * 1e12), min_block_tokens=args.min_block_tokens,
+                      compute_model=_compute_model(args), min_block_tokens=args.min_block_tokens,
                       objective=objective, round_overhead_s=args.round_overhead_us * 1e-6, pass_=args.pass_,
                       head_parallel=hp)
         if args.plot and out.get("head_parallel_plan") is not None and out["head_parallel_plan"].degree != 1:
@@ -301,7 +311,7 @@ def _run_packed(args, topo, ranks, shape, parts) -> int:
     if args.block_tokens < 1:
         raise ValueError(f"--block-tokens: must be >= 1, got {args.block_tokens}")
     out = compare_packed(topo, ranks, lengths, shape, graph=args.graph, block_tokens=args.block_tokens,
-                         causal=args.causal, compute_model=ComputeModel(flops=args.tflops * 1e12),
+                         causal=args.causal, compute_model=_compute_model(args),
                          objective=args.objective, round_overhead_s=args.round_overhead_us * 1e-6)
     if args.json:
         sched = {}
@@ -321,7 +331,7 @@ def _run_window(args, topo, ranks, shape, parts, window) -> int:
     if args.plot:
         raise ValueError("--plot: not available with --window yet")
     out = compare_window(topo, ranks, shape, window=window, causal=args.causal, graph=args.graph,
-                         parts_per_chunk=parts, compute_model=ComputeModel(flops=args.tflops * 1e12),
+                         parts_per_chunk=parts, compute_model=_compute_model(args),
                          min_block_tokens=args.min_block_tokens, objective=args.objective or "total",
                          round_overhead_s=args.round_overhead_us * 1e-6)
     if args.json:

@@ -61,6 +61,7 @@ from megatron_fcp.cost.model import (
     pad_for_zigzag,
     simulate_plan,
     simulate_rounds,
+    zigzag_block_work,
 )
 from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward
@@ -124,8 +125,12 @@ def simulate_plan_backward(
     res = simulate_rounds(topo, [[(t.src, t.dst, nbytes(t)) for t in rnd] for rnd in brounds], round_overhead_s,
                           name=name)
     flop_s = shape.pair_flops / cm.flops * backward_flop_ratio
+    launch_s = cm.launch_s(backward_flop_ratio)
 
     def rank_block_pairs(j: int, blk) -> float:
+        """The FLOP model's pairs, or (tiles) the job's seconds over ``flop_s``."""
+        if cm.kernel is not None:
+            return _tile_work(cm, plan, shape, j, blk, backward_flop_ratio) / flop_s
         if pl is not None:
             return pl.pairs(j, pos[blk.owner], blk.chunk)
         return int(block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.mask))
@@ -140,7 +145,10 @@ def simulate_plan_backward(
     if got:
         rr, jj = np.array([g[0] for g in got]), np.array([g[1] for g in got])
         oo = np.array([pos[g[2].owner] for g in got])
-        if pl is None:  # zigzag: every block's pairs in one vectorised call
+        if pl is None and cm.kernel is not None:  # zigzag, tiles: seconds over flop_s (Note [Cost model])
+            p = zigzag_block_work(cm, shape, cp, P_, jj, oo, np.array([g[2].chunk for g in got]),
+                                  np.array([g[2].part for g in got]), plan.mask, backward_flop_ratio) / flop_s
+        elif pl is None:  # zigzag: every block's pairs in one vectorised call
             p = block_pairs(cp, shape.seq_len, P_, jj, oo, np.array([g[2].chunk for g in got]),
                              np.array([g[2].part for g in got]), plan.mask).astype(np.float64)
         else:
@@ -149,11 +157,11 @@ def simulate_plan_backward(
         live = p > 0
         if live.any():  # one launch per (round, rank, owner) with work
             _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
-            np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), cm.kernel_overhead_s)
+            np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), launch_s)
     for j, rank in enumerate(plan.ranks):
         own = sum(rank_block_pairs(j, blk) for blk in plan.local_blocks(rank)
                   if computes is None or (blk, rank) in computes)
-        C[0, j] = own * flop_s + cm.kernel_overhead_s if own else 0.0
+        C[0, j] = own * flop_s + launch_s if own else 0.0
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
     if backward_kv == "resend":
@@ -250,21 +258,22 @@ def simulate_backward_waves(
     against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced."""
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
-    program, block_tokens, size, pairs, flop_s = _program(plan, shape, cm, backward_kv, kv_memory_budget,
-                                                          micro_batch, kv_dtype_bytes, budget)
+    program, block_tokens, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget,
+                                                 micro_batch, kv_dtype_bytes, budget)
+    launch_s = cm.launch_s(BACKWARD_FLOP_RATIO)
     backward_kv = program.mode
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
 
     def job_s(x: int, blk) -> float:
-        p = pairs(x, blk)
-        return p * flop_s + cm.kernel_overhead_s if p else 0.0
+        w = work(x, blk)
+        return w + launch_s if w else 0.0
 
     keepers, first = program.keepers, program.first_kept
     saved = {r: sum(size(b) for b in program.kept(r)) for r in plan.ranks}   # received KV saved from the forward
     steps = program.steps
     if steps is not None:  # Note [Streaming chain backward]
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
-                              lambda x, blk: pairs(x, blk) * flop_s, round_overhead_s, plan, cm.kernel_overhead_s,
+                              work, round_overhead_s, plan, launch_s,
                               saved)
         return {**out, "first_kept": first, "first_kept_ranks": len(keepers),
                 "held_between_passes_bytes_max": max(saved.values(), default=0)}
@@ -315,8 +324,8 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
              micro_batch: int, kv_dtype_bytes: int | None, budget: int | None):
     """What :func:`simulate_backward_waves` and :func:`chain_compute_floor` price from: the
     executor's program (its block bytes are ``micro_batch`` sequences', Note [Backward program]),
-    a block's tokens and one sequence's K|V bytes, a job's query-key pairs and the backward's
-    seconds per pair."""
+    a block's tokens and one sequence's K|V bytes, and a job's seconds of work (launch not
+    included: its query-key pairs at the backward's seconds per pair, or its tile-priced calls)."""
     policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
     pl, cp = plan.placement, plan.cp
     zshape = pad_for_zigzag(shape, cp)[0] if pl is None else shape
@@ -327,11 +336,29 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
     flop_s = shape.pair_flops / cm.flops * BACKWARD_FLOP_RATIO
     pos = {r: i for i, r in enumerate(plan.ranks)}
+    if cm.kernel is not None:
+        memo: dict = {}
+
+        def work(x: int, blk) -> float:
+            if (x, blk) not in memo:
+                memo[(x, blk)] = _tile_work(cm, plan, zshape, pos[x], blk, BACKWARD_FLOP_RATIO)
+            return memo[(x, blk)]
+        return program, block_tokens, size, work
     if pl is not None:
         pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
     else:
         pairs = zigzag_pairs(plan, zshape.seq_len)
-    return program, block_tokens, size, pairs, flop_s
+    return program, block_tokens, size, lambda x, blk: pairs(x, blk) * flop_s
+
+
+def _tile_work(cm: ComputeModel, plan: Plan, shape: AttentionShape, j: int, blk, flop_ratio: float) -> float:
+    """Tile-priced seconds (launch not included) of CP rank ``j``'s queries on ``blk`` (Note [Cost
+    model], compute by tiles): a packed placement's spans, or the zigzag chunks of ``shape``."""
+    pl, o = plan.placement, plan.ranks.index(blk.owner)
+    if pl is not None:
+        return cm.spans_work_s(pl.blocks[j], pl.blocks[o][blk.chunk], shape, pl.mask, flop_ratio)
+    return float(zigzag_block_work(cm, shape, plan.cp, plan.parts_per_chunk, j, o, blk.chunk, blk.part, plan.mask,
+                                   flop_ratio))
 
 
 def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: ComputeModel | None = None,
@@ -344,12 +371,11 @@ def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: Com
     messages where those take longer (Note [Backward floors]). It reads the program that pricing
     the backward reads (memoised on the plan), not the messages: a fraction of the price."""
     cm = compute_model or ComputeModel()
-    program, _, _, pairs, flop_s = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
-                                            kv_dtype_bytes, None)
+    program, _, _, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
+                                   kv_dtype_bytes, None)
     if program.steps is None:
         return None
-    return float(sum(chain_step_compute(program.steps, lambda x, blk: pairs(x, blk) * flop_s,
-                                        cm.kernel_overhead_s)))
+    return float(sum(chain_step_compute(program.steps, work, cm.launch_s(BACKWARD_FLOP_RATIO))))
 
 
 def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,

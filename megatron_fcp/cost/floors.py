@@ -124,9 +124,9 @@ def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape,
     [Backward floors]), from :func:`rank_pairs`; ``launches``: each rank's plus one kernel launch
     per owner whose blocks its queries attend to (:func:`rank_owners`)."""
     pairs = rank_pairs(placement, cp, shape.seq_len, causal).astype(np.float64)
-    t = pairs * (shape.pair_flops / compute_model.flops * flop_ratio)
+    t = pairs * compute_model.pair_s(shape, flop_ratio)        # tiles: a per-pair lower bound (Note [Cost model])
     if launches:
-        t = t + rank_owners(placement, cp, causal, shape.seq_len) * compute_model.kernel_overhead_s
+        t = t + rank_owners(placement, cp, causal, shape.seq_len) * compute_model.launch_s(flop_ratio)
     return float(t.max(initial=0))
 
 

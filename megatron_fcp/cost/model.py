@@ -23,6 +23,18 @@ counts (query, key) token pairs the plan's mask (causal, full or a sliding windo
 allows between the rank's zigzag query chunks and the block (exact integer count,
 :meth:`~megatron_fcp.contract.mask.Mask.pairs`), plus ``kernel_overhead_s`` per block.
 
+*Compute by tiles* (opt-in, :meth:`ComputeModel.tiled`; Note [Tile-priced kernels] in
+:mod:`megatron_fcp.cost.tiles`): a block's seconds are those of the kernel calls that compute it
+-- one call per increasing run of its reader's query rows (a zigzag rank's two chunks are two
+runs, a packed rank's spans of the block's document one each) against the block's keys -- priced
+from the (query tile, key tile) pairs they touch, and the launch cost is the calibration's
+``launch_s``. Every path that prices block compute (this forward, the backward timelines of
+:mod:`megatron_fcp.cost.backward`, the floors of :mod:`megatron_fcp.cost.floors`, TE's schedules in
+:mod:`megatron_fcp.cost.te`, the emulator's sleep kernel) goes through :meth:`ComputeModel.work_s` /
+:func:`zigzag_block_work` / :meth:`ComputeModel.launch_s`, so they agree; the floors use
+:meth:`ComputeModel.pair_s`, which under tiles is a per-pair *lower bound* (a tile pair costs at
+least ``min(1, partial_cost) * tile_s`` for at most ``q_tile * k_tile`` pairs).
+
 *Overlap*: a rank computes its own blocks from t=0 (one kernel), then each received block in plan
 order, starting no earlier than its arrival: ``end = max(end, arrival) + compute(block)``. A
 message of round k arrives at ``start(k) + latency + max over its route of busy(R, k)`` (so a
@@ -40,21 +52,28 @@ pads (:func:`zigzag_padded_len`); results say so (``meta["padded_seq_len"]``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from megatron_fcp.contract.blocks import part_span
+from megatron_fcp.contract.mask import FULL, Mask, as_mask
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
+from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
     "BACKWARD_FLOP_RATIO",
     "AttentionShape",
     "ComputeModel",
+    "KernelCalibration",
+    "KERNEL_CALIBRATIONS",
+    "zigzag_block_work",
+    "kernel_block_tokens",
     "SimResult",
     "kv_block_bytes",
     "parse_tokens",
@@ -162,11 +181,74 @@ def pad_for_zigzag(shape: "AttentionShape", cp: int) -> "tuple[AttentionShape, b
 
 
 @dataclass(frozen=True)
+class KernelCalibration:
+    """Tile constants of one (device, kernel, dtype, head size) for both passes (Note [Tile-priced
+    kernels] in :mod:`megatron_fcp.cost.tiles`). ``head_dim``: the mean of the fitted runs' Q/K and V
+    head sizes; a shape with other head sizes scales the per-tile costs by ``(head_dim + d_v) /
+    (2 * head_dim)`` (a tile pair's matmuls are linear in the head size)."""
+
+    name: str
+    fwd: TileCosts
+    bwd: TileCosts
+    head_dim: int = 128
+    source: str = ""
+
+    def scaled(self, factor: float, launches: bool = True) -> "KernelCalibration":
+        """Every constant times ``factor`` (an emulated cluster's time scale; ``launches=False``
+        drops the launch cost, as the emulator drops the FLOP model's: a stretched launch would
+        dwarf the small emulated shapes' work)."""
+        def one(c: TileCosts) -> TileCosts:
+            return replace(c, tile_s=c.tile_s * factor, q_tile_s=c.q_tile_s * factor, k_tile_s=c.k_tile_s * factor,
+                           merge_s=c.merge_s * factor, launch_s=c.launch_s * factor if launches else 0.0)
+        return replace(self, name=f"{self.name}x{factor:g}" + ("" if launches else "-nolaunch"), fwd=one(self.fwd),
+                       bwd=one(self.bwd))
+
+
+KERNEL_CALIBRATIONS: dict[str, KernelCalibration] = {
+    # benchmarks/results/tile_fit.json, "h200" (python benchmarks/fit_tiles.py; docs/planner.md §4b):
+    # PyTorch's flash SDPA (flash-attn 2) on an H200, BF16, d 128, GQA 32:8; per-query-tile cost
+    # tied to the tile pair's by the FlashAttention-2 H100 curve (the H200 runs are all >= 32K tokens)
+    "h200-fa2": KernelCalibration(
+        name="h200-fa2",
+        fwd=TileCosts(tile_s=2.5074536268537667e-08, q_tile_s=2.0306179616456935e-08, k_tile_s=0.0,
+                      merge_s=1.4285298198183158e-09, launch_s=8.7538096230451e-07, partial_cost=0.5,
+                      label="H200 cuda-flash bf16 d128 fwd"),
+        bwd=TileCosts(tile_s=6.545232476352814e-08, q_tile_s=5.300543342971209e-08, k_tile_s=0.0,
+                      merge_s=2.199384098570071e-09, launch_s=6.007364804682367e-05, partial_cost=0.5,
+                      label="H200 cuda-flash bf16 d128 bwd"),
+        head_dim=128,
+        source="benchmarks/results/tile_fit.json (h200)"),
+}
+"""Named kernel calibrations for :meth:`ComputeModel.tiled`."""
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _tiles(n: int, m: int, delta: int, mask: Mask, q_tile: int, k_tile: int) -> TileCounts:
+    """:func:`~megatron_fcp.cost.tiles.count_tiles` of ``n`` rows at ``delta`` against ``m`` keys at 0
+    (a call's count depends only on where its rows start relative to its keys)."""
+    return count_tiles(n, m, delta, 0, mask, q_tile, k_tile)
+
+
+@functools.lru_cache(maxsize=256)
+def _scaled_costs(k: KernelCalibration, dims: int, flop_ratio: float) -> TileCosts:
+    """:meth:`ComputeModel.tile_costs` for head sizes summing to ``dims`` (memoised: on every call's path)."""
+    base = k.fwd if flop_ratio == 1.0 else k.bwd
+    s = dims / (2.0 * k.head_dim)
+    if flop_ratio != 1.0:
+        s *= flop_ratio / BACKWARD_FLOP_RATIO
+    return replace(base, tile_s=base.tile_s * s, q_tile_s=base.q_tile_s * s, k_tile_s=base.k_tile_s * s,
+                   merge_s=base.merge_s * s)
+
+
+@dataclass(frozen=True)
 class ComputeModel:
-    """Attention compute speed: ``flops`` FLOP/s and a fixed ``kernel_overhead_s`` per block."""
+    """Attention compute speed: ``flops`` FLOP/s and a fixed ``kernel_overhead_s`` per block; or,
+    with ``kernel`` set (:meth:`tiled`), kernel calls priced by the tiles they touch (Note [Cost
+    model], *Compute by tiles*; ``flops`` and ``kernel_overhead_s`` are then not used for blocks)."""
 
     flops: float = DEFAULT_FLOPS
     kernel_overhead_s: float = 5e-6
+    kernel: KernelCalibration | None = None
 
     def __post_init__(self) -> None:
         if not self.flops > 0:
@@ -174,9 +256,168 @@ class ComputeModel:
         if not self.kernel_overhead_s >= 0:
             raise ValueError(f"kernel_overhead_s: must be >= 0, got {self.kernel_overhead_s!r}")
 
+    @classmethod
+    def tiled(cls, calibration: "str | KernelCalibration" = "h200-fa2", **kw) -> "ComputeModel":
+        """A compute model pricing kernel calls by tiles with a named calibration
+        (:data:`KERNEL_CALIBRATIONS`) or a given one."""
+        if isinstance(calibration, str):
+            if calibration not in KERNEL_CALIBRATIONS:
+                raise ValueError(f"calibration: unknown {calibration!r}; known: {sorted(KERNEL_CALIBRATIONS)}")
+            calibration = KERNEL_CALIBRATIONS[calibration]
+        return cls(kernel=calibration, **kw)
+
+    @property
+    def label(self) -> str:
+        """``flops`` or the calibration's name, for reports."""
+        return f"tiles:{self.kernel.name}" if self.kernel is not None else f"flops:{self.flops / 1e12:g}T"
+
     def time(self, pairs: "np.ndarray | float", shape: AttentionShape) -> "np.ndarray | float":
+        """Seconds of blocks of ``pairs`` (query, key) pairs, one launch each: the FLOP model only
+        (the tile model needs a block's geometry: :meth:`work_s`)."""
+        if self.kernel is not None:
+            raise ValueError("ComputeModel.time prices by pairs; a tiled model prices a call's geometry: use work_s")
         flop = np.asarray(pairs, dtype=np.float64) * shape.pair_flops
         return np.where(np.asarray(pairs) > 0, flop / self.flops + self.kernel_overhead_s, 0.0)
+
+    def tile_costs(self, shape: AttentionShape, flop_ratio: float = 1.0) -> TileCosts | None:
+        """The calibration's constants for ``shape``'s head sizes and a pass of ``flop_ratio`` times
+        the forward's FLOPs (1: the forward; else the backward's constants scaled by ``flop_ratio /
+        BACKWARD_FLOP_RATIO``); None for the FLOP model."""
+        if self.kernel is None:
+            return None
+        return _scaled_costs(self.kernel, shape.head_dim + shape.d_v, float(flop_ratio))
+
+    def launch_s(self, flop_ratio: float = 1.0) -> float:
+        """Seconds of one kernel launch in a pass of ``flop_ratio`` (``kernel_overhead_s``, or the
+        calibration's ``launch_s``)."""
+        if self.kernel is None:
+            return self.kernel_overhead_s
+        return (self.kernel.fwd if flop_ratio == 1.0 else self.kernel.bwd).launch_s
+
+    def pair_s(self, shape: AttentionShape, flop_ratio: float = 1.0) -> float:
+        """Seconds per (query, key) pair over all heads: exact for the FLOP model; for tiles a lower
+        bound on any call's work per visible pair (each tile pair costs at least ``min(1,
+        partial_cost) * tile_s`` per head and holds at most ``q_tile * k_tile`` pairs)."""
+        c = self.tile_costs(shape, flop_ratio)
+        if c is None:
+            return shape.pair_flops / self.flops * flop_ratio
+        return shape.heads * min(1.0, c.partial_cost) * c.tile_s / (c.q_tile * c.k_tile)
+
+    def work_s(self, rows: int, q0: int, keys: int, k0: int, shape: AttentionShape, mask: "bool | Mask",
+               flop_ratio: float = 1.0, merged: bool = True) -> float:
+        """Seconds of one kernel call's work, launch not included: ``rows`` queries at ``q0..``
+        against ``keys`` keys at ``k0..`` under ``mask`` (``merged``: its rows go through the
+        engine's LSE merge). FLOP model: its pairs times :meth:`pair_s`."""
+        mask = as_mask(mask)
+        c = self.tile_costs(shape, flop_ratio)
+        if c is None:
+            return float(mask.pairs(q0, q0 + rows, k0, k0 + keys)) * self.pair_s(shape, flop_ratio)
+        return _call_work(c, shape.heads, int(rows), int(q0) - int(k0), int(keys), mask, merged)
+
+    def spans_work_s(self, q_spans, k_span, shape: AttentionShape, mask: "bool | Mask",
+                     flop_ratio: float = 1.0) -> float:
+        """Work of one reader's query spans (objects with ``doc``, ``start``, ``end``: a packed
+        placement's) against one key span: a call per span of the key's document (memoised per
+        spans object, key span and pass)."""
+        c = self.tile_costs(shape, flop_ratio)
+        if c is None:
+            return float(sum(self.work_s(q.end - q.start, q.start, k_span.end - k_span.start, k_span.start, shape,
+                                         mask, flop_ratio) for q in q_spans if q.doc == k_span.doc))
+        mask = as_mask(mask)
+        key = (id(q_spans), k_span, c, shape.heads, mask)
+        hit = _SPANS.get(key)
+        if hit is not None and hit[0] is q_spans:
+            return hit[1]
+        m, k0 = k_span.end - k_span.start, k_span.start
+        w = float(sum(_call_work(c, shape.heads, q.end - q.start, q.start - k0, m, mask, True)
+                      for q in q_spans if q.doc == k_span.doc))
+        if len(_SPANS) > 1 << 18:
+            _SPANS.clear()
+        _SPANS[key] = (q_spans, w)
+        return w
+
+
+_SPANS: dict = {}
+"""(id of a spans tuple, key span, costs, heads, mask) -> (the tuple, seconds): :meth:`ComputeModel.spans_work_s`."""
+
+
+def _call_work(c: TileCosts, heads: int, rows: int, delta: int, keys: int, mask: Mask, merged: bool) -> float:
+    """One call's tile-priced work (launch not included): ``rows`` rows starting ``delta`` after its keys."""
+    if rows <= 0 or keys <= 0:
+        return 0.0
+    t = _tiles(rows, keys, delta, mask, c.q_tile, c.k_tile)
+    if t.q_tiles == 0:
+        return 0.0
+    return heads * (c.tile_s * (t.full + c.partial_cost * t.partial) + c.q_tile_s * t.q_tiles
+                    + c.k_tile_s * t.k_tiles + (c.merge_s * rows if merged else 0.0))
+
+
+def zigzag_block_work(cm: ComputeModel, shape: AttentionShape, cp: int, P: int, q_index, owner_index, chunk, part,
+                      mask: "bool | Mask", flop_ratio: float = 1.0) -> np.ndarray:
+    """Seconds of work (launches not included) of rank ``q_index``'s two zigzag query chunks on
+    block (owner, chunk, part) of Megatron's zigzag split of ``shape.seq_len`` tokens, vectorised
+    like :func:`~megatron_fcp.contract.needs.block_pairs`: the FLOP model's pairs times
+    :meth:`ComputeModel.pair_s` (the same floats as before tiles), or one tile-priced call per
+    query chunk that sees the block."""
+    if cm.kernel is None:
+        return block_pairs(cp, shape.seq_len, P, q_index, owner_index, chunk, part, mask) * cm.pair_s(shape, flop_ratio)
+    mask = as_mask(mask)
+    L = shape.seq_len // (2 * cp)
+    q, o, c, p = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (q_index, owner_index, chunk, part)))
+    g = np.where(c == 0, o, 2 * cp - 1 - o)
+    p0, p1 = part_span(L, P, p)
+    k0, m = g * L + p0, p1 - p0
+    out = np.zeros(q.shape, dtype=np.float64)
+    memo: dict[tuple[int, int], float] = {}
+    for qc in (q, 2 * cp - 1 - q):
+        delta = (qc * L - k0).ravel().tolist()
+        mm = m.ravel().tolist()
+        vals = []
+        for d, mk in zip(delta, mm):
+            key = (d, mk)
+            if key not in memo:
+                memo[key] = cm.work_s(L, d, mk, 0, shape, mask, flop_ratio)
+            vals.append(memo[key])
+        out += np.asarray(vals, dtype=np.float64).reshape(q.shape)
+    return out
+
+
+FLOP_MODEL_BLOCK_TOKENS = 4096
+"""The block size without a kernel model (:data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`)."""
+
+
+def block_efficiency(cm: ComputeModel, tokens: int, shape: AttentionShape) -> float:
+    """Of a ``tokens`` x ``tokens`` full-mask block call (a block read by a later query chunk, merged,
+    one launch), forward plus backward: the work at the kernel's tile-pair rate over its priced
+    time (launch included). 1.0 for the FLOP model."""
+    if cm.kernel is None:
+        return 1.0
+    ideal = actual = 0.0
+    for ratio in (1.0, BACKWARD_FLOP_RATIO):
+        c = cm.tile_costs(shape, ratio)
+        ideal += shape.heads * c.tile_s * tokens * tokens / (c.q_tile * c.k_tile)
+        actual += cm.work_s(tokens, 10 * tokens, tokens, 0, shape, FULL, ratio) + cm.launch_s(ratio)
+    return ideal / actual
+
+
+def kernel_block_tokens(cm: ComputeModel, shape: AttentionShape, efficiency: float = 0.8,
+                        limit: int = 1 << 16) -> int:
+    """Default block tokens for a kernel calibration and device (Note [Cost model], compute by
+    tiles): the fewest tokens, the kernel's tile times a power of two (so blocks split evenly into
+    tiles and into halves for sub-blocks), whose full block runs at ``efficiency`` of the tile rate
+    or better (:func:`block_efficiency`: launches, the per-query-tile cost and the merge
+    amortised), at most ``limit``; :data:`FLOP_MODEL_BLOCK_TOKENS` for the FLOP model, which cannot
+    see block shape. Smaller blocks balance and pipeline better, larger ones compute faster: this
+    is the smallest that costs the kernel at most ``1 - efficiency``."""
+    if not 0 < efficiency < 1:
+        raise ValueError(f"efficiency: a fraction in (0, 1), got {efficiency!r}")
+    if cm.kernel is None:
+        return FLOP_MODEL_BLOCK_TOKENS
+    c = cm.tile_costs(shape)
+    n = int(np.lcm(c.q_tile, c.k_tile))
+    while n < limit and block_efficiency(cm, n, shape) < efficiency:
+        n *= 2
+    return min(n, limit)
 
 
 @dataclass
@@ -462,27 +703,40 @@ def simulate_plan(
     # compute: own blocks first (one kernel), then received blocks in plan order, each no earlier
     # than its arrival; blocks of one owner arriving at a rank in one round share one kernel
     q_i = pos_of[dst]
-    head_dim_flops = shape.pair_flops / cm.flops
-    if pl is None:
-        pairs = block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
-    else:
-        pairs = np.array([pl.pairs(j, i, b) for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())],
-                         dtype=np.float64)
-    recv_t = pairs * head_dim_flops
-    if len(rnd):
-        group = (q_i * cp + owner_i) * max(n_rounds, 1) + rnd
-        _, first = np.unique(group, return_index=True)
-        recv_t[first] += cm.kernel_overhead_s
     if pl is None:
         own_q = np.repeat(np.arange(cp), 2 * P)
         own_c = np.tile(np.repeat([0, 1], P), cp)
         own_p = np.tile(np.arange(P), 2 * cp)
-        own_pairs = block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.mask) * w_owner[own_q]
-        local = np.bincount(own_q, weights=own_pairs * head_dim_flops, minlength=cp)
+    if cm.kernel is not None:  # Note [Cost model], compute by tiles: the calls' geometry
+        if pl is None:
+            recv_t = zigzag_block_work(cm, shape, cp, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
+            local = np.bincount(own_q, weights=zigzag_block_work(cm, shape, cp, P, own_q, own_q, own_c, own_p,
+                                                                 plan.mask) * w_owner[own_q], minlength=cp)
+        else:
+            pm = pl.mask
+            recv_t = np.array([cm.spans_work_s(pl.blocks[j], pl.blocks[i][b], shape, pm)
+                               for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())], dtype=np.float64)
+            local = np.array([sum(cm.spans_work_s(pl.blocks[j], k, shape, pm) for k in pl.blocks[j])
+                              for j in range(cp)], dtype=np.float64)
     else:
-        local = np.array([sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) for j in range(cp)],
-                         dtype=np.float64) * head_dim_flops
-    local += cm.kernel_overhead_s
+        head_dim_flops = shape.pair_flops / cm.flops
+        if pl is None:
+            pairs = block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
+        else:
+            pairs = np.array([pl.pairs(j, i, b) for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())],
+                             dtype=np.float64)
+        recv_t = pairs * head_dim_flops
+        if pl is None:
+            own_pairs = block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.mask) * w_owner[own_q]
+            local = np.bincount(own_q, weights=own_pairs * head_dim_flops, minlength=cp)
+        else:
+            local = np.array([sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) for j in range(cp)],
+                             dtype=np.float64) * head_dim_flops
+    if len(rnd):
+        group = (q_i * cp + owner_i) * max(n_rounds, 1) + rnd
+        _, first = np.unique(group, return_index=True)
+        recv_t[first] += cm.launch_s()
+    local += cm.launch_s()
     busy = local + np.bincount(q_i, weights=recv_t, minlength=cp)
     order = np.lexsort((np.arange(len(q_i)), q_i))  # by rank, plan order within rank
     ends = local + compute_from_s

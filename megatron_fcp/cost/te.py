@@ -50,6 +50,19 @@ matmuls to the forward's 2) times the forward FLOPs:
 * ``te-a2a-p2p``: all-to-all of dO in, the same ring pattern across nodes, all-to-all of dQ/dK/dV out.
 * FCP's backward: :mod:`megatron_fcp.cost.backward`.
 
+Note [Transformer Engine's kernel calls]
+---------------------------------------
+Under a tiled compute model (:meth:`~megatron_fcp.cost.model.ComputeModel.tiled`) TE's compute is
+priced from the calls TE makes (:func:`te_ring_steps_s`): ring step 0 is one causal call of a rank's
+two chunks (causal in their local order: the zigzag's own diagonal); step ``k`` receives the KV of
+rank ``s = r - k``: an earlier rank's first chunk against all the rank's rows, or, from a later
+rank, both its chunks against the rank's second chunk only (full-mask calls), one varlen call per
+step over every document (THD: each document's real tokens of those chunks, padding not
+computed; a 2K-token document at cp = 64 is 16-token chunks, each paying whole tiles). The
+a2a+p2p ring is the same over nodes, with ``heads / g`` heads and node chunks of ``g`` rank
+chunks. Under a window, ``a2a`` is one fused call over the whole sequence (``heads / cp``
+heads), ``all_gather`` a call per query chunk against the sequence.
+
 Note [Transformer Engine under a sliding window]
 ------------------------------------------------
 TE runs a sliding window (``window_size``) under context parallelism only with two of its four
@@ -103,7 +116,7 @@ from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound", "thd_padded_lengths", "thd_rank_work",
            "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "simulate_te_a2a", "simulate_te_all_gather",
-           "simulate_halo_ring", "te_refuses_window", "TE_WINDOW_TYPES"]
+           "simulate_halo_ring", "te_refuses_window", "TE_WINDOW_TYPES", "te_ring_steps_s"]
 
 TE_WINDOW_TYPES = ("a2a", "all_gather")
 """TE's ``cp_comm_type`` values that run a sliding window (Note [Transformer Engine under a sliding window])."""
@@ -144,14 +157,18 @@ def simulate_te_p2p(
     res.meta.update(graph="ring", steps=cp)
     if not compute:
         return res
-    L = shape.seq_len // (2 * cp)
-    step_pairs = 2 * L * L if causal else 4 * L * L
-    step = float(cm.time(step_pairs, shape))
-    diag = float(cm.time(step_pairs + (L if causal else 0), shape))  # step 0 includes the diagonal
-    t = diag
-    for e in res.timeline:
+    if cm.kernel is not None:  # TE's calls by tiles (Note [Transformer Engine's kernel calls])
+        steps = te_ring_steps_s(cm, shape, [shape.seq_len], cp, 1, causal)
+    else:
+        L = shape.seq_len // (2 * cp)
+        step_pairs = 2 * L * L if causal else 4 * L * L
+        step = float(cm.time(step_pairs, shape))
+        diag = float(cm.time(step_pairs + (L if causal else 0), shape))  # step 0 includes the diagonal
+        steps = [diag] + [step] * (cp - 1)
+    t = steps[0]
+    for e, step in zip(res.timeline, steps[1:]):
         t = max(t, e["end_s"]) + step
-    res.compute_s = diag + step * (cp - 1)
+    res.compute_s = float(sum(steps))
     res.total_s = max(t, res.comm_s)
     return res
 
@@ -204,18 +221,21 @@ def simulate_te_a2a_p2p(
     res.meta.update(graph="a2a+ring", ranks_per_node=g, nodes=n)
     if not compute:
         return res
-    L = shape.seq_len // (2 * cp)
-    total_pairs = (2 * L * L * cp + L) if causal else 4 * L * L * cp  # same work per rank as p2p
-    step = float(cm.time(total_pairs / n, shape))
+    if cm.kernel is not None:  # TE's calls by tiles (Note [Transformer Engine's kernel calls])
+        steps = te_ring_steps_s(cm, shape, [shape.seq_len], n, g, causal)
+    else:
+        L = shape.seq_len // (2 * cp)
+        total_pairs = (2 * L * L * cp + L) if causal else 4 * L * L * cp  # same work per rank as p2p
+        steps = [float(cm.time(total_pairs / n, shape))] * n
     dur = [e["end_s"] - e["start_s"] for e in res.timeline]
     d_in, d_out = (dur[0], dur[-1]) if g > 1 else (0.0, 0.0)
     ring_d = dur[1:-1] if g > 1 else dur
-    t = d_in + step  # attention starts after the exposed all-to-all
+    t = d_in + steps[0]  # attention starts after the exposed all-to-all
     arrived = d_in
-    for d in ring_d:
+    for d, step in zip(ring_d, steps[1:]):
         arrived += d
         t = max(t, arrived) + step
-    res.compute_s = step * n
+    res.compute_s = float(sum(steps))
     res.total_s = max(t + d_out, res.comm_s)  # the output all-to-all is exposed too
     return res
 
@@ -283,16 +303,62 @@ def thd_rank_work(doc_lengths: Sequence[int], cp: int, causal: bool = True) -> n
     return work
 
 
+def _full_work(c, heads: int, n: np.ndarray, m: np.ndarray, merged: bool) -> np.ndarray:
+    """Tile-priced work of full-mask calls of ``n`` rows against ``m`` keys (vectorised): every
+    tile pair touched is all visible (Note [Tile-priced kernels])."""
+    qt, kt = -(-n // c.q_tile), -(-m // c.k_tile)
+    w = c.tile_s * qt * kt + c.q_tile_s * qt + c.k_tile_s * kt + (c.merge_s * n if merged else 0.0)
+    return np.where((n > 0) & (m > 0), heads * w, 0.0)
+
+
+def te_ring_steps_s(cm: ComputeModel, shape: AttentionShape, doc_lengths: Sequence[int], ring: int, group: int,
+                    causal: bool, flop_ratio: float = 1.0) -> list[float]:
+    """Seconds of each step of TE's ring under a tiled compute model (Note [Transformer Engine's
+    kernel calls]): ``ring`` ranks in the ring (``cp`` for p2p, the nodes for a2a+p2p) each holding
+    ``shape.heads / group`` heads; every document padded to a multiple of ``2 * ring * group`` and
+    cut into ``2 * ring`` chunks, padding at its end (not computed). A step lasts its busiest
+    rank's varlen call: its work over every document plus one launch."""
+    c = cm.tile_costs(shape, flop_ratio)
+    hshape = replace(shape, heads=shape.heads // group, kv_heads=max(shape.kv_heads // group, 1))
+    heads, merged = hshape.heads, ring > 1
+    Ld = np.asarray(doc_lengths, dtype=np.int64)
+    l = thd_padded_lengths(doc_lengths, ring * group) // (2 * ring)                    # [D] chunk tokens
+    real = np.clip(Ld[None, :] - np.arange(2 * ring)[:, None] * l[None, :], 0, l[None, :])  # [2R, D]
+    r = np.arange(ring)
+    lo, hi = real[r], real[2 * ring - 1 - r]                                           # [R, D] each
+    launch = cm.launch_s(flop_ratio)
+    mask = Mask.of(causal)
+    if causal:  # step 0: the rank's two chunks, causal in their local order
+        memo: dict[int, float] = {}
+        for x in np.unique(lo + hi).tolist():
+            memo[x] = cm.work_s(x, 0, x, 0, hshape, mask, flop_ratio, merged)
+        first = np.vectorize(memo.__getitem__, otypes=[float])(lo + hi).sum(axis=1)
+    else:
+        first = _full_work(c, heads, lo + hi, lo + hi, merged).sum(axis=1)
+    steps = [float(first.max()) + launch]
+    for k in range(1, ring):
+        s = (r - k) % ring
+        if causal:  # an earlier rank: all rows on its first chunk; a later one: the second half on both
+            w = np.where((s < r)[:, None], _full_work(c, heads, lo + hi, lo[s], merged),
+                         _full_work(c, heads, hi, lo[s] + hi[s], merged))
+        else:
+            w = _full_work(c, heads, lo + hi, lo[s] + hi[s], merged)
+        steps.append(float(w.sum(axis=1).max()) + launch)
+    return steps
+
+
 def _thd_shape(doc_lengths: Sequence[int], cp: int, shape: AttentionShape) -> AttentionShape:
     return replace(shape, seq_len=int(thd_padded_lengths(doc_lengths, cp).sum()))
 
 
-def _ring_backward(topo: Topology, hops: list[tuple[int, int]], steps: int, kv_bytes: float, step_s: float,
+def _ring_backward(topo: Topology, hops: list[tuple[int, int]], steps: int, kv_bytes: float, step_s,
                    round_overhead_s: float, name: str, pre: list | None = None,
                    post: list | None = None) -> SimResult:
     """TE's backward ring of ``steps`` steps over ``hops`` (one ``(src, dst)`` per rank): round ``k``
     is posted with step ``k``; round 0 carries KV, rounds 1..steps-2 KV and dKV, the last dKV home.
-    ``pre``/``post``: exposed all-to-all rounds before and after."""
+    ``pre``/``post``: exposed all-to-all rounds before and after. ``step_s``: seconds of every step,
+    or a list of each step's."""
+    step_list = [float(step_s)] * steps if np.isscalar(step_s) else [float(x) for x in step_s]
     ring = [[(a, b, kv_bytes * (1 if k in (0, steps - 1) else 2)) for a, b in hops] for k in range(steps)] \
         if hops and steps > 1 else []
     rounds = ([pre] if pre else []) + ring + ([post] if post else [])
@@ -304,9 +370,9 @@ def _ring_backward(topo: Topology, hops: list[tuple[int, int]], steps: int, kv_b
     r_end = c_end = d_pre
     for k in range(steps):
         s = max(r_end, c_end)
-        c_end = s + step_s
+        c_end = s + step_list[k]
         r_end = s + (ring_d[k] if k < len(ring_d) else 0.0)
-    res.compute_s = step_s * steps
+    res.compute_s = float(sum(step_list)) if not np.isscalar(step_s) else step_s * steps
     res.total_s = max(r_end, c_end) + d_post
     return res
 
@@ -336,13 +402,17 @@ def simulate_te_p2p_thd(
     work = thd_rank_work(doc_lengths, cp, causal)
     flop_s = shape.pair_flops / cm.flops
     ratio = backward_flop_ratio if backward else 1.0
-    step = float(work.max()) / cp * flop_s * ratio + cm.kernel_overhead_s
+    if cm.kernel is not None:  # TE's calls by tiles (Note [Transformer Engine's kernel calls])
+        step = te_ring_steps_s(cm, shape, doc_lengths, cp, 1, causal, ratio)
+    else:
+        step = float(work.max()) / cp * flop_s * ratio + cm.kernel_overhead_s
+    steps = [step] * cp if np.isscalar(step) else step
     if not backward:
         res = simulate_te_p2p(topo, ranks, tshape, causal=causal, compute=False, round_overhead_s=round_overhead_s)
-        t = step
-        for e in res.timeline:
-            t = max(t, e["end_s"]) + step
-        res.compute_s = step * cp
+        t = steps[0]
+        for e, st in zip(res.timeline, steps[1:]):
+            t = max(t, e["end_s"]) + st
+        res.compute_s = float(sum(steps)) if not np.isscalar(step) else step * cp
         res.total_s = max(t, res.comm_s)
     else:
         kv = tshape.kv_bytes(tshape.seq_len / cp)
@@ -381,7 +451,11 @@ def simulate_te_a2a_p2p_thd(
     node_work = max(int(work[node_of == x].sum()) for x in set(node_of.tolist()))
     flop_s = shape.pair_flops / cm.flops
     ratio = backward_flop_ratio if backward else 1.0
-    step = node_work / (g * n) * flop_s * ratio + cm.kernel_overhead_s
+    if cm.kernel is not None:  # TE's calls by tiles (Note [Transformer Engine's kernel calls])
+        step = te_ring_steps_s(cm, shape, doc_lengths, n, g, causal, ratio)
+    else:
+        step = node_work / (g * n) * flop_s * ratio + cm.kernel_overhead_s
+    steps = [step] * n if np.isscalar(step) else step
     groups: dict[int, list[int]] = {}
     for r in ranks:
         groups.setdefault(topo.node_of(r), []).append(r)
@@ -392,11 +466,11 @@ def simulate_te_a2a_p2p_thd(
         dur = [e["end_s"] - e["start_s"] for e in res.timeline]
         d_in, d_out = (dur[0], dur[-1]) if g > 1 else (0.0, 0.0)
         t = arrived = d_in
-        t += step
-        for d in (dur[1:-1] if g > 1 else dur):
+        t += steps[0]
+        for d, st in zip(dur[1:-1] if g > 1 else dur, steps[1:]):
             arrived += d
-            t = max(t, arrived) + step
-        res.compute_s = step * n
+            t = max(t, arrived) + st
+        res.compute_s = float(sum(steps)) if not np.isscalar(step) else step * n
         res.total_s = max(t + d_out, res.comm_s)
     else:
         pre = [(a, b, tshape.o_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
@@ -440,6 +514,12 @@ def _window_inputs(topology, cp_ranks, shape: AttentionShape, causal: bool, wind
 
 def _window_work_s(cp: int, shape: AttentionShape, mask: Mask, cm: ComputeModel, ratio: float) -> tuple[float, float]:
     """``(the busiest zigzag rank's seconds, the whole sequence's seconds over cp)`` of windowed work."""
+    if cm.kernel is not None:  # tiles: a rank's two chunks against the sequence; one fused call over cp's heads
+        S, L = shape.seq_len, shape.seq_len // (2 * cp)
+        per = max(sum(cm.work_s(L, c * L, S, 0, shape, mask, ratio, merged=False) for c in (j, 2 * cp - 1 - j))
+                  for j in range(cp)) + 2 * cm.launch_s(ratio)
+        a2a_shape = replace(shape, heads=max(shape.heads // cp, 1), kv_heads=max(shape.kv_heads // cp, 1))
+        return per, cm.work_s(S, 0, S, 0, a2a_shape, mask, ratio, merged=False) + cm.launch_s(ratio)
     per_rank = rank_pairs(None, cp, shape.seq_len, mask)
     total = float(mask.pairs(0, shape.seq_len, 0, shape.seq_len)) if mask.windowed else float(per_rank.sum())
     flop = shape.pair_flops / cm.flops * ratio

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, ComputeModel
+from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, KERNEL_CALIBRATIONS, ComputeModel
 from megatron_fcp.emulate.launcher import run_ranks
 from megatron_fcp.emulate.netns import EmulatedCluster, check_prerequisites, run_prefix
 from megatron_fcp.emulate.probe import calibrated_topology, probe_pairs, summarize
@@ -54,6 +54,7 @@ class BenchConfig:
     compute: str = "sleep"
     tflops: float = 400.0
     timeout_s: float = 1800.0
+    kernel: str | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.component_repeats < 0 or self.warmup < 0:
@@ -62,17 +63,28 @@ class BenchConfig:
             raise ValueError(f"--compute: {self.compute!r} is not one of {', '.join(COMPUTE_MODES)}")
         if not self.tflops > 0:
             raise ValueError(f"--tflops: must be > 0, got {self.tflops}")
+        if self.kernel is not None and self.kernel not in KERNEL_CALIBRATIONS:
+            raise ValueError(f"--kernel-model: unknown {self.kernel!r}; known: {', '.join(sorted(KERNEL_CALIBRATIONS))}")
 
     @property
     def emulated_flops(self) -> float:
         """The GPU's FLOP/s stretched by the cluster's time scale (what the sleep kernel assumes)."""
         return self.tflops * 1e12 / self.cluster.time_scale
 
+    def compute_model(self) -> ComputeModel:
+        """The emulated GPU's compute model: the FLOP model at :attr:`emulated_flops`, or (``kernel``)
+        the named tile calibration stretched by the time scale, launches left out as the FLOP
+        model's are (Note [Tile-priced kernels]; the sleep kernel sleeps what it prices)."""
+        if self.kernel is None:
+            return ComputeModel(flops=self.emulated_flops, kernel_overhead_s=0.0)
+        cal = KERNEL_CALIBRATIONS[self.kernel].scaled(self.cluster.time_scale, launches=False)
+        return ComputeModel.tiled(cal, flops=self.emulated_flops, kernel_overhead_s=0.0)
+
 
 def prepare(cfg: BenchConfig):
     """(topology, compute model, workloads with plans, lower bounds, predictions by workload) — pure."""
     topo = emulated_topology(cfg.cluster)
-    cm = ComputeModel(flops=cfg.emulated_flops, kernel_overhead_s=0.0)
+    cm = cfg.compute_model()
     workloads = make_workloads(list(cfg.workloads), cfg.shape, topo, cm)
     placement_plan = next((w.plan for w in workloads if isinstance(w, FcpWorkload) and w.plan is not None), None)
     if cfg.shape.doc_lengths and placement_plan is None:
@@ -146,6 +158,7 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
     runnable = [w for w in workloads if w.unavailable is None]
     job = {"workloads": runnable, "repeats": cfg.repeats, "component_repeats": cfg.component_repeats,
            "warmup": cfg.warmup, "compute": cfg.compute, "flops": cfg.emulated_flops,
+           "compute_model": cm if cm.kernel is not None else None,
            "timeout_s": min(cfg.timeout_s, 600.0), "probe": probe_pairs(cfg.cluster)}
     measured: dict = {"times": {}, "modelled_compute_s": {}}
     setup_s = teardown_s = 0.0
@@ -170,6 +183,7 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
             "assumptions": {
                 "tflops": cfg.tflops, "emulated_flops": cfg.emulated_flops, "time_scale": cfg.cluster.time_scale,
                 "backward_flop_ratio": BACKWARD_FLOP_RATIO, "kernel_overhead_s": 0.0, "compute": cfg.compute,
+                "kernel_model": cm.label,
                 "intra_stands_for": "NVLink4 450 GB/s per direction", "inter_stands_for": "NDR IB 50 GB/s per NIC",
                 "dtype": "bf16", "repeats": cfg.repeats, "component_repeats": cfg.component_repeats}}
     return assemble(cfg.cluster, cfg.shape, workloads, predictions, bounds, measured, meta)

@@ -11,6 +11,9 @@ Length of one call (the cost model's compute, :class:`~megatron_fcp.planning.Com
     forward:   4 * pairs * b * h * d / flops                 pairs = (query, key) token pairs the
     backward:  backward_ratio * the forward of the block     mask allows (causal, document ids)
 
+(or, with a tiled ``compute_model``, :meth:`~megatron_fcp.cost.model.ComputeModel.work_s` of the
+call's increasing runs of query and key positions per document, plus one launch: the same
+calls the cost model prices, its calibration scaled by the time scale, :func:`call_runs`)
 with ``flops`` the *emulated* FLOP/s: the GPU's (400 TFLOP/s by default) divided by the cluster's
 time scale (Note [Emulated cluster] in :mod:`megatron_fcp.emulate.spec`), and ``backward_ratio`` the
 cost model's 2.5 (flash-attention's backward: 5 matmuls to the forward's 2). The 5 us launch
@@ -58,9 +61,22 @@ from megatron_fcp.attention.device_clock import DeviceClock
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.contract.mask import Mask, as_mask
 
-__all__ = ["count_pairs", "Sleeper", "SleepKernel", "VirtualStream"]
+__all__ = ["count_pairs", "call_runs", "Sleeper", "SleepKernel", "VirtualStream"]
 
 _DOC_STRIDE = 1 << 40  # document id * stride + position: one sort key for (document, position)
+
+
+def call_runs(pos: torch.Tensor, doc: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
+    """``(document, first position, length)`` of each increasing run of consecutive positions (one
+    document each) in a call's rows or keys: the pieces a varlen flash call tiles separately."""
+    p = pos.detach().to("cpu", torch.int64)
+    d = torch.zeros_like(p) if doc is None else doc.detach().to("cpu", torch.int64)
+    if p.numel() == 0:
+        return []
+    brk = torch.nonzero((p[1:] != p[:-1] + 1) | (d[1:] != d[:-1])).flatten() + 1
+    starts = [0] + brk.tolist()
+    ends = starts[1:] + [p.numel()]
+    return [(int(d[a]), int(p[a]), b - a) for a, b in zip(starts, ends)]
 
 
 def count_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: "bool | Mask",
@@ -167,9 +183,12 @@ class SleepKernel(BlockKernel):
     documents = True
 
     def __init__(self, flops: float, backward_ratio: float = 2.5, sleeper: Sleeper | None = None,
-                 stream: VirtualStream | None = None) -> None:
+                 stream: VirtualStream | None = None, compute_model=None) -> None:
         if not (flops >= 0):
             raise ValueError(f"flops: must be >= 0 (0 = no compute), got {flops!r}")
+        if compute_model is not None and compute_model.kernel is None:
+            raise ValueError("compute_model: only a tiled ComputeModel (ComputeModel.tiled); the FLOP model is `flops`")
+        self.compute_model = compute_model
         self.flops = float(flops)
         self.backward_ratio = float(backward_ratio)
         self.sleeper = sleeper or Sleeper()
@@ -202,9 +221,30 @@ class SleepKernel(BlockKernel):
             return 0.0
         return 4.0 * pairs * b * h * d / self.flops * (self.backward_ratio if backward else 1.0)
 
-    def _sleep(self, counts: torch.Tensor, q: torch.Tensor, backward: bool) -> None:
+    def tile_seconds(self, q_pos, k_pos, causal, q_doc, k_doc, b: int, h: int, h_kv: int, d: int,
+                     backward: bool = False) -> float:
+        """Modelled seconds of one call under the tiled ``compute_model``: every (query run, key
+        run) of one document priced as the cost model prices a block's calls, ``b`` sequences,
+        one launch (0 when no row sees a key, or ``flops`` is 0: the communication-only runs)."""
+        from megatron_fcp.cost.model import AttentionShape
+
+        cm = self.compute_model
+        if self.flops <= 0 or math.isinf(self.flops):
+            return 0.0
+        shape = AttentionShape(1, h, h_kv, d)
+        ratio = self.backward_ratio if backward else 1.0
+        mask = as_mask(causal)
+        kr = call_runs(k_pos, k_doc)
+        w = sum(cm.work_s(n, q0, m, k0, shape, mask, ratio) for dq, q0, n in call_runs(q_pos, q_doc)
+                for dk, k0, m in kr if dq == dk)
+        return b * w + cm.launch_s(ratio) if w > 0 else 0.0
+
+    def _sleep(self, counts: torch.Tensor, q: torch.Tensor, backward: bool, geometry=None) -> None:
         n, b, h, d = q.shape
-        s = self.seconds(int(counts.sum()), b, h, d, backward)
+        if self.compute_model is not None and geometry is not None:
+            s = self.tile_seconds(*geometry[:5], b, h, geometry[5], d, backward) if int(counts.sum()) > 0 else 0.0
+        else:
+            s = self.seconds(int(counts.sum()), b, h, d, backward)
         self.modelled_s += s
         if s > 0:
             if self.stream is not None:
@@ -215,7 +255,7 @@ class SleepKernel(BlockKernel):
     def forward(self, q, k, v, q_pos, k_pos, causal, scale, q_doc=None, k_doc=None, **prep):
         n, b, h, d = q.shape
         counts = count_pairs(q_pos, k_pos, causal, q_doc, k_doc)                   # [n]
-        self._sleep(counts, q, backward=False)
+        self._sleep(counts, q, backward=False, geometry=(q_pos, k_pos, causal, q_doc, k_doc, k.shape[2]))
         cd = compute_dtype_for(q.dtype)
         out = torch.zeros(n, b, h, d, dtype=cd, device=q.device)                   # [n, b, h, d]
         lse = torch.where(counts > 0, 0.0, -math.inf).to(cd).to(q.device)        # [n]
@@ -223,7 +263,7 @@ class SleepKernel(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, causal, scale, q_doc=None, k_doc=None, **prep):
         counts = count_pairs(q_pos, k_pos, causal, q_doc, k_doc)
-        self._sleep(counts, q, backward=True)
+        self._sleep(counts, q, backward=True, geometry=(q_pos, k_pos, causal, q_doc, k_doc, k.shape[2]))
         cd = compute_dtype_for(q.dtype)
         return (torch.zeros(q.shape, dtype=cd, device=q.device),                  # dq [n, b, h, d]
                 torch.zeros(k.shape, dtype=cd, device=k.device),                  # dk [m, b, h_kv, d]

@@ -49,7 +49,7 @@ def _kernels(job: dict):
 
         return ("cpu-flash" if CpuFlashKernel.available() else "math"), zero
     stream = VirtualStream() if job["compute"] == "sleep" else None  # "blocking-sleep": sleep in the call
-    return SleepKernel(job["flops"], stream=stream), zero
+    return SleepKernel(job["flops"], stream=stream, compute_model=job.get("compute_model")), zero
 
 
 def _timed(fn) -> float:

@@ -546,8 +546,11 @@ def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placeme
         comm_fwd = lower_bound(topo, ranks, att, causal=shape.causal, window=shape.window)["lower_bound_s"]
         S = -(-att.seq_len // (2 * N)) * (2 * N)
         pairs = float(mask.pairs(0, S, 0, S))
-    flop_s = 4.0 * att.heads * att.head_dim / cm.flops
-    compute = pairs / N * flop_s * (1 + BACKWARD_FLOP_RATIO)
+    if cm.kernel is not None:  # tiles: the per-pair lower bound of each pass (ComputeModel.pair_s)
+        compute = pairs / N * (cm.pair_s(att) + cm.pair_s(att, BACKWARD_FLOP_RATIO))
+    else:
+        flop_s = 4.0 * att.heads * att.head_dim / cm.flops
+        compute = pairs / N * flop_s * (1 + BACKWARD_FLOP_RATIO)
     comm = 2 * comm_fwd  # the dK/dV reduction moves the forward's bytes back (partials in the KV dtype)
     out = {"lower_bound_s": max(compute, comm), "lower_bound_compute_s": compute, "lower_bound_comm_s": comm,
            "lower_bound_comm_fwd_s": comm_fwd}
