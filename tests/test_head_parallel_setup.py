@@ -102,21 +102,28 @@ class _Group:
         return self._size
 
 
-def test_packed_batches_with_the_stage_are_refused_naming_the_flag():
+def test_packed_batches_run_the_stage_and_bad_heads_are_refused_naming_the_fix():
+    """Packed batches with --fcp-head-parallel > 1 are served by FCP (the stage on THD shards:
+    tests/test_head_parallel_thd.py), and head counts the degree cannot split are refused before
+    any communication."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_fcp.patches.megatron import FCPCoreAttention
 
-    setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=2), layout=MegatronLayout(world=2, cp=2),
-              groups={}, seq_len=64)
+    rt = setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=2),
+                   layout=MegatronLayout(world=2, cp=2), groups={}, seq_len=64)
     cfg = SimpleNamespace(num_attention_heads=4, num_query_groups=None, kv_channels=8, hidden_size=32,
                           attention_dropout=0.0, window_size=None, softmax_type="vanilla", context_parallel_size=2,
                           params_dtype=torch.float32)
     att = FCPCoreAttention(config=cfg, layer_number=1, attn_mask_type=None,
                            pg_collection=SimpleNamespace(cp=_Group(2), tp=_Group(1)))
-    q = torch.zeros(4, 4, 8)
-    with pytest.raises(NotImplementedError, match="packed .THD. batches with a head-parallel stage.*--fcp-head-parallel 1"):
-        att(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    from megatron.core.transformer.enums import AttnMaskType
+
+    assert att._forward_reason(AttnMaskType.causal, None, PackedSeqParams(qkv_format="thd")) is None
+    hp = rt.packed_head_parallel((0, 1), (5, 7), causal=True, heads=4, kv_heads=4)
+    assert hp.degree == 2 and hp.num_groups == 1 and hp.placement == rt.packed_placement((5, 7), cp_ranks=(0, 1))
+    with pytest.raises(ValueError, match="must divide the query heads 3"):
+        rt.packed_head_parallel((0, 1), (5, 7), causal=True, heads=3, kv_heads=3)
 
 
 @pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")

@@ -64,6 +64,7 @@ from megatron_fcp.contract.head_parallel import (
     head_groups_for,
     relabel_plan,
 )
+from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan, place_packed_groups
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import Plan
@@ -71,7 +72,7 @@ from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.patches.schedule import schedule_report, settle_schedule
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.choose import ScheduleChoice
-from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.planner.head_parallel import compile_head_parallel, compile_packed_head_parallel
 from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.topology import TopologyError, load_topology
 
@@ -351,14 +352,49 @@ class FCPRuntime:
         return next((p for (r, c, _), p in self.plans.items() if r == ranks and c), None)
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
-    def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True) -> Placement:
+    def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True,
+                         cp_ranks: tuple[int, ...] | None = None) -> Placement:
         """The placement of a packed batch over this run's CP size (deterministic, the same on every
         rank; cached by the lengths). Long documents are cut into ``--fcp-block-tokens`` blocks
-        (0: :data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`)."""
-        key = ("placement", tuple(doc_lengths), bool(causal))
+        (0: :data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`). With a head-parallel
+        stage (degree > 1) it is the member placement of CP group ``cp_ranks`` (default: this
+        rank's): the documents placed over the head groups, each group's tokens split among its
+        members (Note [Head-parallel stage on packed batches] in
+        :mod:`megatron_fcp.contract.head_parallel_packed`), so data, RoPE and every layer follow it."""
+        degree = self.head_parallel_degree() if self.layout.cp > 1 else 1
+        if degree > 1 and cp_ranks is None:
+            cp_ranks = self.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        key = ("placement", tuple(doc_lengths), bool(causal), None if degree == 1 else tuple(cp_ranks))
         if key not in self.packed:
             block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
-            self._remember(key, place_packed(doc_lengths, self.layout.cp, block_tokens=block, causal=causal))
+            if degree == 1:
+                placement = place_packed(doc_lengths, self.layout.cp, block_tokens=block, causal=causal)
+            else:
+                groups = head_groups_for(self.topology, tuple(cp_ranks), degree)
+                placement = place_packed_groups(doc_lengths, tuple(cp_ranks), groups, block_tokens=block,
+                                                causal=causal)[1]
+            self._remember(key, placement)
+        self.packed.move_to_end(key)
+        return self.packed[key]
+
+    def packed_head_parallel(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool,
+                             heads: int, kv_heads: int) -> PackedHeadParallelPlan:
+        """The head-parallel stage of CP group ``cp_ranks`` on a packed batch (degree > 1; cached by
+        the lengths and head counts): the KV stage built with the configured graph over the group
+        placement whose member split is :meth:`packed_placement` (checked)."""
+        if tuple(cp_ranks) not in self.layout.cp_groups():
+            raise FCPStateError(f"CP group {list(cp_ranks)} is not a CP group of this run's layout; call setup_fcp() again")
+        key = ("hp", tuple(cp_ranks), tuple(doc_lengths), bool(causal), int(heads), int(kv_heads))
+        if key not in self.packed:
+            degree = self.head_parallel_degree()
+            hp = compile_packed_head_parallel(
+                self.topology, tuple(cp_ranks), doc_lengths, heads, kv_heads, degree, self.config.graph, causal=causal,
+                head_groups=head_groups_for(self.topology, tuple(cp_ranks), degree),
+                block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
+                head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2))
+            if hp.placement != self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks)):
+                raise FCPStateError("the packed head-parallel plan's member placement differs from the batch's layout")
+            self._remember(key, hp)
         self.packed.move_to_end(key)
         return self.packed[key]
 
@@ -373,7 +409,7 @@ class FCPRuntime:
         window = None if window is None else tuple(window)
         key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal), window)
         if key not in self.packed:
-            placement = self.packed_placement(doc_lengths, causal=causal)
+            placement = self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks))
             if window is not None:  # the same blocks, need sets under the layer's window
                 placement = dataclasses.replace(placement, window=window)
             self._remember(key, build_group_plan(self.config, self.topology, tuple(cp_ranks), causal=causal,
