@@ -6,7 +6,8 @@ out, LSE, dQ, dK, dV within 1e-12 x max(1, max|ref|) on every rank's shard; GQA 
 replication (h = 4, h_kv = 2 / 1 at a = 2; h = 8, h_kv = 2 at a = 4), causal and not, a sink, the
 fused CPU flash kernel in FP32 (1e-5), members without tokens. The member placement is checked
 pure: each group's member shards concatenate to the group's placement shard. Bad input raises
-ValueError before any communication.
+ValueError before any communication. Pure: the merged stage plan and the all-to-all sizes the
+cost model prices, and choose_packed_head_parallel's choice (the least predicted time).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _head_parallel_thd_cases import DOCS, QUANTITIES, TOPOLOGY_2X2, Case, make_plan, worker  # noqa: E402
+from _head_parallel_thd_cases import DOCS, QUANTITIES, TOPOLOGIES, TOPOLOGY_2X2, Case, make_plan, worker  # noqa: E402
 
 from megatron_fcp.testing.launch import run_gloo  # noqa: E402
 
@@ -95,3 +96,47 @@ def test_packed_head_parallel_plan_errors():
         compile_packed_head_parallel(TOPOLOGY_2X2, (0, 1, 2, 3), (5, 7), 4, 4, 1)
     with pytest.raises(ValueError, match="doc_lengths"):
         compile_packed_head_parallel(TOPOLOGY_2X2, (0, 1, 2, 3), (5, 0), 4, 4, 2)
+
+
+def test_packed_stage_plan_and_all_to_all_sizes():
+    """The merged stage plan verifies and carries each KV-plan transfer once per member; the
+    all-to-alls move (a-1)/a of each member's tokens' bytes each way (Note [Packed head-parallel cost])."""
+    from megatron_fcp.cost.head_parallel_packed import packed_a2a_messages, packed_stage_plan, simulate_packed_head_parallel
+    from megatron_fcp.cost.model import AttentionShape
+
+    shape = AttentionShape(256, 8, 2, 16, 2)
+    for case, ranks in ((Case(2, "mix", True, heads=(8, 2)), (0, 1, 2, 3)), (Case(4, "mix", True, heads=(8, 2)),
+                                                                           tuple(range(8)))):
+        hp = make_plan(case, ranks)
+        sp = packed_stage_plan(hp)
+        assert sp.num_transfers() == hp.degree * (hp.kv_plan.num_transfers() if hp.kv_plan else 0)
+        a, rep = hp.degree, hp.kv_replication
+        per = (shape.q_bytes(1) + shape.kv_bytes(1) * rep) / a
+        for which in ("qkv-in", "qkv-out"):
+            msgs = packed_a2a_messages(hp, shape, which)
+            assert sum(b for _, _, b in msgs) == pytest.approx((a - 1) * sum(DOCS["mix"]) * per)
+        got = {(s, d): b for s, d, b in packed_a2a_messages(hp, shape, "o-out")}
+        for g, group in enumerate(hp.head_groups):  # O back: member m receives its t_m rows from each peer
+            for m, r in enumerate(group):
+                assert all(got.get((p, r), 0) == hp.member_tokens(g)[m] * shape.o_bytes(1) / a for p in group if p != r)
+        res = simulate_packed_head_parallel(hp, TOPOLOGIES[len(ranks)], shape)
+        assert res.total_s > 0 and res.meta["head_parallel"] == a
+    with pytest.raises(ValueError, match="which"):
+        packed_a2a_messages(hp, shape, "kv-in")
+
+
+def test_choose_packed_head_parallel_takes_the_least_predicted_time():
+    import math
+
+    from megatron_fcp.contract.head_parallel import head_parallel_degrees
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
+
+    docs = lognormal_lengths(math.log(2048), 1.0, 128 * 1024, seed=0)
+    shape = AttentionShape(128 * 1024, 32, 8, 128, 2)
+    best, times = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape)
+    assert sorted(times) == head_parallel_degrees("dgx-h100:2", range(16), 32, 8) == [1, 2, 4, 8]
+    assert times[best] == min(times.values())
+    best2, times2 = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape, degrees=[1, 2])
+    assert times2 == {a: times[a] for a in (1, 2)} and best2 in (1, 2)
