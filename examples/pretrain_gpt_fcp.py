@@ -449,7 +449,7 @@ def train(
                 plan = runtime.packed_plan(tuple(ps.get_context_parallel_global_ranks()), tuple(lengths))
                 info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(plan.ranks),
                             rounds=len(plan.rounds), transfers=plan.num_transfers(), packed=True,
-                            head_parallel=runtime.head_parallel_degree())
+                            head_parallel=runtime.packed_degree(tuple(plan.ranks), tuple(lengths)))
                 say(f"FCP packed: first micro-batch {lengths}\n{plan.placement.summary()}\n{plan.round_table()}")
             elif layout.cp > 1:
                 plan = runtime.plan(tuple(ps.get_context_parallel_global_ranks()), causal=True,

@@ -193,7 +193,8 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                   "which apply_fcp() could not install in this megatron-core")
     ranks = tuple(dist.get_process_group_ranks(module.cp_group))
     hp = None
-    if window is None and runtime.head_parallel_degree() > 1:  # windowed layers run without the stage
+    degree = runtime.packed_degree(ranks, lengths, causal=causal)   # Note [Head-parallel degree of a packed batch]
+    if window is None and degree > 1:  # windowed layers run without the stage
         hp = runtime.packed_head_parallel(ranks, lengths, causal=causal, heads=query.shape[1], kv_heads=key.shape[1])
         plan = hp.kv_plan
         placement = hp.placement
@@ -209,7 +210,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     # batch's placement (Note [Per-layer plans] in megatron_fcp.patches.runtime), so each layer's
     # call checks the same facts and the windowed layers add no collective.
     masks = sorted({None, *runtime.windows, window}, key=lambda w: (w is not None, w))
-    if runtime.head_parallel_degree() > 1 and hp is None:  # a windowed layer: the full layers' stage too
+    if degree > 1 and hp is None:  # a windowed layer: the full layers' stage too
         hp = runtime.packed_head_parallel(ranks, lengths, causal=causal, heads=query.shape[1], kv_heads=key.shape[1])
     stage = None if hp is None else (hp.degree, hp.head_groups, None if hp.kv_plan is None else hp.kv_plan.rounds)
     plans = tuple((w, None if (w is None and hp is not None) else
@@ -222,7 +223,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
          "sink": getattr(module, "softmax_offset", None) is not None},
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
     if hp is not None and window is None:  # Note [Head-parallel execution on packed batches]
-        groups = runtime.hp_groups.get(ranks) or HeadParallelGroups.of_cp_group(hp, module.cp_group)
+        groups = runtime.packed_groups(ranks, degree) or HeadParallelGroups.of_cp_group(hp, module.cp_group)
         if groups is None:
             raise FCPStateError(f"the head-parallel process groups of CP group {list(ranks)} were not created: "
                                 "call setup_fcp() on every rank of the job (it creates them collectively)")

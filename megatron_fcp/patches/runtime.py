@@ -15,6 +15,19 @@ group; a group that was not settled (the groups were re-created after setup) rai
 block size they run is the planner's choice (:mod:`megatron_fcp.patches.schedule`, Note [The
 runtime runs the planner's choice]).
 
+Note [Head-parallel degree of a packed batch]
+---------------------------------------------
+Under ``--fcp-head-parallel auto`` a run without a settled schedule (packed runs: no sequence
+length at setup) lets each packed batch choose its degree: the candidates are the degrees whose
+head groups fit inside nodes and split the heads per tensor-parallel rank
+(:func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`, CP group 0), and a batch runs
+the one of least predicted forward + backward time for its documents
+(:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`, the configured graph).
+The choice is a pure function of the lengths, so every rank makes the same one; the per-batch
+agreement compares the stage with the placement. The layout (``shard_packed_batch``, RoPE) and
+every layer follow the batch's degree (:meth:`FCPRuntime.packed_degree`); the process groups of
+every candidate are created at setup. An explicit degree runs on every batch.
+
 Note [Per-layer plans]
 ----------------------
 A model may mix masks: ``window_size`` with ``window_attn_skip_freq`` gives sliding-window layers
@@ -62,6 +75,7 @@ from megatron_fcp.contract.head_parallel import (
     check_head_parallel,
     group_placement,
     head_groups_for,
+    head_parallel_degrees,
     relabel_plan,
 )
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan, place_packed_groups
@@ -72,7 +86,11 @@ from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.patches.schedule import schedule_report, settle_schedule
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.choose import ScheduleChoice
-from megatron_fcp.planner.head_parallel import compile_head_parallel, compile_packed_head_parallel
+from megatron_fcp.planner.head_parallel import (
+    choose_packed_head_parallel,
+    compile_head_parallel,
+    compile_packed_head_parallel,
+)
 from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.topology import TopologyError, load_topology
 
@@ -273,6 +291,11 @@ class FCPRuntime:
     hp_degree: int | None = None  # settled by setup_fcp (auto: the planner's choice)
     schedule: ScheduleChoice | None = None  # the planner's choice settled by setup_fcp (None: none made)
     micro_batch: int = 1  # sequences per attention call (prices --fcp-kv-memory-budget in bytes)
+    #: --fcp-head-parallel auto without a settled schedule (packed runs): the degrees each packed batch
+    #: chooses from (Note [Head-parallel degree of a packed batch]); () = the run's one degree
+    packed_degrees: tuple[int, ...] = ()
+    packed_shape: AttentionShape | None = None  # per tensor-parallel rank; seq_len set per batch
+    packed_hp_groups: dict[tuple, Any] = field(default_factory=dict)  # (CP ranks, degree) -> HeadParallelGroups
 
     def head_parallel_degree(self) -> int:
         """The head-parallel degree of this run (``--fcp-head-parallel``, ``auto`` settled at setup;
@@ -361,9 +384,9 @@ class FCPRuntime:
         rank's): the documents placed over the head groups, each group's tokens split among its
         members (Note [Head-parallel stage on packed batches] in
         :mod:`megatron_fcp.contract.head_parallel_packed`), so data, RoPE and every layer follow it."""
-        degree = self.head_parallel_degree() if self.layout.cp > 1 else 1
-        if degree > 1 and cp_ranks is None:
+        if cp_ranks is None:
             cp_ranks = self.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
         key = ("placement", tuple(doc_lengths), bool(causal), None if degree == 1 else tuple(cp_ranks))
         if key not in self.packed:
             block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
@@ -377,6 +400,31 @@ class FCPRuntime:
         self.packed.move_to_end(key)
         return self.packed[key]
 
+    def packed_degree(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool = True) -> int:
+        """The head-parallel degree of a packed batch on CP group ``cp_ranks``: the run's degree, or
+        under ``auto`` the batch's own (Note [Head-parallel degree of a packed batch]; cached)."""
+        if self.layout.cp == 1:
+            return 1
+        if not self.packed_degrees:
+            return self.head_parallel_degree()
+        key = ("degree", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
+        if key not in self.packed:
+            shape = dataclasses.replace(self.packed_shape, seq_len=sum(doc_lengths))
+            best, _ = choose_packed_head_parallel(self.topology, tuple(cp_ranks), tuple(doc_lengths), shape,
+                                                  degrees=self.packed_degrees, graph=self.config.graph, causal=causal,
+                                                  block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS)
+            self._remember(key, best)
+        self.packed.move_to_end(key)
+        return self.packed[key]
+
+    def packed_groups(self, cp_ranks: tuple[int, ...], degree: int) -> Any:
+        """This rank's head-parallel process groups of CP group ``cp_ranks`` at ``degree`` (created at
+        setup), or None (degree 1 or ``cp``: the CP group serves)."""
+        found = self.packed_hp_groups.get((tuple(cp_ranks), degree))
+        if found is None and degree == self.head_parallel_degree():
+            found = self.hp_groups.get(tuple(cp_ranks))
+        return found
+
     def packed_head_parallel(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool,
                              heads: int, kv_heads: int) -> PackedHeadParallelPlan:
         """The head-parallel stage of CP group ``cp_ranks`` on a packed batch (degree > 1; cached by
@@ -386,7 +434,7 @@ class FCPRuntime:
             raise FCPStateError(f"CP group {list(cp_ranks)} is not a CP group of this run's layout; call setup_fcp() again")
         key = ("hp", tuple(cp_ranks), tuple(doc_lengths), bool(causal), int(heads), int(kv_heads))
         if key not in self.packed:
-            degree = self.head_parallel_degree()
+            degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
             hp = compile_packed_head_parallel(
                 self.topology, tuple(cp_ranks), doc_lengths, heads, kv_heads, degree, self.config.graph, causal=causal,
                 head_groups=head_groups_for(self.topology, tuple(cp_ranks), degree),
@@ -616,6 +664,11 @@ def setup_fcp(
             config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             dtype_bytes=dtype_bytes, micro_batch=micro_batch, v_head_dim=v_head_dim, window=window)
     degree = runtime.hp_degree = runtime.schedule.degree if runtime.schedule is not None else degree
+    if config.head_parallel == "auto" and runtime.schedule is None and layout.cp > 1 and heads is not None \
+            and head_dim is not None:  # packed runs: each batch chooses (Note [Head-parallel degree of a packed batch])
+        cands = tuple(head_parallel_degrees(topology, layout.cp_groups()[0], tp_heads, tp_kv))
+        runtime.packed_degrees = cands if len(cands) > 1 else ()   # one candidate: nothing to choose
+        runtime.packed_shape = AttentionShape(1, tp_heads, tp_kv, head_dim, dtype_bytes, v_head_dim)
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     if layout.cp > 1:
         for cp_ranks in layout.cp_groups():
@@ -630,6 +683,8 @@ def setup_fcp(
         if 1 < degree < layout.cp and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() == layout.world:
             _create_head_parallel_groups(runtime, degree)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == layout.world:
+            _create_packed_head_parallel_groups(runtime)
     _RUNTIME = runtime
     return runtime
 
@@ -685,6 +740,19 @@ def _create_head_parallel_groups(runtime: FCPRuntime, degree: int) -> None:
     runtime.hp_groups = {r: g for r, g in zip(cp_groups, mine) if g is not None}
     logger.info("FCP head-parallel stage: degree %d, head groups of CP group 0: %s", degree,
                 head_groups_for(runtime.topology, cp_groups[0], degree))
+
+
+def _create_packed_head_parallel_groups(runtime: FCPRuntime) -> None:
+    """The process groups of every degree a packed batch may choose under ``auto`` (collective over
+    the whole world, degrees ascending, CP groups in layout order)."""
+    from megatron_fcp.attention.head_parallel import create_head_parallel_groups  # noqa: PLC0415
+
+    cp_groups = runtime.layout.cp_groups()
+    for a in runtime.packed_degrees:
+        if 1 < a < runtime.layout.cp:
+            mine = create_head_parallel_groups([head_groups_for(runtime.topology, r, a) for r in cp_groups],
+                                               timeout_s=runtime.config.timeout_s)
+            runtime.packed_hp_groups.update({(r, a): g for r, g in zip(cp_groups, mine) if g is not None})
 
 
 def _megatron_cp_group() -> Any:

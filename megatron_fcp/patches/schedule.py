@@ -33,8 +33,10 @@ and a logged warning says when not). Other sequence lengths keep the chosen degr
 stagger; their parts come from ``FCPRuntime.parts_per_chunk``'s rule. The choice is a pure
 function of the flags, the topology and the shapes, so every rank settles the same one (the
 setup agreement compares it). Without the shapes at setup (``heads``, ``head_dim`` or
-``seq_len`` unknown, packed batches) there is no choice: degree 1 for ``auto``, the configured
-graph and the parts rule.
+``seq_len`` unknown, packed batches) there is no choice at setup: the configured graph and the
+parts rule; under ``auto`` each packed batch then chooses its head-parallel degree (Note
+[Head-parallel degree of a packed batch] in :mod:`megatron_fcp.patches.runtime`), and zigzag
+batches run degree 1.
 """
 
 from __future__ import annotations
