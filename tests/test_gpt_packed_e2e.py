@@ -8,6 +8,8 @@ seeded lognormal lengths, 256 tokens a sequence):
   THD RoPE -- an implementation independent of FCP's executor, placement and RoPE shim;
 * cp = 4 with FCP on the hierarchical graph of a 2 x 2 topology (dp 1): tokens laid out by FCP's
   placement (short documents whole, long ones in 16-token blocks), RoPE by document position;
+  under the default ``--fcp-head-parallel auto`` each batch runs the degree (1 or 2) the cost model
+  predicts fastest for its documents (Note [Head-parallel degree of a packed batch]);
 * cp = 4 with the head-parallel stage, a = 2 (Note [Head-parallel stage on packed batches]);
 * tp = 2, cp = 1 and tp = 2, cp = 2 with FCP.
 
