@@ -61,7 +61,7 @@ def _inputs(case: Case):
 
 def _sink_reference(q, k, v, do, lengths, causal, scale, offset):
     """Per document, plain autograd with a sink column (logit ``offset[h]``, no value)."""
-    outs, lses, grads = [], [], []
+    outs, lses = [], []
     start = 0
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
     for n in lengths:
@@ -84,7 +84,9 @@ def _sink_reference(q, k, v, do, lengths, causal, scale, offset):
 
 
 def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> dict:
-    from megatron_fcp.attention.head_parallel_thd import fcp_head_parallel_packed_attention_with_lse
+    from megatron_fcp.attention.head_parallel_thd import (
+        fcp_head_parallel_packed_attention_with_lse,
+    )
     from megatron_fcp.attention.stats import FCPStats
     from megatron_fcp.testing.harness import per_document_reference
 
@@ -116,7 +118,9 @@ def _run_case(case: Case, group, ranks: tuple, rank: int, hp_groups: dict) -> di
 
 def _bad_inputs(group, ranks: tuple, hp_groups: dict) -> dict:
     """Each probe must raise ValueError on every rank before any communication."""
-    from megatron_fcp.attention.head_parallel_thd import fcp_head_parallel_packed_attention_with_lse
+    from megatron_fcp.attention.head_parallel_thd import (
+        fcp_head_parallel_packed_attention_with_lse,
+    )
 
     case = Case(2, "mix", True)
     hp = make_plan(case, ranks)

@@ -18,7 +18,15 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _head_parallel_thd_cases import DOCS, QUANTITIES, TOPOLOGIES, TOPOLOGY_2X2, Case, make_plan, worker  # noqa: E402
+from _head_parallel_thd_cases import (  # noqa: E402
+    DOCS,
+    QUANTITIES,
+    TOPOLOGIES,
+    TOPOLOGY_2X2,
+    Case,
+    make_plan,
+    worker,
+)
 
 from megatron_fcp.testing.launch import run_gloo  # noqa: E402
 
@@ -101,7 +109,11 @@ def test_packed_head_parallel_plan_errors():
 def test_packed_stage_plan_and_all_to_all_sizes():
     """The merged stage plan verifies and carries each KV-plan transfer once per member; the
     all-to-alls move (a-1)/a of each member's tokens' bytes each way (Note [Packed head-parallel cost])."""
-    from megatron_fcp.cost.head_parallel_packed import packed_a2a_messages, packed_stage_plan, simulate_packed_head_parallel
+    from megatron_fcp.cost.head_parallel_packed import (
+        packed_a2a_messages,
+        packed_stage_plan,
+        simulate_packed_head_parallel,
+    )
     from megatron_fcp.cost.model import AttentionShape
 
     shape = AttentionShape(256, 8, 2, 16, 2)

@@ -231,7 +231,7 @@ def fcp_head_parallel_packed_attention_with_lse(
     mask = resolve_mask(causal, None)
     rank, g, j, rep, scale, kern, groups = _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale,
                                                      kernel, softmax_offset)
-    t, h, d = q.shape
+    t, h, _ = q.shape
     a = hp_plan.degree
     if rep > 1:  # GQA with h_kv not divisible by a: repeat each KV head (grads summed back)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)        # [t, H, d]

@@ -33,8 +33,14 @@ from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.backward import simulate_plan_backward
 from megatron_fcp.cost.head_parallel import combine, stage_shape
-from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, AttentionShape, ComputeModel, SimResult, simulate_plan, \
-    simulate_rounds
+from megatron_fcp.cost.model import (
+    BACKWARD_FLOP_RATIO,
+    AttentionShape,
+    ComputeModel,
+    SimResult,
+    simulate_plan,
+    simulate_rounds,
+)
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel", "simulate_packed_plan"]
