@@ -448,7 +448,8 @@ def train(
                 lengths, _ = _packed_sample(0, 0, args)
                 plan = runtime.packed_plan(tuple(ps.get_context_parallel_global_ranks()), tuple(lengths))
                 info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(plan.ranks),
-                            rounds=len(plan.rounds), transfers=plan.num_transfers(), packed=True)
+                            rounds=len(plan.rounds), transfers=plan.num_transfers(), packed=True,
+                            head_parallel=runtime.packed_degree(tuple(plan.ranks), tuple(lengths)))
                 say(f"FCP packed: first micro-batch {lengths}\n{plan.placement.summary()}\n{plan.round_table()}")
             elif layout.cp > 1:
                 plan = runtime.plan(tuple(ps.get_context_parallel_global_ranks()), causal=True,

@@ -75,7 +75,7 @@ GPT_OSS = WINDOW + ["--softmax-type", "learnable"]
 MLA = BASE + ["--multi-latent-attention", "--fcp-topology", TOPO_2X2]
 
 #: part -> seconds its trainings may take on 2 shared cores (the world's timeout is their sum)
-PARTS = {"dense": 540, "recompute": 420, "packed": 420, "sinks": 600, "window": 600, "mla": 480}
+PARTS = {"dense": 540, "recompute": 420, "packed": 540, "sinks": 600, "window": 600, "mla": 480}
 
 
 def _example():
@@ -151,8 +151,8 @@ def _recompute(example, cp1: dict) -> dict:
 
 
 def _packed(example) -> dict:
-    """Packed batches: cp = 1 (SDPA per document), cp = 4 with the agreements counted, tp = 2 at cp = 1
-    and tp = 2 x cp = 2."""
+    """Packed batches: cp = 1 (SDPA per document), cp = 4 with the agreements counted, cp = 4 with the
+    head-parallel stage (a = 2), tp = 2 at cp = 1 and tp = 2 x cp = 2."""
     from megatron_fcp.attention import agreement
 
     out = {"cp1": example.train(*example.parse_args(PACKED_COMMON + CP1), log=_quiet)}
@@ -169,6 +169,7 @@ def _packed(example) -> dict:
     finally:
         agreement.agree = real
     out["cp4"]["agreements"] = len(calls)
+    out["cp4hp2"] = example.train(*example.parse_args(PACKED_COMMON + ["--fcp-head-parallel", "2"]), log=_quiet)
     out["tp2cp1"] = example.train(*example.parse_args(PACKED_COMMON + CP1 + ["--tensor-model-parallel-size", "2"]),
                                   log=_quiet)
     out["tp2cp2"] = example.train(*example.parse_args(

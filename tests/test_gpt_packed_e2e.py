@@ -1,13 +1,16 @@
 """End to end on packed batches (THD): the example's tiny GPT with FCP matches cp = 1.
 
 One 4-process gloo group (the world tests/_megatron_world.py shares with the other end-to-end tests)
-trains 20 steps four times on the same packed batches (FP32; documents of
+trains 20 steps five times on the same packed batches (FP32; documents of
 seeded lognormal lengths, 256 tokens a sequence):
 
 * cp = 1 (dp 4): each document attended alone on one rank (SDPA per document) with Megatron's own
   THD RoPE -- an implementation independent of FCP's executor, placement and RoPE shim;
 * cp = 4 with FCP on the hierarchical graph of a 2 x 2 topology (dp 1): tokens laid out by FCP's
   placement (short documents whole, long ones in 16-token blocks), RoPE by document position;
+  under the default ``--fcp-head-parallel auto`` each batch runs the degree (1 or 2) the cost model
+  predicts fastest for its documents (Note [Head-parallel degree of a packed batch]);
+* cp = 4 with the head-parallel stage, a = 2 (Note [Head-parallel stage on packed batches]);
 * tp = 2, cp = 1 and tp = 2, cp = 2 with FCP.
 
 Losses must agree within 1e-5 relative per step (grad norms of tp = 2 against tp = 2, cp = 1, as in
@@ -57,6 +60,20 @@ def test_packed_cp4_matches_cp1(runs):
     assert ref["losses"][-1] < ref["losses"][0] - 0.1  # it learns
     # one agreement per micro-batch (4 per step), not one per layer (2 layers)
     assert fcp["agreements"] == 4 * STEPS
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_packed_head_parallel_a2_matches_cp1(runs):
+    """cp = 4 with --fcp-head-parallel 2: documents placed over the two head groups (one per node of
+    the 2 x 2 topology), all-to-alls inside each, the KV stage across them."""
+    ref, hp = runs[0]["cp1"], runs[0]["cp4hp2"]
+    assert hp["fcp"]["packed"] and hp["fcp"]["cp"] == 4 and hp["fcp"]["head_parallel"] == 2
+    assert hp["fcp"]["kv_memory"]["head_parallel_bytes_sent"] > 0
+    for step, (a, b) in enumerate(zip(hp["losses"], ref["losses"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
+    for step, (a, b) in enumerate(zip(hp["grad_norms"], ref["grad_norms"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs cp=1 {b}"
 
 
 @pytest.mark.dist

@@ -102,21 +102,28 @@ class _Group:
         return self._size
 
 
-def test_packed_batches_with_the_stage_are_refused_naming_the_flag():
+def test_packed_batches_run_the_stage_and_bad_heads_are_refused_naming_the_fix():
+    """Packed batches with --fcp-head-parallel > 1 are served by FCP (the stage on THD shards:
+    tests/test_head_parallel_thd.py), and head counts the degree cannot split are refused before
+    any communication."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_fcp.patches.megatron import FCPCoreAttention
 
-    setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=2), layout=MegatronLayout(world=2, cp=2),
-              groups={}, seq_len=64)
+    rt = setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=2),
+                   layout=MegatronLayout(world=2, cp=2), groups={}, seq_len=64)
     cfg = SimpleNamespace(num_attention_heads=4, num_query_groups=None, kv_channels=8, hidden_size=32,
                           attention_dropout=0.0, window_size=None, softmax_type="vanilla", context_parallel_size=2,
                           params_dtype=torch.float32)
     att = FCPCoreAttention(config=cfg, layer_number=1, attn_mask_type=None,
                            pg_collection=SimpleNamespace(cp=_Group(2), tp=_Group(1)))
-    q = torch.zeros(4, 4, 8)
-    with pytest.raises(NotImplementedError, match="packed .THD. batches with a head-parallel stage.*--fcp-head-parallel 1"):
-        att(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    from megatron.core.transformer.enums import AttnMaskType
+
+    assert att._forward_reason(AttnMaskType.causal, None, PackedSeqParams(qkv_format="thd")) is None
+    hp = rt.packed_head_parallel((0, 1), (5, 7), causal=True, heads=4, kv_heads=4)
+    assert hp.degree == 2 and hp.num_groups == 1 and hp.placement == rt.packed_placement((5, 7), cp_ranks=(0, 1))
+    with pytest.raises(ValueError, match="must divide the query heads 3"):
+        rt.packed_head_parallel((0, 1), (5, 7), causal=True, heads=3, kv_heads=3)
 
 
 @pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
@@ -140,3 +147,36 @@ def test_auto_settles_the_planners_degree_at_setup():
     reset_fcp()
     assert setup_fcp(cfg.replace(head_parallel=1), layout=layout, groups={}, seq_len=32768, heads=32, kv_heads=8,
                      head_dim=128).head_parallel_degree() == 1
+
+
+def test_auto_lets_each_packed_batch_choose_its_degree():
+    """--fcp-head-parallel auto without a settled schedule (packed runs): every batch runs the
+    degree choose_packed_head_parallel picks for its documents, and its layout follows (Note
+    [Head-parallel degree of a packed batch]); an explicit degree runs on every batch."""
+    from megatron_fcp.contract.head_parallel import head_groups_for
+    from megatron_fcp.contract.head_parallel_packed import place_packed_groups
+    from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
+
+    ranks = tuple(range(8))
+    rt = setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", graph="hierarchical", block_tokens=64),
+                   layout=MegatronLayout(world=8, cp=8), groups={}, heads=8, kv_heads=2, head_dim=16)
+    assert rt.packed_degrees == (1, 2, 4, 8)
+    for seed in range(4):
+        docs = tuple(lognormal_lengths(5.0, 1.0, 2048, seed=seed))
+        want, _ = choose_packed_head_parallel("dgx-h100:1", ranks, docs, AttentionShape(2048, 8, 2, 16, 2),
+                                              graph="hierarchical", block_tokens=64)
+        got = rt.packed_degree(ranks, docs)
+        assert got == want
+        pl = rt.packed_placement(docs, cp_ranks=ranks)
+        if got == 1:
+            assert pl == place_packed(docs, 8, block_tokens=64)
+        else:
+            assert pl == place_packed_groups(docs, ranks, head_groups_for("dgx-h100:1", ranks, got), block_tokens=64)[1]
+            assert rt.packed_head_parallel(ranks, docs, causal=True, heads=8, kv_heads=2).degree == got
+    reset_fcp()
+    rt = setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=2), layout=MegatronLayout(world=8, cp=8),
+                   groups={}, heads=8, kv_heads=2, head_dim=16)
+    assert rt.packed_degrees == () and rt.packed_degree(ranks, (100, 20)) == 2
+    reset_fcp()

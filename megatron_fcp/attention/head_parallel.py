@@ -209,13 +209,16 @@ def head_parallel_bytes(hp_plan: HeadParallelPlan, s_local: int, batch: int, hea
 class _LocalAttention(torch.autograd.Function):
     """The block kernel over all tokens at once: q [n,b,h,d], k/v [n,b,h_kv,d], positions ``pos``,
     under ``mask`` (a :class:`~megatron_fcp.contract.mask.Mask`); ``softmax_offset`` [h] or None: the
-    sink, merged once after the kernel (attention.sinks)."""
+    sink, merged once after the kernel (attention.sinks). ``docs`` (int64 [n], packed batches):
+    each token's document, so a query sees only its own document's keys (a kernel with
+    ``documents``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, kernel: BlockKernel, pos: torch.Tensor, mask, scale: float,
-                softmax_offset: torch.Tensor | None):
+                softmax_offset: torch.Tensor | None, docs: torch.Tensor | None = None):
         hk = k.shape[2]
-        out, lse = kernel.forward(q, k, v, pos, pos, mask, scale, **kernel.prepare_forward(q, hk, scale))
+        ctx.doc_kw = {} if docs is None else {"q_doc": docs, "k_doc": docs}
+        out, lse = kernel.forward(q, k, v, pos, pos, mask, scale, **kernel.prepare_forward(q, hk, scale), **ctx.doc_kw)
         sink = sink_logits(softmax_offset, out.dtype)
         if sink is not None:  # Note [A sink enters once, after the merge]
             out, lse = apply_sink(out, lse, sink)
@@ -232,8 +235,8 @@ class _LocalAttention(torch.autograd.Function):
         doc = dout.to(compute_dtype_for(q.dtype))
         dsink = sink_grad(doc, out, lse, ctx.sink).to(ctx.offset_dtype) if ctx.needs_input_grad[7] else None
         dq, dk, dv = kern.backward(doc, q, k, v, out, lse, pos, pos, ctx.mask, ctx.scale,
-                                   **kern.prepare_backward(q, doc, out, k.shape[2]))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsink
+                                   **kern.prepare_backward(q, doc, out, k.shape[2]), **ctx.doc_kw)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsink, None
 
 
 def _group_positions(hp_plan: HeadParallelPlan, group: tuple[int, ...], s_local: int) -> torch.Tensor:

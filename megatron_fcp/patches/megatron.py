@@ -334,9 +334,6 @@ class FCPCoreAttention(torch.nn.Module):
         elif packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) != "thd":
             reason = (f"FCPCoreAttention: packed_seq_params with qkv_format="
                       f"{getattr(packed_seq_params, 'qkv_format', None)!r}; FCP packs documents as 'thd'")
-        elif packed_seq_params is not None and _head_parallel_degree() > 1:
-            reason = ("FCPCoreAttention: packed (THD) batches with a head-parallel stage are not supported yet; "
-                      "set --fcp-head-parallel 1 (fcp.head_parallel) for packed training")
         elif self.training and self.dropout_p > 0:
             reason = (f"FCPCoreAttention: attention dropout {self.dropout_p} in training is not supported; "
                       "set --attention-dropout 0")
@@ -382,12 +379,6 @@ class FCPCoreAttention(torch.nn.Module):
                 out = fcp_head_parallel_attention(query, key, value, cp_group=self.cp_group, hp_plan=hp_plan,
                                                   groups=groups, transport=stage, **kw)
         return out.reshape(s, b, h * d_v)  # [s, b, h*d_v]
-
-
-def _head_parallel_degree() -> int:
-    """``--fcp-head-parallel`` of the settled runtime (1 without one)."""
-    runtime = current_runtime()
-    return 1 if runtime is None or runtime.layout.cp == 1 else runtime.head_parallel_degree()
 
 
 def _fallback_mode() -> str:

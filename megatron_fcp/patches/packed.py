@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_fcp.attention.function import fcp_attention_with_lse
+from megatron_fcp.attention.head_parallel import HeadParallelGroups
+from megatron_fcp.attention.head_parallel_thd import fcp_head_parallel_packed_attention
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import check_doc_lengths
 from megatron_fcp.patches import REGISTRY
@@ -82,6 +84,14 @@ def doc_lengths_of(packed_seq_params: Any) -> tuple[int, ...]:
     return q
 
 
+def _ranks_of(cp_group: Any) -> tuple[int, ...] | None:
+    """The CP group's global ranks in CP order (None for a group object torch does not know)."""
+    try:
+        return tuple(dist.get_process_group_ranks(cp_group))
+    except Exception:  # noqa: BLE001 - hand-made groups in tests: the runtime's layout decides
+        return None
+
+
 def _cp_group_and_index(cp_group: Any) -> tuple[Any, int, int]:
     if cp_group is None:
         from megatron.core import parallel_state as ps  # noqa: PLC0415
@@ -110,13 +120,13 @@ def shard_packed_batch(batch: dict[str, torch.Tensor], cu_seqlens: Any, *, cp_gr
         if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != total:
             raise ValueError(f"batch[{name!r}]: expected [1, {total}] (one packed sequence of the documents "
                              f"in cu_seqlens), got {list(x.shape)}")
-    _, cp, index = _cp_group_and_index(cp_group)
+    cp_group, cp, index = _cp_group_and_index(cp_group)
     doc_pos = torch.cat([torch.arange(n) for n in lengths])[None, :]  # [1, t] positions inside documents
     if cp > 1:
         runtime = current_runtime()
         if runtime is None:
             raise FCPStateError("shard_packed_batch with CP > 1 needs FCP set up: call apply_fcp() and setup_fcp() first")
-        placement = runtime.packed_placement(lengths, causal=causal)
+        placement = runtime.packed_placement(lengths, causal=causal, cp_ranks=_ranks_of(cp_group))
         runtime.packed_epoch = (runtime.packed_epoch or 0) + 1
         take = torch.as_tensor(placement.token_index(index))
         out = {name: x[:, take].contiguous() for name, x in batch.items()}
@@ -182,8 +192,15 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         raise NotImplementedError(f"packed (THD) batches with CP > 1 need FCP's RoPE binding ({ROPE_TARGET}), "
                                   "which apply_fcp() could not install in this megatron-core")
     ranks = tuple(dist.get_process_group_ranks(module.cp_group))
-    plan = runtime.packed_plan(ranks, lengths, causal=causal, window=window)
-    placement = plan.placement
+    hp = None
+    degree = runtime.packed_degree(ranks, lengths, causal=causal)   # Note [Head-parallel degree of a packed batch]
+    if window is None and degree > 1:  # windowed layers run without the stage
+        hp = runtime.packed_head_parallel(ranks, lengths, causal=causal, heads=query.shape[1], kv_heads=key.shape[1])
+        plan = hp.kv_plan
+        placement = hp.placement
+    else:
+        plan = runtime.packed_plan(ranks, lengths, causal=causal, window=window)
+        placement = plan.placement
     index = ranks.index(dist.get_rank())
     if t != placement.tokens(index):
         raise ValueError(f"this rank holds {t} tokens but FCP's placement of the batch gives it "
@@ -193,13 +210,32 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     # batch's placement (Note [Per-layer plans] in megatron_fcp.patches.runtime), so each layer's
     # call checks the same facts and the windowed layers add no collective.
     masks = sorted({None, *runtime.windows, window}, key=lambda w: (w is not None, w))
-    plans = tuple((w, plan.rounds if w == window else runtime.packed_plan(ranks, lengths, causal=causal, window=w).rounds)
+    if degree > 1 and hp is None:  # a windowed layer: the full layers' stage too
+        hp = runtime.packed_head_parallel(ranks, lengths, causal=causal, heads=query.shape[1], kv_heads=key.shape[1])
+    stage = None if hp is None else (hp.degree, hp.head_groups, None if hp.kv_plan is None else hp.kv_plan.rounds)
+    plans = tuple((w, None if (w is None and hp is not None) else
+                   plan.rounds if w == window else runtime.packed_plan(ranks, lengths, causal=causal, window=w).rounds)
                   for w in masks)
     runtime.agreement.ensure(
-        {"doc_lengths": lengths, "placement": placement.blocks, "plans": plans, "causal": causal,
+        {"doc_lengths": lengths, "placement": placement.blocks, "plans": plans, "head_parallel": stage,
+         "causal": causal,
          "q": (tuple(query.shape[1:]), str(query.dtype)), "kv": (tuple(key.shape[1:]), value.shape[-1], str(key.dtype)),
          "sink": getattr(module, "softmax_offset", None) is not None},
         module.cp_group, epoch=runtime.packed_epoch, what="FCP packed plan", timeout_s=runtime.config.timeout_s)
+    if hp is not None and window is None:  # Note [Head-parallel execution on packed batches]
+        groups = runtime.packed_groups(ranks, degree) or HeadParallelGroups.of_cp_group(hp, module.cp_group)
+        if groups is None:
+            raise FCPStateError(f"the head-parallel process groups of CP group {list(ranks)} were not created: "
+                                "call setup_fcp() on every rank of the job (it creates them collectively)")
+        out = fcp_head_parallel_packed_attention(
+            query, key, value, cp_group=module.cp_group, hp_plan=hp, groups=groups, causal=causal,
+            softmax_scale=module.softmax_scale, kernel=runtime.config.kernel,
+            transport=None if groups.kv_group is None else transport(runtime, groups.kv_group),
+            backward_kv=runtime.config.backward_kv, kv_memory_budget=runtime.config.kv_memory_budget,
+            stats=runtime.layer_stats(module.layer_number), timeout_s=runtime.config.timeout_s,
+            check_numerics=runtime.config.check_numerics, agreement=None,  # agreed above, once per micro-batch
+            softmax_offset=getattr(module, "softmax_offset", None))
+        return out.reshape(t, -1)
     out, _ = fcp_attention_with_lse(query, key, value, cp_group=module.cp_group, plan=plan, placement=placement,
                                     causal=causal, window=window, softmax_scale=module.softmax_scale,
                                     transport=transport(runtime, module.cp_group), kernel=runtime.config.kernel,
@@ -224,11 +260,11 @@ def _packed_positions(cu_seqlens: Any, cp_group: Any, tokens: int) -> torch.Tens
     runtime = current_runtime()
     if cu_seqlens is None or runtime is None:
         return None
-    _, cp, index = _cp_group_and_index(cp_group)
+    cp_group, cp, index = _cp_group_and_index(cp_group)
     if cp == 1:
         return None
     lengths = _cu_lengths(cu_seqlens, "cu_seqlens")
-    placement = runtime.packed_placement(lengths)
+    placement = runtime.packed_placement(lengths, cp_ranks=_ranks_of(cp_group))
     if tokens != placement.tokens(index):
         raise ValueError(f"RoPE: this rank holds {tokens} tokens but FCP's placement gives it "
                          f"{placement.tokens(index)}: lay the batch out with shard_packed_batch")

@@ -15,6 +15,19 @@ group; a group that was not settled (the groups were re-created after setup) rai
 block size they run is the planner's choice (:mod:`megatron_fcp.patches.schedule`, Note [The
 runtime runs the planner's choice]).
 
+Note [Head-parallel degree of a packed batch]
+---------------------------------------------
+Under ``--fcp-head-parallel auto`` a run without a settled schedule (packed runs: no sequence
+length at setup) lets each packed batch choose its degree: the candidates are the degrees whose
+head groups fit inside nodes and split the heads per tensor-parallel rank
+(:func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`, CP group 0), and a batch runs
+the one of least predicted forward + backward time for its documents
+(:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`, the configured graph).
+The choice is a pure function of the lengths, so every rank makes the same one; the per-batch
+agreement compares the stage with the placement. The layout (``shard_packed_batch``, RoPE) and
+every layer follow the batch's degree (:meth:`FCPRuntime.packed_degree`); the process groups of
+every candidate are created at setup. An explicit degree runs on every batch.
+
 Note [Per-layer plans]
 ----------------------
 A model may mix masks: ``window_size`` with ``window_attn_skip_freq`` gives sliding-window layers
@@ -62,8 +75,10 @@ from megatron_fcp.contract.head_parallel import (
     check_head_parallel,
     group_placement,
     head_groups_for,
+    head_parallel_degrees,
     relabel_plan,
 )
+from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan, place_packed_groups
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
 from megatron_fcp.contract.plan import Plan
@@ -71,7 +86,11 @@ from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.patches.schedule import schedule_report, search_share, settle_schedule
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.choose import ScheduleChoice
-from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.planner.head_parallel import (
+    choose_packed_head_parallel,
+    compile_head_parallel,
+    compile_packed_head_parallel,
+)
 from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.topology import TopologyError, load_topology
 
@@ -272,6 +291,11 @@ class FCPRuntime:
     hp_degree: int | None = None  # settled by setup_fcp (auto: the planner's choice)
     schedule: ScheduleChoice | None = None  # the planner's choice settled by setup_fcp (None: none made)
     micro_batch: int = 1  # sequences per attention call (prices --fcp-kv-memory-budget in bytes)
+    #: --fcp-head-parallel auto without a settled schedule (packed runs): the degrees each packed batch
+    #: chooses from (Note [Head-parallel degree of a packed batch]); () = the run's one degree
+    packed_degrees: tuple[int, ...] = ()
+    packed_shape: AttentionShape | None = None  # per tensor-parallel rank; seq_len set per batch
+    packed_hp_groups: dict[tuple, Any] = field(default_factory=dict)  # (CP ranks, degree) -> HeadParallelGroups
 
     def head_parallel_degree(self) -> int:
         """The head-parallel degree of this run (``--fcp-head-parallel``, ``auto`` settled at setup;
@@ -351,14 +375,74 @@ class FCPRuntime:
         return next((p for (r, c, _), p in self.plans.items() if r == ranks and c), None)
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
-    def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True) -> Placement:
+    def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True,
+                         cp_ranks: tuple[int, ...] | None = None) -> Placement:
         """The placement of a packed batch over this run's CP size (deterministic, the same on every
         rank; cached by the lengths). Long documents are cut into ``--fcp-block-tokens`` blocks
-        (0: :data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`)."""
-        key = ("placement", tuple(doc_lengths), bool(causal))
+        (0: :data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`). With a head-parallel
+        stage (degree > 1) it is the member placement of CP group ``cp_ranks`` (default: this
+        rank's): the documents placed over the head groups, each group's tokens split among its
+        members (Note [Head-parallel stage on packed batches] in
+        :mod:`megatron_fcp.contract.head_parallel_packed`), so data, RoPE and every layer follow it."""
+        if cp_ranks is None:
+            cp_ranks = self.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
+        key = ("placement", tuple(doc_lengths), bool(causal), None if degree == 1 else tuple(cp_ranks))
         if key not in self.packed:
             block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
-            self._remember(key, place_packed(doc_lengths, self.layout.cp, block_tokens=block, causal=causal))
+            if degree == 1:
+                placement = place_packed(doc_lengths, self.layout.cp, block_tokens=block, causal=causal)
+            else:
+                groups = head_groups_for(self.topology, tuple(cp_ranks), degree)
+                placement = place_packed_groups(doc_lengths, tuple(cp_ranks), groups, block_tokens=block,
+                                                causal=causal)[1]
+            self._remember(key, placement)
+        self.packed.move_to_end(key)
+        return self.packed[key]
+
+    def packed_degree(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool = True) -> int:
+        """The head-parallel degree of a packed batch on CP group ``cp_ranks``: the run's degree, or
+        under ``auto`` the batch's own (Note [Head-parallel degree of a packed batch]; cached)."""
+        if self.layout.cp == 1:
+            return 1
+        if not self.packed_degrees:
+            return self.head_parallel_degree()
+        key = ("degree", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
+        if key not in self.packed:
+            shape = dataclasses.replace(self.packed_shape, seq_len=sum(doc_lengths))
+            best, _ = choose_packed_head_parallel(self.topology, tuple(cp_ranks), tuple(doc_lengths), shape,
+                                                  degrees=self.packed_degrees, graph=self.config.graph, causal=causal,
+                                                  block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS)
+            self._remember(key, best)
+        self.packed.move_to_end(key)
+        return self.packed[key]
+
+    def packed_groups(self, cp_ranks: tuple[int, ...], degree: int) -> Any:
+        """This rank's head-parallel process groups of CP group ``cp_ranks`` at ``degree`` (created at
+        setup), or None (degree 1 or ``cp``: the CP group serves)."""
+        found = self.packed_hp_groups.get((tuple(cp_ranks), degree))
+        if found is None and degree == self.head_parallel_degree():
+            found = self.hp_groups.get(tuple(cp_ranks))
+        return found
+
+    def packed_head_parallel(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool,
+                             heads: int, kv_heads: int) -> PackedHeadParallelPlan:
+        """The head-parallel stage of CP group ``cp_ranks`` on a packed batch (degree > 1; cached by
+        the lengths and head counts): the KV stage built with the configured graph over the group
+        placement whose member split is :meth:`packed_placement` (checked)."""
+        if tuple(cp_ranks) not in self.layout.cp_groups():
+            raise FCPStateError(f"CP group {list(cp_ranks)} is not a CP group of this run's layout; call setup_fcp() again")
+        key = ("hp", tuple(cp_ranks), tuple(doc_lengths), bool(causal), int(heads), int(kv_heads))
+        if key not in self.packed:
+            degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
+            hp = compile_packed_head_parallel(
+                self.topology, tuple(cp_ranks), doc_lengths, heads, kv_heads, degree, self.config.graph, causal=causal,
+                head_groups=head_groups_for(self.topology, tuple(cp_ranks), degree),
+                block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
+                head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2))
+            if hp.placement != self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks)):
+                raise FCPStateError("the packed head-parallel plan's member placement differs from the batch's layout")
+            self._remember(key, hp)
         self.packed.move_to_end(key)
         return self.packed[key]
 
@@ -373,7 +457,7 @@ class FCPRuntime:
         window = None if window is None else tuple(window)
         key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal), window)
         if key not in self.packed:
-            placement = self.packed_placement(doc_lengths, causal=causal)
+            placement = self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks))
             if window is not None:  # the same blocks, need sets under the layer's window
                 placement = dataclasses.replace(placement, window=window)
             self._remember(key, build_group_plan(self.config, self.topology, tuple(cp_ranks), causal=causal,
@@ -583,6 +667,11 @@ def setup_fcp(
             config, layout, topology, seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             dtype_bytes=dtype_bytes, micro_batch=micro_batch, v_head_dim=v_head_dim, window=window, share=share)
     degree = runtime.hp_degree = runtime.schedule.degree if runtime.schedule is not None else degree
+    if config.head_parallel == "auto" and runtime.schedule is None and layout.cp > 1 and heads is not None \
+            and head_dim is not None:  # packed runs: each batch chooses (Note [Head-parallel degree of a packed batch])
+        cands = tuple(head_parallel_degrees(topology, layout.cp_groups()[0], tp_heads, tp_kv))
+        runtime.packed_degrees = cands if len(cands) > 1 else ()   # one candidate: nothing to choose
+        runtime.packed_shape = AttentionShape(1, tp_heads, tp_kv, head_dim, dtype_bytes, v_head_dim)
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     if layout.cp > 1:
         for cp_ranks in layout.cp_groups():
@@ -597,6 +686,8 @@ def setup_fcp(
         if 1 < degree < layout.cp and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() == layout.world:
             _create_head_parallel_groups(runtime, degree)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == layout.world:
+            _create_packed_head_parallel_groups(runtime)
     _RUNTIME = runtime
     return runtime
 
@@ -663,6 +754,19 @@ def _create_head_parallel_groups(runtime: FCPRuntime, degree: int) -> None:
     runtime.hp_groups = {r: g for r, g in zip(cp_groups, mine) if g is not None}
     logger.info("FCP head-parallel stage: degree %d, head groups of CP group 0: %s", degree,
                 head_groups_for(runtime.topology, cp_groups[0], degree))
+
+
+def _create_packed_head_parallel_groups(runtime: FCPRuntime) -> None:
+    """The process groups of every degree a packed batch may choose under ``auto`` (collective over
+    the whole world, degrees ascending, CP groups in layout order)."""
+    from megatron_fcp.attention.head_parallel import create_head_parallel_groups  # noqa: PLC0415
+
+    cp_groups = runtime.layout.cp_groups()
+    for a in runtime.packed_degrees:
+        if 1 < a < runtime.layout.cp:
+            mine = create_head_parallel_groups([head_groups_for(runtime.topology, r, a) for r in cp_groups],
+                                               timeout_s=runtime.config.timeout_s)
+            runtime.packed_hp_groups.update({(r, a): g for r, g in zip(cp_groups, mine) if g is not None})
 
 
 def _megatron_cp_group() -> Any:

@@ -35,9 +35,11 @@ function of the flags, the topology and the shapes, so every rank settles the sa
 setup agreement compares it). In a job of several processes the search is shared (Note [Sharing
 the search] in :mod:`megatron_fcp.planner.choose`): :func:`search_share` splits it over the job's
 ranks (the default group, when it spans the layout's world), each pricing its part, one bounded
-gather per round, the same answer on every rank. Without the shapes at setup (``heads``, ``head_dim`` or
-``seq_len`` unknown, packed batches) there is no choice: degree 1 for ``auto``, the configured
-graph and the parts rule.
+gather per round, the same answer on every rank. Without the shapes at setup (``heads``,
+``head_dim`` or ``seq_len`` unknown, packed batches) there is no choice at setup: the configured
+graph and the parts rule; under ``auto`` each packed batch then chooses its head-parallel degree
+(Note [Head-parallel degree of a packed batch] in :mod:`megatron_fcp.patches.runtime`), and zigzag
+batches run degree 1.
 """
 
 from __future__ import annotations

@@ -34,12 +34,17 @@ from megatron_fcp.contract.head_parallel import (
     HeadParallelPlan,
     check_head_parallel,
     group_placement,
+    head_groups_for,
+    head_parallel_degrees,
     relabel_plan,
     topology_head_groups,
 )
+from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan, place_packed_groups
 from megatron_fcp.contract.mask import Mask
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, place_packed
 from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag
+from megatron_fcp.cost.head_parallel_packed import simulate_packed_head_parallel, simulate_packed_plan
+from megatron_fcp.cost.model import AttentionShape, ComputeModel, pad_for_zigzag
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import get_builder
 from megatron_fcp.planner.compile import compile_plan
@@ -50,7 +55,7 @@ BALANCE_MAX_GROUPS = 64
 (:func:`~megatron_fcp.planner.compile.compile_plan`'s ``balance``; O(transfers x rounds)); larger
 stages keep plain waves, which keeps a 1,024-rank head-parallel plan within the planning budget."""
 
-__all__ = ["compile_head_parallel"]
+__all__ = ["compile_head_parallel", "compile_packed_head_parallel", "choose_packed_head_parallel"]
 
 
 def compile_head_parallel(
@@ -113,3 +118,89 @@ def compile_head_parallel(
         kv = relabel_plan(plan, range(G))
     hp = HeadParallelPlan(ranks, degree, groups, kv, rep)
     return hp.verify()
+
+
+def compile_packed_head_parallel(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    doc_lengths: Sequence[int],
+    heads: int,
+    kv_heads: int,
+    degree: int,
+    graph: str = "hierarchical",
+    *,
+    causal: bool = True,
+    head_groups: Sequence[Sequence[int]] | None = None,
+    block_tokens: int | None = None,
+    head_dim: int | None = None,
+    dtype_bytes: int = 2,
+) -> PackedHeadParallelPlan:
+    """A verified :class:`PackedHeadParallelPlan` of one packed batch (Note [Head-parallel stage on
+    packed batches] in :mod:`megatron_fcp.contract.head_parallel_packed`).
+
+    The documents are placed over the head groups (default
+    :func:`~megatron_fcp.contract.head_parallel.head_groups_for`: inside nodes where ``degree``
+    fits them, as the runtime's groups) with :func:`~megatron_fcp.contract.placement.place_packed` (``block_tokens``: its block
+    size, default the placement's), split among each group's members, and the KV stage is built
+    with ``graph`` (a builder name or ``"auto"``) over member 0's ranks and the group placement,
+    then renamed onto virtual ranks ``0..G-1``. ``heads`` / ``kv_heads``: the attention's (per
+    tensor-parallel rank); ValueError naming the fix when ``degree`` does not fit them or the CP
+    size. ``degree`` must be >= 2 (degree 1 is the plain packed plan)."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    if degree < 2:
+        raise ValueError(f"compile_packed_head_parallel: degree {degree}; degree 1 is the plain packed plan "
+                         "(build_plan(..., placement=place_packed(...)))")
+    rep = check_head_parallel(heads, kv_heads, degree, len(ranks))
+    groups = tuple(tuple(g) for g in head_groups) if head_groups is not None \
+        else head_groups_for(topo, ranks, degree)
+    place_kw = {"causal": causal} if block_tokens is None else {"causal": causal, "block_tokens": block_tokens}
+    group_pl, member_pl = place_packed_groups(doc_lengths, ranks, groups, **place_kw)
+    kv = None
+    if len(groups) > 1:
+        stage0 = tuple(g[0] for g in groups)
+        plan = build_plan(topo, stage0, graph, causal=causal, placement=group_pl, heads=heads // degree,
+                          kv_heads=kv_heads * rep // degree, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        kv = relabel_plan(plan, range(len(groups)))
+    return PackedHeadParallelPlan(ranks, degree, groups, group_pl, member_pl, kv, rep).verify()
+
+
+def choose_packed_head_parallel(
+    topology: "Topology | str",
+    cp_ranks: Sequence[int],
+    doc_lengths: Sequence[int],
+    shape: AttentionShape,
+    *,
+    degrees: Sequence[int] | None = None,
+    graph: str = "hierarchical",
+    causal: bool = True,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    compute_model: ComputeModel | None = None,
+) -> tuple[int, dict[int, float]]:
+    """The head-parallel degree of least predicted forward + backward time on one packed batch, and
+    every candidate's seconds (``{degree: seconds}``), priced by
+    :func:`~megatron_fcp.cost.head_parallel_packed.simulate_packed_head_parallel` (``a = 1``: the
+    plain packed plan over ``place_packed``, by ``simulate_packed_plan``). ``degrees`` (default:
+    every degree whose head groups fit inside nodes and split ``shape``'s heads,
+    :func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`); ties go to the smaller
+    degree. ``shape.seq_len`` is not read (the documents set it). The KV stage of every degree is
+    built with ``graph``."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cands = list(degrees) if degrees is not None else head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads)
+    if not cands:
+        raise ValueError("choose_packed_head_parallel: no candidate degree")
+    times: dict[int, float] = {}
+    for a in sorted(set(cands)):
+        if a == 1:
+            pl = place_packed(doc_lengths, len(ranks), block_tokens=block_tokens, causal=causal)
+            plan = build_plan(topo, ranks, graph, causal=causal, placement=pl, heads=shape.heads,
+                              kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
+            times[a] = simulate_packed_plan(plan, topo, shape, compute_model=compute_model).total_s
+        else:
+            hp = compile_packed_head_parallel(topo, ranks, doc_lengths, shape.heads, shape.kv_heads, a, graph,
+                                              causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
+                                              dtype_bytes=shape.dtype_bytes)
+            times[a] = simulate_packed_head_parallel(hp, topo, shape, compute_model=compute_model).total_s
+    best = min(times, key=lambda a: (times[a], a))
+    return best, times

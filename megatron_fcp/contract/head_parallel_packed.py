@@ -1,0 +1,199 @@
+"""The head-parallel stage on packed (THD) batches: a placement over head groups, split among members. Pure.
+
+Note [Head-parallel stage on packed batches]
+--------------------------------------------
+The zigzag stage (Note [Head-parallel stage] in :mod:`megatron_fcp.contract.head_parallel`) gives a
+head group the union of its members' zigzag chunks. A packed batch has no zigzag chunks, so the
+mapping is built the other way round, from the head groups down:
+
+1. **group placement**: the documents are placed over ``G = cp / a`` virtual ranks, one per head
+   group (:func:`~megatron_fcp.contract.placement.place_packed` with ``cp = G``): short documents
+   whole on one group, long ones cut into blocks, work balanced over the *groups*.
+2. **member split**: group ``g``'s tokens (its spans, in order) are cut into ``a`` contiguous
+   pieces of near-equal token count (the first ``T_g mod a`` members one token more); member ``j``
+   holds piece ``j``. A span crossing a cut becomes two adjacent spans. The result is an ordinary
+   :class:`~megatron_fcp.contract.placement.Placement` over the ``cp`` ranks (by CP index): the
+   *member placement*. It is what each rank holds before and after attention, so the data path
+   (``shard_packed_batch``) and RoPE follow it unchanged.
+3. **exactness**: the concatenation of group ``g``'s members' shards in member order is group
+   ``g``'s shard of the group placement, token for token. After the all-to-all inside the head
+   group, member ``j`` holds exactly that shard for head shard ``j``, so the KV stage of head shard
+   ``j`` (member ``j`` of every group) is an ordinary packed FCP plan over the group placement,
+   run on those ``G`` ranks. The inverse all-to-all returns each member's piece for all heads.
+
+For ``cp = 4``, ``a = 2``, head groups ``(r0, r1)``, ``(r2, r3)`` and documents ``[3, 9, 2]`` (blocks
+of 4 tokens; adjacent spans shown merged)::
+
+    group placement (G = 2)    g0: d1[6,9) d2[0,2)          g1: d0[0,3) d1[0,3) d1[3,6)
+    member split               r0: d1[6,9)  r1: d2[0,2)     r2: d0[0,3) d1[0,2)  r3: d1[2,3) d1[3,6)
+    after the all-to-all       r0, r1: g0's 5 tokens        r2, r3: g1's 9 tokens (h/a heads each)
+    KV stage j                 (r0|r1 for j = 0|1, r2|r3) runs the packed plan of the group placement
+
+Member shards are near-equal within a group, not across groups (the placement balances work, not
+tokens), and the all-to-all's sizes differ by member: it moves ``t_m`` tokens from member ``m``
+(``all_to_all`` with split sizes; on gloo one ``isend``/``irecv`` pair per peer).
+
+Why not place over ``cp`` ranks and let a group be the union of its members' placements? Then a
+member's shard is whatever the placement gave it and the group's work is the sum of ``a`` ranks'
+work, balanced only by chance; placing over groups balances exactly what the KV stage computes,
+and the member split only moves tokens the all-to-all moves anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_fcp.contract.blocks import PlanError
+from megatron_fcp.contract.head_parallel import check_head_parallel, relabel_plan
+from megatron_fcp.contract.placement import Placement, Span, place_packed
+from megatron_fcp.contract.plan import Plan
+
+__all__ = ["PackedHeadParallelPlan", "split_group_placement", "place_packed_groups", "member_counts"]
+
+
+def member_counts(tokens: int, degree: int) -> tuple[int, ...]:
+    """Tokens of each of ``degree`` members of a group holding ``tokens`` (near-equal, the first
+    ``tokens % degree`` members one more)."""
+    base, extra = divmod(tokens, degree)
+    return tuple(base + (1 if j < extra else 0) for j in range(degree))
+
+
+def _cut(spans: Sequence[Span], counts: Sequence[int]) -> list[tuple[Span, ...]]:
+    """``spans`` (in order) cut into consecutive pieces of ``counts`` tokens each."""
+    out: list[tuple[Span, ...]] = []
+    queue = list(spans)
+    for want in counts:
+        piece: list[Span] = []
+        while want > 0:
+            s = queue.pop(0)
+            take = min(want, s.tokens)
+            piece.append(Span(s.doc, s.start, s.start + take))
+            if take < s.tokens:
+                queue.insert(0, Span(s.doc, s.start + take, s.end))
+            want -= take
+        out.append(tuple(piece))
+    return out
+
+
+def split_group_placement(group_placement: Placement, ranks: Sequence[int],
+                          head_groups: Sequence[Sequence[int]]) -> Placement:
+    """The member placement (Note [Head-parallel stage on packed batches], step 2): virtual rank
+    ``g`` of ``group_placement`` is head group ``head_groups[g]``; its tokens are cut into
+    :func:`member_counts` pieces, member ``j`` (global rank ``head_groups[g][j]``) taking piece
+    ``j``. Returns a Placement over ``ranks`` (CP order)."""
+    ranks = tuple(ranks)
+    if group_placement.cp != len(head_groups):
+        raise PlanError(f"group placement over {group_placement.cp} ranks for {len(head_groups)} head groups")
+    blocks: dict[int, tuple[Span, ...]] = {}
+    for g, group in enumerate(head_groups):
+        pieces = _cut(group_placement.blocks[g], member_counts(group_placement.tokens(g), len(group)))
+        for member, piece in zip(group, pieces):
+            blocks[member] = piece
+    if sorted(blocks) != sorted(ranks):
+        raise PlanError(f"head groups {list(map(list, head_groups))} do not partition the CP ranks {list(ranks)}")
+    return Placement(group_placement.doc_lengths, tuple(blocks[r] for r in ranks), group_placement.causal,
+                     group_placement.window)
+
+
+def place_packed_groups(doc_lengths: Sequence[int], ranks: Sequence[int], head_groups: Sequence[Sequence[int]],
+                        **place_kw) -> tuple[Placement, Placement]:
+    """``(group placement over G virtual ranks, member placement over ranks)`` of a packed batch
+    (Note [Head-parallel stage on packed batches]); ``place_kw`` go to :func:`place_packed`."""
+    group = place_packed(doc_lengths, len(head_groups), **place_kw)
+    return group, split_group_placement(group, ranks, head_groups)
+
+
+@dataclass(frozen=True)
+class PackedHeadParallelPlan:
+    """A CP group's head-parallel stage on one packed batch (Note [Head-parallel stage on packed batches]).
+
+    ranks: the CP group's global ranks in CP order.
+    degree: ``a``, ranks per head group (> 1).
+    head_groups: ``G = cp / a`` tuples of ``a`` global ranks; member ``j`` takes head shard ``j``.
+    group_placement: the batch placed over the ``G`` head groups (virtual ranks ``0..G-1``).
+    placement: the member placement over ``ranks`` (:func:`split_group_placement`): each rank's tokens.
+    kv_plan: the KV stage's plan over virtual ranks ``0..G-1`` with ``placement=group_placement``;
+        None when ``G == 1`` (attention local over the whole batch).
+    kv_replication: times each KV head is repeated before the split (as the zigzag stage).
+    """
+
+    ranks: tuple[int, ...]
+    degree: int
+    head_groups: tuple[tuple[int, ...], ...]
+    group_placement: Placement
+    placement: Placement
+    kv_plan: Plan | None
+    kv_replication: int = 1
+    _stage_plans: dict[int, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        cp = len(self.ranks)
+        members = sorted(r for g in self.head_groups for r in g)
+        if self.degree < 2 or cp % self.degree or members != sorted(self.ranks) \
+                or any(len(g) != self.degree for g in self.head_groups):
+            raise PlanError(f"head groups {self.head_groups} must split the CP ranks {self.ranks} into groups of "
+                            f"{self.degree} (degree >= 2; degree 1 is the plain packed plan)")
+        groups = len(self.head_groups)
+        if self.group_placement.cp != groups or self.placement.cp != cp:
+            raise PlanError(f"placements over {self.group_placement.cp} groups / {self.placement.cp} ranks for "
+                            f"{groups} head groups of {cp} CP ranks")
+        if (self.kv_plan is None) != (groups == 1):
+            raise PlanError("a packed head-parallel plan has a KV-stage plan exactly when there is more than one "
+                            "head group")
+        if self.kv_plan is not None and (self.kv_plan.ranks != tuple(range(groups))
+                                         or self.kv_plan.placement != self.group_placement):
+            raise PlanError("the KV-stage plan must run over virtual ranks 0..G-1 and the group placement")
+
+    @property
+    def cp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.head_groups)
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """``(g, j)``: head group of global ``rank`` and its member index there."""
+        for g, group in enumerate(self.head_groups):
+            if rank in group:
+                return g, group.index(rank)
+        raise PlanError(f"rank {rank} is not in the CP group {self.ranks}")
+
+    def member_tokens(self, g: int) -> tuple[int, ...]:
+        """Tokens each member of head group ``g`` holds (member order)."""
+        return tuple(self.placement.tokens(self.ranks.index(r)) for r in self.head_groups[g])
+
+    def kv_stage_ranks(self, member: int) -> tuple[int, ...]:
+        """Global ranks of head shard ``member``'s KV stage: member ``member`` of every group."""
+        return tuple(group[member] for group in self.head_groups)
+
+    def kv_plan_for(self, member: int) -> Plan | None:
+        """:attr:`kv_plan` on head shard ``member``'s KV-stage ranks (one object per member)."""
+        if self.kv_plan is None:
+            return None
+        plan = self._stage_plans.get(member)
+        if plan is None:
+            plan = self._stage_plans[member] = relabel_plan(self.kv_plan, self.kv_stage_ranks(member))
+        return plan
+
+    def verify(self) -> "PackedHeadParallelPlan":
+        """Prove the stage: the groups partition the ranks, the member placement is the group
+        placement's split (member shards concatenate to the group's shard, span for span up to
+        cuts), the KV plan is verified. Raises :class:`PlanError`; returns ``self``."""
+        self.__post_init__()
+        if split_group_placement(self.group_placement, self.ranks, self.head_groups) != self.placement:
+            raise PlanError("the member placement is not the split of the group placement")
+        if self.kv_plan is not None:
+            self.kv_plan.verify()
+        return self
+
+    def check_heads(self, heads: int, kv_heads: int) -> int:
+        """:func:`check_head_parallel` for these head counts (ValueError naming the fix); checks
+        ``kv_replication`` too and returns it."""
+        rep = check_head_parallel(heads, kv_heads, self.degree, self.cp)
+        if rep != self.kv_replication:
+            raise ValueError(f"the packed head-parallel plan was built with kv_replication={self.kv_replication} but "
+                             f"h={heads}, h_kv={kv_heads} at degree {self.degree} need {rep}; rebuild it for these "
+                             "head counts")
+        return rep

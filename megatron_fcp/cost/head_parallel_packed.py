@@ -1,0 +1,120 @@
+"""The head-parallel stage on a packed batch on the cost model: all-to-alls of unequal pieces and the
+KV stages merged into one plan. Pure, no torch.
+
+Note [Packed head-parallel cost]
+--------------------------------
+A :class:`~megatron_fcp.contract.head_parallel_packed.PackedHeadParallelPlan` is timed as the
+zigzag stage is (Note [Head-parallel cost] in :mod:`megatron_fcp.cost.head_parallel`), three
+stages back to back per pass, with the packed batch's sizes:
+
+* **all-to-alls**: member ``m`` of a head group holds ``t_m`` tokens; into the heads it sends
+  ``t_m`` tokens of head shard ``i`` to each member ``i``, back each member ``i`` sends it the
+  ``t_m`` rows of shard ``i``. Per token and member: ``(q(1) + rep * kv(1)) / a`` for Q|K|V (and
+  dQ|dK|dV), ``o(1) / a`` for O and dO. One contention-aware round each
+  (:func:`~megatron_fcp.cost.model.simulate_rounds`); none is hidden behind the stage (the engine
+  sends one all-to-all each way: Note [Head-parallel execution on packed batches]).
+* **KV stage**: :func:`packed_stage_plan` merges the ``a`` stages into one verified Plan on the CP
+  ranks over a placement of ``a`` copies of the documents (rank (group ``g``, member ``j``) holds
+  group ``g``'s spans of copy ``j``), so copies' need sets keep each stage to itself and the stages
+  contend for the same links, as the zigzag stage plan does; forward by
+  :func:`~megatron_fcp.cost.model.simulate_plan`, backward by
+  :func:`~megatron_fcp.cost.backward.simulate_plan_backward` (one pass, KV kept), with ``h/a``
+  query and ``rep * h_kv / a`` KV heads (:func:`~megatron_fcp.cost.head_parallel.stage_shape`).
+
+``a = 1`` is the plain packed plan over :func:`~megatron_fcp.contract.placement.place_packed`,
+priced by the same two functions.
+"""
+
+from __future__ import annotations
+
+from megatron_fcp.contract.blocks import Block, Transfer
+from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
+from megatron_fcp.contract.placement import Placement, Span
+from megatron_fcp.contract.plan import Plan
+from megatron_fcp.cost.backward import simulate_plan_backward
+from megatron_fcp.cost.head_parallel import combine, stage_shape
+from megatron_fcp.cost.model import (
+    BACKWARD_FLOP_RATIO,
+    AttentionShape,
+    ComputeModel,
+    SimResult,
+    simulate_plan,
+    simulate_rounds,
+)
+from megatron_fcp.topology import Topology, load_topology
+
+__all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel", "simulate_packed_plan"]
+
+
+def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
+    """Every KV stage of ``hp`` merged into one verified Plan on ``hp.ranks`` (Note [Packed
+    head-parallel cost]): ``a`` copies of the documents, rank (``g``, ``j``) holding group ``g``'s
+    spans of copy ``j``; each KV-plan transfer once per member."""
+    a, n = hp.degree, len(hp.group_placement.doc_lengths)
+    gp, groups = hp.group_placement, hp.head_groups
+    pos = {r: (g, j) for g, group in enumerate(groups) for j, r in enumerate(group)}
+    blocks = tuple(tuple(Span(s.doc + pos[r][1] * n, s.start, s.end) for s in gp.blocks[pos[r][0]]) for r in hp.ranks)
+    placement = Placement(gp.doc_lengths * a, blocks, gp.causal, gp.window)
+    rounds: tuple = ()
+    if hp.kv_plan is not None:
+        rounds = tuple(tuple(Transfer(groups[t.src][j], groups[t.dst][j], Block(groups[t.block.owner][j], t.block.chunk, 0))
+                             for t in rnd for j in range(a)) for rnd in hp.kv_plan.rounds)
+    name = hp.kv_plan.name if hp.kv_plan is not None else "a2a"
+    return Plan(hp.ranks, rounds, gp.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
+
+
+def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which: str) -> list[tuple[int, int, float]]:
+    """``(src, dst, bytes)`` of one all-to-all: ``which`` is ``"qkv-in"`` (Q|K|V to heads),
+    ``"qkv-out"`` (dQ|dK|dV back), ``"o-in"`` (dO to heads) or ``"o-out"`` (O back)."""
+    a, rep = hp.degree, hp.kv_replication
+    per = {"qkv": (shape.q_bytes(1) + shape.kv_bytes(1) * rep) / a, "o": shape.o_bytes(1) / a}
+    kind, _, direction = which.partition("-")
+    if kind not in per or direction not in ("in", "out"):
+        raise ValueError(f"which: 'qkv-in', 'qkv-out', 'o-in' or 'o-out', got {which!r}")
+    out = []
+    for g, group in enumerate(hp.head_groups):
+        tokens = hp.member_tokens(g)
+        for m, src in enumerate(group):
+            for i, dst in enumerate(group):
+                if m != i and tokens[m]:  # in: m's rows of shard i to i; out: shard i's rows of m back to m
+                    out.append((src, dst, tokens[m] * per[kind]) if direction == "in" else (dst, src, tokens[m] * per[kind]))
+    return out
+
+
+def simulate_packed_plan(plan: Plan, topology: "Topology | str", shape: AttentionShape, *,
+                         compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0,
+                         backward_flop_ratio: float = BACKWARD_FLOP_RATIO, grad_dtype_bytes: int | None = None,
+                         name: str = "fcp") -> SimResult:
+    """Forward + backward of a packed plan (a placement plan: degree 1, or a merged stage plan)."""
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    fwd = simulate_plan(plan, topo, shape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
+    bwd = simulate_plan_backward(plan, topo, shape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+                                 grad_dtype_bytes=grad_dtype_bytes, round_overhead_s=round_overhead_s, name=name)
+    return combine(name, [fwd, bwd], {"fwd_total_s": fwd.total_s, "bwd_total_s": bwd.total_s, "head_parallel": 1,
+                                      "graph": plan.name, "transfers": plan.num_transfers()})
+
+
+def simulate_packed_head_parallel(hp: PackedHeadParallelPlan, topology: "Topology | str", shape: AttentionShape, *,
+                                  compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0,
+                                  backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
+                                  grad_dtype_bytes: int | None = None, name: str = "fcp") -> SimResult:
+    """Forward + backward of ``hp`` (Note [Packed head-parallel cost]); ``shape``: the attention's
+    heads, KV heads, head size and dtype (``seq_len`` is not read: the documents set it).
+    ``meta``: ``head_parallel``, ``graph``, ``kv_replication``, ``fwd_total_s``, ``bwd_total_s``."""
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    sp = packed_stage_plan(hp)
+    sshape = stage_shape(hp, shape)
+
+    def a2a(which: str) -> SimResult:
+        return simulate_rounds(topo, [packed_a2a_messages(hp, shape, which)], round_overhead_s, name="a2a-" + which)
+
+    kv_f = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
+    kv_b = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
+                                  grad_dtype_bytes=grad_dtype_bytes, round_overhead_s=round_overhead_s, name=name)
+    fwd = combine(name, [a2a("qkv-in"), kv_f, a2a("o-out")])
+    bwd = combine(name, [a2a("o-in"), kv_b, a2a("qkv-out")])
+    meta = {"head_parallel": hp.degree, "graph": sp.name, "kv_replication": hp.kv_replication,
+            "fwd_total_s": fwd.total_s, "bwd_total_s": bwd.total_s, "transfers": sp.num_transfers()}
+    return combine(name, [fwd, bwd], meta)

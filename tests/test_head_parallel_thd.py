@@ -1,0 +1,154 @@
+"""The head-parallel stage on packed (THD) batches on real gloo worlds: cp = 4 (a = 2, and a = 4:
+one head group, attention local over the whole batch) and cp = 8 (a = 4 and a = 2).
+
+Every case against an FP64 per-document reference (plain torch, each document attended alone):
+out, LSE, dQ, dK, dV within 1e-12 x max(1, max|ref|) on every rank's shard; GQA with and without KV
+replication (h = 4, h_kv = 2 / 1 at a = 2; h = 8, h_kv = 2 at a = 4), causal and not, a sink, the
+fused CPU flash kernel in FP32 (1e-5), members without tokens. The member placement is checked
+pure: each group's member shards concatenate to the group's placement shard. Bad input raises
+ValueError before any communication. Pure: the merged stage plan and the all-to-all sizes the
+cost model prices, and choose_packed_head_parallel's choice (the least predicted time).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _head_parallel_thd_cases import (  # noqa: E402
+    DOCS,
+    QUANTITIES,
+    TOPOLOGIES,
+    TOPOLOGY_2X2,
+    Case,
+    make_plan,
+    worker,
+)
+
+from megatron_fcp.testing.launch import run_gloo  # noqa: E402
+
+CASES_4 = [
+    Case(2, "mix", True), Case(2, "mix", False), Case(2, "mix", True, heads=(4, 1)), Case(2, "one", True),
+    Case(2, "tiny", True), Case(2, "mix", True, graph="ring"), Case(2, "mix", True, sink=True),
+    Case(2, "mix", True, dtype="fp32", kernel="cpu-flash"),
+    Case(4, "mix", True, heads=(8, 2)), Case(4, "mix", False, heads=(8, 2)), Case(4, "tiny", True, heads=(8, 2)),
+]
+CASES_8 = [
+    Case(4, "mix", True, heads=(8, 2)), Case(4, "mix", False, heads=(8, 2)), Case(4, "one", True, heads=(8, 4)),
+    Case(2, "mix", True), Case(2, "mix", True, heads=(4, 1), graph="ring"),
+]
+
+
+def _check(per_rank, cases):
+    for case in cases:
+        tol = 1e-12 if case.dtype == "fp64" else 1e-5
+        for r, res in enumerate(per_rank):
+            got = res[case.name]
+            for n in QUANTITIES:
+                bound = tol * max(1.0, got["ref_max"][n])
+                assert got["err"][n] <= bound, f"{case.name} rank {r} {n}: {got['err'][n]:.3e} > {bound:.1e}"
+        assert sum(res[case.name]["tokens"] for res in per_rank) == sum(DOCS[case.docs])
+        assert any(res[case.name]["a2a_bytes"] > 0 for res in per_rank)
+
+
+def _check_bad(per_rank):
+    want = {"tokens": "member placement gives it", "heads": "must divide the query heads",
+            "rep": "kv_replication", "causal": "causal=True", "plan": "PackedHeadParallelPlan"}
+    for res in per_rank:
+        for name, text in want.items():
+            msg = res["bad_inputs"][name]
+            assert msg is not None and text in msg, f"bad input {name!r}: {msg!r}"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_packed_head_parallel_cp4():
+    per_rank = run_gloo(worker, 4, CASES_4, timeout_s=300)
+    _check_bad(per_rank)
+    _check(per_rank, CASES_4)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_packed_head_parallel_cp8():
+    per_rank = run_gloo(worker, 8, CASES_8, timeout_s=400)
+    _check_bad(per_rank)
+    _check(per_rank, CASES_8)
+
+
+def test_member_placement_concatenates_to_the_group_placement():
+    from megatron_fcp.contract.head_parallel_packed import member_counts
+
+    for case, ranks in ((Case(2, "mix", True), (0, 1, 2, 3)), (Case(4, "mix", True, heads=(8, 2)), tuple(range(8))),
+                        (Case(2, "tiny", True), (0, 1, 2, 3))):
+        hp = make_plan(case, ranks)
+        for g, group in enumerate(hp.head_groups):
+            idx = [ranks.index(r) for r in group]
+            joined = [i for c in idx for i in hp.placement.token_index(c).tolist()]
+            assert joined == hp.group_placement.token_index(g).tolist()
+            assert hp.member_tokens(g) == member_counts(hp.group_placement.tokens(g), hp.degree)
+        assert (hp.kv_plan is None) == (hp.num_groups == 1)
+
+
+def test_packed_head_parallel_plan_errors():
+    from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
+
+    with pytest.raises(ValueError, match="must divide the CP size"):
+        compile_packed_head_parallel(TOPOLOGY_2X2, (0, 1, 2, 3), (5, 7), 6, 6, 3)
+    with pytest.raises(ValueError, match="must divide the query heads"):
+        compile_packed_head_parallel(TOPOLOGY_2X2, (0, 1, 2, 3), (5, 7), 3, 3, 2)
+    with pytest.raises(ValueError, match="degree 1 is the plain packed plan"):
+        compile_packed_head_parallel(TOPOLOGY_2X2, (0, 1, 2, 3), (5, 7), 4, 4, 1)
+    with pytest.raises(ValueError, match="doc_lengths"):
+        compile_packed_head_parallel(TOPOLOGY_2X2, (0, 1, 2, 3), (5, 0), 4, 4, 2)
+
+
+def test_packed_stage_plan_and_all_to_all_sizes():
+    """The merged stage plan verifies and carries each KV-plan transfer once per member; the
+    all-to-alls move (a-1)/a of each member's tokens' bytes each way (Note [Packed head-parallel cost])."""
+    from megatron_fcp.cost.head_parallel_packed import (
+        packed_a2a_messages,
+        packed_stage_plan,
+        simulate_packed_head_parallel,
+    )
+    from megatron_fcp.cost.model import AttentionShape
+
+    shape = AttentionShape(256, 8, 2, 16, 2)
+    for case, ranks in ((Case(2, "mix", True, heads=(8, 2)), (0, 1, 2, 3)), (Case(4, "mix", True, heads=(8, 2)),
+                                                                           tuple(range(8)))):
+        hp = make_plan(case, ranks)
+        sp = packed_stage_plan(hp)
+        assert sp.num_transfers() == hp.degree * (hp.kv_plan.num_transfers() if hp.kv_plan else 0)
+        a, rep = hp.degree, hp.kv_replication
+        per = (shape.q_bytes(1) + shape.kv_bytes(1) * rep) / a
+        for which in ("qkv-in", "qkv-out"):
+            msgs = packed_a2a_messages(hp, shape, which)
+            assert sum(b for _, _, b in msgs) == pytest.approx((a - 1) * sum(DOCS["mix"]) * per)
+        got = {(s, d): b for s, d, b in packed_a2a_messages(hp, shape, "o-out")}
+        for g, group in enumerate(hp.head_groups):  # O back: member m receives its t_m rows from each peer
+            for m, r in enumerate(group):
+                assert all(got.get((p, r), 0) == hp.member_tokens(g)[m] * shape.o_bytes(1) / a for p in group if p != r)
+        res = simulate_packed_head_parallel(hp, TOPOLOGIES[len(ranks)], shape)
+        assert res.total_s > 0 and res.meta["head_parallel"] == a
+    with pytest.raises(ValueError, match="which"):
+        packed_a2a_messages(hp, shape, "kv-in")
+
+
+def test_choose_packed_head_parallel_takes_the_least_predicted_time():
+    import math
+
+    from megatron_fcp.contract.head_parallel import head_parallel_degrees
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
+
+    docs = lognormal_lengths(math.log(2048), 1.0, 128 * 1024, seed=0)
+    shape = AttentionShape(128 * 1024, 32, 8, 128, 2)
+    best, times = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape)
+    assert sorted(times) == head_parallel_degrees("dgx-h100:2", range(16), 32, 8) == [1, 2, 4, 8]
+    assert times[best] == min(times.values())
+    best2, times2 = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape, degrees=[1, 2])
+    assert times2 == {a: times[a] for a in (1, 2)} and best2 in (1, 2)
