@@ -31,6 +31,9 @@ Sections of the JSON:
   and whether it imported torch. ``--setup-only`` runs just this section and merges it into the
   JSON at ``--out`` (rewritten after each cell); ``--setup-cells N`` / ``--setup-cells-256 N``
   keep the first N cells at cp = 64 / 256 (a quick look; ``complete`` says whether all ran).
+  ``runtime_choice_shared`` (``--shared-only``): the same cells with the search shared over the CP
+  group's ranks as the runtime shares it (Note [Sharing the search]): the busiest rank's CPU
+  seconds against the same targets, and whether every rank chose what one process alone chooses.
 """
 
 from __future__ import annotations
@@ -251,6 +254,45 @@ def runtime_choice(cells: dict[int, int | None], progress=None) -> dict:
     return out
 
 
+def runtime_choice_shared(cells: dict[int, int | None], progress=None) -> dict:
+    """The same cells with the search shared over the CP group's ranks (Note [Sharing the search]
+    in planner/choose.py): ``run_shared_search`` runs every rank's part on its own thread here;
+    a rank's CPU seconds (its thread's) are what it spends at setup. Per cell: the busiest rank's
+    CPU seconds, the mean rank's, the choice (the one-process search's, checked) and the wall time
+    of all the ranks' parts run on this machine's cores."""
+    from megatron_fcp.planner.choose import choose_schedule
+    from megatron_fcp.schedule.program import WaveBackward
+    from megatron_fcp.testing.shared_search import run_shared_search
+
+    out = {}
+    for cp, target in RUNTIME_CHOICE_TARGET_S.items():
+        rows = []
+        for preset, nodes, h, kv, seq in _runtime_cells(cp)[:cells.get(cp)]:
+            topo = load_topology(f"{preset}:{nodes}")
+            shape = AttentionShape(seq, h, kv, 128, 2)
+            gc.collect()
+            t0 = time.perf_counter()
+            run = run_shared_search(cp, topo, range(cp), shape, backward=WaveBackward())
+            wall = time.perf_counter() - t0
+            alone = choose_schedule(topo, range(cp), shape, backward=WaveBackward())
+            c = run.choices[0]
+            same = all((x.label, x.total_s, x.runner_up) == (alone.label, alone.total_s, alone.runner_up)
+                       for x in run.choices)
+            rows.append({"preset": preset, "nodes": nodes, "cp": cp, "heads": h, "kv_heads": kv, "seq": seq,
+                         "choice": c.label, "same_as_alone": same, "priced": len(c.plan.auto),
+                         "rank_cpu_s_max": max(run.cpu_s), "rank_cpu_s_mean": sum(run.cpu_s) / cp, "wall_s": wall})
+            print(f"shared choice {preset}:{nodes} cp={cp} {h}:{kv} seq={seq}: {c.label} (same: {same}) busiest rank "
+                  f"{max(run.cpu_s):.2f} s CPU, mean {sum(run.cpu_s) / cp:.2f} s", flush=True)
+            out[f"cp{cp}"] = {"cells": rows, "target_s": target,
+                              "rank_cpu_s_max": max(r["rank_cpu_s_max"] for r in rows),
+                              "under_target_cpu": all(r["rank_cpu_s_max"] <= target for r in rows),
+                              "all_same_as_alone": all(r["same_as_alone"] for r in rows),
+                              "complete": len(rows) == len(_runtime_cells(cp))}
+            if progress is not None:
+                progress(out)
+    return out
+
+
 def cli_plan_1024(repeats: int) -> dict:
     """The CLI plan at 1,024 ranks as a whole fresh process (wall; CPU of the child from rusage)."""
     import resource
@@ -302,6 +344,8 @@ def main() -> int:
     ap.add_argument("--scale-only", action="store_true",
                     help="only the scale_1024 and scale_8192 sections, merged into the JSON at --out")
     ap.add_argument("--setup-only", action="store_true", help="only the setup section, merged into the JSON at --out")
+    ap.add_argument("--shared-only", action="store_true",
+                    help="only the shared search's timings (setup.runtime_choice_shared), merged into --out")
     ap.add_argument("--setup-cells", type=int, default=None, metavar="N",
                     help="setup: the first N runtime-grid cells at cp = 64 (default all 36)")
     ap.add_argument("--setup-cells-256", type=int, default=None, metavar="N",
@@ -309,6 +353,18 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.perf_counter()
     repeats = 1 if args.quick else 3
+    if args.shared_only:
+        out = Path(args.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+
+        def shared_progress(section: dict) -> None:
+            result.setdefault("setup", {})["runtime_choice_shared"] = section
+            result["setup"]["runtime_choice_shared_loadavg_1min"] = os.getloadavg()[0]
+            out.write_text(json.dumps(result, indent=1))
+
+        shared_progress(runtime_choice_shared({64: args.setup_cells, 256: args.setup_cells_256}, shared_progress))
+        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+        return 0
     if args.setup_only:
         out = Path(args.out)
         result = json.loads(out.read_text()) if out.exists() else {}
