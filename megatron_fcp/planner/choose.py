@@ -68,16 +68,25 @@ Every rank of a job makes the same choice (it is a pure function of flags, topol
 so at scale every rank repeating the whole search is the same work done once per rank. With a
 :class:`SearchShare` (the Megatron runtime passes one over the job's ranks, Note [The runtime runs
 the planner's choice] in :mod:`megatron_fcp.patches.schedule`), :func:`choose_schedule` splits the
-*full* search instead: rank ``i`` of ``n`` prices the base candidates whose place in the order is
-``i`` mod ``n``, the ranks exchange their totals (one gather of a few hundred bytes per candidate;
-JSON writes a float as its shortest round-tripping ``repr``, so every rank holds the same bits), every rank takes each degree's best
-graph with :func:`~megatron_fcp.cost.model.pick_best` as the full search does, the follow-ups
-(staggers, sub-blocks) on those graphs are dealt on from where the base candidates stopped (to the
-ranks those left idle) and gathered, and every rank picks
-from the whole list and compiles the winner's plan. The answer is the full search's by construction
-(so the pruned search's: Note [Pruning the search]); what a rank computes is about
-``1 / n`` of it, bounded below by its costliest candidate in each of the two rounds. ``plan.auto``
-then lists every candidate.
+search over the ranks in three rounds, each ended by one gather (JSON writes a float as its
+shortest round-tripping ``repr``, so every rank holds the same bits and decides alike):
+
+1. rank ``i`` of ``n`` compiles the base candidates whose place in the order is ``i`` mod ``n``
+   and prices their forward; it prices the backward of those where it is cheap (a chain, or no
+   KV stage) and sends the others' floors (Note [Pruning the search]);
+2. each rank prices the backward of its own candidates whose floor does not rule them out: below
+   ``(1 + 0.1%)`` times the second-best total gathered, or, for a degree with follow-ups, below
+   the tie of that degree's best total (it may be the graph the follow-ups build on);
+3. every rank takes each degree's best graph with :func:`~megatron_fcp.cost.model.pick_best` as
+   the full search does; the follow-ups (staggers, sub-blocks) on those graphs are dealt on from
+   where round 1 stopped (to the ranks it left idle), each priced unless its floor rules it out.
+
+Then every rank picks from the gathered list and compiles the winner's plan. The rules are the
+pruned search's, applied with the totals known after each round (totals only fall as more are
+priced, so a candidate left out stays out): the choice and the runner-up are the full search's.
+A rank's work is its own candidates' forward and, where needed, backward: at cp = 64 with 21-31
+base candidates, one candidate per round, so the busiest rank pays for the costliest candidate
+that must be priced, not for the sum. ``plan.auto`` lists every candidate priced.
 """
 
 from __future__ import annotations
@@ -168,7 +177,7 @@ def head_parallel_candidates(
               round_overhead_s=round_overhead_s, grad_dtype_bytes=grad_dtype_bytes, backward=backward)
     if share is not None and share.size > 1:
         return _shared_search(topo, ranks, padded, degrees, graphs, fixed_parts, parts_per_chunk == "auto",
-                              min_block_tokens, causal, objective, kw, mask.window, share)
+                              min_block_tokens, causal, objective, kw, mask.window, share, prune and objective == "total")
     return _search(topo, ranks, padded, degrees, graphs, fixed_parts, parts_per_chunk == "auto", min_block_tokens,
                    causal, objective, kw, prune and objective == "total", mask.window)
 
@@ -195,50 +204,90 @@ _SHARED_META = ("label", "builder", "stagger", "graph", "head_parallel", "parts_
 
 def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[int], graphs: list[str],
                    fixed_parts: int, parts_auto: bool, min_block_tokens: int, causal: bool, objective: str, kw: dict,
-                   window: tuple[int, int], share: SearchShare) -> list[tuple[SimResult, None]]:
-    """The full search's candidates, priced ``1 / share.size`` per rank (Note [Sharing the
-    search]), in the full search's order, without plans."""
+                   window: tuple[int, int], share: SearchShare, prune: bool) -> list[tuple[SimResult, None]]:
+    """The candidates of the full search that no floor rules out (all with ``prune`` False),
+    priced a share per rank in three gathered rounds (Note [Sharing the search]), in the full
+    search's order, without plans."""
     cp = len(ranks)
     chunk = padded.seq_len // (2 * cp)
     order = _base_order(ranks, degrees, graphs)
     done: dict[int, tuple[SimResult, None]] = {}
     kv_stage: dict[int, bool] = {}   # place -> the candidate has a KV stage (a > 1 follow-ups build on those)
+    floors: dict[int, float] = {}    # place -> its floor, for the base candidates not priced in round 1
+    kept: dict[int, HeadParallelPricing] = {}   # this rank's base candidates, forward priced
+    dealt = [0]   # jobs dealt so far: each round's jobs go on to the ranks the last one left idle
 
-    dealt = [0]   # jobs dealt so far: the follow-ups go on to the ranks the base candidates left idle
+    def summary(k: int, pr: HeadParallelPricing, g: str, parts: int, stagger: int) -> list:
+        res = pr.result()
+        res.meta.update(label=_label(pr.hp, res.meta["graph"], parts, stagger), builder=g, stagger=stagger)
+        return [k, res.total_s, res.comm_s, res.compute_s, res.bytes, res.rounds, pr.hp.kv_plan is not None,
+                {m: res.meta.get(m) for m in _SHARED_META}]
 
-    def price(jobs: list[tuple[int, int, str, dict, int, int]]) -> None:
-        """Price this rank's share of ``jobs`` (place, degree, graph, options, parts, stagger), gather all."""
-        mine, first = [], dealt[0]
-        dealt[0] += len(jobs)
-        for i, (k, a, g, opts, parts, stagger) in enumerate(jobs):
-            if (first + i) % share.size != share.rank:
-                continue
-            hp = compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window, **opts)
-            res = HeadParallelPricing(hp, topo, padded, one_pass=False, **kw).result()
-            res.meta.update(label=_label(hp, res.meta["graph"], parts, stagger), builder=g, stagger=stagger)
-            mine.append([k, res.total_s, res.comm_s, res.compute_s, res.bytes, res.rounds, hp.kv_plan is not None,
-                         {m: res.meta.get(m) for m in _SHARED_META}])
-        for part in share.gather(mine):
-            for k, total, comm, compute, nbytes, rounds, stage, meta in part:
+    def take(parts: list) -> None:
+        for part in parts:
+            for entry in part:
+                if len(entry) == 2:       # [place, floor]: not priced yet
+                    floors[entry[0]] = entry[1]
+                    continue
+                k, total, comm, compute, nbytes, rounds, stage, meta = entry
                 done[k] = (SimResult("fcp", comm, compute, total, nbytes, rounds, meta=dict(meta)), None)
                 kv_stage[k] = stage
+                floors.pop(k, None)
 
-    price([(k, a, g, {"parts_per_chunk": fixed_parts if a == 1 else 1}, fixed_parts if a == 1 else 1, 1)
-           for (a, g), k in order.items()])
-    follow = []
-    for a in sorted(degrees, key=lambda a: a == 1):
+    def mine(jobs: list) -> list:
+        first = dealt[0]
+        dealt[0] += len(jobs)
+        return [job for i, job in enumerate(jobs) if (first + i) % share.size == share.rank]
+
+    def second_best() -> float:   # Note [Pruning the search]: no candidate above this can be chosen or runner-up
+        t = sorted(r.total_s for r, _ in done.values())[:2]
+        return t[1] * (1 + _TIE) if prune and len(t) == 2 else math.inf
+
+    def base_bound(a: int) -> float:  # a base candidate above this cannot be its degree's best graph
+        t = [r.total_s for k, (r, _) in done.items() if r.meta["head_parallel"] == a and (a == 1 or kv_stage[k])]
+        return min(t) * (1 + _TIE) if prune and t else math.inf
+
+    def ups(a: int) -> list[tuple[str, int]]:
         if not parts_auto or (a > 1 and (a == cp or cp // a == 1)):
-            continue
-        ups = [("stagger", st) for st in (2, 4, 8) if st <= 2 * a] if a > 1 else \
+            return []
+        return [("stagger", st) for st in (2, 4, 8) if st <= 2 * a] if a > 1 else \
             [("parts_per_chunk", p) for p in (2, 4, 8) if chunk // p >= min_block_tokens]
-        mine = [done[k] for k in sorted(done) if done[k][0].meta["head_parallel"] == a and (a == 1 or kv_stage[k])]
-        if not mine or not ups:
-            continue
-        base = pick_best(mine, objective)[0].meta["builder"]
-        follow += [(k, a, base, {opt: v}, v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1)
-                   for k, opt, v in _follow_up_slots(len(order), degrees, a, ups)]
-    if follow:
-        price(follow)
+
+    # round 1: every base candidate compiled, its forward priced; the cheap ones (a chain's backward,
+    # or no KV stage) priced, the others' floors sent
+    out = []
+    for k, a, g in mine([(k, a, g) for (a, g), k in order.items()]):
+        pr = kept[k] = HeadParallelPricing(
+            compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window,
+                                  parts_per_chunk=fixed_parts if a == 1 else 1), topo, padded, one_pass=False, **kw)
+        if not prune or pr.hp.kv_plan is None or pr.chain():
+            out.append(summary(k, pr, g, fixed_parts if a == 1 else 1, 1))
+        else:
+            out.append([k, pr.tight_floor()])
+    take(share.gather(out))
+    # round 2: the base candidates that may be the choice, the runner-up or their degree's best graph
+    bound = second_best()
+    # (each by the rank that priced its forward in round 1)
+    out = [summary(k, pr, g, fixed_parts if a == 1 else 1, 1)
+           for (a, g), k in order.items() if (pr := kept.get(k)) is not None and k in floors
+           and floors[k] <= max(bound, base_bound(a) if ups(a) else -math.inf)]
+    take(share.gather(out))
+    # round 3: each degree's follow-ups on its best graph, priced unless their floor rules them out
+    bound = second_best()
+    jobs = []
+    for a in sorted(degrees, key=lambda a: a == 1):
+        best = [done[k] for k in sorted(done) if done[k][0].meta["head_parallel"] == a and (a == 1 or kv_stage[k])]
+        if best and ups(a):
+            base = pick_best(best, objective)[0].meta["builder"]
+            jobs += [(k, a, base, opt, v) for k, opt, v in _follow_up_slots(len(order), degrees, a, ups(a))]
+    out = []
+    for k, a, g, opt, v in mine(jobs):
+        pr = HeadParallelPricing(compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window,
+                                                       **{opt: v}), topo, padded, one_pass=False, **kw)
+        if pr.floor() <= bound and pr.tight_floor() <= bound:
+            out.append(summary(k, pr, g, v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1))
+    if jobs:
+        take(share.gather(out))
     return [done[k] for k in sorted(done)]
 
 
