@@ -310,3 +310,13 @@ def test_recv_refine_lowers_the_busiest_receiver_within_the_work_bound(mean, sig
     assert work.max() / work.mean() <= 1.05
     assert recv(after).max() <= recv(before).max()
     assert recv(after).max() >= recv_lower_bound(lengths, cp)
+
+
+def test_few_documents_per_rank_still_balance():
+    """cp = 256 on a 1M-token mix of 32K-median documents (25 documents): pieces at 1/4 of a rank's
+    work cannot balance, so place_packed cuts them finer and places again (BALANCE_TARGET)."""
+    from megatron_fcp.contract.placement import BALANCE_TARGET, lognormal_lengths
+
+    lengths = lognormal_lengths(10.4, 1.0, 1 << 20, seed=0)
+    work = place_packed(lengths, 256).work()
+    assert work.max() / work.mean() <= BALANCE_TARGET

@@ -76,10 +76,17 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.mask import Mask, as_mask, check_window
 
 __all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
-           "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "RECV_WORK_CAP"]
+           "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
 
 DEFAULT_BLOCK_TOKENS = 4096
 """Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
+
+BALANCE_TARGET = 1.05
+"""Work max over mean above which :func:`place_packed` cuts blocks finer and places again."""
+
+MIN_BLOCK_WORK = 0.125
+"""The finest ``max_block_work`` :func:`place_packed` halves down to (pieces of 1/8 of a rank's work;
+finer ones multiply blocks and planning time for little balance)."""
 
 RECV_WORK_CAP = 1.01
 """Work (max over mean) the busiest-receiver search (:func:`_refine_recv`) may raise a rank to; under
@@ -172,7 +179,10 @@ class Placement:
     @property
     def mask(self) -> Mask:
         """The position mask inside each document: ``causal`` and ``window``."""
-        return Mask(self.causal, *self.window)
+        m = self._cache.get("mask")
+        if m is None:
+            m = self._cache["mask"] = Mask(self.causal, *self.window)
+        return m
 
     @property
     def cp(self) -> int:
@@ -237,7 +247,10 @@ class Placement:
     # ---- needs -------------------------------------------------------------------------------
     def block_list(self) -> tuple[tuple[int, int, Span], ...]:
         """Every block as ``(owner CP index, index in the owner's blocks, span)``, owner by owner."""
-        return tuple((i, b, s) for i, rank_blocks in enumerate(self.blocks) for b, s in enumerate(rank_blocks))
+        if "blocks" not in self._cache:
+            self._cache["blocks"] = tuple((i, b, s) for i, rank_blocks in enumerate(self.blocks)
+                                          for b, s in enumerate(rank_blocks))
+        return self._cache["blocks"]
 
     def need_matrix(self) -> np.ndarray:
         """``[cp, n_blocks]`` booleans: CP rank j needs block ``n`` of :meth:`block_list`."""
@@ -273,16 +286,25 @@ class Placement:
     def needs(self, ranks: Sequence[int], rank: int) -> frozenset[Block]:
         """Blocks global ``rank`` must receive (``ranks``: the CP group in CP order)."""
         ranks = tuple(ranks)
-        j = ranks.index(rank)
-        row = self.need_matrix()[j]
-        return frozenset(Block(ranks[i], b, 0) for n, (i, b, _) in enumerate(self.block_list()) if row[n])
+        key = ("needs", ranks, rank)
+        if key not in self._cache:
+            blocks = self.block_list()
+            row = self.need_matrix()[ranks.index(rank)]
+            self._cache[key] = frozenset(Block(ranks[blocks[n][0]], blocks[n][1], 0)
+                                         for n in np.flatnonzero(row).tolist())
+        return self._cache[key]
 
     def pairs(self, j: int, i: int, b: int) -> int:
         """Query-key pairs of CP rank ``j``'s queries against block ``b`` of CP rank ``i`` (exact)."""
         key = ("pairs", j, i, b)
         if key not in self._cache:
             k = self.blocks[i][b]
-            self._cache[key] = sum(span_pairs(q, k, self.mask) for q in self.blocks[j] if q.doc == k.doc)
+            mine = self._cache.get(("spans", j))
+            if mine is None:  # CP rank j's spans by document
+                mine = self._cache[("spans", j)] = {}
+                for q in self.blocks[j]:
+                    mine.setdefault(q.doc, []).append(q)
+            self._cache[key] = sum(span_pairs(q, k, self.mask) for q in mine.get(k.doc, ()))
         return self._cache[key]
 
     def work(self) -> np.ndarray:
@@ -605,7 +627,10 @@ def place_packed(
 
     1. cut documents longer than ``block_tokens`` into near-equal blocks, and cut further any of
        their blocks whose attention work exceeds ``max_block_work`` x the mean work per rank (the
-       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens);
+       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens, or of
+       ``cap / length`` where a piece that long at the document's end would pass the cap); if work
+       still exceeds :data:`BALANCE_TARGET` x the mean after step 4, place again with
+       ``max_block_work`` halved (down to :data:`MIN_BLOCK_WORK`);
     2. blocks of long documents, latest start first (most need first; ties: work, document): each
        goes to a rank whose work stays within ``(1 + long_slack)`` x the mean work per rank; if a
        rank holding a later block of the same document qualifies and its need drops (an earlier
@@ -643,7 +668,7 @@ def place_packed(
     total = sum(span_pairs(s, s, mask) for s in doc_span.values())
     cap = max_block_work * total / cp
     spans = [Span(d, a, b) for d, n in enumerate(lengths)
-             for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, block_tokens // 8))
+             for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, min(block_tokens // 8, int(cap // n))))
                           if n > block_tokens else [(0, n)])]
     wk = {s: span_pairs(s, doc_span[s.doc], mask) for s in spans}  # queries of s against its whole doc
     mean = total / cp
@@ -694,4 +719,10 @@ def place_packed(
             _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
         if recv_refine and not mask.windowed:
             _refine_recv(loads, placed, wk, max(RECV_WORK_CAP * mean, max(loads.work)), 4 * cp + 64, is_long)
+        work = np.asarray(loads.work, dtype=np.float64)
+    if refine and cp > 1 and work.max() > BALANCE_TARGET * mean and max_block_work / 2 >= MIN_BLOCK_WORK:
+        # few documents per rank (cp = 256 on a 1M-token batch): pieces too coarse to balance; halve them
+        return place_packed(lengths, cp, block_tokens=block_tokens, causal=causal, tolerance=tolerance,
+                            max_block_work=max_block_work / 2, need_weight=need_weight, refine=refine,
+                            long_slack=long_slack, window=window, recv_refine=recv_refine)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal, mask.window)
