@@ -59,8 +59,12 @@ its last query can hold about 21K of its tokens: at least 37K to receive.
 :func:`_refine_recv` searches against the busiest receiver after the work balance: it pushes a
 block off the neediest rank or pulls there an earlier block of a document it holds (the block's
 tokens leave its need; a short document goes the other way to keep the work under
-:data:`RECV_WORK_CAP`). The cap is tight because a packed step is mostly compute: every 1% of work
-over the mean costs about 1% of the step, while the received bytes mostly hide behind it.
+:data:`RECV_WORK_CAP`), never raising the total need. The cap is tight because a packed step is
+mostly compute: every 1% of work over the mean costs about 1% of the step, while the received bytes
+mostly hide behind it. Pieces stay at least ``block_tokens // 8`` tokens even where that leaves
+work above :data:`BALANCE_TARGET` (a 512-token piece at the end of a 44K-token document can pass a
+rank's whole mean work when cp = 256 holds 1M tokens): cutting the tail finer spreads it over more
+ranks, each of which then needs the whole prefix (docs/planner.md, "Packed documents at scale").
 """
 
 from __future__ import annotations
@@ -519,8 +523,9 @@ def _refine_recv(loads: _Loads, placed: list[list[Span]], wk: dict, cap: float, 
       tokens leave ``a``'s need); if ``a``'s work would pass ``cap``, the smallest short document
       of ``a`` that makes room goes to ``b`` in exchange, or else a block of another document;
 
-    every rank's work staying at most ``cap``; best = least max(need a, need b) after, then least
-    total need. Causal or full masks (windows keep the greedy result)."""
+    every rank's work staying at most ``cap`` and the total need not growing (spreading a
+    document's tail over more ranks makes each of them need its prefix); best = least max(need a,
+    need b) after, then least total need. Causal or full masks (windows keep the greedy result)."""
     cp = len(placed)
     owner: dict[Span, int] = {s: r for r in range(cp) for s in placed[r]}
     by_doc: dict[int, list[Span]] = {}
@@ -554,7 +559,7 @@ def _refine_recv(loads: _Loads, placed: list[list[Span]], wk: dict, cap: float, 
                     break
             for b, db in cands:
                 v = (max(na + da, need[b] + db), da + db)
-                if v[0] < na and (best is None or v < best[:2]):
+                if v[0] < na and v[1] <= 0 and (best is None or v < best[:2]):
                     best = (*v, "push", s, b, None)
         top = {}
         for s in placed[a]:
@@ -569,7 +574,7 @@ def _refine_recv(loads: _Loads, placed: list[list[Span]], wk: dict, cap: float, 
                 da = loads.delta(a, t, True)
                 db = loads.delta(b, t, False)
                 v = (max(na + da, need[b] + db), da + db)
-                if not v[0] < na or (best is not None and v >= best[:2]):
+                if not v[0] < na or v[1] > 0 or (best is not None and v >= best[:2]):
                     continue
                 excess = loads.work[a] + wk[t] - cap
                 if excess <= 0:
@@ -588,7 +593,7 @@ def _refine_recv(loads: _Loads, placed: list[list[Span]], wk: dict, cap: float, 
                     loads.apply(b, t, wk[t], True)
                     loads.apply(a, t, wk[t], False)
                     w2 = (max(na + da + ea, need[b] + db + eb), da + db + ea + eb)
-                    if w2[0] < na and (best is None or w2 < best[:2]):
+                    if w2[0] < na and w2[1] <= 0 and (best is None or w2 < best[:2]):
                         best = (*w2, "pull", t, b, x)
         if best is None:
             return
@@ -627,8 +632,7 @@ def place_packed(
 
     1. cut documents longer than ``block_tokens`` into near-equal blocks, and cut further any of
        their blocks whose attention work exceeds ``max_block_work`` x the mean work per rank (the
-       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens, or of
-       ``cap / length`` where a piece that long at the document's end would pass the cap); if work
+       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens); if work
        still exceeds :data:`BALANCE_TARGET` x the mean after step 4, place again with
        ``max_block_work`` halved (down to :data:`MIN_BLOCK_WORK`);
     2. blocks of long documents, latest start first (most need first; ties: work, document): each
@@ -668,7 +672,7 @@ def place_packed(
     total = sum(span_pairs(s, s, mask) for s in doc_span.values())
     cap = max_block_work * total / cp
     spans = [Span(d, a, b) for d, n in enumerate(lengths)
-             for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, min(block_tokens // 8, int(cap // n))))
+             for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, block_tokens // 8))
                           if n > block_tokens else [(0, n)])]
     wk = {s: span_pairs(s, doc_span[s.doc], mask) for s in spans}  # queries of s against its whole doc
     mean = total / cp
