@@ -280,10 +280,12 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
     return {
         "recv_max_bytes": float(recv.max()) if plan.cp else 0.0,
         "recv_bound_bytes": float(rank_lb),
-        "recv_max_over_bound": float(recv.max()) / rank_lb if rank_lb else 1.0,
+        # None: a bound of 0 (no placement must receive anything) under a busiest receiver that does
+        "recv_max_over_bound": float(recv.max()) / rank_lb if rank_lb else (None if recv.max() else 1.0),
         "node_recv_max_bytes": float(node_bytes.max()) if len(node_ids) > 1 else 0.0,
         "node_recv_bound_bytes": float(node_lb),
-        "node_recv_max_over_bound": float(node_bytes.max()) / node_lb if node_lb else 1.0,
+        "node_recv_max_over_bound": float(node_bytes.max()) / node_lb if node_lb else
+        (None if len(node_ids) > 1 and node_bytes.max() else 1.0),
         "exact_need_bytes": float(recv.sum()),
         "node_need_bytes": float(node_bytes.sum()),
         "recv_max_over_mean": float(recv.max()) / mean(recv) if mean(recv) else 1.0,
