@@ -93,8 +93,9 @@ MIN_BLOCK_WORK = 0.125
 finer ones multiply blocks and planning time for little balance)."""
 
 RECV_WORK_CAP = 1.01
-"""Work (max over mean) the busiest-receiver search (:func:`_refine_recv`) may raise a rank to; under
-the 1.05 balance target, a margin for the kernel overhead of the extra blocks."""
+"""Work (max over mean) the busiest-receiver search (:func:`_refine_recv`) may raise a rank to: well
+under :data:`BALANCE_TARGET`, since a packed step is mostly compute (Note [Busiest receiver lower
+bound])."""
 
 
 @dataclass(frozen=True, order=True)
@@ -375,7 +376,10 @@ def recv_lower_bound(doc_lengths: Sequence[int], cp: int, *, causal: bool = True
     total = float((L * (L + 1) / 2).sum()) if causal else float((L * L).sum())
     cap = work_cap * total / cp * max(int(ranks_per_group), 1)
     if causal:  # the holder of query L-1 pays L for it; then m(m+1)/2 <= cap - L for positions 0..m-1
-        m = np.floor((np.sqrt(1 + 8 * np.maximum(cap - L, 0)) - 1) / 2)
+        room = np.maximum(cap - L, 0)
+        m = np.floor((np.sqrt(1 + 8 * room) - 1) / 2)
+        m = np.where(m * (m + 1) / 2 > room, m - 1, m)                # the square root's rounding,
+        m = np.where((m + 1) * (m + 2) / 2 <= room, m + 1, m)         # either way
         held = 1 + m
     else:  # every query of d costs L_d pairs
         held = np.floor(cap / L)
