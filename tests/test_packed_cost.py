@@ -202,3 +202,20 @@ def test_cli_bad_doc_lengths_exit_2(capsys, spec, message):
     assert rc == 2 and message in err, err
     rc, out, err = _cli(capsys, "simulate", "dgx-h100:1", "--doc-lengths", spec)
     assert rc == 2 and message in err, err
+
+
+def test_packed_need_stats_hold_the_busiest_receiver_against_its_bounds():
+    """The busiest rank's and node's received bytes are at least their lower bounds (Note [Busiest
+    receiver lower bound]): any placement with work <= 1.05 x the mean, ours included."""
+    from megatron_fcp.contract.placement import recv_lower_bound
+    from megatron_fcp.planner.compare import packed_need_stats
+
+    lengths = lognormal_lengths(9.0, 1.0, 1 << 19, seed=0)
+    shape = AttentionShape(1, 32, 8, 128)
+    pl = place_packed(lengths, 16)
+    st = packed_need_stats(build_plan("dgx-h100:2", range(16), "entry", placement=pl), "dgx-h100:2", shape)
+    assert st["recv_bound_bytes"] == recv_lower_bound(lengths, 16) * shape.kv_bytes(1) > 0
+    assert st["recv_max_bytes"] >= st["recv_bound_bytes"]
+    assert st["recv_max_over_bound"] == pytest.approx(st["recv_max_bytes"] / st["recv_bound_bytes"])
+    assert 0 <= st["node_recv_bound_bytes"] <= st["recv_bound_bytes"]  # a node holds more of a document
+    assert st["node_recv_max_bytes"] >= st["node_recv_bound_bytes"]

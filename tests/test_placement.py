@@ -281,3 +281,42 @@ def test_packed_auto_breaks_near_ties_by_inter_node_bytes():
                 for name, t in times.items() if t <= best * (1 + PACKED_TIE)}
     assert crossing[plan.name] == min(crossing.values())
     assert len(crossing) > 1 and plan.name == "entry"  # a real tie was broken, not a lone winner
+
+
+def test_recv_lower_bound_small_cases():
+    """Note [Busiest receiver lower bound]: a document that fits one rank's work needs nothing; the
+    holder of a long document's last query can hold its last token and the cheapest prefix only."""
+    from megatron_fcp.contract.placement import recv_lower_bound
+
+    assert recv_lower_bound([8] * 8, 4) == 0  # whole documents fit every rank
+    # one document of 100 tokens on 4 ranks, causal: C = 1.05 * 5050 / 4 = 1325.6; C - L = 1225.6
+    # -> m = 49 (49 * 50 / 2 = 1225): the holder holds 50 tokens, receives >= 50
+    assert recv_lower_bound([100], 4) == 50
+    assert recv_lower_bound([100], 4, ranks_per_group=2) < 50  # a node holds more of it
+    assert recv_lower_bound([100], 4, causal=False) == 100 - int(1.05 * 10000 / 4 // 100)
+
+
+@pytest.mark.parametrize("mean, sigma, cp", [(9.0, 1.0, 64), (10.4, 1.0, 64), (8.0, 1.2, 16)])
+def test_recv_refine_lowers_the_busiest_receiver_within_the_work_bound(mean, sigma, cp):
+    """The busiest-receiver search never raises the largest need, keeps work max/mean <= 1.05 and
+    stays above the lower bound (which every placement meeting the cap respects)."""
+    from megatron_fcp.contract.placement import lognormal_lengths, recv_lower_bound
+
+    lengths = lognormal_lengths(mean, sigma, 1 << 20, seed=0)
+    tok = lambda pl: np.array([s.tokens for _, _, s in pl.block_list()])  # noqa: E731
+    recv = lambda pl: (pl.need_matrix() * tok(pl)[None, :]).sum(axis=1)  # noqa: E731
+    before, after = place_packed(lengths, cp, recv_refine=False), place_packed(lengths, cp)
+    work = after.work()
+    assert work.max() / work.mean() <= 1.05
+    assert recv(after).max() <= recv(before).max()
+    assert recv(after).max() >= recv_lower_bound(lengths, cp)
+
+
+def test_few_documents_per_rank_still_balance():
+    """cp = 256 on a 1M-token mix of 32K-median documents (25 documents): pieces at 1/4 of a rank's
+    work cannot balance, so place_packed cuts them finer and places again (BALANCE_TARGET)."""
+    from megatron_fcp.contract.placement import BALANCE_TARGET, lognormal_lengths
+
+    lengths = lognormal_lengths(10.4, 1.0, 1 << 20, seed=0)
+    work = place_packed(lengths, 256).work()
+    assert work.max() / work.mean() <= BALANCE_TARGET

@@ -40,6 +40,31 @@ Received tokens per rank (max over mean) stay uneven on lognormal mixes: a rank 
 of the longest document must receive most of it whatever else it holds, and ranks given only short
 documents receive nothing; the placement lowers the *largest* need (the receive bottleneck) and
 the total, not the ratio (docs/planner.md, "Packed documents").
+
+Note [Busiest receiver lower bound]
+-----------------------------------
+Max over mean is the wrong yardstick for the busiest receiver (a rank of short documents receives
+nothing); :func:`recv_lower_bound` is the yardstick. With work capped at ``c`` x the mean
+(``C = c * sum_d W_d / cp``, ``W_d`` = pairs of document d), the rank holding the last query of a
+document of ``L`` tokens needs all ``L`` keys (causal) and holds a set ``S`` of them whose queries
+cost ``sum_{p in S} (p + 1) <= C``; the most tokens it can hold are the last one (``L`` pairs)
+and the ``m`` cheapest, positions ``0..m-1`` (``m(m+1)/2`` pairs), so it must receive at least
+``L - 1 - m`` tokens, ``m`` the largest with ``m(m+1)/2 <= C - L`` (without the causal mask every
+query costs ``L``: ``L - floor(C / L)``). The bound is the largest of these over documents: a
+token-level relaxation (spans need not be contiguous, other documents of the rank are ignored),
+valid for every placement that meets the cap. A node of ``g`` ranks is the same with ``g * C``
+(tokens entering the node). For cp = 64 and a 58K-token document in a 1M-token batch the holder of
+its last query can hold about 21K of its tokens: at least 37K to receive.
+
+:func:`_refine_recv` searches against the busiest receiver after the work balance: it pushes a
+block off the neediest rank or pulls there an earlier block of a document it holds (the block's
+tokens leave its need; a short document goes the other way to keep the work under
+:data:`RECV_WORK_CAP`), never raising the total need. The cap is tight because a packed step is
+mostly compute: every 1% of work over the mean costs about 1% of the step, while the received bytes
+mostly hide behind it. Pieces stay at least ``block_tokens // 8`` tokens even where that leaves
+work above :data:`BALANCE_TARGET` (a 512-token piece at the end of a 44K-token document can pass a
+rank's whole mean work when cp = 256 holds 1M tokens): cutting the tail finer spreads it over more
+ranks, each of which then needs the whole prefix (docs/planner.md, "Packed documents at scale").
 """
 
 from __future__ import annotations
@@ -55,10 +80,22 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.mask import Mask, as_mask, check_window
 
 __all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
-           "DEFAULT_BLOCK_TOKENS"]
+           "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
 
 DEFAULT_BLOCK_TOKENS = 4096
 """Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
+
+BALANCE_TARGET = 1.05
+"""Work max over mean above which :func:`place_packed` cuts blocks finer and places again."""
+
+MIN_BLOCK_WORK = 0.125
+"""The finest ``max_block_work`` :func:`place_packed` halves down to (pieces of 1/8 of a rank's work;
+finer ones multiply blocks and planning time for little balance)."""
+
+RECV_WORK_CAP = 1.01
+"""Work (max over mean) the busiest-receiver search (:func:`_refine_recv`) may raise a rank to: well
+under :data:`BALANCE_TARGET`, since a packed step is mostly compute (Note [Busiest receiver lower
+bound])."""
 
 
 @dataclass(frozen=True, order=True)
@@ -147,7 +184,10 @@ class Placement:
     @property
     def mask(self) -> Mask:
         """The position mask inside each document: ``causal`` and ``window``."""
-        return Mask(self.causal, *self.window)
+        m = self._cache.get("mask")
+        if m is None:
+            m = self._cache["mask"] = Mask(self.causal, *self.window)
+        return m
 
     @property
     def cp(self) -> int:
@@ -212,7 +252,10 @@ class Placement:
     # ---- needs -------------------------------------------------------------------------------
     def block_list(self) -> tuple[tuple[int, int, Span], ...]:
         """Every block as ``(owner CP index, index in the owner's blocks, span)``, owner by owner."""
-        return tuple((i, b, s) for i, rank_blocks in enumerate(self.blocks) for b, s in enumerate(rank_blocks))
+        if "blocks" not in self._cache:
+            self._cache["blocks"] = tuple((i, b, s) for i, rank_blocks in enumerate(self.blocks)
+                                          for b, s in enumerate(rank_blocks))
+        return self._cache["blocks"]
 
     def need_matrix(self) -> np.ndarray:
         """``[cp, n_blocks]`` booleans: CP rank j needs block ``n`` of :meth:`block_list`."""
@@ -248,16 +291,25 @@ class Placement:
     def needs(self, ranks: Sequence[int], rank: int) -> frozenset[Block]:
         """Blocks global ``rank`` must receive (``ranks``: the CP group in CP order)."""
         ranks = tuple(ranks)
-        j = ranks.index(rank)
-        row = self.need_matrix()[j]
-        return frozenset(Block(ranks[i], b, 0) for n, (i, b, _) in enumerate(self.block_list()) if row[n])
+        key = ("needs", ranks, rank)
+        if key not in self._cache:
+            blocks = self.block_list()
+            row = self.need_matrix()[ranks.index(rank)]
+            self._cache[key] = frozenset(Block(ranks[blocks[n][0]], blocks[n][1], 0)
+                                         for n in np.flatnonzero(row).tolist())
+        return self._cache[key]
 
     def pairs(self, j: int, i: int, b: int) -> int:
         """Query-key pairs of CP rank ``j``'s queries against block ``b`` of CP rank ``i`` (exact)."""
         key = ("pairs", j, i, b)
         if key not in self._cache:
             k = self.blocks[i][b]
-            self._cache[key] = sum(span_pairs(q, k, self.mask) for q in self.blocks[j] if q.doc == k.doc)
+            mine = self._cache.get(("spans", j))
+            if mine is None:  # CP rank j's spans by document
+                mine = self._cache[("spans", j)] = {}
+                for q in self.blocks[j]:
+                    mine.setdefault(q.doc, []).append(q)
+            self._cache[key] = sum(span_pairs(q, k, self.mask) for q in mine.get(k.doc, ()))
         return self._cache[key]
 
     def work(self) -> np.ndarray:
@@ -311,6 +363,27 @@ def lognormal_lengths(mean: float, sigma: float, total: int, seed: int = 0) -> l
             if left == 0:
                 break
     return out
+
+
+def recv_lower_bound(doc_lengths: Sequence[int], cp: int, *, causal: bool = True, work_cap: float = 1.05,
+                     ranks_per_group: int = 1) -> int:
+    """Tokens the busiest receiver of *any* placement of ``doc_lengths`` on ``cp`` ranks with work
+    at most ``work_cap`` x the mean must receive; see Note [Busiest receiver lower bound].
+    ``ranks_per_group`` > 1: the same for a group of that many ranks (a node: tokens entering it
+    from other nodes, its capacity ``ranks_per_group`` x a rank's)."""
+    check_doc_lengths(doc_lengths)
+    L = np.asarray(doc_lengths, dtype=np.float64)
+    total = float((L * (L + 1) / 2).sum()) if causal else float((L * L).sum())
+    cap = work_cap * total / cp * max(int(ranks_per_group), 1)
+    if causal:  # the holder of query L-1 pays L for it; then m(m+1)/2 <= cap - L for positions 0..m-1
+        room = np.maximum(cap - L, 0)
+        m = np.floor((np.sqrt(1 + 8 * room) - 1) / 2)
+        m = np.where(m * (m + 1) / 2 > room, m - 1, m)                # the square root's rounding,
+        m = np.where((m + 1) * (m + 2) / 2 <= room, m + 1, m)         # either way
+        held = 1 + m
+    else:  # every query of d costs L_d pairs
+        held = np.floor(cap / L)
+    return int(max(0.0, float(np.max(L - np.minimum(held, L)))))
 
 
 def _doc_blocks(length: int, block_tokens: int, cap: float = float("inf"), causal: "bool | Mask" = True,
@@ -442,6 +515,107 @@ def _refine(loads: _Loads, placed: list[list[Span]], wk: dict, need_weight: floa
             placed[a].append(t)
 
 
+def _refine_recv(loads: _Loads, placed: list[list[Span]], wk: dict, cap: float, max_iter: int,
+                 is_long) -> None:
+    """Local search against the busiest receiver (Note [Busiest receiver lower bound]): while some
+    move lowers the largest need, take the rank ``a`` with the most need (ties: lowest index) and
+    apply the best of
+
+    * *push*: a block of ``a`` to another rank ``b`` (the non-holder of its document with the least
+      need after, or a holder), when both needs after stay below ``a``'s;
+    * *pull*: an earlier block ``t`` of a document ``a`` holds, from its rank ``b``, to ``a`` (its
+      tokens leave ``a``'s need); if ``a``'s work would pass ``cap``, the smallest short document
+      of ``a`` that makes room goes to ``b`` in exchange, or else a block of another document;
+
+    every rank's work staying at most ``cap`` and the total need not growing (spreading a
+    document's tail over more ranks makes each of them need its prefix); best = least max(need a,
+    need b) after, then least total need. Causal or full masks (windows keep the greedy result)."""
+    cp = len(placed)
+    owner: dict[Span, int] = {s: r for r in range(cp) for s in placed[r]}
+    by_doc: dict[int, list[Span]] = {}
+    for s in owner:
+        if is_long(s):
+            by_doc.setdefault(s.doc, []).append(s)
+    causal = loads.causal
+
+    def fresh(s: Span) -> int:  # need added to a rank that holds nothing of s.doc
+        return s.start if causal else loads.lengths[s.doc] - s.tokens
+
+    for _ in range(max_iter):
+        need = loads.need
+        a = max(range(cp), key=lambda r: (need[r], -r))
+        na = need[a]
+        if na <= 0:
+            return
+        by_need = sorted(range(cp), key=lambda r: (need[r], r))
+        best = None  # (max need after, total change, kind, s, b, u)
+        for s in placed[a]:
+            if not is_long(s):
+                continue
+            da = loads.delta(a, s, False)
+            w = wk[s]
+            holders = {owner[x] for x in by_doc[s.doc]} - {a}
+            cands = [(b, loads.delta(b, s, True)) for b in holders if loads.work[b] + w <= cap]
+            f = fresh(s)
+            for b in by_need:
+                if b != a and b not in holders and loads.work[b] + w <= cap:
+                    cands.append((b, f))
+                    break
+            for b, db in cands:
+                v = (max(na + da, need[b] + db), da + db)
+                if v[0] < na and v[1] <= 0 and (best is None or v < best[:2]):
+                    best = (*v, "push", s, b, None)
+        top = {}
+        for s in placed[a]:
+            if is_long(s):
+                top[s.doc] = max(top.get(s.doc, 0), s.end)
+        shorts = sorted((u for u in placed[a] if not is_long(u)), key=lambda u: (wk[u], u))
+        for d in top:
+            for t in by_doc[d]:
+                b = owner[t]
+                if b == a or (causal and t.start >= top[d]):
+                    continue
+                da = loads.delta(a, t, True)
+                db = loads.delta(b, t, False)
+                v = (max(na + da, need[b] + db), da + db)
+                if not v[0] < na or v[1] > 0 or (best is not None and v >= best[:2]):
+                    continue
+                excess = loads.work[a] + wk[t] - cap
+                if excess <= 0:
+                    best = (*v, "pull", t, b, None)
+                    continue
+                u = next((x for x in shorts if wk[x] >= excess and loads.work[b] - wk[t] + wk[x] <= cap), None)
+                if u is not None:
+                    best = (*v, "pull", t, b, u)
+                    continue
+                for x in placed[a]:  # no short document makes room: a block of a goes to b instead
+                    if x.doc == d or wk[x] < excess or loads.work[b] - wk[t] + wk[x] > cap:
+                        continue
+                    loads.apply(a, t, wk[t], True)
+                    loads.apply(b, t, wk[t], False)
+                    ea, eb = loads.delta(a, x, False), loads.delta(b, x, True)
+                    loads.apply(b, t, wk[t], True)
+                    loads.apply(a, t, wk[t], False)
+                    w2 = (max(na + da + ea, need[b] + db + eb), da + db + ea + eb)
+                    if w2[0] < na and w2[1] <= 0 and (best is None or w2 < best[:2]):
+                        best = (*w2, "pull", t, b, x)
+        if best is None:
+            return
+        _, _, kind, s, b, u = best
+        src, dst = (a, b) if kind == "push" else (b, a)
+        loads.apply(src, s, wk[s], False)
+        placed[src].remove(s)
+        loads.apply(dst, s, wk[s], True)
+        placed[dst].append(s)
+        owner[s] = dst
+        if u is not None:
+            loads.apply(a, u, wk[u], False)
+            placed[a].remove(u)
+            loads.apply(b, u, wk[u], True)
+            placed[b].append(u)
+            owner[u] = b
+
+
 def place_packed(
     doc_lengths: Sequence[int],
     cp: int,
@@ -454,6 +628,7 @@ def place_packed(
     refine: bool = True,
     long_slack: float = 0.0,
     window: Sequence[int] | None = None,
+    recv_refine: bool = True,
 ) -> Placement:
     """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
 
@@ -461,7 +636,9 @@ def place_packed(
 
     1. cut documents longer than ``block_tokens`` into near-equal blocks, and cut further any of
        their blocks whose attention work exceeds ``max_block_work`` x the mean work per rank (the
-       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens);
+       last blocks of a long document; pieces of at least ``block_tokens // 8`` tokens); if work
+       still exceeds :data:`BALANCE_TARGET` x the mean after step 4, place again with
+       ``max_block_work`` halved (down to :data:`MIN_BLOCK_WORK`);
     2. blocks of long documents, latest start first (most need first; ties: work, document): each
        goes to a rank whose work stays within ``(1 + long_slack)`` x the mean work per rank; if a
        rank holding a later block of the same document qualifies and its need drops (an earlier
@@ -474,6 +651,9 @@ def place_packed(
        <= 1.005; if work still exceeds ``1 + tolerance`` x the mean (few short documents), the
        search runs again over all blocks, a rank's score the larger of its work over the mean and
        ``1 + need_weight x (need / mean need - 1)`` (default ``need_weight`` 0: work alone);
+       then (``recv_refine``, causal or full masks) :func:`_refine_recv` lowers the largest need
+       with work kept under :data:`RECV_WORK_CAP` x the mean (or the work reached, if larger);
+       see Note [Busiest receiver lower bound];
     5. order each rank's blocks by (document, start).
 
     ``window`` (``(left, right)`` inside each document, Megatron's convention): work and need follow
@@ -545,4 +725,12 @@ def place_packed(
         _refine(loads, placed, wk, 0.0, max_iter=2 * cp + 32, movable=lambda s: not is_long(s))  # need unchanged
         if max(loads.work) > (1 + tolerance) * mean:  # too few short documents: move long blocks too
             _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
+        if recv_refine and not mask.windowed:
+            _refine_recv(loads, placed, wk, max(RECV_WORK_CAP * mean, max(loads.work)), 4 * cp + 64, is_long)
+        work = np.asarray(loads.work, dtype=np.float64)
+    if refine and cp > 1 and work.max() > BALANCE_TARGET * mean and max_block_work / 2 >= MIN_BLOCK_WORK:
+        # few documents per rank (cp = 256 on a 1M-token batch): pieces too coarse to balance; halve them
+        return place_packed(lengths, cp, block_tokens=block_tokens, causal=causal, tolerance=tolerance,
+                            max_block_work=max_block_work / 2, need_weight=need_weight, refine=refine,
+                            long_slack=long_slack, window=window, recv_refine=recv_refine)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal, mask.window)

@@ -14,7 +14,7 @@ import numpy as np
 
 from megatron_fcp.contract.head_parallel import stage_plan
 from megatron_fcp.contract.mask import Mask
-from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed, recv_lower_bound
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 from megatron_fcp.cost.floors import intra_ingress
@@ -242,7 +242,10 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
     """What a plan over a placement must move, and how evenly: exact need-set bytes (each block to
     each rank that needs it), node need bytes (each block once to each *other* node holding a rank
     that needs it), per-rank need bytes and work (max/mean), Δ (the most blocks any rank sends or
-    receives in the plan) and the need-set lower bound on the forward exchange."""
+    receives in the plan) and the need-set lower bound on the forward exchange; the busiest rank's
+    and node's received bytes beside the least any placement with work <= 1.05 x the mean must
+    receive (``recv_bound_bytes``, ``node_recv_bound_bytes``: Note [Busiest receiver lower bound]
+    in :mod:`megatron_fcp.contract.placement`; 0 under a window)."""
     topo = load_topology(topology)
     pl = plan.placement
     need = pl.need_matrix()                                             # [cp, n_blocks]
@@ -269,7 +272,20 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
     lb = max(float(recv.max()) / b_gpu if plan.cp else 0.0,
              float(node_bytes.max()) / b_out if len(node_ids) > 1 else 0.0)
     delta = int(max(sends.max(), recvs.max())) if plan.cp else 0
+    # Note [Busiest receiver lower bound] (a window only shrinks needs: no bound, 0)
+    per_node = int(np.bincount(np.searchsorted(node_ids, node_of)).max())
+    bound = (lambda g: 0 if pl.mask.windowed else recv_lower_bound(pl.doc_lengths, plan.cp, causal=pl.causal,
+                                                                   ranks_per_group=g) * kv_tok)  # noqa: E731
+    rank_lb, node_lb = bound(1), bound(per_node) if len(node_ids) > 1 else 0.0
     return {
+        "recv_max_bytes": float(recv.max()) if plan.cp else 0.0,
+        "recv_bound_bytes": float(rank_lb),
+        # None: a bound of 0 (no placement must receive anything) under a busiest receiver that does
+        "recv_max_over_bound": float(recv.max()) / rank_lb if rank_lb else (None if recv.max() else 1.0),
+        "node_recv_max_bytes": float(node_bytes.max()) if len(node_ids) > 1 else 0.0,
+        "node_recv_bound_bytes": float(node_lb),
+        "node_recv_max_over_bound": float(node_bytes.max()) / node_lb if node_lb else
+        (None if len(node_ids) > 1 and node_bytes.max() else 1.0),
         "exact_need_bytes": float(recv.sum()),
         "node_need_bytes": float(node_bytes.sum()),
         "recv_max_over_mean": float(recv.max()) / mean(recv) if mean(recv) else 1.0,
@@ -306,7 +322,9 @@ def compare_packed(
     ``fwd_bwd`` sub-dicts; the TE schedules add ``padding_overhead`` and ``work_max_over_mean``;
     ``fcp`` adds ``graph``, ``delta``, ``rounds_over_delta``, ``exact_need_bytes``,
     ``bytes_over_exact``, ``node_need_bytes``, ``inter_node_over_need``, ``work_max_over_mean`` and
-    ``recv_max_over_mean``. ``results[name]`` is ``{"fwd": SimResult, "bwd": SimResult}``.
+    ``recv_max_over_mean``, and the busiest rank's / node's received bytes against their lower
+    bounds (``recv_max_bytes``, ``recv_bound_bytes``, ``recv_max_over_bound`` and the ``node_``
+    three; :func:`packed_need_stats`). ``results[name]`` is ``{"fwd": SimResult, "bwd": SimResult}``.
     """
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
@@ -346,7 +364,10 @@ def compare_packed(
                      node_need_bytes=stats["node_need_bytes"],
                      inter_node_over_need=d["inter_node_bytes"] / stats["node_need_bytes"]
                      if stats["node_need_bytes"] else 1.0,
-                     work_max_over_mean=stats["work_max_over_mean"], recv_max_over_mean=stats["recv_max_over_mean"])
+                     work_max_over_mean=stats["work_max_over_mean"], recv_max_over_mean=stats["recv_max_over_mean"],
+                     **{k: stats[k] for k in ("recv_max_bytes", "recv_bound_bytes", "recv_max_over_bound",
+                                              "node_recv_max_bytes", "node_recv_bound_bytes",
+                                              "node_recv_max_over_bound")})
         schedules[k] = d
     order = ["te-p2p", "te-a2a-p2p", "fcp"]
     return {"lower_bound_s": lb_s, "lower_bound": {k: stats[k] for k in ("lower_bound_s", "B_gpu", "B_out")},

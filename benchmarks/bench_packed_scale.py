@@ -1,0 +1,184 @@
+"""Packed batches at scale (issue 28 items 4 and 6): the plugin's packed plan against Transformer
+Engine's faster THD schedule, its communication against the need-set bound, the busiest receiver
+against the placement lower bound (Note [Busiest receiver lower bound] in
+:mod:`megatron_fcp.contract.placement`), and per-batch planning time.
+
+Writes ``benchmarks/results/packed_scale.json`` (committed) and prints a summary. Pure CPU, cost
+model only (TE as priced by :mod:`megatron_fcp.cost.te` at the time of the run)::
+
+    python benchmarks/bench_packed_scale.py [--out benchmarks/results/packed_scale.json] [--quick]
+
+Grid: lognormal mixes (log-sigma 1.0, medians 2K, 8K, 32K tokens, seed 0) of 1M tokens per batch,
+cp = 16, 64, 256 on dgx-h100:2, :8, :32 (all ranks of the cluster), GQA 64:8 and 32:4, head size
+128, bf16, causal, forward + one-pass backward (``compare_packed``) and, as the executor runs it,
+forward + backward in waves (``simulate_backward_waves``, ``backward_kv="auto"``). Each cell also
+prices the placement without the busiest-receiver search (``recv_refine=False``) beside the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_fcp.contract.placement import lognormal_lengths, place_packed  # noqa: E402
+from megatron_fcp.cost.backward import simulate_backward_waves  # noqa: E402
+from megatron_fcp.cost.model import AttentionShape  # noqa: E402
+from megatron_fcp.planner.build import build_plan  # noqa: E402
+from megatron_fcp.planner.compare import compare_packed  # noqa: E402
+from megatron_fcp.schedule.program import compile_backward  # noqa: E402
+
+MEDIANS = (2048, 8192, 32768)
+SIGMA = 1.0
+TOKENS = 1 << 20
+SEED = 0
+CPS = {16: "dgx-h100:2", 64: "dgx-h100:8", 256: "dgx-h100:32"}
+GQA = ((64, 8), (32, 4))
+TE = ("te-p2p", "te-a2a-p2p")
+
+
+def _fcp_row(out: dict) -> dict:
+    f = out["schedules"]["fcp"]
+    fwd = f["fwd"]
+    keys = ("recv_max_bytes", "recv_bound_bytes", "recv_max_over_bound", "node_recv_max_bytes",
+            "node_recv_bound_bytes", "node_recv_max_over_bound", "work_max_over_mean", "recv_max_over_mean",
+            "bytes_over_exact", "inter_node_over_need")
+    return {"graph": f["graph"], "fwd_bwd_total_s": f["fwd_bwd"]["total_s"],
+            "fwd_bwd_compute_s": f["fwd_bwd"]["compute_s"], "fwd_bwd_comm_s": f["fwd_bwd"]["comm_s"],
+            "fwd_total_s": fwd["total_s"], "fwd_compute_s": fwd["compute_s"], "fwd_comm_s": fwd["comm_s"],
+            # where the overlapped forward sits between max(compute, comm) (1.0) and their sum
+            "fwd_total_over_max": fwd["total_s"] / max(fwd["compute_s"], fwd["comm_s"]),
+            "fwd_total_over_sum": fwd["total_s"] / (fwd["compute_s"] + fwd["comm_s"]),
+            "fwd_comm_over_need_bound": f["comm_vs_lower_bound"], "need_bound_s": out["lower_bound_s"],
+            **{k: f[k] for k in keys}}
+
+
+def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
+    topo = CPS[cp]
+    lengths = lognormal_lengths(math.log(median), SIGMA, TOKENS, SEED)
+    shape = AttentionShape(1, heads=heads, kv_heads=kv_heads, head_dim=128, dtype_bytes=2)
+    row = {"median": median, "sigma": SIGMA, "seed": SEED, "tokens": TOKENS, "documents": len(lengths),
+           "longest": max(lengths), "cp": cp, "topology": topo, "heads": heads, "kv_heads": kv_heads}
+    out = compare_packed(topo, None, lengths, shape)
+    s = out["schedules"]
+    row["te"] = {k: ({"fwd_bwd_total_s": s[k]["fwd_bwd"]["total_s"], "fwd_bwd_comm_s": s[k]["fwd_bwd"]["comm_s"],
+                      "fwd_bwd_compute_s": s[k]["fwd_bwd"]["compute_s"]} if "error" not in s[k] else s[k])
+                 for k in TE if k in s}
+    best = min((k for k in TE if k in s and "error" not in s[k]), key=lambda k: s[k]["fwd_bwd"]["total_s"])
+    row["fcp"] = _fcp_row(out)
+    row["best_te"] = best
+    row["speedup_vs_best_te"] = s[best]["fwd_bwd"]["total_s"] / row["fcp"]["fwd_bwd_total_s"]
+    # as the executor runs the backward: in waves, keep or re-send as --fcp-backward-kv auto decides
+    waves = simulate_backward_waves(out["plan"], topo, shape, backward_kv="auto")
+    run = row["fcp"]["fwd_total_s"] + waves["bwd_s"]
+    row["fcp_as_run"] = {"backward": f"{waves['waves']} waves, {waves['backward_kv']}", "bwd_s": waves["bwd_s"],
+                         "fwd_bwd_total_s": run, "speedup_vs_best_te": s[best]["fwd_bwd"]["total_s"] / run}
+    pl0 = place_packed(lengths, cp, recv_refine=False)
+    if pl0 != out["placement"]:
+        before = _fcp_row(compare_packed(topo, None, lengths, shape, placement=pl0))
+    else:
+        before = dict(row["fcp"])
+    row["fcp_without_recv_refine"] = before
+    row["speedup_vs_best_te_without_recv_refine"] = s[best]["fwd_bwd"]["total_s"] / before["fwd_bwd_total_s"]
+    return row
+
+
+def planning_speed(repeats: int = 3) -> list[dict]:
+    """Per-batch planning as the runtime does it: place_packed, build_plan (graph auto, the default;
+    and entry alone), the backward program (compile_backward); best of ``repeats``."""
+    rows = []
+    shape = AttentionShape(1, heads=64, kv_heads=8, head_dim=128, dtype_bytes=2)
+    for cp, docs, bound in ((64, 512, 0.1), (256, 512, 0.5), (256, 2048, 0.5)):
+        rng = np.random.default_rng(1)
+        lengths = np.maximum(1, rng.lognormal(8.0, 1.2, docs).astype(int)).tolist()
+        topo = f"dgx-h100:{cp // 8}"
+        for graph in ("auto", "entry"):
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                pl = place_packed(lengths, cp)
+                t1 = time.perf_counter()
+                plan = build_plan(topo, range(cp), graph, placement=pl, heads=64, kv_heads=8, head_dim=128)
+                t2 = time.perf_counter()
+                compile_backward(plan, shape.kv_bytes(1))
+                t3 = time.perf_counter()
+                times.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
+            best = min(times)
+            rows.append({"cp": cp, "documents": docs, "tokens": sum(lengths), "graph": graph, "chosen": plan.name,
+                         "best_s": best[0], "target_s": bound, "met": bool(best[0] <= bound),
+                         "median_s": statistics.median(t[0] for t in times),
+                         "place_s": best[1], "plan_s": best[2], "backward_program_s": best[3]})
+            print(f"speed cp={cp} docs={docs} {graph}->{plan.name}: {best[0]:.3f} s (place {best[1]:.3f}, plan "
+                  f"{best[2]:.3f}, program {best[3]:.3f}); target {bound}", flush=True)
+    return rows
+
+
+def _r(x) -> str:
+    return "n/a (bound 0)" if x is None else f"{x:.2f}"
+
+
+def _ratios(grid: list[dict], key: str) -> list[float]:
+    return [r[key]["recv_max_over_bound"] for r in grid if r[key]["recv_max_over_bound"] is not None]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "packed_scale.json"))
+    ap.add_argument("--quick", action="store_true", help="cp 16 and 64 only, one GQA (a smoke run)")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    cps = (16, 64) if args.quick else tuple(CPS)
+    gqa = GQA[:1] if args.quick else GQA
+    grid = []
+    for cp in cps:
+        for heads, kv in gqa:
+            for median in MEDIANS:
+                t = time.perf_counter()
+                r = cell(median, cp, heads, kv)
+                grid.append(r)
+                f, b = r["fcp"], r["fcp_without_recv_refine"]
+                print(f"cp={cp} {heads}:{kv} median {median}: fcp/{r['best_te']} {r['speedup_vs_best_te']:.3f}x "
+                      f"(as run {r['fcp_as_run']['speedup_vs_best_te']:.3f}x) "
+                      f"(no recv search {r['speedup_vs_best_te_without_recv_refine']:.3f}x); comm/need bound "
+                      f"{f['fwd_comm_over_need_bound']:.2f} ({b['fwd_comm_over_need_bound']:.2f}); busiest/bound "
+                      f"{_r(f['recv_max_over_bound'])} ({_r(b['recv_max_over_bound'])}), node "
+                      f"{_r(f['node_recv_max_over_bound'])}; work {f['work_max_over_mean']:.3f}; fwd total/max "
+                      f"{f['fwd_total_over_max']:.3f}  [{time.perf_counter() - t:.1f} s]", flush=True)
+    ratios = [r["speedup_vs_best_te"] for r in grid]
+    run = [r["fcp_as_run"]["speedup_vs_best_te"] for r in grid]
+    a2a = [r["speedup_vs_best_te"] for r in grid if r["best_te"] == "te-a2a-p2p"]
+    res = {"command": "python benchmarks/bench_packed_scale.py" + (" --quick" if args.quick else ""),
+           "date": time.strftime("%Y-%m-%d", time.gmtime()), "head_dim": 128, "dtype_bytes": 2, "causal": True,
+           "grid": grid,
+           "summary": {"speedup_vs_best_te_geomean": float(np.exp(np.mean(np.log(ratios)))),
+                       "speedup_vs_best_te_min": min(ratios),
+                       "cells_below_1": sum(x < 1.0 for x in ratios),
+                       "as_run_speedup_vs_best_te_geomean": float(np.exp(np.mean(np.log(run)))),
+                       "as_run_speedup_vs_best_te_min": min(run),
+                       "as_run_cells_below_1": sum(x < 1.0 for x in run),
+                       # cells where TE's a2a+p2p runs (64:8): the 32:4 cells only have te-p2p (kv_heads 4 < 8)
+                       "speedup_vs_te_a2a_p2p_geomean": float(np.exp(np.mean(np.log(a2a)))) if a2a else None,
+                       "fwd_comm_over_need_bound_max": max(r["fcp"]["fwd_comm_over_need_bound"] for r in grid),
+                       "recv_max_over_bound_max": max(_ratios(grid, "fcp")),
+                       "recv_max_over_bound_geomean": float(np.exp(np.mean(np.log(_ratios(grid, "fcp"))))),
+                       "recv_max_over_bound_geomean_without_recv_refine": float(np.exp(np.mean(np.log(
+                           _ratios(grid, "fcp_without_recv_refine")))))},
+           "planning_speed": planning_speed(),
+           }
+    res["wall_s"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res["summary"], indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
