@@ -295,6 +295,15 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel,
             raise ValueError(f"hp_plan's KV-stage plan is not over group_placement(ranks, head_groups, seq_len="
                              f"{s * hp_plan.cp}, causal={causal}) (this call's sequence); rebuild it for this "
                              f"sequence length")
+    groups = stage_groups(hp_plan, cp_group, groups, g, j)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return rank, g, j, rep, scale, kernel_obj, groups
+
+
+def stage_groups(hp_plan: Any, cp_group, groups: "HeadParallelGroups | None", g: int, j: int) -> "HeadParallelGroups":
+    """The head-parallel process groups of member ``j`` of head group ``g`` (given, or this CP
+    group's created ones), checked against ``hp_plan`` (zigzag or packed: its ``head_groups``,
+    ``kv_plan``, ``kv_stage_ranks``); ValueError naming the fix before any communication."""
     groups = groups if groups is not None else HeadParallelGroups.of_cp_group(hp_plan, cp_group)
     if groups is None:
         raise ValueError(f"head-parallel degree {hp_plan.degree} of cp={hp_plan.cp} needs its own process groups: "
@@ -310,8 +319,7 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel,
             raise ValueError(f"groups.kv_group has ranks {list(got)} but this rank's KV stage is {list(stage)} (in head "
                              f"group order; process groups order ranks ascending, so head groups must be listed "
                              f"in ascending order of their members)")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    return rank, g, j, rep, scale, kernel_obj, groups
+    return groups
 
 
 def fcp_head_parallel_attention_with_lse(

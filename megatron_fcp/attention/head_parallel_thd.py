@@ -52,7 +52,7 @@ from megatron_fcp.attention.function import (
     fcp_attention_with_lse,
     resolve_mask,
 )
-from megatron_fcp.attention.head_parallel import HeadParallelGroups, _LocalAttention
+from megatron_fcp.attention.head_parallel import HeadParallelGroups, _LocalAttention, stage_groups
 from megatron_fcp.attention.head_parallel_a2a import _PairWorks, _unfeatures
 from megatron_fcp.attention.sinks import check_softmax_offset
 from megatron_fcp.attention.stats import FCPStats
@@ -190,17 +190,7 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel,
         raise ValueError(f"this rank holds {t} tokens but the packed head-parallel plan's member placement gives it "
                          f"{want}: shard the batch with hp_plan.placement.shard (not the plain packed placement)")
     g, j = hp_plan.position(rank)
-    groups = groups if groups is not None else HeadParallelGroups.of_cp_group(hp_plan, cp_group)
-    if groups is None:
-        raise ValueError(f"head-parallel degree {hp_plan.degree} of cp={hp_plan.cp} needs its own process groups: "
-                         f"create them on every rank with create_head_parallel_groups([hp_plan.head_groups, ...]) "
-                         "and pass groups=")
-    if set(dist.get_process_group_ranks(groups.head_group)) != set(hp_plan.head_groups[g]):
-        raise ValueError(f"groups.head_group has ranks {dist.get_process_group_ranks(groups.head_group)}, not this "
-                         f"rank's head group {list(hp_plan.head_groups[g])}")
-    if hp_plan.kv_plan is not None and tuple(dist.get_process_group_ranks(groups.kv_group)) != hp_plan.kv_stage_ranks(j):
-        raise ValueError(f"groups.kv_group has ranks {dist.get_process_group_ranks(groups.kv_group)} but this rank's "
-                         f"KV stage is {list(hp_plan.kv_stage_ranks(j))} (head groups in ascending order of members)")
+    groups = stage_groups(hp_plan, cp_group, groups, g, j)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     return rank, g, j, rep, scale, kern, groups
 

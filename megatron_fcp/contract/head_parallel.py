@@ -44,7 +44,7 @@ from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["HeadParallelPlan", "kv_replication", "check_head_parallel", "group_placement", "relabel_plan",
+__all__ = ["HeadGroups", "HeadParallelPlan", "kv_replication", "check_head_parallel", "group_placement", "relabel_plan",
            "consecutive_head_groups", "stage_plan", "stage_placement", "head_parallel_degrees",
            "topology_head_groups", "head_groups_for"]
 
@@ -127,8 +127,35 @@ def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
     return replace(plan, ranks=ranks, rounds=rounds)
 
 
+class HeadGroups:
+    """What a head-parallel plan (zigzag or packed) says of its groups: ``ranks`` (the CP group in
+    CP order) and ``head_groups`` (``cp / a`` tuples of ``a`` global ranks) are its fields."""
+
+    ranks: tuple[int, ...]
+    head_groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def cp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.head_groups)
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """``(g, j)``: the head group of global ``rank`` and its member index there."""
+        for g, group in enumerate(self.head_groups):
+            if rank in group:
+                return g, group.index(rank)
+        raise PlanError(f"rank {rank} is not in the CP group {self.ranks}")
+
+    def kv_stage_ranks(self, member: int) -> tuple[int, ...]:
+        """Global ranks of the KV stage for head shard ``member``: member ``member`` of each group."""
+        return tuple(group[member] for group in self.head_groups)
+
+
 @dataclass(frozen=True)
-class HeadParallelPlan:
+class HeadParallelPlan(HeadGroups):
     """A CP group as head-parallel groups plus a KV-stage plan (Note [Head-parallel stage]).
 
     ranks: the CP group's global ranks in CP (zigzag) order.
@@ -163,25 +190,6 @@ class HeadParallelPlan:
             raise PlanError("a head-parallel plan has a KV-stage plan exactly when there is more than one head group")
         if self.kv_plan is not None and self.kv_plan.ranks != tuple(range(groups)):
             raise PlanError(f"the KV-stage plan must run over virtual ranks 0..{groups - 1}, got {self.kv_plan.ranks}")
-
-    @property
-    def cp(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.head_groups)
-
-    def position(self, rank: int) -> tuple[int, int]:
-        """``(g, j)``: the head group of global ``rank`` and its member index there."""
-        for g, group in enumerate(self.head_groups):
-            if rank in group:
-                return g, group.index(rank)
-        raise PlanError(f"rank {rank} is not in the CP group {self.ranks}")
-
-    def kv_stage_ranks(self, member: int) -> tuple[int, ...]:
-        """Global ranks of the KV stage for head shard ``member``: member ``member`` of each group."""
-        return tuple(group[member] for group in self.head_groups)
 
     def verify(self) -> "HeadParallelPlan":
         """Prove the stage: the head groups partition the CP ranks into groups of ``degree``

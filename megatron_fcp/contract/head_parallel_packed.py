@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import PlanError
-from megatron_fcp.contract.head_parallel import check_head_parallel, relabel_plan
+from megatron_fcp.contract.head_parallel import HeadGroups, check_head_parallel, relabel_plan
 from megatron_fcp.contract.placement import Placement, Span, place_packed
 from megatron_fcp.contract.plan import Plan
 
@@ -105,7 +105,7 @@ def place_packed_groups(doc_lengths: Sequence[int], ranks: Sequence[int], head_g
 
 
 @dataclass(frozen=True)
-class PackedHeadParallelPlan:
+class PackedHeadParallelPlan(HeadGroups):
     """A CP group's head-parallel stage on one packed batch (Note [Head-parallel stage on packed batches]).
 
     ranks: the CP group's global ranks in CP order.
@@ -145,28 +145,9 @@ class PackedHeadParallelPlan:
                                          or self.kv_plan.placement != self.group_placement):
             raise PlanError("the KV-stage plan must run over virtual ranks 0..G-1 and the group placement")
 
-    @property
-    def cp(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.head_groups)
-
-    def position(self, rank: int) -> tuple[int, int]:
-        """``(g, j)``: head group of global ``rank`` and its member index there."""
-        for g, group in enumerate(self.head_groups):
-            if rank in group:
-                return g, group.index(rank)
-        raise PlanError(f"rank {rank} is not in the CP group {self.ranks}")
-
     def member_tokens(self, g: int) -> tuple[int, ...]:
         """Tokens each member of head group ``g`` holds (member order)."""
         return tuple(self.placement.tokens(self.ranks.index(r)) for r in self.head_groups[g])
-
-    def kv_stage_ranks(self, member: int) -> tuple[int, ...]:
-        """Global ranks of head shard ``member``'s KV stage: member ``member`` of every group."""
-        return tuple(group[member] for group in self.head_groups)
 
     def kv_plan_for(self, member: int) -> Plan | None:
         """:attr:`kv_plan` on head shard ``member``'s KV-stage ranks (one object per member)."""
