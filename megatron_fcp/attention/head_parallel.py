@@ -271,16 +271,7 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel,
     if hp_plan.num_groups > 1 and not zigzag and not getattr(kernel_obj, "documents", False):
         raise ValueError(f"block kernel {kernel_obj.name!r} has no document mask (BlockKernel.documents), which the "
                          f"KV stage's placement needs; use kernel='auto' (or any fused kernel, or 'math')")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("torch.distributed is not initialised; call dist.init_process_group first")
-    if cp_group is None:
-        raise ValueError("cp_group is required (e.g. parallel_state.get_context_parallel_group())")
-    ranks, rank = tuple(dist.get_process_group_ranks(cp_group)), dist.get_rank()
-    if ranks != hp_plan.ranks:
-        raise ValueError(f"hp_plan ranks {list(hp_plan.ranks)} are not the CP group's ranks {list(ranks)} (CP order); "
-                         f"build the plan from dist.get_process_group_ranks(cp_group)")
-    if rank not in ranks:
-        raise ValueError(f"this rank {rank} is not in cp_group {list(ranks)}; pass this rank's CP group")
+    ranks, rank = plan_ranks(hp_plan, cp_group)
     g, j = hp_plan.position(rank)
     if hp_plan.kv_plan is not None:
         kv_plan = hp_plan.kv_plan
@@ -298,6 +289,22 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel,
     groups = stage_groups(hp_plan, cp_group, groups, g, j)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     return rank, g, j, rep, scale, kernel_obj, groups
+
+
+def plan_ranks(hp_plan: Any, cp_group) -> tuple[tuple[int, ...], int]:
+    """``(the CP group's ranks, this rank)``, checked against a head-parallel plan (zigzag or
+    packed): ValueError naming the fix before any communication."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("torch.distributed is not initialised; call dist.init_process_group first")
+    if cp_group is None:
+        raise ValueError("cp_group is required (e.g. parallel_state.get_context_parallel_group())")
+    ranks, rank = tuple(dist.get_process_group_ranks(cp_group)), dist.get_rank()
+    if ranks != hp_plan.ranks:
+        raise ValueError(f"hp_plan ranks {list(hp_plan.ranks)} are not the CP group's ranks {list(ranks)} (CP order); "
+                         f"build the plan from dist.get_process_group_ranks(cp_group)")
+    if rank not in ranks:
+        raise ValueError(f"this rank {rank} is not in cp_group {list(ranks)}; pass this rank's CP group")
+    return ranks, rank
 
 
 def stage_groups(hp_plan: Any, cp_group, groups: "HeadParallelGroups | None", g: int, j: int) -> "HeadParallelGroups":

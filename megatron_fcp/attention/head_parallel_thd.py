@@ -52,7 +52,7 @@ from megatron_fcp.attention.function import (
     fcp_attention_with_lse,
     resolve_mask,
 )
-from megatron_fcp.attention.head_parallel import HeadParallelGroups, _LocalAttention, stage_groups
+from megatron_fcp.attention.head_parallel import HeadParallelGroups, _LocalAttention, plan_ranks, stage_groups
 from megatron_fcp.attention.head_parallel_a2a import _PairWorks, _unfeatures
 from megatron_fcp.attention.sinks import check_softmax_offset
 from megatron_fcp.attention.stats import FCPStats
@@ -176,15 +176,7 @@ def _validate(q, k, v, cp_group, hp_plan, groups, causal, softmax_scale, kernel,
     if not getattr(kern, "documents", False):
         raise ValueError(f"block kernel {kern.name!r} has no document mask (BlockKernel.documents), which packed "
                          "batches need; use kernel='auto' (or any fused kernel, or 'math')")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("torch.distributed is not initialised; call dist.init_process_group first")
-    if cp_group is None:
-        raise ValueError("cp_group is required (e.g. parallel_state.get_context_parallel_group())")
-    ranks, rank = tuple(dist.get_process_group_ranks(cp_group)), dist.get_rank()
-    if ranks != hp_plan.ranks:
-        raise ValueError(f"hp_plan ranks {list(hp_plan.ranks)} are not the CP group's ranks {list(ranks)} (CP order)")
-    if rank not in ranks:
-        raise ValueError(f"this rank {rank} is not in cp_group {list(ranks)}; pass this rank's CP group")
+    ranks, rank = plan_ranks(hp_plan, cp_group)
     want = hp_plan.placement.tokens(ranks.index(rank))
     if t != want:
         raise ValueError(f"this rank holds {t} tokens but the packed head-parallel plan's member placement gives it "

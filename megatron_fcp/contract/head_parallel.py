@@ -129,10 +129,13 @@ def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
 
 class HeadGroups:
     """What a head-parallel plan (zigzag or packed) says of its groups: ``ranks`` (the CP group in
-    CP order) and ``head_groups`` (``cp / a`` tuples of ``a`` global ranks) are its fields."""
+    CP order), ``head_groups`` (``cp / a`` tuples of ``a`` global ranks), ``kv_plan`` and the
+    per-member cache ``_stage_plans`` are its fields."""
 
     ranks: tuple[int, ...]
     head_groups: tuple[tuple[int, ...], ...]
+    kv_plan: "Plan | None"
+    _stage_plans: dict
 
     @property
     def cp(self) -> int:
@@ -152,6 +155,16 @@ class HeadGroups:
     def kv_stage_ranks(self, member: int) -> tuple[int, ...]:
         """Global ranks of the KV stage for head shard ``member``: member ``member`` of each group."""
         return tuple(group[member] for group in self.head_groups)
+
+    def kv_plan_for(self, member: int) -> "Plan | None":
+        """``kv_plan`` on the global ranks of head shard ``member``'s KV stage; the same object on
+        every call (the executor caches its backward waves and KV decision per plan object)."""
+        if self.kv_plan is None:
+            return None
+        plan = self._stage_plans.get(member)
+        if plan is None:
+            plan = self._stage_plans[member] = relabel_plan(self.kv_plan, self.kv_stage_ranks(member))
+        return plan
 
 
 @dataclass(frozen=True)
@@ -207,16 +220,6 @@ class HeadParallelPlan(HeadGroups):
         if pl is None and self.degree != 1:
             raise PlanError(f"a KV stage of degree {self.degree} runs over group_placement, not the zigzag layout")
         return self
-
-    def kv_plan_for(self, member: int) -> Plan | None:
-        """:attr:`kv_plan` on the global ranks of head shard ``member``'s KV stage; the same object on
-        every call (the executor caches its backward waves and KV decision per plan object)."""
-        if self.kv_plan is None:
-            return None
-        plan = self._stage_plans.get(member)
-        if plan is None:
-            plan = self._stage_plans[member] = relabel_plan(self.kv_plan, self.kv_stage_ranks(member))
-        return plan
 
 
 def stage_plan(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Plan:

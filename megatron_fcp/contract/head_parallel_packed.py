@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import PlanError
-from megatron_fcp.contract.head_parallel import HeadGroups, check_head_parallel, relabel_plan
+from megatron_fcp.contract.head_parallel import HeadGroups, check_head_parallel
 from megatron_fcp.contract.placement import Placement, Span, place_packed
 from megatron_fcp.contract.plan import Plan
 
@@ -148,15 +148,6 @@ class PackedHeadParallelPlan(HeadGroups):
     def member_tokens(self, g: int) -> tuple[int, ...]:
         """Tokens each member of head group ``g`` holds (member order)."""
         return tuple(self.placement.tokens(self.ranks.index(r)) for r in self.head_groups[g])
-
-    def kv_plan_for(self, member: int) -> Plan | None:
-        """:attr:`kv_plan` on head shard ``member``'s KV-stage ranks (one object per member)."""
-        if self.kv_plan is None:
-            return None
-        plan = self._stage_plans.get(member)
-        if plan is None:
-            plan = self._stage_plans[member] = relabel_plan(self.kv_plan, self.kv_stage_ranks(member))
-        return plan
 
     def verify(self) -> "PackedHeadParallelPlan":
         """Prove the stage: the groups partition the ranks, the member placement is the group
