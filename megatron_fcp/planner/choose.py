@@ -248,10 +248,7 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
         return min(t) * (1 + _TIE) if prune and t else math.inf
 
     def ups(a: int) -> list[tuple[str, int]]:
-        if not parts_auto or (a > 1 and (a == cp or cp // a == 1)):
-            return []
-        return [("stagger", st) for st in (2, 4, 8) if st <= 2 * a] if a > 1 else \
-            [("parts_per_chunk", p) for p in (2, 4, 8) if chunk // p >= min_block_tokens]
+        return _follow_ups(a, cp, parts_auto, chunk, min_block_tokens)
 
     # round 1: every base candidate compiled, its forward priced; the cheap ones (a chain's backward,
     # or no KV stage) priced, the others' floors sent
@@ -325,11 +322,7 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
     chunk = padded.seq_len // (2 * cp)
 
     def follow_ups(a: int) -> list[tuple[str, int]]:  # candidates built later on this degree's best graph
-        if not parts_auto or (a > 1 and whole(a)):
-            return []
-        if a > 1:
-            return [("stagger", st) for st in (2, 4, 8) if st <= 2 * a]
-        return [("parts_per_chunk", p) for p in (2, 4, 8) if chunk // p >= min_block_tokens]
+        return _follow_ups(a, cp, parts_auto, chunk, min_block_tokens)
 
     later: dict[tuple[int, str, str, int], HeadParallelPricing] = {}
     settled: set[int] = set()     # degrees none of whose follow-ups can win, whatever their base graph
@@ -446,6 +439,17 @@ def _base_order(ranks: tuple, degrees: list[int], graphs: list[str]) -> dict[tup
                 continue
             order[(a, g)] = len(order)
     return order
+
+
+def _follow_ups(a: int, cp: int, parts_auto: bool, chunk: int, min_block_tokens: int) -> list[tuple[str, int]]:
+    """Degree ``a``'s follow-ups, built on its best graph: ``a > 1`` staggered over 2, 4, 8 rounds
+    (at most ``2 * a``; none where the degree is the whole group), ``a = 1`` cut into 2, 4, 8
+    sub-blocks of at least ``min_block_tokens``; none unless the parts are chosen."""
+    if not parts_auto or (a > 1 and (a == cp or cp // a == 1)):
+        return []
+    if a > 1:
+        return [("stagger", st) for st in (2, 4, 8) if st <= 2 * a]
+    return [("parts_per_chunk", p) for p in (2, 4, 8) if chunk // p >= min_block_tokens]
 
 
 def _follow_up_slots(n: int, degrees: list[int], a: int, follow_ups: list[tuple[str, int]]) -> list[tuple[int, str, int]]:
