@@ -131,12 +131,15 @@ def test_balanced_waves_pick_the_least_pace_then_the_fewest_waves():
     size = lambda blk: tok[(blk.owner, blk.chunk)] * 4096  # noqa: E731
     work = W.block_work(plan)
     budget = W.wave_budget(plan, size)
-    packs = {k: W._pack(plan, size, budget, work, k) for k in W.WAVE_CAP_SCALES}
+    inp = W._PackInput(plan, size, work)
+    packed = {k: W._pack(inp, budget, k) for k in W.WAVE_CAP_SCALES}
+    packs = {k: p for k, (p, _) in packed.items()}
     spans = {k: W._makespan(p, work) for k, p in packs.items()}
-    paces = {k: W._pace(p, work, size, plan) for k, p in packs.items()}
+    paces = {k: pace for k, (_, pace) in packed.items()}
     waves = W.plan_waves(plan, size)
     assert W._makespan(waves, work) == min(spans.values())
-    assert W._pace(waves, work, size, plan) == min(paces.values()) == pytest.approx(1.0)
+    chosen = next(pace for p, pace in packed.values() if p == waves)
+    assert chosen == min(paces.values()) == pytest.approx(1.0)
     assert len(packs[1.0]) > 1 and len(waves) == 1  # the cap alone had cut it
     totals = {x: sum(work(x, b) for b in plan.needs(x)) + sum(work(x, b) for b in plan.local_blocks(x))
               for x in plan.ranks}
@@ -181,7 +184,7 @@ def test_pace_lets_fine_sub_blocks_fill_the_byte_budget():
     work = block_work(plan)
     waves = plan_waves(plan, size)
     _check(plan, waves, size, budget)
-    assert len(W._pack(plan, size, budget, work, 1.0)) > 3 * len(waves)
+    assert len(W._pack(W._PackInput(plan, size, work), budget, 1.0)[0]) > 3 * len(waves)
     assert plan_waves(build(), size) == waves
     got = max(sum(size(t.block) for _, t in plan.transfers() if t.dst == x) for x in plan.ranks)
     assert len(waves) >= got / budget  # no wave brings a rank more than the budget
@@ -199,7 +202,7 @@ def test_rail_waves_are_as_few_as_the_byte_budget_allows():
     _check(plan, waves, size, budget)
     got = max(sum(size(t.block) for _, t in plan.transfers() if t.dst == x) for x in plan.ranks)
     assert got == 14 * budget and len(waves) == 14
-    assert len(W._pack(plan, size, budget, block_work(plan), 1.0)) == 16
+    assert len(W._pack(W._PackInput(plan, size, block_work(plan)), budget, 1.0)[0]) == 16
 
 
 def test_the_wave_timeline_has_no_barrier_between_waves():

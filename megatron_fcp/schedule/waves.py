@@ -147,17 +147,8 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
         return hit[1]
     if budget is None:
         budget = wave_budget(plan, block_bytes)
-    work_of = block_work(plan)
-    memo: dict[tuple[int, Block], float] = {}
-
-    def work(x: int, b: Block) -> float:
-        w = memo.get((x, b))
-        if w is None:
-            w = memo[(x, b)] = work_of(x, b)
-        return w
-
-    cands = [(_pace(c, work, block_bytes, plan), c)
-             for c in (_pack(plan, block_bytes, budget, work, k) for k in WAVE_CAP_SCALES)]
+    inp = _PackInput(plan, block_bytes, block_work(plan))
+    cands = [_pack(inp, budget, k)[::-1] for k in WAVE_CAP_SCALES]
     best = min(m for m, _ in cands)  # Note [Balanced waves]: least pace; near ties, fewest waves
     waves = min((c for c in cands if c[0] <= best * (1 + WAVE_TIE)), key=lambda c: (len(c[1]), c[0]))[1]
     if cache_key is not None:
@@ -167,91 +158,95 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
     return waves
 
 
-def _pace(waves: tuple[Wave, ...], work: Callable[[int, Block], float], block_bytes: Callable[[Block], int],
-          plan: Plan) -> float:
-    """Sum over waves of the larger of the busiest rank's work and the most bytes a rank receives in
-    the wave, each relative to the whole backward's (busiest rank's total work, most bytes a rank
-    receives over the plan): 1.0 when every wave is as balanced as the one pass (Note [Balanced waves])."""
-    total = dict.fromkeys(plan.ranks, 0.0)
-    for b, x in (c for wave in waves for c in wave.computes):
-        total[x] += work(x, b)
-    got = dict.fromkeys(plan.ranks, 0)
-    for _, t in plan.transfers():
-        got[t.dst] += block_bytes(t.block)
-    w_all, b_all = max(total.values(), default=0.0) or 1.0, max(got.values(), default=0) or 1
-    pace = 0.0
-    for wave in waves:
-        recv: dict[int, int] = {}
-        for _, t in wave.transfers:
-            recv[t.dst] = recv.get(t.dst, 0) + block_bytes(t.block)
-        pace += max(_busiest(wave, work) / w_all, max(recv.values(), default=0) / b_all)
-    return pace
-
-
-def _busiest(wave: Wave, work: Callable[[int, Block], float]) -> float:
-    """The busiest rank's gradient work in ``wave``."""
-    comp: dict[int, float] = {}
-    for b, x in wave.computes:
-        comp[x] = comp.get(x, 0.0) + work(x, b)
-    return max(comp.values(), default=0.0)
-
-
 def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> float:
     """Sum over waves of the busiest rank's gradient work in it (the waves' compute, run in turn)."""
-    return sum(_busiest(wave, work) for wave in waves)
+    total = 0.0
+    for wave in waves:
+        comp: dict[int, float] = {}
+        for b, x in wave.computes:
+            comp[x] = comp.get(x, 0.0) + work(x, b)
+        total += max(comp.values(), default=0.0)
+    return total
 
 
-def _pack(plan: Plan, block_bytes: Callable[[Block], int], budget: int, work: Callable[[int, Block], float],
-          scale: float) -> tuple[Wave, ...]:
-    """Greedy packing (module docstring) with a rank's work per wave capped at ``scale`` times the
-    largest single delivery's (a rank's first delivery of a wave always fits). Blocks are
-    numbered (``bid``) for the bookkeeping; the waves hold the plan's blocks and transfers."""
-    blocks: list[Block] = []
-    bid: dict[Block, int] = {}
+class _PackInput:
+    """What every packing of one plan reads, numbered once (the four work caps of
+    :func:`plan_waves` share it): blocks by first send (``bid``), each (block, reader)'s arriving
+    transfer (its index in plan order and its sender), readers in plan order, each rank's needs
+    and own blocks, block bytes and the work of a delivery (memoised); and what a pace is relative
+    to (Note [Balanced waves]): the busiest rank's total work, the most bytes a rank receives."""
 
-    def num(b: Block) -> int:
-        i = bid.get(b)
-        if i is None:
-            i = bid[b] = len(blocks)
-            blocks.append(b)
-        return i
+    def __init__(self, plan: Plan, block_bytes: Callable[[Block], int], work: Callable[[int, Block], float]):
+        self.plan = plan
+        blocks: list[Block] = []
+        bid: dict[Block, int] = {}
 
-    transfers = [(r, t, num(t.block)) for r, t in plan.transfers()]
-    parent: dict[tuple[int, int], tuple[int, Transfer]] = {}      # (block, reader) -> how it arrives
-    readers: dict[int, list[int]] = {}
-    for r, t, i in transfers:
-        if (i, t.dst) not in parent:
-            parent[(i, t.dst)] = (r, t)
-            readers.setdefault(i, []).append(t.dst)
-    left = {x: {num(b) for b in plan.needs(x)} for x in plan.ranks}   # received deliveries still to do
-    local = {x: list(plan.local_blocks(x)) for x in plan.ranks}
-    owner = [b.owner for b in blocks]
-    memo: dict[tuple[int, int], float] = {}
+        def num(b: Block) -> int:
+            i = bid.get(b)
+            if i is None:
+                i = bid[b] = len(blocks)
+                blocks.append(b)
+            return i
 
-    def wk(x: int, i: int) -> float:
-        w = memo.get((x, i))
+        self.transfers = list(plan.transfers())                    # plan order: (round, transfer)
+        self.span = R = max(plan.ranks) + 1                        # (block i, rank x) is the key i * R + x
+        self.arrive: dict[int, int] = {}                           # (block, reader) -> its transfer's index
+        self.sender: dict[int, int] = {}                           # (block, reader) -> that transfer's sender
+        self.readers: dict[int, list[int]] = {}
+        for k, (_, t) in enumerate(self.transfers):
+            i = num(t.block)
+            if i * R + t.dst not in self.arrive:
+                self.arrive[i * R + t.dst] = k
+                self.sender[i * R + t.dst] = t.src
+                self.readers.setdefault(i, []).append(t.dst)
+        self.needs = {x: [num(b) for b in plan.needs(x)] for x in plan.ranks}
+        self.local = {x: list(plan.local_blocks(x)) for x in plan.ranks}
+        self.size = {num(b): block_bytes(b) for b in plan.blocks()}
+        self.blocks, self.bid = blocks, bid
+        self.owner = [b.owner for b in blocks]
+        self._work, self._memo = work, {}
+        self.top = max([self.wk(x, i) for x in plan.ranks for i in self.needs[x]]
+                       + [self.wk(x, bid[b]) for x in plan.ranks for b in self.local[x]] + [0.0])
+        total = [sum(self.wk(x, i) for i in self.needs[x]) + sum(self.wk(x, bid[b]) for b in self.local[x])
+                 for x in plan.ranks]
+        got = dict.fromkeys(plan.ranks, 0)
+        for _, t in self.transfers:
+            got[t.dst] += self.size[bid[t.block]]
+        self.work_all = max(total, default=0.0) or 1.0
+        self.bytes_all = max(got.values(), default=0) or 1
+
+    def wk(self, x: int, i: int) -> float:
+        """The work of rank ``x`` on block number ``i`` (memoised)."""
+        k = i * self.span + x
+        w = self._memo.get(k)
         if w is None:
-            w = memo[(x, i)] = work(x, blocks[i])
+            w = self._memo[k] = self._work(x, self.blocks[i])
         return w
 
-    order = list(readers)
-    pending = {i: [x for x in readers[i] if i in left[x]] for i in order}     # readers still to serve
-    top = max([wk(x, i) for x in plan.ranks for i in left[x]] + [work(x, b) for x in plan.ranks for b in local[x]]
-              + [0.0])
-    cap_of = dict.fromkeys(plan.ranks, top * scale)
-    size = {num(b): block_bytes(b) for b in plan.blocks()}
-    slot: dict[tuple[int, Transfer], int] = {}                     # (round, transfer) -> its place in the round
-    for r, rnd in enumerate(plan.rounds):
-        for k, t in enumerate(rnd):
-            slot.setdefault((r, t), k)
+
+def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float]:
+    """Greedy packing (module docstring) with a rank's work per wave capped at ``scale`` times the
+    largest single delivery's (a rank's first delivery of a wave always fits), and its *pace*: the
+    sum over waves of the larger of the busiest rank's work and the most bytes a rank receives in
+    the wave, each relative to the whole backward's (``inp.work_all``, ``inp.bytes_all``): 1.0 when
+    every wave is as balanced as the one pass (Note [Balanced waves]). The bookkeeping is on
+    block numbers (``inp``); the waves hold the plan's blocks and transfers."""
+    plan, wk, owner, size, sender, R = inp.plan, inp.wk, inp.owner, inp.size, inp.sender, inp.span
+    left = {x: set(ids) for x, ids in inp.needs.items()}          # received deliveries still to do
+    local = {x: list(b) for x, b in inp.local.items()}
+    bid = inp.bid
+    order = list(inp.readers)
+    pending = {i: [x for x in inp.readers[i] if i in left[x]] for i in order}     # readers still to serve
+    cap = inp.top * scale
     lightest = {x: sorted(left[x], key=lambda i, x=x: wk(x, i)) for x in plan.ranks}  # least work first
     first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
     waves = []
+    pace = 0.0
     while any(left.values()) or any(local.values()):
         load: dict[int, int] = {}
         comp: dict[int, float] = {}
-        carried: dict[tuple[int, int], tuple[int, Transfer]] = {}
-        computes: set = set()
+        carried: dict[int, int] = {}                               # (block, rank) -> the transfer bringing it
+        computes: list[tuple[int, int]] = []
 
         mins: dict[int, float] = {}
 
@@ -265,7 +260,7 @@ def _pack(plan: Plan, block_bytes: Callable[[Block], int], budget: int, work: Ca
             return mins[x]
 
         def take(i: int, x: int, w: float) -> None:
-            computes.add((i, x))
+            computes.append((i, x))
             comp[x] = comp.get(x, 0.0) + w
 
         hungry = {x for x in plan.ranks if left[x]}                # ranks that may still take work
@@ -279,34 +274,39 @@ def _pack(plan: Plan, block_bytes: Callable[[Block], int], budget: int, work: Ca
                 if x not in hungry or i not in left[x]:
                     continue
                 w = wk(x, i)
-                if comp.get(x, 0.0) and comp[x] + w > cap_of[x]:
+                if comp.get(x, 0.0) and comp[x] + w > cap:
                     continue
-                path, y = [], x
-                while y != o and (i, y) not in carried:
+                path, y, fits = [], x, True          # the ranks the block still has to reach, reader first
+                while y != o and i * R + y not in carried:
+                    if computes and load.get(y, 0) + n_i > budget:
+                        fits = False
+                        break
                     path.append(y)
-                    y = parent[(i, y)][1].src
-                if computes and any(load.get(d, 0) + n_i > budget for d in path):
+                    y = sender[i * R + y]
+                if not fits:
                     continue
                 for d in path:
                     load[d] = load.get(d, 0) + n_i
-                    carried[(i, d)] = parent[(i, d)]
+                    carried[i * R + d] = inp.arrive[i * R + d]
                 take(i, x, w)
                 left[x].discard(i)
                 for d in path[1:]:                               # relays that need it compute it too
-                    if i in left[d] and comp.get(d, 0.0) + wk(d, i) <= cap_of[d]:
+                    if i in left[d] and comp.get(d, 0.0) + wk(d, i) <= cap:
                         take(i, d, wk(d, i))
                         left[d].discard(i)
                 for d in path:                                   # full: no delivery of theirs fits any more
-                    if not left[d] or (comp.get(d, 0.0) and comp[d] + min_work(d) > cap_of[d]) or load[d] >= budget:
+                    if not left[d] or (comp.get(d, 0.0) and comp[d] + min_work(d) > cap) or load[d] >= budget:
                         hungry.discard(d)
             pending[i] = [x for x in pending[i] if i in left[x]]
         for x in plan.ranks:                                     # own blocks fill spare work
-            while local[x] and (not comp.get(x, 0.0) or comp[x] + work(x, local[x][0]) <= cap_of[x]):
-                b = local[x].pop(0)
-                take(num(b), x, work(x, b))
-        moved = tuple(sorted(carried.values(), key=lambda rt: (rt[0], slot[rt])))
-        waves.append(Wave(moved, frozenset((blocks[i], x) for i, x in computes)))
-    return tuple(waves)
+            while local[x] and (not comp.get(x, 0.0) or comp[x] + wk(x, bid[local[x][0]]) <= cap):
+                i = bid[local[x].pop(0)]
+                take(i, x, wk(x, i))
+        moved = tuple(inp.transfers[k] for k in sorted(carried.values()))
+        waves.append(Wave(moved, frozenset((inp.blocks[i], x) for i, x in computes)))
+        # load: the bytes each rank receives in the wave (every carried transfer once)
+        pace += max(max(comp.values(), default=0.0) / inp.work_all, max(load.values(), default=0) / inp.bytes_all)
+    return tuple(waves), pace
 
 
 _WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
