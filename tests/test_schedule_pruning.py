@@ -23,7 +23,8 @@ CELLS = [("dgx-h100:2", 16, 32, 8, 32768), ("dgx-a100:2", 12, 32, 32, 131072), (
 @pytest.mark.parametrize("preset,cp,heads,kv,seq", CELLS)
 @pytest.mark.parametrize("backward", [None, WaveBackward()], ids=["one-pass", "executor"])
 def test_floors_never_exceed_the_priced_total(preset, cp, heads, kv, seq, backward):
-    """Every candidate's floor, its tighter floor (a chain's steps' compute), its degree's floor
+    """Every candidate's floor, its tighter floor (a chain's steps' compute), its packed floor (the
+    wave loop's posts and completions), its degree's floor
     and (a = 1) its graph's floor are at most its predicted total."""
     from megatron_fcp.cost.floors import graph_kv_floor
     from megatron_fcp.cost.model import pad_for_zigzag
@@ -44,7 +45,7 @@ def test_floors_never_exceed_the_priced_total(preset, cp, heads, kv, seq, backwa
                 pr = HeadParallelPricing(hp, topo, shape, backward=backward)
                 res = pr.result()
                 total = res.total_s
-                assert pr.floor() <= pr.tight_floor() <= total, (a, graph, opts)
+                assert pr.floor() <= pr.tight_floor() <= pr.packed_floor() <= total, (a, graph, opts)
                 assert lo <= by_graph <= total, (a, graph, opts)
 
 

@@ -63,7 +63,7 @@ from megatron_fcp.cost.model import (
     simulate_rounds,
     zigzag_block_work,
 )
-from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline
+from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline, wave_timeline_floor
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward
 from megatron_fcp.schedule.waves import restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
@@ -72,6 +72,7 @@ __all__ = [
     "simulate_plan_backward",
     "simulate_backward_waves",
     "chain_compute_floor",
+    "wave_backward_floor",
 ]
 
 def simulate_plan_backward(
@@ -263,10 +264,7 @@ def simulate_backward_waves(
     launch_s = cm.launch_s(BACKWARD_FLOP_RATIO)
     backward_kv = program.mode
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
-
-    def job_s(x: int, blk) -> float:
-        w = work(x, blk)
-        return w + launch_s if w else 0.0
+    job_s = _job_s(work, launch_s)
 
     keepers, first = program.keepers, program.first_kept
     saved = {r: sum(size(b) for b in program.kept(r)) for r in plan.ranks}   # received KV saved from the forward
@@ -349,6 +347,37 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     else:
         pairs = zigzag_pairs(plan, zshape.seq_len)
     return program, block_tokens, size, lambda x, blk: pairs(x, blk) * flop_s
+
+
+def _job_s(work, launch_s: float):
+    """One gradient job's seconds: its work and one kernel launch (none for a job without work)."""
+    def job_s(x: int, blk) -> float:
+        w = work(x, blk)
+        return w + launch_s if w else 0.0
+    return job_s
+
+
+def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: AttentionShape, *,
+                        compute_model: ComputeModel | None = None, backward_kv: str = "auto",
+                        grad_dtype_bytes: int | None = None, round_overhead_s: float = 0.0,
+                        kv_memory_budget: int = RING_BUDGET, micro_batch: int = 1,
+                        buffered_sends: bool = False) -> float | None:
+    """A floor on :func:`simulate_backward_waves`'s ``bwd_s`` (the same arguments) for a plan whose
+    backward runs in waves, None for a chain: :func:`~megatron_fcp.cost.timeline.wave_timeline_floor`
+    on the program pricing reads (memoised on the plan: the waves are packed once for both)."""
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    program, block_tokens, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
+                                                 None, None)
+    if program.steps is not None:
+        return None
+    grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
+    return wave_timeline_floor(plan, program.waves, topo, kv_bytes=size,
+                               grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
+                               job_s=_job_s(work, cm.launch_s(BACKWARD_FLOP_RATIO)),
+                               resend=program.mode == "resend", round_overhead_s=round_overhead_s,
+                               buffered_sends=buffered_sends, first_kept=program.first_kept,
+                               first_fetch=program.first_fetch)
 
 
 def _tile_work(cm: ComputeModel, plan: Plan, shape: AttentionShape, j: int, blk, flop_ratio: float) -> float:

@@ -17,8 +17,10 @@ things all of them respect:
   -- is a floor; and every model launches at least one kernel per owner whose blocks a rank
   computes on (the one pass per owner and round, a chain per owner and step, the waves per
   block, the forward per owner and round), so each rank's work plus that many launches is one
-  too (:func:`rank_owners`). Where compute hides communication the launches are most of the gap
-  between the floor and the priced time.
+  too (:func:`rank_owners`); a backward in waves launches once per job, every block a rank needs
+  and each of its own (:func:`rank_jobs`), which at fine sub-blocks is many times the owners. Where
+  compute hides communication the launches are most of the gap between the floor and the priced
+  time.
 * **reduction** (not for a chain: its partials travel the forward's direction): every delivery of
   a block to a rank whose queries attend to it returns one dK/dV partial along the reversed hop
   (one pass: every reversed round; waves: every hop of a wave's paths), and each model
@@ -31,6 +33,10 @@ things all of them respect:
   step by step, the longer of the busiest rank's jobs and the step's messages, so the sum over
   steps of the busiest rank's jobs is a floor; it is above the compute floor where the steps
   compute unevenly (a staggered stage ring).
+* **the wave loop** (waves only, once they are packed:
+  :func:`~megatron_fcp.cost.backward.wave_backward_floor`): the longest path through the loop's
+  posts, completions and each rank's queued messages (Note [Wave timeline floor] in
+  :mod:`megatron_fcp.cost.timeline`); it sees a wave waiting on one sender's NIC.
 
 The **forward's KV floor** (:func:`kv_floor`, for a degree before any of its plans is compiled):
 the forward's rounds last at least each resource's busy time, so no plan over a placement moves
@@ -57,7 +63,7 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
 from megatron_fcp.topology import Topology
 
-__all__ = ["rank_pairs", "rank_owners", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
+__all__ = ["rank_pairs", "rank_owners", "rank_jobs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
 
 
 def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
@@ -119,15 +125,28 @@ def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: "bo
 
 
 def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape, causal: "bool | Mask",
-                  compute_model: ComputeModel, flop_ratio: float, launches: bool = False) -> float:
+                  compute_model: ComputeModel, flop_ratio: float, launches: "bool | np.ndarray" = False) -> float:
     """The busiest rank's work in seconds at ``flop_ratio`` times the forward's FLOPs (Note
     [Backward floors]), from :func:`rank_pairs`; ``launches``: each rank's plus one kernel launch
-    per owner whose blocks its queries attend to (:func:`rank_owners`)."""
+    per owner whose blocks its queries attend to (:func:`rank_owners`), or per rank the launches
+    given (``[cp]``: a backward in waves launches once per job, :func:`rank_jobs`)."""
     pairs = rank_pairs(placement, cp, shape.seq_len, causal).astype(np.float64)
     t = pairs * compute_model.pair_s(shape, flop_ratio)        # tiles: a per-pair lower bound (Note [Cost model])
-    if launches:
+    if isinstance(launches, np.ndarray):
+        t = t + launches * compute_model.launch_s(flop_ratio)
+    elif launches:
         t = t + rank_owners(placement, cp, causal, shape.seq_len) * compute_model.launch_s(flop_ratio)
     return float(t.max(initial=0))
+
+
+def rank_jobs(plan: Plan, seq_len: int | None) -> np.ndarray:
+    """``[cp]`` gradient jobs of each CP rank in a backward that runs in waves: every block it needs
+    and every own block holding tokens, each computed once as one job with one kernel launch (Note
+    [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`); a block's work is never zero
+    there (a need is a visible pair, an own block holds its diagonal). ``seq_len``: a zigzag plan's."""
+    needs = plan.need_matrix().sum(axis=1)
+    own = [sum(plan.block_tokens(b, seq_len) > 0 for b in plan.local_blocks(r)) for r in plan.ranks]
+    return needs.astype(np.float64) + np.asarray(own, dtype=np.float64)
 
 
 def rank_owners(placement: "Placement | None", cp: int, causal: "bool | Mask", seq_len: int | None = None) -> np.ndarray:

@@ -77,8 +77,8 @@ from megatron_fcp.contract.head_parallel import (
     topology_head_groups,
 )
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
-from megatron_fcp.cost.backward import chain_compute_floor, simulate_backward_waves, simulate_plan_backward
-from megatron_fcp.cost.floors import compute_floor, kv_floor, reduction_floor
+from megatron_fcp.cost.backward import chain_compute_floor, simulate_backward_waves, simulate_plan_backward, wave_backward_floor
+from megatron_fcp.cost.floors import compute_floor, kv_floor, rank_jobs, reduction_floor
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
     AttentionShape,
@@ -239,8 +239,9 @@ class HeadParallelPricing:
     def tight_floor(self) -> float:
         """:meth:`floor`, raised where the KV stage's backward streams as chains by the sum of its
         steps' busiest compute (:func:`~megatron_fcp.cost.backward.chain_compute_floor`: the
-        backward's program is compiled, its messages not priced). For a search, after
-        :meth:`floor` has not ruled the candidate out; the program is what :meth:`result` reads."""
+        backward's program is compiled, its messages not priced; staggered rings compute unevenly
+        per step). For a search, after :meth:`floor` has not ruled the candidate out; the program
+        is what :meth:`result` reads."""
         if "tight" not in self._floors:
             chain = None
             if self.pass_ != "fwd" and self.chain():
@@ -250,6 +251,29 @@ class HeadParallelPricing:
             self._floors["tight"] = self.floor() if chain is None else max(self.floor(), self._floor(chain))
         return self._floors["tight"]
 
+    def packed_floor(self) -> float:
+        """:meth:`tight_floor`, raised where the KV stage's backward runs in waves by the wave loop's
+        chains of posts and completions (:func:`~megatron_fcp.cost.backward.wave_backward_floor`):
+        the waves are packed (what :meth:`result` reads next), their messages not simulated. For a
+        search, after :meth:`tight_floor` has not ruled the candidate out."""
+        if "packed" not in self._floors:
+            b, sp = self.backward, self.sp
+            wave = None
+            if self.packs():
+                wave = wave_backward_floor(sp, self.topo, self.sshape, compute_model=self.cm,
+                                           backward_kv=b.backward_kv, grad_dtype_bytes=self.grad_dtype_bytes,
+                                           round_overhead_s=self.round_overhead_s,
+                                           kv_memory_budget=b.kv_memory_budget, micro_batch=b.micro_batch,
+                                           buffered_sends=b.buffered_sends)
+            self._floors["packed"] = self.tight_floor() if wave is None else max(self.tight_floor(), self._floor(wave))
+        return self._floors["packed"]
+
+    def packs(self) -> bool:
+        """Whether :meth:`packed_floor` has more to say than :meth:`tight_floor` (the backward is
+        priced as the executor runs it and runs in waves)."""
+        return self.pass_ != "fwd" and self.backward is not None and self.hp.kv_plan is not None \
+            and bool(self.sp.rounds) and not self.chain()
+
     def _reduction(self) -> float:
         if "reduction" not in self._floors:
             self._floors["reduction"] = reduction_floor(self.sp, self.topo, self.sshape,
@@ -257,8 +281,9 @@ class HeadParallelPricing:
         return self._floors["reduction"]
 
     def known_floor(self) -> float:
-        """The tightest floor computed so far (:meth:`tight_floor` once asked, else :meth:`floor`)."""
-        return self._floors.get("tight", self.floor())
+        """The tightest floor computed so far (:meth:`packed_floor`, :meth:`tight_floor` once asked,
+        else :meth:`floor`)."""
+        return self._floors.get("packed", self._floors.get("tight", self.floor()))
 
     def chain(self) -> bool:
         """Whether the KV stage's backward is priced as the executor runs it and may stream as chains."""
@@ -268,19 +293,21 @@ class HeadParallelPricing:
                                          and chain_routes(sp) is not None)
         return bool(self._floors["chain"])
 
-    def _floor(self, chain_s: float | None) -> float:
+    def _floor(self, backward_s: float | None) -> float:
         t = sum(p.total_s for p in self.out)
         if self.pass_ == "fwd":
             return t
         sp, sshape = self.sp, self.sshape
         ratio = min(self.backward_flop_ratio, BACKWARD_FLOP_RATIO) if self.backward is not None \
             else self.backward_flop_ratio
-        stage = compute_floor(sp.placement, sp.cp, sshape, sp.mask, self.cm, ratio, launches=True) \
+        # waves launch once per job, chains and the one pass at least once per owner (Note [Backward floors])
+        launches = rank_jobs(sp, None if sp.placement is not None else sshape.seq_len) if self.packs() else True
+        stage = compute_floor(sp.placement, sp.cp, sshape, sp.mask, self.cm, ratio, launches=launches) \
             if not sp.kv_sizes else 0.0
         if sp.num_rounds and not self.chain():  # a chain's partials travel the forward's direction
             stage = max(stage, self._reduction())
-        if chain_s is not None:
-            stage = max(stage, chain_s)
+        if backward_s is not None:   # the KV stage's backward as the executor runs it (tight_floor)
+            stage = max(stage, backward_s)
         if self.a2a:
             last = "kv" if self.overlap_q else "qkv"  # dQ's part may hide behind the stage's tail
             stage += self._a2a_s("q") + self._a2a_s(last)

@@ -37,6 +37,38 @@ clock t answers False once a message of it starts at or after t, else waits (in 
 not in simulated time) until its messages are resolved and compares their arrival with t. The
 result is the last rank's end. No barrier between waves: a wave whose reduction is one slow link's
 transfer delays only the ranks on that transfer's path, which a lock-step sum over waves cannot see.
+
+Note [Wave timeline floor]
+--------------------------
+:func:`wave_timeline_floor` bounds :func:`wave_timeline` from below without its event simulation,
+so a search can rule a wave candidate out after packing its waves and before simulating them
+(:meth:`~megatron_fcp.cost.head_parallel.HeadParallelPricing.packed_floor`). It keeps only
+constraints every run of the loop above obeys, each of the form "this happens no sooner than
+that", so with every input at its least the recursion yields a time no later than the
+simulation's. Per rank ``x`` with ``T_x(w)`` the start of its iteration ``w``:
+
+* ``T_x(0)`` is at least its leading own jobs, and wave 0's fetch (when it is re-sent);
+* ``T_x(w+1)`` is at least ``T_x(w)`` plus its jobs of iteration ``w``, and the completion at ``x``
+  of fetch(w+1) and of red(w-2) (what ``finish`` waits for); the end is iteration ``W``'s, after
+  red(W-1) and red(W-2);
+* a chain (one wave's fetch, or its reduction rounds reversed) queued in iteration ``w`` is posted
+  by ``x`` no sooner than ``T_x(w)``, each next round of it no sooner than its previous round
+  completed at ``x``;
+* a message starts no sooner than both ends posted it, and arrives no sooner than its start plus
+  its route's slowest resource and its latency (NCCL: a send completes when it arrives; gloo's
+  buffered sends when they start);
+* a rank's messages of one round start no sooner than it posts them and queue on every resource
+  they share, so the round completes no sooner than the post plus their summed time on the
+  busiest such resource plus the least latency.
+
+What it leaves out (contention between different ranks' messages, the queue's order across
+chains, polling only between jobs) is why it sits below; every constraint it keeps holds in every
+run. The floor is the longest path
+through these constraints: when a wave's blocks leave a few owners, each wave waits on one
+sender's NIC and the path sums those queues over the waves, which neither the compute floor nor
+the per-resource byte floors (Note [Backward floors] in :mod:`megatron_fcp.cost.floors`) see.
+Tested below the timeline for every wave-running builder, KV mode, send completion, packed
+placements and windows (``tests/test_wave_floor.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +83,7 @@ from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology
 
-__all__ = ["wave_timeline", "chain_timeline", "chain_step_compute"]
+__all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step_compute"]
 
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
@@ -330,3 +362,100 @@ def chain_step_compute(steps: Sequence[ChainStep], job_s: Callable[[int, Block],
             owners.add((x, b.owner))
         out.append(max(busy.values(), default=0.0))
     return out
+
+
+def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
+                        grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
+                        round_overhead_s: float = 0.0, buffered_sends: bool = False, first_kept: bool = False,
+                        first_fetch: Wave | None = None) -> float:
+    """A lower bound on :func:`wave_timeline`'s ``total_s`` for the same arguments, without the
+    event simulation (Note [Wave timeline floor])."""
+    idx = _ResourceIndex(topo)
+    ranks = list(plan.ranks)
+    W = len(waves)
+    # per rank and iteration of the loop: its jobs' seconds (iteration 0: after the leading own jobs;
+    # iteration W: the first wave's own jobs left for the end)
+    lead = dict.fromkeys(ranks, 0.0)
+    comp = [dict.fromkeys(ranks, 0.0) for _ in range(W + 1)]
+    for w, wave in enumerate(waves):
+        own: dict[int, list[Block]] = {}
+        for b, x in wave.computes:
+            if b.owner == x:
+                own.setdefault(x, []).append(b)
+            else:
+                comp[w][x] += job_s(x, b)
+        for x, blocks in own.items():
+            if w:
+                comp[w][x] += sum(job_s(x, b) for b in blocks)
+                continue
+            local = [b for b in plan.local_blocks(x) if b in set(blocks)]   # the executor's order
+            n = leading_own_jobs(len(local), W)
+            lead[x] = sum(job_s(x, b) for b in local[:n])
+            comp[W][x] += sum(job_s(x, b) for b in local[n:])
+
+    routes: dict[tuple[int, int], tuple[list[int], list[float], float]] = {}   # (src, dst) -> resources, bandwidths, latency
+    sizes: dict[int, dict[Block, float]] = {id(kv_bytes): {}, id(grad_bytes): {}}   # per size function: block -> bytes
+
+    def chain(transfers, reverse: bool, size: Callable[[Block], float], start: dict[int, float]) -> dict[int, float]:
+        """Each rank's completion of one chain (a wave's fetch or its reduction), every rank posting
+        its first round no sooner than ``start`` and each next round once its last completed: a
+        message starts once both ends posted and takes its route's slowest resource plus latency;
+        a rank's messages of a round share its resources. Ranks without messages: ``start``."""
+        by_round: dict[int, list] = {}
+        for r, t in transfers:
+            by_round.setdefault(r, []).append(t)
+        memo = sizes[id(size)]
+        ready = dict(start)
+        for r in sorted(by_round, reverse=reverse):
+            done: dict[int, float] = {}
+            load: dict[int, float] = {}          # (rank << 20 | resource) -> its messages' seconds there
+            lat: dict[int, float] = {}
+            for t in by_round[r]:
+                s, d = (t.dst, t.src) if reverse else (t.src, t.dst)
+                hit = routes.get((s, d))
+                if hit is None:
+                    rid, latency = idx.route(s, d)
+                    ks = rid.tolist()
+                    hit = routes[(s, d)] = (ks, [idx.bw[k] for k in ks], latency + round_overhead_s)
+                ks, bws, latency = hit
+                nbytes = memo.get(t.block)
+                if nbytes is None:
+                    nbytes = memo[t.block] = size(t.block)
+                durs = [nbytes / bw for bw in bws]
+                begin = ready[s] if ready[s] > ready[d] else ready[d]
+                fin = begin + max(durs, default=0.0) + latency
+                done[s] = max(done.get(s, 0.0), begin if buffered_sends else fin)   # gloo: a send completes as it starts
+                done[d] = max(done.get(d, 0.0), fin)
+                for x in ((d,) if buffered_sends else (s, d)):
+                    lat[x] = min(lat.get(x, latency), latency)
+                    base = x << 20
+                    for k, dur in zip(ks, durs):
+                        load[base | k] = load.get(base | k, 0.0) + dur
+            for xk, busy in load.items():
+                x = xk >> 20
+                done[x] = max(done[x], ready[x] + busy + lat[x])
+            ready.update(done)
+        return ready
+
+    fetched = [wave if w or first_fetch is None else first_fetch for w, wave in enumerate(waves)]
+    zero = dict.fromkeys(ranks, 0.0)
+    begin = dict(lead)                                               # T_x(0): the leading own jobs, then wave 0's KV
+    if resend and W and not first_kept:
+        got = chain(fetched[0].transfers, False, kv_bytes, zero)
+        begin = {x: max(lead[x], got[x]) for x in ranks}
+    reduced: list[dict[int, float]] = []                             # red(w) complete, per rank
+    end = zero
+    for w in range(W + 1):
+        # iteration w: red(w-1) and fetch(w+1) posted from its start; its jobs; then it waits fetch(w+1)
+        # and red(w-2) (the last iteration: red(w-1) and red(w-2))
+        if w:
+            reduced.append(chain(waves[w - 1].transfers, True, grad_bytes, begin))
+        nxt = {x: begin[x] + comp[w][x] for x in ranks}
+        if resend and w + 1 < W:
+            got = chain(fetched[w + 1].transfers, False, kv_bytes, begin)
+            nxt = {x: max(nxt[x], got[x]) for x in ranks}
+        for v in ((w - 2,) if w < W else (w - 1, w - 2)):
+            if 0 <= v < len(reduced):
+                nxt = {x: max(nxt[x], reduced[v][x]) for x in ranks}
+        begin, end = nxt, nxt
+    return max(end.values(), default=0.0)

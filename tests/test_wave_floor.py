@@ -1,0 +1,89 @@
+"""The wave loop's floor (Note [Wave timeline floor] in megatron_fcp/cost/timeline.py) is a lower
+bound on the wave timeline for every plan shape the executor runs in waves, and it sees what the
+resource and compute floors cannot: a wave's sends queued behind one sender's NIC."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+from megatron_fcp.cost.backward import simulate_backward_waves, wave_backward_floor
+from megatron_fcp.cost.floors import compute_floor, reduction_floor
+from megatron_fcp.cost.model import AttentionShape, ComputeModel
+from megatron_fcp.planner.build import build_plan
+from megatron_fcp.topology import load_topology
+
+ZIGZAG = [("dgx-h100:2", 16, "hierarchical", 1), ("dgx-h100:2", 16, "full", 2), ("pcie-box:2", 16, "leader", 1),
+          ("single-uplink:2", 16, "spanning", 2), ("dgx-a100:1", 8, "full", 4)]
+
+
+def _both(plan, topo, shape, **kw):
+    floor = wave_backward_floor(plan, topo, shape, **kw)
+    priced = simulate_backward_waves(plan, topo, shape, **kw)
+    return floor, priced
+
+
+@pytest.mark.parametrize("preset,cp,graph,parts", ZIGZAG)
+@pytest.mark.parametrize("mode", ["auto", "keep", "resend"])
+@pytest.mark.parametrize("buffered", [False, True], ids=["nccl", "gloo"])
+def test_the_wave_floor_never_exceeds_the_wave_timeline(preset, cp, graph, parts, mode, buffered):
+    """Zigzag plans of every wave-running builder, sub-blocks, each KV mode (auto keeps the first
+    wave), NCCL's and gloo's send completion: floor <= timeline, and at least the busiest
+    rank's compute (launches aside)."""
+    shape = AttentionShape(65536, 32, 8, 128, 2)
+    plan = build_plan(preset, range(cp), graph, parts_per_chunk=parts)
+    floor, priced = _both(plan, preset, shape, backward_kv=mode, buffered_sends=buffered, round_overhead_s=2e-6)
+    assert priced["backward"] == "waves" and floor is not None
+    assert floor <= priced["bwd_s"] * (1 + 1e-12)
+    cm = ComputeModel()
+    assert floor >= compute_floor(None, cp, shape, True, cm, 2.5) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("mode", ["auto", "resend"])
+def test_the_wave_floor_bounds_packed_and_windowed_plans(mode):
+    """A packed placement (first waves kept by some ranks only, re-sent for the others) and a
+    sliding window: floor <= timeline."""
+    lengths = lognormal_lengths(8.0, 1.2, 16384 * 16, 1)
+    pl = place_packed(lengths, 16, block_tokens=2048)
+    plan = build_plan("dgx-h100:2", range(16), "hierarchical", placement=pl)
+    shape = AttentionShape(1, 32, 8, 128, 2)
+    floor, priced = _both(plan, "dgx-h100:2", shape, backward_kv=mode)
+    assert floor is not None and floor <= priced["bwd_s"] * (1 + 1e-12)
+    windowed = build_plan("dgx-h100:2", range(16), "full", parts_per_chunk=2, seq_len=65536, window=(8192, 0))
+    floor, priced = _both(windowed, "dgx-h100:2", AttentionShape(65536, 32, 8, 128, 2), backward_kv=mode)
+    assert floor is not None and floor <= priced["bwd_s"] * (1 + 1e-12)
+
+
+def test_the_wave_floor_sees_a_senders_queue_and_chains_have_none():
+    """cp = 64 hierarchical with sub-blocks, MHA at 128K: each wave's blocks leave a few owners'
+    NICs, so the waves run near one sender's queue each. The floor is far above the compute and
+    reduction floors (the bounds the search had before) and within a factor of two of the
+    timeline; a ring streams as chains and has no wave floor."""
+    shape = AttentionShape(131072, 32, 32, 128, 2)
+    plan = build_plan("dgx-h100:8", range(64), "hierarchical", parts_per_chunk=4)
+    floor, priced = _both(plan, "dgx-h100:8", shape)
+    cm = ComputeModel()
+    others = max(compute_floor(None, 64, shape, True, cm, 2.5, launches=True),
+                 reduction_floor(plan, load_topology("dgx-h100:8"), shape, 2))
+    assert 2 * others < floor <= priced["bwd_s"] < 2 * floor
+    ring = build_plan("dgx-h100:2", range(16), "ring")
+    assert wave_backward_floor(ring, "dgx-h100:2", AttentionShape(65536, 32, 8, 128, 2)) is None
+
+
+@pytest.mark.parametrize("preset,cp,graph,parts", ZIGZAG[:3])
+def test_a_ranks_jobs_are_the_computes_its_waves_run(preset, cp, graph, parts):
+    """``rank_jobs`` (the per-job launches of a backward in waves, counted before packing) is each
+    rank's number of gradient jobs in the packed waves, and the compute floor with those launches
+    is at most the wave timeline."""
+    from megatron_fcp.cost.floors import rank_jobs
+    from megatron_fcp.schedule.waves import plan_waves
+
+    shape = AttentionShape(65536, 32, 8, 128, 2)
+    plan = build_plan(preset, range(cp), graph, parts_per_chunk=parts)
+    waves = plan_waves(plan, lambda b: plan.block_tokens(b, 65536) * shape.kv_bytes(1))
+    jobs = rank_jobs(plan, 65536)
+    assert [sum(x == r for w in waves for _, x in w.computes) for r in plan.ranks] == jobs.tolist()
+    cm = ComputeModel()
+    floor = compute_floor(None, cp, shape, True, cm, 2.5, launches=jobs)
+    assert compute_floor(None, cp, shape, True, cm, 2.5, launches=True) <= floor
+    assert floor <= simulate_backward_waves(plan, preset, shape)["bwd_s"] * (1 + 1e-12)
