@@ -45,7 +45,10 @@ least left (a heap):
 3. compiled: its forward priced exactly, its backward's compute and (waves) dK/dV reduction floors;
 4. tight: a chain's backward program compiled and the sum of its steps' busiest compute
    (:func:`~megatron_fcp.cost.backward.chain_compute_floor`; staggered rings compute unevenly per step);
-5. priced.
+5. packed (a backward in waves): its waves packed and the wave loop's floor
+   (:func:`~megatron_fcp.cost.backward.wave_backward_floor`, Note [Wave timeline floor] in
+   :mod:`megatron_fcp.cost.timeline`), which sees a wave waiting on one sender's queue;
+6. priced.
 
 A candidate is dropped at any step where its floor exceeds ``(1 + 0.1%)`` times the second-best
 total priced so far, above which :func:`~megatron_fcp.cost.model.pick_best` can make it neither
@@ -68,25 +71,33 @@ Every rank of a job makes the same choice (it is a pure function of flags, topol
 so at scale every rank repeating the whole search is the same work done once per rank. With a
 :class:`SearchShare` (the Megatron runtime passes one over the job's ranks, Note [The runtime runs
 the planner's choice] in :mod:`megatron_fcp.patches.schedule`), :func:`choose_schedule` splits the
-search over the ranks in three rounds, each ended by one gather (JSON writes a float as its
-shortest round-tripping ``repr``, so every rank holds the same bits and decides alike):
+search over the ranks in rounds, each ended by one gather (JSON writes a float as its shortest
+round-tripping ``repr``, so every rank holds the same bits, plans the next round alike and
+decides alike). A round's jobs are dealt to the ranks the previous rounds left idle; a job on a
+compiled candidate goes to the rank that compiled it. Each round runs only the cheapest kind of
+work left, since cheap results tighten the bounds that decide whether dear work is needed:
 
-1. rank ``i`` of ``n`` compiles the base candidates whose place in the order is ``i`` mod ``n``
-   and prices their forward; it prices the backward of those where it is cheap (a chain, or no
-   KV stage) and sends the others' floors (Note [Pruning the search]);
-2. each rank prices the backward of its own candidates whose floor does not rule them out: below
-   ``(1 + 0.1%)`` times the second-best total gathered, or, for a degree with follow-ups, below
-   the tie of that degree's best total (it may be the graph the follow-ups build on);
-3. every rank takes each degree's best graph with :func:`~megatron_fcp.cost.model.pick_best` as
-   the full search does; the follow-ups (staggers, sub-blocks) on those graphs are dealt on from
-   where round 1 stopped (to the ranks it left idle), each priced unless its floor rules it out.
+1. compile (and price the forward of) every base candidate; price the backward where it is cheap
+   (a chain, or no KV stage), else send the floor; with it, each degree's follow-up floor (the
+   degree's, for ``a = 1`` with the graph's KV floor: :func:`_follow_up_floor`);
+2. compile the follow-ups (staggers, sub-blocks) of every degree whose best graph is known (no
+   graph not priced has a floor within the tie of its best), unless their follow-up floor rules
+   them out; chains among them are priced at once;
+3. else, for a degree whose best graph is not known, compile the follow-ups on every graph that
+   may be it (*probes*): if none of their floors is below the bound, which graph is best does not
+   matter;
+4. else pack the waves of every candidate that may still be chosen or be the runner-up (floor at
+   most ``(1 + 0.1%)`` times the second-best total priced), or may be the best graph of a degree
+   whose follow-ups may win, for its packed floor
+   (:meth:`~megatron_fcp.cost.head_parallel.HeadParallelPricing.packed_floor`, Note [Wave
+   timeline floor] in :mod:`megatron_fcp.cost.timeline`);
+5. else price those whose packed floor still does not rule them out.
 
-Then every rank picks from the gathered list and compiles the winner's plan. The rules are the
-pruned search's, applied with the totals known after each round (totals only fall as more are
-priced, so a candidate left out stays out): the choice and the runner-up are the full search's.
-A rank's work is its own candidates' forward and, where needed, backward: at cp = 64 with 21-31
-base candidates, one candidate per round, so the busiest rank pays for the costliest candidate
-that must be priced, not for the sum. ``plan.auto`` lists every candidate priced.
+The rounds repeat until a round has no job. The rules are the pruned search's (totals only fall
+as more are priced, so a candidate left out stays out, and a follow-up is a candidate only once
+its graph is known to be its degree's best): the choice and the runner-up are the full search's.
+The busiest rank pays for about one candidate's dear work; at cp = 64 the ring's chains priced
+first usually leave no wave candidate to price at all. ``plan.auto`` lists every candidate priced.
 """
 
 from __future__ import annotations
@@ -206,86 +217,161 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
                    fixed_parts: int, parts_auto: bool, min_block_tokens: int, causal: bool, objective: str, kw: dict,
                    window: tuple[int, int], share: SearchShare, prune: bool) -> list[tuple[SimResult, None]]:
     """The candidates of the full search that no floor rules out (all with ``prune`` False),
-    priced a share per rank in three gathered rounds (Note [Sharing the search]), in the full
-    search's order, without plans."""
+    priced a share per rank in gathered rounds, cheap work first (Note [Sharing the search]), in
+    the full search's order, without plans. A candidate is ``(degree, graph, option, value)``:
+    option ``"base"`` for a degree's graphs, ``"stagger"`` or ``"parts_per_chunk"`` for a follow-up
+    on ``graph``, a *probe* until ``graph`` is known to be its degree's best."""
     cp = len(ranks)
     chunk = padded.seq_len // (2 * cp)
     order = _base_order(ranks, degrees, graphs)
-    done: dict[int, tuple[SimResult, None]] = {}
-    kv_stage: dict[int, bool] = {}   # place -> the candidate has a KV stage (a > 1 follow-ups build on those)
-    floors: dict[int, float] = {}    # place -> its floor, for the base candidates not priced in round 1
-    kept: dict[int, HeadParallelPricing] = {}   # this rank's base candidates, forward priced
-    dealt = [0]   # jobs dealt so far: each round's jobs go on to the ranks the last one left idle
-
-    def summary(k: int, pr: HeadParallelPricing, g: str, parts: int, stagger: int) -> list:
-        res = pr.result()
-        res.meta.update(label=_label(pr.hp, res.meta["graph"], parts, stagger), builder=g, stagger=stagger)
-        return [k, res.total_s, res.comm_s, res.compute_s, res.bytes, res.rounds, pr.hp.kv_plan is not None,
-                {m: res.meta.get(m) for m in _SHARED_META}]
-
-    def take(parts: list) -> None:
-        for part in parts:
-            for entry in part:
-                if len(entry) == 2:       # [place, floor]: not priced yet
-                    floors[entry[0]] = entry[1]
-                    continue
-                k, total, comm, compute, nbytes, rounds, stage, meta = entry
-                done[k] = (SimResult("fcp", comm, compute, total, nbytes, rounds, meta=dict(meta)), None)
-                kv_stage[k] = stage
-                floors.pop(k, None)
-
-    def mine(jobs: list) -> list:
-        first = dealt[0]
-        dealt[0] += len(jobs)
-        return [job for i, job in enumerate(jobs) if (first + i) % share.size == share.rank]
-
-    def second_best() -> float:   # Note [Pruning the search]: no candidate above this can be chosen or runner-up
-        t = sorted(r.total_s for r, _ in done.values())[:2]
-        return t[1] * (1 + _TIE) if prune and len(t) == 2 else math.inf
-
-    def base_bound(a: int) -> float:  # a base candidate above this cannot be its degree's best graph
-        t = [r.total_s for k, (r, _) in done.items() if r.meta["head_parallel"] == a and (a == 1 or kv_stage[k])]
-        return min(t) * (1 + _TIE) if prune and t else math.inf
+    dkw = {k: kw[k] for k in ("pass_", "causal", "compute_model", "round_overhead_s", "backward")}
+    # the shared state, the same on every rank after each gather
+    priced: dict[tuple, SimResult] = {}
+    floors: dict[tuple, float] = {}      # compiled, not priced: its tightest floor
+    packed: set[tuple] = set()           # compiled in waves, floor packed (HeadParallelPricing.packed_floor)
+    kv_stage: dict[tuple, bool] = {}     # compiled: the candidate has a KV stage (a > 1 follow-ups build on those)
+    owner: dict[tuple, int] = {}         # the rank holding a compiled candidate's forward pricing
+    kept: dict[tuple, HeadParallelPricing] = {}   # this rank's compiled candidates not priced yet
+    dealt = [0]   # compile jobs dealt so far: each round's go on to the ranks the last one left idle
 
     def ups(a: int) -> list[tuple[str, int]]:
         return _follow_ups(a, cp, parts_auto, chunk, min_block_tokens)
 
-    # round 1: every base candidate compiled, its forward priced; the cheap ones (a chain's backward,
-    # or no KV stage) priced, the others' floors sent
-    out = []
-    for k, a, g in mine([(k, a, g) for (a, g), k in order.items()]):
-        pr = kept[k] = HeadParallelPricing(
-            compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window,
-                                  parts_per_chunk=fixed_parts if a == 1 else 1), topo, padded, one_pass=False, **kw)
-        if not prune or pr.hp.kv_plan is None or pr.chain():
-            out.append(summary(k, pr, g, fixed_parts if a == 1 else 1, 1))
-        else:
-            out.append([k, pr.tight_floor()])
-    take(share.gather(out))
-    # round 2: the base candidates that may be the choice, the runner-up or their degree's best graph
-    bound = second_best()
-    # (each by the rank that priced its forward in round 1)
-    out = [summary(k, pr, g, fixed_parts if a == 1 else 1, 1)
-           for (a, g), k in order.items() if (pr := kept.get(k)) is not None and k in floors
-           and floors[k] <= max(bound, base_bound(a) if ups(a) else -math.inf)]
-    take(share.gather(out))
-    # round 3: each degree's follow-ups on its best graph, priced unless their floor rules them out
-    bound = second_best()
-    jobs = []
-    for a in sorted(degrees, key=lambda a: a == 1):
-        best = [done[k] for k in sorted(done) if done[k][0].meta["head_parallel"] == a and (a == 1 or kv_stage[k])]
-        if best and ups(a):
-            base = pick_best(best, objective)[0].meta["builder"]
-            jobs += [(k, a, base, opt, v) for k, opt, v in _follow_up_slots(len(order), degrees, a, ups(a))]
-    out = []
-    for k, a, g, opt, v in mine(jobs):
-        pr = HeadParallelPricing(compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window,
-                                                       **{opt: v}), topo, padded, one_pass=False, **kw)
-        if pr.floor() <= bound and pr.tight_floor() <= bound:
-            out.append(summary(k, pr, g, v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1))
-    if jobs:
+    def shape_of(cid: tuple) -> tuple[int, int]:   # (parts per chunk, stagger) of a candidate
+        a, _, opt, v = cid
+        if opt == "base":
+            return (fixed_parts if a == 1 else 1), 1
+        return (v, 1) if opt == "parts_per_chunk" else (1, v)
+
+    def compile_(cid: tuple) -> HeadParallelPricing:
+        a, g, opt, v = cid
+        opts = {"parts_per_chunk": shape_of(cid)[0]} if opt == "base" else {opt: v}
+        return HeadParallelPricing(compile_head_parallel(topo, ranks, padded, a, g, causal=causal, window=window,
+                                                         **opts), topo, padded, one_pass=False, **kw)
+
+    def summary(cid: tuple, pr: HeadParallelPricing) -> list:
+        res = pr.result()
+        parts, stagger = shape_of(cid)
+        res.meta.update(label=_label(pr.hp, res.meta["graph"], parts, stagger), builder=cid[1], stagger=stagger)
+        return [list(cid), res.total_s, res.comm_s, res.compute_s, res.bytes, res.rounds, pr.hp.kv_plan is not None,
+                {m: res.meta.get(m) for m in _SHARED_META}]
+
+    def take(parts: list) -> None:
+        for r, part in enumerate(parts):
+            for entry in part:
+                if entry[0] == "follow-up floor":   # [tag, degree, graph, floor]
+                    follow_up_floors[(entry[1], entry[2])] = entry[3]
+                    continue
+                cid = tuple(entry[0])
+                if len(entry) == 4:       # [candidate, floor, KV stage, packed]: compiled, not priced
+                    floors[cid], kv_stage[cid], owner[cid] = entry[1], entry[2], r
+                    if entry[3]:
+                        packed.add(cid)
+                    continue
+                _, total, comm, compute, nbytes, rounds, stage, meta = entry
+                priced[cid] = SimResult("fcp", comm, compute, total, nbytes, rounds, meta=dict(meta))
+                kv_stage[cid] = stage
+                floors.pop(cid, None)
+
+    def bases(a: int) -> list[tuple]:  # the graphs a degree's follow-ups may build on
+        return [(a, g, "base", 0) for x, g in order if x == a and (a == 1 or kv_stage.get((a, g, "base", 0)))]
+
+    def base_bound(a: int) -> float:   # a base candidate above this cannot be its degree's best graph
+        t = [priced[c].total_s for c in bases(a) if c in priced]
+        return min(t) * (1 + _TIE) if prune and t else math.inf
+
+    def base_graph(a: int) -> str | None:   # the degree's best graph, once no other can be
+        if any(c in floors and floors[c] <= base_bound(a) for c in bases(a)):
+            return None
+        best = [(priced[c], None) for c in bases(a) if c in priced]
+        return pick_best(best, objective)[0].meta["builder"] if best else None
+
+    def real() -> list[tuple]:  # the full search's candidates compiled so far: bases, follow-ups on the best graph
+        base = {a: base_graph(a) for a in degrees if ups(a)}
+        return [c for c in list(priced) + list(floors) if c[2] == "base" or c[1] == base.get(c[0])]
+
+    def second_best() -> float:   # Note [Pruning the search]: no candidate above this can be chosen or runner-up
+        t = sorted(priced[c].total_s for c in real() if c in priced)[:2]
+        return t[1] * (1 + _TIE) if prune and len(t) == 2 else math.inf
+
+    follow_up_floors: dict[tuple[int, str], float] = {}   # gathered in round 1 (_follow_up_floor)
+
+    def follow_up_floor(a: int, g: str) -> float:
+        return follow_up_floors[(a, g)]
+
+    def jobs() -> list[tuple[str, tuple]]:
+        """This round's work, cheapest kind first: follow-ups on known best graphs compiled; else
+        follow-ups on every graph that may be the best compiled (probes: their floors say whether
+        the best graph matters); else the candidates that may still win, or be the best graph
+        that follow-ups which may win build on: their waves packed for a tighter floor, then
+        priced."""
+        if not priced and not floors:
+            return [("compile", (a, g, "base", 0)) for (a, g) in order]
+        bound = second_best()
+        known, probes, price = [], [], []
+        for a in sorted(degrees, key=lambda a: a == 1):
+            if not ups(a):
+                continue
+            g = base_graph(a)
+            if g is not None:
+                if not prune or bound == math.inf or follow_up_floor(a, g) <= bound:
+                    known += [("compile", c) for f in ups(a) if (c := (a, g, *f)) not in priced and c not in floors]
+                continue
+            may = [c for c in bases(a) if (priced[c].total_s if c in priced else floors[c]) <= base_bound(a)]
+            need = False
+            for c in (c for c in may if bound == math.inf or follow_up_floor(a, c[1]) <= bound):   # its follow-ups may win
+                for f in ups(a):
+                    p = (a, c[1], *f)
+                    if p not in priced and p not in floors:
+                        probes.append(("compile", p))
+                    elif (priced[p].total_s if p in priced else floors[p]) <= bound:
+                        need = True
+            if need:
+                price += [("price", c) for c in may if c in floors]
+        price += [("price", c) for c in real() if c in floors and floors[c] <= bound]
+        price = list(dict.fromkeys(price))
+        return known or probes or [("pack", c) for _, c in price if c not in packed] or price
+
+    while todo := jobs():
+        cheap = [j for j in todo if j[0] == "compile"]
+        first = dealt[0]
+        dealt[0] += len(cheap)
+        out = []
+        for i, (_, cid) in enumerate(cheap):
+            if (first + i) % share.size != share.rank:
+                continue
+            pr = compile_(cid)
+            if prune and cid[2] == "base" and ups(cid[0]):   # computed once, by the rank compiling the graph
+                out.append(["follow-up floor", cid[0], cid[1],
+                            _follow_up_floor(topo, ranks, padded, cid[0], cid[1], causal, dkw)])
+            if not prune or pr.hp.kv_plan is None or pr.chain():   # cheap: priced now
+                out.append(summary(cid, pr))
+            else:
+                kept[cid] = pr
+                out.append([list(cid), pr.tight_floor(), True, not pr.packs()])
+        for kind, cid in (j for j in todo if j[0] != "compile"):
+            if owner[cid] == share.rank:
+                pr = kept[cid]
+                out.append([list(cid), pr.packed_floor(), True, True] if kind == "pack" else summary(cid, kept.pop(cid)))
         take(share.gather(out))
-    return [done[k] for k in sorted(done)]
+    place = {(a, g, "base", 0): k for (a, g), k in order.items()}   # the full search's order
+    for a in degrees:
+        g = base_graph(a) if ups(a) else None
+        for k, opt, v in (_follow_up_slots(len(order), degrees, a, ups(a)) if g is not None else ()):
+            place[(a, g, opt, v)] = k
+    return [(priced[c], None) for c in sorted((c for c in priced if c in place), key=place.get)]
+
+
+def _follow_up_floor(topo: Topology, ranks: tuple, padded: AttentionShape, a: int, g: str, causal: bool,
+                     dkw: dict) -> float:
+    """A floor on every follow-up of degree ``a`` on graph ``g`` (any stagger or sub-blocks) before
+    any is compiled: the degree's (:func:`~megatron_fcp.cost.head_parallel.degree_floor`), for
+    ``a = 1`` with the graph's own KV floor (:func:`~megatron_fcp.cost.floors.graph_kv_floor`: a
+    graph entering each node at one rank is held to its NIC)."""
+    kv_s = None
+    if a == 1 and len(ranks) > 1:
+        kv_s = graph_kv_floor(get_builder(g).build(topo, ranks), topo, padded.seq_len, causal, padded.kv_bytes(1))
+    return head_parallel_degree_floor(topo, ranks, padded, a, kv_s=kv_s, **dkw)
 
 
 def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[int], graphs: list[str],
@@ -332,8 +418,10 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
             later[(a, g, opt, v)] = pricing(a, g, **{opt: v})
         return later[(a, g, opt, v)]
 
-    def below(pr: HeadParallelPricing) -> bool:  # not ruled out: its floor, then its tighter floor
-        return pr.floor() <= second_best() and pr.tight_floor() <= second_best()
+    def below(pr: HeadParallelPricing, packed: bool = False) -> bool:
+        """Not ruled out: its floor, then its tighter floor (``packed``: then its waves' floor)."""
+        return pr.floor() <= second_best() and pr.tight_floor() <= second_best() and \
+            (not packed or pr.packed_floor() <= second_best())
 
     def can_be_base(a: int, g: str) -> bool:  # within pick_best's tie of the degree's best priced so far
         k = order[(a, g)]
@@ -348,12 +436,8 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
         (:func:`~megatron_fcp.cost.floors.graph_kv_floor`: a graph entering each node at one
         rank is held to its NIC)."""
         if (a, g) not in graph_floors:
-            kv_s = None
-            if a == 1 and len(ranks) > 1:
-                kv_s = graph_kv_floor(get_builder(g).build(topo, ranks), topo, padded.seq_len, causal,
-                                      padded.kv_bytes(1))
-            graph_floors[(a, g)] = head_parallel_degree_floor(topo, ranks, padded, a, kv_s=kv_s, **dkw) \
-                if kv_s is not None else degree_floor[a]
+            graph_floors[(a, g)] = _follow_up_floor(topo, ranks, padded, a, g, causal, dkw) \
+                if a == 1 and len(ranks) > 1 else degree_floor[a]
         return graph_floors[(a, g)]
 
     def base_matters(a: int) -> bool:
@@ -414,6 +498,10 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
             step[i] = 2
             heapq.heappush(heap, (priced[i].tight_floor(), i, a, g))
             continue
+        if prune and step[i] == 2 and priced[i].packs():   # waves: packed, their loop's floor
+            step[i] = 3
+            heapq.heappush(heap, (priced[i].packed_floor(), i, a, g))
+            continue
         keep(i, priced.pop(i), g, fixed_parts if a == 1 else 1, 1)
     # then each degree's follow-ups on its best graph: a > 1 staggered, a = 1 cut into sub-blocks
     # (p need not divide the chunk: parts of floor/ceil size, Note [Sub-block sizes])
@@ -424,7 +512,7 @@ def _search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees: list[
         best_res, _ = pick_best(mine, objective)
         for k, opt, v in _follow_up_slots(n, degrees, a, follow_ups(a)):
             pr = follow_up(a, best_res.meta["builder"], opt, v)
-            if not prune or below(pr):
+            if not prune or below(pr, packed=True):
                 keep(k, pr, best_res.meta["builder"], v if opt == "parts_per_chunk" else 1, v if opt == "stagger" else 1)
     return [done[k] for k in sorted(done)]
 

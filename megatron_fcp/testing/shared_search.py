@@ -21,11 +21,13 @@ __all__ = ["SharedRun", "run_shared_search"]
 
 @dataclass(frozen=True)
 class SharedRun:
-    """Per rank: its choice, its CPU seconds, and how many candidates it sent in each gather."""
+    """Per rank: its choice, its CPU seconds, how many entries it sent in each gather, and the
+    entries themselves (as the wire carried them)."""
 
     choices: tuple[ScheduleChoice, ...]
     cpu_s: tuple[float, ...]
     sent: tuple[tuple[int, ...], ...]
+    objects: tuple[tuple[list, ...], ...]
 
 
 def run_shared_search(n: int, *args, **kwargs) -> SharedRun:
@@ -34,6 +36,7 @@ def run_shared_search(n: int, *args, **kwargs) -> SharedRun:
     choices: list = [None] * n
     cpu = [0.0] * n
     sent: list[list[int]] = [[] for _ in range(n)]
+    objects: list[list[list]] = [[] for _ in range(n)]
     errors: list[BaseException] = []
     barrier = threading.Barrier(n)
 
@@ -41,6 +44,7 @@ def run_shared_search(n: int, *args, **kwargs) -> SharedRun:
         def gather(obj):
             slots[r] = json.loads(json.dumps(obj))   # what the wire carries
             sent[r].append(len(obj))
+            objects[r].append(slots[r])
             barrier.wait()
             got = list(slots)
             barrier.wait()
@@ -63,4 +67,4 @@ def run_shared_search(n: int, *args, **kwargs) -> SharedRun:
         t.join()
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-    return SharedRun(tuple(choices), tuple(cpu), tuple(tuple(s) for s in sent))
+    return SharedRun(tuple(choices), tuple(cpu), tuple(tuple(s) for s in sent), tuple(tuple(o) for o in objects))
