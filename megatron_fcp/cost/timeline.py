@@ -59,7 +59,10 @@ simulation's. Per rank ``x`` with ``T_x(w)`` the start of its iteration ``w``:
   buffered sends when they start);
 * a rank's messages of one round start no sooner than it posts them and queue on every resource
   they share, so the round completes no sooner than the post plus their summed time on the
-  busiest such resource plus the least latency.
+  busiest such resource plus the least latency;
+* every message of the backward (re-sends and reductions, all waves) holds each resource of its
+  route for its bytes over its bandwidth, one message at a time, so the backward lasts at least
+  the busiest resource's sum.
 
 What it leaves out (contention between different ranks' messages, the queue's order across
 chains, polling only between jobs) is why it sits below; every constraint it keeps holds in every
@@ -395,6 +398,7 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
 
     routes: dict[tuple[int, int], tuple[list[int], list[float], float]] = {}   # (src, dst) -> resources, bandwidths, latency
     sizes: dict[int, dict[Block, float]] = {id(kv_bytes): {}, id(grad_bytes): {}}   # per size function: block -> bytes
+    held: dict[int, float] = {}          # resource -> seconds of every message of the backward on it
 
     def chain(transfers, reverse: bool, size: Callable[[Block], float], start: dict[int, float]) -> dict[int, float]:
         """Each rank's completion of one chain (a wave's fetch or its reduction), every rank posting
@@ -422,6 +426,8 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
                 if nbytes is None:
                     nbytes = memo[t.block] = size(t.block)
                 durs = [nbytes / bw for bw in bws]
+                for k, dur in zip(ks, durs):
+                    held[k] = held.get(k, 0.0) + dur
                 begin = ready[s] if ready[s] > ready[d] else ready[d]
                 fin = begin + max(durs, default=0.0) + latency
                 done[s] = max(done.get(s, 0.0), begin if buffered_sends else fin)   # gloo: a send completes as it starts
@@ -458,4 +464,5 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
             if 0 <= v < len(reduced):
                 nxt = {x: max(nxt[x], reduced[v][x]) for x in ranks}
         begin, end = nxt, nxt
-    return max(end.values(), default=0.0)
+    # every message of the backward holds each resource of its route for its bytes, one at a time
+    return max(max(end.values(), default=0.0), max(held.values(), default=0.0))

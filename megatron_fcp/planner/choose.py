@@ -333,6 +333,7 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
         return known or probes or [("pack", c) for _, c in price if c not in packed] or price
 
     while todo := jobs():
+        bound = second_best()
         cheap = [j for j in todo if j[0] == "compile"]
         first = dealt[0]
         dealt[0] += len(cheap)
@@ -344,7 +345,8 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
             if prune and cid[2] == "base" and ups(cid[0]):   # computed once, by the rank compiling the graph
                 out.append(["follow-up floor", cid[0], cid[1],
                             _follow_up_floor(topo, ranks, padded, cid[0], cid[1], causal, dkw)])
-            if not prune or pr.hp.kv_plan is None or pr.chain():   # cheap: priced now
+            # cheap: priced now (a chain's steps can be many: not where its floor rules it out)
+            if not prune or pr.hp.kv_plan is None or (pr.chain() and pr.tight_floor() <= bound):
                 out.append(summary(cid, pr))
             else:
                 kept[cid] = pr
