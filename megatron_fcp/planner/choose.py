@@ -308,7 +308,7 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
         if not priced and not floors:
             return [("compile", (a, g, "base", 0)) for (a, g) in order]
         bound = second_best()
-        known, probes, price = [], [], []
+        known, probes, packs, price = [], [], [], []
         for a in sorted(degrees, key=lambda a: a == 1):
             if not ups(a):
                 continue
@@ -325,12 +325,16 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
                     if p not in priced and p not in floors:
                         probes.append(("compile", p))
                     elif (priced[p].total_s if p in priced else floors[p]) <= bound:
-                        need = True
+                        if p in floors and p not in packed:
+                            packs.append(p)       # its waves' floor may still rule it out
+                        else:
+                            need = True
             if need:
                 price += [("price", c) for c in may if c in floors]
         price += [("price", c) for c in real() if c in floors and floors[c] <= bound]
         price = list(dict.fromkeys(price))
-        return known or probes or [("pack", c) for _, c in price if c not in packed] or price
+        packs = list(dict.fromkeys(packs + [c for _, c in price if c not in packed]))
+        return known or probes or [("pack", c) for c in packs] or price
 
     while todo := jobs():
         bound = second_best()
