@@ -238,7 +238,7 @@ def runtime_choice(cells: dict[int, int | None], progress=None) -> dict:
             c = choose_schedule(topo, range(cp), AttentionShape(seq, h, kv, 128, 2), backward=WaveBackward())
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             rows.append({"preset": preset, "nodes": nodes, "cp": cp, "heads": h, "kv_heads": kv, "seq": seq,
-                         "choice": c.label, "runner_up": c.runner_up[0] if c.runner_up else None,
+                         "choice": c.label, "runner_up": c.runner_up[0] if c.runner_up else None, "total_s": c.total_s,
                          "total_s": c.total_s, "priced": len(c.plan.auto), "wall_s": wall, "cpu_s": cpu})
             print(f"runtime choice {preset}:{nodes} cp={cp} {h}:{kv} seq={seq}: {c.label} ({len(c.plan.auto)} priced) "
                   f"{wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
@@ -283,7 +283,7 @@ def runtime_choice_shared(cells: dict[int, int | None], progress=None, alone_up_
             else:
                 same = None if same else False   # every rank agreed; the one-process search not run
             rows.append({"preset": preset, "nodes": nodes, "cp": cp, "heads": h, "kv_heads": kv, "seq": seq,
-                         "choice": c.label, "runner_up": c.runner_up[0] if c.runner_up else None,
+                         "choice": c.label, "runner_up": c.runner_up[0] if c.runner_up else None, "total_s": c.total_s,
                          "same_as_alone": same, "priced": len(c.plan.auto), "gathers": len(run.sent[0]),
                          "rank_cpu_s_max": max(run.cpu_s), "rank_cpu_s_mean": sum(run.cpu_s) / cp, "wall_s": wall})
             print(f"shared choice {preset}:{nodes} cp={cp} {h}:{kv} seq={seq}: {c.label} (same: {same}) busiest rank "
