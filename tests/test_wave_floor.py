@@ -54,6 +54,7 @@ def test_the_wave_floor_bounds_packed_and_windowed_plans(mode):
     assert floor is not None and floor <= priced["bwd_s"] * (1 + 1e-12)
 
 
+@pytest.mark.slow
 def test_the_wave_floor_sees_a_senders_queue_and_chains_have_none():
     """cp = 64 hierarchical with sub-blocks, MHA at 128K: each wave's blocks leave a few owners'
     NICs, so the waves run near one sender's queue each. The floor is far above the compute and
