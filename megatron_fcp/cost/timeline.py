@@ -86,7 +86,30 @@ from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology
 
-__all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step_compute"]
+__all__ = ["wave_timeline", "wave_timeline_floor", "loop_jobs", "chain_timeline", "chain_step_compute"]
+
+
+def loop_jobs(plan: Plan, waves: Sequence[Wave]) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
+    """Each rank's gradient jobs as the executor's wave loop runs them (Note [Wave pipeline
+    timeline]): per wave, the received blocks in plan order then its own (wave 0: its own first);
+    how many of wave 0's own jobs run first, while wave 0's KV arrives
+    (:func:`~megatron_fcp.schedule.waves.leading_own_jobs`), and the rest, run after the last wave."""
+    ranks, W = list(plan.ranks), len(waves)
+    jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
+    n_own = dict.fromkeys(ranks, 0)
+    last: dict[int, list[Block]] = {x: [] for x in ranks}
+    for w, wave in enumerate(waves):
+        got: dict[int, list[Block]] = {}
+        for _, t in wave.transfers:
+            if (t.block, t.dst) in wave.computes:
+                got.setdefault(t.dst, []).append(t.block)
+        for x in ranks:
+            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
+            if w == 0:
+                n_own[x] = leading_own_jobs(len(own), W)
+                own, last[x] = own[:n_own[x]], own[n_own[x]:]
+            jobs[x].append(own + got.get(x, []) if w == 0 else got.get(x, []) + own)
+    return jobs, n_own, last
 
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
@@ -132,17 +155,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
         for r, t in (fetched[w].transfers if resend and not (first_kept and w == 0) else ()):
             add(("kv", w, r), t.src, t.dst, kv_bytes(t.block))
     W = len(waves)
-    jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
-    n_own = dict.fromkeys(ranks, 0)                 # the first wave's own jobs, run while its KV arrives
-    last: dict[int, list[Block]] = {x: [] for x in ranks}   # the rest of them, run after the last wave
-    for w, wave in enumerate(waves):
-        for x in ranks:
-            got = [t.block for _, t in wave.transfers if t.dst == x and (t.block, x) in wave.computes]
-            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
-            if w == 0:
-                n_own[x] = leading_own_jobs(len(own), W)
-                own, last[x] = own[:n_own[x]], own[n_own[x]:]
-            jobs[x].append(own + got if w == 0 else got + own)
+    jobs, n_own, last = loop_jobs(plan, waves)
 
     def program(x: int):
         """The executor's loop for rank ``x`` as ops: ("post", ids), ("wait", ids), ("compute", s),
@@ -378,23 +391,10 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
     W = len(waves)
     # per rank and iteration of the loop: its jobs' seconds (iteration 0: after the leading own jobs;
     # iteration W: the first wave's own jobs left for the end)
-    lead = dict.fromkeys(ranks, 0.0)
-    comp = [dict.fromkeys(ranks, 0.0) for _ in range(W + 1)]
-    for w, wave in enumerate(waves):
-        own: dict[int, list[Block]] = {}
-        for b, x in wave.computes:
-            if b.owner == x:
-                own.setdefault(x, []).append(b)
-            else:
-                comp[w][x] += job_s(x, b)
-        for x, blocks in own.items():
-            if w:
-                comp[w][x] += sum(job_s(x, b) for b in blocks)
-                continue
-            local = [b for b in plan.local_blocks(x) if b in set(blocks)]   # the executor's order
-            n = leading_own_jobs(len(local), W)
-            lead[x] = sum(job_s(x, b) for b in local[:n])
-            comp[W][x] += sum(job_s(x, b) for b in local[n:])
+    jobs, n_own, last = loop_jobs(plan, waves)
+    lead = {x: sum(job_s(x, b) for b in jobs[x][0][:n_own[x]]) if W else 0.0 for x in ranks}
+    comp = [{x: sum(job_s(x, b) for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]))
+             for x in ranks} for w in range(W + 1)]
 
     routes: dict[tuple[int, int], tuple[list[int], list[float], float]] = {}   # (src, dst) -> resources, bandwidths, latency
     sizes: dict[int, dict[Block, float]] = {id(kv_bytes): {}, id(grad_bytes): {}}   # per size function: block -> bytes
