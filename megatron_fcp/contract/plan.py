@@ -192,9 +192,15 @@ class Plan:
     def needs(self, rank: int) -> frozenset[Block]:
         """Blocks global ``rank`` must receive (:func:`~megatron_fcp.contract.needs.need_set`, or the
         placement's document need sets)."""
-        if self.placement is None:
-            return need_set(self.ranks, rank, self.mask, self.parts_per_chunk, seq_len=self.seq_len)
-        return self.placement.needs(self.ranks, rank)
+        cache = self.__dict__.setdefault("_needs", {})   # per rank, computed once per plan object
+        got = cache.get(rank)
+        if got is None:
+            if self.placement is None:
+                got = need_set(self.ranks, rank, self.mask, self.parts_per_chunk, seq_len=self.seq_len)
+            else:
+                got = self.placement.needs(self.ranks, rank)
+            cache[rank] = got
+        return got
 
     def need_matrix(self) -> np.ndarray:
         """``[cp, n_blocks]`` booleans over block ids ``offset[owner] + chunk * P + part``."""
@@ -235,7 +241,8 @@ class Plan:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("_rank_rounds", None)  # a cache: rebuilt on use
+        state.pop("_rank_rounds", None)  # caches: rebuilt on use
+        state.pop("_needs", None)
         return state
 
     def received_blocks(self, rank: int) -> tuple[Block, ...]:

@@ -47,9 +47,11 @@ last finish of ``j``'s messages of round ``r`` (``P_j(r)`` when it has none). Th
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 
+from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.model import (
@@ -330,7 +332,7 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
     program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
                                budget=None if budget is None else budget * micro_batch)
-    block_tokens = lambda blk: plan.block_tokens(blk, program.seq_len)  # noqa: E731
+    block_tokens = _block_tokens(plan, program.seq_len)
     size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
     flop_s = shape.pair_flops / cm.flops * BACKWARD_FLOP_RATIO
     pos = {r: i for i, r in enumerate(plan.ranks)}
@@ -347,6 +349,23 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     else:
         pairs = zigzag_pairs(plan, zshape.seq_len)
     return program, block_tokens, size, lambda x, blk: pairs(x, blk) * flop_s
+
+
+def _block_tokens(plan: Plan, seq_len: int | None) -> Callable[[Block], int]:
+    """``plan.block_tokens(blk, seq_len)`` read from a table: a zigzag block's tokens depend on its
+    part alone, a placement's on its (owner, chunk)."""
+    if plan.placement is None:
+        tokens = [plan.block_tokens(Block(plan.ranks[0], 0, p), seq_len) for p in range(plan.parts_per_chunk)]
+        return lambda blk: tokens[blk.part]
+    memo: dict[tuple[int, int], int] = {}
+
+    def block_tokens(blk: Block) -> int:
+        k = (blk.owner, blk.chunk)
+        n = memo.get(k)
+        if n is None:
+            n = memo[k] = plan.block_tokens(blk)
+        return n
+    return block_tokens
 
 
 def _job_s(work, launch_s: float):

@@ -89,7 +89,7 @@ from megatron_fcp.cost.model import (
     simulate_rounds,
 )
 from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_a2a_p2p_thd, simulate_te_p2p, simulate_te_p2p_thd
-from megatron_fcp.schedule.chains import chain_routes
+from megatron_fcp.schedule.chains import is_chain_plan
 from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
@@ -290,7 +290,7 @@ class HeadParallelPricing:
         if "chain" not in self._floors:
             hp, sp = self.hp, self.sp
             self._floors["chain"] = bool(self.backward is not None and hp.kv_plan is not None and sp.rounds
-                                         and chain_routes(sp) is not None)
+                                         and is_chain_plan(sp))
         return bool(self._floors["chain"])
 
     def _floor(self, backward_s: float | None) -> float:

@@ -513,19 +513,42 @@ def simulate_rounds(
     lat: list[float] = []
     total_bytes = 0.0
     for msgs in rounds:
-        ids, wts, lmax = [], [], 0.0
-        for s, d, b in msgs:
-            if s == d or b <= 0:
-                continue
-            rid, l = idx.route(s, d)
-            ids.append(rid)
-            wts.append(np.full(len(rid), float(b)))
-            lmax = max(lmax, l)
-            total_bytes += b
-        per_round_ids.append(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64))
-        per_round_bytes.append(np.concatenate(wts) if wts else np.zeros(0))
+        ids, wts, lmax, nbytes = _round_loads(idx, msgs)
+        per_round_ids.append(ids)
+        per_round_bytes.append(wts)
         lat.append(lmax)
+        total_bytes += nbytes
     return _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_overhead_s, name)
+
+
+def _round_loads(idx: _ResourceIndex, msgs) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """One round's ``(src, dst, bytes)`` messages as (resource ids, bytes on each, the largest
+    route latency, bytes sent): every message's bytes on every resource of its route."""
+    ids, hops, wts, lmax, total = [], [], [], 0.0, 0.0
+    for s, d, b in msgs:
+        if s == d or b <= 0:
+            continue
+        rid, l = idx.route(s, d)
+        ids.append(rid)
+        hops.append(len(rid))
+        wts.append(float(b))
+        lmax = max(lmax, l)
+        total += b
+    if not ids:
+        return np.zeros(0, dtype=np.int64), np.zeros(0), lmax, total
+    return np.concatenate(ids), np.repeat(np.asarray(wts), hops), lmax, total
+
+
+def round_comm_s(idx: _ResourceIndex, msgs, round_overhead_s: float = 0.0) -> float:
+    """``simulate_rounds(topology, [msgs], round_overhead_s).comm_s`` on a shared
+    :class:`_ResourceIndex` (its routes looked up once for many rounds): the busiest resource's
+    bytes over its bandwidth, plus the round's largest latency and the overhead; 0 for a round with
+    nothing to send."""
+    ids, wts, lmax, _ = _round_loads(idx, msgs)
+    if not len(ids):
+        return 0.0
+    busy = np.bincount(ids, weights=wts, minlength=len(idx.bw)) / np.asarray(idx.bw, dtype=np.float64)
+    return float(busy.max()) + lmax + round_overhead_s
 
 
 def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_overhead_s, name,

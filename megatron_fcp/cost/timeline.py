@@ -81,7 +81,7 @@ from typing import Callable, Sequence
 
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.cost.model import _ResourceIndex, simulate_rounds
+from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology
@@ -351,12 +351,13 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
     busiest rank's last job)."""
     total = resend_s = jobs_end = 0.0
     comps, comms = [], []
+    idx = _ResourceIndex(topo)                 # routes looked up once for all steps
     for st, c in zip(steps, chain_step_compute(steps, job_s, launch_s)):
         msgs = [(t.src, t.dst, grad_bytes(t.block)) for t in st.grad + st.home]
         kvm = [(t.src, t.dst, kv_bytes(t.block)) for t in st.kv] if resend else []
-        m = simulate_rounds(topo, [msgs + kvm], round_overhead_s).comm_s if msgs or kvm else 0.0
+        m = round_comm_s(idx, msgs + kvm, round_overhead_s)
         if kvm:
-            resend_s += simulate_rounds(topo, [kvm], round_overhead_s).comm_s
+            resend_s += round_comm_s(idx, kvm, round_overhead_s)
         comps.append(c)
         comms.append(m)
         if st.computes:

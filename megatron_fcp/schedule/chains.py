@@ -87,7 +87,7 @@ from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.waves import RING_BUDGET, Wave, block_work, first_fetch, plan_waves, wave_budget
 
-__all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps",
+__all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "is_chain_plan",
            "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch"]
 
 
@@ -111,32 +111,84 @@ def chain_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
 def chain_routes(plan: Plan) -> dict[Block, tuple[tuple[int, Transfer], ...]] | None:
     """Each block's transfers in plan order when every block travels a chain (its owner and each
     reader send it at most once, each hop from the rank the block last reached), else None."""
-    routes: dict[Block, list[tuple[int, Transfer]]] = {}
+    num = _numbered(plan)
+    if num is None:
+        return None
+    return {num.blocks[i]: tuple((num.rnd[k], num.ts[k]) for k in num.routes[i]) for i in num.order}
+
+
+def is_chain_plan(plan: Plan) -> bool:
+    """``chain_routes(plan) is not None``, from the plan's numbering (computed once per plan object)."""
+    return _numbered(plan) is not None
+
+
+class _Numbered:
+    """A chain plan's transfers numbered once (:func:`_numbered`): ``ts[k]``, ``rnd[k]`` and the
+    block number ``tb[k]`` of the k-th transfer in plan order; ``blocks`` in :meth:`Plan.blocks`
+    order (block numbers index it); ``routes[i]``: block i's transfer numbers in plan order;
+    ``order``: the block numbers that travel, by first send."""
+
+    __slots__ = ("ts", "rnd", "tb", "blocks", "bid", "pos", "routes", "order")
+
+    def __init__(self, ts, rnd, tb, blocks, bid, pos, routes, order) -> None:
+        self.ts, self.rnd, self.tb, self.blocks, self.bid = ts, rnd, tb, blocks, bid
+        self.pos, self.routes, self.order = pos, routes, order
+
+
+def _numbered(plan: Plan) -> _Numbered | None:
+    """The plan's transfers numbered, or None when its blocks do not all travel chains (a plan with
+    no transfers is one, vacuously); memoised per plan object (it reads only the plan)."""
+    hit = _NUMBERED.get(id(plan))
+    if hit is not None and hit[0]() is plan:
+        return hit[1]
+    blocks = plan.blocks()
+    bid = {b: i for i, b in enumerate(blocks)}
+    at = [b.owner for b in blocks]                     # the rank each block last reached
+    routes: list[list[int]] = [[] for _ in blocks]
+    order: list[int] = []
+    ts: list[Transfer] = []
+    rnd: list[int] = []
+    tb: list[int] = []
+    out: _Numbered | None = None
     for r, t in plan.transfers():
-        hops = routes.setdefault(t.block, [])
-        at = hops[-1][1].dst if hops else t.block.owner
-        if t.src != at:
-            return None
-        hops.append((r, t))
-    return {b: tuple(h) for b, h in routes.items()}
+        i = bid[t.block]
+        if t.src != at[i]:
+            break
+        at[i] = t.dst
+        if not routes[i]:
+            order.append(i)
+        routes[i].append(len(ts))
+        ts.append(t)
+        rnd.append(r)
+        tb.append(i)
+    else:
+        out = _Numbered(ts, rnd, tb, blocks, bid, {x: j for j, x in enumerate(plan.ranks)}, routes, order)
+    if len(_NUMBERED) > 256:
+        _NUMBERED.clear()
+    _NUMBERED[id(plan)] = (weakref.ref(plan), out)
+    return out
 
 
-def _sub_rounds(plan: Plan, block_bytes: Callable[[Block], int], budget: int) -> dict[Transfer, int]:
-    """Sub-round index of every transfer: each plan round cut, in plan order, so that a rank
-    receives at most ``budget`` bytes per sub-round (a larger block alone)."""
-    sub: dict[Transfer, int] = {}
-    base = 0
+_NUMBERED: dict[int, tuple[weakref.ref, _Numbered | None]] = {}
+
+
+def _sub_rounds(plan: Plan, num: _Numbered, size: list[int], budget: int) -> list[int]:
+    """Sub-round index of every transfer (by number): each plan round cut, in plan order, so that a
+    rank receives at most ``budget`` bytes per sub-round (a larger block alone)."""
+    sub = [0] * len(num.ts)
+    base = k = 0
+    tb = num.tb
     for rnd in plan.rounds:
         slot: dict[int, int] = {}       # dst -> its current sub-round (relative)
         got: dict[int, int] = {}        # dst -> bytes in it
         for t in rnd:
-            n = block_bytes(t.block)
-            j = slot.get(t.dst, 0)
-            if got.get(t.dst, 0) and got[t.dst] + n > budget:
-                j, got[t.dst] = j + 1, 0
-            slot[t.dst] = j
-            got[t.dst] = got.get(t.dst, 0) + n
-            sub[t] = base + j
+            n, d = size[tb[k]], t.dst
+            j, g = slot.get(d, 0), got.get(d, 0)
+            if g and g + n > budget:
+                j, g = j + 1, 0
+            slot[d], got[d] = j, g + n
+            sub[k] = base + j
+            k += 1
         base += max(slot.values(), default=-1) + 1
     return sub
 
@@ -151,37 +203,66 @@ def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | N
     depends on besides the plan; with it the steps are computed once per plan object and key.
     ``pace``: the balance limit (default :data:`CHAIN_PACE`; ``math.inf`` keeps any chain plan).
     ``first_kept``: the first sub-round's blocks are kept from the forward (Note [Streaming chain
-    backward], "The first sub-round"): one step fewer."""
+    backward], "The first sub-round"): one step fewer. Both variants come from one build: without
+    the kept first sub-round the steps are those with it, behind one step that only brings
+    sub-round 0's KV (the jobs, their order and the own blocks' places are the same)."""
     pace = CHAIN_PACE if pace is None else pace
-    key = (id(plan), budget, cache_key, pace, first_kept)
+    key = (id(plan), budget, cache_key, pace)
     hit = _STEPS.get(key)
     if cache_key is not None and hit is not None and hit[0]() is plan:
-        return hit[1]
-    steps = _build(plan, block_bytes, budget, pace, first_kept, cache_key)
-    if cache_key is not None:
-        if len(_STEPS) > 1024:
-            _STEPS.clear()
-        _STEPS[key] = (weakref.ref(plan), steps)
-    return steps
+        kept = hit[1]
+    else:
+        kept = _build(plan, block_bytes, budget, pace, cache_key)
+        if cache_key is not None:
+            if len(_STEPS) > 1024:
+                _STEPS.clear()
+            _STEPS[key] = (weakref.ref(plan), kept)
+    if kept is None or first_kept:
+        return kept
+    basis = _basis(plan, block_bytes, budget, cache_key)
+    return (ChainStep(basis.first, (), (), ()),) + kept
 
 
 _STEPS: dict[tuple, tuple[weakref.ref, tuple[ChainStep, ...] | None]] = {}
 
 
-def _basis(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None, cache_key: Hashable = None):
-    """``(routes, sub-rounds, needs, live hops)`` of a chain plan, or None when it is not one:
-    what :func:`_build` (with or without the kept first sub-round) and :func:`first_received`
-    share; computed once per plan object, budget and ``cache_key`` (with one)."""
+class _Basis:
+    """What :func:`_build` and :func:`first_received` share for one plan, budget and block sizes:
+    the numbering, each transfer's sub-round, whether its destination reads the block
+    (``reads``), whether the backward needs the hop at all (``live``: a reader at or after its
+    destination; a plan may carry a block on past its last reader), and sub-round 0's live
+    transfers in plan order (``first``)."""
+
+    __slots__ = ("num", "sub", "reads", "live", "first")
+
+    def __init__(self, num: _Numbered, sub: list[int], reads: list[bool], live: list[bool]) -> None:
+        self.num, self.sub, self.reads, self.live = num, sub, reads, live
+        self.first = tuple(num.ts[k] for k in range(len(sub)) if sub[k] == 0 and live[k])
+
+
+def _basis(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
+           cache_key: Hashable = None) -> _Basis | None:
+    """The :class:`_Basis` of a chain plan, or None when it is not one; computed once per plan
+    object, budget and ``cache_key`` (with one)."""
     key = (id(plan), budget, cache_key)
     hit = _BASIS.get(key)
     if cache_key is not None and hit is not None and hit[0]() is plan:
         return hit[1]
-    routes = chain_routes(plan)
+    num = _numbered(plan)
     out = None
-    if routes:
-        sub = _sub_rounds(plan, block_bytes, chain_budget(plan, block_bytes) if budget is None else budget)
-        needs = {x: plan.needs(x) for x in plan.ranks}
-        out = routes, sub, needs, _live_hops(routes, needs)
+    if num is not None and num.ts:                                     # nothing travels: no steps
+        size = [block_bytes(b) for b in num.blocks]
+        sub = _sub_rounds(plan, num, size, chain_budget(plan, block_bytes) if budget is None else budget)
+        need = [{num.bid[b] for b in plan.needs(x)} for x in plan.ranks]      # [rank position] -> block numbers
+        pos = num.pos
+        reads = [i in need[pos[t.dst]] for t, i in zip(num.ts, num.tb)]
+        live = [False] * len(reads)
+        for i in num.order:
+            read = False
+            for k in reversed(num.routes[i]):
+                read = read or reads[k]
+                live[k] = read
+        out = _Basis(num, sub, reads, live)
     if cache_key is not None:
         if len(_BASIS) > 1024:
             _BASIS.clear()
@@ -189,82 +270,88 @@ def _basis(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None, 
     return out
 
 
-_BASIS: dict[tuple, tuple[weakref.ref, tuple | None]] = {}
+_BASIS: dict[tuple, tuple[weakref.ref, _Basis | None]] = {}
 
 
 def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
-           pace: float, first_kept: bool = False, cache_key: Hashable = None) -> tuple[ChainStep, ...] | None:
+           pace: float, cache_key: Hashable = None) -> tuple[ChainStep, ...] | None:
+    """The steps with the first sub-round kept (KV of sub-round j at step j - 1, its compute at step
+    j), or None where the plan is no chain or the steps exceed ``pace``. Works on numbers
+    (:class:`_Basis`); the steps hold the plan's own transfer objects."""
     basis = _basis(plan, block_bytes, budget, cache_key)
     if basis is None:
         return None
-    routes, sub, needs, live = basis
-    J = max(sub.values()) + 1
-    d = 0 if first_kept else 1                                   # KV one step ahead of its compute
-    S = J + 1 + d                                                # steps 0 .. J (+1 without the kept first)
-    kv: list[list[Transfer]] = [[] for _ in range(S)]
-    grad: list[list[Transfer]] = [[] for _ in range(S)]
-    home: list[list[Transfer]] = [[] for _ in range(S)]
-    comp: list[list[tuple[Block, int]]] = [[] for _ in range(S)]
-    for _, t in plan.transfers():                                # plan order within each step
-        if t in live and sub[t] - 1 + d >= 0:                    # (kept first: sub-round 0 came with the forward)
-            kv[sub[t] - 1 + d].append(t)
-        if t.block in needs[t.dst]:
-            comp[sub[t] + d].append((t.block, t.dst))
-    for b, hops in routes.items():
+    num, sub, reads, live = basis.num, basis.sub, basis.reads, basis.live
+    ts, tb, pos = num.ts, num.tb, num.pos
+    S = max(sub) + 2                                             # steps 0 .. J
+    kv: list[list[int]] = [[] for _ in range(S)]                 # transfer numbers
+    grad: list[list[int]] = [[] for _ in range(S)]
+    home: list[list[int]] = [[] for _ in range(S)]               # the last hop's number: its dst sends home
+    comp: list[list[tuple[int, int]]] = [[] for _ in range(S)]   # (block number, rank position)
+    for k, t in enumerate(ts):                                   # plan order within each step
+        s = sub[k]
+        if live[k] and s:                                        # sub-round 0 came with the forward
+            kv[s - 1].append(k)
+        if reads[k]:
+            comp[s].append((tb[k], pos[t.dst]))
+    for i in num.order:
+        route = num.routes[i]
         read = False
-        for i, (_, t) in enumerate(hops):
-            read = read or t.block in needs[t.dst]
-            if i + 1 < len(hops):
-                if read:                                         # acc_i: v_i -> v_(i+1), one step behind the KV
-                    nxt = hops[i + 1][1]
-                    grad[sub[nxt] + d].append(nxt)
-            elif read:
-                home[sub[t] + 1 + d].append(Transfer(t.dst, b.owner, b))
-    work_of, memo = block_work(plan), {}
-
-    def work(x: int, b: Block) -> float:  # each (rank, block)'s pairs once
-        w = memo.get((x, b))
-        if w is None:
-            w = memo[(x, b)] = work_of(x, b)
-        return w
-
-    _place_own(comp, plan, work, first=1 + d)               # after sub-round 0's compute, in every mode
+        last = len(route) - 1
+        for n, k in enumerate(route):
+            read = read or reads[k]
+            if not read:
+                continue
+            if n < last:                                         # acc_i: v_i -> v_(i+1), one step behind the KV
+                nxt = route[n + 1]
+                grad[sub[nxt]].append(nxt)
+            else:
+                home[sub[k] + 1].append(k)
+    work = _work_table(plan, num)
+    _place_own(comp, plan, num, work, first=1)                   # after sub-round 0's compute, in every mode
     if _pace(comp, work) > pace:
         return None
-    return tuple(ChainStep(tuple(kv[s]), tuple(grad[s]), tuple(home[s]), tuple(comp[s])) for s in range(S))
+    blocks, ranks = num.blocks, plan.ranks
+    return tuple(ChainStep(tuple(ts[k] for k in kv[s]), tuple(ts[k] for k in grad[s]),
+                           tuple(Transfer(ts[k].dst, ts[k].block.owner, ts[k].block) for k in home[s]),
+                           tuple((blocks[i], ranks[x]) for i, x in comp[s])) for s in range(S))
 
 
-def _place_own(comp: list[list[tuple[Block, int]]], plan: Plan, work: Callable[[int, Block], float],
+def _work_table(plan: Plan, num: _Numbered) -> Callable[[int, int], float]:
+    """``work(rank position, block number)``: :func:`~megatron_fcp.schedule.waves.block_work`,
+    memoised on numbers."""
+    work_of, memo, blocks, ranks = block_work(plan), {}, num.blocks, plan.ranks
+    span = len(ranks)
+
+    def work(x: int, i: int) -> float:
+        k = i * span + x
+        w = memo.get(k)
+        if w is None:
+            w = memo[k] = work_of(ranks[x], blocks[i])
+        return w
+
+    return work
+
+
+def _place_own(comp: list[list[tuple[int, int]]], plan: Plan, num: _Numbered, work: Callable[[int, int], float],
                first: int) -> None:
-    """Add every rank's own blocks to ``comp`` [step][(block, rank)], each to the step from ``first``
-    on where the rank has the least work so far (``work``; ties: the later step), larger blocks
-    first, ties in plan order (Note [Streaming chain backward], "Own blocks"). Reads only the plan:
-    every rank and the cost model place alike."""
+    """Add every rank's own blocks to ``comp`` [step][(block number, rank position)], each to the
+    step from ``first`` on where the rank has the least work so far (``work``; ties: the later
+    step), larger blocks first, ties in plan order (Note [Streaming chain backward], "Own
+    blocks"). Reads only the plan: every rank and the cost model place alike."""
     S = len(comp)
-    loads: dict[int, list[float]] = {x: [0] * S for x in plan.ranks}   # each rank's work per step, one pass
+    loads = [[0] * S for _ in plan.ranks]                        # each rank's work per step, one pass
     for s in range(S):
-        for b, y in comp[s]:
-            loads[y][s] += work(y, b)
-    for x in plan.ranks:
+        for i, x in comp[s]:
+            loads[x][s] += work(x, i)
+    steps = range(first, S)
+    for x, r in enumerate(plan.ranks):
         load = loads[x]
-        own = sorted(plan.local_blocks(x), key=lambda b: -work(x, b))
-        for b in own:
-            s = min(range(first, S), key=lambda i: (load[i], -i))
-            comp[s].append((b, x))
-            load[s] += work(x, b)
-
-
-def _live_hops(routes: dict, needs: dict) -> set[Transfer]:
-    """The hops whose KV the backward needs: those with a reader at or after their destination (a
-    plan may carry a block on past its last reader; backward does not re-send that)."""
-    live: set[Transfer] = set()
-    for b, hops in routes.items():
-        read = False
-        for _, t in reversed(hops):
-            read = read or b in needs[t.dst]
-            if read:
-                live.add(t)
-    return live
+        own = sorted((num.bid[b] for b in plan.local_blocks(r)), key=lambda i: -work(x, i))
+        for i in own:
+            s = min(steps, key=lambda j: (load[j], -j))
+            comp[s].append((i, x))
+            load[s] += work(x, i)
 
 
 def first_received(plan: Plan, block_bytes: Callable[[Block], int], *,
@@ -275,11 +362,9 @@ def first_received(plan: Plan, block_bytes: Callable[[Block], int], *,
     basis = _basis(plan, block_bytes, None, cache_key)
     if basis is None:
         return {}
-    _, sub, _, live = basis
     out: dict[int, list[Block]] = {}
-    for _, t in plan.transfers():
-        if sub[t] == 0 and t in live:
-            out.setdefault(t.dst, []).append(t.block)
+    for t in basis.first:
+        out.setdefault(t.dst, []).append(t.block)
     return {r: tuple(b) for r, b in out.items()}
 
 
@@ -343,7 +428,7 @@ the plan runs in waves (Note [Streaming chain backward], "Balance"): zigzag ring
 head-parallel stage rings staggered over 2-8 rounds at 1.06-1.25, packed batches' rings at 4-14."""
 
 
-def _pace(comp: list[list[tuple[Block, int]]], work: Callable[[int, Block], float]) -> float:
+def _pace(comp: list[list[tuple[int, int]]], work: Callable[[int, int], float]) -> float:
     """Sum over steps of the busiest rank's work in the step, over the busiest rank's total: 1.0 when
     the steps keep every rank in step (a zigzag ring: each step a rank computes one owner's two
     chunks, work 2 either way), more when big blocks reach different ranks at different steps."""
@@ -351,8 +436,8 @@ def _pace(comp: list[list[tuple[Block, int]]], work: Callable[[int, Block], floa
     steps = 0.0
     for jobs in comp:
         busy: dict[int, float] = {}
-        for b, x in jobs:
-            w = work(x, b)
+        for i, x in jobs:
+            w = work(x, i)
             busy[x] = busy.get(x, 0.0) + w
             total[x] = total.get(x, 0.0) + w
         steps += max(busy.values(), default=0.0)

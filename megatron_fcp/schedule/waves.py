@@ -118,14 +118,14 @@ def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
         return hit[1]
     pos = {r: i for i, r in enumerate(plan.ranks)}
     blocks = plan.blocks()
-    col = {b: k for k, b in enumerate(blocks)}
+    P = plan.parts_per_chunk
     o, c, p = (np.array([f(b) for b in blocks], dtype=np.int64)[None, :]
                for f in (lambda b: pos[b.owner], lambda b: b.chunk, lambda b: b.part))
-    rows = block_pairs(plan.cp, seq_len, plan.parts_per_chunk, np.arange(plan.cp)[:, None], o, c, p,
+    rows = block_pairs(plan.cp, seq_len, P, np.arange(plan.cp)[:, None], o, c, p,
                        plan.mask).tolist()                                 # [cp][blocks]
 
-    def pairs(rank: int, b: Block) -> int:
-        return rows[pos[rank]][col[b]]
+    def pairs(rank: int, b: Block) -> int:   # plan.blocks() order: owner, chunk, part
+        return rows[pos[rank]][(2 * pos[b.owner] + b.chunk) * P + b.part]
 
     if len(_PAIRS) > 256:
         _PAIRS.clear()
