@@ -133,12 +133,12 @@ def test_balanced_waves_pick_the_least_pace_then_the_fewest_waves():
     budget = W.wave_budget(plan, size)
     inp = W._PackInput(plan, size, work)
     packed = {k: W._pack(inp, budget, k) for k in W.WAVE_CAP_SCALES}
-    packs = {k: p for k, (p, _) in packed.items()}
+    packs = {k: p for k, (p, _, _) in packed.items()}
     spans = {k: W._makespan(p, work) for k, p in packs.items()}
-    paces = {k: pace for k, (_, pace) in packed.items()}
+    paces = {k: pace for k, (_, pace, _) in packed.items()}
     waves = W.plan_waves(plan, size)
     assert W._makespan(waves, work) == min(spans.values())
-    chosen = next(pace for p, pace in packed.values() if p == waves)
+    chosen = next(pace for p, pace, _ in packed.values() if p == waves)
     assert chosen == min(paces.values()) == pytest.approx(1.0)
     assert len(packs[1.0]) > 1 and len(waves) == 1  # the cap alone had cut it
     totals = {x: sum(work(x, b) for b in plan.needs(x)) + sum(work(x, b) for b in plan.local_blocks(x))
@@ -164,6 +164,26 @@ def _rail_2x4():
     plan = make_workloads(["fcp-auto"], shape, topo, cm)[0].plan
     att = shape.attention()
     return plan, topo, att, cm, executor_program("auto", plan, att.seq_len, att.kv_heads, att.head_dim).block_bytes
+
+
+@pytest.mark.parametrize("builder,parts", [("hierarchical", 1), ("full", 1), ("hierarchical", 4), ("full", 4)])
+def test_a_cap_that_turns_no_work_away_packs_as_every_larger_cap(builder, parts):
+    """plan_waves stops at the first cap that never turned a job away (Note [Balanced waves]): every
+    larger cap then packs the very same waves, checked here by packing with all of them."""
+    import megatron_fcp.schedule.waves as W
+
+    plan = build_plan("pcie-box:2", range(16), builder, parts_per_chunk=parts)
+    size = lambda blk: 100  # noqa: E731
+    inp = W._PackInput(plan, size, W.block_work(plan))
+    budget = W.wave_budget(plan, size)
+    packed = [W._pack(inp, budget, k) for k in W.WAVE_CAP_SCALES]
+    free = [k for k, (_, _, capped) in enumerate(packed) if not capped]
+    assert free and not packed[-1][2]                 # an unbounded cap never turns work away
+    for k in range(free[0], len(packed)):
+        assert packed[k][:2] == packed[free[0]][:2]
+    best = min(pace for _, pace, _ in packed)             # the rule over all four caps, as before the shortcut
+    expected = min((c for c in packed if c[1] <= best * (1 + W.WAVE_TIE)), key=lambda c: (len(c[0]), c[1]))[0]
+    assert W.plan_waves(plan, size) == expected
 
 
 @pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")

@@ -36,7 +36,9 @@ over waves of the larger of the busiest rank's work and the most bytes a rank re
 each relative to the whole backward's (1.0: every wave as balanced as the one pass); among paces
 within 1% (:data:`WAVE_TIE`), the fewest waves. The byte budget binds every candidate alike, so no
 candidate holds more received KV than another; which cap wins depends on the plan (fine sub-blocks
-and packed batches loosen it, zigzag plans with whole chunks keep the tight one). The choice reads
+and packed batches loosen it, zigzag plans with whole chunks keep the tight one). A cap that never
+turned a job away packs exactly as every larger one (each comparison with the cap came out the
+same), so the caps are tried in increasing order and the first such packing stands for the rest. The choice reads
 only the plan and
 block sizes, so every rank and the cost model make it alike.
 
@@ -148,7 +150,13 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
     if budget is None:
         budget = wave_budget(plan, block_bytes)
     inp = _PackInput(plan, block_bytes, block_work(plan))
-    cands = [_pack(inp, budget, k)[::-1] for k in WAVE_CAP_SCALES]
+    cands: list[tuple[float, tuple[Wave, ...]]] = []
+    for k in WAVE_CAP_SCALES:                  # a cap that never turned work away: the larger ones pack alike
+        waves, pace, capped = _pack(inp, budget, k)
+        cands.append((pace, waves))
+        if not capped:
+            cands += [(pace, waves)] * (len(WAVE_CAP_SCALES) - len(cands))
+            break
     best = min(m for m, _ in cands)  # Note [Balanced waves]: least pace; near ties, fewest waves
     waves = min((c for c in cands if c[0] <= best * (1 + WAVE_TIE)), key=lambda c: (len(c[1]), c[0]))[1]
     if cache_key is not None:
@@ -224,13 +232,14 @@ class _PackInput:
         return w
 
 
-def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float]:
+def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float, bool]:
     """Greedy packing (module docstring) with a rank's work per wave capped at ``scale`` times the
     largest single delivery's (a rank's first delivery of a wave always fits), and its *pace*: the
     sum over waves of the larger of the busiest rank's work and the most bytes a rank receives in
     the wave, each relative to the whole backward's (``inp.work_all``, ``inp.bytes_all``): 1.0 when
-    every wave is as balanced as the one pass (Note [Balanced waves]). The bookkeeping is on
-    block numbers (``inp``); the waves hold the plan's blocks and transfers."""
+    every wave is as balanced as the one pass (Note [Balanced waves]); and whether the cap ever
+    turned work away (if not, any larger cap packs the same waves). The bookkeeping is on block
+    numbers (``inp``); the waves hold the plan's blocks and transfers."""
     plan, wk, owner, size, sender, R = inp.plan, inp.wk, inp.owner, inp.size, inp.sender, inp.span
     left = {x: set(ids) for x, ids in inp.needs.items()}          # received deliveries still to do
     local = {x: list(b) for x, b in inp.local.items()}
@@ -242,6 +251,7 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
     first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
     waves = []
     pace = 0.0
+    capped = False                                                 # the cap turned a job away
     while any(left.values()) or any(local.values()):
         load: dict[int, int] = {}
         comp: dict[int, float] = {}
@@ -275,6 +285,7 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
                     continue
                 w = wk(x, i)
                 if comp.get(x, 0.0) and comp[x] + w > cap:
+                    capped = True
                     continue
                 path, y, fits = [], x, True          # the ranks the block still has to reach, reader first
                 while y != o and i * R + y not in carried:
@@ -291,22 +302,29 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
                 take(i, x, w)
                 left[x].discard(i)
                 for d in path[1:]:                               # relays that need it compute it too
-                    if i in left[d] and comp.get(d, 0.0) + wk(d, i) <= cap:
-                        take(i, d, wk(d, i))
-                        left[d].discard(i)
+                    if i in left[d]:
+                        if comp.get(d, 0.0) + wk(d, i) <= cap:
+                            take(i, d, wk(d, i))
+                            left[d].discard(i)
+                        else:
+                            capped = True
                 for d in path:                                   # full: no delivery of theirs fits any more
-                    if not left[d] or (comp.get(d, 0.0) and comp[d] + min_work(d) > cap) or load[d] >= budget:
+                    if not left[d] or load[d] >= budget:
                         hungry.discard(d)
+                    elif comp.get(d, 0.0) and comp[d] + min_work(d) > cap:
+                        hungry.discard(d)
+                        capped = True
             pending[i] = [x for x in pending[i] if i in left[x]]
         for x in plan.ranks:                                     # own blocks fill spare work
             while local[x] and (not comp.get(x, 0.0) or comp[x] + wk(x, bid[local[x][0]]) <= cap):
                 i = bid[local[x].pop(0)]
                 take(i, x, wk(x, i))
+            capped = capped or bool(local[x])
         moved = tuple(inp.transfers[k] for k in sorted(carried.values()))
         waves.append(Wave(moved, frozenset((inp.blocks[i], x) for i, x in computes)))
         # load: the bytes each rank receives in the wave (every carried transfer once)
         pace += max(max(comp.values(), default=0.0) / inp.work_all, max(load.values(), default=0) / inp.bytes_all)
-    return tuple(waves), pace
+    return tuple(waves), pace, capped
 
 
 _WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
