@@ -88,3 +88,35 @@ def test_a_ranks_jobs_are_the_computes_its_waves_run(preset, cp, graph, parts):
     floor = compute_floor(None, cp, shape, True, cm, 2.5, launches=jobs)
     assert compute_floor(None, cp, shape, True, cm, 2.5, launches=True) <= floor
     assert floor <= simulate_backward_waves(plan, preset, shape)["bwd_s"] * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("preset,cp,graph,parts", ZIGZAG + [("pcie-box:2", 16, "hierarchical", 4)])
+@pytest.mark.parametrize("mode", ["auto", "keep", "resend"])
+def test_the_resend_floor_counts_kv_again_and_stays_below_the_timeline(preset, cp, graph, parts, mode):
+    """Before packing, a backward in waves that re-sends KV carries every reader delivery's KV
+    again, less what its receivers may keep (resend_keep_limits): the reduction floor with that
+    term is at least the partials' alone, equal to it under keep (nothing re-sent), and below
+    the wave timeline in every KV mode."""
+    from megatron_fcp.schedule.program import WaveBackward, resend_keep_limits
+
+    shape = AttentionShape(65536, 32, 8, 128, 2)
+    topo = load_topology(preset)
+    plan = build_plan(preset, range(cp), graph, parts_per_chunk=parts)
+    kv_tok = shape.kv_token_elems * shape.dtype_bytes
+    limits = resend_keep_limits(plan, kv_tok, WaveBackward(backward_kv=mode), seq_len=shape.seq_len)
+    if mode == "keep":
+        assert limits is None                                  # nothing re-sent
+    if mode == "resend":
+        assert set(limits.values()) == {0}                     # an explicit resend keeps nothing
+    if mode == "auto" and limits is not None:                  # re-sending: each rank may keep up to its own shard
+        assert all(v == sum(plan.block_tokens(b, shape.seq_len) for b in plan.local_blocks(r)) * kv_tok
+                   for r, v in limits.items())
+    partials = reduction_floor(plan, topo, shape, 2)
+    both = reduction_floor(plan, topo, shape, 2, resend_limits=limits)
+    assert both >= partials
+    if limits is None:
+        assert both == partials
+    if mode == "resend":
+        assert both > partials                                 # the KV again adds to some resource
+    priced = simulate_backward_waves(plan, topo, shape, backward_kv=mode)
+    assert priced["backward"] == "waves" and both <= priced["bwd_s"] * (1 + 1e-12)

@@ -26,7 +26,12 @@ things all of them respect:
   (one pass: every reversed round; waves: every hop of a wave's paths), and each model
   serialises a resource's messages (a round lasts at least each resource's busy time; the
   timelines keep a resource busy until its previous message is through). So for every resource,
-  the partials' bytes over its bandwidth is a floor; re-sends under ``resend`` only add.
+  the partials' bytes over its bandwidth is a floor. A backward in waves that re-sends KV (known
+  before its waves are packed: :func:`~megatron_fcp.schedule.program.resend_keep_limits`) also
+  carries every reader delivery's KV again, in the wave that computes it, except what the reader
+  kept from the forward for its first wave; so each resource also holds that KV less the keep
+  limits of the ranks receiving through it (the wave timeline's messages hold a resource one at a
+  time, Note [Wave timeline floor]).
 
 * **chain steps** (a chain only, once its backward program is compiled:
   :func:`~megatron_fcp.cost.backward.chain_compute_floor`): the lock-step chain timeline adds,
@@ -168,9 +173,16 @@ def rank_owners(placement: "Placement | None", cp: int, causal: "bool | Mask", s
     return need.sum(axis=1)
 
 
-def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtype_bytes: int) -> float:
+def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtype_bytes: int, *,
+                    resend_limits: "dict[int, float] | None" = None, kv_dtype_bytes: int | None = None) -> float:
     """The most any resource is busy with the dK/dV partials of reader deliveries, reversed (Note
-    [Backward floors]); ``shape``: the plan's (zigzag: ``seq_len`` a multiple of ``2 * cp``)."""
+    [Backward floors]); ``shape``: the plan's (zigzag: ``seq_len`` a multiple of ``2 * cp``).
+
+    ``resend_limits`` (a backward in waves that re-sends KV: per global rank, the most received KV
+    bytes of one sequence it may start from, :func:`~megatron_fcp.schedule.program.resend_keep_limits`
+    over the micro-batch): each resource also carries every reader delivery's KV again, less what
+    the ranks receiving those deliveries may have kept (``kv_dtype_bytes`` per element, default the
+    shape's)."""
     rnd, src, dst, owner, chunk, part = plan.transfer_columns()
     if not len(rnd):
         return 0.0
@@ -195,16 +207,44 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
         tokens = np.array([s.tokens for _, _, s in pl.block_list()], dtype=np.float64)[n]
     if not read.any():
         return 0.0
-    key = d_i[read] * cp + s_i[read]                     # reversed: the reader returns the partial
-    uk, inv = np.unique(key, return_inverse=True)
-    nbytes = np.bincount(inv, weights=tokens[read] * per_token)
     idx = _ResourceIndex(topo)
-    ids, wts = [], []
-    for k, b in zip(uk.tolist(), nbytes.tolist()):
-        rid, _ = idx.route(plan.ranks[k // cp], plan.ranks[k % cp])
-        ids.append(rid)
-        wts.append(np.full(len(rid), b))
-    load = np.bincount(np.concatenate(ids), weights=np.concatenate(wts), minlength=len(idx.bw))
+
+    def loads(key: np.ndarray, nbytes: np.ndarray, route) -> tuple[list, list, list[tuple[np.ndarray, int]]]:
+        """The messages ``key`` (position pairs, summed per pair): route ids and bytes per hop, in
+        pair order, and each pair's (route ids, pair key)."""
+        uk, inv = np.unique(key, return_inverse=True)
+        per_pair = np.bincount(inv, weights=nbytes)
+        ids, wts, hops = [], [], []
+        for k, b in zip(uk.tolist(), per_pair.tolist()):
+            rid, _ = idx.route(*route(k))
+            ids.append(rid)
+            wts.append(np.full(len(rid), b))
+            hops.append((rid, k))
+        return ids, wts, hops
+
+    def total(ids: list, wts: list) -> np.ndarray:
+        return np.bincount(np.concatenate(ids), weights=np.concatenate(wts), minlength=len(idx.bw))
+
+    pair = lambda k: (plan.ranks[k // cp], plan.ranks[k % cp])  # noqa: E731   key a * cp + b: a sends to b
+    ids, wts, _ = loads(d_i[read] * cp + s_i[read], tokens[read] * per_token, pair)   # the reader returns it
+    again = None
+    if resend_limits is not None and not plan.kv_sizes:   # the KV again; each resource less its receivers' keep limits
+        kv_token = shape.kv_token_elems * (kv_dtype_bytes or shape.dtype_bytes)
+        block = o_i * (2 * plan.parts_per_chunk) + chunk * plan.parts_per_chunk + part if pl is None else n
+        once = np.zeros(len(read), dtype=bool)     # a (block, reader) delivered twice is re-sent once
+        once[np.unique(block * cp + d_i, return_index=True)[1]] = True
+        sent = read & once
+        kv_ids, kv_wts, hops = loads(s_i[sent] * cp + d_i[sent], tokens[sent] * kv_token, pair)
+        receivers: dict[int, set[int]] = {}          # resource -> CP positions receiving through it
+        for rid, k in hops:
+            for r in rid.tolist():
+                receivers.setdefault(r, set()).add(k % cp)
+        again = total(kv_ids, kv_wts)
+        for r, xs in receivers.items():
+            again[r] = max(again[r] - sum(resend_limits[plan.ranks[x]] for x in xs), 0.0)
+    load = total(ids, wts)
+    if again is not None:
+        load = load + again
     return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
 
 

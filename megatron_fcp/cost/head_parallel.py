@@ -90,7 +90,7 @@ from megatron_fcp.cost.model import (
 )
 from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_a2a_p2p_thd, simulate_te_p2p, simulate_te_p2p_thd
 from megatron_fcp.schedule.chains import is_chain_plan
-from megatron_fcp.schedule.program import WaveBackward
+from megatron_fcp.schedule.program import WaveBackward, resend_keep_limits
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "HeadParallelPricing", "degree_floor",
@@ -275,9 +275,19 @@ class HeadParallelPricing:
             and bool(self.sp.rounds) and not self.chain()
 
     def _reduction(self) -> float:
+        """The reduction floor; for a backward in waves that re-sends KV, with the KV again on every
+        resource, less what the receivers may keep (what the program will decide, read before the
+        waves are packed: :func:`~megatron_fcp.schedule.program.resend_keep_limits`)."""
         if "reduction" not in self._floors:
+            limits = None
+            if self.packs():
+                b, sp, sshape = self.backward, self.sp, self.sshape
+                kv_tok = sshape.kv_token_elems * sshape.dtype_bytes
+                got = resend_keep_limits(sp, kv_tok * b.micro_batch, b, seq_len=sshape.seq_len)
+                limits = None if got is None else {r: v / b.micro_batch for r, v in got.items()}
             self._floors["reduction"] = reduction_floor(self.sp, self.topo, self.sshape,
-                                                        self.grad_dtype_bytes or self.sshape.dtype_bytes)
+                                                        self.grad_dtype_bytes or self.sshape.dtype_bytes,
+                                                        resend_limits=limits)
         return self._floors["reduction"]
 
     def known_floor(self) -> float:

@@ -88,7 +88,7 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.waves import RING_BUDGET, Wave, block_work, first_fetch, plan_waves, wave_budget
 
 __all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "is_chain_plan",
-           "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch"]
+           "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch", "keep_limits"]
 
 
 @dataclass(frozen=True)
@@ -400,11 +400,20 @@ def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callabl
     if requested != "auto":
         return frozenset()
     got = first_kept_blocks(plan, block_bytes, cache_key=cache_key)
-    fits = frozenset(r for r in plan.ranks if sum(block_bytes(b) for b in got.get(r, ())) <= (
-        kv_memory_budget if kv_memory_budget != RING_BUDGET else sum(block_bytes(b) for b in plan.local_blocks(r))))
+    limit = keep_limits(plan, block_bytes, kv_memory_budget)
+    fits = frozenset(r for r in plan.ranks if sum(block_bytes(b) for b in got.get(r, ())) <= limit[r])
     if len(fits) < len(plan.ranks) and chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
         return frozenset()
     return fits
+
+
+def keep_limits(plan: Plan, block_bytes: Callable[[Block], int], kv_memory_budget: int = RING_BUDGET) -> dict[int, int]:
+    """Per rank, the most received KV bytes it may keep from the forward for its first step under
+    ``auto`` (:func:`first_keepers`): ``kv_memory_budget``, or under :data:`RING_BUDGET` its own
+    shard's K and V (what Transformer Engine's ring saves)."""
+    if kv_memory_budget != RING_BUDGET:
+        return dict.fromkeys(plan.ranks, kv_memory_budget)
+    return {r: sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks}
 
 
 def first_wave_fetch(plan: Plan, block_bytes: Callable[[Block], int], keepers: frozenset[int], *,

@@ -68,10 +68,12 @@ from dataclasses import dataclass, field
 
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.schedule.chains import ChainStep, chain_steps, first_keepers, first_kept_blocks, first_wave_fetch
+from megatron_fcp.schedule.chains import (ChainStep, chain_steps, first_keepers, first_kept_blocks, first_wave_fetch,
+                                          keep_limits)
 from megatron_fcp.schedule.waves import BACKWARD_KV_MODES, RING_BUDGET, Wave, choose_backward_kv, plan_waves
 
 __all__ = ["BackwardPolicy", "WaveBackward", "BackwardProgram", "ProgramPost", "compile_backward", "compiled_programs",
+           "resend_keep_limits",
            "RING_BUDGET", "BACKWARD_KV_MODES"]
 
 
@@ -286,8 +288,25 @@ def compiled_programs(plan: Plan) -> tuple[BackwardProgram, ...]:
         return tuple(per_plan[1].values()) if per_plan is not None and per_plan[0]() is plan else ()
 
 
-def _compile(plan: Plan, token_bytes: int, policy: BackwardPolicy, seq_len: int | None,
-             budget: int | None) -> BackwardProgram:
+def resend_keep_limits(plan: Plan, token_bytes: int, policy: BackwardPolicy | None = None, *,
+                       seq_len: int | None = None) -> dict[int, int] | None:
+    """What :func:`compile_backward` will decide about re-sending, before the schedule is packed:
+    None where the backward keeps every received block (``keep``: no KV re-sent), else per rank
+    the most received KV bytes it may start from (the first step kept from the forward, Note
+    [Backward KV modes]; 0 under an explicit ``resend``). The same decision as the program's, so
+    a floor on re-sent bytes (:func:`~megatron_fcp.cost.floors.reduction_floor`) holds for it."""
+    policy = BackwardPolicy() if policy is None else BackwardPolicy(policy.backward_kv, policy.kv_memory_budget)
+    seq_len = None if plan.placement is not None else seq_len
+    size = _sizes(plan, int(token_bytes), seq_len)
+    if _mode(plan, size, policy, ("program", int(token_bytes), seq_len)) == "keep":
+        return None
+    if policy.backward_kv != "auto":
+        return dict.fromkeys(plan.ranks, 0)
+    return keep_limits(plan, size, policy.kv_memory_budget)
+
+
+def _sizes(plan: Plan, token_bytes: int, seq_len: int | None):
+    """A block's K and V bytes in the program's units: its tokens times ``token_bytes``."""
     tokens: dict[Block, int] = {}
 
     def size(b: Block) -> int:
@@ -295,10 +314,20 @@ def _compile(plan: Plan, token_bytes: int, policy: BackwardPolicy, seq_len: int 
         if n is None:
             n = tokens[b] = plan.block_tokens(b, seq_len)
         return n * token_bytes
+    return size
 
+
+def _mode(plan: Plan, size, policy: BackwardPolicy, cache_key) -> str:
+    """``keep`` or ``resend``: the program's one call of :func:`choose_backward_kv`."""
+    return choose_backward_kv(policy.backward_kv, plan, size, policy.kv_memory_budget, cache_key=cache_key)
+
+
+def _compile(plan: Plan, token_bytes: int, policy: BackwardPolicy, seq_len: int | None,
+             budget: int | None) -> BackwardProgram:
+    size = _sizes(plan, token_bytes, seq_len)
     ck = ("program", token_bytes, seq_len)       # the chain/wave caches: what size depends on besides the plan
     requested, budget_kv = policy.backward_kv, policy.kv_memory_budget
-    mode = choose_backward_kv(requested, plan, size, budget_kv, cache_key=ck)
+    mode = _mode(plan, size, policy, ck)
     keepers = first_keepers(requested, mode, plan, size, budget_kv, cache_key=ck) if budget is None else frozenset()
     first_kept = len(keepers) == len(plan.ranks)
     steps = chain_steps(plan, size, budget, cache_key=ck, first_kept=first_kept)
