@@ -4,7 +4,7 @@ tests/test_gpt_e2e.py (dense batches), tests/test_recompute_e2e.py (activation r
 tests/test_gpt_packed_e2e.py (packed THD batches), tests/test_sinks_e2e.py (attention sinks),
 tests/test_window_e2e.py (sliding windows) and tests/test_gpt_mla_e2e.py (multi-latent attention)
 all train the example's tiny megatron-core GPT
-(examples/pretrain_gpt_fcp.py, FP32, 20 steps) on 4 gloo processes and compare FCP with Megatron's
+(examples/pretrain_gpt_fcp.py, FP32, 10 steps) on 4 gloo processes and compare FCP with Megatron's
 own cp = 1 attention. They share this one world: the processes start and import megatron-core once,
 and the dense cp = 1 reference, whose arguments the dense and the recompute parts share, is trained
 once for both.
@@ -27,7 +27,7 @@ TINY = os.path.join(EXAMPLES, "configs", "tiny_cpu_cp4.yaml")  # its topology is
 TOPO_2X2 = os.path.join(EXAMPLES, "configs", "topology_2x2.yaml")
 PACKED = os.path.join(EXAMPLES, "configs", "tiny_cpu_cp4_packed.yaml")
 
-STEPS = 20
+STEPS = 10
 # The arguments every dense training shares (GQA: 4 query heads share 2 KV heads). The tiny config's
 # topology already is TOPO_2X2; the flag only makes it explicit for the dense part's checks.
 BASE = ["--config", TINY, "--no-progress", "--train-iters", str(STEPS), "--micro-batch-size", "1",

@@ -1,7 +1,7 @@
 """End to end: the example's tiny megatron-core GPTModel trained with FCP matches cp = 1.
 
 One 4-process gloo group (the world tests/_megatron_world.py shares with the recompute and packed
-end-to-end tests) runs five trainings of 20 steps on the same global batches (FP32):
+end-to-end tests) runs five trainings of 10 steps on the same global batches (FP32):
 
 * cp = 1 (Megatron's own attention; world 4 = dp 4),
 * cp = 4 with FCP on the hierarchical graph of a 2 nodes x 2 ranks topology, communication not
@@ -126,7 +126,7 @@ def test_no_cp_transfer_touches_a_tp_peer(runs):
         posted = run["posted"]
         cp_group, tp_group = layout.cp_group_of(rank), layout.tp_group_of(rank)
         assert run["fcp"]["plan_ranks"] == list(cp_group)
-        # one transport per attention call: 2 layers x 4 micro batches (dp = 1) x 20 steps
+        # one transport per attention call: 2 layers x 4 micro batches (dp = 1) x 10 steps
         assert run["calls"] == 2 * 4 * STEPS
         assert posted, "no transfer was counted"
         for phase, kind, src, dst in posted:

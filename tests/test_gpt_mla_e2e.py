@@ -1,7 +1,7 @@
 """End to end: megatron-core's multi-latent attention (MLASelfAttention, local spec) under FCP matches cp = 1.
 
 The example's tiny GPT with ``--multi-latent-attention`` (d_qk = 32 + 16 RoPE channels = 48, d_v =
-24, so K and V blocks travel with 72 channels per head, not 96) trains 20 steps in FP32 on the
+24, so K and V blocks travel with 72 channels per head, not 96) trains 10 steps in FP32 on the
 shared 4-process gloo world (tests/_megatron_world.py, part ``mla``): cp = 1 (torch's SDPA in
 FCPCoreAttention; Megatron's local DotProductAttention refuses MLA's ``k_channels``), cp = 4 under
 the settled schedule, cp = 4 with ``--fcp-head-parallel 1`` (plain FCP over the zigzag blocks),

@@ -1,7 +1,7 @@
 """End to end on packed batches (THD): the example's tiny GPT with FCP matches cp = 1.
 
 One 4-process gloo group (the world tests/_megatron_world.py shares with the other end-to-end tests)
-trains 20 steps five times on the same packed batches (FP32; documents of
+trains 10 steps five times on the same packed batches (FP32; documents of
 seeded lognormal lengths, 256 tokens a sequence):
 
 * cp = 1 (dp 4): each document attended alone on one rank (SDPA per document) with Megatron's own

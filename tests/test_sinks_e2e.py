@@ -1,7 +1,7 @@
 """End to end: the example's tiny megatron-core GPT with attention sinks, FCP against cp = 1.
 
 The shared 4-process gloo world (tests/_megatron_world.py, part ``sinks``) trains the dense runs'
-model (FP32, GQA 4:2, 20 steps, the same global batches) with ``softmax_type="learnable"``: cp = 1
+model (FP32, GQA 4:2, 10 steps, the same global batches) with ``softmax_type="learnable"``: cp = 1
 is Megatron's own ``DotProductAttention`` (its ``SoftmaxOne``; on the CPU through the sink shim of
 megatron_fcp.patches.cpu), cp = 4 on the hierarchical graph, tp = 2 x cp = 2 (against Megatron's own tp = 2 at cp = 1: see
 that test for why not tp = 1), and cp = 4 with a head-parallel stage of degree 2. Losses and

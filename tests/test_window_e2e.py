@@ -1,7 +1,7 @@
 """End to end with sliding windows: interleaved window / full layers with FCP match cp = 1.
 
 The shared 4-process gloo world (tests/_megatron_world.py, part ``window``) trains the example's tiny
-GPT 20 steps (FP32) with ``--window-size 16,0 --window-attn-skip-freq 2``: by megatron-core's rule
+GPT 10 steps (FP32) with ``--window-size 16,0 --window-attn-skip-freq 2``: by megatron-core's rule
 layer 1 is windowed (each query sees itself and the 16 tokens before it) and layer 2 full, as in
 gpt-oss or Gemma, with learnable sinks on both layers (gpt-oss); packed batches run the window
 alone. References are Megatron's own windowed attention at cp = 1 (its local
