@@ -81,3 +81,15 @@ def test_the_runtime_shares_the_search_over_gloo():
         assert o["share"] == (r, 3)
         assert o["floats"] == [[k, 0.1 + k / 3, {"x": [1e-300, 2.5e300]}] for k in range(3)]
         assert tuple(json.loads(json.dumps(o["facts"]))) == tuple(json.loads(json.dumps(_facts(alone))))
+
+
+def test_a_rank_owning_several_candidates_to_pack_hands_the_others_to_idle_ranks():
+    """_deal_dear: each owner keeps its first candidate to pack; its further ones go to the ranks
+    owning none this round, in turn from where the compile jobs left off; with no idle rank left
+    they stay with their owner."""
+    from megatron_fcp.planner.choose import _deal_dear
+
+    assert _deal_dear([3, 3, 5, 3], 8, 6) == [3, 6, 5, 7]        # idle in turn from 6: 6, 7, 0, 1, ...
+    assert _deal_dear([0, 1, 2], 4, 0) == [0, 1, 2]              # one each: nothing moves
+    assert _deal_dear([0, 0, 0, 1], 3, 0) == [0, 2, 0, 1]        # rank 2 was the only idle one
+    assert _deal_dear([], 4, 0) == []

@@ -74,7 +74,10 @@ the planner's choice] in :mod:`megatron_fcp.patches.schedule`), :func:`choose_sc
 search over the ranks in rounds, each ended by one gather (JSON writes a float as its shortest
 round-tripping ``repr``, so every rank holds the same bits, plans the next round alike and
 decides alike). A round's jobs are dealt to the ranks the previous rounds left idle; a job on a
-compiled candidate goes to the rank that compiled it. Each round runs only the cheapest kind of
+compiled candidate goes to the rank that compiled it, except that a rank owning several
+candidates to pack in one round keeps the first and hands the others to ranks owning none, which
+compile them again (:func:`_deal_dear`: compiling is a fraction of packing; a candidate to price
+stays where its waves were packed). Each round runs only the cheapest kind of
 work left, since cheap results tighten the bounds that decide whether dear work is needed:
 
 1. compile (and price the forward of) every base candidate; price the backward where it is cheap
@@ -355,10 +358,21 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
             else:
                 kept[cid] = pr
                 out.append([list(cid), pr.tight_floor(), True, not pr.packs()])
-        for kind, cid in (j for j in todo if j[0] != "compile"):
-            if owner[cid] == share.rank:
-                pr = kept[cid]
-                out.append([list(cid), pr.packed_floor(), True, True] if kind == "pack" else summary(cid, kept.pop(cid)))
+        dear = [j for j in todo if j[0] != "compile"]
+        owners = [owner[c] for _, c in dear]    # a priced candidate's waves are packed on its owner: it stays there
+        doers = _deal_dear(owners, share.size, dealt[0]) if dear and dear[0][0] == "pack" else owners
+        for (kind, cid), r in zip(dear, doers):
+            if r != share.rank:
+                if owner[cid] == share.rank and r != owner[cid]:
+                    kept.pop(cid, None)                  # moved to an idle rank, which compiles it again
+                continue
+            pr = kept.get(cid) or compile_(cid)
+            if kind == "pack":
+                kept[cid] = pr
+                out.append([list(cid), pr.packed_floor(), True, True])
+            else:
+                kept.pop(cid, None)
+                out.append(summary(cid, pr))
         take(share.gather(out))
     place = {(a, g, "base", 0): k for (a, g), k in order.items()}   # the full search's order
     for a in degrees:
@@ -366,6 +380,25 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
         for k, opt, v in (_follow_up_slots(len(order), degrees, a, ups(a)) if g is not None else ()):
             place[(a, g, opt, v)] = k
     return [(priced[c], None) for c in sorted((c for c in priced if c in place), key=place.get)]
+
+
+def _deal_dear(owners: list[int], size: int, start: int) -> list[int]:
+    """The rank that packs each candidate of a pack round (``owners``: the rank that compiled
+    each): a rank's first stays with it; its further ones go, in turn, to the ranks that own none
+    this round (counted from ``start``: each round begins where the compile jobs left off), which
+    compile the candidate again (a fraction of packing it) and own it from then on; once every
+    such rank has one, to the owner. The same on every rank."""
+    busy = set(owners)
+    idle = [r for r in ((start + i) % size for i in range(size)) if r not in busy]
+    seen: set[int] = set()
+    out = []
+    for o in owners:
+        if o in seen and idle:
+            out.append(idle.pop(0))
+        else:
+            seen.add(o)
+            out.append(o)
+    return out
 
 
 def _follow_up_floor(topo: Topology, ranks: tuple, padded: AttentionShape, a: int, g: str, causal: bool,
