@@ -91,7 +91,9 @@ work left, since cheap results tighten the bounds that decide whether dear work 
    matter;
 4. else pack the waves of every candidate that may still be chosen or be the runner-up (floor at
    most ``(1 + 0.1%)`` times the second-best total priced), or may be the best graph of a degree
-   whose follow-ups may win, for its packed floor
+   whose follow-ups may win, for its packed floor -- base candidates in a round of their own
+   first, since a base whose packed floor shows it cannot be its degree's best graph takes its
+   probes out of the search (a base has whole chunks: cheaper to pack than sub-blocks)
    (:meth:`~megatron_fcp.cost.head_parallel.HeadParallelPricing.packed_floor`, Note [Wave
    timeline floor] in :mod:`megatron_fcp.cost.timeline`);
 5. else price those whose packed floor still does not rule them out.
@@ -337,7 +339,8 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
         price += [("price", c) for c in real() if c in floors and floors[c] <= bound]
         price = list(dict.fromkeys(price))
         packs = list(dict.fromkeys(packs + [c for _, c in price if c not in packed]))
-        return known or probes or [("pack", c) for c in packs] or price
+        bases_first = [c for c in packs if c[2] == "base"]   # a base's packed floor may make its probes moot
+        return known or probes or [("pack", c) for c in (bases_first or packs)] or price
 
     while todo := jobs():
         bound = second_best()
