@@ -369,7 +369,7 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
                 if owner[cid] == share.rank and r != owner[cid]:
                     kept.pop(cid, None)                  # moved to an idle rank, which compiles it again
                 continue
-            pr = kept.get(cid) or compile_(cid)
+            pr = kept[cid] if cid in kept else compile_(cid)   # moved here: compiled again
             if kind == "pack":
                 kept[cid] = pr
                 out.append([list(cid), pr.packed_floor(), True, True])
