@@ -66,7 +66,7 @@ from megatron_fcp.cost.model import (
     zigzag_block_work,
 )
 from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline, wave_timeline_floor
-from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward
+from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
 from megatron_fcp.schedule.waves import restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
@@ -74,6 +74,7 @@ __all__ = [
     "simulate_plan_backward",
     "simulate_backward_waves",
     "chain_compute_floor",
+    "resend_limits",
     "wave_backward_floor",
 ]
 
@@ -327,9 +328,8 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     a block's tokens and one sequence's K|V bytes, and a job's seconds of work (launch not
     included: its query-key pairs at the backward's seconds per pair, or its tile-priced calls)."""
     policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
-    pl, cp = plan.placement, plan.cp
-    zshape = pad_for_zigzag(shape, cp)[0] if pl is None else shape
-    kv_tok = (kv_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
+    pl = plan.placement
+    zshape, kv_tok = _program_shape(plan, shape, kv_dtype_bytes)
     program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
                                budget=None if budget is None else budget * micro_batch)
     block_tokens = _block_tokens(plan, program.seq_len)
@@ -349,6 +349,26 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     else:
         pairs = zigzag_pairs(plan, zshape.seq_len)
     return program, block_tokens, size, lambda x, blk: pairs(x, blk) * flop_s
+
+
+def _program_shape(plan: Plan, shape: AttentionShape, kv_dtype_bytes: int | None) -> tuple[AttentionShape, int]:
+    """The shape a plan's backward program is compiled for (zigzag: padded to ``2 * cp``) and one
+    token's K|V bytes for one sequence (``kv_dtype_bytes`` per element, default the shape's)."""
+    zshape = pad_for_zigzag(shape, plan.cp)[0] if plan.placement is None else shape
+    return zshape, (kv_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
+
+
+def resend_limits(plan: Plan, shape: AttentionShape, *, backward_kv: str = "auto",
+                  kv_memory_budget: int = RING_BUDGET, micro_batch: int = 1,
+                  kv_dtype_bytes: int | None = None) -> dict[int, float] | None:
+    """For :func:`~megatron_fcp.cost.floors.reduction_floor` before the waves are packed: None where
+    the program :func:`_program` compiles keeps every received block, else per rank the most
+    received KV bytes of one sequence it may start from
+    (:func:`~megatron_fcp.schedule.program.resend_keep_limits` on the same token bytes and policy)."""
+    zshape, kv_tok = _program_shape(plan, shape, kv_dtype_bytes)
+    got = resend_keep_limits(plan, kv_tok * micro_batch, BackwardPolicy(backward_kv, kv_memory_budget),
+                             seq_len=zshape.seq_len)
+    return None if got is None else {r: v / micro_batch for r, v in got.items()}
 
 
 def _block_tokens(plan: Plan, seq_len: int | None) -> Callable[[Block], int]:

@@ -77,7 +77,8 @@ from megatron_fcp.contract.head_parallel import (
     topology_head_groups,
 )
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
-from megatron_fcp.cost.backward import chain_compute_floor, simulate_backward_waves, simulate_plan_backward, wave_backward_floor
+from megatron_fcp.cost.backward import (chain_compute_floor, resend_limits, simulate_backward_waves, simulate_plan_backward,
+                                        wave_backward_floor)
 from megatron_fcp.cost.floors import compute_floor, kv_floor, rank_jobs, reduction_floor
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
@@ -90,7 +91,7 @@ from megatron_fcp.cost.model import (
 )
 from megatron_fcp.cost.te import simulate_te_a2a_p2p, simulate_te_a2a_p2p_thd, simulate_te_p2p, simulate_te_p2p_thd
 from megatron_fcp.schedule.chains import is_chain_plan
-from megatron_fcp.schedule.program import WaveBackward, resend_keep_limits
+from megatron_fcp.schedule.program import WaveBackward
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["PASSES", "check_pass", "combine", "simulate_head_parallel", "HeadParallelPricing", "degree_floor",
@@ -277,14 +278,12 @@ class HeadParallelPricing:
     def _reduction(self) -> float:
         """The reduction floor; for a backward in waves that re-sends KV, with the KV again on every
         resource, less what the receivers may keep (what the program will decide, read before the
-        waves are packed: :func:`~megatron_fcp.schedule.program.resend_keep_limits`)."""
+        waves are packed, on the program's token bytes: :func:`~megatron_fcp.cost.backward.resend_limits`)."""
         if "reduction" not in self._floors:
-            limits = None
-            if self.packs():
-                b, sp, sshape = self.backward, self.sp, self.sshape
-                kv_tok = sshape.kv_token_elems * sshape.dtype_bytes
-                got = resend_keep_limits(sp, kv_tok * b.micro_batch, b, seq_len=sshape.seq_len)
-                limits = None if got is None else {r: v / b.micro_batch for r, v in got.items()}
+            b = self.backward
+            limits = resend_limits(self.sp, self.sshape, backward_kv=b.backward_kv,
+                                   kv_memory_budget=b.kv_memory_budget, micro_batch=b.micro_batch) \
+                if self.packs() else None
             self._floors["reduction"] = reduction_floor(self.sp, self.topo, self.sshape,
                                                         self.grad_dtype_bytes or self.sshape.dtype_bytes,
                                                         resend_limits=limits)
