@@ -51,7 +51,7 @@ def test_only_balanced_chains_stream():
     waves -- the cost model priced its streaming backward at 2.2x the waves' (cp = 16, lognormal
     8.0/1.2)."""
     from megatron_fcp.contract.placement import lognormal_lengths, place_packed
-    from megatron_fcp.schedule.chains import CHAIN_PACE, _build
+    from megatron_fcp.schedule.chains import CHAIN_PACE, _basis, _build
     from megatron_fcp.cost.backward import simulate_backward_waves
 
     for cp, parts in ((4, 1), (8, 2), (16, 1)):
@@ -60,7 +60,7 @@ def test_only_balanced_chains_stream():
     pl = place_packed(lognormal_lengths(8.0, 1.2, 32768 * 16, 0), 16)
     plan = build_plan("dgx-h100:2", range(16), "ring", placement=pl)
     assert chain_routes(plan) is not None and chain_steps(plan, _size(plan)) is None
-    assert _build(plan, _size(plan), None, math.inf) is not None      # a chain, but unbalanced
+    assert _build(plan, _basis(plan, _size(plan), None), math.inf) is not None      # a chain, but unbalanced
     assert 1.25 < CHAIN_PACE < 4  # staggered stage rings stream, packed rings (4-14) do not
     waves = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="resend")
     assert waves.get("backward", "waves") == "waves"

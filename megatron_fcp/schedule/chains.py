@@ -210,20 +210,22 @@ def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | N
     key = (id(plan), budget, cache_key, pace)
     hit = _STEPS.get(key)
     if cache_key is not None and hit is not None and hit[0]() is plan:
-        kept = hit[1]
+        kept, first = hit[1]
     else:
-        kept = _build(plan, block_bytes, budget, pace, cache_key)
+        basis = _basis(plan, block_bytes, budget, cache_key)
+        kept = _build(plan, basis, pace)
+        first = None if basis is None else basis.first
         if cache_key is not None:
             if len(_STEPS) > 1024:
                 _STEPS.clear()
-            _STEPS[key] = (weakref.ref(plan), kept)
+            _STEPS[key] = (weakref.ref(plan), (kept, first))
     if kept is None or first_kept:
         return kept
-    basis = _basis(plan, block_bytes, budget, cache_key)
-    return (ChainStep(basis.first, (), (), ()),) + kept
+    return (ChainStep(first, (), (), ()),) + kept
 
 
-_STEPS: dict[tuple, tuple[weakref.ref, tuple[ChainStep, ...] | None]] = {}
+_STEPS: dict[tuple, tuple[weakref.ref, tuple[tuple[ChainStep, ...] | None, tuple[Transfer, ...] | None]]] = {}
+
 
 
 class _Basis:
@@ -273,12 +275,10 @@ def _basis(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
 _BASIS: dict[tuple, tuple[weakref.ref, _Basis | None]] = {}
 
 
-def _build(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
-           pace: float, cache_key: Hashable = None) -> tuple[ChainStep, ...] | None:
+def _build(plan: Plan, basis: _Basis | None, pace: float) -> tuple[ChainStep, ...] | None:
     """The steps with the first sub-round kept (KV of sub-round j at step j - 1, its compute at step
-    j), or None where the plan is no chain or the steps exceed ``pace``. Works on numbers
-    (:class:`_Basis`); the steps hold the plan's own transfer objects."""
-    basis = _basis(plan, block_bytes, budget, cache_key)
+    j), or None where the plan is no chain (``basis`` None) or the steps exceed ``pace``. Works on
+    numbers (:class:`_Basis`); the steps hold the plan's own transfer objects."""
     if basis is None:
         return None
     num, sub, reads, live = basis.num, basis.sub, basis.reads, basis.live
