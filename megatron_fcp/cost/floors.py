@@ -179,8 +179,8 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
     [Backward floors]); ``shape``: the plan's (zigzag: ``seq_len`` a multiple of ``2 * cp``).
 
     ``resend_limits`` (a backward in waves that re-sends KV: per global rank, the most received KV
-    bytes of one sequence it may start from, :func:`~megatron_fcp.schedule.program.resend_keep_limits`
-    over the micro-batch): each resource also carries every reader delivery's KV again, less what
+    bytes of one sequence it may start from, :func:`~megatron_fcp.cost.backward.resend_limits`):
+    each resource also carries every reader delivery's KV again, less what
     the ranks receiving those deliveries may have kept (``kv_dtype_bytes`` per element, default the
     shape's)."""
     rnd, src, dst, owner, chunk, part = plan.transfer_columns()
