@@ -24,6 +24,7 @@ what the model prices is what the executor sends.
 from __future__ import annotations
 
 import gc
+import threading
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -171,14 +172,26 @@ def cp_index_of(ranks: Sequence[int]):
     return index_of_sparse
 
 
+_GC_LOCK = threading.Lock()
+_GC_PAUSE = {"depth": 0, "was_enabled": False}   # pauses open in this process, and the collector's state before them
+
+
 @contextmanager
 def gc_paused():
-    """Pause the cyclic GC while ~10^6 plan objects are created (none form cycles); without this,
-    generation sweeps over the growing plan cost more than creating it."""
-    was = gc.isenabled()
-    gc.disable()
+    """Pause the cyclic GC while many short-lived objects are created with few or no cycles (a
+    plan's ~10^6 transfers, a schedule search's waves and timelines); without this, generation
+    sweeps over the growing heap cost more than the work itself. Reentrant and shared by threads:
+    the collector is disabled by the first pause to open and enabled again (if it was) when the
+    last one closes, so a nested or concurrent pause never re-enables it under another."""
+    with _GC_LOCK:
+        if _GC_PAUSE["depth"] == 0:
+            _GC_PAUSE["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSE["depth"] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _GC_LOCK:
+            _GC_PAUSE["depth"] -= 1
+            if _GC_PAUSE["depth"] == 0 and _GC_PAUSE["was_enabled"]:
+                gc.enable()
