@@ -93,3 +93,53 @@ def test_a_rank_owning_several_candidates_to_pack_hands_the_others_to_idle_ranks
     assert _deal_dear([0, 1, 2], 4, 0) == [0, 1, 2]              # one each: nothing moves
     assert _deal_dear([0, 0, 0, 1], 3, 0) == [0, 2, 0, 1]        # rank 2 was the only idle one
     assert _deal_dear([], 4, 0) == []
+
+
+def test_compile_jobs_go_first_to_ranks_holding_no_candidate_still_to_price():
+    """_deal_cheap: in turn from where the last round left off, first over the ranks that hold no
+    compiled candidate still to pack or price, then over every rank in the same turn."""
+    from megatron_fcp.planner.choose import _deal_cheap
+
+    assert _deal_cheap(3, 8, 6, set()) == [6, 7, 0]                   # nobody holds: plain turn
+    assert _deal_cheap(4, 6, 1, {2, 3}) == [1, 4, 5, 0]               # holders 2, 3 skipped
+    assert _deal_cheap(5, 4, 0, {0, 1}) == [2, 3, 0, 1, 2]            # free ones first, then the turn again
+    assert _deal_cheap(0, 4, 0, {1}) == []
+    holders = {r for r in range(16) if r % 3 == 0}
+    out = _deal_cheap(10, 16, 5, holders)
+    assert len(set(out)) == 10 and not holders & set(out)             # enough free ranks: no holder gets one
+
+
+def test_the_search_pauses_the_collector_and_nested_or_concurrent_pauses_restore_it_once():
+    """gc_paused (used by choose_schedule and compile_plan): the collector stays off until the
+    last of several nested or concurrent pauses closes, and comes back only if it was on."""
+    import gc
+    import threading
+
+    from megatron_fcp.contract.blocks import gc_paused
+
+    assert gc.isenabled()
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        with gc_paused():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    with gc_paused():
+        t.start()
+        assert inside.wait(10) and not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert not gc.isenabled()          # the other thread's pause is still open
+    release.set()
+    t.join(10)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()      # it was off before: it stays off
+    finally:
+        gc.enable()

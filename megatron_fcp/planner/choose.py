@@ -73,7 +73,9 @@ so at scale every rank repeating the whole search is the same work done once per
 the planner's choice] in :mod:`megatron_fcp.patches.schedule`), :func:`choose_schedule` splits the
 search over the ranks in rounds, each ended by one gather (JSON writes a float as its shortest
 round-tripping ``repr``, so every rank holds the same bits, plans the next round alike and
-decides alike). A round's jobs are dealt to the ranks the previous rounds left idle; a job on a
+decides alike). A round's compile jobs are dealt in turn from where the last round's left off,
+first to the ranks holding no compiled candidate still to pack or price (:func:`_deal_cheap`:
+those may have dear work next); a job on a
 compiled candidate goes to the rank that compiled it, except that a rank owning several
 candidates to pack in one round keeps the first and hands the others to ranks owning none, which
 compile them again (:func:`_deal_dear`: compiling is a fraction of packing; a candidate to price
@@ -88,7 +90,9 @@ work left, since cheap results tighten the bounds that decide whether dear work 
    them out; chains among them are priced at once;
 3. else, for a degree whose best graph is not known, compile the follow-ups on every graph that
    may be it (*probes*): if none of their floors is below the bound, which graph is best does not
-   matter;
+   matter; a probe with sub-blocks that its floor does not rule out is not packed: the graphs that
+   may be the best are priced instead (step 5), since packing sub-blocks costs more than pricing
+   whole chunks, and once the best graph is known the probes on the others are out;
 4. else pack the waves of every candidate that may still be chosen or be the runner-up (floor at
    most ``(1 + 0.1%)`` times the second-best total priced), or may be the best graph of a degree
    whose follow-ups may win, for its packed floor -- base candidates in a round of their own
@@ -114,6 +118,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from megatron_fcp.contract.blocks import gc_paused
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, head_parallel_degrees, stage_plan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import check_cp_ranks
@@ -330,9 +335,9 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
                     if p not in priced and p not in floors:
                         probes.append(("compile", p))
                     elif (priced[p].total_s if p in priced else floors[p]) <= bound:
-                        if p in floors and p not in packed:
+                        if p in floors and p not in packed and p[2] != "parts_per_chunk":
                             packs.append(p)       # its waves' floor may still rule it out
-                        else:
+                        else:   # sub-blocks: dearer to pack than the bases are to price, which settle the graph
                             need = True
             if need:
                 price += [("price", c) for c in may if c in floors]
@@ -345,11 +350,11 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
     while todo := jobs():
         bound = second_best()
         cheap = [j for j in todo if j[0] == "compile"]
-        first = dealt[0]
+        takers = _deal_cheap(len(cheap), share.size, dealt[0], {owner[c] for c in floors})
         dealt[0] += len(cheap)
         out = []
-        for i, (_, cid) in enumerate(cheap):
-            if (first + i) % share.size != share.rank:
+        for (_, cid), r in zip(cheap, takers):
+            if r != share.rank:
                 continue
             pr = compile_(cid)
             if prune and cid[2] == "base" and ups(cid[0]):   # computed once, by the rank compiling the graph
@@ -383,6 +388,16 @@ def _shared_search(topo: Topology, ranks: tuple, padded: AttentionShape, degrees
         for k, opt, v in (_follow_up_slots(len(order), degrees, a, ups(a)) if g is not None else ()):
             place[(a, g, opt, v)] = k
     return [(priced[c], None) for c in sorted((c for c in priced if c in place), key=place.get)]
+
+
+def _deal_cheap(n: int, size: int, start: int, holders: set[int]) -> list[int]:
+    """The rank that compiles each of a round's ``n`` compile jobs: in turn from ``start`` (each
+    round begins where the last one's compile jobs left off), first over the ranks that hold no
+    compiled candidate still to pack or price (``holders``: their dear work may come next), then
+    over all ranks in the same turn. The same on every rank."""
+    turn = [(start + i) % size for i in range(size)]
+    free = [r for r in turn if r not in holders]
+    return [free[i] if i < len(free) else turn[(i - len(free)) % size] for i in range(n)]
 
 
 def _deal_dear(owners: list[int], size: int, start: int) -> list[int]:
@@ -711,18 +726,19 @@ def choose_schedule(
     of the window; Note [Windowed need sets]). ``share``: this process's part of the search split
     over several that all call this with the same arguments (Note [Sharing the search]): the same
     answer, every candidate priced by one of them."""
-    cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
-                                     parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
-                                     grad_dtype_bytes=grad_dtype_bytes, backward=backward, prune=True, window=window,
-                                     share=share)
-    res, hp = pick_best(cands, "total")
-    if hp is None:  # a shared search: the winner's plan, compiled as its pricing compiled it
-        topo = load_topology(topology)
-        hp = compile_head_parallel(topo, check_cp_ranks(topo, cp_ranks), pad_for_zigzag(shape, len(cp_ranks))[0],
-                                   res.meta["head_parallel"], res.meta["builder"], causal=causal,
-                                   window=Mask.of(causal, window).window,
-                                   **({"parts_per_chunk": res.meta["parts_per_chunk"]} if res.meta["head_parallel"] == 1
-                                      else {"stagger": res.meta["stagger"]}))
+    with gc_paused():   # its waves, timelines and floors are short-lived objects: no collector sweeps over them
+        cands = head_parallel_candidates(topology, cp_ranks, shape, degree=degree, graph=graph,
+                                         parts_per_chunk=parts_per_chunk, causal=causal, compute_model=compute_model,
+                                         grad_dtype_bytes=grad_dtype_bytes, backward=backward, prune=True,
+                                         window=window, share=share)
+        res, hp = pick_best(cands, "total")
+        if hp is None:  # a shared search: the winner's plan, compiled as its pricing compiled it
+            topo = load_topology(topology)
+            hp = compile_head_parallel(topo, check_cp_ranks(topo, cp_ranks), pad_for_zigzag(shape, len(cp_ranks))[0],
+                                       res.meta["head_parallel"], res.meta["builder"], causal=causal,
+                                       window=Mask.of(causal, window).window,
+                                       **({"parts_per_chunk": res.meta["parts_per_chunk"]}
+                                          if res.meta["head_parallel"] == 1 else {"stagger": res.meta["stagger"]}))
     others = [c for c in cands if c[0] is not res]
     up = pick_best(others, "total")[0] if others else None
     return ScheduleChoice(
