@@ -140,6 +140,66 @@ def test_auto_picks_the_best_of_every_candidate(preset, cp, shaped, monkeypatch)
     assert all(times[k] == t for k, t in got.auto.times)
 
 
+PACKED_CASES = [("dgx-h100:4", 32, 2048), ("single-uplink:4", 32, 8192), ("dgx-a100:3", 24, 4096),
+                ("pcie-box:2", 16, 2048)]
+
+
+def _packed_placement(cp: int, median: int, causal: bool = True):
+    import math
+
+    from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+
+    return place_packed(lognormal_lengths(math.log(median), 1.0, 128 * 1024, 0), cp, block_tokens=2048,
+                        causal=causal)
+
+
+@pytest.mark.parametrize("preset,cp,median", PACKED_CASES)
+def test_packed_graph_floors_never_exceed_the_priced_plans(preset, cp, median):
+    """A packed batch's graph floor (graph_kv_floor over the placement) is below every builder's
+    plan over it, in communication and in total."""
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner.build import NOMINAL_SHAPE, _floor
+    from megatron_fcp.planner.builders import PACKED_AUTO_CANDIDATES, build_graph
+    from megatron_fcp.planner.compile import compile_plan
+
+    topo = load_topology(preset)
+    for causal in (True, False):
+        pl = _packed_placement(cp, median, causal)
+        for name in PACKED_AUTO_CANDIDATES:
+            cg = build_graph(topo, range(cp), name)
+            res = simulate_plan(compile_plan(cg, causal, placement=pl), topo, NOMINAL_SHAPE)
+            assert 0 < _floor(cg, topo, NOMINAL_SHAPE, causal, pl) <= min(res.comm_s, res.total_s), (name, causal)
+
+
+@pytest.mark.parametrize("preset,cp,median", PACKED_CASES)
+@pytest.mark.parametrize("shaped", [False, True])
+def test_packed_auto_picks_what_every_candidate_would(preset, cp, median, shaped, monkeypatch):
+    """Pruned auto on a packed batch is _least_crossing over every builder's plan, each compiled
+    and timed; the candidates it leaves out are the ones a floor puts above the packed tie."""
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner import build
+    from megatron_fcp.planner.build import NOMINAL_SHAPE, PACKED_TIE, _least_crossing, build_plan
+    from megatron_fcp.planner.builders import PACKED_AUTO_CANDIDATES
+
+    topo = load_topology(preset)
+    pl = _packed_placement(cp, median)
+    shape = dict(seq_len=65536, heads=32, kv_heads=8, head_dim=128) if shaped else {}
+    objective = "total" if shaped else "comm"
+    sim_shape = AttentionShape(65536, 32, 8, 128, 2) if shaped else NOMINAL_SHAPE
+    every = [(simulate_plan(p, topo, sim_shape, compute=shaped), p)
+             for p in (build_plan(topo, range(cp), n, placement=pl) for n in PACKED_AUTO_CANDIDATES)]
+    want = _least_crossing(every, objective)[1]
+    monkeypatch.setattr(build, "PRUNE_AUTO_MIN_CP", 0)   # prune at these small sizes too
+    got = build_plan(topo, range(cp), "auto", placement=pl, **shape)
+    assert got.name == want.name and got.rounds == want.rounds
+    metric = "total_s" if shaped else "comm_s"
+    times = {p.name: getattr(r, metric) for r, p in every}
+    assert all(times[k] == t for k, t in got.auto.times)
+    best = min(times.values())
+    left_out = set(times) - {k for k, _ in got.auto.times}
+    assert all(times[k] > best * (1 + PACKED_TIE) for k in left_out)
+
+
 @pytest.mark.parametrize("preset,cp,graph", [("dgx-h100:4", 32, "hierarchical"), ("dgx-a100:3", 20, "full"),
                                              ("pcie-box:2", 12, "leader"), ("single-uplink:4", 32, "spanning"),
                                              ("dgx-h100:3", 20, "ring")])

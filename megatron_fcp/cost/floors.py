@@ -90,17 +90,7 @@ def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None"
     """The forward's KV floor of Note [Backward floors] for the CP ranks ``ranks`` holding
     ``placement`` (None: Megatron's zigzag split of ``seq_len`` tokens; ``causal`` may be a
     windowed :class:`~megatron_fcp.contract.mask.Mask`: its need sets)."""
-    cp = len(ranks)
-    if placement is None:
-        idx = np.arange(cp)
-        need = chunk_need_matrix(cp, causal, seq_len)
-        owner = np.concatenate([idx, idx])
-        tokens = np.full(2 * cp, seq_len // (2 * cp), dtype=np.float64)
-    else:
-        need = placement.need_matrix()
-        blocks = placement.block_list()
-        owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
-        tokens = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
+    need, owner, tokens = _kv_needs(len(ranks), placement, seq_len, causal)
     node_of = np.array([topo.node_of(r) for r in ranks])
     multi = len(set(node_of.tolist())) > 1
     recv = (need * tokens[None, :]).sum(axis=1) * kv_bytes_per_token
@@ -112,6 +102,19 @@ def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None"
             b_in = member_nic_ingress(topo, [r for r, m in zip(ranks, node_of == x) if m])
             t = max(t, float((into * tokens).sum()) * kv_bytes_per_token / b_in)
     return t
+
+
+def _kv_needs(cp: int, placement: "Placement | None", seq_len: int,
+              causal: "bool | Mask") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``need`` [cp, blocks] (bool: the CP rank reads the block), each block's owner (CP index) and
+    tokens, for ``placement`` or (None) Megatron's zigzag split of ``seq_len`` tokens."""
+    if placement is None:
+        idx = np.arange(cp)
+        return (chunk_need_matrix(cp, causal, seq_len), np.concatenate([idx, idx]),
+                np.full(2 * cp, seq_len // (2 * cp), dtype=np.float64))
+    blocks = placement.block_list()
+    return (placement.need_matrix(), np.array([i for i, _, _ in blocks], dtype=np.int64),
+            np.array([s.tokens for _, _, s in blocks], dtype=np.float64))
 
 
 def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: "bool | Mask") -> np.ndarray:
@@ -248,19 +251,38 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
     return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
 
 
-def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: "bool | Mask", kv_bytes_per_token: float) -> float:
-    """A floor on the forward communication of any plan compiled from the CommGraph ``cg``
-    (Megatron's zigzag split of ``seq_len`` tokens): :func:`kv_floor`, and per node the KV its CP
-    ranks need from other nodes over the NICs of the ranks the graph lets blocks enter through (a
-    block crosses into a node on one of the graph's edges from another node, through its
-    receiver's NIC): a graph that enters each node at one rank (``leader``, ``ring``) is held to
-    that rank's NIC."""
+def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: "bool | Mask", kv_bytes_per_token: float,
+                   placement: "Placement | None" = None) -> float:
+    """A floor on the forward communication of any plan compiled from the CommGraph ``cg`` (over
+    ``placement``, or Megatron's zigzag split of ``seq_len`` tokens): :func:`kv_floor`, and per
+    node the KV its CP ranks need from other nodes over the NICs of the ranks the graph lets blocks
+    enter through (a block crosses into a node on one of the graph's edges from another node,
+    through its receiver's NIC): a graph that enters each node at one rank (``leader``, ``ring``)
+    is held to that rank's NIC."""
     ranks = cg.ranks
     cp = len(ranks)
-    t = kv_floor(topo, ranks, None, seq_len, causal, kv_bytes_per_token)
+    t = kv_floor(topo, ranks, placement, seq_len, causal, kv_bytes_per_token)
     node_of = np.array([topo.node_of(r) for r in ranks])
     if len(set(node_of.tolist())) < 2 or not topo.layout.gpu_nic:
         return t
+    edges = cg.edge_array()
+    pos = np.full(max(ranks) + 1, -1, dtype=np.int64)
+    pos[list(ranks)] = np.arange(cp)
+    u, v = pos[edges[:, 0]], pos[edges[:, 1]]
+    cross = node_of[u] != node_of[v]
+    entry = np.zeros(cp, dtype=bool)
+    entry[v[cross]] = True                                  # ranks a block may enter its node through
+    need, owner, tokens = _kv_needs(cp, placement, seq_len, causal)
+    for x in sorted(set(node_of.tolist())):
+        members = node_of == x
+        into = float((need[members].any(axis=0) & (node_of[owner] != x)) @ tokens)
+        if not into:
+            continue
+        nics = {topo.layout.gpu_nic[topo.local_rank_of(ranks[i])] for i in np.nonzero(members & entry)[0].tolist()}
+        if not nics:
+            return float("inf")                             # the graph never reaches this node's readers
+        t = max(t, into * kv_bytes_per_token / sum(topo.layout.nics[k].bandwidth for k in nics))
+    return t
     edges = cg.edge_array()
     pos = np.full(max(ranks) + 1, -1, dtype=np.int64)
     pos[list(ranks)] = np.arange(cp)

@@ -15,9 +15,11 @@ needs over the NICs the graph enters it through). Candidates are compiled and ti
 increasing floor; one whose floor is above the best communication so far (``comm``), or above
 the best total so far by more than :func:`~megatron_fcp.cost.model.pick_best`'s 0.1% tie
 (``total``), cannot be chosen and is neither compiled nor timed (a 1,024-rank ``leader`` plan
-funnels each node through one NIC). This applies above :data:`PRUNE_AUTO_MIN_CP` ranks, where
-``plan.auto`` lists the candidates timed; smaller groups and packed batches (ties broken by
-inter-node bytes) time every candidate.
+funnels each node through one NIC). A packed batch's floors are over its placement, and the
+bar is the best so far and its :data:`PACKED_TIE`: a candidate above it cannot enter the tie that
+:func:`_least_crossing` breaks by inter-node bytes (a 256-rank packed ``ring`` relays every block
+through one rank per node). This applies above :data:`PRUNE_AUTO_MIN_CP` ranks, where
+``plan.auto`` lists the candidates timed; smaller groups time every candidate.
 """
 
 from __future__ import annotations
@@ -99,11 +101,11 @@ def build_plan(
     names = [n for n in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES)
              if len(ranks) > 1 or n == "ring"]
     graphs = {name: get_builder(name).build(topo, ranks) for name in names}
-    prune = placement is None and len(ranks) > PRUNE_AUTO_MIN_CP
-    floors = {name: _floor(graphs[name], topo, shape, mask) if prune else 0.0 for name in names}
+    prune = len(ranks) > PRUNE_AUTO_MIN_CP
+    floors = {name: _floor(graphs[name], topo, shape, mask, placement) if prune else 0.0 for name in names}
     priced = {}
     for name in sorted(names, key=lambda n: (floors[n], names.index(n))):  # Note [Pruning auto]
-        if prune and priced and floors[name] > _bar(priced.values(), objective):
+        if prune and priced and floors[name] > _bar(priced.values(), objective, placement is not None):
             continue
         plan = compile_plan(graphs.pop(name), causal, parts_per_chunk, placement=placement, **win)
         priced[name] = (simulate_plan(plan, topo, shape, compute=objective == "total"), plan)
@@ -119,21 +121,28 @@ PRUNE_AUTO_MIN_CP = 64
 it every candidate is timed and recorded in ``plan.auto`` (cheap, and what the CLI compares)."""
 
 
-def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask") -> float:
-    """A floor on the predicted time (comm or total) of any plan compiled from ``cg`` (Note
-    [Pruning auto]); 0 when the graph's owners carry relative KV sizes."""
+def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask", placement=None) -> float:
+    """A floor on the predicted time (comm or total) of any plan compiled from ``cg`` over
+    ``placement`` (None: the zigzag split of ``shape.seq_len``) (Note [Pruning auto]); 0 when the
+    graph's owners carry relative KV sizes."""
     if cg.meta.get("kv_sizes"):
         return 0.0
+    if placement is not None:
+        return graph_kv_floor(cg, topo, 0, causal, shape.kv_bytes(1), placement) * (1 - 1e-9)
     padded, _ = pad_for_zigzag(shape, len(cg.ranks))
     return graph_kv_floor(cg, topo, padded.seq_len, causal, padded.kv_bytes(1)) * (1 - 1e-9)
 
 
-def _bar(priced, objective: str) -> float:
-    """Above this floor a candidate cannot be :func:`~megatron_fcp.cost.model.pick_best`'s
-    choice: the least communication so far, or the least total so far and its 0.1% tie."""
-    if objective == "comm":
-        return min(r.comm_s for r, _ in priced)
-    return min(r.total_s for r, _ in priced) * (1 + 1e-3)
+def _bar(priced, objective: str, packed: bool = False) -> float:
+    """Above this floor a candidate cannot be the choice: for a zigzag plan
+    (:func:`~megatron_fcp.cost.model.pick_best`) the least communication so far, or the least
+    total so far and its 0.1% tie; for a packed batch (:func:`_least_crossing`) the least of the
+    metric so far and its :data:`PACKED_TIE`."""
+    metric = "comm_s" if objective == "comm" else "total_s"
+    least = min(getattr(r, metric) for r, _ in priced)
+    if packed:
+        return least * (1 + PACKED_TIE)
+    return least if objective == "comm" else least * (1 + 1e-3)
 
 
 def _least_crossing(candidates, objective: str):
