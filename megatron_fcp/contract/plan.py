@@ -156,9 +156,12 @@ class Plan:
         return Mask(self.causal, *self.window)
 
     def cp_index(self, rank: int) -> int:
+        pos = self.__dict__.get("_cp_index")   # global rank -> CP index, once per plan object
+        if pos is None:
+            pos = self.__dict__["_cp_index"] = {r: i for i, r in enumerate(self.ranks)}
         try:
-            return self.ranks.index(rank)
-        except ValueError:
+            return pos[rank]
+        except (KeyError, TypeError):
             raise PlanError(f"rank {rank} is not in the plan's CP group {list(self.ranks)}") from None
 
     def local_blocks(self, rank: int) -> tuple[Block, ...]:
@@ -243,6 +246,7 @@ class Plan:
         state = dict(self.__dict__)
         state.pop("_rank_rounds", None)  # caches: rebuilt on use
         state.pop("_needs", None)
+        state.pop("_cp_index", None)
         return state
 
     def received_blocks(self, rank: int) -> tuple[Block, ...]:

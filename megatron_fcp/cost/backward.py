@@ -121,7 +121,7 @@ def simulate_plan_backward(
     pos = {r: i for i, r in enumerate(plan.ranks)}
     if pl is None:
         shape, _ = pad_for_zigzag(shape, cp)
-    block_tokens = lambda blk: plan.block_tokens(blk, shape.seq_len)  # noqa: E731
+    block_tokens = _block_tokens(plan, shape.seq_len)
     grad_dtype_bytes = grad_dtype_bytes or shape.dtype_bytes                  # partials travel in the input dtype
     per_token = shape.kv_token_elems * grad_dtype_bytes
     nbytes = lambda t: block_tokens(t.block) * per_token  # noqa: E731
