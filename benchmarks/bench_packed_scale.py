@@ -34,6 +34,7 @@ from megatron_fcp.cost.backward import simulate_backward_waves  # noqa: E402
 from megatron_fcp.cost.model import AttentionShape  # noqa: E402
 from megatron_fcp.planner.build import build_plan  # noqa: E402
 from megatron_fcp.planner.compare import compare_packed  # noqa: E402
+from megatron_fcp.planner.head_parallel import choose_packed_head_parallel  # noqa: E402
 from megatron_fcp.schedule.program import compile_backward  # noqa: E402
 
 MEDIANS = (2048, 8192, 32768)
@@ -93,7 +94,8 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
 
 def planning_speed(repeats: int = 3) -> list[dict]:
     """Per-batch planning as the runtime does it: place_packed, build_plan (graph auto, the default;
-    and entry alone), the backward program (compile_backward); best of ``repeats``."""
+    and entry alone), the backward program (compile_backward); and, a row of its own, the degree
+    choice that ``--fcp-head-parallel auto`` makes before them; best of ``repeats``."""
     rows = []
     shape = AttentionShape(1, heads=64, kv_heads=8, head_dim=128, dtype_bytes=2)
     for cp, docs, bound in ((64, 512, 0.1), (256, 512, 0.5), (256, 2048, 0.5)):
@@ -118,6 +120,18 @@ def planning_speed(repeats: int = 3) -> list[dict]:
                          "place_s": best[1], "plan_s": best[2], "backward_program_s": best[3]})
             print(f"speed cp={cp} docs={docs} {graph}->{plan.name}: {best[0]:.3f} s (place {best[1]:.3f}, plan "
                   f"{best[2]:.3f}, program {best[3]:.3f}); target {bound}", flush=True)
+        # --fcp-head-parallel auto (the default) also chooses each packed batch's degree first
+        # (Note [Head-parallel degree of a packed batch]): every degree's plan built and priced
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            degree, priced = choose_packed_head_parallel(topo, range(cp), lengths, shape, graph="auto")
+            times.append(time.perf_counter() - t0)
+        rows.append({"cp": cp, "documents": docs, "tokens": sum(lengths), "graph": "auto", "step": "degree choice",
+                     "chosen_degree": degree, "degrees": sorted(priced), "best_s": min(times),
+                     "median_s": statistics.median(times), "target_s": bound})
+        print(f"speed cp={cp} docs={docs} degree choice -> a={degree} of {sorted(priced)}: {min(times):.3f} s",
+              flush=True)
     return rows
 
 

@@ -18,8 +18,9 @@ the best total so far by more than :func:`~megatron_fcp.cost.model.pick_best`'s 
 funnels each node through one NIC). A packed batch's floors are over its placement, and the
 bar is the best so far and its :data:`PACKED_TIE`: a candidate above it cannot enter the tie that
 :func:`_least_crossing` breaks by inter-node bytes (a 256-rank packed ``ring`` relays every block
-through one rank per node). This applies above :data:`PRUNE_AUTO_MIN_CP` ranks, where
-``plan.auto`` lists the candidates timed; smaller groups time every candidate.
+through one rank per node). This applies above :data:`PRUNE_AUTO_MIN_CP` ranks (a packed batch,
+planned per batch: :data:`PRUNE_PACKED_AUTO_MIN_CP`), where ``plan.auto`` lists the candidates
+timed; smaller groups time every candidate.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def build_plan(
     names = [n for n in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES)
              if len(ranks) > 1 or n == "ring"]
     graphs = {name: get_builder(name).build(topo, ranks) for name in names}
-    prune = len(ranks) > PRUNE_AUTO_MIN_CP
+    prune = len(ranks) > (PRUNE_AUTO_MIN_CP if placement is None else PRUNE_PACKED_AUTO_MIN_CP)
     floors = {name: _floor(graphs[name], topo, shape, mask, placement) if prune else 0.0 for name in names}
     priced = {}
     for name in sorted(names, key=lambda n: (floors[n], names.index(n))):  # Note [Pruning auto]
@@ -119,6 +120,10 @@ def build_plan(
 PRUNE_AUTO_MIN_CP = 64
 """Above this many ranks ``auto`` leaves out builders a floor rules out (Note [Pruning auto]); up to
 it every candidate is timed and recorded in ``plan.auto`` (cheap, and what the CLI compares)."""
+
+
+PRUNE_PACKED_AUTO_MIN_CP = 16
+"""The same for a packed batch, whose plan is built per batch (Note [Pruning auto])."""
 
 
 def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask", placement=None) -> float:

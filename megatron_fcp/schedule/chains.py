@@ -377,8 +377,11 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
         return first_received(plan, block_bytes, cache_key=cache_key)
     waves = plan_waves(plan, block_bytes, cache_key=cache_key)
     out: dict[int, list[Block]] = {}
+    seen: set[tuple[Block, int]] = set()
     for _, t in (waves[0].transfers if waves else ()):
-        if (t.block, t.dst) in waves[0].computes and t.block not in out.get(t.dst, ()):
+        k = (t.block, t.dst)
+        if k in waves[0].computes and k not in seen:
+            seen.add(k)
             out.setdefault(t.dst, []).append(t.block)
     return {r: tuple(b) for r, b in out.items()}
 
