@@ -320,3 +320,20 @@ def test_few_documents_per_rank_still_balance():
     lengths = lognormal_lengths(10.4, 1.0, 1 << 20, seed=0)
     work = place_packed(lengths, 256).work()
     assert work.max() / work.mean() <= BALANCE_TARGET
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (700, 0)), (False, (300, 200))])
+def test_pairs_of_counts_what_pairs_counts(causal, window):
+    """Placement.pairs_of (the cost model's vectorised count) equals pairs for every (reader, block)."""
+    import dataclasses
+    import math
+
+    from megatron_fcp.contract.placement import lognormal_lengths
+
+    pl = place_packed(lognormal_lengths(math.log(2048), 1.0, 64 * 1024, 1), 16, block_tokens=1024, causal=causal)
+    if window is not None:
+        pl = dataclasses.replace(pl, window=window)
+    J, I, B = zip(*[(j, i, b) for j in range(16) for i, b, _ in pl.block_list()])
+    got = pl.pairs_of(J, I, B)
+    assert got.dtype == np.int64 and got.tolist() == [pl.pairs(j, i, b) for j, i, b in zip(J, I, B)]
+    assert got.sum() > 0 and pl.pairs_of([], [], []).tolist() == []

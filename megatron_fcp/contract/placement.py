@@ -312,6 +312,31 @@ class Placement:
             self._cache[key] = sum(span_pairs(q, k, self.mask) for q in mine.get(k.doc, ()))
         return self._cache[key]
 
+    def pairs_of(self, j, i, b) -> np.ndarray:
+        """:meth:`pairs` of many ``(j, i, b)`` at once (int64 ``[n]``, exact): every query span of CP
+        rank ``j`` in the key block's document against it, counted in one vectorised
+        :meth:`~megatron_fcp.contract.mask.Mask.pairs` call."""
+        j, i, b = (np.asarray(x, dtype=np.int64).ravel().tolist() for x in (j, i, b))
+        spans = self._cache.get("spans by rank")
+        if spans is None:   # per CP rank: document -> its query spans there
+            spans = self._cache["spans by rank"] = [{} for _ in self.blocks]
+            for r, rank_blocks in enumerate(self.blocks):
+                for q in rank_blocks:
+                    spans[r].setdefault(q.doc, []).append(q)
+        req, q0, q1, k0, k1 = [], [], [], [], []
+        for n, (jj, ii, bb) in enumerate(zip(j, i, b)):
+            k = self.blocks[ii][bb]
+            for q in spans[jj].get(k.doc, ()):
+                req.append(n)
+                q0.append(q.start)
+                q1.append(q.end)
+                k0.append(k.start)
+                k1.append(k.end)
+        out = np.zeros(len(j), dtype=np.int64)
+        if req:
+            np.add.at(out, np.asarray(req, dtype=np.int64), self.mask.pairs(q0, q1, k0, k1))
+        return out
+
     def work(self) -> np.ndarray:
         """Attention work (query-key pairs under the mask) of each CP rank's queries (int64 ``[cp]``)."""
         out = np.zeros(self.cp, dtype=np.int64)

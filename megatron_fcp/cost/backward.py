@@ -155,6 +155,8 @@ def simulate_plan_backward(
         elif pl is None:  # zigzag: every block's pairs in one vectorised call
             p = block_pairs(cp, shape.seq_len, P_, jj, oo, np.array([g[2].chunk for g in got]),
                              np.array([g[2].part for g in got]), plan.mask).astype(np.float64)
+        elif cm.kernel is None:  # placement, the FLOP model: every block's pairs in one vectorised call
+            p = pl.pairs_of(jj, oo, np.array([g[2].chunk for g in got])).astype(np.float64)
         else:
             p = np.array([rank_block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
         np.add.at(C, (rr + 1, jj), p * flop_s)

@@ -746,15 +746,16 @@ def simulate_plan(
         if pl is None:
             pairs = block_pairs(cp, shape.seq_len, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
         else:
-            pairs = np.array([pl.pairs(j, i, b) for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())],
-                             dtype=np.float64)
+            pairs = pl.pairs_of(q_i, owner_i, chunk).astype(np.float64)
         recv_t = pairs * head_dim_flops
         if pl is None:
             own_pairs = block_pairs(cp, shape.seq_len, P, own_q, own_q, own_c, own_p, plan.mask) * w_owner[own_q]
             local = np.bincount(own_q, weights=own_pairs * head_dim_flops, minlength=cp)
         else:
-            local = np.array([sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) for j in range(cp)],
-                             dtype=np.float64) * head_dim_flops
+            own = np.repeat(np.arange(cp), [len(x) for x in pl.blocks])          # every rank's own blocks
+            own_b = np.concatenate([np.arange(len(x)) for x in pl.blocks]) if cp else own
+            local = np.bincount(own, weights=pl.pairs_of(own, own, own_b).astype(np.float64),
+                                minlength=cp) * head_dim_flops
     if len(rnd):
         group = (q_i * cp + owner_i) * max(n_rounds, 1) + rnd
         _, first = np.unique(group, return_index=True)
