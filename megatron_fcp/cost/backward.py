@@ -164,10 +164,18 @@ def simulate_plan_backward(
         if live.any():  # one launch per (round, rank, owner) with work
             _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
             np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), launch_s)
-    for j, rank in enumerate(plan.ranks):
-        own = sum(rank_block_pairs(j, blk) for blk in plan.local_blocks(rank)
-                  if computes is None or (blk, rank) in computes)
-        C[0, j] = own * flop_s + launch_s if own else 0.0
+    if pl is not None and cm.kernel is None:  # placement, the FLOP model: every own block's pairs at once
+        mine = [(j, blk.chunk) for j, rank in enumerate(plan.ranks) for blk in plan.local_blocks(rank)
+                if computes is None or (blk, rank) in computes]
+        js = np.array([m[0] for m in mine], dtype=np.int64)
+        own_pairs = np.bincount(js, weights=pl.pairs_of(js, js, [m[1] for m in mine]).astype(np.float64),
+                                minlength=cp)
+        C[0] = np.where(own_pairs > 0, own_pairs * flop_s + launch_s, 0.0)
+    else:
+        for j, rank in enumerate(plan.ranks):
+            own = sum(rank_block_pairs(j, blk) for blk in plan.local_blocks(rank)
+                      if computes is None or (blk, rank) in computes)
+            C[0, j] = own * flop_s + launch_s if own else 0.0
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
     if backward_kv == "resend":
