@@ -65,7 +65,8 @@ from megatron_fcp.cost.model import (
     simulate_rounds,
     zigzag_block_work,
 )
-from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline, wave_timeline_floor
+from megatron_fcp.cost.timeline import chain_launches, chain_step_compute, chain_timeline, wave_timeline, wave_timeline_floor
+from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
 from megatron_fcp.schedule.waves import restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
@@ -140,8 +141,9 @@ def simulate_plan_backward(
         return int(block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.mask))
 
     # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks.
-    # Kernel launches as in the forward (Note [Cost model]): blocks of one owner reaching a rank in one
-    # round share one launch, and a rank's own blocks are one launch.
+    # Kernel launches as in the forward (Note [One launch per owner and stage] in
+    # megatron_fcp.schedule.launches): blocks of one owner reaching a rank in one round share one
+    # launch, and a rank's own blocks are one launch.
     C = np.zeros((R + 1, cp))
     needs = {r: plan.needs(r) for r in plan.ranks} if computes is None else {}  # once per rank
     got = [(r, pos[t.dst], t.block) for r, rnd in enumerate(plan.rounds) for t in rnd
@@ -158,14 +160,16 @@ def simulate_plan_backward(
         else:
             p = np.array([rank_block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
         np.add.at(C, (rr + 1, jj), p * flop_s)
-        live = p > 0
-        if live.any():  # one launch per (round, rank, owner) with work
-            _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
-            np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), launch_s)
+        first = launch_starts(rr, jj, oo, p > 0)  # one launch per (round, rank, owner) with work
+        np.add.at(C, (rr[first] + 1, jj[first]), launch_s)
+    launches = np.zeros(cp, dtype=np.int64)
+    if got:
+        np.add.at(launches, jj[first], 1)
     for j, rank in enumerate(plan.ranks):
         own = sum(rank_block_pairs(j, blk) for blk in plan.local_blocks(rank)
                   if computes is None or (blk, rank) in computes)
         C[0, j] = own * flop_s + launch_s if own else 0.0
+        launches[j] += bool(own)
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
     if backward_kv == "resend":
@@ -221,7 +225,7 @@ def simulate_plan_backward(
             else sum(block_tokens(b) for b in needs[r]) * kv_bytes for r in plan.ranks]
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
                     backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held,
-                    jobs_end_s=float(jobs_end.max()) if cp else 0.0)
+                    jobs_end_s=float(jobs_end.max()) if cp else 0.0, launches=launches.tolist())
     return res
 
 
@@ -276,8 +280,10 @@ def simulate_backward_waves(
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
                               work, round_overhead_s, plan, launch_s,
                               saved)
+        calls = chain_launches(steps, work)
         return {**out, "first_kept": first, "first_kept_ranks": len(keepers),
-                "held_between_passes_bytes_max": max(saved.values(), default=0)}
+                "held_between_passes_bytes_max": max(saved.values(), default=0),
+                "launches": [calls.get(x, 0) for x in plan.ranks]}
     waves = program.waves
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     resend = backward_kv == "resend"
@@ -318,7 +324,9 @@ def simulate_backward_waves(
     return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp,
             "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
             "first_kept_ranks": len(keepers), "jobs_end_s": max(timeline["jobs_end_s"], default=0.0),
-            "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0)}
+            "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0),
+            "launches": [sum(1 for w in waves for b, y in w.computes if y == x and work(x, b) > 0)
+                         for x in plan.ranks]}                   # one call per job with work
 
 
 def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: str, kv_memory_budget: int,

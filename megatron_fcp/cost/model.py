@@ -38,10 +38,16 @@ least ``min(1, partial_cost) * tile_s`` for at most ``q_tile * k_tile`` pairs).
 *Overlap*: a rank computes its own blocks from t=0 (one kernel), then each received block in plan
 order, starting no earlier than its arrival: ``end = max(end, arrival) + compute(block)``. A
 message of round k arrives at ``start(k) + latency + max over its route of busy(R, k)`` (so a
-block on an idle NVLink lands before the round's NIC bottleneck drains). Blocks of one owner
-reaching a rank in the same round share one kernel launch (``kernel_overhead_s``), as TE computes
-one step's KV pair in one call. The overlapped total is the latest rank's end (never less than
-the communication time).
+block on an idle NVLink lands before the round's NIC bottleneck drains).
+
+*Launches*: one kernel launch (``kernel_overhead_s``, or the calibration's ``launch_s``) per
+call the executor makes, and the calls come from one rule,
+:func:`~megatron_fcp.schedule.launches.launch_ids` (Note [One launch per owner and stage] in
+:mod:`megatron_fcp.schedule.launches`): a rank's own blocks are one call, the blocks of one owner
+reaching it in one round another (as TE computes one step's KV pair in one call), and a group
+without work (a block only relayed, or outside every query's window) makes none. The backward
+models count the same way (one pass, chains; a backward in waves calls once per job). The
+overlapped total is the latest rank's end (never less than the communication time).
 
 Baselines (Transformer Engine's schedules) and the lower bound are in
 :mod:`megatron_fcp.cost.te`; :mod:`megatron_fcp.planner.compare` sets them side by side.
@@ -64,6 +70,7 @@ from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
+from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -755,11 +762,12 @@ def simulate_plan(
         else:
             local = np.array([sum(pl.pairs(j, j, b) for b in range(len(pl.blocks[j]))) for j in range(cp)],
                              dtype=np.float64) * head_dim_flops
-    if len(rnd):
-        group = (q_i * cp + owner_i) * max(n_rounds, 1) + rnd
-        _, first = np.unique(group, return_index=True)
-        recv_t[first] += cm.launch_s()
-    local += cm.launch_s()
+    # one launch per (round, rank, owner) with work, and one for a rank's own blocks: the
+    # executor's calls (Note [One launch per owner and stage] in megatron_fcp.schedule.launches)
+    first = launch_starts(rnd, q_i, owner_i, recv_t > 0) if len(rnd) else np.zeros(0, np.int64)
+    recv_t[first] += cm.launch_s()
+    res.meta["launches"] = (np.bincount(q_i[first], minlength=cp) + (local > 0)).tolist()  # per CP rank
+    local += np.where(local > 0, cm.launch_s(), 0.0)
     busy = local + np.bincount(q_i, weights=recv_t, minlength=cp)
     order = np.lexsort((np.arange(len(q_i)), q_i))  # by rank, plan order within rank
     ends = local + compute_from_s

@@ -83,10 +83,12 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.schedule.chains import ChainStep
+from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology
 
-__all__ = ["wave_timeline", "wave_timeline_floor", "loop_jobs", "chain_timeline", "chain_step_compute"]
+__all__ = ["wave_timeline", "wave_timeline_floor", "loop_jobs", "chain_timeline", "chain_step_compute",
+           "chain_launches"]
 
 
 def loop_jobs(plan: Plan, waves: Sequence[Wave]) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
@@ -345,8 +347,8 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
     """Lock-step time of ``steps`` (Note [Streaming chain backward]): per step the longer of the
     busiest rank's jobs and the step's messages (KV when ``resend``, partials, homes) under
     contention. ``job_s``: a job's compute; ``launch_s``: one kernel launch per rank, owner and
-    step (the convention of the forward's and TE's models: one call per owner's blocks of a
-    round). Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
+    step with work (the executor's calls: Note [One launch per owner and stage] in
+    :mod:`megatron_fcp.schedule.launches`). Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
     messages alone, summed) and ``jobs_end_s`` (when the last step with jobs ends its compute: the
     busiest rank's last job)."""
     total = resend_s = jobs_end = 0.0
@@ -368,16 +370,37 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
 
 def chain_step_compute(steps: Sequence[ChainStep], job_s: Callable[[int, Block], float],
                        launch_s: float = 0.0) -> list[float]:
-    """Per step of ``steps``, the busiest rank's jobs: ``job_s`` each plus one launch per owner
-    (:func:`chain_timeline`'s compute; their sum is a floor on its total)."""
+    """Per step of ``steps``, the busiest rank's jobs: ``job_s`` each (work, launch not included)
+    plus one launch per call the executor makes, one per rank and owner among the step's jobs
+    with work (:func:`~megatron_fcp.schedule.launches.launch_ids`, Note [One launch per owner and
+    stage]); :func:`chain_timeline`'s compute, and their sum is a floor on its total."""
     out = []
-    for st in steps:
+    for s, st in enumerate(steps):
+        w, first = _step_calls(s, st, job_s)
         busy: dict[int, float] = {}
-        owners: set = set()
-        for b, x in st.computes:
-            busy[x] = busy.get(x, 0.0) + job_s(x, b) + (launch_s if (x, b.owner) not in owners else 0.0)
-            owners.add((x, b.owner))
+        for i, ((b, x), v) in enumerate(zip(st.computes, w)):
+            busy[x] = busy.get(x, 0.0) + v + (launch_s if i in first else 0.0)
         out.append(max(busy.values(), default=0.0))
+    return out
+
+
+def _step_calls(s: int, st: ChainStep, job_s: Callable[[int, Block], float]) -> tuple[list[float], set[int]]:
+    """Step ``s``'s jobs' work and the indices (into ``st.computes``) of the jobs that start a call."""
+    w = [job_s(x, b) for b, x in st.computes]
+    if not w:
+        return w, set()
+    first = launch_starts([s] * len(w), [x for _, x in st.computes], [b.owner for b, _ in st.computes],
+                          [v > 0 for v in w])
+    return w, set(first.tolist())
+
+
+def chain_launches(steps: Sequence[ChainStep], job_s: Callable[[int, Block], float]) -> dict[int, int]:
+    """Kernel calls per rank that :func:`chain_step_compute` prices (the executor's calls)."""
+    out: dict[int, int] = {}
+    for s, st in enumerate(steps):
+        for i in _step_calls(s, st, job_s)[1]:
+            x = st.computes[i][1]
+            out[x] = out.get(x, 0) + 1
     return out
 
 

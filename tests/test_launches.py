@@ -1,0 +1,139 @@
+"""The executor launches what the model prices (Note [One launch per owner and stage] in
+megatron_fcp.schedule.launches): a counting block kernel records each rank's kernel calls in
+forward and backward, and they must equal the cost model's launch counts
+(``simulate_plan(...).meta["launches"]``; the backward program's:
+``simulate_backward_waves(...)["launches"]``, and for waves :func:`rank_jobs`), for a matrix of
+plans; the same runs match the FP64 reference within the numerics tolerance (1e-12).
+
+The matrix runs in the in-process harness (bitwise the gloo path: tests/test_harness.py); one
+case runs on a gloo world of 4 processes through autograd.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+from megatron_fcp.attention.kernels import MathKernel, reference_attention
+from megatron_fcp.contract.placement import place_packed
+from megatron_fcp.contract.plan import full_plan, ring_plan
+from megatron_fcp.cost.backward import simulate_backward_waves
+from megatron_fcp.cost.floors import rank_jobs
+from megatron_fcp.cost.model import AttentionShape, simulate_plan
+from megatron_fcp.schedule.launches import OWN, forward_launches, group_blocks, launch_ids
+from megatron_fcp.testing.harness import harness_attention, per_document_reference
+
+import os
+
+from megatron_fcp.topology import load_topology
+
+TOPO_OBJ = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "configs",
+                                      "topology_2x2.yaml"))
+H, HK, D, B = 4, 2, 8, 2
+
+
+class CountingKernel(MathKernel):
+    """The math kernel, counting calls per (rank, pass); the rank comes from the harness thread
+    (set by the transport factory, which runs in the rank's own thread)."""
+
+    name = "math"
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+        self.tls = threading.local()
+        self.lock = threading.Lock()
+
+    def transport(self, rank, inner):
+        self.tls.rank = rank
+        return inner
+
+    def _count(self, what: str) -> None:
+        with self.lock:
+            self.calls[(self.tls.rank, what)] += 1
+
+    def forward(self, *a, **kw):
+        self._count("fwd")
+        return super().forward(*a, **kw)
+
+    def backward(self, *a, **kw):
+        self._count("bwd")
+        return super().backward(*a, **kw)
+
+
+def test_the_rule_groups_by_stage_and_owner():
+    from megatron_fcp.contract.blocks import Block
+    a0, a1, b0 = Block(1, 0, 0), Block(1, 0, 1), Block(2, 0, 0)
+    got = group_blocks([(OWN, Block(0, 0, 0)), (OWN, Block(0, 1, 0)), (0, a0), (0, b0), (0, a1), (1, Block(1, 1, 0))],
+                       rank=0, live=lambda b: b != Block(1, 1, 0))
+    assert got == [(OWN, (Block(0, 0, 0), Block(0, 1, 0))), (0, (a0, a1)), (0, (b0,))]
+    assert launch_ids([0, 0, 1], [0, 1, 0], [5, 5, 5]).tolist() == [0, 1, 2]
+    assert launch_ids([0, 0], [0, 0], [5, 5], [False, False]).tolist() == [-1, -1]
+
+
+def _plans():
+    from megatron_fcp.planner.build import build_plan
+    topo = TOPO_OBJ
+    r = range(4)
+    out = []
+    for causal in (True, False):
+        for parts in (1, 2, 4):
+            out.append((f"ring-{causal}-p{parts}", ring_plan(r, causal, parts), None, causal))
+            out.append((f"full-{causal}-p{parts}", full_plan(r, causal, parts), None, causal))
+        out.append((f"hier-{causal}-p2", build_plan(topo, r, "hierarchical", causal=causal, parts_per_chunk=2),
+                    None, causal))
+    pl = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8, causal=True)
+    out.append(("packed-full", full_plan(r, True, placement=pl), pl, True))
+    out.append(("packed-hier", build_plan(topo, r, "hierarchical", placement=pl), pl, True))
+    return out
+
+
+PLANS = _plans()
+
+
+def _run(plan, pl, causal, backward_kv="auto"):
+    g = torch.Generator().manual_seed(7)
+    if pl is None:
+        s = 2 * 4 * 8                                                    # 8 tokens per chunk: parts of 2..8
+        shapes = [(s, B, h, D) for h in (H, HK, HK, H)]
+    else:
+        shapes = [(pl.total_tokens, h, D) for h in (H, HK, HK, H)]
+    q, k, v, do = (torch.randn(*sh, generator=g, dtype=torch.float64) for sh in shapes)
+    kern = CountingKernel()
+    res = harness_attention(q, k, v, do, cp=4, plan=plan, causal=causal, kernel=kern, placement=pl,
+                            transport=kern.transport, backward_kv=backward_kv)
+    if pl is None:
+        ref = reference_attention(q, k, v, causal=causal, scale=D ** -0.5, dout=do)
+        shape = AttentionShape(q.shape[0], H, HK, D)
+    else:
+        ref = per_document_reference(q, k, v, do, pl.doc_lengths, causal, D ** -0.5)
+        shape = AttentionShape(pl.total_tokens, H, HK, D)
+    return res, ref, kern, shape
+
+
+@pytest.mark.parametrize("name,plan,pl,causal", PLANS, ids=[p[0] for p in PLANS])
+def test_calls_equal_the_models_launches_and_fp64_matches(name, plan, pl, causal):
+    res, ref, kern, shape = _run(plan, pl, causal)
+    for n in ("out", "lse", "dq", "dk", "dv"):
+        got = res.gathered(n)
+        assert float((got - ref[n]).abs().max()) < 1e-12, (name, n)
+    fwd = simulate_plan(plan, TOPO_OBJ, shape).meta["launches"]
+    assert [kern.calls[(r, "fwd")] for r in plan.ranks] == fwd, name
+    # the rule itself, and fewer calls than blocks wherever a group holds more than one
+    assert fwd == [len(forward_launches(plan, r)) for r in plan.ranks]
+    bwd = simulate_backward_waves(plan, TOPO_OBJ, shape)
+    assert [kern.calls[(r, "bwd")] for r in plan.ranks] == bwd["launches"], (name, bwd["backward"])
+    prog = res.ranks[0].program
+    if prog.steps is None:                                               # waves: one call per job
+        seq = None if pl is not None else shape.seq_len
+        assert bwd["launches"] == rank_jobs(plan, seq).astype(int).tolist()
+
+
+def test_grouping_saves_calls_on_a_ring_with_sub_blocks():
+    plan = ring_plan(range(4), True, 4)
+    res, _, kern, _ = _run(plan, None, True)
+    blocks = [len(plan.needs(r)) + len(plan.local_blocks(r)) for r in plan.ranks]
+    calls = [kern.calls[(r, "fwd")] for r in plan.ranks]
+    assert calls == [4, 4, 4, 4] and all(b > c for b, c in zip(blocks, calls))   # own + one per owner
