@@ -137,3 +137,77 @@ def test_grouping_saves_calls_on_a_ring_with_sub_blocks():
     blocks = [len(plan.needs(r)) + len(plan.local_blocks(r)) for r in plan.ranks]
     calls = [kern.calls[(r, "fwd")] for r in plan.ranks]
     assert calls == [4, 4, 4, 4] and all(b > c for b, c in zip(blocks, calls))   # own + one per owner
+
+
+@pytest.mark.parametrize("kernel,dtype,tol", [("math", torch.float64, 1e-12), ("cpu-flash", torch.float32, 1e-5)])
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_one_call_on_joined_blocks_equals_the_blocks_merged(kernel, dtype, tol, window):
+    """A kernel call on blocks joined on the key axis (two runs of positions: a zigzag owner's two
+    chunks, and two sub-blocks of one of them) equals the blocks' calls merged (forward) and summed
+    (backward), for the math kernel and the fused CPU one (which cuts the keys at the jump)."""
+    from megatron_fcp.attention.dispatch import resolve_kernel
+    from megatron_fcp.attention.merge import LseAccumulator
+    from megatron_fcp.contract.mask import Mask
+
+    kern = resolve_kernel(kernel, dtype, torch.device("cpu"), head_dim=D, v_head_dim=D)
+    mask = Mask.of(True, window)
+    g = torch.Generator().manual_seed(3)
+    q_pos = torch.cat([torch.arange(8, 16), torch.arange(48, 56)])                 # a zigzag rank's two chunks
+    blocks = [torch.arange(0, 4), torch.arange(4, 8), torch.arange(56, 64)]        # sub-blocks, then another chunk
+    n, m = q_pos.numel(), sum(x.numel() for x in blocks)
+    q, dout = (torch.randn(n, B, H, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (torch.randn(m, B, HK, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    k_pos = torch.cat(blocks)
+    scale = D ** -0.5
+    acc = LseAccumulator.empty(n, B, H, D, torch.float64 if dtype == torch.float64 else torch.float32)
+    a = 0
+    cuts = []
+    for x in blocks:
+        z = a + x.numel()
+        cuts.append((a, z))
+        acc.add(*kern.forward(q, k[a:z], v[a:z], q_pos, x, mask, scale, **kern.prepare_forward(q, HK, scale)))
+        a = z
+    out_ref, lse_ref = acc.result()
+    out, lse = kern.forward(q, k, v, q_pos, k_pos, mask, scale, **kern.prepare_forward(q, HK, scale))
+    assert float((out - out_ref).abs().max()) < tol
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))                # rows that see nothing
+    seen = ~torch.isneginf(lse_ref)
+    assert float((lse[seen] - lse_ref[seen]).abs().max()) < tol
+    prep = kern.prepare_backward(q, dout, out_ref, HK)
+    dq, dk, dv = kern.backward(dout, q, k, v, out_ref, lse_ref, q_pos, k_pos, mask, scale, **prep)
+    dq_ref = torch.zeros_like(dq)
+    for (a, z), x in zip(cuts, blocks):
+        g_ = kern.backward(dout, q, k[a:z], v[a:z], out_ref, lse_ref, q_pos, x, mask, scale, **prep)
+        dq_ref += g_[0]
+        assert float((dk[a:z] - g_[1]).abs().max()) < tol and float((dv[a:z] - g_[2]).abs().max()) < tol
+    assert float((dq - dq_ref).abs().max()) < tol
+
+
+@pytest.mark.dist
+def test_on_gloo_calls_equal_the_models_launches_with_a_head_parallel_stage():
+    """A real 4-process gloo world through autograd: a ring with sub-blocks, and a head-parallel
+    stage (degree 2) whose KV stage is a full plan over the group placement; each rank's calls
+    equal the model's launches of its plan (the stage: the plan of its head shard), FP64 exact."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import _launch_cases as lc
+
+    from megatron_fcp.testing.launch import run_gloo
+
+    ranks = (0, 1, 2, 3)
+    per_rank = run_gloo(lc.worker, 4, timeout_s=300)
+    ring = lc.ring_plan_p2(ranks)
+    hp = lc.hp_plan(ranks)
+    for name in ("ring-p2", "head-parallel"):
+        for r, res in enumerate(per_rank):
+            assert max(res[name]["err"].values()) < 1e-12, (name, r, res[name]["err"])
+            if name == "ring-p2":
+                plan, shape = ring, AttentionShape(lc.SEQ, lc.H, lc.HK, lc.D)
+            else:
+                plan = hp.kv_plan_for(hp.position(r)[1])
+                shape = AttentionShape(plan.placement.total_tokens, lc.H // 2, lc.HK, lc.D)
+            i = plan.ranks.index(r)
+            assert res[name]["fwd"] == simulate_plan(plan, TOPO_OBJ, shape).meta["launches"][i], (name, r)
+            assert res[name]["bwd"] == simulate_backward_waves(plan, TOPO_OBJ, shape)["launches"][i], (name, r)
+    assert [res["ring-p2"]["fwd"] for res in per_rank] == [4, 4, 4, 4]      # per block: 4 + 3 * 4 = 16

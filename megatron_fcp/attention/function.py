@@ -34,9 +34,16 @@ when K and V have different head sizes, MLA: Note [KV block tensors] in
         post(round k+1)                      # may forward blocks received in round k
         compute needed blocks of round k     # overlaps round k+1
 
-Blocks are merged in *plan order* (local blocks, then each round's receives in plan order), never
-in arrival order, so a fixed plan gives bitwise identical results run after run; different plans
-agree within rounding (the merge is order independent up to rounding).
+Kernel calls follow one rule, the one the cost model prices (Note [One launch per owner and stage]
+in :mod:`megatron_fcp.schedule.launches`; :meth:`_Executor.forward_calls`): the local blocks are
+one call, and a round's blocks of one owner another -- their K and V joined on the key axis in
+plan order, each with its own positions (and document ids), the query rows the union of theirs
+(:meth:`_Executor._call_args`); a block no query sees joins no call. Every kernel is exact on
+such keys: ``math`` masks from positions, the fused kernels cut keys at jumps in position
+(item 5 of :mod:`megatron_fcp.attention.fused`). Calls are merged in *plan order* (local blocks,
+then each round's calls in the order of their first block), never in arrival order, so a fixed
+plan gives bitwise identical results run after run; different plans agree within rounding (the
+merge is order independent up to rounding).
 
 Note [Backward pipeline]
 ------------------------
@@ -50,7 +57,10 @@ to the rank it got the block from. A relay first adds its own contribution and w
 children returned (children receive the block in later forward rounds, i.e. return it in earlier
 backward rounds), so every link carries one tensor per block. A rank that neither needs the block
 nor has children returns zeros (the plan lists the transfer; a ring does exactly this). The owner
-adds all returns into its local dK/dV::
+adds all returns into its local dK/dV. Kernel calls: a backward in waves computes one block per job
+(a job is one call, as its model prices); a chain backward one call per step and owner, like the
+forward (Note [One launch per owner and stage]); the call's dK/dV is cut back into the blocks'
+partials::
 
     waves: the plan's deliveries, split (Note [Backward waves] in backward_waves)
     for w = 0 .. W:  reverse rounds of wave w-1 (last to first), resend: wave w+1's re-send

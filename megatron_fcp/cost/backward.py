@@ -60,6 +60,7 @@ from megatron_fcp.cost.model import (
     ComputeModel,
     SimResult,
     _ResourceIndex,
+    grouped_call_scale,
     pad_for_zigzag,
     simulate_plan,
     simulate_rounds,
@@ -159,6 +160,7 @@ def simulate_plan_backward(
                              np.array([g[2].part for g in got]), plan.mask).astype(np.float64)
         else:
             p = np.array([rank_block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
+        p = p * grouped_call_scale(cm, shape, plan, rr, jj, [g[2] for g in got], p * flop_s, backward_flop_ratio)
         np.add.at(C, (rr + 1, jj), p * flop_s)
         first = launch_starts(rr, jj, oo, p > 0)  # one launch per (round, rank, owner) with work
         np.add.at(C, (rr[first] + 1, jj[first]), launch_s)
@@ -166,8 +168,10 @@ def simulate_plan_backward(
     if got:
         np.add.at(launches, jj[first], 1)
     for j, rank in enumerate(plan.ranks):
-        own = sum(rank_block_pairs(j, blk) for blk in plan.local_blocks(rank)
-                  if computes is None or (blk, rank) in computes)
+        mine = [blk for blk in plan.local_blocks(rank) if computes is None or (blk, rank) in computes]
+        w = np.array([rank_block_pairs(j, blk) for blk in mine], dtype=np.float64)
+        own = float((w * grouped_call_scale(cm, shape, plan, np.full(len(mine), -1), np.full(len(mine), j), mine,
+                                            w * flop_s, backward_flop_ratio)).sum())  # one call (tiles: priced as one)
         C[0, j] = own * flop_s + launch_s if own else 0.0
         launches[j] += bool(own)
     # resend: the forward rounds run again before anything is computed
@@ -279,7 +283,7 @@ def simulate_backward_waves(
     if steps is not None:  # Note [Streaming chain backward]
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
                               work, round_overhead_s, plan, launch_s,
-                              saved)
+                              saved, _call_s(cm, plan, shape))
         calls = chain_launches(steps, work)
         return {**out, "first_kept": first, "first_kept_ranks": len(keepers),
                 "held_between_passes_bytes_max": max(saved.values(), default=0),
@@ -451,18 +455,35 @@ def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: Com
                                    kv_dtype_bytes, None)
     if program.steps is None:
         return None
-    return float(sum(chain_step_compute(program.steps, work, cm.launch_s(BACKWARD_FLOP_RATIO))))
+    return float(sum(chain_step_compute(program.steps, work, cm.launch_s(BACKWARD_FLOP_RATIO),
+                                        _call_s(cm, plan, shape))))
+
+
+def _call_s(cm: ComputeModel, plan: Plan, shape: AttentionShape):
+    """Tile pricing: ``call_s(rank, blocks)``, the backward work of one call on several blocks
+    (:func:`~megatron_fcp.cost.model.grouped_call_scale`); None under the FLOP model (additive)."""
+    if cm.kernel is None:
+        return None
+    zshape = _program_shape(plan, shape, None)[0]
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+
+    def call_s(x: int, blocks) -> float:
+        w = np.array([_tile_work(cm, plan, zshape, pos[x], b, BACKWARD_FLOP_RATIO) for b in blocks])
+        n = len(blocks)
+        return float((w * grouped_call_scale(cm, zshape, plan, np.zeros(n), np.full(n, pos[x]), list(blocks), w,
+                                             BACKWARD_FLOP_RATIO)).sum())
+    return call_s
 
 
 def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,
-                    plan: Plan, launch_s: float, saved: dict) -> dict:
+                    plan: Plan, launch_s: float, saved: dict, call_s=None) -> dict:
     """:func:`simulate_backward_waves`'s result for a chain plan (Note [Streaming chain backward]
     in :mod:`megatron_fcp.schedule.chains`): ``waves`` counts the steps; held KV under resend is
     what the forward saved (``saved``, per rank) and the most a rank receives in two consecutive
     steps (keep: its need set)."""
     resend = backward_kv == "resend"
     res = chain_timeline(steps, topo, kv_bytes=size, grad_bytes=grad_bytes, job_s=job_s, resend=resend,
-                         round_overhead_s=round_overhead_s, launch_s=launch_s)
+                         round_overhead_s=round_overhead_s, launch_s=launch_s, call_s=call_s)
     if resend:
         got = [{} for _ in steps]
         for g, st in zip(got, steps):

@@ -28,7 +28,12 @@ allows between the rank's zigzag query chunks and the block (exact integer count
 -- one call per increasing run of its reader's query rows (a zigzag rank's two chunks are two
 runs, a packed rank's spans of the block's document one each) against the block's keys -- priced
 from the (query tile, key tile) pairs they touch, and the launch cost is the calibration's
-``launch_s``. Every path that prices block compute (this forward, the backward timelines of
+``launch_s``. A call on several blocks (*Launches* below) is priced as that call, not as the sum
+of its blocks: its keys joined into increasing runs (a chunk's sub-blocks are one run, a zigzag
+owner's two chunks two), every (query run, key run) of one document priced as above
+(:func:`call_work_s`; its blocks' prices scaled to it, :func:`grouped_call_scale`), as the
+emulator's sleep kernel prices the call it gets. Under the FLOP model work adds up, so grouping
+changes no price. Every path that prices block compute (this forward, the backward timelines of
 :mod:`megatron_fcp.cost.backward`, the floors of :mod:`megatron_fcp.cost.floors`, TE's schedules in
 :mod:`megatron_fcp.cost.te`, the emulator's sleep kernel) goes through :meth:`ComputeModel.work_s` /
 :func:`zigzag_block_work` / :meth:`ComputeModel.launch_s`, so they agree; the floors use
@@ -64,13 +69,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from megatron_fcp.contract.blocks import part_span
+from megatron_fcp.contract.blocks import Block, part_span
 from megatron_fcp.contract.mask import FULL, Mask, as_mask
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
-from megatron_fcp.schedule.launches import launch_starts
+from megatron_fcp.schedule.launches import launch_ids, launch_starts
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -81,6 +86,9 @@ __all__ = [
     "KERNEL_CALIBRATIONS",
     "zigzag_block_work",
     "kernel_block_tokens",
+    "call_work_s",
+    "key_runs",
+    "grouped_call_scale",
     "SimResult",
     "kv_block_bytes",
     "parse_tokens",
@@ -387,6 +395,74 @@ def zigzag_block_work(cm: ComputeModel, shape: AttentionShape, cp: int, P: int, 
             vals.append(memo[key])
         out += np.asarray(vals, dtype=np.float64).reshape(q.shape)
     return out
+
+
+def key_runs(spans: "Sequence[tuple[int, int, int]]") -> list[tuple[int, int, int]]:
+    """A call's keys ``(doc, start, end)`` per block, in call order, as increasing runs: a block
+    that starts where the one before it ends, in the same document, extends it (the runs a kernel
+    and the emulator's sleep kernel see: ``call_runs``)."""
+    out: list[tuple[int, int, int]] = []
+    for doc, a, z in spans:
+        if out and out[-1][0] == doc and out[-1][2] == a:
+            out[-1] = (doc, out[-1][1], z)
+        else:
+            out.append((doc, a, z))
+    return out
+
+
+def call_work_s(cm: ComputeModel, shape: AttentionShape, q_runs, k_spans, mask: "bool | Mask",
+                flop_ratio: float = 1.0) -> float:
+    """Seconds of work (launch not included) of one kernel call on several blocks (Note [One launch
+    per owner and stage] in :mod:`megatron_fcp.schedule.launches`): ``q_runs`` the reader's query
+    runs and ``k_spans`` the blocks' keys, both ``(doc, start, end)`` (zigzag: doc 0, global
+    positions), the keys joined into runs (:func:`key_runs`); every (query run, key run) of one
+    document is priced as one block's call. For one block it is the block's price
+    (:func:`zigzag_block_work`, :meth:`ComputeModel.spans_work_s`)."""
+    return float(sum(cm.work_s(qz - qa, qa, kz - ka, ka, shape, mask, flop_ratio)
+                     for qd, qa, qz in q_runs for kd, ka, kz in key_runs(k_spans) if qd == kd))
+
+
+def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stage, reader, blocks, work,
+                       flop_ratio: float = 1.0) -> np.ndarray:
+    """Per entry (``stage``, ``reader`` CP index, ``blocks``; ``work`` each block's seconds), the
+    factor that makes a call's entries add up to the grouped call's tile price
+    (:func:`call_work_s`) instead of the sum of its blocks' (1 for a call of one block, and always
+    under the FLOP model, whose work is additive)."""
+    work = np.asarray(work, dtype=np.float64)
+    scale = np.ones(len(work))
+    if cm.kernel is None or not len(work):
+        return scale
+    reader = np.asarray(reader, dtype=np.int64)
+    owners = [b.owner for b in blocks]
+    ids = launch_ids(stage, reader, owners, work > 0)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(ids.tolist()):
+        if g >= 0:
+            members.setdefault(g, []).append(i)
+    cp, pl = plan.cp, plan.placement
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    L = None if pl is not None else shape.seq_len // (2 * cp)
+
+    def spans(b) -> tuple[int, int, int]:
+        if pl is not None:
+            sp = pl.blocks[pos[b.owner]][b.chunk]
+            return sp.doc, sp.start, sp.end
+        g = pos[b.owner] if b.chunk == 0 else 2 * cp - 1 - pos[b.owner]
+        a, z = part_span(L, plan.parts_per_chunk, b.part)
+        return 0, g * L + int(a), g * L + int(z)
+
+    for idx in members.values():
+        if len(idx) < 2:
+            continue
+        j = int(reader[idx[0]])
+        q_runs = ([(sp.doc, sp.start, sp.end) for sp in pl.blocks[j]] if pl is not None
+                  else [(0, j * L, (j + 1) * L), (0, (2 * cp - 1 - j) * L, (2 * cp - j) * L)])
+        mask = pl.mask if pl is not None else plan.mask
+        w = call_work_s(cm, shape, q_runs, [spans(blocks[i]) for i in idx], mask, flop_ratio)
+        total = float(work[idx].sum())
+        if total > 0:
+            scale[idx] = w / total
+    return scale
 
 
 FLOP_MODEL_BLOCK_TOKENS = 4096
@@ -739,15 +815,25 @@ def simulate_plan(
         own_p = np.tile(np.arange(P), 2 * cp)
     if cm.kernel is not None:  # Note [Cost model], compute by tiles: the calls' geometry
         if pl is None:
-            recv_t = zigzag_block_work(cm, shape, cp, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
-            local = np.bincount(own_q, weights=zigzag_block_work(cm, shape, cp, P, own_q, own_q, own_c, own_p,
-                                                                 plan.mask) * w_owner[own_q], minlength=cp)
+            recv_t = zigzag_block_work(cm, shape, cp, P, q_i, owner_i, chunk, part, plan.mask)
+            own_w = zigzag_block_work(cm, shape, cp, P, own_q, own_q, own_c, own_p, plan.mask)
+            own_blocks = [Block(plan.ranks[j], c, p) for j, c, p in zip(own_q.tolist(), own_c.tolist(), own_p.tolist())]
+            own_j = own_q
         else:
             pm = pl.mask
             recv_t = np.array([cm.spans_work_s(pl.blocks[j], pl.blocks[i][b], shape, pm)
                                for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())], dtype=np.float64)
-            local = np.array([sum(cm.spans_work_s(pl.blocks[j], k, shape, pm) for k in pl.blocks[j])
-                              for j in range(cp)], dtype=np.float64)
+            own_j = np.array([j for j in range(cp) for _ in pl.blocks[j]], dtype=np.int64)
+            own_blocks = [Block(plan.ranks[j], b, 0) for j in range(cp) for b in range(len(pl.blocks[j]))]
+            own_w = np.array([cm.spans_work_s(pl.blocks[j], pl.blocks[j][blk.chunk], shape, pm)
+                              for j, blk in zip(own_j.tolist(), own_blocks)], dtype=np.float64)
+        # a call on several blocks is priced as the call (Note [One launch per owner and stage])
+        recv_blocks = [Block(int(o), int(c), int(p)) for o, c, p in zip(owner.tolist(), chunk.tolist(), part.tolist())]
+        recv_t = recv_t * grouped_call_scale(cm, shape, plan, rnd, q_i, recv_blocks, recv_t)
+        own_w = own_w * grouped_call_scale(cm, shape, plan, np.full(len(own_j), -1), own_j, own_blocks, own_w)
+        if pl is None:                                     # a balanced plan's relative KV sizes
+            recv_t, own_w = recv_t * w_owner[owner_i], own_w * w_owner[own_q]
+        local = np.bincount(own_j, weights=own_w, minlength=cp).astype(np.float64)
     else:
         head_dim_flops = shape.pair_flops / cm.flops
         if pl is None:

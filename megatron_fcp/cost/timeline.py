@@ -83,7 +83,7 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.schedule.chains import ChainStep
-from megatron_fcp.schedule.launches import launch_starts
+from megatron_fcp.schedule.launches import launch_ids, launch_starts
 from megatron_fcp.schedule.waves import Wave, leading_own_jobs
 from megatron_fcp.topology import Topology
 
@@ -343,7 +343,8 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
 
 def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Callable[[Block], float],
                    grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
-                   round_overhead_s: float = 0.0, launch_s: float = 0.0) -> dict:
+                   round_overhead_s: float = 0.0, launch_s: float = 0.0,
+                   call_s: "Callable[[int, tuple[Block, ...]], float] | None" = None) -> dict:
     """Lock-step time of ``steps`` (Note [Streaming chain backward]): per step the longer of the
     busiest rank's jobs and the step's messages (KV when ``resend``, partials, homes) under
     contention. ``job_s``: a job's compute; ``launch_s``: one kernel launch per rank, owner and
@@ -354,7 +355,7 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
     total = resend_s = jobs_end = 0.0
     comps, comms = [], []
     idx = _ResourceIndex(topo)                 # routes looked up once for all steps
-    for st, c in zip(steps, chain_step_compute(steps, job_s, launch_s)):
+    for st, c in zip(steps, chain_step_compute(steps, job_s, launch_s, call_s)):
         msgs = [(t.src, t.dst, grad_bytes(t.block)) for t in st.grad + st.home]
         kvm = [(t.src, t.dst, kv_bytes(t.block)) for t in st.kv] if resend else []
         m = round_comm_s(idx, msgs + kvm, round_overhead_s)
@@ -369,17 +370,32 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
 
 
 def chain_step_compute(steps: Sequence[ChainStep], job_s: Callable[[int, Block], float],
-                       launch_s: float = 0.0) -> list[float]:
+                       launch_s: float = 0.0,
+                       call_s: "Callable[[int, tuple[Block, ...]], float] | None" = None) -> list[float]:
     """Per step of ``steps``, the busiest rank's jobs: ``job_s`` each (work, launch not included)
     plus one launch per call the executor makes, one per rank and owner among the step's jobs
     with work (:func:`~megatron_fcp.schedule.launches.launch_ids`, Note [One launch per owner and
-    stage]); :func:`chain_timeline`'s compute, and their sum is a floor on its total."""
+    stage]); ``call_s(rank, blocks)``: the work of one call on several blocks (tile pricing; None:
+    the sum of its jobs', the FLOP model's). :func:`chain_timeline`'s compute, and their sum is a
+    floor on its total."""
     out = []
     for s, st in enumerate(steps):
         w, first = _step_calls(s, st, job_s)
         busy: dict[int, float] = {}
-        for i, ((b, x), v) in enumerate(zip(st.computes, w)):
-            busy[x] = busy.get(x, 0.0) + v + (launch_s if i in first else 0.0)
+        if call_s is not None and len(first) < sum(1 for v in w if v > 0):   # a call on several blocks
+            ids = launch_ids([s] * len(w), [x for _, x in st.computes], [b.owner for b, _ in st.computes],
+                             [v > 0 for v in w]).tolist()
+            calls: dict[int, list[int]] = {}
+            for i, g in enumerate(ids):
+                if g >= 0:
+                    calls.setdefault(g, []).append(i)
+            for idx in calls.values():
+                x = st.computes[idx[0]][1]
+                v = w[idx[0]] if len(idx) == 1 else call_s(x, tuple(st.computes[i][0] for i in idx))
+                busy[x] = busy.get(x, 0.0) + v + launch_s
+        else:
+            for i, ((b, x), v) in enumerate(zip(st.computes, w)):
+                busy[x] = busy.get(x, 0.0) + v + (launch_s if i in first else 0.0)
         out.append(max(busy.values(), default=0.0))
     return out
 
