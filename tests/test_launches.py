@@ -84,6 +84,8 @@ def _plans():
             out.append((f"full-{causal}-p{parts}", full_plan(r, causal, parts), None, causal))
         out.append((f"hier-{causal}-p2", build_plan(topo, r, "hierarchical", causal=causal, parts_per_chunk=2),
                     None, causal))
+    out.append(("ring-window-p2", ring_plan(r, True, 2, window=(6, 0), seq_len=64), None, True))
+    out.append(("full-window-p4", full_plan(r, True, 4, window=(6, 0), seq_len=64), None, True))
     pl = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8, causal=True)
     out.append(("packed-full", full_plan(r, True, placement=pl), pl, True))
     out.append(("packed-hier", build_plan(topo, r, "hierarchical", placement=pl), pl, True))
@@ -93,20 +95,22 @@ def _plans():
 PLANS = _plans()
 
 
-def _run(plan, pl, causal, backward_kv="auto"):
+def _run(plan, pl, causal, backward_kv="auto", d_v=D):
     g = torch.Generator().manual_seed(7)
+    dims = (D, D, d_v, d_v)                                              # q, k, v, dout (MLA: d_v != d)
     if pl is None:
         s = 2 * 4 * 8                                                    # 8 tokens per chunk: parts of 2..8
-        shapes = [(s, B, h, D) for h in (H, HK, HK, H)]
+        shapes = [(s, B, h, dd) for h, dd in zip((H, HK, HK, H), dims)]
     else:
-        shapes = [(pl.total_tokens, h, D) for h in (H, HK, HK, H)]
+        shapes = [(pl.total_tokens, h, dd) for h, dd in zip((H, HK, HK, H), dims)]
     q, k, v, do = (torch.randn(*sh, generator=g, dtype=torch.float64) for sh in shapes)
+    window = plan.window if plan.mask.windowed else None
     kern = CountingKernel()
     res = harness_attention(q, k, v, do, cp=4, plan=plan, causal=causal, kernel=kern, placement=pl,
-                            transport=kern.transport, backward_kv=backward_kv)
+                            transport=kern.transport, backward_kv=backward_kv, window=window)
     if pl is None:
-        ref = reference_attention(q, k, v, causal=causal, scale=D ** -0.5, dout=do)
-        shape = AttentionShape(q.shape[0], H, HK, D)
+        ref = reference_attention(q, k, v, causal=causal, scale=D ** -0.5, dout=do, window=window)
+        shape = AttentionShape(q.shape[0], H, HK, D, v_head_dim=None if d_v == D else d_v)
     else:
         ref = per_document_reference(q, k, v, do, pl.doc_lengths, causal, D ** -0.5)
         shape = AttentionShape(pl.total_tokens, H, HK, D)
@@ -116,6 +120,17 @@ def _run(plan, pl, causal, backward_kv="auto"):
 @pytest.mark.parametrize("name,plan,pl,causal", PLANS, ids=[p[0] for p in PLANS])
 def test_calls_equal_the_models_launches_and_fp64_matches(name, plan, pl, causal):
     res, ref, kern, shape = _run(plan, pl, causal)
+    _check(name, plan, pl, res, ref, kern, shape)
+
+
+@pytest.mark.parametrize("backward_kv", ["keep", "resend"])
+def test_mla_and_both_backward_kv_modes(backward_kv):
+    plan = full_plan(range(4), True, 2)
+    res, ref, kern, shape = _run(plan, None, True, backward_kv=backward_kv, d_v=4)
+    _check("full-p2-mla", plan, None, res, ref, kern, shape, backward_kv)
+
+
+def _check(name, plan, pl, res, ref, kern, shape, backward_kv="auto"):
     for n in ("out", "lse", "dq", "dk", "dv"):
         got = res.gathered(n)
         assert float((got - ref[n]).abs().max()) < 1e-12, (name, n)
@@ -123,7 +138,7 @@ def test_calls_equal_the_models_launches_and_fp64_matches(name, plan, pl, causal
     assert [kern.calls[(r, "fwd")] for r in plan.ranks] == fwd, name
     # the rule itself, and fewer calls than blocks wherever a group holds more than one
     assert fwd == [len(forward_launches(plan, r)) for r in plan.ranks]
-    bwd = simulate_backward_waves(plan, TOPO_OBJ, shape)
+    bwd = simulate_backward_waves(plan, TOPO_OBJ, shape, backward_kv=backward_kv)
     assert [kern.calls[(r, "bwd")] for r in plan.ranks] == bwd["launches"], (name, bwd["backward"])
     prog = res.ranks[0].program
     if prog.steps is None:                                               # waves: one call per job

@@ -370,6 +370,16 @@ class _Executor:
             kw["k_doc"] = _cat([lay.k_doc(b) for b in blocks])
         return rows, _cat([lay.k_pos(b) for b in blocks]), kw
 
+    def _local_span(self, blocks: tuple[Block, ...]) -> slice | None:
+        """The local shard's token range of ``blocks`` when they are this rank's own and adjacent in
+        order (their K and V are then a view of the shard's), else None."""
+        if len(blocks) < 2 or blocks[0].owner != self.rank:
+            return None
+        sl = [self.layout.local_slice(b) for b in blocks]
+        if any(a.stop != b.start for a, b in zip(sl, sl[1:])):
+            return None
+        return slice(sl[0].start, sl[-1].stop)
+
     def sees(self, block: Block) -> bool:
         """Whether the block has a visible pair with this rank's query rows (Note [Windowed
         attention in the executor]); a block without one is never computed."""
@@ -478,7 +488,11 @@ class _Executor:
             nonlocal compute_s
             t0 = time.perf_counter()
             rows, k_pos, kw = self._call_args(blocks, preps, prepare)
-            kb, vb = _call_kv(kvs, q.shape[-1])                                  # [m, b, h_kv, d_qk | d_v]
+            span = self._local_span(blocks)
+            if span is not None:                                                 # own blocks, adjacent: views
+                kb, vb = k[span], v[span]
+            else:
+                kb, vb = _call_kv(kvs, q.shape[-1])                              # [m, b, h_kv, d_qk | d_v]
             if rows is None:
                 acc.add(*self.kernel.forward(q, kb, vb, lay.q_pos, k_pos, self.mask, self.scale, **kw))
             else:
@@ -557,7 +571,11 @@ class _Executor:
             t0 = time.perf_counter()
             call = tuple(blocks[i] for i in live)
             rows, k_pos, kw = self._call_args(call, preps, prepare)
-            kb, vb = _call_kv([kvs[i] for i in live], q.shape[-1])               # [m, b, h_kv, d_qk | d_v]
+            span = self._local_span(call)
+            if span is not None:                                                 # own blocks, adjacent: views
+                kb, vb = k[span], v[span]
+            else:
+                kb, vb = _call_kv([kvs[i] for i in live], q.shape[-1])           # [m, b, h_kv, d_qk | d_v]
             if rows is None:
                 dq_b, dk_b, dv_b = self.kernel.backward(
                     doc, q, kb, vb, out, lse, lay.q_pos, k_pos, self.mask, self.scale, **kw)
