@@ -226,3 +226,34 @@ def test_on_gloo_calls_equal_the_models_launches_with_a_head_parallel_stage():
             assert res[name]["fwd"] == simulate_plan(plan, TOPO_OBJ, shape).meta["launches"][i], (name, r)
             assert res[name]["bwd"] == simulate_backward_waves(plan, TOPO_OBJ, shape)["launches"][i], (name, r)
     assert [res["ring-p2"]["fwd"] for res in per_rank] == [4, 4, 4, 4]      # per block: 4 + 3 * 4 = 16
+
+
+@pytest.mark.parametrize("builder", ["ring", "full", "hierarchical"])
+@pytest.mark.parametrize("parts", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_calls_priced_by_tiles_stay_above_the_floors(builder, parts, causal):
+    """Under tile pricing a call on several blocks is priced as that call (call_work_s), with the
+    FLOP model's launches, and every floor still sits below the priced totals (forward, the one-pass
+    backward, the program's backward: chain or waves)."""
+    from megatron_fcp.cost.backward import chain_compute_floor, simulate_plan_backward, wave_backward_floor
+    from megatron_fcp.cost.floors import compute_floor
+    from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, ComputeModel
+    from megatron_fcp.planner.build import build_plan
+
+    topo = load_topology("dgx-h100:1")
+    r = range(8)
+    plan = {"ring": lambda: ring_plan(r, causal, parts), "full": lambda: full_plan(r, causal, parts),
+            "hierarchical": lambda: build_plan(topo, r, "hierarchical", causal=causal, parts_per_chunk=parts)}[builder]()
+    shape = AttentionShape(8 * 8192, 32, 8, 128)
+    tiled, flops = ComputeModel.tiled("h200-fa2"), ComputeModel()
+    fwd = simulate_plan(plan, topo, shape, compute_model=tiled)
+    assert fwd.meta["launches"] == simulate_plan(plan, topo, shape, compute_model=flops).meta["launches"]
+    assert compute_floor(None, 8, shape, plan.mask, tiled, 1.0, launches=True) <= fwd.compute_s * (1 + 1e-12)
+    one = simulate_plan_backward(plan, topo, shape, compute_model=tiled)
+    assert compute_floor(None, 8, shape, plan.mask, tiled, BACKWARD_FLOP_RATIO, launches=True) <= one.compute_s
+    bwd = simulate_backward_waves(plan, topo, shape, compute_model=tiled)
+    for floor in (chain_compute_floor(plan, shape, compute_model=tiled),
+                  wave_backward_floor(plan, topo, shape, compute_model=tiled)):
+        if floor is not None:
+            assert floor <= bwd["bwd_s"] * (1 + 1e-12)
+    assert compute_floor(None, 8, shape, plan.mask, tiled, BACKWARD_FLOP_RATIO, launches=True) <= bwd["bwd_s"]

@@ -59,6 +59,7 @@ from megatron_fcp.cost.model import (
     AttentionShape,
     ComputeModel,
     SimResult,
+    _block_columns,
     _ResourceIndex,
     grouped_call_scale,
     pad_for_zigzag,
@@ -69,7 +70,7 @@ from megatron_fcp.cost.model import (
 from megatron_fcp.cost.timeline import chain_launches, chain_step_compute, chain_timeline, wave_timeline, wave_timeline_floor
 from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
-from megatron_fcp.schedule.waves import restrict, zigzag_pairs
+from megatron_fcp.schedule.waves import loop_jobs, restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -160,7 +161,8 @@ def simulate_plan_backward(
                              np.array([g[2].part for g in got]), plan.mask).astype(np.float64)
         else:
             p = np.array([rank_block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
-        p = p * grouped_call_scale(cm, shape, plan, rr, jj, [g[2] for g in got], p * flop_s, backward_flop_ratio)
+        p = p * grouped_call_scale(cm, shape, plan, rr, jj, *_block_columns([g[2] for g in got]), p * flop_s,
+                                   backward_flop_ratio)
         np.add.at(C, (rr + 1, jj), p * flop_s)
         first = launch_starts(rr, jj, oo, p > 0)  # one launch per (round, rank, owner) with work
         np.add.at(C, (rr[first] + 1, jj[first]), launch_s)
@@ -170,8 +172,8 @@ def simulate_plan_backward(
     for j, rank in enumerate(plan.ranks):
         mine = [blk for blk in plan.local_blocks(rank) if computes is None or (blk, rank) in computes]
         w = np.array([rank_block_pairs(j, blk) for blk in mine], dtype=np.float64)
-        own = float((w * grouped_call_scale(cm, shape, plan, np.full(len(mine), -1), np.full(len(mine), j), mine,
-                                            w * flop_s, backward_flop_ratio)).sum())  # one call (tiles: priced as one)
+        own = float((w * grouped_call_scale(cm, shape, plan, np.full(len(mine), -1), np.full(len(mine), j),
+                                            *_block_columns(mine), w * flop_s, backward_flop_ratio)).sum())  # one call
         C[0, j] = own * flop_s + launch_s if own else 0.0
         launches[j] += bool(own)
     # resend: the forward rounds run again before anything is computed
@@ -329,8 +331,15 @@ def simulate_backward_waves(
             "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
             "first_kept_ranks": len(keepers), "jobs_end_s": max(timeline["jobs_end_s"], default=0.0),
             "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0),
-            "launches": [sum(1 for w in waves for b, y in w.computes if y == x and work(x, b) > 0)
-                         for x in plan.ranks]}                   # one call per job with work
+            "launches": _wave_launches(plan, waves, work)}
+
+
+def _wave_launches(plan: Plan, waves, work) -> list[int]:
+    """Kernel calls per rank (plan order) of a backward in waves: one per job with work, the jobs the
+    executor runs (:func:`~megatron_fcp.schedule.waves.loop_jobs`)."""
+    jobs, _, last = loop_jobs(plan, waves)
+    return [sum(1 for js in jobs[x] for b in js if work(x, b) > 0) + sum(1 for b in last[x] if work(x, b) > 0)
+            for x in plan.ranks]
 
 
 def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: str, kv_memory_budget: int,
@@ -470,8 +479,8 @@ def _call_s(cm: ComputeModel, plan: Plan, shape: AttentionShape):
     def call_s(x: int, blocks) -> float:
         w = np.array([_tile_work(cm, plan, zshape, pos[x], b, BACKWARD_FLOP_RATIO) for b in blocks])
         n = len(blocks)
-        return float((w * grouped_call_scale(cm, zshape, plan, np.zeros(n), np.full(n, pos[x]), list(blocks), w,
-                                             BACKWARD_FLOP_RATIO)).sum())
+        return float((w * grouped_call_scale(cm, zshape, plan, np.zeros(n), np.full(n, pos[x]), *_block_columns(blocks),
+                                             w, BACKWARD_FLOP_RATIO)).sum())
     return call_s
 
 

@@ -411,57 +411,73 @@ def key_runs(spans: "Sequence[tuple[int, int, int]]") -> list[tuple[int, int, in
 
 
 def call_work_s(cm: ComputeModel, shape: AttentionShape, q_runs, k_spans, mask: "bool | Mask",
-                flop_ratio: float = 1.0) -> float:
+                flop_ratio: float = 1.0, memo: dict | None = None) -> float:
     """Seconds of work (launch not included) of one kernel call on several blocks (Note [One launch
     per owner and stage] in :mod:`megatron_fcp.schedule.launches`): ``q_runs`` the reader's query
     runs and ``k_spans`` the blocks' keys, both ``(doc, start, end)`` (zigzag: doc 0, global
     positions), the keys joined into runs (:func:`key_runs`); every (query run, key run) of one
     document is priced as one block's call. For one block it is the block's price
-    (:func:`zigzag_block_work`, :meth:`ComputeModel.spans_work_s`)."""
-    return float(sum(cm.work_s(qz - qa, qa, kz - ka, ka, shape, mask, flop_ratio)
-                     for qd, qa, qz in q_runs for kd, ka, kz in key_runs(k_spans) if qd == kd))
+    (:func:`zigzag_block_work`, :meth:`ComputeModel.spans_work_s`). ``memo``: a dict reused across
+    calls of one shape, mask and pass (a run pair's price depends on its sizes and offset only)."""
+    memo = {} if memo is None else memo
+    total = 0.0
+    for kd, ka, kz in key_runs(k_spans):
+        for qd, qa, qz in q_runs:
+            if qd != kd:
+                continue
+            key = (qz - qa, qa - ka, kz - ka)
+            w = memo.get(key)
+            if w is None:
+                w = memo[key] = cm.work_s(qz - qa, qa - ka, kz - ka, 0, shape, mask, flop_ratio)
+            total += w
+    return float(total)
 
 
-def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stage, reader, blocks, work,
-                       flop_ratio: float = 1.0) -> np.ndarray:
-    """Per entry (``stage``, ``reader`` CP index, ``blocks``; ``work`` each block's seconds), the
-    factor that makes a call's entries add up to the grouped call's tile price
-    (:func:`call_work_s`) instead of the sum of its blocks' (1 for a call of one block, and always
-    under the FLOP model, whose work is additive)."""
+def _block_columns(blocks) -> tuple[list[int], list[int], list[int]]:
+    """Blocks as (owner, chunk, part) columns."""
+    return [b.owner for b in blocks], [b.chunk for b in blocks], [b.part for b in blocks]
+
+
+def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stage, reader, owner, chunk, part,
+                       work, flop_ratio: float = 1.0) -> np.ndarray:
+    """Per entry -- a block (``owner`` global rank, ``chunk``, ``part``) computed by CP index
+    ``reader`` in ``stage`` with ``work`` seconds -- the factor that makes a call's entries add up
+    to the grouped call's tile price (:func:`call_work_s`) instead of the sum of its blocks' (1 for
+    a call of one block, and always under the FLOP model, whose work is additive)."""
     work = np.asarray(work, dtype=np.float64)
     scale = np.ones(len(work))
     if cm.kernel is None or not len(work):
         return scale
-    reader = np.asarray(reader, dtype=np.int64)
-    owners = [b.owner for b in blocks]
-    ids = launch_ids(stage, reader, owners, work > 0)
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(ids.tolist()):
-        if g >= 0:
-            members.setdefault(g, []).append(i)
+    reader, owner, chunk, part = (np.asarray(x, dtype=np.int64).ravel() for x in (reader, owner, chunk, part))
+    ids = launch_ids(stage, reader, owner, work > 0)
+    order = np.argsort(ids, kind="stable")                         # each call's entries, in entry order
+    ids_s = ids[order]
+    cuts = np.flatnonzero(np.diff(ids_s)) + 1
     cp, pl = plan.cp, plan.placement
-    pos = {r: i for i, r in enumerate(plan.ranks)}
-    L = None if pl is not None else shape.seq_len // (2 * cp)
-
-    def spans(b) -> tuple[int, int, int]:
-        if pl is not None:
-            sp = pl.blocks[pos[b.owner]][b.chunk]
-            return sp.doc, sp.start, sp.end
-        g = pos[b.owner] if b.chunk == 0 else 2 * cp - 1 - pos[b.owner]
-        a, z = part_span(L, plan.parts_per_chunk, b.part)
-        return 0, g * L + int(a), g * L + int(z)
-
-    for idx in members.values():
-        if len(idx) < 2:
+    pos = np.full(max(plan.ranks) + 1, -1, dtype=np.int64)
+    pos[list(plan.ranks)] = np.arange(cp)
+    mask = pl.mask if pl is not None else plan.mask
+    memo: dict = {}
+    if pl is None:
+        L = shape.seq_len // (2 * cp)
+        o = pos[owner]
+        g = np.where(chunk == 0, o, 2 * cp - 1 - o)
+        p0, p1 = part_span(L, plan.parts_per_chunk, part)
+        k0, k1 = (g * L + p0).tolist(), (g * L + p1).tolist()
+    for idx in np.split(order, cuts):
+        if len(idx) < 2 or ids[idx[0]] < 0:
             continue
+        idx = idx.tolist()
         j = int(reader[idx[0]])
-        q_runs = ([(sp.doc, sp.start, sp.end) for sp in pl.blocks[j]] if pl is not None
-                  else [(0, j * L, (j + 1) * L), (0, (2 * cp - 1 - j) * L, (2 * cp - j) * L)])
-        mask = pl.mask if pl is not None else plan.mask
-        w = call_work_s(cm, shape, q_runs, [spans(blocks[i]) for i in idx], mask, flop_ratio)
+        if pl is not None:
+            q_runs = [(sp.doc, sp.start, sp.end) for sp in pl.blocks[j]]
+            k_spans = [(sp.doc, sp.start, sp.end) for sp in (pl.blocks[pos[owner[i]]][chunk[i]] for i in idx)]
+        else:
+            q_runs = [(0, j * L, (j + 1) * L), (0, (2 * cp - 1 - j) * L, (2 * cp - j) * L)]
+            k_spans = [(0, k0[i], k1[i]) for i in idx]
         total = float(work[idx].sum())
         if total > 0:
-            scale[idx] = w / total
+            scale[idx] = call_work_s(cm, shape, q_runs, k_spans, mask, flop_ratio, memo) / total
     return scale
 
 
@@ -828,9 +844,9 @@ def simulate_plan(
             own_w = np.array([cm.spans_work_s(pl.blocks[j], pl.blocks[j][blk.chunk], shape, pm)
                               for j, blk in zip(own_j.tolist(), own_blocks)], dtype=np.float64)
         # a call on several blocks is priced as the call (Note [One launch per owner and stage])
-        recv_blocks = [Block(int(o), int(c), int(p)) for o, c, p in zip(owner.tolist(), chunk.tolist(), part.tolist())]
-        recv_t = recv_t * grouped_call_scale(cm, shape, plan, rnd, q_i, recv_blocks, recv_t)
-        own_w = own_w * grouped_call_scale(cm, shape, plan, np.full(len(own_j), -1), own_j, own_blocks, own_w)
+        recv_t = recv_t * grouped_call_scale(cm, shape, plan, rnd, q_i, owner, chunk, part, recv_t)
+        own_w = own_w * grouped_call_scale(cm, shape, plan, np.full(len(own_j), -1), own_j,
+                                           *_block_columns(own_blocks), own_w)
         if pl is None:                                     # a balanced plan's relative KV sizes
             recv_t, own_w = recv_t * w_owner[owner_i], own_w * w_owner[own_q]
         local = np.bincount(own_j, weights=own_w, minlength=cp).astype(np.float64)

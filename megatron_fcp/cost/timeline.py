@@ -84,34 +84,11 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
-from megatron_fcp.schedule.waves import Wave, leading_own_jobs
+from megatron_fcp.schedule.waves import Wave, loop_jobs  # loop_jobs: re-exported (it lived here)
 from megatron_fcp.topology import Topology
 
 __all__ = ["wave_timeline", "wave_timeline_floor", "loop_jobs", "chain_timeline", "chain_step_compute",
            "chain_launches"]
-
-
-def loop_jobs(plan: Plan, waves: Sequence[Wave]) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
-    """Each rank's gradient jobs as the executor's wave loop runs them (Note [Wave pipeline
-    timeline]): per wave, the received blocks in plan order then its own (wave 0: its own first);
-    how many of wave 0's own jobs run first, while wave 0's KV arrives
-    (:func:`~megatron_fcp.schedule.waves.leading_own_jobs`), and the rest, run after the last wave."""
-    ranks, W = list(plan.ranks), len(waves)
-    jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
-    n_own = dict.fromkeys(ranks, 0)
-    last: dict[int, list[Block]] = {x: [] for x in ranks}
-    for w, wave in enumerate(waves):
-        got: dict[int, list[Block]] = {}
-        for _, t in wave.transfers:
-            if (t.block, t.dst) in wave.computes:
-                got.setdefault(t.dst, []).append(t.block)
-        for x in ranks:
-            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
-            if w == 0:
-                n_own[x] = leading_own_jobs(len(own), W)
-                own, last[x] = own[:n_own[x]], own[n_own[x]:]
-            jobs[x].append(own + got.get(x, []) if w == 0 else got.get(x, []) + own)
-    return jobs, n_own, last
 
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],

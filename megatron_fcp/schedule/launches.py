@@ -24,9 +24,10 @@ group none of whose blocks is computed makes no call. For a rank of cp = 4, caus
     total                                                  1 + (cp - 1) = 4   (per block: 16)
 
 A backward in waves (Note [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`)
-computes one delivery per job, and a job is one call (:func:`~megatron_fcp.cost.floors.rank_jobs`,
-:func:`~megatron_fcp.cost.timeline.loop_jobs`): its polling between jobs is what paces the
-reductions, so the waves keep one block per call.
+computes one delivery per job, and a job is one call: :func:`~megatron_fcp.schedule.waves.loop_jobs`
+lists each rank's jobs, which the executor runs and the wave timeline prices (one launch per job
+with work; :func:`~megatron_fcp.cost.floors.rank_jobs` counts them for the floors). Its polling
+between jobs is what paces the reductions, so the waves keep one block per call.
 
 :func:`launch_ids` is the rule, vectorised over ``(stage, rank, owner)`` entries; the executor's
 calls (:func:`group_blocks`, used by :mod:`megatron_fcp.attention.function` and
