@@ -89,6 +89,7 @@ def _plans():
     pl = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8, causal=True)
     out.append(("packed-full", full_plan(r, True, placement=pl), pl, True))
     out.append(("packed-hier", build_plan(topo, r, "hierarchical", placement=pl), pl, True))
+    out.append(("packed-ring", build_plan(topo, r, "ring", placement=pl), pl, True))   # relays: groups without work
     return out
 
 
