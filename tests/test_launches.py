@@ -243,8 +243,10 @@ def test_grouped_calls_priced_by_tiles_stay_above_the_floors(builder, parts, cau
 
     topo = load_topology("dgx-h100:1")
     r = range(8)
-    plan = {"ring": lambda: ring_plan(r, causal, parts), "full": lambda: full_plan(r, causal, parts),
-            "hierarchical": lambda: build_plan(topo, r, "hierarchical", causal=causal, parts_per_chunk=parts)}[builder]()
+    if builder == "hierarchical":
+        plan = build_plan(topo, r, "hierarchical", causal=causal, parts_per_chunk=parts)
+    else:
+        plan = (ring_plan if builder == "ring" else full_plan)(r, causal, parts)
     shape = AttentionShape(8 * 8192, 32, 8, 128)
     tiled, flops = ComputeModel.tiled("h200-fa2"), ComputeModel()
     fwd = simulate_plan(plan, topo, shape, compute_model=tiled)

@@ -67,7 +67,8 @@ from megatron_fcp.cost.model import (
     simulate_rounds,
     zigzag_block_work,
 )
-from megatron_fcp.cost.timeline import chain_launches, chain_step_compute, chain_timeline, wave_timeline, wave_timeline_floor
+from megatron_fcp.cost.timeline import (chain_launches, chain_step_compute, chain_timeline, wave_timeline,
+                                        wave_timeline_floor)
 from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
 from megatron_fcp.schedule.waves import loop_jobs, restrict, zigzag_pairs

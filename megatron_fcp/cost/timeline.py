@@ -326,9 +326,9 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
     busiest rank's jobs and the step's messages (KV when ``resend``, partials, homes) under
     contention. ``job_s``: a job's compute; ``launch_s``: one kernel launch per rank, owner and
     step with work (the executor's calls: Note [One launch per owner and stage] in
-    :mod:`megatron_fcp.schedule.launches`). Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
-    messages alone, summed) and ``jobs_end_s`` (when the last step with jobs ends its compute: the
-    busiest rank's last job)."""
+    :mod:`megatron_fcp.schedule.launches`); ``call_s``: as for :func:`chain_step_compute`. Returns
+    ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV messages alone, summed)
+    and ``jobs_end_s`` (when the last step with jobs ends its compute: the busiest rank's last job)."""
     total = resend_s = jobs_end = 0.0
     comps, comms = [], []
     idx = _ResourceIndex(topo)                 # routes looked up once for all steps

@@ -60,7 +60,8 @@ from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs", "block_work",
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
+           "block_work",
            "BACKWARD_KV_MODES",
            "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
 
@@ -93,7 +94,8 @@ def leading_own_jobs(n_own: int, n_waves: int) -> int:
     return n_own if n_waves > 1 else (n_own + 1) // 2
 
 
-def loop_jobs(plan: Plan, waves: Sequence[Wave]) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
+def loop_jobs(plan: Plan, waves: Sequence[Wave]
+              ) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
     """Each rank's gradient jobs as the wave loop runs them, one kernel call each (the executor's
     :func:`~megatron_fcp.attention.backward_waves.run_backward_waves` runs these, the cost model's
     :func:`~megatron_fcp.cost.timeline.wave_timeline` prices them: Note [One launch per owner and
