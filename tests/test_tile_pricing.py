@@ -77,20 +77,31 @@ def test_sub_blocks_cost_more_by_tiles_and_the_same_by_flops():
 
 
 def test_the_cost_model_prices_a_plan_with_its_blocks_calls():
-    """simulate_plan's compute under tiles is each rank's block calls plus its launches."""
+    """simulate_plan's compute under tiles is the busiest rank's kernel calls plus one launch each:
+    the executor's calls (Note [One launch per owner and stage]), a call on several blocks priced as
+    that call (call_work_s: its keys joined into runs), never above its blocks priced one by one."""
     from megatron_fcp.contract.plan import Plan  # noqa: F401  (the plan below is a compiled one)
+    from megatron_fcp.cost.model import call_work_s
     from megatron_fcp.planner.builders import build_graph
     from megatron_fcp.planner.compile import compile_plan
+    from megatron_fcp.schedule.launches import forward_launches
     from megatron_fcp.topology import load_topology
 
     topo = load_topology("dgx-h100:1")
     plan = compile_plan(build_graph(topo, range(4), "full"), True)
     res = simulate_plan(plan, topo, SHAPE, compute_model=TILED)
     L = SHAPE.seq_len // 8
+    busy = []
     for r in range(4):
         calls = [call for call in zigzag_calls(SHAPE.seq_len, 4) if call.q0 in (r * L, (7 - r) * L)]
-        work = sum(TILED.work_s(x.rows, x.q0, x.keys, x.k0, SHAPE, CAUSAL) for x in calls)
-        assert work < res.compute_s + 1e-12
+        per_block = sum(TILED.work_s(x.rows, x.q0, x.keys, x.k0, SHAPE, CAUSAL) for x in calls)
+        q_runs = [(0, r * L, (r + 1) * L), (0, (7 - r) * L, (8 - r) * L)]
+        grouped = [call_work_s(TILED, SHAPE, q_runs, [(0, g * L, (g + 1) * L) for g in
+                                                      (b.owner if b.chunk == 0 else 7 - b.owner for b in blocks)],
+                               CAUSAL) for _, blocks in forward_launches(plan, r)]
+        assert sum(grouped) <= per_block + 1e-12
+        busy.append(sum(grouped) + len(grouped) * TILED.launch_s())
+    assert res.compute_s == pytest.approx(max(busy), rel=1e-12)
     assert res.compute_s > simulate_plan(plan, topo, SHAPE).compute_s * 0.5
 
 

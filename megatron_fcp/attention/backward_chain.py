@@ -8,7 +8,10 @@ round. A received KV block is freed once computed and forwarded; a partial once 
 counted from the receive buffer's allocation at the post: at most two steps' blocks (computing,
 arriving), two shards for a ring -- what Transformer Engine's ring backward allocates.
 
-Determinism: dq sums the jobs in step order; a relay's ``acc_i = p_i + acc_(i-1)`` is one FP32
+Kernel calls: a step's jobs of one owner on this rank are one call (Note [One launch per owner and
+stage] in :mod:`megatron_fcp.schedule.launches`), as the chain's cost model prices them.
+
+Determinism: dq sums the calls in step order; a relay's ``acc_i = p_i + acc_(i-1)`` is one FP32
 addition (the same whichever term is there first); the owner adds its own partial, then the
 chain's sum. Neither depends on timing, and ``keep`` (KV from the forward) walks the same steps
 as ``resend``, so the two agree bit for bit.
@@ -24,6 +27,7 @@ from megatron_fcp.attention.backward_waves import BackwardHost
 from megatron_fcp.attention.kv_block import pack_kv
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.schedule.chains import ChainStep
+from megatron_fcp.schedule.launches import group_blocks
 
 __all__ = ["run_backward_chain"]
 
@@ -34,12 +38,15 @@ def _nbytes(x: torch.Tensor) -> int:
 
 def run_backward_chain(ex: BackwardHost, steps: tuple[ChainStep, ...], k: torch.Tensor, v: torch.Tensor,
                        kept: dict[Block, torch.Tensor] | None,
-                       compute: Callable[[Block, torch.Tensor], torch.Tensor], grad_dtype: torch.dtype,
+                       compute: Callable[[tuple[Block, ...], list[torch.Tensor]], list[torch.Tensor]],
+                       grad_dtype: torch.dtype,
                        wire_dtype: torch.dtype | None = None, resend: bool | None = None,
                        jobs_done: Callable[[], None] | None = None) -> dict:
     """Backward over ``steps`` (same contract as
-    :func:`~megatron_fcp.attention.backward_waves.run_backward_waves`): ``compute(block, kv)`` adds
-    the block's dq and returns its dK/dV partial ``[2, blk, b, h_kv, d]`` in ``grad_dtype``;
+    :func:`~megatron_fcp.attention.backward_waves.run_backward_waves`, but a call per group):
+    ``compute(blocks, kvs)`` runs one kernel call on a step's blocks of one owner (Note [One
+    launch per owner and stage] in :mod:`megatron_fcp.schedule.launches`), adds their dq and
+    returns each block's dK/dV partial ``[2, blk, b, h_kv, d]`` in ``grad_dtype``;
     partials travel in ``wire_dtype`` (default ``grad_dtype``) and accumulate in ``grad_dtype``.
     ``kept``: the blocks the forward saved (all it needs under ``keep``; under ``resend`` with the
     first sub-round kept, that sub-round's; None: none). ``resend`` (default: ``kept is None``):
@@ -112,15 +119,15 @@ def run_backward_chain(ex: BackwardHost, steps: tuple[ChainStep, ...], k: torch.
         handle = ex.post(sends, [(t, buf) for _, t, buf in recvs], round_index=s, phase="backward")
         for b in forwarded:
             used(b)
-        for b, x in st.computes:
-            if x != rank:
-                continue
-            if b in local:
-                add(own, b, compute(b, stack(b)))
-            else:
-                add(acc, b, compute(b, kv_of(b)))
-                if resend and b not in kept:
-                    used(b)
+        for _, blocks in group_blocks([(s, b) for b, x in st.computes if x == rank], rank):  # one call each
+            parts = compute(blocks, [stack(b) if b in local else kv_of(b) for b in blocks])
+            for b, part in zip(blocks, parts):
+                if b in local:
+                    add(own, b, part)
+                else:
+                    add(acc, b, part)
+                    if resend and b not in kept:
+                        used(b)
         if s == last_job and jobs_done is not None:
             jobs_done()
         out["wait_s"] += ex.wait(handle)

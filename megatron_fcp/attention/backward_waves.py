@@ -116,7 +116,7 @@ from megatron_fcp.attention.device_clock import DeviceClock
 from megatron_fcp.attention.kv_block import pack_kv
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.schedule.waves import Wave, leading_own_jobs
+from megatron_fcp.schedule.waves import Wave, loop_jobs
 
 if TYPE_CHECKING:
     from megatron_fcp.attention.layout import ShardLayout
@@ -398,12 +398,11 @@ def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tenso
         out["bytes_sent"] += sum(_nbytes(x) for _, x in sends)
         return RoundPost(sends, recvs, r, "backward")
 
-    def jobs(wave: Wave, first: bool = False) -> list[Block]:
-        """This rank's gradients in ``wave``: received blocks in plan order, then its own (the first
-        wave: its own first, computed while the wave's KV arrives)."""
-        got = [t.block for r, t in wave.transfers if t.dst == rank and (t.block, rank) in wave.computes]
-        own = [b for b in ex.local_blocks if (b, rank) in wave.computes]
-        return own + got if first else got + own
+    # this rank's jobs, one kernel call each: the order the cost model prices (loop_jobs: received
+    # blocks in plan order, then its own; the first wave its own first, computed while the wave's KV
+    # arrives, and with one wave half of them last: leading_own_jobs)
+    all_jobs, all_lead, all_last = loop_jobs(plan, waves)
+    jobs, lead, last = all_jobs[rank], all_lead[rank], all_last[rank]
 
     def run_job(b: Block, fetch: _Fetch | None, g: dict) -> None:
         if b in local:
@@ -418,10 +417,7 @@ def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tenso
     # the first wave's own blocks are computed while its KV arrives (every mode: the same job order);
     # with one wave, half of them wait for the end, while its reduction returns (leading_own_jobs)
     pump = _Pump(ex, ex.clock)
-    first = jobs(waves[0], first=True) if waves else []
-    n_own = sum(1 for b in first if b in local)
-    lead = leading_own_jobs(n_own, len(waves))
-    first, last = first[:lead] + first[n_own:], first[lead:n_own]
+    first = jobs[0] if waves else []
     n_own = lead
     g_last: dict[Block, torch.Tensor] = {}                       # their partials: added after every wave's sum
     g_first: dict[Block, torch.Tensor] = {}
@@ -456,7 +452,7 @@ def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tenso
             reducing.append(red)
         pump.extend([c for c in (red, nxt) if c is not None])
         g_cur: dict[Block, torch.Tensor] = g_first if w == 0 else g_last if cur is None else {}
-        todo = first[n_own:] if w == 0 else (jobs(cur) if cur is not None else last)
+        todo = first[n_own:] if w == 0 else (jobs[w] if cur is not None else last)
         for b in todo:                                           # compute w | reduce w-2, w-1 | fetch w+1
             pump.poll()
             settle()

@@ -34,9 +34,16 @@ when K and V have different head sizes, MLA: Note [KV block tensors] in
         post(round k+1)                      # may forward blocks received in round k
         compute needed blocks of round k     # overlaps round k+1
 
-Blocks are merged in *plan order* (local blocks, then each round's receives in plan order), never
-in arrival order, so a fixed plan gives bitwise identical results run after run; different plans
-agree within rounding (the merge is order independent up to rounding).
+Kernel calls follow one rule, the one the cost model prices (Note [One launch per owner and stage]
+in :mod:`megatron_fcp.schedule.launches`; :meth:`_Executor.forward_calls`): the local blocks are
+one call, and a round's blocks of one owner another -- their K and V joined on the key axis in
+plan order, each with its own positions (and document ids), the query rows the union of theirs
+(:meth:`_Executor._call_args`); a block no query sees joins no call. Every kernel is exact on
+such keys: ``math`` masks from positions, the fused kernels cut keys at jumps in position
+(item 5 of :mod:`megatron_fcp.attention.fused`). Calls are merged in *plan order* (local blocks,
+then each round's calls in the order of their first block), never in arrival order, so a fixed
+plan gives bitwise identical results run after run; different plans agree within rounding (the
+merge is order independent up to rounding).
 
 Note [Backward pipeline]
 ------------------------
@@ -50,7 +57,10 @@ to the rank it got the block from. A relay first adds its own contribution and w
 children returned (children receive the block in later forward rounds, i.e. return it in earlier
 backward rounds), so every link carries one tensor per block. A rank that neither needs the block
 nor has children returns zeros (the plan lists the transfer; a ring does exactly this). The owner
-adds all returns into its local dK/dV::
+adds all returns into its local dK/dV. Kernel calls: a backward in waves computes one block per job
+(a job is one call, as its model prices); a chain backward one call per step and owner, like the
+forward (Note [One launch per owner and stage]); the call's dK/dV is cut back into the blocks'
+partials::
 
     waves: the plan's deliveries, split (Note [Backward waves] in backward_waves)
     for w = 0 .. W:  reverse rounds of wave w-1 (last to first), resend: wave w+1's re-send
@@ -101,6 +111,7 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.mask import Mask, check_window
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.schedule.launches import OWN, forward_launches
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, BackwardProgram, compile_backward
 
 __all__ = [
@@ -244,6 +255,17 @@ def _validate(q, k, v, cp_group, plan: PlanLike | None, causal: bool, softmax_sc
 # ---------------------------------------------------------------------------------------------
 # execution
 # ---------------------------------------------------------------------------------------------
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors joined on their first dim (the one itself: no copy, the per-block path's bits)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
+
+
+def _call_kv(kvs: list[torch.Tensor], d_qk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call's K [m, b, h_kv, d_qk] and V [m, b, h_kv, d_v]: its blocks' on the key axis, in order."""
+    parts = [split_kv(x, d_qk) for x in kvs]                                   # views
+    return _cat([kb for kb, _ in parts]), _cat([vb for _, vb in parts])
+
+
 class _Executor:
     """Runs one plan for one rank: forward and backward pipelines (see the Notes above). What it
     knows about tokens comes from a :class:`~megatron_fcp.attention.layout.ShardLayout` (zigzag or
@@ -260,6 +282,7 @@ class _Executor:
         self.mask, self.scale, self.layout, self.stats = mask, scale, layout, stats
         self.causal = mask.causal
         self._sees: dict[Block, bool] = {}  # block -> some local query sees some of its keys
+        self._forward_calls: dict[int, list[tuple[Block, ...]]] | None = None  # forward_calls()
         self.program = program      # every backward decision (Note [Backward program])
         self.needs = plan.needs(rank)
         self.local_blocks = layout.local_blocks
@@ -324,19 +347,38 @@ class _Executor:
         d_v = self.v_head_dim if self.v_head_dim is not None else x.shape[3]
         return kv_block_shape(self.layout.block_tokens(block), x.shape[1], x.shape[2], x.shape[3], d_v)
 
-    def _rows_args(self, block: Block, cache: dict, prepare) -> tuple[slice | None, dict]:
-        """Query rows that may attend ``block`` and the kernel's keyword arguments for them:
-        per-row-range preparation (built once per range, from ``prepare(rows)``), query document
-        ids and the block's key document ids (placement layouts only)."""
-        rows = self.layout.q_rows(block)
+    def _call_args(self, blocks: tuple[Block, ...], cache: dict, prepare) -> tuple[slice | None, torch.Tensor, dict]:
+        """For one kernel call on ``blocks`` (Note [One launch per owner and stage] in
+        :mod:`megatron_fcp.schedule.launches`): the query rows that may attend them (the union of
+        each block's rows; None: all), the keys' positions (the blocks' own, concatenated in
+        order) and the kernel's keyword arguments for those rows: per-row-range preparation (built
+        once per range, from ``prepare(rows)``), query and key document ids (placement layouts)."""
+        lay = self.layout
+        rows = [lay.q_rows(b) for b in blocks]
+        if any(r is None for r in rows):
+            rows = None
+        elif len(rows) == 1:
+            rows = rows[0]
+        else:  # the hull: rows between two blocks' documents see neither (document mask: 0 / -inf)
+            rows = slice(min(r.start for r in rows), max(r.stop for r in rows))
         key = None if rows is None else (rows.start, rows.stop)
         if key not in cache:
             cache[key] = prepare(rows)
         kw = dict(cache[key])
-        if self.layout.q_doc is not None:
-            kw["q_doc"] = self.layout.q_doc[rows]
-            kw["k_doc"] = self.layout.k_doc(block)
-        return rows, kw
+        if lay.q_doc is not None:
+            kw["q_doc"] = lay.q_doc[rows]
+            kw["k_doc"] = _cat([lay.k_doc(b) for b in blocks])
+        return rows, _cat([lay.k_pos(b) for b in blocks]), kw
+
+    def _local_span(self, blocks: tuple[Block, ...]) -> slice | None:
+        """The local shard's token range of ``blocks`` when they are this rank's own and adjacent in
+        order (their K and V are then a view of the shard's), else None."""
+        if len(blocks) < 2 or blocks[0].owner != self.rank:
+            return None
+        sl = [self.layout.local_slice(b) for b in blocks]
+        if any(a.stop != b.start for a, b in zip(sl, sl[1:])):
+            return None
+        return slice(sl[0].start, sl[-1].stop)
 
     def sees(self, block: Block) -> bool:
         """Whether the block has a visible pair with this rank's query rows (Note [Windowed
@@ -351,15 +393,16 @@ class _Executor:
 
     # -- forward -------------------------------------------------------------------------------
     def _distribute(self, k: torch.Tensor, v: torch.Tensor, phase: str,
-                    on_local: Callable[[dict], None], on_received: Callable[[Block, torch.Tensor], None],
+                    on_local: Callable[[dict], None],
+                    on_received: Callable[[int, list[tuple[Block, torch.Tensor]]], None],
                     kept: dict | None = None, relay_keep: frozenset | None = None):
         """Run the plan's forward rounds for this rank: post round r+1 before handling round r's
         arrivals (overlap), call ``on_local(local_kv)`` while round 0 is in flight and
-        ``on_received(block, kv)`` for each needed block in plan order. A received block is
-        dropped as soon as it is handled and forwarded (``on_received`` keeps what it wants, in
-        ``kept``: still alive after the drop; ``relay_keep``: blocks this rank only relays that go
-        into ``kept`` too). Returns (seconds waited, bytes sent, peak bytes of received KV alive
-        at once)."""
+        ``on_received(r, [(block, kv), ...])`` with round r's needed blocks in plan order. A
+        received block is dropped as soon as it is handled and forwarded (``on_received`` keeps
+        what it wants, in ``kept``: still alive after the drop; ``relay_keep``: blocks this rank
+        only relays that go into ``kept`` too). Returns (seconds waited, bytes sent, peak bytes of
+        received KV alive at once)."""
         lay = self.layout
         have: dict[Block, torch.Tensor] = {}
         for b in self.local_blocks:
@@ -386,17 +429,28 @@ class _Executor:
                 alive += buf.numel() * buf.element_size()
             peak = max(peak, alive)
             pending = post(r + 1) if r + 1 < self.num_rounds else None
-            for t, buf in recvs:
-                if t.block in self.needs:
-                    on_received(t.block, buf)
-                elif relay_keep is not None and t.block in relay_keep:
-                    kept[t.block] = buf                      # a ring's first sub-round, forwarded in backward
+            on_received(r, [(t.block, buf) for t, buf in recvs if t.block in self.needs])
+            if relay_keep is not None:
+                for t, buf in recvs:
+                    if t.block not in self.needs and t.block in relay_keep:
+                        kept[t.block] = buf                  # a ring's first sub-round, forwarded in backward
             for t, buf in recvs:  # posted sends keep their buffers alive until waited on
                 if self._last_send.get(t.block, -1) <= r + 1 and t.block not in local:
                     del have[t.block]
                     if kept is None or t.block not in kept:
                         alive -= buf.numel() * buf.element_size()
         return wait_s, bytes_sent, peak
+
+    def forward_calls(self) -> dict[int, list[tuple[Block, ...]]]:
+        """This rank's forward kernel calls by stage (:data:`~megatron_fcp.schedule.launches.OWN`,
+        then round indices): :func:`~megatron_fcp.schedule.launches.forward_launches` over the
+        blocks its queries see (Note [One launch per owner and stage])."""
+        if self._forward_calls is None:
+            calls: dict[int, list[tuple[Block, ...]]] = {}
+            for stage, blocks in forward_launches(self.plan, self.rank, self.sees):
+                calls.setdefault(stage, []).append(blocks)
+            self._forward_calls = calls
+        return self._forward_calls
 
     def forward_saving(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grads: bool):
         """:meth:`forward` keeping what :meth:`backward` needs when ``grads``: under ``keep`` the
@@ -428,32 +482,41 @@ class _Executor:
         def prepare(rows):
             return self.kernel.prepare_forward(q if rows is None else q[rows], hk, self.scale)
 
-        def compute(block: Block, kv: torch.Tensor) -> None:
+        def compute(blocks: tuple[Block, ...], kvs: list[torch.Tensor]) -> None:
+            """One kernel call on ``blocks`` (every one seen by some query: the launch rule's
+            ``live``), merged into the accumulator."""
             nonlocal compute_s
-            if not self.sees(block):
-                return                                                           # no visible pair: nothing to merge
             t0 = time.perf_counter()
-            rows, kw = self._rows_args(block, preps, prepare)
-            kb, vb = split_kv(kv, q.shape[-1])                                   # [blk, b, h_kv, d_qk | d_v]
-            if rows is None:
-                acc.add(*self.kernel.forward(q, kb, vb, lay.q_pos, lay.k_pos(block),
-                                             self.mask, self.scale, **kw))
+            rows, k_pos, kw = self._call_args(blocks, preps, prepare)
+            span = self._local_span(blocks)
+            if span is not None:                                                 # own blocks, adjacent: views
+                kb, vb = k[span], v[span]
             else:
-                acc.add(*self.kernel.forward(q[rows], kb, vb, lay.q_pos[rows], lay.k_pos(block),
+                kb, vb = _call_kv(kvs, q.shape[-1])                              # [m, b, h_kv, d_qk | d_v]
+            if rows is None:
+                acc.add(*self.kernel.forward(q, kb, vb, lay.q_pos, k_pos, self.mask, self.scale, **kw))
+            else:
+                acc.add(*self.kernel.forward(q[rows], kb, vb, lay.q_pos[rows], k_pos,
                                              self.mask, self.scale, **kw), rows=rows)
             self._job_end()
             compute_s += time.perf_counter() - t0
 
+        calls = self.forward_calls()                                             # stage -> calls, in order
+
         def compute_local(local_kv: dict) -> None:  # round 0 is posted: q may arrive now
             if self.q_ready is not None:
                 self.q_ready()
-            for b in self.local_blocks:
-                compute(b, local_kv[b])
+            for blocks in calls.get(OWN, ()):
+                compute(blocks, [local_kv[b] for b in blocks])
 
-        def on_received(block: Block, buf: torch.Tensor) -> None:
-            compute(block, buf)
-            if keep_blocks or (keep_only is not None and block in keep_only):
-                kept[block] = buf
+        def on_received(r: int, got: list[tuple[Block, torch.Tensor]]) -> None:
+            kv = dict(got)
+            for blocks in calls.get(r, ()):
+                compute(blocks, [kv[b] for b in blocks])
+            if keep_blocks or keep_only is not None:
+                for block, buf in got:
+                    if keep_blocks or block in keep_only:
+                        kept[block] = buf
 
         wait_s, bytes_sent, peak = self._distribute(k, v, "forward", compute_local, on_received, kept,
                                                     relay_keep=keep_only)
@@ -495,26 +558,41 @@ class _Executor:
                 return self.kernel.prepare_backward(q, doc, out, hk)
             return self.kernel.prepare_backward(q[rows], doc[rows], out[rows], hk)
 
-        def compute(block: Block, kv: torch.Tensor) -> torch.Tensor:
-            """Adds the block's dq; returns its dK/dV partial [2, blk, b, h_kv, d] (MLA: Note [KV block tensors])."""
+        def compute(blocks: tuple[Block, ...], kvs: list[torch.Tensor]) -> list[torch.Tensor]:
+            """One kernel call on the blocks its queries see (Note [One launch per owner and
+            stage]); adds their dq and returns each block's dK/dV partial [2, blk, b, h_kv, d]
+            (MLA: Note [KV block tensors]), zeros for a block no query sees."""
             nonlocal compute_s
-            if not self.sees(block):
-                return torch.zeros(kv.shape, dtype=cd, device=kv.device)        # no visible pair: zero partial
+            live = [i for i, b in enumerate(blocks) if self.sees(b)]
+            parts = [None if i in live else torch.zeros(kv.shape, dtype=cd, device=kv.device)
+                     for i, kv in enumerate(kvs)]                                # no visible pair: zero partial
+            if not live:
+                return parts
             t0 = time.perf_counter()
-            rows, kw = self._rows_args(block, preps, prepare)
-            kb, vb = split_kv(kv, q.shape[-1])                                   # [blk, b, h_kv, d_qk | d_v]
+            call = tuple(blocks[i] for i in live)
+            rows, k_pos, kw = self._call_args(call, preps, prepare)
+            span = self._local_span(call)
+            if span is not None:                                                 # own blocks, adjacent: views
+                kb, vb = k[span], v[span]
+            else:
+                kb, vb = _call_kv([kvs[i] for i in live], q.shape[-1])           # [m, b, h_kv, d_qk | d_v]
             if rows is None:
                 dq_b, dk_b, dv_b = self.kernel.backward(
-                    doc, q, kb, vb, out, lse, lay.q_pos, lay.k_pos(block), self.mask, self.scale, **kw)
+                    doc, q, kb, vb, out, lse, lay.q_pos, k_pos, self.mask, self.scale, **kw)
                 dq.add_(dq_b)
             else:
                 dq_b, dk_b, dv_b = self.kernel.backward(
                     doc[rows], q[rows], kb, vb, out[rows], lse[:, :, rows], lay.q_pos[rows],
-                    lay.k_pos(block), self.mask, self.scale, **kw)
+                    k_pos, self.mask, self.scale, **kw)
                 dq[rows].add_(dq_b)
             self._job_end()
             compute_s += time.perf_counter() - t0
-            return pack_kv(dk_b, dv_b)                                           # [2, blk, b, h_kv, d]
+            a = 0
+            for i in live:                                                       # each block's keys of the call
+                z = a + kvs[i].shape[-4]
+                parts[i] = pack_kv(dk_b[a:z], dv_b[a:z])                         # [2, blk, b, h_kv, d]
+                a = z
+            return parts
 
         dq_out: list[torch.Tensor] = []
 
@@ -528,7 +606,8 @@ class _Executor:
             res = run_backward_chain(self, prog.steps, k, v, kept, compute, cd, wire_dtype=q.dtype,
                                      resend=prog.resend, jobs_done=done)
         else:                                                       # partials travel in q's dtype
-            res = run_backward_waves(self, prog.waves, k, v, kept, compute, cd, wire_dtype=q.dtype,
+            res = run_backward_waves(self, prog.waves, k, v, kept,              # one block per job (call)
+                                     lambda b, kv: compute((b,), [kv])[0], cd, wire_dtype=q.dtype,
                                      resend=prog.resend, first_kept=prog.first_kept,
                                      first_fetch=prog.first_fetch, jobs_done=done)
         wait_s, bytes_sent, grads = res["wait_s"], res["bytes_sent"], res["grads"]

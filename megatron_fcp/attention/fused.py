@@ -31,6 +31,17 @@ contract (``(out, lse)`` in FP32, masks from positions and document ids, rows th
    travel unpadded (Note [KV block tensors] in :mod:`megatron_fcp.attention.kv_block`), and
    pieces delegated to the math kernel run at the true sizes.
 
+5. One call on several blocks (the executor joins the blocks of one owner and stage: Note [One
+   launch per owner and stage] in :mod:`megatron_fcp.schedule.launches`): keys that are one
+   increasing run per document (sub-blocks of one chunk, a packed rank's adjacent spans) run as
+   one block. The fused ops mask by index (top-left causal, flash-attn's window), so keys whose
+   positions jump inside a document (a zigzag owner's two chunks) are cut at the jumps
+   (:meth:`FusedPiecesKernel._key_runs`) and each run goes through 1.-3., merged in FP32 inside
+   the call (backward: dq summed, dK/dV joined), exact as the blocks were one by one; under a
+   mask that ignores positions (no causal, no window) nothing is cut. The op calls of one such
+   kernel call are one per run and piece, as before per block; flash-attn's varlen form could
+   take the runs as segments of one launch (the query repeated per run): not done.
+
 Kernels: :class:`CpuFlashKernel` (``cpu-flash``), :class:`CudaFlashKernel` (``cuda-flash``:
 torch's FlashAttention-2 for FP16/BF16, its memory-efficient kernel for FP32) and
 :class:`FlashAttnKernel` (``flash-attn``, the package).
@@ -57,6 +68,7 @@ from megatron_fcp.attention.kernels import (
     block_attention_forward,
     compute_dtype_for,
 )
+from megatron_fcp.attention.merge import LseAccumulator
 from megatron_fcp.attention.tiles import BAND, CAUSAL, MATH, flash_pieces, flash_window
 from megatron_fcp.contract.mask import as_mask
 
@@ -156,8 +168,53 @@ class FusedPiecesKernel(BlockKernel):
         return {"q_c": _pad_to(q.to(od), w), "dout_c": _pad_to(dout.to(od), w),  # [n, b, h, w] x3
                 "out_c": _pad_to(out.to(od), w)}
 
-    # -- forward ----------------------------------------------------------------------------
+    # -- one call on several blocks (item 5) -------------------------------------------------
+    @staticmethod
+    def _key_runs(k_pos, k_doc, mask) -> list[tuple[int, int]] | None:
+        """Key ranges of a call that :func:`~megatron_fcp.attention.tiles.flash_pieces` can each
+        express: cut wherever a document's positions do not step by one (blocks of one owner
+        joined in one call: a zigzag owner's two chunks). None: one range does (no cut, or a mask
+        that does not look at positions)."""
+        if not (mask.causal or mask.windowed) or k_pos.numel() < 2:
+            return None
+        p = k_pos.numpy()
+        cut = p[1:] != p[:-1] + 1
+        if k_doc is not None:
+            kd = k_doc.numpy()
+            cut &= kd[1:] == kd[:-1]                      # a new document starts a new segment anyway
+        at = (cut.nonzero()[0] + 1).tolist()
+        if not at:
+            return None
+        bounds = [0, *at, int(p.size)]
+        return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
     def forward(self, q, k, v, q_pos, k_pos, mask, scale, q_c=None, q_doc=None, k_doc=None):
+        runs = self._key_runs(k_pos, k_doc, as_mask(mask))
+        if runs is None:
+            return self._forward_run(q, k, v, q_pos, k_pos, mask, scale, q_c, q_doc, k_doc)
+        acc = LseAccumulator()                                                   # FP32 merge of the runs
+        for c0, c1 in runs:
+            acc.add(*self._forward_run(q, k[c0:c1], v[c0:c1], q_pos, k_pos[c0:c1], mask, scale, q_c, q_doc,
+                                       None if k_doc is None else k_doc[c0:c1]))
+        return acc.result()
+
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c=None, dout_c=None, out_c=None,
+                 q_doc=None, k_doc=None):
+        runs = self._key_runs(k_pos, k_doc, as_mask(mask))
+        if runs is None:
+            return self._backward_run(dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c, dout_c, out_c,
+                                      q_doc, k_doc)
+        dq, dks, dvs = None, [], []
+        for c0, c1 in runs:                                                      # from the final out, lse: exact
+            g = self._backward_run(dout, q, k[c0:c1], v[c0:c1], out, lse, q_pos, k_pos[c0:c1], mask, scale, q_c,
+                                   dout_c, out_c, q_doc, None if k_doc is None else k_doc[c0:c1])
+            dq = g[0] if dq is None else dq.add_(g[0])
+            dks.append(g[1])
+            dvs.append(g[2])
+        return dq, torch.cat(dks), torch.cat(dvs)
+
+    # -- forward ----------------------------------------------------------------------------
+    def _forward_run(self, q, k, v, q_pos, k_pos, mask, scale, q_c=None, q_doc=None, k_doc=None):
         n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
         mask = as_mask(mask)
         cd = compute_dtype_for(q.dtype)
@@ -203,8 +260,8 @@ class FusedPiecesKernel(BlockKernel):
         return out, lse
 
     # -- backward ---------------------------------------------------------------------------
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c=None, dout_c=None, out_c=None,
-                 q_doc=None, k_doc=None):
+    def _backward_run(self, dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c=None, dout_c=None, out_c=None,
+                      q_doc=None, k_doc=None):
         n, b, h, hk, d = _check_shapes(q, k, v, q_pos, k_pos, q_doc, k_doc)
         mask = as_mask(mask)
         m, d_v = k.shape[0], v.shape[3]

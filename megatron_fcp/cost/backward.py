@@ -59,15 +59,19 @@ from megatron_fcp.cost.model import (
     AttentionShape,
     ComputeModel,
     SimResult,
+    _block_columns,
     _ResourceIndex,
+    grouped_call_scale,
     pad_for_zigzag,
     simulate_plan,
     simulate_rounds,
     zigzag_block_work,
 )
-from megatron_fcp.cost.timeline import chain_step_compute, chain_timeline, wave_timeline, wave_timeline_floor
+from megatron_fcp.cost.timeline import (chain_launches, chain_step_compute, chain_timeline, wave_timeline,
+                                        wave_timeline_floor)
+from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
-from megatron_fcp.schedule.waves import restrict, zigzag_pairs
+from megatron_fcp.schedule.waves import loop_jobs, restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -140,8 +144,9 @@ def simulate_plan_backward(
         return int(block_pairs(cp, shape.seq_len, P_, j, pos[blk.owner], blk.chunk, blk.part, plan.mask))
 
     # C[r + 1][j]: rank j's compute on blocks received in forward round r; C[0][j]: its own blocks.
-    # Kernel launches as in the forward (Note [Cost model]): blocks of one owner reaching a rank in one
-    # round share one launch, and a rank's own blocks are one launch.
+    # Kernel launches as in the forward (Note [One launch per owner and stage] in
+    # megatron_fcp.schedule.launches): blocks of one owner reaching a rank in one round share one
+    # launch, and a rank's own blocks are one launch.
     C = np.zeros((R + 1, cp))
     needs = {r: plan.needs(r) for r in plan.ranks} if computes is None else {}  # once per rank
     got = [(r, pos[t.dst], t.block) for r, rnd in enumerate(plan.rounds) for t in rnd
@@ -159,23 +164,30 @@ def simulate_plan_backward(
             p = pl.pairs_of(jj, oo, np.array([g[2].chunk for g in got])).astype(np.float64)
         else:
             p = np.array([rank_block_pairs(j, blk) for _, j, blk in got], dtype=np.float64)
+        p = p * grouped_call_scale(cm, shape, plan, rr, jj, *_block_columns([g[2] for g in got]), p * flop_s,
+                                   backward_flop_ratio)
         np.add.at(C, (rr + 1, jj), p * flop_s)
-        live = p > 0
-        if live.any():  # one launch per (round, rank, owner) with work
-            _, first = np.unique(((rr * cp + jj) * cp + oo)[live], return_index=True)
-            np.add.at(C, ((rr[live] + 1)[first], jj[live][first]), launch_s)
+        first = launch_starts(rr, jj, oo, p > 0)  # one launch per (round, rank, owner) with work
+        np.add.at(C, (rr[first] + 1, jj[first]), launch_s)
+    launches = np.zeros(cp, dtype=np.int64)
+    if got:
+        np.add.at(launches, jj[first], 1)
     if pl is not None and cm.kernel is None:  # placement, the FLOP model: every own block's pairs at once
         mine = [(j, blk.chunk) for j, rank in enumerate(plan.ranks) for blk in plan.local_blocks(rank)
                 if computes is None or (blk, rank) in computes]
         js = np.array([m[0] for m in mine], dtype=np.int64)
         own_pairs = np.bincount(js, weights=pl.pairs_of(js, js, [m[1] for m in mine]).astype(np.float64),
                                 minlength=cp)
-        C[0] = np.where(own_pairs > 0, own_pairs * flop_s + launch_s, 0.0)
+        C[0] = np.where(own_pairs > 0, own_pairs * flop_s + launch_s, 0.0)   # one call each
+        launches += own_pairs > 0
     else:
         for j, rank in enumerate(plan.ranks):
-            own = sum(rank_block_pairs(j, blk) for blk in plan.local_blocks(rank)
-                      if computes is None or (blk, rank) in computes)
-            C[0, j] = own * flop_s + launch_s if own else 0.0
+            mine = [blk for blk in plan.local_blocks(rank) if computes is None or (blk, rank) in computes]
+            w = np.array([rank_block_pairs(j, blk) for blk in mine], dtype=np.float64)
+            own = float((w * grouped_call_scale(cm, shape, plan, np.full(len(mine), -1), np.full(len(mine), j),
+                                                *_block_columns(mine), w * flop_s, backward_flop_ratio)).sum())
+            C[0, j] = own * flop_s + launch_s if own else 0.0     # one call
+            launches[j] += bool(own)
     # resend: the forward rounds run again before anything is computed
     resend_s = 0.0
     if backward_kv == "resend":
@@ -231,7 +243,7 @@ def simulate_plan_backward(
             else sum(block_tokens(b) for b in needs[r]) * kv_bytes for r in plan.ranks]
     res.meta.update(graph=plan.name, grad_dtype_bytes=grad_dtype_bytes, transfers=plan.num_transfers(),
                     backward_kv=backward_kv, resend_s=resend_s, held_kv_bytes=held,
-                    jobs_end_s=float(jobs_end.max()) if cp else 0.0)
+                    jobs_end_s=float(jobs_end.max()) if cp else 0.0, launches=launches.tolist())
     return res
 
 
@@ -285,9 +297,11 @@ def simulate_backward_waves(
     if steps is not None:  # Note [Streaming chain backward]
         out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
                               work, round_overhead_s, plan, launch_s,
-                              saved)
+                              saved, _call_s(cm, plan, shape))
+        calls = chain_launches(steps, work)
         return {**out, "first_kept": first, "first_kept_ranks": len(keepers),
-                "held_between_passes_bytes_max": max(saved.values(), default=0)}
+                "held_between_passes_bytes_max": max(saved.values(), default=0),
+                "launches": [calls.get(x, 0) for x in plan.ranks]}
     waves = program.waves
     fwd_shape = shape if kv_dtype_bytes is None else replace(shape, dtype_bytes=kv_dtype_bytes)
     resend = backward_kv == "resend"
@@ -328,7 +342,16 @@ def simulate_backward_waves(
     return {"bwd_s": total, "backward_kv": backward_kv, "resend_s": sum(fetch), "waves": W, "wave_compute_s": comp,
             "wave_reduce_s": red, "wave_resend_s": fetch, "held_kv_bytes_max": held_max, "first_kept": first,
             "first_kept_ranks": len(keepers), "jobs_end_s": max(timeline["jobs_end_s"], default=0.0),
-            "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0)}
+            "backward": "waves", "held_between_passes_bytes_max": max(saved.values(), default=0),
+            "launches": _wave_launches(plan, waves, work)}
+
+
+def _wave_launches(plan: Plan, waves, work) -> list[int]:
+    """Kernel calls per rank (plan order) of a backward in waves: one per job with work, the jobs the
+    executor runs (:func:`~megatron_fcp.schedule.waves.loop_jobs`)."""
+    jobs, _, last = loop_jobs(plan, waves)
+    return [sum(1 for js in jobs[x] for b in js if work(x, b) > 0) + sum(1 for b in last[x] if work(x, b) > 0)
+            for x in plan.ranks]
 
 
 def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: str, kv_memory_budget: int,
@@ -453,18 +476,35 @@ def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: Com
                                    kv_dtype_bytes, None)
     if program.steps is None:
         return None
-    return float(sum(chain_step_compute(program.steps, work, cm.launch_s(BACKWARD_FLOP_RATIO))))
+    return float(sum(chain_step_compute(program.steps, work, cm.launch_s(BACKWARD_FLOP_RATIO),
+                                        _call_s(cm, plan, shape))))
+
+
+def _call_s(cm: ComputeModel, plan: Plan, shape: AttentionShape):
+    """Tile pricing: ``call_s(rank, blocks)``, the backward work of one call on several blocks
+    (:func:`~megatron_fcp.cost.model.grouped_call_scale`); None under the FLOP model (additive)."""
+    if cm.kernel is None:
+        return None
+    zshape = _program_shape(plan, shape, None)[0]
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+
+    def call_s(x: int, blocks) -> float:
+        w = np.array([_tile_work(cm, plan, zshape, pos[x], b, BACKWARD_FLOP_RATIO) for b in blocks])
+        n = len(blocks)
+        return float((w * grouped_call_scale(cm, zshape, plan, np.zeros(n), np.full(n, pos[x]), *_block_columns(blocks),
+                                             w, BACKWARD_FLOP_RATIO)).sum())
+    return call_s
 
 
 def _chain_backward(steps, topo: Topology, backward_kv: str, size, grad_bytes, job_s, round_overhead_s: float,
-                    plan: Plan, launch_s: float, saved: dict) -> dict:
+                    plan: Plan, launch_s: float, saved: dict, call_s=None) -> dict:
     """:func:`simulate_backward_waves`'s result for a chain plan (Note [Streaming chain backward]
     in :mod:`megatron_fcp.schedule.chains`): ``waves`` counts the steps; held KV under resend is
     what the forward saved (``saved``, per rank) and the most a rank receives in two consecutive
     steps (keep: its need set)."""
     resend = backward_kv == "resend"
     res = chain_timeline(steps, topo, kv_bytes=size, grad_bytes=grad_bytes, job_s=job_s, resend=resend,
-                         round_overhead_s=round_overhead_s, launch_s=launch_s)
+                         round_overhead_s=round_overhead_s, launch_s=launch_s, call_s=call_s)
     if resend:
         got = [{} for _ in steps]
         for g, st in zip(got, steps):

@@ -28,7 +28,12 @@ allows between the rank's zigzag query chunks and the block (exact integer count
 -- one call per increasing run of its reader's query rows (a zigzag rank's two chunks are two
 runs, a packed rank's spans of the block's document one each) against the block's keys -- priced
 from the (query tile, key tile) pairs they touch, and the launch cost is the calibration's
-``launch_s``. Every path that prices block compute (this forward, the backward timelines of
+``launch_s``. A call on several blocks (*Launches* below) is priced as that call, not as the sum
+of its blocks: its keys joined into increasing runs (a chunk's sub-blocks are one run, a zigzag
+owner's two chunks two), every (query run, key run) of one document priced as above
+(:func:`call_work_s`; its blocks' prices scaled to it, :func:`grouped_call_scale`), as the
+emulator's sleep kernel prices the call it gets. Under the FLOP model work adds up, so grouping
+changes no price. Every path that prices block compute (this forward, the backward timelines of
 :mod:`megatron_fcp.cost.backward`, the floors of :mod:`megatron_fcp.cost.floors`, TE's schedules in
 :mod:`megatron_fcp.cost.te`, the emulator's sleep kernel) goes through :meth:`ComputeModel.work_s` /
 :func:`zigzag_block_work` / :meth:`ComputeModel.launch_s`, so they agree; the floors use
@@ -38,10 +43,16 @@ least ``min(1, partial_cost) * tile_s`` for at most ``q_tile * k_tile`` pairs).
 *Overlap*: a rank computes its own blocks from t=0 (one kernel), then each received block in plan
 order, starting no earlier than its arrival: ``end = max(end, arrival) + compute(block)``. A
 message of round k arrives at ``start(k) + latency + max over its route of busy(R, k)`` (so a
-block on an idle NVLink lands before the round's NIC bottleneck drains). Blocks of one owner
-reaching a rank in the same round share one kernel launch (``kernel_overhead_s``), as TE computes
-one step's KV pair in one call. The overlapped total is the latest rank's end (never less than
-the communication time).
+block on an idle NVLink lands before the round's NIC bottleneck drains).
+
+*Launches*: one kernel launch (``kernel_overhead_s``, or the calibration's ``launch_s``) per
+call the executor makes, and the calls come from one rule,
+:func:`~megatron_fcp.schedule.launches.launch_ids` (Note [One launch per owner and stage] in
+:mod:`megatron_fcp.schedule.launches`): a rank's own blocks are one call, the blocks of one owner
+reaching it in one round another (as TE computes one step's KV pair in one call), and a group
+without work (a block only relayed, or outside every query's window) makes none. The backward
+models count the same way (one pass, chains; a backward in waves calls once per job). The
+overlapped total is the latest rank's end (never less than the communication time).
 
 Baselines (Transformer Engine's schedules) and the lower bound are in
 :mod:`megatron_fcp.cost.te`; :mod:`megatron_fcp.planner.compare` sets them side by side.
@@ -58,12 +69,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from megatron_fcp.contract.blocks import part_span
+from megatron_fcp.contract.blocks import Block, part_span
 from megatron_fcp.contract.mask import FULL, Mask, as_mask
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
+from megatron_fcp.schedule.launches import launch_ids, launch_starts
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -74,6 +86,9 @@ __all__ = [
     "KERNEL_CALIBRATIONS",
     "zigzag_block_work",
     "kernel_block_tokens",
+    "call_work_s",
+    "key_runs",
+    "grouped_call_scale",
     "SimResult",
     "kv_block_bytes",
     "parse_tokens",
@@ -380,6 +395,90 @@ def zigzag_block_work(cm: ComputeModel, shape: AttentionShape, cp: int, P: int, 
             vals.append(memo[key])
         out += np.asarray(vals, dtype=np.float64).reshape(q.shape)
     return out
+
+
+def key_runs(spans: "Sequence[tuple[int, int, int]]") -> list[tuple[int, int, int]]:
+    """A call's keys ``(doc, start, end)`` per block, in call order, as increasing runs: a block
+    that starts where the one before it ends, in the same document, extends it (the runs a kernel
+    and the emulator's sleep kernel see: ``call_runs``)."""
+    out: list[tuple[int, int, int]] = []
+    for doc, a, z in spans:
+        if out and out[-1][0] == doc and out[-1][2] == a:
+            out[-1] = (doc, out[-1][1], z)
+        else:
+            out.append((doc, a, z))
+    return out
+
+
+def call_work_s(cm: ComputeModel, shape: AttentionShape, q_runs, k_spans, mask: "bool | Mask",
+                flop_ratio: float = 1.0, memo: dict | None = None) -> float:
+    """Seconds of work (launch not included) of one kernel call on several blocks (Note [One launch
+    per owner and stage] in :mod:`megatron_fcp.schedule.launches`): ``q_runs`` the reader's query
+    runs and ``k_spans`` the blocks' keys, both ``(doc, start, end)`` (zigzag: doc 0, global
+    positions), the keys joined into runs (:func:`key_runs`); every (query run, key run) of one
+    document is priced as one block's call. For one block it is the block's price
+    (:func:`zigzag_block_work`, :meth:`ComputeModel.spans_work_s`). ``memo``: a dict reused across
+    calls of one shape, mask and pass (a run pair's price depends on its sizes and offset only)."""
+    memo = {} if memo is None else memo
+    total = 0.0
+    for kd, ka, kz in key_runs(k_spans):
+        for qd, qa, qz in q_runs:
+            if qd != kd:
+                continue
+            key = (qz - qa, qa - ka, kz - ka)
+            w = memo.get(key)
+            if w is None:
+                w = memo[key] = cm.work_s(qz - qa, qa - ka, kz - ka, 0, shape, mask, flop_ratio)
+            total += w
+    return float(total)
+
+
+def _block_columns(blocks) -> tuple[list[int], list[int], list[int]]:
+    """Blocks as (owner, chunk, part) columns."""
+    return [b.owner for b in blocks], [b.chunk for b in blocks], [b.part for b in blocks]
+
+
+def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stage, reader, owner, chunk, part,
+                       work, flop_ratio: float = 1.0) -> np.ndarray:
+    """Per entry -- a block (``owner`` global rank, ``chunk``, ``part``) computed by CP index
+    ``reader`` in ``stage`` with ``work`` seconds -- the factor that makes a call's entries add up
+    to the grouped call's tile price (:func:`call_work_s`) instead of the sum of its blocks' (1 for
+    a call of one block, and always under the FLOP model, whose work is additive)."""
+    work = np.asarray(work, dtype=np.float64)
+    scale = np.ones(len(work))
+    if cm.kernel is None or not len(work):
+        return scale
+    reader, owner, chunk, part = (np.asarray(x, dtype=np.int64).ravel() for x in (reader, owner, chunk, part))
+    ids = launch_ids(stage, reader, owner, work > 0)
+    order = np.argsort(ids, kind="stable")                         # each call's entries, in entry order
+    ids_s = ids[order]
+    cuts = np.flatnonzero(np.diff(ids_s)) + 1
+    cp, pl = plan.cp, plan.placement
+    pos = np.full(max(plan.ranks) + 1, -1, dtype=np.int64)
+    pos[list(plan.ranks)] = np.arange(cp)
+    mask = pl.mask if pl is not None else plan.mask
+    memo: dict = {}
+    if pl is None:
+        L = shape.seq_len // (2 * cp)
+        o = pos[owner]
+        g = np.where(chunk == 0, o, 2 * cp - 1 - o)
+        p0, p1 = part_span(L, plan.parts_per_chunk, part)
+        k0, k1 = (g * L + p0).tolist(), (g * L + p1).tolist()
+    for idx in np.split(order, cuts):
+        if len(idx) < 2 or ids[idx[0]] < 0:
+            continue
+        idx = idx.tolist()
+        j = int(reader[idx[0]])
+        if pl is not None:
+            q_runs = [(sp.doc, sp.start, sp.end) for sp in pl.blocks[j]]
+            k_spans = [(sp.doc, sp.start, sp.end) for sp in (pl.blocks[pos[owner[i]]][chunk[i]] for i in idx)]
+        else:
+            q_runs = [(0, j * L, (j + 1) * L), (0, (2 * cp - 1 - j) * L, (2 * cp - j) * L)]
+            k_spans = [(0, k0[i], k1[i]) for i in idx]
+        total = float(work[idx].sum())
+        if total > 0:
+            scale[idx] = call_work_s(cm, shape, q_runs, k_spans, mask, flop_ratio, memo) / total
+    return scale
 
 
 FLOP_MODEL_BLOCK_TOKENS = 4096
@@ -732,15 +831,25 @@ def simulate_plan(
         own_p = np.tile(np.arange(P), 2 * cp)
     if cm.kernel is not None:  # Note [Cost model], compute by tiles: the calls' geometry
         if pl is None:
-            recv_t = zigzag_block_work(cm, shape, cp, P, q_i, owner_i, chunk, part, plan.mask) * w_owner[owner_i]
-            local = np.bincount(own_q, weights=zigzag_block_work(cm, shape, cp, P, own_q, own_q, own_c, own_p,
-                                                                 plan.mask) * w_owner[own_q], minlength=cp)
+            recv_t = zigzag_block_work(cm, shape, cp, P, q_i, owner_i, chunk, part, plan.mask)
+            own_w = zigzag_block_work(cm, shape, cp, P, own_q, own_q, own_c, own_p, plan.mask)
+            own_blocks = [Block(plan.ranks[j], c, p) for j, c, p in zip(own_q.tolist(), own_c.tolist(), own_p.tolist())]
+            own_j = own_q
         else:
             pm = pl.mask
             recv_t = np.array([cm.spans_work_s(pl.blocks[j], pl.blocks[i][b], shape, pm)
                                for j, i, b in zip(q_i.tolist(), owner_i.tolist(), chunk.tolist())], dtype=np.float64)
-            local = np.array([sum(cm.spans_work_s(pl.blocks[j], k, shape, pm) for k in pl.blocks[j])
-                              for j in range(cp)], dtype=np.float64)
+            own_j = np.array([j for j in range(cp) for _ in pl.blocks[j]], dtype=np.int64)
+            own_blocks = [Block(plan.ranks[j], b, 0) for j in range(cp) for b in range(len(pl.blocks[j]))]
+            own_w = np.array([cm.spans_work_s(pl.blocks[j], pl.blocks[j][blk.chunk], shape, pm)
+                              for j, blk in zip(own_j.tolist(), own_blocks)], dtype=np.float64)
+        # a call on several blocks is priced as the call (Note [One launch per owner and stage])
+        recv_t = recv_t * grouped_call_scale(cm, shape, plan, rnd, q_i, owner, chunk, part, recv_t)
+        own_w = own_w * grouped_call_scale(cm, shape, plan, np.full(len(own_j), -1), own_j,
+                                           *_block_columns(own_blocks), own_w)
+        if pl is None:                                     # a balanced plan's relative KV sizes
+            recv_t, own_w = recv_t * w_owner[owner_i], own_w * w_owner[own_q]
+        local = np.bincount(own_j, weights=own_w, minlength=cp).astype(np.float64)
     else:
         head_dim_flops = shape.pair_flops / cm.flops
         if pl is None:
@@ -756,11 +865,12 @@ def simulate_plan(
             own_b = np.concatenate([np.arange(len(x)) for x in pl.blocks]) if cp else own
             local = np.bincount(own, weights=pl.pairs_of(own, own, own_b).astype(np.float64),
                                 minlength=cp) * head_dim_flops
-    if len(rnd):
-        group = (q_i * cp + owner_i) * max(n_rounds, 1) + rnd
-        _, first = np.unique(group, return_index=True)
-        recv_t[first] += cm.launch_s()
-    local += cm.launch_s()
+    # one launch per (round, rank, owner) with work, and one for a rank's own blocks: the
+    # executor's calls (Note [One launch per owner and stage] in megatron_fcp.schedule.launches)
+    first = launch_starts(rnd, q_i, owner_i, recv_t > 0) if len(rnd) else np.zeros(0, np.int64)
+    recv_t[first] += cm.launch_s()
+    res.meta["launches"] = (np.bincount(q_i[first], minlength=cp) + (local > 0)).tolist()  # per CP rank
+    local += np.where(local > 0, cm.launch_s(), 0.0)
     busy = local + np.bincount(q_i, weights=recv_t, minlength=cp)
     order = np.lexsort((np.arange(len(q_i)), q_i))  # by rank, plan order within rank
     ends = local + compute_from_s

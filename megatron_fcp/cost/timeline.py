@@ -83,33 +83,12 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.schedule.chains import ChainStep
-from megatron_fcp.schedule.waves import Wave, leading_own_jobs
+from megatron_fcp.schedule.launches import launch_ids, launch_starts
+from megatron_fcp.schedule.waves import Wave, loop_jobs  # loop_jobs: re-exported (it lived here)
 from megatron_fcp.topology import Topology
 
-__all__ = ["wave_timeline", "wave_timeline_floor", "loop_jobs", "chain_timeline", "chain_step_compute"]
-
-
-def loop_jobs(plan: Plan, waves: Sequence[Wave]) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
-    """Each rank's gradient jobs as the executor's wave loop runs them (Note [Wave pipeline
-    timeline]): per wave, the received blocks in plan order then its own (wave 0: its own first);
-    how many of wave 0's own jobs run first, while wave 0's KV arrives
-    (:func:`~megatron_fcp.schedule.waves.leading_own_jobs`), and the rest, run after the last wave."""
-    ranks, W = list(plan.ranks), len(waves)
-    jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
-    n_own = dict.fromkeys(ranks, 0)
-    last: dict[int, list[Block]] = {x: [] for x in ranks}
-    for w, wave in enumerate(waves):
-        got: dict[int, list[Block]] = {}
-        for _, t in wave.transfers:
-            if (t.block, t.dst) in wave.computes:
-                got.setdefault(t.dst, []).append(t.block)
-        for x in ranks:
-            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
-            if w == 0:
-                n_own[x] = leading_own_jobs(len(own), W)
-                own, last[x] = own[:n_own[x]], own[n_own[x]:]
-            jobs[x].append(own + got.get(x, []) if w == 0 else got.get(x, []) + own)
-    return jobs, n_own, last
+__all__ = ["wave_timeline", "wave_timeline_floor", "loop_jobs", "chain_timeline", "chain_step_compute",
+           "chain_launches"]
 
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
@@ -341,18 +320,19 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
 
 def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Callable[[Block], float],
                    grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
-                   round_overhead_s: float = 0.0, launch_s: float = 0.0) -> dict:
+                   round_overhead_s: float = 0.0, launch_s: float = 0.0,
+                   call_s: "Callable[[int, tuple[Block, ...]], float] | None" = None) -> dict:
     """Lock-step time of ``steps`` (Note [Streaming chain backward]): per step the longer of the
     busiest rank's jobs and the step's messages (KV when ``resend``, partials, homes) under
     contention. ``job_s``: a job's compute; ``launch_s``: one kernel launch per rank, owner and
-    step (the convention of the forward's and TE's models: one call per owner's blocks of a
-    round). Returns ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV
-    messages alone, summed) and ``jobs_end_s`` (when the last step with jobs ends its compute: the
-    busiest rank's last job)."""
+    step with work (the executor's calls: Note [One launch per owner and stage] in
+    :mod:`megatron_fcp.schedule.launches`); ``call_s``: as for :func:`chain_step_compute`. Returns
+    ``total_s``, per-step ``compute_s`` and ``comm_s``, ``resend_s`` (the KV messages alone, summed)
+    and ``jobs_end_s`` (when the last step with jobs ends its compute: the busiest rank's last job)."""
     total = resend_s = jobs_end = 0.0
     comps, comms = [], []
     idx = _ResourceIndex(topo)                 # routes looked up once for all steps
-    for st, c in zip(steps, chain_step_compute(steps, job_s, launch_s)):
+    for st, c in zip(steps, chain_step_compute(steps, job_s, launch_s, call_s)):
         msgs = [(t.src, t.dst, grad_bytes(t.block)) for t in st.grad + st.home]
         kvm = [(t.src, t.dst, kv_bytes(t.block)) for t in st.kv] if resend else []
         m = round_comm_s(idx, msgs + kvm, round_overhead_s)
@@ -367,17 +347,53 @@ def chain_timeline(steps: tuple[ChainStep, ...], topo: Topology, *, kv_bytes: Ca
 
 
 def chain_step_compute(steps: Sequence[ChainStep], job_s: Callable[[int, Block], float],
-                       launch_s: float = 0.0) -> list[float]:
-    """Per step of ``steps``, the busiest rank's jobs: ``job_s`` each plus one launch per owner
-    (:func:`chain_timeline`'s compute; their sum is a floor on its total)."""
+                       launch_s: float = 0.0,
+                       call_s: "Callable[[int, tuple[Block, ...]], float] | None" = None) -> list[float]:
+    """Per step of ``steps``, the busiest rank's jobs: ``job_s`` each (work, launch not included)
+    plus one launch per call the executor makes, one per rank and owner among the step's jobs
+    with work (:func:`~megatron_fcp.schedule.launches.launch_ids`, Note [One launch per owner and
+    stage]); ``call_s(rank, blocks)``: the work of one call on several blocks (tile pricing; None:
+    the sum of its jobs', the FLOP model's). :func:`chain_timeline`'s compute, and their sum is a
+    floor on its total."""
     out = []
-    for st in steps:
+    for s, st in enumerate(steps):
+        w, first = _step_calls(s, st, job_s)
         busy: dict[int, float] = {}
-        owners: set = set()
-        for b, x in st.computes:
-            busy[x] = busy.get(x, 0.0) + job_s(x, b) + (launch_s if (x, b.owner) not in owners else 0.0)
-            owners.add((x, b.owner))
+        if call_s is not None and len(first) < sum(1 for v in w if v > 0):   # a call on several blocks
+            ids = launch_ids([s] * len(w), [x for _, x in st.computes], [b.owner for b, _ in st.computes],
+                             [v > 0 for v in w]).tolist()
+            calls: dict[int, list[int]] = {}
+            for i, g in enumerate(ids):
+                if g >= 0:
+                    calls.setdefault(g, []).append(i)
+            for idx in calls.values():
+                x = st.computes[idx[0]][1]
+                v = w[idx[0]] if len(idx) == 1 else call_s(x, tuple(st.computes[i][0] for i in idx))
+                busy[x] = busy.get(x, 0.0) + v + launch_s
+        else:
+            for i, ((b, x), v) in enumerate(zip(st.computes, w)):
+                busy[x] = busy.get(x, 0.0) + v + (launch_s if i in first else 0.0)
         out.append(max(busy.values(), default=0.0))
+    return out
+
+
+def _step_calls(s: int, st: ChainStep, job_s: Callable[[int, Block], float]) -> tuple[list[float], set[int]]:
+    """Step ``s``'s jobs' work and the indices (into ``st.computes``) of the jobs that start a call."""
+    w = [job_s(x, b) for b, x in st.computes]
+    if not w:
+        return w, set()
+    first = launch_starts([s] * len(w), [x for _, x in st.computes], [b.owner for b, _ in st.computes],
+                          [v > 0 for v in w])
+    return w, set(first.tolist())
+
+
+def chain_launches(steps: Sequence[ChainStep], job_s: Callable[[int, Block], float]) -> dict[int, int]:
+    """Kernel calls per rank that :func:`chain_step_compute` prices (the executor's calls)."""
+    out: dict[int, int] = {}
+    for s, st in enumerate(steps):
+        for i in _step_calls(s, st, job_s)[1]:
+            x = st.computes[i][1]
+            out[x] = out.get(x, 0) + 1
     return out
 
 

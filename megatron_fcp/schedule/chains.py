@@ -71,7 +71,9 @@ reads only the plan, so every rank and the cost model decide alike.
 
 **Cost** (:func:`chain_timeline`): lock-step like the model of TE's ring
 (:func:`~megatron_fcp.cost.backward._ring_backward`): each step lasts the longer of its
-busiest rank's compute (one kernel launch per owner, as TE's model charges one per step) and its
+busiest rank's compute (one kernel call per owner with work, as TE computes a step's KV pair in one
+call and as the executor runs it: Note [One launch per owner and stage] in
+:mod:`megatron_fcp.schedule.launches`) and its
 messages' time under contention. With the first sub-round kept a zigzag ring (a = 1) or a
 head-parallel stage ring (a = ranks per node) prices exactly as TE's p2p or a2a+p2p backward, or
 less where the ring prunes relays past a block's last reader.

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Callable, Collection, Hashable, Mapping
+from typing import Callable, Collection, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -60,7 +60,8 @@ from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "block_work",
+__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
+           "block_work",
            "BACKWARD_KV_MODES",
            "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
 
@@ -91,6 +92,42 @@ def leading_own_jobs(n_own: int, n_waves: int) -> int:
     own jobs, so half of them (rounded up) run first and half last: the wave's reduction then
     overlaps the second half instead of running alone at the end."""
     return n_own if n_waves > 1 else (n_own + 1) // 2
+
+
+def loop_jobs(plan: Plan, waves: Sequence[Wave]
+              ) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
+    """Each rank's gradient jobs as the wave loop runs them, one kernel call each (the executor's
+    :func:`~megatron_fcp.attention.backward_waves.run_backward_waves` runs these, the cost model's
+    :func:`~megatron_fcp.cost.timeline.wave_timeline` prices them: Note [One launch per owner and
+    stage] in :mod:`megatron_fcp.schedule.launches`): per wave, the received blocks in plan order
+    then its own (wave 0: its own first); how many of wave 0's own jobs run first, while wave 0's
+    KV arrives (:func:`leading_own_jobs`), and the rest, run after the last wave. Memoised per
+    waves object (the program's)."""
+    hit = _JOBS.get(id(waves))
+    if hit is not None and hit[0] is waves and hit[1] is plan:
+        return hit[2]
+    ranks, W = list(plan.ranks), len(waves)
+    jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
+    n_own = dict.fromkeys(ranks, 0)
+    last: dict[int, list[Block]] = {x: [] for x in ranks}
+    for w, wave in enumerate(waves):
+        got: dict[int, list[Block]] = {}
+        for _, t in wave.transfers:
+            if (t.block, t.dst) in wave.computes:
+                got.setdefault(t.dst, []).append(t.block)
+        for x in ranks:
+            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
+            if w == 0:
+                n_own[x] = leading_own_jobs(len(own), W)
+                own, last[x] = own[:n_own[x]], own[n_own[x]:]
+            jobs[x].append(own + got.get(x, []) if w == 0 else got.get(x, []) + own)
+    if len(_JOBS) > 256:
+        _JOBS.clear()
+    _JOBS[id(waves)] = (waves, plan, (jobs, n_own, last))
+    return jobs, n_own, last
+
+
+_JOBS: dict[int, tuple] = {}
 
 
 def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
