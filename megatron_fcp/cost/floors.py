@@ -283,24 +283,3 @@ def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: "bool | Mask", kv_b
             return float("inf")                             # the graph never reaches this node's readers
         t = max(t, into * kv_bytes_per_token / sum(topo.layout.nics[k].bandwidth for k in nics))
     return t
-    edges = cg.edge_array()
-    pos = np.full(max(ranks) + 1, -1, dtype=np.int64)
-    pos[list(ranks)] = np.arange(cp)
-    u, v = pos[edges[:, 0]], pos[edges[:, 1]]
-    cross = node_of[u] != node_of[v]
-    entry = np.zeros(cp, dtype=bool)
-    entry[v[cross]] = True                                  # ranks a block may enter its node through
-    idx = np.arange(cp)
-    need = chunk_need_matrix(cp, causal, seq_len)
-    owner = np.concatenate([idx, idx])
-    chunk_bytes = seq_len // (2 * cp) * kv_bytes_per_token
-    for x in sorted(set(node_of.tolist())):
-        members = node_of == x
-        into = int((need[members].any(axis=0) & (node_of[owner] != x)).sum())
-        if not into:
-            continue
-        nics = {topo.layout.gpu_nic[topo.local_rank_of(ranks[i])] for i in np.nonzero(members & entry)[0].tolist()}
-        if not nics:
-            return float("inf")                             # the graph never reaches this node's readers
-        t = max(t, into * chunk_bytes / sum(topo.layout.nics[k].bandwidth for k in nics))
-    return t
