@@ -238,7 +238,7 @@ def test_the_wave_timeline_has_no_barrier_between_waves():
     keep = runs[("keep", True)]
     assert set(keep) == {"bwd_s", "backward_kv", "resend_s", "waves", "wave_compute_s", "wave_reduce_s",
                          "wave_resend_s", "held_kv_bytes_max", "first_kept", "first_kept_ranks", "backward",
-                         "held_between_passes_bytes_max", "jobs_end_s"}
+                         "held_between_passes_bytes_max", "jobs_end_s", "launches"}
     assert 0 < keep["jobs_end_s"] <= keep["bwd_s"]          # the last job ends before the last sums arrive
     W = keep["waves"]
     red, comp = keep["wave_reduce_s"], keep["wave_compute_s"]

@@ -275,8 +275,10 @@ def simulate_backward_waves(
     resend the rounds' communication alone.
     Returns ``bwd_s``, ``jobs_end_s`` (when the last rank's last job ends), ``resend_s`` (re-send
     alone, summed), ``waves``, per-wave ``wave_compute_s``,
-    ``wave_reduce_s``, ``wave_resend_s``, and ``held_kv_bytes_max``: received KV held at once in
-    backward (two consecutive waves' received bytes on the worst rank; keep: the need set).
+    ``wave_reduce_s``, ``wave_resend_s``, ``held_kv_bytes_max``: received KV held at once in
+    backward (two consecutive waves' received bytes on the worst rank; keep: the need set), and
+    ``launches``: per CP rank, the kernel calls its backward makes (Note [One launch per owner and
+    stage] in :mod:`megatron_fcp.schedule.launches`).
     ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard).
     ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``).
     ``backward_kv="auto"``: keep or resend as the executor decides
