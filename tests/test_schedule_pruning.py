@@ -219,3 +219,25 @@ def test_columnar_rounds_are_the_loop(preset, cp, graph, monkeypatch):
     assert cols.resource_bytes.keys() == loop.resource_bytes.keys()
     assert all(cols.resource_bytes[k] == pytest.approx(v, rel=1e-12) for k, v in loop.resource_bytes.items())
     assert [e["bottleneck"] for e in cols.timeline] == [e["bottleneck"] for e in loop.timeline]
+
+
+def test_packed_auto_breaks_an_exact_tie_by_the_fewest_bytes():
+    """Two packed plans whose forwards tie exactly (time, communication, inter-node bytes): auto
+    keeps the one that moves fewer bytes in all, whose backward returns fewer partials
+    (dgx-h100:2, 512K tokens of an 8K-median mix: `entry` against `hierarchical`'s relays)."""
+    from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+    from megatron_fcp.cost.backward import simulate_plan_backward
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner.build import build_plan
+
+    topo = load_topology("dgx-h100:2")
+    pl = place_packed(lognormal_lengths(9.0, 1.0, 1 << 19, seed=0), 16, block_tokens=4096)
+    shape = AttentionShape(1, 32, 8, 128, 2)
+    res = {g: (simulate_plan(p, topo, shape), p) for g in ("entry", "hierarchical")
+           for p in [build_plan(topo, range(16), g, placement=pl)]}
+    (e, pe), (h, ph) = res["entry"], res["hierarchical"]
+    assert (e.total_s, e.comm_s, e.inter_node_bytes) == (h.total_s, h.comm_s, h.inter_node_bytes)
+    assert e.bytes < h.bytes
+    assert simulate_plan_backward(pe, topo, shape).total_s < simulate_plan_backward(ph, topo, shape).total_s
+    got = build_plan(topo, range(16), "auto", placement=pl, heads=32, kv_heads=8, head_dim=128)
+    assert got.name == "entry"

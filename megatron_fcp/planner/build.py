@@ -152,7 +152,9 @@ def _bar(priced, objective: str, packed: bool = False) -> float:
 
 def _least_crossing(candidates, objective: str):
     """Packed batches: among the candidates within :data:`PACKED_TIE` of the best predicted time,
-    the one that moves the fewest bytes across nodes (then the fastest).
+    the one that moves the fewest bytes across nodes (then the fastest, then the fewest bytes in
+    all: the backward returns a partial along every transfer, so of two forwards that tie, the one
+    with fewer relays has the cheaper backward).
 
     Under ``"total"`` the communication times must tie too. A need-driven packed plan moves little, so builders often land within a fraction of a percent of
     each other in the model (``full`` sends every block straight from its owner, ``entry`` crosses to
@@ -165,4 +167,4 @@ def _least_crossing(candidates, objective: str):
     close = [c for c in candidates if getattr(c[0], metric) <= best * (1 + PACKED_TIE)]
     least_comm = min(r.comm_s for r, _ in close)  # under "total", compute may hide very different comm
     close = [c for c in close if c[0].comm_s <= least_comm * (1 + PACKED_TIE)]
-    return min(close, key=lambda c: (c[0].inter_node_bytes, getattr(c[0], metric), c[0].comm_s))
+    return min(close, key=lambda c: (c[0].inter_node_bytes, getattr(c[0], metric), c[0].comm_s, c[0].bytes))
