@@ -180,3 +180,38 @@ def test_auto_lets_each_packed_batch_choose_its_degree():
                    groups={}, heads=8, kv_heads=2, head_dim=16)
     assert rt.packed_degrees == () and rt.packed_degree(ranks, (100, 20)) == 2
     reset_fcp()
+
+
+def test_a_packed_batch_runs_the_stage_its_degree_choice_compiled(monkeypatch):
+    """Under --fcp-head-parallel auto the degree choice compiles every degree's stage; the batch
+    runs the chosen one as compiled (no second compile), and it equals a fresh compile."""
+    from megatron_fcp.contract.head_parallel import head_groups_for
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.patches import runtime as runtime_mod
+    from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[5])
+        return compile_packed_head_parallel(*args, **kwargs)
+
+    ranks = tuple(range(8))
+    rt = setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", graph="hierarchical", block_tokens=64),
+                   layout=MegatronLayout(world=8, cp=8), groups={}, heads=8, kv_heads=2, head_dim=16)
+    monkeypatch.setattr(runtime_mod, "compile_packed_head_parallel", counting)
+    seen = 0
+    for seed in range(6):
+        docs = tuple(lognormal_lengths(5.0, 1.0, 2048, seed=seed))
+        a = rt.packed_degree(ranks, docs)
+        if a == 1:
+            continue
+        seen += 1
+        hp = rt.packed_head_parallel(ranks, docs, causal=True, heads=8, kv_heads=2)
+        assert calls == [] and hp.degree == a
+        assert hp == compile_packed_head_parallel("dgx-h100:1", ranks, docs, 8, 2, a, "hierarchical",
+                                                  head_groups=head_groups_for("dgx-h100:1", ranks, a),
+                                                  block_tokens=64, head_dim=16, dtype_bytes=2)
+        assert rt.packed_placement(docs, cp_ranks=ranks) == hp.placement
+    assert seen, "no batch chose a degree above 1: the test checks nothing"
+    reset_fcp()

@@ -26,7 +26,10 @@ the one of least predicted forward + backward time for its documents
 The choice is a pure function of the lengths, so every rank makes the same one; the per-batch
 agreement compares the stage with the placement. The layout (``shard_packed_batch``, RoPE) and
 every layer follow the batch's degree (:meth:`FCPRuntime.packed_degree`); the process groups of
-every candidate are created at setup. An explicit degree runs on every batch.
+every candidate are created at setup. The choice compiles every degree's stage; the chosen one,
+where it is what :meth:`FCPRuntime.packed_head_parallel` would compile (the runtime's head groups,
+head size and dtype), is the one the batch runs, with its placement: it is not compiled twice. An
+explicit degree runs on every batch.
 
 Note [Per-layer plans]
 ----------------------
@@ -410,12 +413,29 @@ class FCPRuntime:
         key = ("degree", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
         if key not in self.packed:
             shape = dataclasses.replace(self.packed_shape, seq_len=sum(doc_lengths))
+            compiled: dict = {}
             best, _ = choose_packed_head_parallel(self.topology, tuple(cp_ranks), tuple(doc_lengths), shape,
                                                   degrees=self.packed_degrees, graph=self.config.graph, causal=causal,
-                                                  block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS)
+                                                  block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
+                                                  plans=compiled)
             self._remember(key, best)
+            hp = compiled.get(best)
+            if best > 1 and self._compiles_as_runtime(hp, tuple(cp_ranks), shape):
+                # the chosen stage, compiled as packed_head_parallel would: the batch runs it as it is
+                self._remember(("hp", tuple(cp_ranks), tuple(doc_lengths), bool(causal), shape.heads,
+                                shape.kv_heads), hp)
+                self._remember(("placement", tuple(doc_lengths), bool(causal), tuple(cp_ranks)), hp.placement)
         self.packed.move_to_end(key)
         return self.packed[key]
+
+    def _compiles_as_runtime(self, hp: Any, cp_ranks: tuple[int, ...], shape: AttentionShape) -> bool:
+        """Whether the degree choice's plan ``hp`` is the one :meth:`packed_head_parallel` would
+        compile for ``shape``'s heads: the runtime's head groups, head size and dtype."""
+        return (isinstance(hp, PackedHeadParallelPlan)
+                and self.plan_args.get("head_dim") == shape.head_dim
+                and self.plan_args.get("dtype_bytes", 2) == shape.dtype_bytes
+                and tuple(map(tuple, hp.head_groups)) == tuple(map(tuple, head_groups_for(self.topology, cp_ranks,
+                                                                                             hp.degree))))
 
     def packed_groups(self, cp_ranks: tuple[int, ...], degree: int) -> Any:
         """This rank's head-parallel process groups of CP group ``cp_ranks`` at ``degree`` (created at

@@ -176,6 +176,7 @@ def choose_packed_head_parallel(
     causal: bool = True,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     compute_model: ComputeModel | None = None,
+    plans: dict | None = None,
 ) -> tuple[int, dict[int, float]]:
     """The head-parallel degree of least predicted forward + backward time on one packed batch, and
     every candidate's seconds (``{degree: seconds}``), priced by
@@ -184,7 +185,10 @@ def choose_packed_head_parallel(
     every degree whose head groups fit inside nodes and split ``shape``'s heads,
     :func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`); ties go to the smaller
     degree. ``shape.seq_len`` is not read (the documents set it). The KV stage of every degree is
-    built with ``graph``."""
+    built with ``graph``. ``plans``: a dict this fills with each degree's compiled plan (``a = 1``
+    the :class:`~megatron_fcp.contract.plan.Plan`, else the
+    :class:`~megatron_fcp.contract.head_parallel_packed.PackedHeadParallelPlan`), so a caller can
+    run the chosen one without compiling it again."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cands = list(degrees) if degrees is not None else head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads)
@@ -198,9 +202,11 @@ def choose_packed_head_parallel(
                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
             times[a] = simulate_packed_plan(plan, topo, shape, compute_model=compute_model).total_s
         else:
-            hp = compile_packed_head_parallel(topo, ranks, doc_lengths, shape.heads, shape.kv_heads, a, graph,
-                                              causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
-                                              dtype_bytes=shape.dtype_bytes)
-            times[a] = simulate_packed_head_parallel(hp, topo, shape, compute_model=compute_model).total_s
+            plan = compile_packed_head_parallel(topo, ranks, doc_lengths, shape.heads, shape.kv_heads, a, graph,
+                                                causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
+                                                dtype_bytes=shape.dtype_bytes)
+            times[a] = simulate_packed_head_parallel(plan, topo, shape, compute_model=compute_model).total_s
+        if plans is not None:
+            plans[a] = plan
     best = min(times, key=lambda a: (times[a], a))
     return best, times
