@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--planning-repeats", type=int, default=3, metavar="N",
                     help="per-batch planning: best of N runs (this machine's run-to-run spread is wide)")
     args = ap.parse_args()
+    if args.planning_repeats < 1:
+        ap.error(f"--planning-repeats must be at least 1, got {args.planning_repeats}")
     t0 = time.perf_counter()
     cps = (16, 64) if args.quick else tuple(CPS)
     gqa = GQA[:1] if args.quick else GQA

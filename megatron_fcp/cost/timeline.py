@@ -84,11 +84,10 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
-from megatron_fcp.schedule.waves import Wave, loop_jobs  # loop_jobs: re-exported (it lived here)
+from megatron_fcp.schedule.waves import Wave, loop_jobs
 from megatron_fcp.topology import Topology
 
-__all__ = ["wave_timeline", "wave_timeline_floor", "loop_jobs", "chain_timeline", "chain_step_compute",
-           "chain_launches"]
+__all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step_compute", "chain_launches"]
 
 
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
