@@ -19,7 +19,8 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import Block, PlanError, make_transfer
 from megatron_fcp.contract.mask import parse_window
-from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+from megatron_fcp.contract.placement import lognormal_lengths
+from megatron_fcp.planner.placing import place_batch
 from megatron_fcp.cost.model import parse_tokens
 from megatron_fcp.planner.build import NOMINAL_SHAPE, build_plan
 from megatron_fcp.planner.builders import GRAPH_CHOICES, build_graph
@@ -265,8 +266,8 @@ def run(args) -> int:
         if window is not None and seq is None and lengths is None:
             raise ValueError("--window: a zigzag plan under a window needs the sequence length: add --seq (e.g. 128k)")
         for gi, ranks in enumerate(groups):
-            pl = None if lengths is None else place_packed(lengths, len(ranks), block_tokens=args.block_tokens,
-                                                          causal=args.causal, window=window)
+            pl = None if lengths is None else place_batch(topo, ranks, lengths, block_tokens=args.block_tokens,
+                                                         causal=args.causal, window=window)
             plan = build_plan(topo, ranks, args.graph, causal=args.causal, parts_per_chunk=args.parts, placement=pl,
                               window=window, seq_len=seq)
             print()

@@ -65,6 +65,21 @@ mostly hide behind it. Pieces stay at least ``block_tokens // 8`` tokens even wh
 work above :data:`BALANCE_TARGET` (a 512-token piece at the end of a 44K-token document can pass a
 rank's whole mean work when cp = 256 holds 1M tokens): cutting the tail finer spreads it over more
 ranks, each of which then needs the whole prefix (docs/planner.md, "Packed documents at scale").
+Note [Node-aware placement]
+---------------------------
+On a CP group that spans nodes, the placement is made in two levels (``place_packed(nodes=...)``):
+the blocks (cut as in step 1) go first onto the nodes, each node a bin of ``g`` ranks' work, by
+the same greedy and searches as onto ranks (a node's need is the tokens entering it); then each
+node's blocks go onto its ``g`` ranks the same way. Why: the flat placement minimises what each
+*rank* receives, not what crosses a NIC; on 32 nodes of 8 a 32K-token document of a 1M batch
+(4K tokens a rank) lands on ranks of several nodes, and node ingress is 4.6x its bound
+(benchmarks/results/packed_scale.json, 2026-12-02). Placed by node first, most documents stay
+on one node, and only the ones longer than a node's share cross NICs. Where a node's blocks are
+too coarse to balance its ``g`` ranks (work above :data:`BALANCE_TARGET` x the mean: a node
+holding 17 pieces of one long document's tail), the node's tokens, in (document, start) order,
+are cut instead into ``g`` contiguous runs of equal work (:func:`_split_even`), which balances to
+the token at the cost of at most ``g - 1`` extra cuts, each inside one node.
+
 """
 
 from __future__ import annotations
@@ -74,6 +89,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Sequence
 
+import logging
+
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block
@@ -81,6 +98,9 @@ from megatron_fcp.contract.mask import Mask, as_mask, check_window
 
 __all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
            "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
+
+_log = logging.getLogger(__name__)
+_UNEVEN_LOGGED: list[bool] = []
 
 DEFAULT_BLOCK_TOKENS = 4096
 """Block size of long documents (about 4K tokens keeps a GPU kernel efficient; FCP paper)."""
@@ -641,6 +661,125 @@ def _refine_recv(loads: _Loads, placed: list[list[Span]], wk: dict, cap: float, 
             owner[u] = b
 
 
+def _node_groups(nodes: Sequence[int] | None, cp: int) -> list[list[int]] | None:
+    """CP indices per node, nodes in order of first appearance; None where a node-aware placement
+    would equal the flat one (no ``nodes``, one node, one rank per node) or cannot balance (nodes of
+    unequal size: the first level gives every node the same share of work), the latter logged once."""
+    if nodes is None:
+        return None
+    nodes = list(nodes)
+    if len(nodes) != cp:
+        raise ValueError(f"nodes: one node id per CP index ({cp}), got {len(nodes)}; pass "
+                         "Topology.domains_of(cp_ranks)")
+    groups: dict = {}
+    for j, n in enumerate(nodes):
+        groups.setdefault(n, []).append(j)
+    out = list(groups.values())
+    if len(out) in (1, cp):
+        return None
+    if len({len(g) for g in out}) > 1:
+        if not _UNEVEN_LOGGED:
+            _UNEVEN_LOGGED.append(True)
+            _log.info("place_packed: CP ranks per node differ (%s); placing flat, without node awareness "
+                      "(numerics are the same)", sorted({len(g) for g in out}))
+        return None
+    return out
+
+
+def _split_even(spans: Sequence[Span], doc_span: dict, mask: Mask, n: int) -> list[list[Span]]:
+    """``spans`` in (document, start) order as one stream of tokens, cut into ``n`` contiguous runs of
+    equal attention work (each token's queries against its document): the ``k``-th cut is the token
+    boundary nearest to ``k / n`` of the stream's work (found by bisection on :func:`span_pairs`,
+    so any mask), so every run is within one token's work of the share. The second level of a
+    node-aware placement where the first level's blocks are too coarse to balance a node's ranks
+    (Note [Node-aware placement])."""
+    order = sorted(spans)
+    works = [span_pairs(s, doc_span[s.doc], mask) for s in order]
+    total = sum(works)
+    out: list[list[Span]] = [[] for _ in range(n)]
+    r, before = 0, 0  # current run; work of the stream before the current span
+    for s, w in zip(order, works):
+        a = s.start
+        while r < n - 1 and before + w >= total * (r + 1) / n:  # the next cut falls in this span
+            goal = total * (r + 1) / n - before
+            lo, hi = s.start, s.end  # work of [start, lo) <= goal < work of [start, hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if span_pairs(Span(s.doc, s.start, mid), doc_span[s.doc], mask) <= goal:
+                    lo = mid
+                else:
+                    hi = mid
+            below = span_pairs(Span(s.doc, s.start, lo), doc_span[s.doc], mask)
+            above = span_pairs(Span(s.doc, s.start, hi), doc_span[s.doc], mask)
+            cut = lo if goal - below <= above - goal else hi
+            cut = max(cut, a)
+            if cut > a:
+                out[r].append(Span(s.doc, a, cut))
+            a, r = cut, r + 1
+        if a < s.end:
+            out[r].append(Span(s.doc, a, s.end))
+        before += w
+    return out
+
+
+def _assign(spans: Sequence[Span], wk: dict, lengths: tuple, n: int, mask: Mask, is_long, *, tolerance: float,
+            need_weight: float, refine: bool, long_slack: float, recv_refine: bool) -> tuple[list[list[Span]], np.ndarray]:
+    """Steps 2-4 of :func:`place_packed`: ``spans`` (blocks already cut; ``wk[s]`` = attention work of
+    ``s``'s queries against its document) onto ``n`` bins, returning each bin's spans and work. A bin
+    is a rank, or a node of ranks (the first level of a node-aware placement): need is counted per
+    bin the same way, as tokens entering it."""
+    causal = mask.causal
+    mean = sum(wk[s] for s in spans) / n
+    placed: list[list[Span]] = [[] for _ in range(n)]
+    work = np.zeros(n)
+    need = np.zeros(n)
+    held: dict[int, dict[int, tuple[int, int]]] = {}  # document -> rank -> (max end, tokens held)
+    windowed = _Loads(lengths, n, mask) if mask.windowed else None  # the need under a window
+    for s in sorted((s for s in spans if is_long(s)), key=lambda s: (-s.start, -wk[s], s.doc)):
+        w = wk[s]
+        after = need + (s.start if causal else lengths[s.doc] - s.tokens)  # need after, on a rank without s.doc
+        hold = held.setdefault(s.doc, {})
+        for r, (top, toks) in hold.items():
+            end = max(top, s.end) if causal else lengths[s.doc]
+            after[r] = need[r] - ((top if causal else end) - toks) + end - toks - s.tokens
+        if windowed is not None:
+            after = np.array([need[r] + windowed.delta(r, s, True) for r in range(n)], dtype=np.float64)
+        room = work + w <= mean * (1 + long_slack)
+        cut = [r for r in hold if room[r] and after[r] < need[r]]
+        if cut:  # an earlier block of a document whose later block r holds: r's need drops; take the neediest
+            r = max(cut, key=lambda r: (need[r], -r))
+        elif room.any():
+            r = int(np.argmin(np.where(room, after, np.inf)))
+        else:
+            r = int(np.argmin(work))
+        top, toks = hold.get(r, (0, 0))
+        hold[r] = (max(top, s.end), toks + s.tokens)
+        need[r] = after[r]
+        if windowed is not None:
+            windowed.apply(r, s, w, True)
+        work[r] += w
+        placed[r].append(s)
+    heap = [(float(work[r]), r) for r in range(n)]  # short documents: least loaded first (LPT on work)
+    heapq.heapify(heap)
+    for s in sorted((s for s in spans if not is_long(s)), key=lambda s: (-wk[s], s.doc)):
+        _, r = heapq.heappop(heap)
+        work[r] += wk[s]
+        placed[r].append(s)
+        heapq.heappush(heap, (float(work[r]), r))
+    if refine and n > 1:
+        loads = _Loads(lengths, n, mask)
+        for r in range(n):
+            for s in placed[r]:
+                loads.apply(r, s, wk[s], True)
+        _refine(loads, placed, wk, 0.0, max_iter=2 * n + 32, movable=lambda s: not is_long(s))  # need unchanged
+        if max(loads.work) > (1 + tolerance) * mean:  # too few short documents: move long blocks too
+            _refine(loads, placed, wk, need_weight, max_iter=2 * n + 32)
+        if recv_refine and not mask.windowed:
+            _refine_recv(loads, placed, wk, max(RECV_WORK_CAP * mean, max(loads.work)), 4 * n + 64, is_long)
+        work = np.asarray(loads.work, dtype=np.float64)
+    return placed, work
+
+
 def place_packed(
     doc_lengths: Sequence[int],
     cp: int,
@@ -654,6 +793,7 @@ def place_packed(
     long_slack: float = 0.0,
     window: Sequence[int] | None = None,
     recv_refine: bool = True,
+    nodes: Sequence[int] | None = None,
 ) -> Placement:
     """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
 
@@ -684,6 +824,11 @@ def place_packed(
     ``window`` (``(left, right)`` inside each document, Megatron's convention): work and need follow
     the windowed mask (a block's need is the window's reach before its edge, :class:`_Loads`).
 
+    ``nodes`` (node id per CP index, e.g. :meth:`Topology.domains_of` of the CP ranks): steps 2-4 run
+    twice, first with the nodes as bins, then over each node's ranks with that node's blocks; see
+    Note [Node-aware placement]. Without it (or with one node, or one rank per node) the placement
+    is flat.
+
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
     lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
@@ -704,58 +849,26 @@ def place_packed(
              for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, block_tokens // 8))
                           if n > block_tokens else [(0, n)])]
     wk = {s: span_pairs(s, doc_span[s.doc], mask) for s in spans}  # queries of s against its whole doc
-    mean = total / cp
     is_long = lambda s: lengths[s.doc] > block_tokens  # noqa: E731
-    placed: list[list[Span]] = [[] for _ in range(cp)]
-    work = np.zeros(cp)
-    need = np.zeros(cp)
-    held: dict[int, dict[int, tuple[int, int]]] = {}  # document -> rank -> (max end, tokens held)
-    windowed = _Loads(lengths, cp, mask) if mask.windowed else None  # the need under a window
-    for s in sorted((s for s in spans if is_long(s)), key=lambda s: (-s.start, -wk[s], s.doc)):
-        w = wk[s]
-        after = need + (s.start if causal else lengths[s.doc] - s.tokens)  # need after, on a rank without s.doc
-        hold = held.setdefault(s.doc, {})
-        for r, (top, toks) in hold.items():
-            end = max(top, s.end) if causal else lengths[s.doc]
-            after[r] = need[r] - ((top if causal else end) - toks) + end - toks - s.tokens
-        if windowed is not None:
-            after = np.array([need[r] + windowed.delta(r, s, True) for r in range(cp)], dtype=np.float64)
-        room = work + w <= mean * (1 + long_slack)
-        cut = [r for r in hold if room[r] and after[r] < need[r]]
-        if cut:  # an earlier block of a document whose later block r holds: r's need drops; take the neediest
-            r = max(cut, key=lambda r: (need[r], -r))
-        elif room.any():
-            r = int(np.argmin(np.where(room, after, np.inf)))
-        else:
-            r = int(np.argmin(work))
-        top, toks = hold.get(r, (0, 0))
-        hold[r] = (max(top, s.end), toks + s.tokens)
-        need[r] = after[r]
-        if windowed is not None:
-            windowed.apply(r, s, w, True)
-        work[r] += w
-        placed[r].append(s)
-    heap = [(float(work[r]), r) for r in range(cp)]  # short documents: least loaded first (LPT on work)
-    heapq.heapify(heap)
-    for s in sorted((s for s in spans if not is_long(s)), key=lambda s: (-wk[s], s.doc)):
-        _, r = heapq.heappop(heap)
-        work[r] += wk[s]
-        placed[r].append(s)
-        heapq.heappush(heap, (float(work[r]), r))
-    if refine and cp > 1:
-        loads = _Loads(lengths, cp, mask)
-        for r in range(cp):
-            for s in placed[r]:
-                loads.apply(r, s, wk[s], True)
-        _refine(loads, placed, wk, 0.0, max_iter=2 * cp + 32, movable=lambda s: not is_long(s))  # need unchanged
-        if max(loads.work) > (1 + tolerance) * mean:  # too few short documents: move long blocks too
-            _refine(loads, placed, wk, need_weight, max_iter=2 * cp + 32)
-        if recv_refine and not mask.windowed:
-            _refine_recv(loads, placed, wk, max(RECV_WORK_CAP * mean, max(loads.work)), 4 * cp + 64, is_long)
-        work = np.asarray(loads.work, dtype=np.float64)
+    kw = dict(tolerance=tolerance, need_weight=need_weight, refine=refine, long_slack=long_slack,
+              recv_refine=recv_refine)
+    groups = _node_groups(nodes, cp)
+    if groups is None:
+        placed, work = _assign(spans, wk, lengths, cp, mask, is_long, **kw)
+    else:  # Note [Node-aware placement]: documents onto nodes first, then each node's blocks onto its ranks
+        by_node, _ = _assign(spans, wk, lengths, len(groups), mask, is_long, **kw)
+        placed = [[] for _ in range(cp)]
+        for members, node_spans in zip(groups, by_node):
+            inner, w = _assign(node_spans, wk, lengths, len(members), mask, is_long, **kw)
+            if len(members) > 1 and w.max() > BALANCE_TARGET * total / cp:  # pieces too coarse for g ranks
+                inner = _split_even(node_spans, doc_span, mask, len(members))
+            for r, p in zip(members, inner):
+                placed[r] = p
+        work = np.array([sum(span_pairs(s, doc_span[s.doc], mask) for s in p) for p in placed], dtype=np.float64)
+    mean = total / cp
     if refine and cp > 1 and work.max() > BALANCE_TARGET * mean and max_block_work / 2 >= MIN_BLOCK_WORK:
         # few documents per rank (cp = 256 on a 1M-token batch): pieces too coarse to balance; halve them
         return place_packed(lengths, cp, block_tokens=block_tokens, causal=causal, tolerance=tolerance,
                             max_block_work=max_block_work / 2, need_weight=need_weight, refine=refine,
-                            long_slack=long_slack, window=window, recv_refine=recv_refine)
+                            long_slack=long_slack, window=window, recv_refine=recv_refine, nodes=nodes)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal, mask.window)

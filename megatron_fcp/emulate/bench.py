@@ -88,11 +88,11 @@ def prepare(cfg: BenchConfig):
     workloads = make_workloads(list(cfg.workloads), cfg.shape, topo, cm)
     placement_plan = next((w.plan for w in workloads if isinstance(w, FcpWorkload) and w.plan is not None), None)
     if cfg.shape.doc_lengths and placement_plan is None:
-        from megatron_fcp.contract.placement import place_packed
         from megatron_fcp.planner.build import build_plan
+        from megatron_fcp.planner.placing import place_batch
 
-        pl = place_packed(list(cfg.shape.doc_lengths), topo.world, block_tokens=cfg.shape.block_tokens,
-                          causal=cfg.shape.causal)
+        pl = place_batch(topo, range(topo.world), list(cfg.shape.doc_lengths), block_tokens=cfg.shape.block_tokens,
+                         causal=cfg.shape.causal)
         placement_plan = build_plan(topo, range(topo.world), "full", causal=cfg.shape.causal, placement=pl)
     bounds = lower_bounds(cfg.shape, topo, cm, placement_plan)
     predictions = {w.name: w.predict(topo, cm) for w in workloads}

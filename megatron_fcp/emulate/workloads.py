@@ -28,7 +28,7 @@ Workload names (``--workloads``):
   1, graph ``auto`` over the placement, as the runtime plans it per micro-batch): ``fcp-auto``'s run;
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
   (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
-  with ``--doc-lengths``, over :func:`~megatron_fcp.planning.place_packed`'s placement (THD). A
+  with ``--doc-lengths``, over :func:`~megatron_fcp.planner.placing.place_batch`'s placement (THD). A
   suffix ``@keep`` / ``@resend`` / ``@auto`` sets that workload's backward KV mode, overriding
   ``--backward-kv``, and ``/P`` its sub-blocks per zigzag chunk, overriding ``--parts``
   (``fcp-auto@keep/4``).
@@ -90,7 +90,8 @@ from dataclasses import dataclass, field, replace
 
 from megatron_fcp.contract.head_parallel import HeadParallelPlan
 from megatron_fcp.contract.mask import Mask
-from megatron_fcp.contract.placement import Placement, place_packed
+from megatron_fcp.contract.placement import Placement
+from megatron_fcp.planner.placing import place_batch
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.backward import simulate_backward_waves
 from megatron_fcp.cost.head_parallel import simulate_head_parallel, stage_shape
@@ -505,8 +506,8 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology,
     ranks = tuple(range(topo.world))
     placement = None
     if shape.doc_lengths:
-        placement = place_packed(list(shape.doc_lengths), len(ranks), block_tokens=shape.block_tokens,
-                                 causal=shape.causal, window=shape.window)
+        placement = place_batch(topo, ranks, list(shape.doc_lengths), block_tokens=shape.block_tokens,
+                                causal=shape.causal, window=shape.window)
     out: list[Workload] = []
     for n in names:
         refused = _window_refusal(n, shape) if n in ("te-p2p", "te-a2a-p2p") else None

@@ -81,9 +81,10 @@ from megatron_fcp.contract.head_parallel import (
     head_parallel_degrees,
     relabel_plan,
 )
-from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan, place_packed_groups
+from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
-from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement
+from megatron_fcp.planner.placing import place_batch, place_batch_groups
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.patches.schedule import schedule_report, search_share, settle_schedule
@@ -394,11 +395,11 @@ class FCPRuntime:
         if key not in self.packed:
             block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
             if degree == 1:
-                placement = place_packed(doc_lengths, self.layout.cp, block_tokens=block, causal=causal)
+                placement = place_batch(self.topology, tuple(cp_ranks), doc_lengths, block_tokens=block, causal=causal)
             else:
                 groups = head_groups_for(self.topology, tuple(cp_ranks), degree)
-                placement = place_packed_groups(doc_lengths, tuple(cp_ranks), groups, block_tokens=block,
-                                                causal=causal)[1]
+                placement = place_batch_groups(self.topology, tuple(cp_ranks), groups, doc_lengths,
+                                               block_tokens=block, causal=causal)[1]
             self._remember(key, placement)
         self.packed.move_to_end(key)
         return self.packed[key]

@@ -57,6 +57,7 @@ __all__ = [
     "SpanningGraph",
     "BalancedGraph",
     "EntryGraph",
+    "StripeGraph",
     "BUILDERS",
     "GRAPH_CHOICES",
     "AUTO_CANDIDATES",
@@ -213,6 +214,61 @@ class EntryGraph(FullGraph):
 
     def wave_table(self, cg, causal, parts_per_chunk):
         return None  # its trees differ from full's
+
+
+class StripeGraph(EntryGraph):
+    """``entry``, with the copies for other nodes leaving the owner's node through different NICs.
+
+    Tree: owner -> its node's readers; the ``i``-th other node holding a reader (nodes in cyclic
+    order after the owner's) is reached through the owner's node member at rail position
+    ``pos(owner) + i`` (cyclically): owner -> that *relay* over NVLink (the owner itself for
+    ``i = 0``), relay -> the remote node's entry (its first reader at or after the relay's rail
+    position), entry -> that node's other readers. On packed batches the early blocks of a document
+    that spans ``k`` nodes are read on all of them: ``entry`` sends ``k - 1`` copies through the
+    owner's one NIC, which then bounds the round (a busiest sender), while here each leaves through
+    its own. Bytes: ``entry``'s plus one NVLink hop per copy whose relay is not a reader.
+    """
+
+    name = "stripe"
+
+    def tree_with_depths(self, cg, owner, dests, chunk=0):
+        meta = cg.meta
+        groups, node_of, pos = meta["groups"], meta["node_of"], meta["pos"]
+        home = node_of[owner]
+        want = set(dests)
+        members_home = groups[home]
+        n_home = len(members_home)
+        order = sorted(groups, key=lambda node: (node - home) % (max(groups) + 1))
+        edges: list[tuple[int, int, int]] = []  # (depth, src, dst)
+        reached = {owner: 0}
+        i = 0
+        for node in order:
+            members = groups[node]
+            readers = [d for d in members if d in want and d != owner]
+            if not readers:
+                continue
+            if node == home:
+                for d in readers:
+                    if d not in reached:
+                        reached[d] = 1
+                        edges.append((1, owner, d))
+                continue
+            relay = members_home[(pos[owner] + i) % n_home]
+            i += 1
+            if relay not in reached:
+                reached[relay] = 1
+                edges.append((1, owner, relay))
+            n = len(members)
+            rail = pos[relay] % n
+            entry = min(readers, key=lambda d: (pos[d] - rail) % n)
+            reached[entry] = reached[relay] + 1
+            edges.append((reached[entry], relay, entry))
+            for d in readers:
+                if d != entry:
+                    reached[d] = reached[entry] + 1
+                    edges.append((reached[d], entry, d))
+        edges.sort(key=lambda e: e[0])  # BFS order (stable: the order above within a depth)
+        return [(u, v) for _, u, v in edges], [d for d, _, _ in edges]
 
 
 def entry_position(rail: int, home_size: int, size: int, chunk: int) -> int:
@@ -521,6 +577,7 @@ BUILDERS: dict[str, Callable[..., GraphBuilder]] = {
     "spanning": SpanningGraph,
     "balanced": BalancedGraph,
     "entry": EntryGraph,
+    "stripe": StripeGraph,
 }
 """The registry: graph name -> builder class. Everything else that names graphs derives from it."""
 

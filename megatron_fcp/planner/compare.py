@@ -14,7 +14,8 @@ import numpy as np
 
 from megatron_fcp.contract.head_parallel import stage_plan
 from megatron_fcp.contract.mask import Mask
-from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, place_packed, recv_lower_bound
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, recv_lower_bound
+from megatron_fcp.planner.placing import place_batch
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 from megatron_fcp.cost.floors import intra_ingress
@@ -330,7 +331,7 @@ def compare_packed(
     ranks = check_cp_ranks(topo, range(topo.world) if cp_ranks is None else cp_ranks)
     cp = len(ranks)
     cm = compute_model or ComputeModel()
-    pl = placement or place_packed(doc_lengths, cp, block_tokens=block_tokens, causal=causal)
+    pl = placement or place_batch(topo, ranks, doc_lengths, block_tokens=block_tokens, causal=causal)
     if tuple(pl.doc_lengths) != tuple(int(x) for x in doc_lengths) or pl.cp != cp:
         raise ValueError("placement: does not hold these documents on this CP group")
     kw = dict(causal=causal, compute_model=cm, backward_flop_ratio=backward_flop_ratio,

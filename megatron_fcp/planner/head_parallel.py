@@ -39,9 +39,10 @@ from megatron_fcp.contract.head_parallel import (
     relabel_plan,
     topology_head_groups,
 )
-from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan, place_packed_groups
+from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
-from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, place_packed
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
+from megatron_fcp.planner.placing import place_batch, place_batch_groups
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.head_parallel_packed import simulate_packed_head_parallel, simulate_packed_plan
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, pad_for_zigzag
@@ -140,8 +141,9 @@ def compile_packed_head_parallel(
 
     The documents are placed over the head groups (default
     :func:`~megatron_fcp.contract.head_parallel.head_groups_for`: inside nodes where ``degree``
-    fits them, as the runtime's groups) with :func:`~megatron_fcp.contract.placement.place_packed` (``block_tokens``: its block
-    size, default the placement's), split among each group's members, and the KV stage is built
+    fits them, as the runtime's groups) with
+    :func:`~megatron_fcp.planner.placing.place_batch_groups` (``block_tokens``: its block size,
+    default the placement's), split among each group's members, and the KV stage is built
     with ``graph`` (a builder name or ``"auto"``) over member 0's ranks and the group placement,
     then renamed onto virtual ranks ``0..G-1``. ``heads`` / ``kv_heads``: the attention's (per
     tensor-parallel rank); ValueError naming the fix when ``degree`` does not fit them or the CP
@@ -155,7 +157,7 @@ def compile_packed_head_parallel(
     groups = tuple(tuple(g) for g in head_groups) if head_groups is not None \
         else head_groups_for(topo, ranks, degree)
     place_kw = {"causal": causal} if block_tokens is None else {"causal": causal, "block_tokens": block_tokens}
-    group_pl, member_pl = place_packed_groups(doc_lengths, ranks, groups, **place_kw)
+    group_pl, member_pl = place_batch_groups(topo, ranks, groups, doc_lengths, **place_kw)
     kv = None
     if len(groups) > 1:
         stage0 = tuple(g[0] for g in groups)
@@ -181,7 +183,7 @@ def choose_packed_head_parallel(
     """The head-parallel degree of least predicted forward + backward time on one packed batch, and
     every candidate's seconds (``{degree: seconds}``), priced by
     :func:`~megatron_fcp.cost.head_parallel_packed.simulate_packed_head_parallel` (``a = 1``: the
-    plain packed plan over ``place_packed``, by ``simulate_packed_plan``). ``degrees`` (default:
+    plain packed plan over ``place_batch``, by ``simulate_packed_plan``). ``degrees`` (default:
     every degree whose head groups fit inside nodes and split ``shape``'s heads,
     :func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`); ties go to the smaller
     degree. ``shape.seq_len`` is not read (the documents set it). The KV stage of every degree is
@@ -197,7 +199,7 @@ def choose_packed_head_parallel(
     times: dict[int, float] = {}
     for a in sorted(set(cands)):
         if a == 1:
-            pl = place_packed(doc_lengths, len(ranks), block_tokens=block_tokens, causal=causal)
+            pl = place_batch(topo, ranks, doc_lengths, block_tokens=block_tokens, causal=causal)
             plan = build_plan(topo, ranks, graph, causal=causal, placement=pl, heads=shape.heads,
                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
             times[a] = simulate_packed_plan(plan, topo, shape, compute_model=compute_model).total_s

@@ -76,6 +76,7 @@ _LAZY = {
     "build_graph": "megatron_fcp.planner.builders",
     "get_builder": "megatron_fcp.planner.builders",
     "compile_plan": "megatron_fcp.planner.compile",
+    "place_batch": "megatron_fcp.planner.placing",
     "CommGraph": "megatron_fcp.planner.graph",
     "check_cp_ranks": "megatron_fcp.planner.graph",
     "runs_of": "megatron_fcp.planner.graph",
