@@ -31,7 +31,7 @@ from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.cost.backward import simulate_plan_backward
+from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 from megatron_fcp.cost.head_parallel import combine, stage_shape
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
@@ -43,7 +43,8 @@ from megatron_fcp.cost.model import (
 )
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel", "simulate_packed_plan"]
+__all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel", "simulate_packed_plan",
+           "packed_as_run"]
 
 
 def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
@@ -118,3 +119,27 @@ def simulate_packed_head_parallel(hp: PackedHeadParallelPlan, topology: "Topolog
     meta = {"head_parallel": hp.degree, "graph": sp.name, "kv_replication": hp.kv_replication,
             "fwd_total_s": fwd.total_s, "bwd_total_s": bwd.total_s, "transfers": sp.num_transfers()}
     return combine(name, [fwd, bwd], meta)
+
+
+def packed_as_run(plan: "Plan | PackedHeadParallelPlan", topology: "Topology | str", shape: AttentionShape, *,
+                  compute_model: ComputeModel | None = None, backward_kv: str = "auto") -> dict:
+    """Forward + backward of a packed batch's plan as the executor runs the backward: in waves under
+    the default KV budget (:func:`~megatron_fcp.cost.backward.simulate_backward_waves`,
+    ``backward_kv``), instead of :func:`simulate_packed_plan` / :func:`simulate_packed_head_parallel`'s
+    one pass. For a head-parallel stage the waves run on the merged stage plan with the stage's
+    heads, between the same all-to-alls. Returns ``fwd_s``, ``bwd_s``, ``total_s``, ``waves`` and
+    ``backward_kv`` (the mode run)."""
+    topo = load_topology(topology)
+    cm = compute_model or ComputeModel()
+    if isinstance(plan, PackedHeadParallelPlan):
+        one = simulate_packed_head_parallel(plan, topo, shape, compute_model=cm)
+        sp, sshape = packed_stage_plan(plan), stage_shape(plan, shape)
+        a2a = sum(simulate_rounds(topo, [packed_a2a_messages(plan, shape, w)]).total_s for w in ("o-in", "qkv-out"))
+        fwd = one.meta["fwd_total_s"]
+    else:
+        sp, sshape, a2a = plan, shape, 0.0
+        fwd = simulate_plan(plan, topo, shape, compute_model=cm).total_s
+    waves = simulate_backward_waves(sp, topo, sshape, compute_model=cm, backward_kv=backward_kv)
+    bwd = a2a + waves["bwd_s"]
+    return {"fwd_s": fwd, "bwd_s": bwd, "total_s": fwd + bwd, "waves": waves["waves"],
+            "backward_kv": waves["backward_kv"]}
