@@ -343,3 +343,52 @@ def test_fused_kernels_name_what_is_missing(monkeypatch):
 def test_cpu_flash_kernel_is_the_shared_implementation():
     assert isinstance(BLOCK_KERNELS["cpu-flash"], CpuFlashKernel) and isinstance(CpuFlashKernel(), FusedPiecesKernel)
     assert isinstance(BLOCK_KERNELS["cuda-flash"].ops_for(torch.float32), TorchCudaEfficientOps)
+
+
+class _CountingCpuOps(CpuFlashOps):
+    """cpu-flash's op, counting its forward and backward calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"forward": 0, "backward": 0}
+
+    def forward(self, *a, **kw):
+        self.calls["forward"] += 1
+        return super().forward(*a, **kw)
+
+    def backward(self, *a, **kw):
+        self.calls["backward"] += 1
+        return super().backward(*a, **kw)
+
+
+class _CountingCpuKernel(FusedPiecesKernel):
+    name = "cpu-flash-counting"
+
+    def __init__(self):
+        self.ops = _CountingCpuOps()
+
+    def ops_for(self, dtype):
+        return self.ops if self.ops.op_dtype(dtype) else None
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_call_out_of_position_order_runs_sorted_in_one_op_call(cp):
+    """A head-parallel member at a = cp holds the whole sequence as 2 cp zigzag chunks rank by rank
+    (item 6 of the module note): the kernel sorts rows and keys, makes one causal op call each
+    way, and returns every tensor in the caller's order, equal to the reference."""
+    S = 16 * 2 * cp
+    L = S // (2 * cp)
+    order = torch.cat([torch.cat([torch.arange(j * L, (j + 1) * L), torch.arange((2 * cp - 1 - j) * L, (2 * cp - j) * L)])
+                       for j in range(cp)])                                # zigzag, rank by rank
+    g = torch.Generator().manual_seed(cp)
+    q, do = (torch.randn(S, 1, 4, 16, generator=g, dtype=F64) for _ in range(2))
+    k, v = (torch.randn(S, 1, 2, 16, generator=g, dtype=F64) for _ in range(2))
+    ref = _reference(q, k, v, do, order, order, True)
+    kern = _CountingCpuKernel()
+    got = _run(kern, q, k, v, do, order, order, True, torch.float32)
+    for name in QUANT:
+        assert _max_err(got[name], ref[name]) < 2e-5, name
+    assert kern.ops.calls == {"forward": 1, "backward": 1}
+    kern.ops.calls = {"forward": 0, "backward": 0}                         # in order: no gather, same calls
+    _run(kern, q, k, v, do, torch.arange(S), torch.arange(S), True, torch.float32)
+    assert kern.ops.calls == {"forward": 1, "backward": 1}

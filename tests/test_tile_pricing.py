@@ -265,3 +265,31 @@ def test_block_tokens_come_from_the_kernel_model():
     assert kernel_block_tokens(TILED, AttentionShape(1, 8, 8, 128)) == 2 * n   # fewer heads: launches dearer
     with pytest.raises(ValueError, match="efficiency"):
         kernel_block_tokens(TILED, SHAPE, 1.0)
+
+
+def test_key_runs_take_a_call_in_position_order():
+    """Rows and keys go to the fused kernels sorted by (document, position) (item 6 of the note in
+    megatron_fcp.attention.fused): zigzag chunks of one sequence, rank by rank, are one run."""
+    from megatron_fcp.cost.model import key_runs
+
+    cp, L = 4, 8
+    chunks = [c for j in range(cp) for c in (j, 2 * cp - 1 - j)]
+    assert key_runs([(0, c * L, (c + 1) * L) for c in chunks]) == [(0, 0, 2 * cp * L)]
+    assert key_runs([(1, 5, 9), (0, 0, 4), (1, 0, 5)]) == [(0, 0, 4), (1, 0, 9)]
+    assert key_runs([(0, 0, 4), (0, 8, 12)]) == [(0, 0, 4), (0, 8, 12)]
+
+
+@pytest.mark.parametrize("seq", [32768, 131072])
+def test_head_parallel_at_a_equal_cp_prices_as_te_ulysses_under_tiles(seq):
+    """One node, a = cp: FCP's stage is one causal call over the whole sequence per rank, as TE's
+    a2a runs it, and no LSE merge (the plan has no rounds): the same price within 0.1%."""
+    from megatron_fcp.cost.head_parallel import simulate_te
+    from megatron_fcp.cost.model import AttentionShape, ComputeModel
+    from megatron_fcp.planner.choose import head_parallel_candidates
+
+    cm = ComputeModel.tiled("h200-fa2")
+    shape = AttentionShape(seq, 32, 8, 128, 2)
+    (res, hp), = head_parallel_candidates("dgx-h100:1", range(8), shape, compute_model=cm, degree=8)
+    te = simulate_te("te-a2a-p2p", "dgx-h100:1", range(8), shape, compute_model=cm)
+    assert hp.kv_plan is None
+    assert res.total_s == pytest.approx(te.total_s, rel=1e-3)

@@ -41,6 +41,13 @@ contract (``(out, lse)`` in FP32, masks from positions and document ids, rows th
    mask that ignores positions (no causal, no window) nothing is cut. The op calls of one such
    kernel call are one per run and piece, as before per block; flash-attn's varlen form could
    take the runs as segments of one launch (the query repeated per run): not done.
+6. A call's rows and keys are taken in (document, position) order (:func:`_position_order`):
+   when either is out of that order (a head-parallel member's tokens after the all-to-all are its
+   group's zigzag chunks rank by rank: at ``a = cp`` 2 cp chunks of one sequence), the kernel
+   gathers them sorted, runs, and scatters the outputs and gradients back. Rows are independent
+   and the keys' runs are only fewer, so nothing but the op calls changes: at ``a = cp`` one causal
+   call over the whole sequence instead of 2 cp x 2 cp pieces, as Transformer Engine's Ulysses
+   runs it. The cost model prices calls so (:func:`~megatron_fcp.cost.model.key_runs`).
 
 Kernels: :class:`CpuFlashKernel` (``cpu-flash``), :class:`CudaFlashKernel` (``cuda-flash``:
 torch's FlashAttention-2 for FP16/BF16, its memory-efficient kernel for FP32) and
@@ -52,6 +59,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 
 from megatron_fcp.attention.fused_ops import (
@@ -189,6 +197,12 @@ class FusedPiecesKernel(BlockKernel):
         return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
     def forward(self, q, k, v, q_pos, k_pos, mask, scale, q_c=None, q_doc=None, k_doc=None):
+        qo, ko = _position_order(q_pos, q_doc), _position_order(k_pos, k_doc)
+        if qo is not None or ko is not None:  # item 6: sorted in, outputs back in the caller's row order
+            q, q_pos, q_c, q_doc = _take(qo, q, q_pos, q_c, q_doc)
+            k, v, k_pos, k_doc = _take(ko, k, v, k_pos, k_doc)
+            out, lse = self.forward(q, k, v, q_pos, k_pos, mask, scale, q_c, q_doc, k_doc)
+            return _untake(qo, out, 0), _untake(qo, lse, 2)
         runs = self._key_runs(k_pos, k_doc, as_mask(mask))
         if runs is None:
             return self._forward_run(q, k, v, q_pos, k_pos, mask, scale, q_c, q_doc, k_doc)
@@ -200,6 +214,15 @@ class FusedPiecesKernel(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c=None, dout_c=None, out_c=None,
                  q_doc=None, k_doc=None):
+        qo, ko = _position_order(q_pos, q_doc), _position_order(k_pos, k_doc)
+        if qo is not None or ko is not None:  # item 6
+            dout, q, q_pos, q_c, dout_c, out_c, q_doc = _take(qo, dout, q, q_pos, q_c, dout_c, out_c, q_doc)
+            out = _take(qo, out)[0]
+            lse = lse if qo is None else lse[:, :, qo.to(lse.device)]
+            k, v, k_pos, k_doc = _take(ko, k, v, k_pos, k_doc)
+            dq, dk, dv = self.backward(dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c, dout_c, out_c,
+                                       q_doc, k_doc)
+            return _untake(qo, dq, 0), _untake(ko, dk, 0), _untake(ko, dv, 0)
         runs = self._key_runs(k_pos, k_doc, as_mask(mask))
         if runs is None:
             return self._backward_run(dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c, dout_c, out_c,
@@ -393,3 +416,36 @@ class FlashAttnKernel(FusedPiecesKernel):
 
     def ops_for(self, dtype):
         return self._OPS if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _position_order(pos: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor | None:
+    """The permutation that sorts a call's rows (or keys) by (document, position), int64 on the
+    host; None when they are in that order already (item 6 of the module note). Positions and
+    document ids are host tensors (both layouts build them there)."""
+    if pos.numel() < 2:
+        return None
+    p = pos.numpy().astype(np.int64)
+    key = p if doc is None else doc.numpy().astype(np.int64) * (int(p.max()) + 1) + p
+    if (key[1:] >= key[:-1]).all():
+        return None
+    return torch.from_numpy(np.argsort(key, kind="stable"))
+
+
+def _take(order: torch.Tensor | None, *xs):
+    """Each of ``xs`` (None passes) with its first axis gathered by ``order`` (None: unchanged)."""
+    if order is None:
+        return xs
+    return tuple(None if x is None else x[order.to(x.device)] for x in xs)
+
+
+def _untake(order: torch.Tensor | None, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` computed in sorted order, back in the caller's order along ``dim``."""
+    if order is None:
+        return x
+    out = torch.empty_like(x)
+    idx = order.to(x.device)
+    if dim == 0:
+        out[idx] = x
+    else:
+        out[:, :, idx] = x
+    return out

@@ -398,11 +398,13 @@ def zigzag_block_work(cm: ComputeModel, shape: AttentionShape, cp: int, P: int, 
 
 
 def key_runs(spans: "Sequence[tuple[int, int, int]]") -> list[tuple[int, int, int]]:
-    """A call's keys ``(doc, start, end)`` per block, in call order, as increasing runs: a block
-    that starts where the one before it ends, in the same document, extends it (the runs a kernel
-    and the emulator's sleep kernel see: ``call_runs``)."""
+    """A call's keys (or rows) ``(doc, start, end)`` per block as increasing runs, taken in
+    (document, position) order as the fused kernels take them (item 6 of the note in
+    :mod:`megatron_fcp.attention.fused`): a block that starts where the one before it ends, in the
+    same document, extends it (the runs a kernel and the emulator's sleep kernel see:
+    ``call_runs``)."""
     out: list[tuple[int, int, int]] = []
-    for doc, a, z in spans:
+    for doc, a, z in sorted(spans):
         if out and out[-1][0] == doc and out[-1][2] == a:
             out[-1] = (doc, out[-1][1], z)
         else:
@@ -411,16 +413,19 @@ def key_runs(spans: "Sequence[tuple[int, int, int]]") -> list[tuple[int, int, in
 
 
 def call_work_s(cm: ComputeModel, shape: AttentionShape, q_runs, k_spans, mask: "bool | Mask",
-                flop_ratio: float = 1.0, memo: dict | None = None) -> float:
+                flop_ratio: float = 1.0, memo: dict | None = None, merged: bool = True) -> float:
     """Seconds of work (launch not included) of one kernel call on several blocks (Note [One launch
     per owner and stage] in :mod:`megatron_fcp.schedule.launches`): ``q_runs`` the reader's query
     runs and ``k_spans`` the blocks' keys, both ``(doc, start, end)`` (zigzag: doc 0, global
     positions), the keys joined into runs (:func:`key_runs`); every (query run, key run) of one
     document is priced as one block's call. For one block it is the block's price
     (:func:`zigzag_block_work`, :meth:`ComputeModel.spans_work_s`). ``memo``: a dict reused across
-    calls of one shape, mask and pass (a run pair's price depends on its sizes and offset only)."""
+    calls of one shape, mask and pass (a run pair's price depends on its sizes and offset only).
+    ``merged`` False: the call's rows are the answer, not a partial for the LSE merge (a plan
+    without rounds: each reader's one call, e.g. a head-parallel stage at ``a = cp``)."""
     memo = {} if memo is None else memo
     total = 0.0
+    q_runs = key_runs(q_runs)
     for kd, ka, kz in key_runs(k_spans):
         for qd, qa, qz in q_runs:
             if qd != kd:
@@ -428,7 +433,7 @@ def call_work_s(cm: ComputeModel, shape: AttentionShape, q_runs, k_spans, mask: 
             key = (qz - qa, qa - ka, kz - ka)
             w = memo.get(key)
             if w is None:
-                w = memo[key] = cm.work_s(qz - qa, qa - ka, kz - ka, 0, shape, mask, flop_ratio)
+                w = memo[key] = cm.work_s(qz - qa, qa - ka, kz - ka, 0, shape, mask, flop_ratio, merged)
             total += w
     return float(total)
 
@@ -458,6 +463,7 @@ def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stag
     pos[list(plan.ranks)] = np.arange(cp)
     mask = pl.mask if pl is not None else plan.mask
     memo: dict = {}
+    merged = bool(plan.rounds)  # without rounds a reader's one call is its answer: no LSE merge
     if pl is None:
         L = shape.seq_len // (2 * cp)
         o = pos[owner]
@@ -477,7 +483,7 @@ def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stag
             k_spans = [(0, k0[i], k1[i]) for i in idx]
         total = float(work[idx].sum())
         if total > 0:
-            scale[idx] = call_work_s(cm, shape, q_runs, k_spans, mask, flop_ratio, memo) / total
+            scale[idx] = call_work_s(cm, shape, q_runs, k_spans, mask, flop_ratio, memo, merged) / total
     return scale
 
 

@@ -68,11 +68,15 @@ _DOC_STRIDE = 1 << 40  # document id * stride + position: one sort key for (docu
 
 def call_runs(pos: torch.Tensor, doc: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
     """``(document, first position, length)`` of each increasing run of consecutive positions (one
-    document each) in a call's rows or keys: the pieces a varlen flash call tiles separately."""
+    document each) in a call's rows or keys, taken in (document, position) order as the fused
+    kernels take them (item 6 of the note in :mod:`megatron_fcp.attention.fused`): the pieces a
+    varlen flash call tiles separately."""
     p = pos.detach().to("cpu", torch.int64)
     d = torch.zeros_like(p) if doc is None else doc.detach().to("cpu", torch.int64)
     if p.numel() == 0:
         return []
+    order = torch.argsort(d * (int(p.max()) + 1) + p, stable=True)
+    p, d = p[order], d[order]
     brk = torch.nonzero((p[1:] != p[:-1] + 1) | (d[1:] != d[:-1])).flatten() + 1
     starts = [0] + brk.tolist()
     ends = starts[1:] + [p.numel()]
