@@ -49,21 +49,22 @@ SEQS = (32 * 1024, 128 * 1024, 1024 * 1024)
 TOLERANCE = 1.01
 
 
-def cell(preset: str, nodes: int, ranks: list[int], heads: int, kv: int, seq: int) -> dict:
+def cell(preset: str, nodes: int, ranks: list[int], heads: int, kv: int, seq: int, compute_model=None) -> dict:
     """One grid cell: TE's two schedules and auto, dK/dV partials priced in the KV dtype (bf16: what
-    the executor sends, as TE's ring sends dKV; the planner's default)."""
+    the executor sends, as TE's ring sends dKV; the planner's default); ``compute_model``: how
+    kernels are priced, for both (default the FLOP model)."""
     topo = load_topology(f"{preset}:{nodes}")
     shape = AttentionShape(seq, heads, kv, 128, 2)
     row: dict = {"preset": preset, "nodes": nodes, "cp": len(ranks), "heads": heads, "kv_heads": kv, "seq": seq}
     for name in ("te-p2p", "te-a2a-p2p"):
         try:
-            row[f"{name}_total_s"] = simulate_te(name, topo, ranks, shape).total_s
+            row[f"{name}_total_s"] = simulate_te(name, topo, ranks, shape, compute_model=compute_model).total_s
         except ValueError as e:
             row[f"{name}_total_s"] = None
             row[f"{name}_error"] = str(e)
     best_te = min(v for k, v in row.items() if k.endswith("_total_s") and v is not None)
     t0 = time.perf_counter()
-    res, _ = pick_best(head_parallel_candidates(topo, ranks, shape), "total")
+    res, _ = pick_best(head_parallel_candidates(topo, ranks, shape, compute_model=compute_model), "total")
     row["auto"] = res.meta["label"]
     row["auto_total_s"] = res.total_s
     row["auto_over_best_te"] = res.total_s / best_te
