@@ -15,7 +15,7 @@ from megatron_fcp.contract.placement import (BALANCE_TARGET, Span, _split_even, 
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.verify import verify_reference
 from megatron_fcp.planner.build import build_plan
-from megatron_fcp.planner.builders import PACKED_AUTO_CANDIDATES, get_builder
+from megatron_fcp.planner.builders import GRAPH_CHOICES, PACKED_AUTO_CANDIDATES, get_builder
 from megatron_fcp.planner.placing import cp_nodes, place_batch
 from megatron_fcp.testing.harness import harness_attention, per_document_reference
 from megatron_fcp.topology import load_topology
@@ -89,7 +89,7 @@ def test_stripe_trees_leave_the_owners_node_through_different_ranks():
     exits = [u for u, v in edges if topo.node_of(u) != topo.node_of(v)]
     assert len(exits) == 3 and len(set(exits)) == 3                         # one copy a node, three NICs
     assert all(topo.node_of(u) == topo.node_of(owner) for u in exits)
-    assert "stripe" in PACKED_AUTO_CANDIDATES
+    assert "stripe" not in PACKED_AUTO_CANDIDATES and "stripe" in GRAPH_CHOICES   # named only (its docstring)
 
 
 def test_stripe_sends_no_more_inter_node_bytes_than_entry():

@@ -92,6 +92,7 @@ class GraphBuilder:
     pipeline_parts = True  # stagger a chunk's sub-blocks over rounds (relays pipeline them)
     needs_kv_sizes = False  # True: meaningful only with per-rank KV sizes (not offered by name)
     zigzag_auto = True  # False: auto compares it only for packed batches (zigzag auto plans stay pinned)
+    packed_auto = True  # False: packed auto does not compare it either (named only)
 
     def build(self, topology: Topology, cp_ranks: Sequence[int]) -> CommGraph:
         ranks = check_cp_ranks(topology, cp_ranks)
@@ -227,9 +228,16 @@ class StripeGraph(EntryGraph):
     that spans ``k`` nodes are read on all of them: ``entry`` sends ``k - 1`` copies through the
     owner's one NIC, which then bounds the round (a busiest sender), while here each leaves through
     its own. Bytes: ``entry``'s plus one NVLink hop per copy whose relay is not a reader.
+
+    Not in packed ``auto``: ``auto`` ranks packed plans by their forward, and ``stripe``'s deeper
+    trees make the one-pass backward's dK/dV reduction slower than ``entry``'s (2026-12-02: cp = 256,
+    32K median, forward 16.4 ms against 18.6, one-pass backward 44.3 against 36.4; cp = 64, 2K,
+    tile-priced, fwd+bwd 11.9 against 9.5 ms). Ask for it by name (``--fcp-graph stripe``).
     """
 
     name = "stripe"
+    zigzag_auto = False
+    packed_auto = False
 
     def tree_with_depths(self, cg, owner, dests, chunk=0):
         meta = cg.meta
@@ -584,10 +592,11 @@ BUILDERS: dict[str, Callable[..., GraphBuilder]] = {
 AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, b in BUILDERS.items() if not b.needs_kv_sizes and b.zigzag_auto)
 """Builders ``auto`` compiles and compares (a builder that needs KV sizes cannot run without them)."""
 
-PACKED_AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, b in BUILDERS.items() if not b.needs_kv_sizes)
+PACKED_AUTO_CANDIDATES: tuple[str, ...] = tuple(n for n, b in BUILDERS.items()
+                                                if not b.needs_kv_sizes and b.packed_auto)
 """Builders ``auto`` compares for a packed batch (a plan over a placement): adds ``entry``."""
 
-GRAPH_CHOICES: tuple[str, ...] = ("auto", *PACKED_AUTO_CANDIDATES)
+GRAPH_CHOICES: tuple[str, ...] = ("auto", *(n for n, b in BUILDERS.items() if not b.needs_kv_sizes))
 """What a user may ask for by name (``--fcp-graph``, ``FCPConfig.graph``, the CLI's ``--graph``)."""
 
 
