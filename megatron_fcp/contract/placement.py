@@ -726,7 +726,8 @@ def _split_even(spans: Sequence[Span], doc_span: dict, mask: Mask, n: int) -> li
 
 
 def _assign(spans: Sequence[Span], wk: dict, lengths: tuple, n: int, mask: Mask, is_long, *, tolerance: float,
-            need_weight: float, refine: bool, long_slack: float, recv_refine: bool) -> tuple[list[list[Span]], np.ndarray]:
+            need_weight: float, refine: bool, long_slack: float,
+            recv_refine: bool) -> tuple[list[list[Span]], np.ndarray]:
     """Steps 2-4 of :func:`place_packed`: ``spans`` (blocks already cut; ``wk[s]`` = attention work of
     ``s``'s queries against its document) onto ``n`` bins, returning each bin's spans and work. A bin
     is a rank, or a node of ranks (the first level of a node-aware placement): need is counted per
