@@ -41,7 +41,7 @@ contract (``(out, lse)`` in FP32, masks from positions and document ids, rows th
    mask that ignores positions (no causal, no window) nothing is cut. The op calls of one such
    kernel call are one per run and piece, as before per block; flash-attn's varlen form could
    take the runs as segments of one launch (the query repeated per run): not done.
-6. A call's rows and keys are taken in (document, position) order (:func:`_position_order`):
+6. A call's rows and keys are taken in (document, position) order (:func:`position_order`):
    when either is out of that order (a head-parallel member's tokens after the all-to-all are its
    group's zigzag chunks rank by rank: at ``a = cp`` 2 cp chunks of one sequence), the kernel
    gathers them sorted, runs, and scatters the outputs and gradients back. Rows are independent
@@ -197,7 +197,7 @@ class FusedPiecesKernel(BlockKernel):
         return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
     def forward(self, q, k, v, q_pos, k_pos, mask, scale, q_c=None, q_doc=None, k_doc=None):
-        qo, ko = _position_order(q_pos, q_doc), _position_order(k_pos, k_doc)
+        qo, ko = position_order(q_pos, q_doc), position_order(k_pos, k_doc)
         if qo is not None or ko is not None:  # item 6: sorted in, outputs back in the caller's row order
             q, q_pos, q_c, q_doc = _take(qo, q, q_pos, q_c, q_doc)
             k, v, k_pos, k_doc = _take(ko, k, v, k_pos, k_doc)
@@ -214,7 +214,7 @@ class FusedPiecesKernel(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, mask, scale, q_c=None, dout_c=None, out_c=None,
                  q_doc=None, k_doc=None):
-        qo, ko = _position_order(q_pos, q_doc), _position_order(k_pos, k_doc)
+        qo, ko = position_order(q_pos, q_doc), position_order(k_pos, k_doc)
         if qo is not None or ko is not None:  # item 6
             dout, q, q_pos, q_c, dout_c, out_c, q_doc = _take(qo, dout, q, q_pos, q_c, dout_c, out_c, q_doc)
             out = _take(qo, out)[0]
@@ -418,10 +418,11 @@ class FlashAttnKernel(FusedPiecesKernel):
         return self._OPS if dtype in (torch.float16, torch.bfloat16) else None
 
 
-def _position_order(pos: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor | None:
+def position_order(pos: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor | None:
     """The permutation that sorts a call's rows (or keys) by (document, position), int64 on the
-    host; None when they are in that order already (item 6 of the module note). Positions and
-    document ids are host tensors (both layouts build them there)."""
+    host; None when they are in that order already (item 6 of the module note; the emulator's
+    sleep kernel takes runs in the same order). Positions and document ids are host tensors (both
+    layouts build them there)."""
     if pos.numel() < 2:
         return None
     p = pos.numpy().astype(np.int64)

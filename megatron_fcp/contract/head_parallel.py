@@ -46,7 +46,11 @@ from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["HeadGroups", "HeadParallelPlan", "kv_replication", "check_head_parallel", "group_placement", "relabel_plan",
            "consecutive_head_groups", "stage_plan", "stage_placement", "head_parallel_degrees",
-           "topology_head_groups", "head_groups_for"]
+           "topology_head_groups", "head_groups_for", "LOCAL_STAGE"]
+
+LOCAL_STAGE = "a2a"
+"""The graph name of a head-parallel stage with one head group (``a = cp``, no KV stage): its stage
+plan is ``hp{a}-a2a``, without rounds."""
 
 
 def kv_replication(kv_heads: int, degree: int) -> int:
@@ -240,7 +244,7 @@ def stage_plan(hp: HeadParallelPlan, seq_len: int, causal: bool = True) -> Plan:
         rounds = tuple(tuple(Transfer(groups[t.src][j], groups[t.dst][j], Block(groups[t.block.owner][j],
                                                                                  t.block.chunk, 0))
                              for t in rnd for j in range(a)) for rnd in hp.kv_plan.rounds)
-    name = hp.kv_plan.name if hp.kv_plan is not None else "a2a"
+    name = hp.kv_plan.name if hp.kv_plan is not None else LOCAL_STAGE
     return Plan(hp.ranks, rounds, placement.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
 
 

@@ -70,6 +70,7 @@ from types import SimpleNamespace
 from typing import Sequence
 
 from megatron_fcp.contract.head_parallel import (
+    LOCAL_STAGE,
     HeadParallelPlan,
     check_head_parallel,
     stage_placement,
@@ -196,7 +197,7 @@ class HeadParallelPricing:
         self.a2a = a2a = hp.degree > 1
         self._a2a_cache: dict[str, SimResult] = {}
         rounds = self._rounds
-        meta = {"graph": sp.name if hp.degree == 1 else (hp.kv_plan.name if hp.kv_plan else "a2a"),
+        meta = {"graph": sp.name if hp.degree == 1 else (hp.kv_plan.name if hp.kv_plan else LOCAL_STAGE),
                 "head_parallel": hp.degree, "parts_per_chunk": sp.parts_per_chunk,
                 "kv_replication": hp.kv_replication, "pass": pass_}
         if padded:

@@ -28,6 +28,7 @@ priced by the same two functions.
 from __future__ import annotations
 
 from megatron_fcp.contract.blocks import Block, Transfer
+from megatron_fcp.contract.head_parallel import LOCAL_STAGE
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
@@ -60,7 +61,7 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
     if hp.kv_plan is not None:
         rounds = tuple(tuple(Transfer(groups[t.src][j], groups[t.dst][j], Block(groups[t.block.owner][j], t.block.chunk, 0))
                              for t in rnd for j in range(a)) for rnd in hp.kv_plan.rounds)
-    name = hp.kv_plan.name if hp.kv_plan is not None else "a2a"
+    name = hp.kv_plan.name if hp.kv_plan is not None else LOCAL_STAGE
     return Plan(hp.ranks, rounds, gp.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
 
 

@@ -75,7 +75,7 @@ from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
-from megatron_fcp.schedule.launches import launch_ids, launch_starts
+from megatron_fcp.schedule.launches import launch_ids, launch_starts, local_stage
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -421,8 +421,8 @@ def call_work_s(cm: ComputeModel, shape: AttentionShape, q_runs, k_spans, mask: 
     document is priced as one block's call. For one block it is the block's price
     (:func:`zigzag_block_work`, :meth:`ComputeModel.spans_work_s`). ``memo``: a dict reused across
     calls of one shape, mask and pass (a run pair's price depends on its sizes and offset only).
-    ``merged`` False: the call's rows are the answer, not a partial for the LSE merge (a plan
-    without rounds: each reader's one call, e.g. a head-parallel stage at ``a = cp``)."""
+    ``merged`` False: the call's rows are the answer, not a partial for the LSE merge (a
+    head-parallel stage at ``a = cp``: :func:`~megatron_fcp.schedule.launches.local_stage`)."""
     memo = {} if memo is None else memo
     total = 0.0
     q_runs = key_runs(q_runs)
@@ -463,7 +463,7 @@ def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stag
     pos[list(plan.ranks)] = np.arange(cp)
     mask = pl.mask if pl is not None else plan.mask
     memo: dict = {}
-    merged = bool(plan.rounds)  # without rounds a reader's one call is its answer: no LSE merge
+    merged = not local_stage(plan)  # a = cp: a rank's one call is its answer, no LSE merge
     if pl is None:
         L = shape.seq_len // (2 * cp)
         o = pos[owner]

@@ -58,6 +58,7 @@ import time
 import torch
 
 from megatron_fcp.attention.device_clock import DeviceClock
+from megatron_fcp.attention.fused import position_order
 from megatron_fcp.attention.kernels import BlockKernel, compute_dtype_for
 from megatron_fcp.contract.mask import Mask, as_mask
 
@@ -75,8 +76,9 @@ def call_runs(pos: torch.Tensor, doc: torch.Tensor | None = None) -> list[tuple[
     d = torch.zeros_like(p) if doc is None else doc.detach().to("cpu", torch.int64)
     if p.numel() == 0:
         return []
-    order = torch.argsort(d * (int(p.max()) + 1) + p, stable=True)
-    p, d = p[order], d[order]
+    order = position_order(p, None if doc is None else d)
+    if order is not None:
+        p, d = p[order], d[order]
     brk = torch.nonzero((p[1:] != p[:-1] + 1) | (d[1:] != d[:-1])).flatten() + 1
     starts = [0] + brk.tolist()
     ends = starts[1:] + [p.numel()]

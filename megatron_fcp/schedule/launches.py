@@ -45,9 +45,17 @@ from typing import Callable, Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block
+from megatron_fcp.contract.head_parallel import LOCAL_STAGE
 from megatron_fcp.contract.plan import Plan
 
-__all__ = ["OWN", "launch_ids", "launch_starts", "group_blocks", "forward_launches"]
+__all__ = ["OWN", "local_stage", "launch_ids", "launch_starts", "group_blocks", "forward_launches"]
+
+
+def local_stage(plan: Plan) -> bool:
+    """True for a head-parallel stage plan at ``a = cp``: each rank's one kernel call over the whole
+    sequence (``_LocalAttention`` in :mod:`megatron_fcp.attention.head_parallel`) is its answer and
+    goes through no LSE merge; every other plan's calls do (the executor's accumulator)."""
+    return not plan.rounds and plan.name.startswith("hp") and plan.name.endswith("-" + LOCAL_STAGE)
 
 OWN = -1
 """The stage of a rank's own blocks (before the first round's)."""
