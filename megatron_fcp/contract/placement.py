@@ -83,6 +83,26 @@ every node that way whenever its work is above 1.005 x the mean (tried) lifts cp
 one-pass from 0.986 to 0.995 x TE but raises the ranks' needs (the greedy gives a tail holder cheap
 early tokens; a contiguous run does not), and the backward as run falls from 0.985 to 0.925 x TE.
 
+Note [Layer work]
+-----------------
+The placement is the data layout of the whole layer, not only of its attention: Megatron's
+projections and MLP run on the tokens a rank holds (docs/megatron.md, "Packed documents"). Their
+work is per token: :func:`~megatron_fcp.cost.model.layer_pairs_per_token` prices a token's linear
+layers in attention pairs, 52.2K for a Llama-3-70B layer (26.1K for an 8B-like one), so a token's
+projections and MLP cost as much as its attention over 52K keys. Balancing attention alone, the
+default, puts short documents (few pairs per token) together: the tokens' max over mean is
+2.0-6.5 on 1M-token lognormal batches at cp = 16-256 (1.06-3.3 per head-parallel member at a = 8),
+and the layer's busiest rank 1.45-5.4x the mean, where TE's THD layout is even to 1% in both
+(benchmarks/results/layer_balance.json, 2026-12-03).
+
+``token_weight = lam`` balances ``pairs + lam * tokens`` instead, every step of
+:func:`place_packed` the same with that work: the layer's *sum* is even (max over mean 1.00-1.05).
+It is not the answer by itself, so the default stays 0: a layer's ranks meet at its attention
+(they exchange KV there), and then a layer lasts about ``max pairs + lam * max tokens``, which is
+1.22-1.76x its mean with the weight (attention alone up to 5.6x). Both resources must be even at
+once, a two-dimensional balance (tail blocks of long documents, many pairs per token, paired with
+documents' first blocks and short documents, few): open, docs/planner.md "Layer balance".
+
 """
 
 from __future__ import annotations
@@ -435,15 +455,16 @@ def recv_lower_bound(doc_lengths: Sequence[int], cp: int, *, causal: bool = True
 
 
 def _doc_blocks(length: int, block_tokens: int, cap: float = float("inf"), causal: "bool | Mask" = True,
-                min_tokens: int = 1) -> list[tuple[int, int]]:
+                min_tokens: int = 1, token_weight: float = 0.0) -> list[tuple[int, int]]:
     """A document cut into ``ceil(length / block_tokens)`` near-equal ``[start, end)`` blocks, then
-    each block whose attention work (its queries against the document) exceeds ``cap`` cut further
-    into near-equal pieces of at least ``min_tokens`` tokens (a long document's last blocks)."""
+    each block whose work (its queries against the document, plus ``token_weight`` per token: Note
+    [Layer work]) exceeds ``cap`` cut further into near-equal pieces of at least ``min_tokens``
+    tokens (a long document's last blocks)."""
     n = -(-length // block_tokens)
     bounds = [i * length // n for i in range(n + 1)]
     out = []
     for a, b in zip(bounds, bounds[1:]):
-        w = span_pairs(Span(0, a, b), Span(0, 0, length), causal)
+        w = span_pairs(Span(0, a, b), Span(0, 0, length), causal) + token_weight * (b - a)
         k = max(1, min(int(-(-w // cap)) if cap < float("inf") else 1, (b - a) // max(min_tokens, 1)))
         out.extend((a + i * (b - a) // k, a + (i + 1) * (b - a) // k) for i in range(k))
     return out
@@ -689,15 +710,20 @@ def _node_groups(nodes: Sequence[int] | None, cp: int) -> list[list[int]] | None
     return out
 
 
-def _split_even(spans: Sequence[Span], doc_span: dict, mask: Mask, n: int) -> list[list[Span]]:
+def _split_even(spans: Sequence[Span], doc_span: dict, mask: Mask, n: int,
+                token_weight: float = 0.0) -> list[list[Span]]:
     """``spans`` in (document, start) order as one stream of tokens, cut into ``n`` contiguous runs of
-    equal attention work (each token's queries against its document): the ``k``-th cut is the token
-    boundary nearest to ``k / n`` of the stream's work (found by bisection on :func:`span_pairs`,
-    so any mask), so every run is within one token's work of the share. The second level of a
-    node-aware placement where the first level's blocks are too coarse to balance a node's ranks
-    (Note [Node-aware placement])."""
+    equal work (each token's queries against its document, plus ``token_weight``: Note [Layer
+    work]): the ``k``-th cut is the token boundary nearest to ``k / n`` of the stream's work (found
+    by bisection on :func:`span_pairs`, so any mask), so every run is within one token's work of the
+    share. The second level of a node-aware placement where the first level's blocks are too coarse
+    to balance a node's ranks (Note [Node-aware placement])."""
     order = sorted(spans)
-    works = [span_pairs(s, doc_span[s.doc], mask) for s in order]
+
+    def cost(s: Span) -> float:
+        return span_pairs(s, doc_span[s.doc], mask) + token_weight * s.tokens
+
+    works = [cost(s) for s in order]
     total = sum(works)
     out: list[list[Span]] = [[] for _ in range(n)]
     r, before = 0, 0  # current run; work of the stream before the current span
@@ -708,12 +734,12 @@ def _split_even(spans: Sequence[Span], doc_span: dict, mask: Mask, n: int) -> li
             lo, hi = s.start, s.end  # work of [start, lo) <= goal < work of [start, hi)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if span_pairs(Span(s.doc, s.start, mid), doc_span[s.doc], mask) <= goal:
+                if cost(Span(s.doc, s.start, mid)) <= goal:
                     lo = mid
                 else:
                     hi = mid
-            below = span_pairs(Span(s.doc, s.start, lo), doc_span[s.doc], mask)
-            above = span_pairs(Span(s.doc, s.start, hi), doc_span[s.doc], mask)
+            below = cost(Span(s.doc, s.start, lo)) if lo > s.start else 0.0
+            above = cost(Span(s.doc, s.start, hi))
             cut = lo if goal - below <= above - goal else hi
             cut = max(cut, a)
             if cut > a:
@@ -798,6 +824,7 @@ def place_packed(
     window: Sequence[int] | None = None,
     recv_refine: bool = True,
     nodes: Sequence[int] | None = None,
+    token_weight: float = 0.0,
 ) -> Placement:
     """Place a packed batch on ``cp`` ranks; see Note [Placements and document need sets].
 
@@ -833,6 +860,11 @@ def place_packed(
     Note [Node-aware placement]. Without it (or with one node, or one rank per node) the placement
     is flat.
 
+    ``token_weight`` (>= 0, pairs per token): the work balanced is the *layer's*, each block's
+    attention pairs plus ``token_weight`` per token for the layer's token-wise parts (projections,
+    MLP), which run on the tokens the placement gives a rank; see Note [Layer work] and
+    :func:`~megatron_fcp.cost.model.layer_pairs_per_token`. 0 (default): attention alone.
+
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
     lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
@@ -845,14 +877,19 @@ def place_packed(
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
     if not max_block_work > 0:
         raise ValueError(f"max_block_work: must be > 0, got {max_block_work!r}")
+    if isinstance(token_weight, bool) or not isinstance(token_weight, (int, float)) or not token_weight >= 0:
+        raise ValueError(f"token_weight: attention pairs per token, a number >= 0, got {token_weight!r}; "
+                         "use megatron_fcp.cost.model.layer_pairs_per_token for a model's, or 0 for attention alone")
+    tw = float(token_weight)
     mask = Mask(bool(causal), *check_window(window))
     doc_span = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
-    total = sum(span_pairs(s, s, mask) for s in doc_span.values())
+    total = sum(span_pairs(s, s, mask) for s in doc_span.values()) + tw * sum(lengths)
     cap = max_block_work * total / cp
     spans = [Span(d, a, b) for d, n in enumerate(lengths)
-             for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, block_tokens // 8))
+             for a, b in (_doc_blocks(n, block_tokens, cap, mask, max(1, block_tokens // 8), tw)
                           if n > block_tokens else [(0, n)])]
-    wk = {s: span_pairs(s, doc_span[s.doc], mask) for s in spans}  # queries of s against its whole doc
+    # the layer's work of s (Note [Layer work]): its queries against its whole doc, and its tokens
+    wk = {s: span_pairs(s, doc_span[s.doc], mask) + tw * s.tokens for s in spans}
     is_long = lambda s: lengths[s.doc] > block_tokens  # noqa: E731
     kw = dict(tolerance=tolerance, need_weight=need_weight, refine=refine, long_slack=long_slack,
               recv_refine=recv_refine)
@@ -865,14 +902,16 @@ def place_packed(
         for members, node_spans in zip(groups, by_node):
             inner, w = _assign(node_spans, wk, lengths, len(members), mask, is_long, **kw)
             if len(members) > 1 and w.max() > BALANCE_TARGET * total / cp:  # pieces too coarse for g ranks
-                inner = _split_even(node_spans, doc_span, mask, len(members))
+                inner = _split_even(node_spans, doc_span, mask, len(members), tw)
             for r, p in zip(members, inner):
                 placed[r] = p
-        work = np.array([sum(span_pairs(s, doc_span[s.doc], mask) for s in p) for p in placed], dtype=np.float64)
+        work = np.array([sum(span_pairs(s, doc_span[s.doc], mask) + tw * s.tokens for s in p) for p in placed],
+                        dtype=np.float64)
     mean = total / cp
     if refine and cp > 1 and work.max() > BALANCE_TARGET * mean and max_block_work / 2 >= MIN_BLOCK_WORK:
         # few documents per rank (cp = 256 on a 1M-token batch): pieces too coarse to balance; halve them
         return place_packed(lengths, cp, block_tokens=block_tokens, causal=causal, tolerance=tolerance,
                             max_block_work=max_block_work / 2, need_weight=need_weight, refine=refine,
-                            long_slack=long_slack, window=window, recv_refine=recv_refine, nodes=nodes)
+                            long_slack=long_slack, window=window, recv_refine=recv_refine, nodes=nodes,
+                            token_weight=tw)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal, mask.window)

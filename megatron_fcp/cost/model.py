@@ -99,6 +99,7 @@ __all__ = [
     "pick_best",
     "check_plan_seq",
     "DEFAULT_FLOPS",
+    "layer_pairs_per_token",
 ]
 
 DEFAULT_FLOPS = 400e12
@@ -489,6 +490,27 @@ def grouped_call_scale(cm: ComputeModel, shape: AttentionShape, plan: Plan, stag
 
 FLOP_MODEL_BLOCK_TOKENS = 4096
 """The block size without a kernel model (:data:`~megatron_fcp.contract.placement.DEFAULT_BLOCK_TOKENS`)."""
+
+
+def layer_pairs_per_token(shape: AttentionShape, hidden: int, ffn_hidden: int, *, gated: bool = False,
+                          experts_per_token: int = 1) -> float:
+    """The forward FLOPs of one token's token-wise layer parts, in attention (query, key) pairs of
+    ``shape`` (:attr:`AttentionShape.pair_flops`): what :func:`~megatron_fcp.contract.placement.place_packed`'s
+    ``token_weight`` takes (Note [Layer work] there).
+
+    Per token and tensor-parallel rank (``shape``'s heads are the rank's; ``ffn_hidden`` the rank's
+    share of the MLP, per expert): the QKV projection ``2 * hidden * (heads * head_dim + kv_heads *
+    (head_dim + d_v))``, the output projection ``2 * heads * d_v * hidden`` and the MLP ``2 * (2 if
+    gated else 1) * hidden * ffn_hidden + 2 * ffn_hidden * hidden`` times ``experts_per_token``.
+    Llama-3-70B (hidden 8192, ffn 28672, SwiGLU, 64:8 heads of 128): 52.2K pairs per token, so a
+    token's linear layers cost as much as its attention over 52K keys."""
+    for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("experts_per_token", experts_per_token)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+    qkv = 2.0 * hidden * (shape.heads * shape.head_dim + shape.kv_token_elems)
+    proj = 2.0 * shape.heads * shape.d_v * hidden
+    mlp = 2.0 * hidden * ffn_hidden * ((2 if gated else 1) + 1) * experts_per_token
+    return (qkv + proj + mlp) / shape.pair_flops
 
 
 def block_efficiency(cm: ComputeModel, tokens: int, shape: AttentionShape) -> float:
