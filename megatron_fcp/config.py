@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Mapping
 
+from megatron_fcp.contract.layer_placement import BALANCES
 from megatron_fcp.planner.builders import GRAPH_CHOICES
+from megatron_fcp.planner.placing import PACKED_BALANCE
 from megatron_fcp.schedule.program import BACKWARD_KV_MODES, RING_BUDGET
 
 __all__ = ["FCPConfig", "KERNELS", "FALLBACKS", "field_docs", "flag_of", "load_yaml"]
@@ -108,6 +110,12 @@ class FCPConfig:
     (the backward as it runs: waves, KV kept or re-sent) for the run's sequence length, heads and
     topology (logged; 1 when the shapes are not known at setup)."""
 
+    packed_balance: str = field(default=PACKED_BALANCE, metadata={"choices": BALANCES})
+    """What a packed (THD) batch's placement balances across CP ranks: layer (the default) the
+    attention work and the tokens each, since Megatron's projections and MLP run on the tokens a rank
+    holds; attention the attention work alone (fewer KV transfers, but up to several times the mean
+    tokens on a rank on batches of many short documents: docs/planner.md, "Layer balance")."""
+
     def __post_init__(self) -> None:
         if isinstance(self.head_parallel, str) and self.head_parallel.strip().isdigit():
             object.__setattr__(self, "head_parallel", int(self.head_parallel))  # from the command line
@@ -149,6 +157,9 @@ class FCPConfig:
                 or self.kv_memory_budget < RING_BUDGET:
             raise ValueError(f"--fcp-kv-memory-budget (fcp.kv_memory_budget) must be bytes >= 0 or -1 (the "
                              f"ring's), got {self.kv_memory_budget!r}")
+        if self.packed_balance not in BALANCES:
+            raise ValueError(f"--fcp-packed-balance (fcp.packed_balance) must be one of {', '.join(BALANCES)}, "
+                             f"got {self.packed_balance!r}")
         if self.kernel not in KERNELS:
             raise ValueError(
                 f"unknown block kernel {self.kernel!r}: set --fcp-kernel (fcp.kernel) to one of " + ", ".join(KERNELS)

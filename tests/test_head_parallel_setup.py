@@ -155,7 +155,8 @@ def test_auto_lets_each_packed_batch_choose_its_degree():
     [Head-parallel degree of a packed batch]); an explicit degree runs on every batch."""
     from megatron_fcp.contract.head_parallel import head_groups_for
     from megatron_fcp.contract.head_parallel_packed import place_packed_groups
-    from megatron_fcp.contract.placement import lognormal_lengths, place_packed
+    from megatron_fcp.contract.layer_placement import place_packed_layer
+    from megatron_fcp.contract.placement import lognormal_lengths
     from megatron_fcp.cost.model import AttentionShape
     from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
 
@@ -171,9 +172,10 @@ def test_auto_lets_each_packed_batch_choose_its_degree():
         assert got == want
         pl = rt.packed_placement(docs, cp_ranks=ranks)
         if got == 1:
-            assert pl == place_packed(docs, 8, block_tokens=64)
+            assert pl == place_packed_layer(docs, 8, block_tokens=64)   # --fcp-packed-balance's default
         else:
-            assert pl == place_packed_groups(docs, ranks, head_groups_for("dgx-h100:1", ranks, got), block_tokens=64)[1]
+            assert pl == place_packed_groups(docs, ranks, head_groups_for("dgx-h100:1", ranks, got), block_tokens=64,
+                                             balance="layer")[1]
             assert rt.packed_head_parallel(ranks, docs, causal=True, heads=8, kv_heads=2).degree == got
     reset_fcp()
     rt = setup_fcp(FCPConfig(enabled=True, topology="dgx-h100:1", head_parallel=2), layout=MegatronLayout(world=8, cp=8),

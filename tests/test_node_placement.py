@@ -128,7 +128,7 @@ def test_stripe_over_a_node_aware_placement_matches_fp64():
 def test_packed_as_run_prices_the_waves_between_the_stage_all_to_alls():
     """``packed_as_run``: the forward as priced one-pass, the backward as the executor runs it
     (waves) — for a head-parallel stage the waves of the merged stage plan plus the two
-    all-to-alls; the same degree's one-pass backward is what ``choose_packed_head_parallel`` prices."""
+    all-to-alls; it is what ``choose_packed_head_parallel`` ranks the degrees by."""
     from megatron_fcp.cost.backward import simulate_backward_waves
     from megatron_fcp.cost.head_parallel import stage_shape
     from megatron_fcp.cost.head_parallel_packed import (packed_as_run, packed_stage_plan,
@@ -143,12 +143,12 @@ def test_packed_as_run_prices_the_waves_between_the_stage_all_to_alls():
     _, priced = choose_packed_head_parallel(topo, range(16), lengths, shape, degrees=(1, 2), graph="auto",
                                             plans=plans)
     one = packed_as_run(plans[1], topo, shape)
+    assert priced == {1: one["total_s"], 2: packed_as_run(plans[2], topo, shape)["total_s"]}
     assert one["fwd_s"] == simulate_plan(plans[1], topo, shape).total_s
     assert one["bwd_s"] == simulate_backward_waves(plans[1], topo, shape)["bwd_s"]
     hp = plans[2]
     two = packed_as_run(hp, topo, shape)
     one_pass = simulate_packed_head_parallel(hp, topo, shape)
-    assert one_pass.total_s == priced[2]
     assert two["fwd_s"] == one_pass.meta["fwd_total_s"]
     stage = simulate_backward_waves(packed_stage_plan(hp), topo, stage_shape(hp, shape))
     assert two["bwd_s"] > stage["bwd_s"] and two["waves"] == stage["waves"]   # plus the two all-to-alls

@@ -7,8 +7,9 @@ head group the union of its members' zigzag chunks. A packed batch has no zigzag
 mapping is built the other way round, from the head groups down:
 
 1. **group placement**: the documents are placed over ``G = cp / a`` virtual ranks, one per head
-   group (:func:`~megatron_fcp.contract.placement.place_packed` with ``cp = G``): short documents
-   whole on one group, long ones cut into blocks, work balanced over the *groups*.
+   group (:func:`~megatron_fcp.contract.layer_placement.place_balanced` with ``cp = G``): short documents
+   whole on one group, long ones cut into blocks, work (and, balanced by the layer, tokens)
+   balanced over the *groups*.
 2. **member split**: group ``g``'s tokens (its spans, in order) are cut into ``a`` contiguous
    pieces of near-equal token count (the first ``T_g mod a`` members one token more); member ``j``
    holds piece ``j``. A span crossing a cut becomes two adjacent spans. The result is an ordinary
@@ -46,7 +47,8 @@ from typing import Sequence
 
 from megatron_fcp.contract.blocks import PlanError
 from megatron_fcp.contract.head_parallel import HeadGroups, check_head_parallel
-from megatron_fcp.contract.placement import Placement, Span, place_packed
+from megatron_fcp.contract.layer_placement import place_balanced
+from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
 
 __all__ = ["PackedHeadParallelPlan", "split_group_placement", "place_packed_groups", "member_counts"]
@@ -96,11 +98,12 @@ def split_group_placement(group_placement: Placement, ranks: Sequence[int],
                      group_placement.window)
 
 
-def place_packed_groups(doc_lengths: Sequence[int], ranks: Sequence[int], head_groups: Sequence[Sequence[int]],
-                        **place_kw) -> tuple[Placement, Placement]:
+def place_packed_groups(doc_lengths: Sequence[int], ranks: Sequence[int], head_groups: Sequence[Sequence[int]], *,
+                        balance: str = "attention", **place_kw) -> tuple[Placement, Placement]:
     """``(group placement over G virtual ranks, member placement over ranks)`` of a packed batch
-    (Note [Head-parallel stage on packed batches]); ``place_kw`` go to :func:`place_packed`."""
-    group = place_packed(doc_lengths, len(head_groups), **place_kw)
+    (Note [Head-parallel stage on packed batches]); the group placement balances ``balance``
+    (:func:`~megatron_fcp.contract.layer_placement.place_balanced`, ``place_kw`` go to it)."""
+    group = place_balanced(doc_lengths, len(head_groups), balance=balance, **place_kw)
     return group, split_group_placement(group, ranks, head_groups)
 
 

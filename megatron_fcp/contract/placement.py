@@ -89,19 +89,20 @@ The placement is the data layout of the whole layer, not only of its attention: 
 projections and MLP run on the tokens a rank holds (docs/megatron.md, "Packed documents"). Their
 work is per token: :func:`~megatron_fcp.cost.model.layer_pairs_per_token` prices a token's linear
 layers in attention pairs, 52.2K for a Llama-3-70B layer (26.1K for an 8B-like one), so a token's
-projections and MLP cost as much as its attention over 52K keys. Balancing attention alone, the
-default, puts short documents (few pairs per token) together: the tokens' max over mean is
-2.0-6.5 on 1M-token lognormal batches at cp = 16-256 (1.06-3.3 per head-parallel member at a = 8),
+projections and MLP cost as much as its attention over 52K keys. Balancing attention alone (this
+module's algorithm) puts short documents (few pairs per token) together: the tokens' max over mean
+is 2.0-6.5 on 1M-token lognormal batches at cp = 16-256 (1.06-3.3 per head-parallel member at a = 8),
 and the layer's busiest rank 1.45-5.4x the mean, where TE's THD layout is even to 1% in both
 (benchmarks/results/layer_balance.json, 2026-12-03).
 
 ``token_weight = lam`` balances ``pairs + lam * tokens`` instead, every step of
 :func:`place_packed` the same with that work: the layer's *sum* is even (max over mean 1.00-1.05).
-It is not the answer by itself, so the default stays 0: a layer's ranks meet at its attention
-(they exchange KV there), and then a layer lasts about ``max pairs + lam * max tokens``, which is
-1.22-1.76x its mean with the weight (attention alone up to 5.6x). Both resources must be even at
-once, a two-dimensional balance (tail blocks of long documents, many pairs per token, paired with
-documents' first blocks and short documents, few): open, docs/planner.md "Layer balance".
+It is not enough by itself: a layer's ranks meet at its attention (they exchange KV there), and
+then a layer lasts about ``max pairs + lam * max tokens``, which is 1.22-1.76x its mean with the
+weight (attention alone up to 5.6x). Both resources must be even at once, a two-dimensional
+balance: :func:`~megatron_fcp.contract.layer_placement.place_packed_layer` (Note [Layer-balanced
+placement]), which the runtime uses by default (``--fcp-packed-balance layer``); this function,
+the attention balance, is ``--fcp-packed-balance attention``.
 
 """
 
@@ -120,7 +121,7 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.mask import Mask, as_mask, check_window
 
 __all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
-           "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
+           "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "node_groups", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
 
 _log = logging.getLogger(__name__)
 _UNEVEN_LOGGED: list[bool] = []
@@ -685,7 +686,7 @@ def _refine_recv(loads: _Loads, placed: list[list[Span]], wk: dict, cap: float, 
             owner[u] = b
 
 
-def _node_groups(nodes: Sequence[int] | None, cp: int) -> list[list[int]] | None:
+def node_groups(nodes: Sequence[int] | None, cp: int) -> list[list[int]] | None:
     """CP indices per node, nodes in order of first appearance; None where a node-aware placement
     would equal the flat one (no ``nodes``, one node, one rank per node) or cannot balance (nodes of
     unequal size: the first level gives every node the same share of work), the latter logged once."""
@@ -865,6 +866,9 @@ def place_packed(
     MLP), which run on the tokens the placement gives a rank; see Note [Layer work] and
     :func:`~megatron_fcp.cost.model.layer_pairs_per_token`. 0 (default): attention alone.
 
+    This balances attention work (with ``token_weight``, a weighted sum); the placement the runtime
+    uses by default balances pairs and tokens each (:func:`~megatron_fcp.contract.layer_placement.place_packed_layer`).
+
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
     lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
@@ -893,7 +897,7 @@ def place_packed(
     is_long = lambda s: lengths[s.doc] > block_tokens  # noqa: E731
     kw = dict(tolerance=tolerance, need_weight=need_weight, refine=refine, long_slack=long_slack,
               recv_refine=recv_refine)
-    groups = _node_groups(nodes, cp)
+    groups = node_groups(nodes, cp)
     if groups is None:
         placed, work = _assign(spans, wk, lengths, cp, mask, is_long, **kw)
     else:  # Note [Node-aware placement]: documents onto nodes first, then each node's blocks onto its ranks

@@ -42,6 +42,7 @@ from megatron_fcp.cost.model import (
     simulate_plan,
     simulate_rounds,
 )
+from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel", "simulate_packed_plan",
@@ -97,6 +98,21 @@ def simulate_packed_plan(plan: Plan, topology: "Topology | str", shape: Attentio
                                       "graph": plan.name, "transfers": plan.num_transfers()})
 
 
+def _a2a(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, which: str,
+         round_overhead_s: float = 0.0) -> SimResult:
+    """One all-to-all of the stage (:func:`packed_a2a_messages`), a contention-aware round."""
+    return simulate_rounds(topo, [packed_a2a_messages(hp, shape, which)], round_overhead_s, name="a2a-" + which)
+
+
+def _stage_forward(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, cm: ComputeModel,
+                   round_overhead_s: float = 0.0, name: str = "fcp") -> SimResult:
+    """The stage's forward (Note [Packed head-parallel cost]): Q|K|V in, the merged KV stage, O out."""
+    kv_f = simulate_plan(packed_stage_plan(hp), topo, stage_shape(hp, shape), compute_model=cm,
+                         round_overhead_s=round_overhead_s, name=name)
+    return combine(name, [_a2a(hp, topo, shape, "qkv-in", round_overhead_s), kv_f,
+                          _a2a(hp, topo, shape, "o-out", round_overhead_s)])
+
+
 def simulate_packed_head_parallel(hp: PackedHeadParallelPlan, topology: "Topology | str", shape: AttentionShape, *,
                                   compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0,
                                   backward_flop_ratio: float = BACKWARD_FLOP_RATIO,
@@ -107,40 +123,38 @@ def simulate_packed_head_parallel(hp: PackedHeadParallelPlan, topology: "Topolog
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     sp = packed_stage_plan(hp)
-    sshape = stage_shape(hp, shape)
-
-    def a2a(which: str) -> SimResult:
-        return simulate_rounds(topo, [packed_a2a_messages(hp, shape, which)], round_overhead_s, name="a2a-" + which)
-
-    kv_f = simulate_plan(sp, topo, sshape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
-    kv_b = simulate_plan_backward(sp, topo, sshape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
-                                  grad_dtype_bytes=grad_dtype_bytes, round_overhead_s=round_overhead_s, name=name)
-    fwd = combine(name, [a2a("qkv-in"), kv_f, a2a("o-out")])
-    bwd = combine(name, [a2a("o-in"), kv_b, a2a("qkv-out")])
+    kv_b = simulate_plan_backward(sp, topo, stage_shape(hp, shape), compute_model=cm,
+                                  backward_flop_ratio=backward_flop_ratio, grad_dtype_bytes=grad_dtype_bytes,
+                                  round_overhead_s=round_overhead_s, name=name)
+    fwd = _stage_forward(hp, topo, shape, cm, round_overhead_s, name)
+    bwd = combine(name, [_a2a(hp, topo, shape, "o-in", round_overhead_s), kv_b,
+                         _a2a(hp, topo, shape, "qkv-out", round_overhead_s)])
     meta = {"head_parallel": hp.degree, "graph": sp.name, "kv_replication": hp.kv_replication,
             "fwd_total_s": fwd.total_s, "bwd_total_s": bwd.total_s, "transfers": sp.num_transfers()}
     return combine(name, [fwd, bwd], meta)
 
 
 def packed_as_run(plan: "Plan | PackedHeadParallelPlan", topology: "Topology | str", shape: AttentionShape, *,
-                  compute_model: ComputeModel | None = None, backward_kv: str = "auto") -> dict:
-    """Forward + backward of a packed batch's plan as the executor runs the backward: in waves under
-    the default KV budget (:func:`~megatron_fcp.cost.backward.simulate_backward_waves`,
-    ``backward_kv``), instead of :func:`simulate_packed_plan` / :func:`simulate_packed_head_parallel`'s
-    one pass. For a head-parallel stage the waves run on the merged stage plan with the stage's
-    heads, between the same all-to-alls. Returns ``fwd_s``, ``bwd_s``, ``total_s``, ``waves`` and
-    ``backward_kv`` (the mode run)."""
+                  compute_model: ComputeModel | None = None, backward_kv: str = "auto",
+                  kv_memory_budget: int = RING_BUDGET) -> dict:
+    """Forward + backward of a packed batch's plan as the executor runs them: the forward as
+    :func:`simulate_packed_plan` / :func:`simulate_packed_head_parallel` price it, the backward in
+    waves under ``kv_memory_budget`` (:func:`~megatron_fcp.cost.backward.simulate_backward_waves`,
+    ``backward_kv``) instead of their one pass. For a head-parallel stage the waves run on the
+    merged stage plan with the stage's heads, between the same all-to-alls. What
+    :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel` ranks degrees by.
+    Returns ``fwd_s``, ``bwd_s``, ``total_s``, ``waves`` and ``backward_kv`` (the mode run)."""
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     if isinstance(plan, PackedHeadParallelPlan):
-        one = simulate_packed_head_parallel(plan, topo, shape, compute_model=cm)
         sp, sshape = packed_stage_plan(plan), stage_shape(plan, shape)
-        a2a = sum(simulate_rounds(topo, [packed_a2a_messages(plan, shape, w)]).total_s for w in ("o-in", "qkv-out"))
-        fwd = one.meta["fwd_total_s"]
+        fwd = _stage_forward(plan, topo, shape, cm).total_s
+        exposed = sum(_a2a(plan, topo, shape, w).total_s for w in ("o-in", "qkv-out"))
     else:
-        sp, sshape, a2a = plan, shape, 0.0
+        sp, sshape, exposed = plan, shape, 0.0
         fwd = simulate_plan(plan, topo, shape, compute_model=cm).total_s
-    waves = simulate_backward_waves(sp, topo, sshape, compute_model=cm, backward_kv=backward_kv)
-    bwd = a2a + waves["bwd_s"]
+    waves = simulate_backward_waves(sp, topo, sshape, compute_model=cm, backward_kv=backward_kv,
+                                    kv_memory_budget=kv_memory_budget)
+    bwd = exposed + waves["bwd_s"]
     return {"fwd_s": fwd, "bwd_s": bwd, "total_s": fwd + bwd, "waves": waves["waves"],
             "backward_kv": waves["backward_kv"]}

@@ -22,7 +22,9 @@ length at setup) lets each packed batch choose its degree: the candidates are th
 head groups fit inside nodes and split the heads per tensor-parallel rank
 (:func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`, CP group 0), and a batch runs
 the one of least predicted forward + backward time for its documents
-(:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`, the configured graph).
+(:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`, the configured graph,
+``--fcp-packed-balance``, and the backward as it runs under ``--fcp-backward-kv`` and
+``--fcp-kv-memory-budget``).
 The choice is a pure function of the lengths, so every rank makes the same one; the per-batch
 agreement compares the stage with the placement. The layout (``shard_packed_batch``, RoPE) and
 every layer follow the batch's degree (:meth:`FCPRuntime.packed_degree`); the process groups of
@@ -395,11 +397,13 @@ class FCPRuntime:
         if key not in self.packed:
             block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
             if degree == 1:
-                placement = place_batch(self.topology, tuple(cp_ranks), doc_lengths, block_tokens=block, causal=causal)
+                placement = place_batch(self.topology, tuple(cp_ranks), doc_lengths, block_tokens=block, causal=causal,
+                                        balance=self.config.packed_balance)
             else:
                 groups = head_groups_for(self.topology, tuple(cp_ranks), degree)
                 placement = place_batch_groups(self.topology, tuple(cp_ranks), groups, doc_lengths,
-                                               block_tokens=block, causal=causal)[1]
+                                               block_tokens=block, causal=causal,
+                                               balance=self.config.packed_balance)[1]
             self._remember(key, placement)
         self.packed.move_to_end(key)
         return self.packed[key]
@@ -418,7 +422,9 @@ class FCPRuntime:
             best, _ = choose_packed_head_parallel(self.topology, tuple(cp_ranks), tuple(doc_lengths), shape,
                                                   degrees=self.packed_degrees, graph=self.config.graph, causal=causal,
                                                   block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
-                                                  plans=compiled)
+                                                  plans=compiled, placement_balance=self.config.packed_balance,
+                                                  backward_kv=self.config.backward_kv,
+                                                  kv_memory_budget=self.config.kv_memory_budget)
             self._remember(key, best)
             hp = compiled.get(best)
             if best > 1 and self._compiles_as_runtime(hp, tuple(cp_ranks), shape):
@@ -460,7 +466,8 @@ class FCPRuntime:
                 self.topology, tuple(cp_ranks), doc_lengths, heads, kv_heads, degree, self.config.graph, causal=causal,
                 head_groups=head_groups_for(self.topology, tuple(cp_ranks), degree),
                 block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
-                head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2))
+                head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2),
+                placement_balance=self.config.packed_balance)
             if hp.placement != self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks)):
                 raise FCPStateError("the packed head-parallel plan's member placement differs from the batch's layout")
             self._remember(key, hp)

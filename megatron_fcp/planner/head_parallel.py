@@ -42,9 +42,10 @@ from megatron_fcp.contract.head_parallel import (
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
-from megatron_fcp.planner.placing import place_batch, place_batch_groups
+from megatron_fcp.planner.placing import PACKED_BALANCE, place_batch, place_batch_groups
+from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.contract.plan import check_cp_ranks
-from megatron_fcp.cost.head_parallel_packed import simulate_packed_head_parallel, simulate_packed_plan
+from megatron_fcp.cost.head_parallel_packed import packed_as_run
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, pad_for_zigzag
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import get_builder
@@ -135,6 +136,7 @@ def compile_packed_head_parallel(
     block_tokens: int | None = None,
     head_dim: int | None = None,
     dtype_bytes: int = 2,
+    placement_balance: str = PACKED_BALANCE,
 ) -> PackedHeadParallelPlan:
     """A verified :class:`PackedHeadParallelPlan` of one packed batch (Note [Head-parallel stage on
     packed batches] in :mod:`megatron_fcp.contract.head_parallel_packed`).
@@ -147,7 +149,8 @@ def compile_packed_head_parallel(
     with ``graph`` (a builder name or ``"auto"``) over member 0's ranks and the group placement,
     then renamed onto virtual ranks ``0..G-1``. ``heads`` / ``kv_heads``: the attention's (per
     tensor-parallel rank); ValueError naming the fix when ``degree`` does not fit them or the CP
-    size. ``degree`` must be >= 2 (degree 1 is the plain packed plan)."""
+    size. ``degree`` must be >= 2 (degree 1 is the plain packed plan). ``placement_balance``:
+    what the placement balances (``place_packed``'s ``balance``; Note [Layer work])."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     if degree < 2:
@@ -156,7 +159,9 @@ def compile_packed_head_parallel(
     rep = check_head_parallel(heads, kv_heads, degree, len(ranks))
     groups = tuple(tuple(g) for g in head_groups) if head_groups is not None \
         else head_groups_for(topo, ranks, degree)
-    place_kw = {"causal": causal} if block_tokens is None else {"causal": causal, "block_tokens": block_tokens}
+    place_kw = {"causal": causal, "balance": placement_balance}
+    if block_tokens is not None:
+        place_kw["block_tokens"] = block_tokens
     group_pl, member_pl = place_batch_groups(topo, ranks, groups, doc_lengths, **place_kw)
     kv = None
     if len(groups) > 1:
@@ -179,18 +184,25 @@ def choose_packed_head_parallel(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     compute_model: ComputeModel | None = None,
     plans: dict | None = None,
+    placement_balance: str = PACKED_BALANCE,
+    backward_kv: str = "auto",
+    kv_memory_budget: int = RING_BUDGET,
 ) -> tuple[int, dict[int, float]]:
     """The head-parallel degree of least predicted forward + backward time on one packed batch, and
-    every candidate's seconds (``{degree: seconds}``), priced by
-    :func:`~megatron_fcp.cost.head_parallel_packed.simulate_packed_head_parallel` (``a = 1``: the
-    plain packed plan over ``place_batch``, by ``simulate_packed_plan``). ``degrees`` (default:
+    every candidate's seconds (``{degree: seconds}``), priced as the executor runs them
+    (:func:`~megatron_fcp.cost.head_parallel_packed.packed_as_run`: the backward in waves under
+    ``backward_kv`` and ``kv_memory_budget``, the runtime's ``--fcp-backward-kv`` and
+    ``--fcp-kv-memory-budget``; ``a = 1``: the plain packed plan over ``place_batch``). Ranking by
+    the one-pass backward instead (before 2026-12-03) picked degrees whose waves then cost up to
+    1.3x the one-pass price (docs/planner.md, "Layer balance"). ``degrees`` (default:
     every degree whose head groups fit inside nodes and split ``shape``'s heads,
     :func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`); ties go to the smaller
     degree. ``shape.seq_len`` is not read (the documents set it). The KV stage of every degree is
     built with ``graph``. ``plans``: a dict this fills with each degree's compiled plan (``a = 1``
     the :class:`~megatron_fcp.contract.plan.Plan`, else the
     :class:`~megatron_fcp.contract.head_parallel_packed.PackedHeadParallelPlan`), so a caller can
-    run the chosen one without compiling it again."""
+    run the chosen one without compiling it again. ``placement_balance``: what every degree's
+    placement balances (``place_packed``'s ``balance``; Note [Layer work])."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cands = list(degrees) if degrees is not None else head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads)
@@ -199,15 +211,17 @@ def choose_packed_head_parallel(
     times: dict[int, float] = {}
     for a in sorted(set(cands)):
         if a == 1:
-            pl = place_batch(topo, ranks, doc_lengths, block_tokens=block_tokens, causal=causal)
+            pl = place_batch(topo, ranks, doc_lengths, block_tokens=block_tokens, causal=causal,
+                             balance=placement_balance)
             plan = build_plan(topo, ranks, graph, causal=causal, placement=pl, heads=shape.heads,
                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
-            times[a] = simulate_packed_plan(plan, topo, shape, compute_model=compute_model).total_s
         else:
             plan = compile_packed_head_parallel(topo, ranks, doc_lengths, shape.heads, shape.kv_heads, a, graph,
                                                 causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
-                                                dtype_bytes=shape.dtype_bytes)
-            times[a] = simulate_packed_head_parallel(plan, topo, shape, compute_model=compute_model).total_s
+                                                dtype_bytes=shape.dtype_bytes,
+                                                placement_balance=placement_balance)
+        times[a] = packed_as_run(plan, topo, shape, compute_model=compute_model, backward_kv=backward_kv,
+                                 kv_memory_budget=kv_memory_budget)["total_s"]
         if plans is not None:
             plans[a] = plan
     best = min(times, key=lambda a: (times[a], a))

@@ -1,0 +1,230 @@
+"""A packed batch placed so that attention pairs *and* tokens are even: the layer's balance. Pure.
+
+Note [Layer-balanced placement]
+-------------------------------
+Note [Layer work] (in :mod:`megatron_fcp.contract.placement`) measures why attention balance is not
+enough: the projections and MLP run on the tokens a rank holds, and a layer's ranks meet at its
+attention, so a layer lasts about ``max pairs + lam * max tokens``. This placement
+(:func:`place_packed_layer`) keeps both maxima within a few percent of their means. No model
+dimension is needed: both resources are balanced, each by itself.
+
+1. **Items.** Each document is cut into the fewest near-equal contiguous chunks whose tokens stay
+   within :data:`ITEM_SHARE` of a rank's share of tokens and ``block_tokens``, and whose last
+   chunk's pairs (about ``c * L`` for ``c`` tokens of an ``L``-token document) within that share of
+   a rank's pairs; most short documents are one item, whole. A chunk at position ``p`` has about
+   ``p`` pairs a token: early chunks are cheap in pairs, late ones dear, and the greedy mixes them.
+2. **Greedy**, items by decreasing ``max(pairs / W, tokens / T)`` (``W``, ``T``: the means per
+   bin), each to the bin where it best fills the deficit, ``v . d`` largest, ``v`` the item's
+   ``(pairs / W, tokens / T)`` and ``d`` the bin's ``1 - load / mean`` in each (the bin the item
+   leaves nearest its share, in squares); bins where either would pass ``1 +``
+   :data:`LAYER_TOLERANCE` only if no bin fits. A bin already holding the item's document takes it
+   instead if it fits and its ``v . d`` is within :data:`HOLDER_SLACK` ``* |v|^2`` of the best: a
+   document's chunks gather on few bins, and an earlier chunk of a document whose later chunk a
+   bin holds lowers that bin's need by its tokens (Note [Placements and document need sets]).
+3. **Search**: while the worst bin's ``max(pairs / W, tokens / T)`` is above ``1 +``
+   :data:`LAYER_TARGET`, move an item from it, or swap one with a lighter one, to the 8 least
+   loaded bins, where that lowers the larger of the two bins' scores (ties: an item whose document
+   the other bin holds).
+4. **Nodes** (``nodes``, as Note [Node-aware placement]): steps 2-3 onto the nodes (bins of ``g``
+   ranks' shares), then each node's items onto its ranks. Adjacent chunks of a document that end on
+   one rank are joined into one block.
+
+Tried and measured (1M-token lognormal mixes, medians 2K-32K, cp = 16-256, docs/planner.md "Layer
+balance"): zigzag *pairs* of chunks as items (every pair of a document the same pairs per token,
+TE's trick) balance as well but need 1.1-1.6x the received tokens, since each holder of a pair
+needs nearly the whole document; always preferring holders fills a bin with one long document's
+chunks (all pairs, few tokens) and leaves others at 0.2x the pairs; a quarter share per item
+leaves cp = 256 at 1.11x; a holder slack of 16-64 (more need-aware) lets the search fall behind
+(1.04-1.09x) and 4x slower.
+
+The price is communication: a document longer than a rank's token share cannot stay whole (at
+cp = 256 on 1M tokens a rank holds 4K tokens, less than the 8K median document), so a layer-balanced
+placement receives 1.1-2.7x the tokens the attention balance does, still far below TE's THD, which
+moves every document to every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from megatron_fcp.contract.mask import Mask, check_window
+from megatron_fcp.contract.placement import (DEFAULT_BLOCK_TOKENS, Placement, Span, check_doc_lengths, node_groups,
+                                             place_packed, span_pairs)
+
+__all__ = ["place_packed_layer", "place_balanced", "BALANCES", "LAYER_TOLERANCE", "LAYER_TARGET"]
+
+BALANCES = ("attention", "layer")
+"""What a packed batch's placement balances (``--fcp-packed-balance``): attention pairs alone
+(:func:`~megatron_fcp.contract.placement.place_packed`), or pairs and tokens each
+(:func:`place_packed_layer`)."""
+
+LAYER_TOLERANCE = 0.03
+"""Pairs and tokens, each max over mean, that the greedy fills bins up to."""
+
+LAYER_TARGET = 0.01
+"""Where the search (step 3) stops: the worst bin within 1% of the mean in both."""
+
+ITEM_SHARE = 0.125
+"""The largest item, as a fraction of a rank's share of either resource (a quarter left cp = 256
+at 1.11x; a sixteenth doubles the blocks for 1.015 against 1.02: docs/planner.md, "Layer balance")."""
+
+HOLDER_SLACK = 4.0
+"""How much worse (in squared item sizes) a bin holding the item's document may fit than the best
+bin and still take it (step 2)."""
+
+
+def _items(lengths: Sequence[int], cp: int, block_tokens: int, mask: Mask) -> list[Span]:
+    """Step 1: whole documents, and contiguous chunks of the ones too large for one item."""
+    pairs = [span_pairs(Span(d, 0, n), Span(d, 0, n), mask) for d, n in enumerate(lengths)]
+    share_t, share_w = sum(lengths) / cp, sum(pairs) / cp
+    out: list[Span] = []
+    for d, n in enumerate(lengths):
+        # a document's last chunk of c tokens holds about c * n pairs (every query up to n keys)
+        c = min(block_tokens, ITEM_SHARE * share_t, ITEM_SHARE * share_w / n)
+        chunks = min(n, max(1, math.ceil(n / max(c, 1.0))))
+        cuts = [i * n // chunks for i in range(chunks + 1)]
+        out.extend(Span(d, a, b) for a, b in zip(cuts, cuts[1:]))
+    return out
+
+
+def _assign(items: list[Span], w: np.ndarray, t: np.ndarray, n: int, tolerance: float,
+            target: float, candidates: int = 8) -> list[list[int]]:
+    """Steps 2-3: item indices per bin; ``w[k]``, ``t[k]``: item ``k``'s pairs and tokens."""
+    W, T = w.sum() / n, t.sum() / n
+    W, T = W or 1.0, T or 1.0
+    lw, lt = np.zeros(n), np.zeros(n)
+    bins: list[list[int]] = [[] for _ in range(n)]
+    holders: dict[int, set[int]] = {}
+    cap = 1.0 + tolerance
+    order = sorted(range(len(items)), key=lambda k: (-max(w[k] / W, t[k] / T), items[k].doc, items[k].start))
+    for k in order:
+        aw, at = (lw + w[k]) / W, (lt + t[k]) / T
+        fits = (aw <= cap) & (at <= cap)
+        doc = items[k].doc
+        vw, vt = w[k] / W, t[k] / T
+        room = vw * (1.0 - lw / W) + vt * (1.0 - lt / T)   # the item against each bin's deficit
+        room = np.where(fits, room, room - 1e9)
+        r = int(np.argmax(room))
+        slack = HOLDER_SLACK * (vw * vw + vt * vt)
+        held = [h for h in sorted(holders.get(doc, ())) if fits[h] and room[h] >= room[r] - slack]
+        if held:
+            r = max(held, key=lambda h: (room[h], -h))
+        lw[r] += w[k]
+        lt[r] += t[k]
+        bins[r].append(k)
+        holders.setdefault(doc, set()).add(r)
+    _search(items, w, t, bins, lw, lt, W, T, target, candidates)
+    return bins
+
+
+def _search(items, w, t, bins, lw, lt, W: float, T: float, target: float, candidates: int) -> None:
+    """Step 3 (in place): moves and swaps off the worst bin while its score falls. Candidates are
+    scored at once per bin pair (numpy); ties go to an item whose document the other bin holds."""
+    n = len(bins)
+    doc = np.array([s.doc for s in items], dtype=np.int64)
+    docs = [set(doc[b].tolist()) for b in bins]
+    for _ in range(8 * n + 64):
+        score = np.maximum(lw / W, lt / T)
+        a = int(np.argmax(score))
+        if score[a] <= 1.0 + target or not bins[a]:
+            return
+        others = [int(r) for r in np.argsort(score, kind="stable") if r != a][:candidates]
+        ka = np.array(bins[a], dtype=np.int64)
+        wa, ta = w[ka], t[ka]
+        best = None  # (value, not a holder, kind, index in a, b, index in b)
+        for b in others:
+            away = np.array([d not in docs[b] for d in doc[ka].tolist()])
+            # move item i of a to b
+            v = np.maximum(np.maximum((lw[a] - wa) / W, (lt[a] - ta) / T),
+                           np.maximum((lw[b] + wa) / W, (lt[b] + ta) / T))
+            i = int(np.lexsort((away, v))[0])
+            cand = (float(v[i]), bool(away[i]), "move", i, b, -1)
+            if best is None or cand[:2] < best[:2]:
+                best = cand
+            if not bins[b]:
+                continue
+            kb = np.array(bins[b], dtype=np.int64)
+            dw, dt = wa[:, None] - w[kb][None, :], ta[:, None] - t[kb][None, :]     # [items of a, items of b]
+            v2 = np.maximum(np.maximum((lw[a] - dw) / W, (lt[a] - dt) / T),
+                            np.maximum((lw[b] + dw) / W, (lt[b] + dt) / T))
+            v2 = np.where((dw <= 0) & (dt <= 0), np.inf, v2)
+            i, j = np.unravel_index(int(np.argmin(v2)), v2.shape)
+            cand = (float(v2[i, j]), bool(away[i]), "swap", int(i), b, int(j))
+            if cand[:2] < best[:2]:
+                best = cand
+        if best[0] >= score[a] - 1e-12:
+            return
+        _, _, kind, i, b, j = best
+        k = int(ka[i])
+        moved = [(k, a, b)] + ([(bins[b][j], b, a)] if kind == "swap" else [])
+        for item, src, dst in moved:
+            bins[src].remove(item)
+            bins[dst].append(item)
+            lw[src] -= w[item]
+            lt[src] -= t[item]
+            lw[dst] += w[item]
+            lt[dst] += t[item]
+        docs[a] = set(doc[bins[a]].tolist())
+        docs[b] = set(doc[bins[b]].tolist())
+
+
+def place_packed_layer(doc_lengths: Sequence[int], cp: int, *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                       causal: bool = True, window: Sequence[int] | None = None,
+                       nodes: Sequence[int] | None = None) -> Placement:
+    """Place a packed batch on ``cp`` ranks with attention pairs and tokens each within a few
+    percent of their means (Note [Layer-balanced placement]). ``block_tokens``: the longest item;
+    ``window``: a sliding window ``(left, right)``, pairs counted under it; ``nodes``: node id per CP
+    index (step 4, as :func:`~megatron_fcp.contract.placement.place_packed`'s). Any lengths work."""
+    lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
+    check_doc_lengths(lengths)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: must be a positive integer, got {cp!r}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens: must be a positive integer, got {block_tokens!r}")
+    mask = Mask(bool(causal), *check_window(window))
+    groups = node_groups(nodes, cp)
+    items = _items(lengths, cp, block_tokens, mask)
+    doc_span = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
+    w = np.array([span_pairs(s, doc_span[s.doc], mask) for s in items], dtype=np.float64)
+    t = np.array([s.tokens for s in items], dtype=np.float64)
+    placed: list[list[Span]] = [[] for _ in range(cp)]
+    if groups is None:
+        for r, b in enumerate(_assign(items, w, t, cp, LAYER_TOLERANCE, LAYER_TARGET)):
+            placed[r] = [items[k] for k in b]
+    else:
+        for members, node_items in zip(groups, _assign(items, w, t, len(groups), LAYER_TOLERANCE, LAYER_TARGET)):
+            sub = [items[k] for k in node_items]
+            inner = _assign(sub, w[node_items], t[node_items], len(members), LAYER_TOLERANCE, LAYER_TARGET)
+            for r, b in zip(members, inner):
+                placed[r] = [sub[k] for k in b]
+    return Placement(lengths, tuple(_merged(p) for p in placed), mask.causal, mask.window)
+
+
+def place_balanced(doc_lengths: Sequence[int], cp: int, *, balance: str, **place_kw) -> Placement:
+    """The placement that balances ``balance`` (:data:`BALANCES`): ``"layer"``,
+    :func:`place_packed_layer` (``place_kw``: ``block_tokens``, ``causal``, ``window``, ``nodes``);
+    ``"attention"``, :func:`~megatron_fcp.contract.placement.place_packed` (any of its knobs)."""
+    if balance not in BALANCES:
+        raise ValueError(f"balance: one of {', '.join(map(repr, BALANCES))}, got {balance!r} (--fcp-packed-balance)")
+    if balance == "attention":
+        return place_packed(doc_lengths, cp, **place_kw)
+    extra = sorted(set(place_kw) - {"block_tokens", "causal", "window", "nodes"})
+    if extra:
+        raise ValueError(f"{', '.join(extra)}: knobs of the attention balance (place_packed); balance='layer' "
+                         "takes block_tokens, causal, window and nodes only")
+    return place_packed_layer(doc_lengths, cp, **place_kw)
+
+
+def _merged(spans: Sequence[Span]) -> tuple[Span, ...]:
+    """A bin's spans in (document, start) order, adjacent chunks of one document joined into one
+    block (the same tokens and need, fewer blocks to move and launch)."""
+    out: list[Span] = []
+    for s in sorted(spans):
+        if out and out[-1].doc == s.doc and out[-1].end == s.start:
+            out[-1] = Span(s.doc, out[-1].start, s.end)
+        else:
+            out.append(s)
+    return tuple(out)
