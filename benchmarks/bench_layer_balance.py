@@ -3,7 +3,7 @@ the attention work FCP's placement balances, against the tokens that the layer's
 MLP run on, which follow the same placement.
 
 Writes ``benchmarks/results/layer_balance.json`` (committed) and prints one line a cell. Pure CPU,
-no cost model (counts only), about a minute::
+no cost model (counts only), about 30 s::
 
     python benchmarks/bench_layer_balance.py [--out benchmarks/results/layer_balance.json]
 
@@ -19,10 +19,11 @@ attention pairs. Per placement, max over mean across ranks of
 * ``layer_phases``: (max pairs + lam x max tokens) over (mean pairs + lam x mean tokens), the layer
   where ranks wait for each other at every attention (they exchange KV there).
 
-Placements: FCP degree 1 (``place_batch``), FCP's head-parallel member placement at a = 8
-(``place_batch_groups``; a member's attention is its group's over 8 head shards), each with
-``token_weight`` 0 (the default) and lam; and TE's THD layout (every document in 2 cp chunks,
-tokens and pairs even up to padding).
+Placements: FCP degree 1 (``place_batch``) and FCP's head-parallel member placement at a = 8
+(``place_batch_groups``; a member's attention is its group's over 8 head shards), each balancing
+the layer (``balance="layer"``, the default: Note [Layer-balanced placement]), the attention alone
+(``balance="attention"``) and the attention with ``token_weight`` lam (their weighted sum); and
+TE's THD layout (every document in 2 cp chunks, tokens and pairs even up to padding).
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def cell(model: str, median: int, cp: int) -> dict:
            "lam_pairs_per_token": lam}
     te_tokens = thd_padded_lengths(lengths, cp).sum() / cp  # every rank the same padded share
     row["te_thd"] = ratios(thd_rank_work(lengths, cp), np.full(cp, te_tokens), lam)
-    for tw in (0.0, lam):
-        key = "default" if tw == 0 else "token_weight_lam"
-        row[f"fcp_a1_{key}"] = ratios(*of_placement(place_batch(topo, ranks, lengths, token_weight=tw)), lam)
-        gp, mp = place_batch_groups(topo, ranks, groups, lengths, token_weight=tw)
+    for key, kw in (("layer", {"balance": "layer"}), ("attention", {"balance": "attention"}),
+                    ("token_weight_lam", {"balance": "attention", "token_weight": lam})):
+        row[f"fcp_a1_{key}"] = ratios(*of_placement(place_batch(topo, ranks, lengths, **kw)), lam)
+        gp, mp = place_batch_groups(topo, ranks, groups, lengths, **kw)
         g_pairs, _ = of_placement(gp)
         member_pairs = np.array([g_pairs[g] / DEGREE for g, grp in enumerate(groups) for _ in grp])
         member_tokens = np.array([mp.tokens(ranks.index(r)) for grp in groups for r in grp])
@@ -101,8 +102,8 @@ def main() -> None:
                 print(f"{model} cp={cp} median {median}: lam {r['lam_pairs_per_token']:.0f}; "
                       + "; ".join(f"{k} tok {r[k]['tokens']:.2f} attn {r[k]['attention']:.2f} "
                                   f"phases {r[k]['layer_phases']:.2f}"
-                                  for k in ("te_thd", "fcp_a1_default", "fcp_a1_token_weight_lam",
-                                            f"fcp_a{DEGREE}_default")), flush=True)
+                                  for k in ("te_thd", "fcp_a1_layer", "fcp_a1_attention", "fcp_a1_token_weight_lam",
+                                            f"fcp_a{DEGREE}_layer", f"fcp_a{DEGREE}_attention")), flush=True)
     keys = [k for k in grid[0] if k.startswith(("te_", "fcp_"))]
     summary = {k: {m: [min(r[k][m] for r in grid), max(r[k][m] for r in grid)]
                    for m in ("attention", "tokens", "layer_sum", "layer_phases")} for k in keys}

@@ -11,12 +11,14 @@ model only (TE as priced by :mod:`megatron_fcp.cost.te` at the time of the run):
 Grid: lognormal mixes (log-sigma 1.0, medians 2K, 8K, 32K tokens, seed 0) of 1M tokens per batch,
 cp = 16, 64, 256 on dgx-h100:2, :8, :32 (all ranks of the cluster), GQA 64:8 and 32:4, head size
 128, bf16, causal, forward + one-pass backward (``compare_packed``) and, as the executor runs it,
-forward + backward in waves (``simulate_backward_waves``, ``backward_kv="auto"``). The placement is
-the runtime's, node-aware (``place_batch``, Note [Node-aware placement]); each cell also prices the
-flat placement (``place_packed`` without nodes) and the one without the busiest-receiver search
-(``recv_refine=False``) beside it. ``plugin``: the plugin's default, ``--fcp-head-parallel auto``:
-the degree ``choose_packed_head_parallel`` picks for the batch (on one-pass prices, as the runtime
-picks it), then that plan priced as the executor runs it (``packed_as_run``: backward in waves).
+forward + backward in waves (``simulate_backward_waves``, ``backward_kv="auto"``), of ``a = 1`` over
+the runtime's placement (``place_batch``: node-aware, layer-balanced). ``plugin``: the plugin's
+default, ``--fcp-head-parallel auto --fcp-packed-balance layer``: the degree
+``choose_packed_head_parallel`` picks for the batch (priced as the executor runs it, as the runtime
+picks it) and that plan's forward + backward (``packed_as_run``); ``plugin_attention_balance`` the
+same with ``--fcp-packed-balance attention``. Each also prices the *layer* (Note [Layer work]): the
+attention plus the busiest rank's projections and MLP (``LINEAR`` dimensions, GEMMs at
+``LINEAR_FLOPS``, forward + backward = 3x the forward), against TE's attention plus its even share.
 The summary's ``plugin_*`` rows are the issue's yardstick.
 """
 
@@ -34,14 +36,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fcp.contract.placement import lognormal_lengths, place_packed  # noqa: E402
+from megatron_fcp.contract.placement import lognormal_lengths  # noqa: E402
 from megatron_fcp.cost.head_parallel_packed import packed_as_run  # noqa: E402
 from megatron_fcp.cost.backward import simulate_backward_waves  # noqa: E402
-from megatron_fcp.cost.model import AttentionShape  # noqa: E402
+from megatron_fcp.cost.model import AttentionShape, layer_pairs_per_token  # noqa: E402
 from megatron_fcp.planner.build import build_plan  # noqa: E402
 from megatron_fcp.planner.compare import compare_packed  # noqa: E402
 from megatron_fcp.planner.head_parallel import choose_packed_head_parallel  # noqa: E402
-from megatron_fcp.planner.placing import place_batch  # noqa: E402
+from megatron_fcp.planner.placing import PACKED_BALANCE, place_batch  # noqa: E402
 from megatron_fcp.schedule.program import compile_backward  # noqa: E402
 
 MEDIANS = (2048, 8192, 32768)
@@ -51,6 +53,10 @@ SEED = 0
 CPS = {16: "dgx-h100:2", 64: "dgx-h100:8", 256: "dgx-h100:32"}
 GQA = ((64, 8), (32, 4))
 TE = ("te-p2p", "te-a2a-p2p")
+# linear layers of the layer rows: Llama-3-70B-like for 64:8, 8B-like for 32:4 (SwiGLU), TP 1
+LINEAR = {(64, 8): (8192, 28672), (32, 4): (4096, 14336)}
+LINEAR_FLOPS = 600e12
+"""Sustained dense BF16 GEMM FLOP/s of the layer rows (about 60% of an H100's peak)."""
 
 
 def _fcp_row(out: dict) -> dict:
@@ -90,25 +96,38 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
     row["fcp_as_run"] = {"backward": f"{waves['waves']} waves, {waves['backward_kv']}", "bwd_s": waves["bwd_s"],
                          "fwd_bwd_total_s": run, "speedup_vs_best_te": s[best]["fwd_bwd"]["total_s"] / run}
     te_s = s[best]["fwd_bwd"]["total_s"]
-    for key, pl0 in (("without_recv_refine", place_batch(topo, range(cp), lengths, recv_refine=False)),
-                     ("flat_placement", place_packed(lengths, cp))):  # before Note [Node-aware placement]
-        before = _fcp_row(compare_packed(topo, None, lengths, shape, placement=pl0)) \
-            if pl0 != out["placement"] else dict(row["fcp"])
-        row[f"fcp_{key}"] = before
-        row[f"speedup_vs_best_te_{key}"] = te_s / before["fwd_bwd_total_s"]
-    # the plugin's default (--fcp-head-parallel auto): each packed batch's degree, chosen as the runtime
-    # chooses it (one-pass prices), then priced as the executor runs its backward (waves)
-    plans: dict = {}
-    degree, priced = choose_packed_head_parallel(topo, range(cp), lengths, shape, graph="auto", plans=plans)
-    chosen = plans[degree]
-    run_d = packed_as_run(chosen, topo, shape)
-    row["plugin"] = {"degree": degree, "priced_one_pass_s": priced,
-                     "graph": chosen.name if degree == 1 else chosen.kv_plan.name if chosen.kv_plan else "none",
-                     "fwd_s": run_d["fwd_s"], "bwd_s": run_d["bwd_s"], "fwd_bwd_total_s": run_d["total_s"],
-                     "backward": f"{run_d['waves']} waves, {run_d['backward_kv']}",
-                     "speedup_vs_best_te_one_pass": te_s / priced[degree],
-                     "speedup_vs_best_te": te_s / run_d["total_s"]}
+    # the plugin's default (--fcp-head-parallel auto, --fcp-packed-balance layer): each packed batch's
+    # degree, chosen as the runtime chooses it (priced as run: backward in waves), and the same with
+    # --fcp-packed-balance attention
+    for key, balance in (("plugin", PACKED_BALANCE), ("plugin_attention_balance", "attention")):
+        plans: dict = {}
+        degree, priced = choose_packed_head_parallel(topo, range(cp), lengths, shape, graph="auto", plans=plans,
+                                                     placement_balance=balance)
+        chosen = plans[degree]
+        run_d = packed_as_run(chosen, topo, shape)
+        pl = chosen.placement
+        tokens = np.array([pl.tokens(i) for i in range(cp)], dtype=np.float64)
+        row[key] = {"balance": balance, "degree": degree, "priced_s": priced,
+                    "graph": chosen.name if degree == 1 else chosen.kv_plan.name if chosen.kv_plan else "none",
+                    "fwd_s": run_d["fwd_s"], "bwd_s": run_d["bwd_s"], "fwd_bwd_total_s": run_d["total_s"],
+                    "backward": f"{run_d['waves']} waves, {run_d['backward_kv']}",
+                    "tokens_max_over_mean": float(tokens.max() / tokens.mean()),
+                    "speedup_vs_best_te": te_s / run_d["total_s"],
+                    **_layer(shape, tokens.max(), run_d["total_s"], te_s, TOKENS / cp)}
     return row
+
+
+def _layer(shape: AttentionShape, tokens_max: float, attention_s: float, te_attention_s: float,
+           te_tokens: float) -> dict:
+    """A layer's forward + backward where ranks meet at the attention (Note [Layer work]): the
+    busiest rank's projections and MLP (``LINEAR`` dimensions, GEMMs at ``LINEAR_FLOPS``), plus the
+    attention; TE's ranks all hold ``te_tokens``."""
+    hidden, ffn = LINEAR[(shape.heads, shape.kv_heads)]
+    per_token_s = 3 * layer_pairs_per_token(shape, hidden, ffn, gated=True) * shape.pair_flops / LINEAR_FLOPS
+    fcp = tokens_max * per_token_s + attention_s
+    te = te_tokens * per_token_s + te_attention_s
+    return {"layer_linear_s": float(tokens_max * per_token_s), "layer_total_s": float(fcp),
+            "te_layer_total_s": float(te), "layer_speedup_vs_best_te": float(te / fcp)}
 
 
 def planning_speed(repeats: int = 3) -> list[dict]:
@@ -154,6 +173,13 @@ def planning_speed(repeats: int = 3) -> list[dict]:
     return rows
 
 
+def _plain(x):
+    """numpy scalars as Python numbers (JSON)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
 def _r(x) -> str:
     return "n/a (bound 0)" if x is None else f"{x:.2f}"
 
@@ -185,52 +211,49 @@ def main() -> None:
                 t = time.perf_counter()
                 r = cell(median, cp, heads, kv)
                 grid.append(r)
-                f, b = r["fcp"], r["fcp_without_recv_refine"]
-                p = r["plugin"]
+                f, p, q = r["fcp"], r["plugin"], r["plugin_attention_balance"]
                 print(f"cp={cp} {heads}:{kv} median {median}: plugin a={p['degree']} {p['graph']} "
-                      f"{p['speedup_vs_best_te']:.3f}x as run ({p['backward']}); "
-                      f"flat placement {r['speedup_vs_best_te_flat_placement']:.3f}x one-pass; "
-                      f"fcp/{r['best_te']} {r['speedup_vs_best_te']:.3f}x "
-                      f"(as run {r['fcp_as_run']['speedup_vs_best_te']:.3f}x) "
-                      f"(no recv search {r['speedup_vs_best_te_without_recv_refine']:.3f}x); comm/need bound "
-                      f"{f['fwd_comm_over_need_bound']:.2f} ({b['fwd_comm_over_need_bound']:.2f}); busiest/bound "
-                      f"{_r(f['recv_max_over_bound'])} ({_r(b['recv_max_over_bound'])}), node "
+                      f"{p['speedup_vs_best_te']:.3f}x as run ({p['backward']}), layer "
+                      f"{p['layer_speedup_vs_best_te']:.3f}x, tokens {p['tokens_max_over_mean']:.2f}; attention "
+                      f"balance a={q['degree']} {q['speedup_vs_best_te']:.3f}x, layer {q['layer_speedup_vs_best_te']:.3f}x, "
+                      f"tokens {q['tokens_max_over_mean']:.2f}; a=1 fcp/{r['best_te']} {r['speedup_vs_best_te']:.3f}x "
+                      f"(as run {r['fcp_as_run']['speedup_vs_best_te']:.3f}x); comm/need bound "
+                      f"{f['fwd_comm_over_need_bound']:.2f}; busiest/bound {_r(f['recv_max_over_bound'])}, node "
                       f"{_r(f['node_recv_max_over_bound'])}; work {f['work_max_over_mean']:.3f}; fwd total/max "
                       f"{f['fwd_total_over_max']:.3f}  [{time.perf_counter() - t:.1f} s]", flush=True)
-    plugin = [r["plugin"]["speedup_vs_best_te"] for r in grid]
-    flat = [r["speedup_vs_best_te_flat_placement"] for r in grid]
+
+    def column(key: str, field: str) -> list[float]:
+        return [r[key][field] for r in grid]
+
     ratios = [r["speedup_vs_best_te"] for r in grid]
     run = [r["fcp_as_run"]["speedup_vs_best_te"] for r in grid]
-    a2a = [r["speedup_vs_best_te"] for r in grid if r["best_te"] == "te-a2a-p2p"]
+    summary = {}
+    for key in ("plugin", "plugin_attention_balance"):
+        att, lay = column(key, "speedup_vs_best_te"), column(key, "layer_speedup_vs_best_te")
+        summary.update({f"{key}_speedup_vs_best_te_geomean": _geomean(att), f"{key}_speedup_vs_best_te_min": min(att),
+                        f"{key}_cells_below_1": sum(x < 1.0 for x in att),
+                        f"{key}_layer_speedup_vs_best_te_geomean": _geomean(lay),
+                        f"{key}_layer_speedup_vs_best_te_min": min(lay),
+                        f"{key}_layer_cells_below_1": sum(x < 1.0 for x in lay),
+                        f"{key}_tokens_max_over_mean_max": max(column(key, "tokens_max_over_mean")),
+                        f"{key}_degrees": column(key, "degree")})
+    summary.update({"a1_speedup_vs_best_te_geomean": _geomean(ratios), "a1_speedup_vs_best_te_min": min(ratios),
+                    "a1_as_run_speedup_vs_best_te_geomean": _geomean(run), "a1_as_run_speedup_vs_best_te_min": min(run),
+                    "fwd_comm_over_need_bound_max": max(r["fcp"]["fwd_comm_over_need_bound"] for r in grid),
+                    "fwd_comm_over_need_bound_min": min(r["fcp"]["fwd_comm_over_need_bound"] for r in grid),
+                    "recv_max_over_bound_max": max(_ratios(grid, "fcp")),
+                    "recv_max_over_bound_geomean": _geomean(_ratios(grid, "fcp"))})
     res = {"command": "python benchmarks/bench_packed_scale.py" + (" --quick" if args.quick else "")
            + (f" --planning-repeats {args.planning_repeats}" if args.planning_repeats != 3 else ""),
            "date": time.strftime("%Y-%m-%d", time.gmtime()), "head_dim": 128, "dtype_bytes": 2, "causal": True,
-           "grid": grid,
-           "summary": {"plugin_speedup_vs_best_te_geomean": _geomean(plugin),
-                       "plugin_speedup_vs_best_te_min": min(plugin),
-                       "plugin_cells_below_1": sum(x < 1.0 for x in plugin),
-                       "plugin_degrees": [r["plugin"]["degree"] for r in grid],
-                       "flat_placement_speedup_vs_best_te_geomean": _geomean(flat),
-                       "flat_placement_speedup_vs_best_te_min": min(flat),
-                       "speedup_vs_best_te_geomean": float(np.exp(np.mean(np.log(ratios)))),
-                       "speedup_vs_best_te_min": min(ratios),
-                       "cells_below_1": sum(x < 1.0 for x in ratios),
-                       "as_run_speedup_vs_best_te_geomean": float(np.exp(np.mean(np.log(run)))),
-                       "as_run_speedup_vs_best_te_min": min(run),
-                       "as_run_cells_below_1": sum(x < 1.0 for x in run),
-                       # cells where TE's a2a+p2p runs (64:8): the 32:4 cells only have te-p2p (kv_heads 4 < 8)
-                       "speedup_vs_te_a2a_p2p_geomean": float(np.exp(np.mean(np.log(a2a)))) if a2a else None,
-                       "fwd_comm_over_need_bound_max": max(r["fcp"]["fwd_comm_over_need_bound"] for r in grid),
-                       "recv_max_over_bound_max": max(_ratios(grid, "fcp")),
-                       "recv_max_over_bound_geomean": float(np.exp(np.mean(np.log(_ratios(grid, "fcp"))))),
-                       "recv_max_over_bound_geomean_without_recv_refine": float(np.exp(np.mean(np.log(
-                           _ratios(grid, "fcp_without_recv_refine")))))},
+           "linear_flops": LINEAR_FLOPS, "linear_dims": {f"{h}:{k}": v for (h, k), v in LINEAR.items()},
+           "grid": grid, "summary": summary,
            "planning_speed": planning_speed(args.planning_repeats),
            }
     res["wall_s"] = time.perf_counter() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps(res["summary"], indent=1))
+    Path(args.out).write_text(json.dumps(res, indent=1, default=_plain) + "\n")
+    print(json.dumps(res["summary"], indent=1, default=_plain))
     print(f"wrote {args.out}")
 
 

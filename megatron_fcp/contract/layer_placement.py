@@ -31,15 +31,15 @@ dimension is needed: both resources are balanced, each by itself.
 
 Tried and measured (1M-token lognormal mixes, medians 2K-32K, cp = 16-256, docs/planner.md "Layer
 balance"): zigzag *pairs* of chunks as items (every pair of a document the same pairs per token,
-TE's trick) balance as well but need 1.1-1.6x the received tokens, since each holder of a pair
-needs nearly the whole document; always preferring holders fills a bin with one long document's
+TE's trick) balance as well but need 1.04-1.26x the received tokens of contiguous chunks at the
+same holder slack (each holder of a pair needs nearly the whole document); always preferring holders fills a bin with one long document's
 chunks (all pairs, few tokens) and leaves others at 0.2x the pairs; a quarter share per item
 leaves cp = 256 at 1.11x; a holder slack of 16-64 (more need-aware) lets the search fall behind
 (1.04-1.09x) and 4x slower.
 
 The price is communication: a document longer than a rank's token share cannot stay whole (at
 cp = 256 on 1M tokens a rank holds 4K tokens, less than the 8K median document), so a layer-balanced
-placement receives 1.1-2.7x the tokens the attention balance does, still far below TE's THD, which
+placement receives 2.0-2.9x the tokens the attention balance does in total, still far below TE's THD, which
 moves every document to every rank.
 """
 
