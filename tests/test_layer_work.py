@@ -8,14 +8,13 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from megatron_fcp.contract.layer_placement import place_balanced, place_packed_layer
 from megatron_fcp.contract.placement import lognormal_lengths, place_packed
 from megatron_fcp.cost.model import AttentionShape, layer_pairs_per_token
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.placing import place_batch
-from megatron_fcp.testing.harness import harness_attention, per_document_reference
+from megatron_fcp.testing.harness import assert_packed_matches_fp64
 
 
 def _tokens(pl) -> np.ndarray:
@@ -130,12 +129,5 @@ def test_a_token_weighted_placement_matches_fp64():
 
 
 def _check_fp64(ranks, lengths, pl) -> None:
-    plan = build_plan("dgx-h100:2", ranks, "entry", placement=pl)
-    g = torch.Generator().manual_seed(11)
-    T, h, hk, d = sum(lengths), 4, 2, 8
-    q, do = (torch.randn(T, h, d, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(T, hk, d, generator=g, dtype=torch.float64) for _ in range(2))
-    ref = per_document_reference(q, k, v, do, lengths, True, 1.0 / math.sqrt(d))
-    res = harness_attention(q, k, v, do, ranks=ranks, placement=pl, plan=plan, causal=True)
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        torch.testing.assert_close(res.gathered(name), ref[name], rtol=0, atol=1e-10, msg=name)
+    assert list(pl.doc_lengths) == list(lengths)
+    assert_packed_matches_fp64(build_plan("dgx-h100:2", ranks, "entry", placement=pl), pl, seed=11)

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from megatron_fcp.contract.placement import (BALANCE_TARGET, Span, _split_even, lognormal_lengths, place_packed,
                                              span_pairs)
@@ -17,7 +16,7 @@ from megatron_fcp.contract.verify import verify_reference
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import GRAPH_CHOICES, PACKED_AUTO_CANDIDATES, get_builder
 from megatron_fcp.planner.placing import cp_nodes, place_batch
-from megatron_fcp.testing.harness import harness_attention, per_document_reference
+from megatron_fcp.testing.harness import assert_packed_matches_fp64
 from megatron_fcp.topology import load_topology
 
 
@@ -115,14 +114,7 @@ def test_stripe_over_a_node_aware_placement_matches_fp64():
     plan = build_plan(topo, ranks, "stripe", placement=pl)
     assert any(topo.node_of(t.block.owner) == topo.node_of(t.src) != topo.node_of(t.dst) and t.src != t.block.owner
                for _, t in plan.transfers())                                # some copy leaves through a relay
-    g = torch.Generator().manual_seed(5)
-    T, h, hk, d = sum(lengths), 4, 2, 8
-    q, do = (torch.randn(T, h, d, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(T, hk, d, generator=g, dtype=torch.float64) for _ in range(2))
-    ref = per_document_reference(q, k, v, do, lengths, True, 1.0 / math.sqrt(d))
-    res = harness_attention(q, k, v, do, ranks=ranks, placement=pl, plan=plan, causal=True)
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        torch.testing.assert_close(res.gathered(name), ref[name], rtol=0, atol=1e-10, msg=name)
+    assert_packed_matches_fp64(plan, pl, seed=5)
 
 
 def test_packed_as_run_prices_the_waves_between_the_stage_all_to_alls():

@@ -51,8 +51,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron_fcp.contract.mask import Mask, check_window
-from megatron_fcp.contract.placement import (DEFAULT_BLOCK_TOKENS, Placement, Span, check_doc_lengths, node_groups,
-                                             place_packed, span_pairs)
+from megatron_fcp.contract.placement import (DEFAULT_BLOCK_TOKENS, Placement, Span, check_placement_args,
+                                             node_groups, place_packed, span_pairs)
 
 __all__ = ["place_packed_layer", "place_balanced", "BALANCES", "LAYER_TOLERANCE", "LAYER_TARGET"]
 
@@ -178,12 +178,7 @@ def place_packed_layer(doc_lengths: Sequence[int], cp: int, *, block_tokens: int
     percent of their means (Note [Layer-balanced placement]). ``block_tokens``: the longest item;
     ``window``: a sliding window ``(left, right)``, pairs counted under it; ``nodes``: node id per CP
     index (step 4, as :func:`~megatron_fcp.contract.placement.place_packed`'s). Any lengths work."""
-    lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
-    check_doc_lengths(lengths)
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp: must be a positive integer, got {cp!r}")
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-        raise ValueError(f"block_tokens: must be a positive integer, got {block_tokens!r}")
+    lengths = check_placement_args(doc_lengths, cp, block_tokens)
     mask = Mask(bool(causal), *check_window(window))
     groups = node_groups(nodes, cp)
     items = _items(lengths, cp, block_tokens, mask)

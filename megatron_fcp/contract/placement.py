@@ -121,7 +121,7 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.mask import Mask, as_mask, check_window
 
 __all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
-           "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "node_groups", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
+           "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "node_groups", "check_placement_args", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
 
 _log = logging.getLogger(__name__)
 _UNEVEN_LOGGED: list[bool] = []
@@ -409,6 +409,18 @@ def check_doc_lengths(doc_lengths: Sequence[int]) -> None:
         if isinstance(n, bool) or int(n) != n or n < 1:
             raise ValueError(f"doc_lengths[{d}] = {n!r}: every document needs at least 1 token "
                              "(drop empty documents from cu_seqlens)")
+
+
+def check_placement_args(doc_lengths: Sequence[int], cp: int, block_tokens: int) -> tuple[int, ...]:
+    """The document lengths as ints, after checking them, the CP size and the block size (ValueError
+    naming the argument): what every placement takes."""
+    lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
+    check_doc_lengths(lengths)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: must be a positive integer, got {cp!r}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens: must be a positive integer, got {block_tokens!r}")
+    return lengths
 
 
 def lognormal_lengths(mean: float, sigma: float, total: int, seed: int = 0) -> list[int]:
@@ -871,12 +883,7 @@ def place_packed(
 
     Any lengths work: no divisibility rule, documents of length 1, ranks left without tokens.
     """
-    lengths = tuple(int(x) if not isinstance(x, bool) and int(x) == x else x for x in doc_lengths)
-    check_doc_lengths(lengths)
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp: must be a positive integer, got {cp!r}")
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-        raise ValueError(f"block_tokens: must be a positive integer, got {block_tokens!r}")
+    lengths = check_placement_args(doc_lengths, cp, block_tokens)
     if not tolerance >= 0:
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
     if not max_block_work > 0:

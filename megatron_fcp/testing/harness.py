@@ -45,7 +45,7 @@ from megatron_fcp.schedule.program import RING_BUDGET, BackwardProgram
 from megatron_fcp.testing.inprocess import InProcessGroup, VirtualRank
 
 __all__ = ["harness_attention", "HarnessResult", "RankResult", "per_document_reference", "check_numerics_cases",
-           "QUANTITIES"]
+           "assert_packed_matches_fp64", "QUANTITIES"]
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 
@@ -185,6 +185,22 @@ def harness_attention(
 # ---------------------------------------------------------------------------------------------
 # references and the ready-made numerics matrix
 # ---------------------------------------------------------------------------------------------
+def assert_packed_matches_fp64(plan: Any, placement: Placement, *, seed: int, heads: int = 4, kv_heads: int = 2,
+                               head_dim: int = 8, atol: float = 1e-10) -> None:
+    """Seeded FP64 q, k, v, dO for ``placement``'s documents, ``plan`` over it run by
+    :func:`harness_attention`, and every one of :data:`QUANTITIES` checked against
+    :func:`per_document_reference` (causal): AssertionError naming the tensor otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = list(placement.doc_lengths)
+    T = sum(lengths)
+    q, do = (torch.randn(T, heads, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(T, kv_heads, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = per_document_reference(q, k, v, do, lengths, True, 1.0 / math.sqrt(head_dim))
+    res = harness_attention(q, k, v, do, ranks=plan.ranks, placement=placement, plan=plan, causal=True)
+    for name in QUANTITIES:
+        torch.testing.assert_close(res.gathered(name), ref[name], rtol=0, atol=atol, msg=name)
+
+
 def per_document_reference(q, k, v, do, lengths: Sequence[int], causal: bool, scale: float,
                            window: "tuple[int, int] | None" = None) -> dict:
     """Each document of a packed batch attended alone by plain torch autograd (in the inputs'
