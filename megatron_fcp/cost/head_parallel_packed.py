@@ -21,8 +21,9 @@ stages back to back per pass, with the packed batch's sizes:
   :func:`~megatron_fcp.cost.backward.simulate_plan_backward` (one pass, KV kept), with ``h/a``
   query and ``rep * h_kv / a`` KV heads (:func:`~megatron_fcp.cost.head_parallel.stage_shape`).
 
-``a = 1`` is the plain packed plan over :func:`~megatron_fcp.contract.placement.place_packed`,
-priced by the same two functions.
+``a = 1`` is the plain packed plan over :func:`~megatron_fcp.planner.placing.place_batch`,
+priced by the same two functions. :func:`packed_as_run` prices either with the backward as the
+executor runs it (waves), which is what the degree choice ranks by.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from megatron_fcp.cost.model import (
 from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel", "simulate_packed_plan",
+__all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel",
            "packed_as_run"]
 
 
@@ -82,20 +83,6 @@ def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which
                 if m != i and tokens[m]:  # in: m's rows of shard i to i; out: shard i's rows of m back to m
                     out.append((src, dst, tokens[m] * per[kind]) if direction == "in" else (dst, src, tokens[m] * per[kind]))
     return out
-
-
-def simulate_packed_plan(plan: Plan, topology: "Topology | str", shape: AttentionShape, *,
-                         compute_model: ComputeModel | None = None, round_overhead_s: float = 0.0,
-                         backward_flop_ratio: float = BACKWARD_FLOP_RATIO, grad_dtype_bytes: int | None = None,
-                         name: str = "fcp") -> SimResult:
-    """Forward + backward of a packed plan (a placement plan: degree 1, or a merged stage plan)."""
-    topo = load_topology(topology)
-    cm = compute_model or ComputeModel()
-    fwd = simulate_plan(plan, topo, shape, compute_model=cm, round_overhead_s=round_overhead_s, name=name)
-    bwd = simulate_plan_backward(plan, topo, shape, compute_model=cm, backward_flop_ratio=backward_flop_ratio,
-                                 grad_dtype_bytes=grad_dtype_bytes, round_overhead_s=round_overhead_s, name=name)
-    return combine(name, [fwd, bwd], {"fwd_total_s": fwd.total_s, "bwd_total_s": bwd.total_s, "head_parallel": 1,
-                                      "graph": plan.name, "transfers": plan.num_transfers()})
 
 
 def _a2a(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, which: str,
@@ -138,7 +125,7 @@ def packed_as_run(plan: "Plan | PackedHeadParallelPlan", topology: "Topology | s
                   compute_model: ComputeModel | None = None, backward_kv: str = "auto",
                   kv_memory_budget: int = RING_BUDGET) -> dict:
     """Forward + backward of a packed batch's plan as the executor runs them: the forward as
-    :func:`simulate_packed_plan` / :func:`simulate_packed_head_parallel` price it, the backward in
+    :func:`~megatron_fcp.cost.model.simulate_plan` / :func:`simulate_packed_head_parallel` price it, the backward in
     waves under ``kv_memory_budget`` (:func:`~megatron_fcp.cost.backward.simulate_backward_waves`,
     ``backward_kv``) instead of their one pass. For a head-parallel stage the waves run on the
     merged stage plan with the stage's heads, between the same all-to-alls. What
