@@ -446,11 +446,21 @@ def train(
             runtime.record_stats = True  # each layer's latest FCPStats: KV held, peak, re-sent
             if layout.cp > 1 and args.packed:  # plans follow each micro-batch's documents: show the first
                 lengths, _ = _packed_sample(0, 0, args)
-                plan = runtime.packed_plan(tuple(ps.get_context_parallel_global_ranks()), tuple(lengths))
-                info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(plan.ranks),
+                cp_ranks = tuple(ps.get_context_parallel_global_ranks())
+                degree = runtime.packed_degree(cp_ranks, tuple(lengths))
+                if degree == 1:
+                    plan, placed, over = runtime.packed_plan(cp_ranks, tuple(lengths)), None, "CP ranks"
+                else:  # the KV stage runs over the head groups: their placement and plan are what to show
+                    hp = runtime.packed_head_parallel(cp_ranks, tuple(lengths), causal=True,
+                                                      heads=runtime.packed_shape.heads,
+                                                      kv_heads=runtime.packed_shape.kv_heads)
+                    plan, placed, over = hp.kv_plan, hp.group_placement, f"{len(hp.head_groups)} head groups"
+                placed = placed or plan.placement
+                info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(cp_ranks),
                             rounds=len(plan.rounds), transfers=plan.num_transfers(), packed=True,
-                            head_parallel=runtime.packed_degree(tuple(plan.ranks), tuple(lengths)))
-                say(f"FCP packed: first micro-batch {lengths}\n{plan.placement.summary()}\n{plan.round_table()}")
+                            head_parallel=degree)
+                say(f"FCP packed: first micro-batch {lengths}, head-parallel degree {degree}; placement over the "
+                    f"{over}:\n{placed.summary()}\n{plan.round_table()}")
             elif layout.cp > 1:
                 plan = runtime.plan(tuple(ps.get_context_parallel_global_ranks()), causal=True,
                                     parts_per_chunk=runtime.parts_per_chunk(args.seq_length // layout.cp))
