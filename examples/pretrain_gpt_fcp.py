@@ -435,9 +435,9 @@ def train(
         if fcp.enabled:
             apply_fcp(fcp)
             heads = args.num_attention_heads
+            kv_heads = heads if args.multi_latent_attention else args.num_query_groups or heads  # MLA: no groups
             runtime = setup_fcp(
-                fcp, seq_len=None if args.packed else args.seq_length, heads=heads,
-                kv_heads=heads if args.multi_latent_attention else args.num_query_groups or heads,  # MLA: no groups
+                fcp, seq_len=None if args.packed else args.seq_length, heads=heads, kv_heads=kv_heads,
                 head_dim=_head_dims(args)[0], v_head_dim=_head_dims(args)[1] if args.multi_latent_attention else None,
                 dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
                 micro_batch=args.micro_batch_size, windows=model_windows(tconfig),
@@ -451,9 +451,8 @@ def train(
                 if degree == 1:
                     plan, placed, over = runtime.packed_plan(cp_ranks, tuple(lengths)), None, "CP ranks"
                 else:  # the KV stage runs over the head groups: their placement and plan are what to show
-                    hp = runtime.packed_head_parallel(cp_ranks, tuple(lengths), causal=True,
-                                                      heads=runtime.packed_shape.heads,
-                                                      kv_heads=runtime.packed_shape.kv_heads)
+                    hp = runtime.packed_head_parallel(cp_ranks, tuple(lengths), causal=True,  # heads per TP rank
+                                                      heads=heads // layout.tp, kv_heads=max(1, kv_heads // layout.tp))
                     plan, placed, over = hp.kv_plan, hp.group_placement, f"{len(hp.head_groups)} head groups"
                 placed = placed or plan.placement
                 info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(cp_ranks),
