@@ -6,7 +6,9 @@ Public API (stable):
 * :func:`apply_fcp` / :func:`revert_fcp` — patch Megatron's core attention (and undo it exactly).
 * :class:`FCPConfig` — the one configuration object (also the source of the ``--fcp-*`` flags).
 * :func:`setup_fcp` — settle the CP plans from Megatron's process groups (before building the model).
-* :func:`place_packed` — place a packed batch (documents of any lengths) on the CP ranks.
+* :func:`place_packed_layer` — place a packed batch (documents of any lengths) on the CP ranks with
+  attention work and tokens each balanced (what the plugin runs); :func:`place_packed` balances the
+  attention work alone.
 * :mod:`megatron_fcp.planning` — the pure planner: ``build_plan``, ``Plan`` (+ ``verify``), the cost model.
 
 Attributes are imported lazily so that ``import megatron_fcp`` never imports megatron-core or
@@ -28,6 +30,7 @@ _LAZY = {
     "setup_fcp": ("megatron_fcp.patches.runtime", "setup_fcp"),
     "planning": ("megatron_fcp.planning", None),
     "place_packed": ("megatron_fcp.contract.placement", "place_packed"),
+    "place_packed_layer": ("megatron_fcp.contract.layer_placement", "place_packed_layer"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -28,6 +28,7 @@ _LAZY = {
     "Span": "megatron_fcp.contract.placement",
     "lognormal_lengths": "megatron_fcp.contract.placement",
     "place_packed": "megatron_fcp.contract.placement",
+    "place_packed_layer": "megatron_fcp.contract.layer_placement",
     "AutoChoice": "megatron_fcp.contract.plan",
     "Plan": "megatron_fcp.contract.plan",
     "SIMPLE_PLANS": "megatron_fcp.contract.plan",
