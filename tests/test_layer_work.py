@@ -131,3 +131,18 @@ def test_a_token_weighted_placement_matches_fp64():
 def _check_fp64(ranks, lengths, pl) -> None:
     assert list(pl.doc_lengths) == list(lengths)
     assert_packed_matches_fp64(build_plan("dgx-h100:2", ranks, "entry", placement=pl), pl, seed=11)
+
+
+def test_layer_balance_under_a_window_counts_the_window_pairs():
+    """A sliding window (512, 0): pairs counted under it, both resources within 3%, and chunks sized by
+    the window's reach, not the document's (the blocks stay no more than without the window; sized by
+    the document they were 3-token slivers, 182 blocks for 555 tokens at cp = 4)."""
+    lengths = lognormal_lengths(math.log(2000), 1.0, 1 << 16, 0)
+    full = place_packed_layer(lengths, 8)
+    win = place_packed_layer(lengths, 8, window=(512, 0))
+    assert win.window == (512, 0)
+    work, tokens = win.work(), _tokens(win)
+    assert work.max() / work.mean() <= 1.03 and tokens.max() / tokens.mean() <= 1.03
+    assert sum(map(len, win.blocks)) <= sum(map(len, full.blocks))
+    small = place_packed_layer([300, 20, 90, 5, 140], 4, window=(32, 0))
+    assert sum(map(len, small.blocks)) <= 30

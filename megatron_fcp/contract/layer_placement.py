@@ -34,7 +34,7 @@ balance"): zigzag *pairs* of chunks as items (every pair of a document the same 
 TE's trick) balance as well but need 1.04-1.26x the received tokens of contiguous chunks at the
 same holder slack (each holder of a pair needs nearly the whole document); always preferring holders fills a bin with one long document's
 chunks (all pairs, few tokens) and leaves others at 0.2x the pairs; a quarter share per item
-leaves cp = 256 at 1.11x; a holder slack of 16-64 (more need-aware) lets the search fall behind
+(with pairs) leaves cp = 256 at 1.11x; a holder slack of 16-64 (more need-aware) lets the search fall behind
 (1.04-1.09x) and 4x slower.
 
 The price is communication: a document longer than a rank's token share cannot stay whole (at
@@ -68,8 +68,9 @@ LAYER_TARGET = 0.01
 """Where the search (step 3) stops: the worst bin within 1% of the mean in both."""
 
 ITEM_SHARE = 0.125
-"""The largest item, as a fraction of a rank's share of either resource (a quarter left cp = 256
-at 1.11x; a sixteenth doubles the blocks for 1.015 against 1.02: docs/planner.md, "Layer balance")."""
+"""The largest item, as a fraction of a rank's share of either resource (measured with zigzag-pair
+items: a quarter left cp = 256 at 1.11x, a sixteenth doubled the blocks for 1.015 against 1.02;
+docs/planner.md, "Layer balance")."""
 
 HOLDER_SLACK = 4.0
 """How much worse (in squared item sizes) a bin holding the item's document may fit than the best
@@ -81,9 +82,12 @@ def _items(lengths: Sequence[int], cp: int, block_tokens: int, mask: Mask) -> li
     pairs = [span_pairs(Span(d, 0, n), Span(d, 0, n), mask) for d, n in enumerate(lengths)]
     share_t, share_w = sum(lengths) / cp, sum(pairs) / cp
     out: list[Span] = []
+    left, right = mask.window
     for d, n in enumerate(lengths):
-        # a document's last chunk of c tokens holds about c * n pairs (every query up to n keys)
-        c = min(block_tokens, ITEM_SHARE * share_t, ITEM_SHARE * share_w / n)
+        # a chunk of c tokens holds at most c * reach pairs: every query sees up to n keys, or its window's
+        reach = n if not mask.windowed else min(n, (n if left < 0 else left) + 1
+                                                + (0 if mask.causal else (n if right < 0 else right)))
+        c = min(block_tokens, ITEM_SHARE * share_t, ITEM_SHARE * share_w / reach)
         chunks = min(n, max(1, math.ceil(n / max(c, 1.0))))
         cuts = [i * n // chunks for i in range(chunks + 1)]
         out.extend(Span(d, a, b) for a, b in zip(cuts, cuts[1:]))
@@ -129,7 +133,7 @@ def _search(items, w, t, bins, lw, lt, W: float, T: float, target: float, candid
     for _ in range(8 * n + 64):
         score = np.maximum(lw / W, lt / T)
         a = int(np.argmax(score))
-        if score[a] <= 1.0 + target or not bins[a]:
+        if score[a] <= 1.0 + target or not bins[a] or n == 1:
             return
         others = [int(r) for r in np.argsort(score, kind="stable") if r != a][:candidates]
         ka = np.array(bins[a], dtype=np.int64)
