@@ -261,6 +261,7 @@ def simulate_backward_waves(
     kv_memory_budget: int = RING_BUDGET,
     micro_batch: int = 1,
     buffered_sends: bool = False,
+    held_routes: bool = False,
 ) -> dict:
     """The executor's backward as it runs: wave by wave (Note [Backward waves] in
     :mod:`megatron_fcp.attention.backward_waves`): wave w's gradients back to back, the dK/dV
@@ -270,7 +271,8 @@ def simulate_backward_waves(
     timeline] in :mod:`megatron_fcp.cost.timeline`; ``buffered_sends``: a wait on the
     rank's sends returns once their receivers have posted, as gloo over TCP does; default they are
     waited until they arrive,
-    as NCCL's are). Per wave, on the plan cut to it (:func:`~megatron_fcp.schedule.waves.restrict`),
+    as NCCL's are; ``held_routes``: a message holds its whole route, the emulated cluster's gloo
+    over TCP). Per wave, on the plan cut to it (:func:`~megatron_fcp.schedule.waves.restrict`),
     for reports: compute is the busiest rank's (:func:`simulate_plan_backward`'s), reduce and
     resend the rounds' communication alone.
     Returns ``bwd_s``, ``jobs_end_s`` (when the last rank's last job ends), ``resend_s`` (re-send
@@ -330,7 +332,8 @@ def simulate_backward_waves(
     partial = program.first_fetch
     timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
                              job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
-                             buffered_sends=buffered_sends, first_kept=first, first_fetch=partial)
+                             buffered_sends=buffered_sends, first_kept=first, first_fetch=partial,
+                             held_routes=held_routes)
     total = timeline["total_s"]
     if first and fetch:
         fetch[0], held[0] = 0.0, {}                              # the first wave came with the forward

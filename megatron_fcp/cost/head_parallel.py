@@ -370,7 +370,7 @@ def _wave_backward(one_pass: SimResult, sp: Plan, topo: Topology, shape: Attenti
     w = simulate_backward_waves(sp, topo, shape, compute_model=cm, backward_kv=backward.backward_kv,
                                 grad_dtype_bytes=grad_dtype_bytes, round_overhead_s=round_overhead_s,
                                 kv_memory_budget=backward.kv_memory_budget, micro_batch=backward.micro_batch,
-                                buffered_sends=backward.buffered_sends)
+                                buffered_sends=backward.buffered_sends, held_routes=backward.held_routes)
     one_pass.meta.update(backward_kv=w["backward_kv"], backward_waves=w["waves"], resend_s=w["resend_s"],
                          one_pass_bwd_s=one_pass.total_s, backward_form=w.get("backward", "waves"),
                          jobs_end_s=w["jobs_end_s"])

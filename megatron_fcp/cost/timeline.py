@@ -23,11 +23,25 @@ runs, one thread, in order::
                 predecessor, then wait those chains' last rounds (reduce(w-1) runs on)
 
 A job takes its query-key pairs times the backward's seconds per pair, plus one kernel launch. A
-message starts when both ends have posted it and then holds each resource of its route for its
-bytes over the resource's bandwidth, first come first served (a resource busy with an earlier
-message delays it); it arrives a route latency later. Messages are resolved in order of start
-time, after every rank has run as far as it can (a rank blocks at a wait whose messages are not
-all resolved), so a message never takes a resource before one that started earlier. A send is
+message starts when both ends have posted it; each resource of its route then carries its bytes
+over the resource's bandwidth after the bytes it already took, first come first served, and the
+message arrives a route latency after its last resource is through. Resources queue
+independently: one idles only when nothing has been sent its way, as in a network where packets
+of concurrent messages interleave and as the forward's per-round bottleneck model has it (Note
+[Cost model] in :mod:`megatron_fcp.cost.model`: a batch posted together takes its most loaded
+resource's time), and as Transformer Engine's baselines are priced. Before 2026-12-03 a message
+held every resource of its route from the moment all of them were free, which left the others
+idle meanwhile: at cp = 256 (32 dgx-h100 nodes; GQA 32:4, a = 8, 32K-token documents, 29 waves
+re-sent) wave 0's re-send, 2,280 messages whose most loaded link needs 2.08 ms, then took 3.57 ms,
+and the backward priced 61.1 ms against 25.1 ms now, for the same waves (64:8: 64.0 against 38.5
+ms). That older rule, ``held_routes``, stays the emulated cluster's (gloo over
+TCP on shaped veth links): re-predicting its 70 stored runs, the queues put ``fcp-full`` on 2x4
+rails at 3.69 s against 4.34 s measured (+17.7%; held routes 4.12 s, +5.4%) and move no run of
+that cluster closer; on one node ``fcp-full`` measured 1.37 s, queues 1.34 s, held routes 1.52 s
+(docs/emulator.md, "Link contention"). Messages are resolved
+in order of start time, after every rank has run as far as it can (a rank blocks at a wait
+whose messages are not all resolved), so a message never takes a resource before one that
+started earlier. A send is
 complete for its sender when it arrives (NCCL) or, with ``buffered_sends`` (gloo over TCP), when it
 starts: gloo's ``isend`` completes only once the peer has posted the matching receive (measured
 here: a 4 KiB .. 16 MiB send's wait returned when a receiver that posted 1 s late did), and the
@@ -93,13 +107,15 @@ __all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step
 def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
                   grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
                   round_overhead_s: float = 0.0, buffered_sends: bool = False, trace: bool = False,
-                  first_kept: bool = False, first_fetch: Wave | None = None) -> dict:
+                  first_kept: bool = False, first_fetch: Wave | None = None, held_routes: bool = False) -> dict:
     """Simulate the executor's wave loop (Note [Wave pipeline timeline]). ``kv_bytes``/``grad_bytes``:
     a block's K and V on the wire (re-send) and its dK/dV partial (reduction); ``job_s(rank, block)``:
     seconds of one gradient job. ``buffered_sends``: a rank's wait on its sends returns when they
     start, i.e. once their receivers have posted (gloo over TCP: a send waits for its receive, then
     the socket takes the bytes; Note [Wave pipeline timeline]); default, a send is waited
-    until it arrives (NCCL). ``first_kept``: the first wave's KV was kept by the forward (no fetch);
+    until it arrives (NCCL). ``held_routes``: a message holds every resource of its route from the
+    moment all of them are free (gloo over TCP on the emulated cluster; default, each resource
+    queues on its own: Note [Wave pipeline timeline]). ``first_kept``: the first wave's KV was kept by the forward (no fetch);
     ``first_fetch``: only some ranks kept theirs, this part of the first wave is re-sent
     (:func:`~megatron_fcp.schedule.waves.first_fetch`).
     Returns ``total_s`` (the last rank's end), ``end_s`` and ``jobs_end_s`` (its last job's end) per rank;
@@ -298,10 +314,17 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
                 continue
             break
         s, i = heapq.heappop(heap)
-        begin = max([s] + [free.get(x, 0.0) for x, _ in m_dur[i]])
-        for x, d in m_dur[i]:
-            free[x] = begin + d
-        fin[i] = begin + max((d for _, d in m_dur[i]), default=0.0) + m_lat[i]
+        if held_routes:                  # the whole route at once, once every resource of it is free
+            begin = max([s] + [free.get(x, 0.0) for x, _ in m_dur[i]])
+            for x, d in m_dur[i]:
+                free[x] = begin + d
+            fin[i] = begin + max((d for _, d in m_dur[i]), default=0.0) + m_lat[i]
+        else:                            # each resource of the route serves it after what it already took
+            end = s
+            for x, d in m_dur[i]:
+                free[x] = max(s, free.get(x, 0.0)) + d
+                end = max(end, free[x])
+            fin[i] = end + m_lat[i]
         if trace:
             order.append((i, s))
         for x in (m_src[i], m_dst[i]):

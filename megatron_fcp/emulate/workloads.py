@@ -120,6 +120,13 @@ __all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadPar
 
 DTYPE_BYTES = 2  # the emulated tensors are bf16, as on the GPUs they stand for; dK/dV partials too
 
+GLOO_TCP = {"buffered_sends": True, "held_routes": True}
+"""The emulated cluster's transport for the backward's timeline (Note [Wave pipeline timeline] in
+:mod:`megatron_fcp.cost.timeline`): gloo's send is complete once its receiver has posted (the socket
+takes the bytes then), and a message holds its whole route, which its measured runs follow (the
+GPU clusters' default, resources that queue on their own, under-predicted ``fcp-full`` on 2x4 rails
+by 17.7%)."""
+
 #: Every workload name ``--workloads`` accepts.
 WORKLOAD_NAMES: tuple[str, ...] = ("te-p2p", "te-a2a", "te-a2a-p2p", "fcp-auto", "fcp-hp", *(f"fcp-{g}" for g in BUILDERS))
 
@@ -191,7 +198,7 @@ class FcpWorkload(Workload):
 
     ``predict``: the forward (:func:`~megatron_fcp.planning.simulate_plan`) and the backward the
     executor runs, wave by wave with ``backward_kv``
-    (:func:`~megatron_fcp.cost.backward.simulate_backward_waves` with ``buffered_sends``:
+    (:func:`~megatron_fcp.cost.backward.simulate_backward_waves` with :data:`GLOO_TCP`:
     gloo's send is complete once its receiver has posted and the socket holds it; its reductions and, under
     ``resend``, its re-sends counted as communication)."""
 
@@ -209,7 +216,7 @@ class FcpWorkload(Workload):
         shape = self.shape.attention()
         fwd = simulate_plan(self.plan, topo, shape, compute_model=cm)
         w = simulate_backward_waves(self.plan, topo, shape, compute_model=cm, backward_kv=self.executor_kv,
-                                    buffered_sends=True)  # gloo over TCP: a send completes once its receive is posted
+                                    **GLOO_TCP)
         return {"predicted_s": fwd.total_s + w["bwd_s"], "predicted_fwd_s": fwd.total_s, "predicted_bwd_s": w["bwd_s"],
                 "predicted_comm_s": fwd.comm_s + sum(w["wave_reduce_s"]) + w["resend_s"],
                 "predicted_compute_s": fwd.compute_s + sum(w["wave_compute_s"]),
@@ -246,7 +253,7 @@ def predict_head_parallel(hp: HeadParallelPlan, topo: Topology, att: AttentionSh
     ``overlap_q``: Q's all-to-all behind the stage's start (the engine's default; False for
     ``te-a2a-p2p``, which posts one Q|K|V all-to-all as TE does)."""
     res = simulate_head_parallel(hp, topo, att, causal=causal, compute_model=cm, overlap_q=overlap_q,
-                                 backward=WaveBackward(backward_kv, buffered_sends=True))  # gloo over TCP
+                                 backward=WaveBackward(backward_kv, **GLOO_TCP))
     m = res.meta
     out = {"predicted_s": res.total_s, "predicted_fwd_s": m["fwd_total_s"], "predicted_bwd_s": m["bwd_total_s"],
            "predicted_comm_s": res.comm_s, "predicted_compute_s": res.compute_s}
@@ -403,9 +410,9 @@ def fcp_hp_choice(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], 
     --fcp-graph auto --fcp-block-tokens 0``): :func:`~megatron_fcp.planning.choose_schedule` with
     the backward the executor runs (``--fcp-backward-kv`` = ``shape.backward_kv``, the ring's memory
     budget, ``b = 1``), partials in bf16, timed on the emulated compute model ``cm``, sends
-    buffered as gloo's over TCP are (``WaveBackward.buffered_sends``)."""
+    and links as gloo's over TCP are (:data:`GLOO_TCP`)."""
     return choose_schedule(topo, ranks, shape.attention(), causal=shape.causal, grad_dtype_bytes=DTYPE_BYTES,
-                           backward=WaveBackward(shape.backward_kv, buffered_sends=True), compute_model=cm,
+                           backward=WaveBackward(shape.backward_kv, **GLOO_TCP), compute_model=cm,
                            window=shape.window)
 
 

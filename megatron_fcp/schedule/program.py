@@ -106,11 +106,13 @@ class WaveBackward(BackwardPolicy):
     a budget in bytes. ``buffered_sends``: a rank's wait on its sends returns once their receivers
     have posted (gloo over TCP, the emulated cluster: the socket takes the bytes then); default, as
     NCCL, a send is waited until it arrives (Note [Wave pipeline timeline] in
-    :mod:`megatron_fcp.cost.timeline`). Cost models take ``backward=None`` for the plain
+    :mod:`megatron_fcp.cost.timeline`). ``held_routes``: a message holds every resource of its
+    route at once (the emulated cluster's links, same Note). Cost models take ``backward=None`` for the plain
     one-pass backward with kept KV (:func:`~megatron_fcp.cost.backward.simulate_plan_backward`)."""
 
     micro_batch: int = 1
     buffered_sends: bool = False
+    held_routes: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
