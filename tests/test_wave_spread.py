@@ -31,17 +31,6 @@ def _plan(topology: str = "dgx-h100:1", tokens: int = 2048, median: int = 256, b
     return plan, pl, (lambda b: plan.block_tokens(b) * 64)
 
 
-def _busiest_sum(waves, work) -> float:
-    """Sum over waves of the busiest rank's work in it."""
-    total = 0.0
-    for w in waves:
-        per: dict[int, float] = {}
-        for b, x in w.computes:
-            per[x] = per.get(x, 0.0) + work(x, b)
-        total += max(per.values(), default=0.0)
-    return total
-
-
 def test_spread_packing_runs_where_it_paces_better_and_delivers_everything_once():
     plan, _, size = _plan()
     inp = W._PackInput(plan, size, W.block_work(plan))
@@ -63,7 +52,7 @@ def test_spread_packing_runs_where_it_paces_better_and_delivers_everything_once(
             load[t.dst] = load.get(t.dst, 0) + size(t.block)
         assert max(load.values(), default=0) <= budget or len({t.block for _, t in w.transfers}) == 1
     work = W.block_work(plan)
-    assert _busiest_sum(chosen, work) < min(_busiest_sum(ws, work) for ws, _, _ in capped)
+    assert W._makespan(chosen, work) < min(W._makespan(ws, work) for ws, _, _ in capped)
 
 
 def test_no_spread_where_the_need_sets_fit_a_few_waves():
