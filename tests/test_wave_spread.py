@@ -12,7 +12,6 @@ import pytest
 from megatron_fcp.contract.placement import lognormal_lengths
 from megatron_fcp.cost.model import _ResourceIndex
 from megatron_fcp.cost.timeline import wave_timeline
-from megatron_fcp.emulate.workloads import GLOO_TCP
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.placing import place_batch
 from megatron_fcp.schedule import waves as W
@@ -85,9 +84,8 @@ def test_links_queue_on_their_own_unless_routes_are_held(resend):
     waves = W.plan_waves(plan, size)
     zero = lambda x, b: 0.0  # noqa: E731     no compute: the first wave's messages all post at once
     runs = {held: wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=size, job_s=zero, resend=resend,
-                                held_routes=held, buffered_sends=held, trace=True) for held in (False, True)}
+                                held_routes=held, trace=True) for held in (False, True)}
     assert runs[False]["total_s"] <= runs[True]["total_s"] + 1e-12
-    assert GLOO_TCP == {"buffered_sends": True, "held_routes": True}
     if resend:
         idx = _ResourceIndex(topo)
         load: dict[int, float] = {}
