@@ -32,7 +32,7 @@ def _plan(topology: str = "dgx-h100:1", tokens: int = 2048, median: int = 256, b
 
 def test_spread_packing_runs_where_it_paces_better_and_delivers_everything_once():
     plan, _, size = _plan()
-    inp = W._PackInput(plan, size, W.block_work(plan))
+    inp = W._PackInput(plan, size)
     budget = W.wave_budget(plan, size)
     scale = W._spread_scale(inp, budget)
     assert scale is not None and 0 < scale < W.WAVE_CAP_SCALES[0]
@@ -61,14 +61,14 @@ def test_no_spread_where_the_need_sets_fit_a_few_waves():
     pl = place_batch(TOPO, range(CP), lengths, causal=True)
     plan = build_plan(TOPO, range(CP), "full", causal=True, placement=pl)
     size = lambda b: plan.block_tokens(b) * 64  # noqa: E731
-    inp = W._PackInput(plan, size, W.block_work(plan))
+    inp = W._PackInput(plan, size)
     assert W._spread_scale(inp, W.wave_budget(plan, size)) is None
 
 
 def test_spread_packing_fp64():
     """The executor's backward over the spread packing: out, LSE, dQ, dK, dV against FP64 per document."""
     plan, pl, size = _plan()
-    inp = W._PackInput(plan, size, W.block_work(plan))
+    inp = W._PackInput(plan, size)
     budget = W.wave_budget(plan, size)
     assert W.plan_waves(plan, size) == W._pack(inp, budget, W._spread_scale(inp, budget))[0]
     assert_packed_matches_fp64(plan, pl, seed=3)

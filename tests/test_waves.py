@@ -131,7 +131,7 @@ def test_balanced_waves_pick_the_least_pace_then_the_fewest_waves():
     size = lambda blk: tok[(blk.owner, blk.chunk)] * 4096  # noqa: E731
     work = W.block_work(plan)
     budget = W.wave_budget(plan, size)
-    inp = W._PackInput(plan, size, work)
+    inp = W._PackInput(plan, size)
     packed = {k: W._pack(inp, budget, k) for k in W.WAVE_CAP_SCALES}
     packs = {k: p for k, (p, _, _) in packed.items()}
     spans = {k: W._makespan(p, work) for k, p in packs.items()}
@@ -174,7 +174,7 @@ def test_a_cap_that_turns_no_work_away_packs_as_every_larger_cap(builder, parts)
 
     plan = build_plan("pcie-box:2", range(16), builder, parts_per_chunk=parts)
     size = lambda blk: 100  # noqa: E731
-    inp = W._PackInput(plan, size, W.block_work(plan))
+    inp = W._PackInput(plan, size)
     budget = W.wave_budget(plan, size)
     packed = [W._pack(inp, budget, k) for k in W.WAVE_CAP_SCALES]
     free = [k for k, (_, _, capped) in enumerate(packed) if not capped]
@@ -201,10 +201,9 @@ def test_pace_lets_fine_sub_blocks_fill_the_byte_budget():
     plan = build()
     size = lambda b: part_tokens(131088, 24, 8, b.part) * 4096  # noqa: E731
     budget = wave_budget(plan, size)
-    work = block_work(plan)
     waves = plan_waves(plan, size)
     _check(plan, waves, size, budget)
-    assert len(W._pack(W._PackInput(plan, size, work), budget, 1.0)[0]) > 3 * len(waves)
+    assert len(W._pack(W._PackInput(plan, size), budget, 1.0)[0]) > 3 * len(waves)
     assert plan_waves(build(), size) == waves
     got = max(sum(size(t.block) for _, t in plan.transfers() if t.dst == x) for x in plan.ranks)
     assert len(waves) >= got / budget  # no wave brings a rank more than the budget
@@ -222,7 +221,7 @@ def test_rail_waves_are_as_few_as_the_byte_budget_allows():
     _check(plan, waves, size, budget)
     got = max(sum(size(t.block) for _, t in plan.transfers() if t.dst == x) for x in plan.ranks)
     assert got == 14 * budget and len(waves) == 14
-    assert len(W._pack(W._PackInput(plan, size, block_work(plan)), budget, 1.0)[0]) == 16
+    assert len(W._pack(W._PackInput(plan, size), budget, 1.0)[0]) == 16
 
 
 def test_the_wave_timeline_has_no_barrier_between_waves():

@@ -356,6 +356,36 @@ class Placement:
             self._cache[key] = sum(span_pairs(q, k, self.mask) for q in mine.get(k.doc, ()))
         return self._cache[key]
 
+    def pair_matrix(self) -> np.ndarray:
+        """``[cp, n_blocks]`` int64: :meth:`pairs` of every CP rank against every block of
+        :meth:`block_list` (exact, read-only), computed once: for each document, every (query span,
+        key span) pair of its spans in one vectorised
+        :meth:`~megatron_fcp.contract.mask.Mask.pairs` call, summed per query span's owner."""
+        got = self._cache.get("pair matrix")
+        if got is not None:
+            return got
+        blocks = self.block_list()
+        n = len(blocks)
+        docs = np.array([b[2].doc for b in blocks], dtype=np.int64)
+        owners = np.array([b[0] for b in blocks], dtype=np.int64)
+        start = np.array([b[2].start for b in blocks], dtype=np.int64)
+        end = np.array([b[2].end for b in blocks], dtype=np.int64)
+        order = np.argsort(docs, kind="stable")                       # spans grouped by document
+        size = np.bincount(docs, minlength=len(self.doc_lengths))     # spans per document
+        first = np.concatenate(([0], np.cumsum(size)[:-1]))           # group start in `order`
+        per = size[docs[order]]                                       # [n]: its document's span count
+        q = np.repeat(order, per)                                     # [pairs]: query span
+        base = np.repeat(first[docs[order]], per)                     # its group's start
+        ofs = np.arange(len(q)) - np.repeat(np.cumsum(per) - per, per)  # 0..count-1 inside the group
+        k = order[base + ofs]                                         # [pairs]: key span, same document
+        pairs = self.mask.pairs(start[q], end[q], start[k], end[k])
+        # float64 sums are exact: a rank's pairs stay far below 2**53
+        out = np.bincount(owners[q] * n + k, weights=pairs, minlength=self.cp * n)
+        out = np.rint(out).astype(np.int64).reshape(self.cp, n)
+        out.flags.writeable = False
+        self._cache["pair matrix"] = out
+        return out
+
     def pairs_of(self, j, i, b) -> np.ndarray:
         """:meth:`pairs` of many ``(j, i, b)`` at once (int64 ``[n]``, exact): every query span of CP
         rank ``j`` in the key block's document against it, counted in one vectorised

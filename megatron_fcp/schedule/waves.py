@@ -151,14 +151,46 @@ def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
 
 
 def block_work(plan: Plan) -> Callable[[int, Block], float]:
-    """Query-key pairs of a rank's queries against a block (relative: zigzag at 64 tokens per sub-block)."""
+    """Query-key pairs of a rank's queries against a block (relative: zigzag at 64 tokens per
+    sub-block), read from :func:`work_matrix`."""
     pos = {r: i for i, r in enumerate(plan.ranks)}
+    rows = work_matrix(plan).tolist()                                   # [cp][blocks]
+    col = _block_column(plan)
+    return lambda rank, b: rows[pos[rank]][col(b)]
+
+
+def work_matrix(plan: Plan) -> np.ndarray:
+    """``[cp, n_blocks]`` float64, read-only: :func:`block_work` of every CP rank (CP order) against
+    every block of ``plan.blocks()`` (columns ``offset[owner] + chunk * P + part``), one vectorised
+    table per plan object: a placement's exact pairs
+    (:meth:`~megatron_fcp.contract.placement.Placement.pair_matrix`), or a zigzag plan's relative
+    pairs (:func:`zigzag_pairs`)."""
+    hit = _WORK.get(id(plan))
+    if hit is not None and hit[0]() is plan:
+        return hit[1]
     if plan.placement is not None:
-        pl = plan.placement
-        return lambda rank, b: float(pl.pairs(pos[rank], pos[b.owner], b.chunk))
-    # relative work: 64 tokens per sub-block; a windowed plan's own length (its window is in tokens)
-    pairs = zigzag_pairs(plan, plan.seq_len if plan.mask.windowed else 2 * plan.cp * plan.parts_per_chunk * 64)
-    return lambda rank, b: float(pairs(rank, b))
+        out = plan.placement.pair_matrix().astype(np.float64)
+    else:  # relative work: 64 tokens per sub-block; a windowed plan's own length (its window is in tokens)
+        out = _zigzag_rows(plan, plan.seq_len if plan.mask.windowed else 2 * plan.cp * plan.parts_per_chunk * 64
+                           ).astype(np.float64)
+    out.flags.writeable = False
+    if len(_WORK) > 256:
+        _WORK.clear()
+    _WORK[id(plan)] = (weakref.ref(plan), out)
+    return out
+
+
+_WORK: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def _block_column(plan: Plan) -> Callable[[Block], int]:
+    """A block's column in :func:`work_matrix` (its place in ``plan.blocks()``)."""
+    offset, P = {}, plan.parts_per_chunk
+    at = 0
+    for r in plan.ranks:
+        offset[r] = at
+        at += len(plan.local_blocks(r))
+    return lambda b: offset[b.owner] + b.chunk * P + b.part
 
 
 def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
@@ -171,12 +203,8 @@ def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
     if hit is not None and hit[0]() is plan:
         return hit[1]
     pos = {r: i for i, r in enumerate(plan.ranks)}
-    blocks = plan.blocks()
     P = plan.parts_per_chunk
-    o, c, p = (np.array([f(b) for b in blocks], dtype=np.int64)[None, :]
-               for f in (lambda b: pos[b.owner], lambda b: b.chunk, lambda b: b.part))
-    rows = block_pairs(plan.cp, seq_len, P, np.arange(plan.cp)[:, None], o, c, p,
-                       plan.mask).tolist()                                 # [cp][blocks]
+    rows = _zigzag_rows(plan, seq_len).tolist()                         # [cp][blocks]
 
     def pairs(rank: int, b: Block) -> int:   # plan.blocks() order: owner, chunk, part
         return rows[pos[rank]][(2 * pos[b.owner] + b.chunk) * P + b.part]
@@ -190,6 +218,14 @@ def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
 _PAIRS: dict[tuple, tuple[weakref.ref, Callable[[int, Block], int]]] = {}
 
 
+def _zigzag_rows(plan: Plan, seq_len: int) -> np.ndarray:
+    """int64 ``[cp, blocks]``: block_pairs of every CP rank against every block of a zigzag plan."""
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    o, c, p = (np.array([f(b) for b in plan.blocks()], dtype=np.int64)[None, :]
+               for f in (lambda b: pos[b.owner], lambda b: b.chunk, lambda b: b.part))
+    return block_pairs(plan.cp, seq_len, plan.parts_per_chunk, np.arange(plan.cp)[:, None], o, c, p, plan.mask)
+
+
 def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None = None, *,
                cache_key: Hashable = None) -> tuple[Wave, ...]:
     """Split the plan's deliveries into waves (module docstring, Note [Balanced waves]). cache_key:
@@ -201,7 +237,7 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
         return hit[1]
     if budget is None:
         budget = wave_budget(plan, block_bytes)
-    inp = _PackInput(plan, block_bytes, block_work(plan))
+    inp = _PackInput(plan, block_bytes)
     cands: list[tuple[float, tuple[Wave, ...]]] = []
     for k in WAVE_CAP_SCALES:                  # a cap that never turned work away: the larger ones pack alike
         waves, pace, capped = _pack(inp, budget, k)
@@ -248,10 +284,10 @@ class _PackInput:
     """What every packing of one plan reads, numbered once (the four work caps of
     :func:`plan_waves` share it): blocks by first send (``bid``), each (block, reader)'s arriving
     transfer (its index in plan order and its sender), readers in plan order, each rank's needs
-    and own blocks, block bytes and the work of a delivery (memoised); and what a pace is relative
+    and own blocks, block bytes and the work of every delivery (a flat table); and what a pace is relative
     to (Note [Balanced waves]): the busiest rank's total work, the most bytes a rank receives."""
 
-    def __init__(self, plan: Plan, block_bytes: Callable[[Block], int], work: Callable[[int, Block], float]):
+    def __init__(self, plan: Plan, block_bytes: Callable[[Block], int]):
         self.plan = plan
         blocks: list[Block] = []
         bid: dict[Block, int] = {}
@@ -279,11 +315,17 @@ class _PackInput:
         self.size = {num(b): block_bytes(b) for b in plan.blocks()}
         self.blocks, self.bid = blocks, bid
         self.owner = [b.owner for b in blocks]
-        self._work, self._memo = work, {}
-        self.top = max([self.wk(x, i) for x in plan.ranks for i in self.needs[x]]
-                       + [self.wk(x, bid[b]) for x in plan.ranks for b in self.local[x]] + [0.0])
-        total = [sum(self.wk(x, i) for i in self.needs[x]) + sum(self.wk(x, bid[b]) for b in self.local[x])
-                 for x in plan.ranks]
+        # work[i * R + x]: rank x's work on block number i, one gather of the plan's work matrix
+        col = _block_column(plan)
+        table = np.zeros((len(blocks), R))                                       # [blocks, R]
+        table[:, list(plan.ranks)] = work_matrix(plan)[:, [col(b) for b in blocks]].T
+        self.work = table.ravel().tolist()
+        ranks = list(plan.ranks)
+        own = {x: [bid[b] for b in self.local[x]] for x in ranks}
+        w = self.work
+        self.top = max([w[i * R + x] for x in ranks for i in self.needs[x]]
+                       + [w[i * R + x] for x in ranks for i in own[x]] + [0.0])
+        total = [sum(w[i * R + x] for i in self.needs[x]) + sum(w[i * R + x] for i in own[x]) for x in ranks]
         got = dict.fromkeys(plan.ranks, 0)
         for _, t in self.transfers:
             got[t.dst] += self.size[bid[t.block]]
@@ -291,12 +333,8 @@ class _PackInput:
         self.bytes_all = max(got.values(), default=0) or 1
 
     def wk(self, x: int, i: int) -> float:
-        """The work of rank ``x`` on block number ``i`` (memoised)."""
-        k = i * self.span + x
-        w = self._memo.get(k)
-        if w is None:
-            w = self._memo[k] = self._work(x, self.blocks[i])
-        return w
+        """The work of rank ``x`` on block number ``i``."""
+        return self.work[i * self.span + x]
 
 
 def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float, bool]:
@@ -307,14 +345,14 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
     every wave is as balanced as the one pass (Note [Balanced waves]); and whether the cap ever
     turned work away (if not, any larger cap packs the same waves). The bookkeeping is on block
     numbers (``inp``); the waves hold the plan's blocks and transfers."""
-    plan, wk, owner, size, sender, R = inp.plan, inp.wk, inp.owner, inp.size, inp.sender, inp.span
+    plan, W, owner, size, sender, R = inp.plan, inp.work, inp.owner, inp.size, inp.sender, inp.span
     left = {x: set(ids) for x, ids in inp.needs.items()}          # received deliveries still to do
     local = {x: list(b) for x, b in inp.local.items()}
     bid = inp.bid
     order = list(inp.readers)
     pending = {i: [x for x in inp.readers[i] if i in left[x]] for i in order}     # readers still to serve
     cap = inp.top * scale
-    lightest = {x: sorted(left[x], key=lambda i, x=x: wk(x, i)) for x in plan.ranks}  # least work first
+    lightest = {x: sorted(left[x], key=lambda i, x=x: W[i * R + x]) for x in plan.ranks}  # least work first
     first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
     waves = []
     pace = 0.0
@@ -333,7 +371,7 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
                 while k < len(lst) and lst[k] not in left[x]:
                     k += 1
                 first_left[x] = k
-                mins[x] = wk(x, lst[k]) if k < len(lst) else 0.0
+                mins[x] = W[lst[k] * R + x] if k < len(lst) else 0.0
             return mins[x]
 
         def take(i: int, x: int, w: float) -> None:
@@ -350,7 +388,7 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
             for x in pending[i]:
                 if x not in hungry or i not in left[x]:
                     continue
-                w = wk(x, i)
+                w = W[i * R + x]
                 if comp.get(x, 0.0) and comp[x] + w > cap:
                     capped = True
                     continue
@@ -370,8 +408,8 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
                 left[x].discard(i)
                 for d in path[1:]:                               # relays that need it compute it too
                     if i in left[d]:
-                        if comp.get(d, 0.0) + wk(d, i) <= cap:
-                            take(i, d, wk(d, i))
+                        if comp.get(d, 0.0) + W[i * R + d] <= cap:
+                            take(i, d, W[i * R + d])
                             left[d].discard(i)
                         else:
                             capped = True
@@ -383,9 +421,9 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
                         capped = True
             pending[i] = [x for x in pending[i] if i in left[x]]
         for x in plan.ranks:                                     # own blocks fill spare work
-            while local[x] and (not comp.get(x, 0.0) or comp[x] + wk(x, bid[local[x][0]]) <= cap):
+            while local[x] and (not comp.get(x, 0.0) or comp[x] + W[bid[local[x][0]] * R + x] <= cap):
                 i = bid[local[x].pop(0)]
-                take(i, x, wk(x, i))
+                take(i, x, W[i * R + x])
             capped = capped or bool(local[x])
         moved = tuple(inp.transfers[k] for k in sorted(carried.values()))
         waves.append(Wave(moved, frozenset((inp.blocks[i], x) for i, x in computes)))
