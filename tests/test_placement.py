@@ -324,7 +324,8 @@ def test_few_documents_per_rank_still_balance():
 
 @pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (700, 0)), (False, (300, 200))])
 def test_pairs_of_counts_what_pairs_counts(causal, window):
-    """Placement.pairs_of (the cost model's vectorised count) equals pairs for every (reader, block)."""
+    """Placement.pairs_of (the cost model's vectorised count) and pair_matrix (the waves') equal
+    pairs for every (reader, block)."""
     import dataclasses
     import math
 
@@ -337,3 +338,6 @@ def test_pairs_of_counts_what_pairs_counts(causal, window):
     got = pl.pairs_of(J, I, B)
     assert got.dtype == np.int64 and got.tolist() == [pl.pairs(j, i, b) for j, i, b in zip(J, I, B)]
     assert got.sum() > 0 and pl.pairs_of([], [], []).tolist() == []
+    matrix = pl.pair_matrix()                          # [cp, blocks]: the waves' work table
+    assert matrix.dtype == np.int64 and matrix.shape == (16, len(pl.block_list()))
+    assert matrix.ravel().tolist() == got.tolist() and not matrix.flags.writeable
