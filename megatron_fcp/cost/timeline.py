@@ -219,14 +219,17 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     clock = {x: 0.0 for x in ranks}
     jobs_end = {x: 0.0 for x in ranks}
     gens = {x: program(x) for x in ranks}
-    blocked: dict[int, list[int]] = {}
+    blocked: dict[int, set[int]] = {}                       # rank -> the messages its wait still needs
+    blocked_at: dict[int, float] = {}                       # rank -> the latest completion its wait knows
     heap: list[tuple[float, int]] = []
     free: dict[int, float] = {}
     runnable = list(reversed(ranks))
     order: list[tuple[int, float]] = []
 
     answer: dict[int, bool | None] = {}
-    tested: dict[int, list[int]] = {}                       # rank -> the messages its pending test asks about
+    tested: dict[int, set[int]] = {}                        # rank -> its pending test's unknown messages
+    tested_at: dict[int, float] = {}                        # rank -> the latest completion its test knows
+    tested_late: dict[int, bool] = {}                       # rank -> a message of its test started at/after its clock
 
     def done(i: int, x: int) -> float | None:
         """When message ``i`` is complete for rank ``x`` (None: not known yet): its arrival, or with
@@ -262,8 +265,11 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
             kind, arg = op
             if kind == "test":
                 v = verdict(x, arg) if arg else True
-                if v is None:
-                    tested[x] = arg
+                if v is None:        # undecided: follow its unknown messages (touch) until it is
+                    times = [done(i, x) for i in arg]
+                    tested[x] = {i for i, t in zip(arg, times) if t is None}
+                    tested_at[x] = max((t for t in times if t is not None), default=0.0)
+                    tested_late[x] = False
                     return
                 answer[x] = v
             elif kind == "compute":
@@ -275,30 +281,61 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
                     if len(posted[i]) == 2:
                         heapq.heappush(heap, (max(posted[i]), i))
                         other = m_src[i] if m_src[i] != x else m_dst[i]
+                        touch(i, other)
                         unblock(other)
                         wake(other)
             else:  # wait
                 times = [done(i, x) for i in arg]
                 if any(t is None for t in times):
-                    blocked[x] = arg
+                    blocked[x] = {i for i, t in zip(arg, times) if t is None}
+                    blocked_at[x] = max((t for t in times if t is not None), default=0.0)
                     return
                 clock[x] = max([clock[x], *times])
 
+    def touch(i: int, x: int) -> None:
+        """Message ``i`` of ``x`` was posted by both ends or resolved: update what ``x``'s pending
+        wait or test knows of it (each message is looked at once per event, not every message of
+        the wait at every event)."""
+        s = blocked.get(x)
+        if s is not None and i in s:
+            t = done(i, x)
+            if t is not None:
+                s.discard(i)
+                blocked_at[x] = max(blocked_at[x], t)
+        s = tested.get(x)
+        if s is not None and i in s:
+            if len(posted[i]) == 2 and max(posted[i]) >= clock[x]:
+                tested_late[x] = True
+            t = done(i, x)
+            if t is not None:
+                s.discard(i)
+                tested_at[x] = max(tested_at[x], t)
+
     def unblock(x: int) -> None:
         """``x`` waits on messages: resume it once all are complete for it."""
-        arg = blocked.get(x)
-        if arg is not None:
-            times = [done(k, x) for k in arg]
-            if all(t is not None for t in times):
-                del blocked[x]
-                clock[x] = max([clock[x], *times])
-                runnable.append(x)
+        s = blocked.get(x)
+        if s is not None and not s:
+            del blocked[x]
+            clock[x] = max(clock[x], blocked_at.pop(x))
+            runnable.append(x)
+
+    def pending_verdict(x: int, final: bool) -> bool | None:
+        """:func:`verdict` of ``x``'s pending test from what :func:`touch` recorded (the same answer)."""
+        if tested_late[x]:
+            return False
+        s = tested[x]
+        if not s:
+            return tested_at[x] <= clock[x]
+        if buffered_sends:
+            for i in s:
+                if m_src[i] == x and (final or clock[m_dst[i]] >= clock[x]):
+                    return False
+        return None
 
     def wake(x: int, final: bool = False) -> None:
         """A message of ``x`` was posted by both ends or resolved: decide ``x``'s pending test."""
-        arg = tested.get(x)
-        if arg is not None:
-            v = verdict(x, arg, final)
+        if x in tested:
+            v = pending_verdict(x, final)
             if v is not None:
                 del tested[x]
                 answer[x] = v
@@ -328,6 +365,7 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
         if trace:
             order.append((i, s))
         for x in (m_src[i], m_dst[i]):
+            touch(i, x)
             unblock(x)
             wake(x)
     if blocked or tested:
