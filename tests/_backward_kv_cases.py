@@ -38,7 +38,8 @@ def case_setup(name: str, dt: str):
     topo = load_topology(os.path.join(os.path.dirname(os.path.dirname(__file__)), TOPO))
     g = torch.Generator().manual_seed(zlib.crc32((name + dt).encode()))  # the same in every process
     if name.startswith("packed"):
-        # packed-partial: under auto ranks 1-3 keep their part of the first wave, rank 0's is re-sent
+        # packed-partial: under auto rank 3 keeps its part of the first wave, ranks 0-2's are re-sent
+        # (ranks 1-2 kept theirs too while a wave held half a shard, before 2026-12-03)
         # (a relay sends on what it kept: test_auto_keeps_the_first_wave_rank_by_rank)
         placement = place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8) if name == "packed" else \
             place_packed([33, 5, 5], 4, block_tokens=4)

@@ -110,23 +110,26 @@ def test_the_benchmarks_default_is_unchanged():
 
 # ---- the runtime runs the choice ---------------------------------------------------------------------------
 def test_runtime_runs_the_choice_with_uneven_parts():
-    """dgx-h100:1, cp = 8, chunks of 2731 tokens, ``--fcp-graph full``: the planner picks a = 1 with
-    uneven parts per chunk (resend in waves); the runtime's settled plan of every CP group is the
-    planner's. (Unconstrained it picks the ring, whose backward streams whole chunks.)"""
-    seq = 2 * 8 * ODD_CHUNK
-    shape = AttentionShape(seq, 32, 8, 128, 2)
+    """Chunks of 2731 tokens. dgx-h100:1, cp = 8: unconstrained the planner picks the ring, whose
+    backward streams whole chunks. pcie-box:2, cp = 16, ``--fcp-graph full``: it picks a = 1 with
+    uneven parts per chunk (resend in waves) at ``--fcp-head-parallel 1``; the runtime's settled plan of every CP group is the
+    planner's. (On dgx-h100:1 ``full`` ties whole chunks with two parts since waves hold a shard,
+    2026-12-03, and takes whole chunks.)"""
+    shape = AttentionShape(2 * 8 * ODD_CHUNK, 32, 8, 128, 2)
     ring = choose_schedule("dgx-h100:1", range(8), shape, backward=WaveBackward())
     assert ring.label == "a=1 graph=ring parts=1" and ring.backward_form == "chain"
     assert "backward resend streamed hop by hop" in ring.describe()
-    want = choose_schedule("dgx-h100:1", range(8), shape, graph="full", backward=WaveBackward())
+    seq = 2 * 16 * ODD_CHUNK
+    shape = AttentionShape(seq, 32, 8, 128, 2)
+    want = choose_schedule("pcie-box:2", range(16), shape, graph="full", degree=1, backward=WaveBackward())
     assert (want.degree, want.backward_kv) == (1, "resend") and want.parts > 1 and ODD_CHUNK % want.parts
     assert want.backward_form == "waves"
-    rt = _setup("dgx-h100:1", 8, seq, graph="full")
+    rt = _setup("pcie-box:2", 16, seq, graph="full", head_parallel=1)
     assert rt.schedule == want and rt.head_parallel_degree() == 1
-    assert rt.parts_per_chunk(seq // 8) == want.parts
-    plan = rt.plans[(tuple(range(8)), True, want.parts)]
+    assert rt.parts_per_chunk(seq // 16) == want.parts
+    plan = rt.plans[(tuple(range(16)), True, want.parts)]
     assert _same_plan(plan, stage_plan(want.plan, seq)) and plan.name == want.graph
-    assert rt.parts_per_chunk(seq // 8 - 2) == 2  # another length: FCPRuntime's rule (resend at cp > 2)
+    assert rt.parts_per_chunk(seq // 16 - 2) == 2  # another length: FCPRuntime's rule (resend at cp > 2)
 
 
 MHA = dict(heads=32, kv_heads=32, head_dim=128)
@@ -135,7 +138,7 @@ MHA = dict(heads=32, kv_heads=32, head_dim=128)
 @pytest.mark.parametrize("topology, cp, seq, tp, heads, label", [
     ("dgx-h100:2", 16, 32768, 1, GQA, "a=2 graph=ring parts=1"),
     ("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, 1, MHA, "a=8 graph=ring parts=1 stagger=8"),
-    ("single-uplink:2", 8, 32768, 2, GQA, None),
+    ("single-uplink:2", 8, 16384, 2, GQA, None),   # at 32K a = 1 wins since waves hold a shard
 ])
 @pytest.mark.slow  # a long single-process sweep (docs/megatron.md, "Test tiers")
 def test_runtime_runs_the_choice_with_a_head_parallel_stage(topology, cp, seq, tp, heads, label):
@@ -193,7 +196,7 @@ def test_no_shapes_no_choice():
 
 def test_the_choice_is_logged_reported_and_agreed(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_fcp"):
-        rt = _setup("dgx-h100:1", 8, 2 * 8 * ODD_CHUNK, graph="full")
+        rt = _setup("pcie-box:2", 16, 2 * 16 * ODD_CHUNK, graph="full", head_parallel=1)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FCP schedule")]
     assert len(lines) == 1 and rt.schedule.label in lines[0] and "runner-up" in lines[0], lines
     assert "predicted fwd+bwd" in lines[0] and "backward resend in waves" in lines[0]
@@ -210,7 +213,7 @@ def test_the_choice_is_logged_reported_and_agreed(caplog):
     assert entry["schedule"] == rt.schedule.label and entry["plan"] == rt.schedule.graph
     from megatron_fcp.patches.runtime import setup_fingerprint
 
-    assert setup_fingerprint(rt, tuple(range(8)), rt.schedule.parts)["schedule"] == rt.schedule.label
+    assert setup_fingerprint(rt, tuple(range(16)), rt.schedule.parts)["schedule"] == rt.schedule.label
 
 
 # ---- a pure function: the same answer on every rank -------------------------------------------------------

@@ -45,7 +45,7 @@ def test_waves_compute_every_need_once_within_the_budget(cp, builder, parts):
     plan = build_plan("dgx-h100:1", range(cp), builder, parts_per_chunk=parts)
     size = lambda b: 100  # noqa: E731
     budget = wave_budget(plan, size)
-    assert budget == parts * 100  # half a shard of 2 chunks x parts
+    assert budget == 2 * parts * 100  # a shard of 2 chunks x parts
     waves = plan_waves(plan, size)
     _check(plan, waves, size, budget)
     assert plan_waves(plan, size, cache_key="k") == plan_waves(plan, size, cache_key="k") == waves
@@ -74,7 +74,7 @@ def test_sub_blocks_balance_the_work_per_wave():
 
 def test_wave_cost_model_bounds_held_kv_by_the_ring_and_hides_the_resend():
     """cp = 16 on two DGX H100, 128K tokens, GQA 32:8, hierarchical with two parts per chunk:
-    resend holds at most the ring's one shard (32 MiB) within backward, keep its need set (480 MiB
+    resend holds at most the ring's two shard buffers (2 x 32 MiB) within backward, keep its need set (480 MiB
     on CP rank 0); fwd+bwd with resend within 1.15x of keep's one-pass backward."""
     from megatron_fcp.cost.model import AttentionShape, simulate_plan
     from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
@@ -84,8 +84,8 @@ def test_wave_cost_model_bounds_held_kv_by_the_ring_and_hides_the_resend():
     shard = shape.kv_bytes(131072 / 16)
     resend = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="resend")
     keep = simulate_backward_waves(plan, "dgx-h100:2", shape, backward_kv="keep")
-    assert resend["held_kv_bytes_max"] <= shard and keep["held_kv_bytes_max"] == 15 * shard
-    assert resend["waves"] == keep["waves"] > 16 and resend["resend_s"] > 0 and keep["resend_s"] == 0
+    assert resend["held_kv_bytes_max"] <= 2 * shard and keep["held_kv_bytes_max"] == 15 * shard
+    assert resend["waves"] == keep["waves"] > 8 and resend["resend_s"] > 0 and keep["resend_s"] == 0
     assert keep["bwd_s"] <= resend["bwd_s"] <= keep["bwd_s"] + resend["resend_s"]
     fwd = simulate_plan(plan, "dgx-h100:2", shape).total_s
     one_pass = simulate_plan_backward(plan, "dgx-h100:2", shape).total_s
@@ -210,9 +210,11 @@ def test_pace_lets_fine_sub_blocks_fill_the_byte_budget():
 
 
 def test_rail_waves_are_as_few_as_the_byte_budget_allows():
-    """rail-2x4-mha (the emulated benchmark): the budget is one whole chunk, and a CP rank of node
-    0 receives 14 (relays included), so 14 waves is the least any packing can do; plan_waves
-    makes 14 (the 1x cap made 16), each rank receiving at most one block per wave."""
+    """rail-2x4-mha (the emulated benchmark): the budget is two whole chunks (a shard), and a CP
+    rank of node 0 receives 14 (relays included), so 7 waves is the least any packing can do; the
+    2x cap makes 7, each rank receiving at most two blocks a wave, but plan_waves runs the 1x cap's
+    9, whose pace is lower (Note [Balanced waves]: with whole chunks under causal zigzag two blocks
+    a wave give some ranks twice the work of others)."""
     from megatron_fcp.schedule import waves as W
 
     plan, _, _, _, size = _rail_2x4()
@@ -220,13 +222,16 @@ def test_rail_waves_are_as_few_as_the_byte_budget_allows():
     waves = plan_waves(plan, size)
     _check(plan, waves, size, budget)
     got = max(sum(size(t.block) for _, t in plan.transfers() if t.dst == x) for x in plan.ranks)
-    assert got == 14 * budget and len(waves) == 14
-    assert len(W._pack(W._PackInput(plan, size), budget, 1.0)[0]) == 16
+    assert got == 7 * budget and len(waves) == 9
+    inp = W._PackInput(plan, size)
+    (few, few_pace, _), (tight, tight_pace, _) = W._pack(inp, budget, 2.0), W._pack(inp, budget, 1.0)
+    assert len(few) == 7 and tight == waves and tight_pace < few_pace
 
 
 def test_the_wave_timeline_has_no_barrier_between_waves():
     """Note [Wave pipeline timeline] on rail-2x4-mha: with gloo's buffered sends the ranks run ahead
-    of a wave whose dK/dV crosses one slow rail, so keep's backward is under half the lock-step sum
+    of a wave whose dK/dV crosses one slow rail, so keep's backward is well under the lock-step sum
+    (0.53 of it in 9 waves; under half with the half-shard waves before 2026-12-03)
     (reduce, compute and re-send of each wave in step); waiting for sends only slows it; resend
     costs more than keep; every result key the reports read is there."""
     from megatron_fcp.cost.backward import simulate_backward_waves
@@ -242,7 +247,7 @@ def test_the_wave_timeline_has_no_barrier_between_waves():
     W = keep["waves"]
     red, comp = keep["wave_reduce_s"], keep["wave_compute_s"]
     lockstep = sum(max(red[i - 1] if i else 0.0, comp[i] if i < W else 0.0) for i in range(W + 1))
-    assert keep["bwd_s"] < 0.5 * lockstep
+    assert keep["bwd_s"] < 0.6 * lockstep
     assert keep["bwd_s"] < runs[("keep", False)]["bwd_s"]
     assert keep["bwd_s"] < runs[("resend", True)]["bwd_s"] < runs[("resend", False)]["bwd_s"]
     assert keep["bwd_s"] >= max(sum(comp) / plan.cp, max(red))  # no faster than its parts
@@ -250,8 +255,8 @@ def test_the_wave_timeline_has_no_barrier_between_waves():
 
 def test_held_kv_under_resend_stays_within_a_shard_on_a_packed_cp64_plan():
     """cp = 64 packed (lognormal 8.0/1.2, 32K tokens per rank, 4096-token blocks, entry graph on
-    dgx-h100:8): two consecutive waves' received KV on any rank is at most the largest shard's (the
-    budget is half of it and every block is smaller), far below keep's need set."""
+    dgx-h100:8): two consecutive waves' received KV on any rank is at most two of the largest shard
+    (the budget is one and every block is smaller); keep holds its need set."""
     from megatron_fcp.contract.placement import lognormal_lengths
     from megatron_fcp.cost.model import AttentionShape
     from megatron_fcp.cost.backward import simulate_backward_waves
@@ -263,7 +268,8 @@ def test_held_kv_under_resend_stays_within_a_shard_on_a_packed_cp64_plan():
     shard = max(pl.tokens(i) for i in range(64)) * per_token
     resend = simulate_backward_waves(plan, "dgx-h100:8", shape, backward_kv="resend")
     keep = simulate_backward_waves(plan, "dgx-h100:8", shape, backward_kv="keep")
-    assert 0 < resend["held_kv_bytes_max"] <= shard < keep["held_kv_bytes_max"]
+    need = max(sum(plan.block_tokens(b) for b in plan.needs(x)) for x in plan.ranks) * per_token
+    assert 0 < resend["held_kv_bytes_max"] <= 2 * shard and keep["held_kv_bytes_max"] == need
 
 
 def test_auto_keeps_the_first_wave_where_it_fits_the_ring_budget():

@@ -79,13 +79,15 @@ A plan whose blocks all travel chains (the ring) does not use waves: it streams 
 :func:`~megatron_fcp.schedule.chains.chain_steps`, as the cost model does).
 
 Memory. A rank holds received KV of at most two waves (w computing, w+1 arriving); each wave
-brings a rank at most half of the largest shard's K and V, so the two hold no more than
-Transformer Engine's ring has in flight beside its own KV (one shard) -- unless a single block is
-larger than half a shard (a packed batch's may be: it then forms a wave of its own). dK/dV
-partials: three waves' tables (w-2 and w-1 reducing, w computing), accumulated in FP32 -- one
-wave's more than a loop that finishes each reduction within the next wave, the price of letting
-a reduction run on; the buffers a round's returns arrive in are in the input dtype (half of
-FP32's bytes for BF16/FP16), one round per chain in flight.
+brings a rank at most the largest shard's K and V (:func:`~megatron_fcp.schedule.waves.wave_budget`),
+so the two hold no more than Transformer Engine's ring backward allocates beside its saved KV
+(two shard-sized KV buffers) -- unless a single block is larger than a shard (a packed batch's
+may be: it then forms a wave of its own). dK/dV partials: three waves' tables (w-2 and w-1
+reducing, w computing), accumulated in FP32 -- up to three shards' K and V in FP32, where TE's
+ring keeps two shard-sized dKV buffers in the input dtype (and FP32 dQ); a wave's more than a
+loop that finishes each reduction within the next wave, the price of letting a reduction run on;
+the buffers a round's returns arrive in are in the input dtype (half of FP32's bytes for
+BF16/FP16), one round per chain in flight.
 
 Cost. ``plan_waves`` also caps a rank's work per wave (Note [Balanced waves]), so with sub-blocks
 (``parts_per_chunk`` >= 2) every rank computes about the same per wave and the waves' compute adds

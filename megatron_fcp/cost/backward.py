@@ -281,7 +281,7 @@ def simulate_backward_waves(
     backward (two consecutive waves' received bytes on the worst rank; keep: the need set), and
     ``launches``: per CP rank, the kernel calls its backward makes (Note [One launch per owner and
     stage] in :mod:`megatron_fcp.schedule.launches`).
-    ``budget``: per-rank bytes of one wave (default: the executor's, half the largest shard).
+    ``budget``: per-rank bytes of one wave (default: the executor's, the largest shard).
     ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``).
     ``backward_kv="auto"``: keep or resend as the executor decides
     (:func:`~megatron_fcp.schedule.program.compile_backward`, ``kv_memory_budget`` bytes per rank

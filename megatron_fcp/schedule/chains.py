@@ -106,8 +106,9 @@ class ChainStep:
 
 def chain_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
     """The largest shard's K and V: a sub-round brings a rank at most that, so two sub-rounds alive
-    hold what Transformer Engine's ring backward allocates (two buffers of one shard's KV)."""
-    return 2 * wave_budget(plan, block_bytes)
+    hold what Transformer Engine's ring backward allocates (two buffers of one shard's KV): the
+    waves' budget (:func:`~megatron_fcp.schedule.waves.wave_budget`)."""
+    return wave_budget(plan, block_bytes)
 
 
 def chain_routes(plan: Plan) -> dict[Block, tuple[tuple[int, Transfer], ...]] | None:

@@ -257,7 +257,7 @@ def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None
     token_bytes: K and V of one token in bytes (``2 * b * h_kv * d * element size``; ``b`` the
     sequences of one call). seq_len: the zigzag plan's padded global sequence (the executor's
     ``s_local * cp``); ignored over a placement. budget: bytes a rank receives per wave or step
-    (default: half the largest shard per wave, the largest shard per chain step); for studies,
+    (default: the largest shard per wave or chain step); for studies,
     never set by the executor."""
     # the decision's inputs alone: a WaveBackward's pricing options do not change the program
     policy = BackwardPolicy() if policy is None else BackwardPolicy(policy.backward_kv, policy.kv_memory_budget)

@@ -12,8 +12,8 @@ wave; the owner adds their sums in wave order).
 sends them and readers in plan order. A delivery joins the wave while
 
 * every rank on its path receives at most ``budget`` bytes in the wave (default
-  :func:`wave_budget`, half of the largest shard's K and V: two waves alive at once hold no more
-  than the ring's one shard in flight), and
+  :func:`wave_budget`, the largest shard's K and V: two waves alive at once hold two shards,
+  the two KV buffers Transformer Engine's ring backward allocates beside its saved KV), and
 * the reader's gradient work in the wave (query-key pairs) stays within the largest single
   delivery's (so every rank computes about the same per wave: with sub-blocks, ranks whose
   queries see a block fully take fewer blocks per wave than ranks that see half of it).
@@ -146,8 +146,15 @@ _JOBS: dict[int, tuple] = {}
 
 
 def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
-    """Half of the largest shard's K and V bytes: two waves then fit in what the ring holds in flight."""
-    return max(sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks) // 2
+    """The largest shard's K and V bytes: the two waves alive at once (w computing, w+1 arriving)
+    then hold what Transformer Engine's ring backward allocates for the same purpose, two buffers of
+    one shard's KV (and dKV) beside the KV it saved (``AttnFuncWithCPAndKVP2P.backward``:
+    ``p2p_comm_buffers``, read 2026-12-03). Before 2026-12-03 a wave held half a shard, which
+    counted one of those buffers: the waves re-sent twice as often as that memory allows (packed
+    cp = 256, 64:8, 32K median: backward 37.6 -> 31.2 ms at one shard; docs/planner.md, "Waves of
+    a shard"). The one wave rule of the executor, the cost model and the emulator; the chains'
+    sub-rounds use the same (:func:`~megatron_fcp.schedule.chains.chain_budget`)."""
+    return max(sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks)
 
 
 def block_work(plan: Plan) -> Callable[[int, Block], float]:
