@@ -64,12 +64,14 @@ BALANCES = ("attention", "layer")
 LAYER_TOLERANCE = 0.03
 """Pairs and tokens, each max over mean, that the greedy fills bins up to."""
 
-LAYER_TARGET = 0.002
-"""Where the search (step 3) stops: the worst bin within 0.2% of the mean in both. At 1% (before
+LAYER_TARGET = 0.0005
+"""Where the search (step 3) stops: the worst bin within 0.05% of the mean in both. At 1% (before
 2026-12-03) the node level and the rank level each stopped there and ranks sat at 1.010-1.018x
 the mean pairs, which was the whole gap to TE's exactly split THD chunks on compute-bound packed
-batches; at 0.2%: 1.002-1.005 at cp = 16 and 64, 1.007-1.012 at cp = 256, for 1-24% more received
-blocks and about 1.5x the placement's time (docs/planner.md, "Waves of a shard")."""
+batches; at 0.2% (2026-12-03): 1.002-1.005 at cp = 16 and 64, 1.007-1.012 at cp = 256, for 1-24%
+more received blocks and about 1.5x the placement's time (docs/planner.md, "Waves of a shard"). At
+0.05% (2026-12-05) the compute-bound cells' floor moved: cp = 16, 64:8, 32K median, backward work
+1.0037 -> 1.0009x the mean (docs/planner.md, "A tighter search")."""
 
 ITEM_SHARE = 0.125
 """The largest item, as a fraction of a rank's share of either resource (measured with zigzag-pair
