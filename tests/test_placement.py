@@ -324,20 +324,24 @@ def test_few_documents_per_rank_still_balance():
 
 @pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (700, 0)), (False, (300, 200))])
 def test_pairs_of_counts_what_pairs_counts(causal, window):
-    """Placement.pairs_of (the cost model's vectorised count) and pair_matrix (the waves') equal
-    pairs for every (reader, block)."""
+    """Placement.pair_matrix (the one vectorised table), and pairs / pairs_of (gathers from it),
+    equal the span-by-span count (span_pairs over the reader's spans in the block's document) for
+    every (reader, block)."""
     import dataclasses
     import math
 
-    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.contract.placement import lognormal_lengths, span_pairs
 
     pl = place_packed(lognormal_lengths(math.log(2048), 1.0, 64 * 1024, 1), 16, block_tokens=1024, causal=causal)
     if window is not None:
         pl = dataclasses.replace(pl, window=window)
     J, I, B = zip(*[(j, i, b) for j in range(16) for i, b, _ in pl.block_list()])
+    counted = [sum(span_pairs(q, pl.blocks[i][b], pl.mask) for q in pl.blocks[j] if q.doc == pl.blocks[i][b].doc)
+               for j, i, b in zip(J, I, B)]
     got = pl.pairs_of(J, I, B)
-    assert got.dtype == np.int64 and got.tolist() == [pl.pairs(j, i, b) for j, i, b in zip(J, I, B)]
+    assert got.dtype == np.int64 and got.tolist() == counted
+    assert [pl.pairs(j, i, b) for j, i, b in zip(J, I, B)] == counted
     assert got.sum() > 0 and pl.pairs_of([], [], []).tolist() == []
     matrix = pl.pair_matrix()                          # [cp, blocks]: the waves' work table
     assert matrix.dtype == np.int64 and matrix.shape == (16, len(pl.block_list()))
-    assert matrix.ravel().tolist() == got.tolist() and not matrix.flags.writeable
+    assert matrix.ravel().tolist() == counted and not matrix.flags.writeable

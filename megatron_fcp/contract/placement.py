@@ -344,17 +344,17 @@ class Placement:
         return self._cache[key]
 
     def pairs(self, j: int, i: int, b: int) -> int:
-        """Query-key pairs of CP rank ``j``'s queries against block ``b`` of CP rank ``i`` (exact)."""
-        key = ("pairs", j, i, b)
-        if key not in self._cache:
-            k = self.blocks[i][b]
-            mine = self._cache.get(("spans", j))
-            if mine is None:  # CP rank j's spans by document
-                mine = self._cache[("spans", j)] = {}
-                for q in self.blocks[j]:
-                    mine.setdefault(q.doc, []).append(q)
-            self._cache[key] = sum(span_pairs(q, k, self.mask) for q in mine.get(k.doc, ()))
-        return self._cache[key]
+        """Query-key pairs of CP rank ``j``'s queries against block ``b`` of CP rank ``i`` (exact), read
+        from :meth:`pair_matrix`."""
+        return int(self.pair_matrix()[j, self._block_offsets()[i] + b])
+
+    def _block_offsets(self) -> np.ndarray:
+        """int64 ``[cp]``: the column of each CP rank's first block in :meth:`block_list` order."""
+        got = self._cache.get("block offsets")
+        if got is None:
+            sizes = [len(x) for x in self.blocks]
+            got = self._cache["block offsets"] = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        return got
 
     def pair_matrix(self) -> np.ndarray:
         """``[cp, n_blocks]`` int64: :meth:`pairs` of every CP rank against every block of
@@ -387,29 +387,11 @@ class Placement:
         return out
 
     def pairs_of(self, j, i, b) -> np.ndarray:
-        """:meth:`pairs` of many ``(j, i, b)`` at once (int64 ``[n]``, exact): every query span of CP
-        rank ``j`` in the key block's document against it, counted in one vectorised
-        :meth:`~megatron_fcp.contract.mask.Mask.pairs` call."""
-        j, i, b = (np.asarray(x, dtype=np.int64).ravel().tolist() for x in (j, i, b))
-        spans = self._cache.get("spans by rank")
-        if spans is None:   # per CP rank: document -> its query spans there
-            spans = self._cache["spans by rank"] = [{} for _ in self.blocks]
-            for r, rank_blocks in enumerate(self.blocks):
-                for q in rank_blocks:
-                    spans[r].setdefault(q.doc, []).append(q)
-        req, q0, q1, k0, k1 = [], [], [], [], []
-        for n, (jj, ii, bb) in enumerate(zip(j, i, b)):
-            k = self.blocks[ii][bb]
-            for q in spans[jj].get(k.doc, ()):
-                req.append(n)
-                q0.append(q.start)
-                q1.append(q.end)
-                k0.append(k.start)
-                k1.append(k.end)
-        out = np.zeros(len(j), dtype=np.int64)
-        if req:
-            np.add.at(out, np.asarray(req, dtype=np.int64), self.mask.pairs(q0, q1, k0, k1))
-        return out
+        """:meth:`pairs` of many ``(j, i, b)`` at once (int64 ``[n]``, exact): a gather from
+        :meth:`pair_matrix` (one table of every pair is cheaper to build than a batch of them:
+        0.23 against 0.34 s for cp = 256's 125K transfers, 2026-12-06)."""
+        j, i, b = (np.asarray(x, dtype=np.int64).ravel() for x in (j, i, b))
+        return self.pair_matrix()[j, self._block_offsets()[i] + b]
 
     def work(self) -> np.ndarray:
         """Attention work (query-key pairs under the mask) of each CP rank's queries (int64 ``[cp]``)."""

@@ -71,7 +71,7 @@ from megatron_fcp.cost.timeline import (chain_launches, chain_step_compute, chai
                                         wave_timeline_floor)
 from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
-from megatron_fcp.schedule.waves import loop_jobs, restrict, zigzag_pairs
+from megatron_fcp.schedule.waves import block_work, loop_jobs, restrict, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -383,7 +383,7 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
             return memo[(x, blk)]
         return program, block_tokens, size, work
     if pl is not None:
-        pairs = lambda x, blk: pl.pairs(pos[x], pos[blk.owner], blk.chunk)  # noqa: E731
+        pairs = block_work(plan)    # the placement's exact pairs, one table per plan
     else:
         pairs = zigzag_pairs(plan, zshape.seq_len)
     return program, block_tokens, size, lambda x, blk: pairs(x, blk) * flop_s
