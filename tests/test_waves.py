@@ -317,3 +317,45 @@ def test_a_buffered_send_completes_once_its_receiver_posts(resend):
     starts = [(m[3], m[5]) for m in run[True]["messages"]]        # (sender, both ends posted)
     assert starts and all(ends[src] >= start for src, start in starts)
     assert run[True]["total_s"] <= run[False]["total_s"]
+
+
+# plan_waves of fixed plans, recorded before the 2026-12-06 speedups of the packing (raw packings,
+# Wave objects for the winner only, readers dropped once their smallest delivery left no longer
+# fits): the same waves, to the transfer and the delivery. Update a digest only when the packing's
+# rule changes on purpose, and say why in the commit.
+WAVES_DIGESTS = {
+    ("packed", "entry"): "95e617f42bfa0951",
+    ("packed", "hierarchical"): "f9dcadb34b812d7e",
+    ("packed", "full"): "77d22b4cf4884324",
+    ("zigzag", "hierarchical", 4): "eee4dd2f069f5d2c",
+    ("zigzag", "full", 1): "d3c17a9c07577371",
+}
+
+
+def _waves_digest(waves) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for w in waves:
+        h.update(repr([(r, t.src, t.dst, t.block) for r, t in w.transfers]).encode())
+        h.update(repr(sorted(w.computes)).encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("case", list(WAVES_DIGESTS), ids=lambda c: "-".join(map(str, c)))
+def test_waves_are_the_recorded_ones(case):
+    """Packed plans of 107 blocks at cp = 16 (7 waves) and zigzag plans (17 waves): plan_waves
+    gives the recorded waves, and they pass the invariants of :func:`_check`."""
+    from megatron_fcp.contract.placement import lognormal_lengths
+
+    if case[0] == "packed":
+        pl = place_packed(lognormal_lengths(8.0, 1.2, 16 * 8192, 3), 16, block_tokens=2048)
+        plan = build_plan("dgx-h100:2", range(16), case[1], placement=pl)
+        size = lambda b: plan.block_tokens(b) * 4096  # noqa: E731
+    else:
+        plan = build_plan("pcie-box:2", range(16), case[1], parts_per_chunk=case[2])
+        size = lambda b: plan.block_tokens(b, 65536) * 4096  # noqa: E731
+    waves = plan_waves(plan, size)
+    assert len(waves) > 1
+    _check(plan, waves, size, wave_budget(plan, size))
+    assert _waves_digest(waves) == WAVES_DIGESTS[case]

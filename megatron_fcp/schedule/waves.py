@@ -245,20 +245,21 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
     if budget is None:
         budget = wave_budget(plan, block_bytes)
     inp = _PackInput(plan, block_bytes)
-    cands: list[tuple[float, tuple[Wave, ...]]] = []
+    cands: list[tuple[float, list]] = []      # (pace, raw packing): Waves are built for the winner only
     for k in WAVE_CAP_SCALES:                  # a cap that never turned work away: the larger ones pack alike
-        waves, pace, capped = _pack(inp, budget, k)
-        cands.append((pace, waves))
+        raw, pace, capped = _pack_raw(inp, budget, k)
+        cands.append((pace, raw))
         if not capped:
-            cands += [(pace, waves)] * (len(WAVE_CAP_SCALES) - len(cands))
+            cands += [(pace, raw)] * (len(WAVE_CAP_SCALES) - len(cands))
             break
     best = min(m for m, _ in cands)  # Note [Balanced waves]: least pace; near ties, fewest waves
-    waves = min((c for c in cands if c[0] <= best * (1 + WAVE_TIE)), key=lambda c: (len(c[1]), c[0]))[1]
+    chosen = min((c for c in cands if c[0] <= best * (1 + WAVE_TIE)), key=lambda c: (len(c[1]), c[0]))[1]
     spread = _spread_scale(inp, budget)
     if spread is not None:           # Note [Balanced waves], "Spread over the waves the bytes need"
-        spread_waves, pace, _ = _pack(inp, budget, spread)
+        spread_raw, pace, _ = _pack_raw(inp, budget, spread)
         if pace < best * (1 - WAVE_SPREAD_MARGIN):
-            waves = spread_waves
+            chosen = spread_raw
+    waves = _waves(inp, chosen)
     if cache_key is not None:
         if len(_WAVES) > 1024:
             _WAVES.clear()
@@ -291,8 +292,9 @@ class _PackInput:
     """What every packing of one plan reads, numbered once (the four work caps of
     :func:`plan_waves` share it): blocks by first send (``bid``), each (block, reader)'s arriving
     transfer (its index in plan order and its sender), readers in plan order, each rank's needs
-    and own blocks, block bytes and the work of every delivery (a flat table); and what a pace is relative
-    to (Note [Balanced waves]): the busiest rank's total work, the most bytes a rank receives."""
+    (flags, counts, and least work first) and own blocks, block bytes and the work of every
+    delivery (flat tables indexed ``block * span + rank``); and what a pace is relative to (Note
+    [Balanced waves]): the busiest rank's total work, the most bytes a rank receives."""
 
     def __init__(self, plan: Plan, block_bytes: Callable[[Block], int]):
         self.plan = plan
@@ -311,33 +313,57 @@ class _PackInput:
         self.arrive: dict[int, int] = {}                           # (block, reader) -> its transfer's index
         self.sender: dict[int, int] = {}                           # (block, reader) -> that transfer's sender
         self.readers: dict[int, list[int]] = {}
+        got = [0] * R                                              # bytes each rank receives in all
+        size_of: list[int] = []                                    # block number -> bytes (grown with blocks)
         for k, (_, t) in enumerate(self.transfers):
             i = num(t.block)
+            if i == len(size_of):
+                size_of.append(block_bytes(t.block))
+            got[t.dst] += size_of[i]
             if i * R + t.dst not in self.arrive:
                 self.arrive[i * R + t.dst] = k
                 self.sender[i * R + t.dst] = t.src
                 self.readers.setdefault(i, []).append(t.dst)
-        self.needs = {x: [num(b) for b in plan.needs(x)] for x in plan.ranks}
-        self.local = {x: list(plan.local_blocks(x)) for x in plan.ranks}
-        self.size = {num(b): block_bytes(b) for b in plan.blocks()}
+        self.order = list(self.readers)                            # blocks with readers, by first send
+        ranks = list(plan.ranks)
+        self.needs = {x: [num(b) for b in plan.needs(x)] for x in ranks}
+        self.local = {x: list(plan.local_blocks(x)) for x in ranks}
+        self.own = {x: [num(b) for b in self.local[x]] for x in ranks}
+        for b in blocks[len(size_of):]:
+            size_of.append(block_bytes(b))
+        self.size_of = size_of
+        self.size = dict(enumerate(size_of))
         self.blocks, self.bid = blocks, bid
         self.owner = [b.owner for b in blocks]
         # work[i * R + x]: rank x's work on block number i, one gather of the plan's work matrix
         col = _block_column(plan)
         table = np.zeros((len(blocks), R))                                       # [blocks, R]
-        table[:, list(plan.ranks)] = work_matrix(plan)[:, [col(b) for b in blocks]].T
+        table[:, ranks] = work_matrix(plan)[:, [col(b) for b in blocks]].T
         self.work = table.ravel().tolist()
-        ranks = list(plan.ranks)
-        own = {x: [bid[b] for b in self.local[x]] for x in ranks}
+        flags = np.zeros((len(blocks), R), dtype=np.uint8)                       # [blocks, R]: x needs i
+        for x in ranks:
+            flags[self.needs[x], x] = 1
+        self.need_flags = flags.ravel().tobytes()
+        self.n_needs = [0] * R
+        for x in ranks:
+            self.n_needs[x] = len(self.needs[x])
+        # per rank: its needs, least work first (only the least still left is ever read, so the
+        # order among equal works does not matter)
+        self.lightest = [[] for _ in range(R)]
+        for x in ranks:
+            ids = np.array(self.needs[x], dtype=np.int64)
+            self.lightest[x] = ids[np.argsort(table[ids, x], kind="stable")].tolist()
+        self.smallest = [[] for _ in range(R)]                                   # the same, fewest bytes first
+        sizes = np.array(size_of, dtype=np.int64)
+        for x in ranks:
+            ids = np.array(self.needs[x], dtype=np.int64)
+            self.smallest[x] = ids[np.argsort(sizes[ids] if len(ids) else ids, kind="stable")].tolist()
         w = self.work
         self.top = max([w[i * R + x] for x in ranks for i in self.needs[x]]
-                       + [w[i * R + x] for x in ranks for i in own[x]] + [0.0])
-        total = [sum(w[i * R + x] for i in self.needs[x]) + sum(w[i * R + x] for i in own[x]) for x in ranks]
-        got = dict.fromkeys(plan.ranks, 0)
-        for _, t in self.transfers:
-            got[t.dst] += self.size[bid[t.block]]
+                       + [w[i * R + x] for x in ranks for i in self.own[x]] + [0.0])
+        total = [sum(w[i * R + x] for i in self.needs[x]) + sum(w[i * R + x] for i in self.own[x]) for x in ranks]
         self.work_all = max(total, default=0.0) or 1.0
-        self.bytes_all = max(got.values(), default=0) or 1
+        self.bytes_all = max((got[x] for x in ranks), default=0) or 1
 
     def wk(self, x: int, i: int) -> float:
         """The work of rank ``x`` on block number ``i``."""
@@ -345,98 +371,127 @@ class _PackInput:
 
 
 def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float, bool]:
+    """:func:`_pack_raw`'s packing as waves, with its pace and whether the cap turned work away."""
+    raw, pace, capped = _pack_raw(inp, budget, scale)
+    return _waves(inp, raw), pace, capped
+
+
+def _waves(inp: _PackInput, raw: list[tuple[list[int], list[tuple[int, int]]]]) -> tuple[Wave, ...]:
+    """The waves of a raw packing: per wave, its transfers (indices into ``inp.transfers``, in plan
+    order) and its computes ``(block number, rank)``."""
+    blocks, transfers = inp.blocks, inp.transfers
+    return tuple(Wave(tuple(transfers[k] for k in carried), frozenset((blocks[i], x) for i, x in computes))
+                 for carried, computes in raw)
+
+
+def _pack_raw(inp: _PackInput, budget: int, scale: float) -> tuple[list[tuple[list[int], list[tuple[int, int]]]],
+                                                                    float, bool]:
     """Greedy packing (module docstring) with a rank's work per wave capped at ``scale`` times the
     largest single delivery's (a rank's first delivery of a wave always fits), and its *pace*: the
     sum over waves of the larger of the busiest rank's work and the most bytes a rank receives in
     the wave, each relative to the whole backward's (``inp.work_all``, ``inp.bytes_all``): 1.0 when
     every wave is as balanced as the one pass (Note [Balanced waves]); and whether the cap ever
     turned work away (if not, any larger cap packs the same waves). The bookkeeping is on block
-    numbers (``inp``); the waves hold the plan's blocks and transfers."""
-    plan, W, owner, size, sender, R = inp.plan, inp.work, inp.owner, inp.size, inp.sender, inp.span
-    left = {x: set(ids) for x, ids in inp.needs.items()}          # received deliveries still to do
-    local = {x: list(b) for x, b in inp.local.items()}
-    bid = inp.bid
-    order = list(inp.readers)
-    pending = {i: [x for x in inp.readers[i] if i in left[x]] for i in order}     # readers still to serve
+    numbers and ranks (``inp``: flat tables indexed ``block * span + rank``, lists indexed by
+    rank); a wave comes out as its carried transfers' indices (sorted: plan order) and its computes
+    ``(block number, rank)`` (:func:`_waves` turns them into :class:`Wave`)."""
+    W, owner, size, sender, R, arrive = inp.work, inp.owner, inp.size_of, inp.sender, inp.span, inp.arrive
+    ranks = list(inp.plan.ranks)
+    left = bytearray(inp.need_flags)                              # left[i * R + x]: x still has to do i
+    n_left = list(inp.n_needs)                                    # per rank: deliveries still to do
+    local = {x: [i for i in ids] for x, ids in inp.own.items()}   # own block numbers still to do
+    order = inp.order
+    pending = {i: list(inp.readers[i]) for i in order}            # readers still to serve (a superset)
     cap = inp.top * scale
-    lightest = {x: sorted(left[x], key=lambda i, x=x: W[i * R + x]) for x in plan.ranks}  # least work first
-    first_left = dict.fromkeys(plan.ranks, 0)                       # lightest[x][:i] are all done
-    waves = []
+    lightest = inp.lightest                                       # per rank: its needs, least work first
+    first_left = [0] * R                                          # lightest[x][:k] are all done
+    smallest = inp.smallest                                       # per rank: its needs, fewest bytes first
+    first_small = [0] * R                                         # smallest[x][:k] are all done
+    mins = [0.0] * R                                              # per wave: least work x has left
+    mins_at = [-1] * R                                            # the wave mins[x] was read in
+    raw: list[tuple[list[int], list[tuple[int, int]]]] = []
     pace = 0.0
-    capped = False                                                 # the cap turned a job away
-    while any(left.values()) or any(local.values()):
-        load: dict[int, int] = {}
-        comp: dict[int, float] = {}
-        carried: dict[int, int] = {}                               # (block, rank) -> the transfer bringing it
+    capped = False                                                # the cap turned a job away
+    while sum(n_left) or any(local.values()):
+        wave_no = len(raw)
+        load = [0] * R                                            # bytes each rank receives in the wave
+        comp = [0.0] * R                                          # work each rank does in the wave
+        carried: dict[int, int] = {}                              # (block, rank) -> the transfer bringing it
         computes: list[tuple[int, int]] = []
-
-        mins: dict[int, float] = {}
-
-        def min_work(x: int) -> float:  # least work of a delivery x still has to do
-            if x not in mins:
-                lst, k = lightest[x], first_left[x]
-                while k < len(lst) and lst[k] not in left[x]:
-                    k += 1
-                first_left[x] = k
-                mins[x] = W[lst[k] * R + x] if k < len(lst) else 0.0
-            return mins[x]
-
-        def take(i: int, x: int, w: float) -> None:
-            computes.append((i, x))
-            comp[x] = comp.get(x, 0.0) + w
-
-        hungry = {x for x in plan.ranks if left[x]}                # ranks that may still take work
+        hungry = {x for x in ranks if n_left[x]}                  # ranks that may still take work
         for i in order:
             if not hungry:
                 break
-            if not pending[i]:
+            readers = pending[i]
+            if not readers:
                 continue
-            o, n_i = owner[i], size[i]
-            for x in pending[i]:
-                if x not in hungry or i not in left[x]:
+            o, n_i, base = owner[i], size[i], i * R
+            for x in readers:
+                if x not in hungry or not left[base + x]:
                     continue
-                w = W[i * R + x]
-                if comp.get(x, 0.0) and comp[x] + w > cap:
+                w = W[base + x]
+                if comp[x] and comp[x] + w > cap:
                     capped = True
                     continue
                 path, y, fits = [], x, True          # the ranks the block still has to reach, reader first
-                while y != o and i * R + y not in carried:
-                    if computes and load.get(y, 0) + n_i > budget:
+                while y != o and base + y not in carried:
+                    if computes and load[y] + n_i > budget:
                         fits = False
                         break
                     path.append(y)
-                    y = sender[i * R + y]
+                    y = sender[base + y]
                 if not fits:
                     continue
                 for d in path:
-                    load[d] = load.get(d, 0) + n_i
-                    carried[i * R + d] = inp.arrive[i * R + d]
-                take(i, x, w)
-                left[x].discard(i)
+                    load[d] += n_i
+                    carried[base + d] = arrive[base + d]
+                computes.append((i, x))
+                comp[x] += w
+                left[base + x] = 0
+                n_left[x] -= 1
                 for d in path[1:]:                               # relays that need it compute it too
-                    if i in left[d]:
-                        if comp.get(d, 0.0) + W[i * R + d] <= cap:
-                            take(i, d, W[i * R + d])
-                            left[d].discard(i)
+                    if left[base + d]:
+                        wd = W[base + d]
+                        if comp[d] + wd <= cap:
+                            computes.append((i, d))
+                            comp[d] += wd
+                            left[base + d] = 0
+                            n_left[d] -= 1
                         else:
                             capped = True
                 for d in path:                                   # full: no delivery of theirs fits any more
-                    if not left[d] or load[d] >= budget:
+                    if not n_left[d] or load[d] >= budget:
                         hungry.discard(d)
-                    elif comp.get(d, 0.0) and comp[d] + min_work(d) > cap:
+                        continue
+                    lst, k = smallest[d], first_small[d]         # its smallest delivery left no longer fits:
+                    while not left[lst[k] * R + d]:              # it cannot read again in this wave, whatever
+                        k += 1                                   # the cap (load only grows), so the cap's
+                    first_small[d] = k                           # comparisons for it change nothing
+                    if load[d] + size[lst[k]] > budget:
                         hungry.discard(d)
-                        capped = True
-            pending[i] = [x for x in pending[i] if i in left[x]]
-        for x in plan.ranks:                                     # own blocks fill spare work
-            while local[x] and (not comp.get(x, 0.0) or comp[x] + W[bid[local[x][0]] * R + x] <= cap):
-                i = bid[local[x].pop(0)]
-                take(i, x, W[i * R + x])
-            capped = capped or bool(local[x])
-        moved = tuple(inp.transfers[k] for k in sorted(carried.values()))
-        waves.append(Wave(moved, frozenset((inp.blocks[i], x) for i, x in computes)))
+                    elif comp[d]:
+                        if mins_at[d] != wave_no:                # least work d still has to do (read once a wave)
+                            lst, k = lightest[d], first_left[d]
+                            while k < len(lst) and not left[lst[k] * R + d]:
+                                k += 1
+                            first_left[d] = k
+                            mins[d] = W[lst[k] * R + d] if k < len(lst) else 0.0
+                            mins_at[d] = wave_no
+                        if comp[d] + mins[d] > cap:
+                            hungry.discard(d)
+                            capped = True
+            pending[i] = [x for x in readers if left[base + x]]
+        for x in ranks:                                          # own blocks fill spare work
+            mine = local[x]
+            while mine and (not comp[x] or comp[x] + W[mine[0] * R + x] <= cap):
+                i = mine.pop(0)
+                computes.append((i, x))
+                comp[x] += W[i * R + x]
+            capped = capped or bool(mine)
+        raw.append((sorted(carried.values()), computes))
         # load: the bytes each rank receives in the wave (every carried transfer once)
-        pace += max(max(comp.values(), default=0.0) / inp.work_all, max(load.values(), default=0) / inp.bytes_all)
-    return tuple(waves), pace, capped
+        pace += max(max(comp) / inp.work_all, max(load) / inp.bytes_all)
+    return raw, pace, capped
 
 
 _WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
