@@ -290,80 +290,67 @@ def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> f
 
 class _PackInput:
     """What every packing of one plan reads, numbered once (the four work caps of
-    :func:`plan_waves` share it): blocks by first send (``bid``), each (block, reader)'s arriving
-    transfer (its index in plan order and its sender), readers in plan order, each rank's needs
-    (flags, counts, and least work first) and own blocks, block bytes and the work of every
-    delivery (flat tables indexed ``block * span + rank``); and what a pace is relative to (Note
-    [Balanced waves]): the busiest rank's total work, the most bytes a rank receives."""
+    :func:`plan_waves` share it): blocks by their column in :func:`work_matrix` (``plan.blocks()``
+    order), the blocks with readers in the order the plan first sends them (``order``), each
+    (block, reader)'s arriving transfer (its index in plan order and its sender), readers in plan
+    order, each rank's needs (flags, counts, and least work / fewest bytes first) and own blocks,
+    block bytes and the work of every delivery (flat tables indexed ``block * span + rank``); and
+    what a pace is relative to (Note [Balanced waves]): the busiest rank's total work, the most
+    bytes a rank receives. Built from the plan's transfer columns (one pass of numpy, not a Python
+    loop over the transfers)."""
 
     def __init__(self, plan: Plan, block_bytes: Callable[[Block], int]):
         self.plan = plan
-        blocks: list[Block] = []
-        bid: dict[Block, int] = {}
-
-        def num(b: Block) -> int:
-            i = bid.get(b)
-            if i is None:
-                i = bid[b] = len(blocks)
-                blocks.append(b)
-            return i
-
-        self.transfers = list(plan.transfers())                    # plan order: (round, transfer)
-        self.span = R = max(plan.ranks) + 1                        # (block i, rank x) is the key i * R + x
-        self.arrive: dict[int, int] = {}                           # (block, reader) -> its transfer's index
-        self.sender: dict[int, int] = {}                           # (block, reader) -> that transfer's sender
-        self.readers: dict[int, list[int]] = {}
-        got = [0] * R                                              # bytes each rank receives in all
-        size_of: list[int] = []                                    # block number -> bytes (grown with blocks)
-        for k, (_, t) in enumerate(self.transfers):
-            i = num(t.block)
-            if i == len(size_of):
-                size_of.append(block_bytes(t.block))
-            got[t.dst] += size_of[i]
-            if i * R + t.dst not in self.arrive:
-                self.arrive[i * R + t.dst] = k
-                self.sender[i * R + t.dst] = t.src
-                self.readers.setdefault(i, []).append(t.dst)
-        self.order = list(self.readers)                            # blocks with readers, by first send
         ranks = list(plan.ranks)
-        self.needs = {x: [num(b) for b in plan.needs(x)] for x in ranks}
-        self.local = {x: list(plan.local_blocks(x)) for x in ranks}
-        self.own = {x: [num(b) for b in self.local[x]] for x in ranks}
-        for b in blocks[len(size_of):]:
-            size_of.append(block_bytes(b))
-        self.size_of = size_of
-        self.size = dict(enumerate(size_of))
-        self.blocks, self.bid = blocks, bid
+        self.span = R = max(ranks) + 1                             # (block i, rank x) is the key i * R + x
+        self.blocks = blocks = list(plan.blocks())                 # block number = its work_matrix column
+        col = _block_column(plan)
+        rnd, src, dst, owner, chunk, part = plan.transfer_columns()   # [T] each, plan order
+        at = np.zeros(R, dtype=np.int64)                           # global rank -> its first column
+        at[ranks] = [col(plan.local_blocks(x)[0]) if plan.local_blocks(x) else 0 for x in ranks]
+        c = at[owner] + chunk * plan.parts_per_chunk + part        # [T]: each transfer's block number
+        key = c * R + dst
+        _, first = np.unique(key, return_index=True)               # each (block, reader)'s arriving transfer
+        first.sort()                                               # plan order
+        fk, fc, fd, fs = key[first].tolist(), c[first].tolist(), dst[first].tolist(), src[first].tolist()
+        self.arrive: dict[int, int] = dict(zip(fk, first.tolist()))   # (block, reader) -> its transfer's index
+        self.sender: dict[int, int] = dict(zip(fk, fs))              # (block, reader) -> that transfer's sender
+        self.readers: dict[int, list[int]] = {}                      # block -> its readers, plan order
+        for i, x in zip(fc, fd):
+            self.readers.setdefault(i, []).append(x)
+        self.order = list(self.readers)                            # blocks with readers, by first send
+        self.transfers = list(plan.transfers())                    # plan order: (round, transfer)
+        self.size_of = size_of = [block_bytes(b) for b in blocks]
+        sizes = np.array(size_of, dtype=np.int64)
+        got = np.zeros(R, dtype=np.int64)                          # bytes each rank receives in all
+        np.add.at(got, dst, sizes[c])
+        self.needs = {x: [col(b) for b in plan.needs(x)] for x in ranks}
+        self.own = {x: [col(b) for b in plan.local_blocks(x)] for x in ranks}
         self.owner = [b.owner for b in blocks]
         # work[i * R + x]: rank x's work on block number i, one gather of the plan's work matrix
-        col = _block_column(plan)
         table = np.zeros((len(blocks), R))                                       # [blocks, R]
-        table[:, ranks] = work_matrix(plan)[:, [col(b) for b in blocks]].T
+        table[:, ranks] = work_matrix(plan).T
         self.work = table.ravel().tolist()
         flags = np.zeros((len(blocks), R), dtype=np.uint8)                       # [blocks, R]: x needs i
         for x in ranks:
             flags[self.needs[x], x] = 1
         self.need_flags = flags.ravel().tobytes()
         self.n_needs = [0] * R
-        for x in ranks:
-            self.n_needs[x] = len(self.needs[x])
-        # per rank: its needs, least work first (only the least still left is ever read, so the
-        # order among equal works does not matter)
-        self.lightest = [[] for _ in range(R)]
+        # per rank: its needs, least work first and fewest bytes first (only the least still left
+        # is ever read, so the order among equals does not matter)
+        self.lightest: list[list[int]] = [[] for _ in range(R)]
+        self.smallest: list[list[int]] = [[] for _ in range(R)]
         for x in ranks:
             ids = np.array(self.needs[x], dtype=np.int64)
+            self.n_needs[x] = len(ids)
             self.lightest[x] = ids[np.argsort(table[ids, x], kind="stable")].tolist()
-        self.smallest = [[] for _ in range(R)]                                   # the same, fewest bytes first
-        sizes = np.array(size_of, dtype=np.int64)
-        for x in ranks:
-            ids = np.array(self.needs[x], dtype=np.int64)
-            self.smallest[x] = ids[np.argsort(sizes[ids] if len(ids) else ids, kind="stable")].tolist()
+            self.smallest[x] = ids[np.argsort(sizes[ids], kind="stable")].tolist()
         w = self.work
         self.top = max([w[i * R + x] for x in ranks for i in self.needs[x]]
                        + [w[i * R + x] for x in ranks for i in self.own[x]] + [0.0])
         total = [sum(w[i * R + x] for i in self.needs[x]) + sum(w[i * R + x] for i in self.own[x]) for x in ranks]
         self.work_all = max(total, default=0.0) or 1.0
-        self.bytes_all = max((got[x] for x in ranks), default=0) or 1
+        self.bytes_all = int(got[ranks].max(initial=0)) or 1
 
     def wk(self, x: int, i: int) -> float:
         """The work of rank ``x`` on block number ``i``."""
