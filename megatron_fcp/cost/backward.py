@@ -264,6 +264,7 @@ def simulate_backward_waves(
     micro_batch: int = 1,
     buffered_sends: bool = False,
     held_routes: bool = False,
+    per_wave: bool = True,
 ) -> dict:
     """The executor's backward as it runs: wave by wave (Note [Backward waves] in
     :mod:`megatron_fcp.attention.backward_waves`): wave w's gradients back to back, the dK/dV
@@ -282,7 +283,10 @@ def simulate_backward_waves(
     ``wave_reduce_s``, ``wave_resend_s``, ``held_kv_bytes_max``: received KV held at once in
     backward (two consecutive waves' received bytes on the worst rank; keep: the need set), and
     ``launches``: per CP rank, the kernel calls its backward makes (Note [One launch per owner and
-    stage] in :mod:`megatron_fcp.schedule.launches`).
+    stage] in :mod:`megatron_fcp.schedule.launches`). ``per_wave=False``: the timeline alone
+    (``bwd_s``, ``jobs_end_s``, ``waves``, ``backward_kv`` and the keepers), without the per-wave
+    reports and the memory and launch counts, which price every wave's cut plan again (a fifth of the
+    degree choice's time at cp = 256); what a caller that ranks by time needs.
     ``budget``: per-rank bytes of one wave (default: the executor's, the largest shard).
     ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``).
     ``backward_kv="auto"``: keep or resend as the executor decides
@@ -320,6 +324,15 @@ def simulate_backward_waves(
         return (simulate_plan(sub, topo, fwd_shape, compute=False, round_overhead_s=round_overhead_s).comm_s
                 if sub.rounds and resend else 0.0), got
 
+    partial = program.first_fetch
+    timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
+                             job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
+                             buffered_sends=buffered_sends, first_kept=first, first_fetch=partial,
+                             held_routes=held_routes)
+    if not per_wave:
+        return {"bwd_s": timeline["total_s"], "backward_kv": backward_kv, "waves": len(waves), "first_kept": first,
+                "first_kept_ranks": len(keepers), "jobs_end_s": max(timeline["jobs_end_s"], default=0.0),
+                "backward": "waves"}
     comp, red, fetch, held = [], [], [], []
     for w in waves:
         sub = restrict(plan, w)
@@ -331,11 +344,6 @@ def simulate_backward_waves(
         fetch.append(f)
         held.append(got)
     W = len(waves)
-    partial = program.first_fetch
-    timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
-                             job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
-                             buffered_sends=buffered_sends, first_kept=first, first_fetch=partial,
-                             held_routes=held_routes)
     total = timeline["total_s"]
     if first and fetch:
         fetch[0], held[0] = 0.0, {}                              # the first wave came with the forward

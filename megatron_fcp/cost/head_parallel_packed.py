@@ -143,7 +143,7 @@ def packed_as_run(plan: "Plan | PackedHeadParallelPlan", topology: "Topology | s
         sp, sshape, exposed = plan, shape, 0.0
         fwd = simulate_plan(plan, topo, shape, compute_model=cm).total_s
     waves = simulate_backward_waves(sp, topo, sshape, compute_model=cm, backward_kv=backward_kv,
-                                    kv_memory_budget=kv_memory_budget)
+                                    kv_memory_budget=kv_memory_budget, per_wave=False)
     bwd = exposed + waves["bwd_s"]
     return {"fwd_s": fwd, "bwd_s": bwd, "total_s": fwd + bwd, "waves": waves["waves"],
             "backward_kv": waves["backward_kv"]}
