@@ -182,7 +182,13 @@ def gc_paused():
     plan's ~10^6 transfers, a schedule search's waves and timelines); without this, generation
     sweeps over the growing heap cost more than the work itself. Reentrant and shared by threads:
     the collector is disabled by the first pause to open and enabled again (if it was) when the
-    last one closes, so a nested or concurrent pause never re-enables it under another."""
+    last one closes, so a nested or concurrent pause never re-enables it under another. Also a
+    decorator (``@gc_paused()``): the per-batch planning entry points (``place_batch``,
+    ``build_plan``, the packed degree choice, ``compile_backward``, the pricing of a program) run
+    under it; measured 2026-12-06 at cp = 256, 512 documents, ``graph="auto"``: placement, plan and
+    backward program 4.4 -> 3.4 s (a list of the plan's 125K ``(round, transfer)`` pairs alone took
+    0.36 s to build with the collector on, 0.008 s off); nothing they build is a cycle they drop, so
+    reference counting frees it as before."""
     with _GC_LOCK:
         if _GC_PAUSE["depth"] == 0:
             _GC_PAUSE["was_enabled"] = gc.isenabled()

@@ -51,8 +51,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_fcp.contract.blocks import Block
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import Block, gc_paused
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.model import (
@@ -248,7 +247,7 @@ def simulate_plan_backward(
     return res
 
 
-@paused_gc
+@gc_paused()
 def simulate_backward_waves(
     plan: Plan,
     topology: "Topology | str",

@@ -28,8 +28,7 @@ executor runs it (waves), which is what the degree choice ranks by.
 
 from __future__ import annotations
 
-from megatron_fcp.contract.blocks import Block, Transfer
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import Block, Transfer, gc_paused
 from megatron_fcp.contract.head_parallel import LOCAL_STAGE
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.placement import Placement, Span
@@ -122,7 +121,7 @@ def simulate_packed_head_parallel(hp: PackedHeadParallelPlan, topology: "Topolog
     return combine(name, [fwd, bwd], meta)
 
 
-@paused_gc
+@gc_paused()
 def packed_as_run(plan: "Plan | PackedHeadParallelPlan", topology: "Topology | str", shape: AttentionShape, *,
                   compute_model: ComputeModel | None = None, backward_kv: str = "auto",
                   kv_memory_budget: int = RING_BUDGET) -> dict:

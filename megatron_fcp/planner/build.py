@@ -25,8 +25,7 @@ timed; smaller groups time every candidate.
 
 from __future__ import annotations
 
-from megatron_fcp.contract.blocks import PlanError
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import PlanError, gc_paused
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks, plan_mask
 from megatron_fcp.cost.floors import graph_kv_floor
@@ -45,7 +44,7 @@ PACKED_TIE = 0.01
 :func:`_least_crossing`)."""
 
 
-@paused_gc
+@gc_paused()
 def build_plan(
     topology,
     cp_ranks,

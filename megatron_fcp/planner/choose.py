@@ -119,7 +119,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from megatron_fcp.contract.blocks import gc_paused
-from megatron_fcp.contract.gc_pause import paused_gc
 from megatron_fcp.contract.head_parallel import HeadParallelPlan, head_parallel_degrees, stage_plan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import check_cp_ranks
@@ -701,7 +700,6 @@ class ScheduleChoice:
                 f"{self.bwd_s * 1e3:.4g}{kv}){up}")
 
 
-@paused_gc
 def choose_schedule(
     topology: "Topology | str",
     cp_ranks: Sequence[int],

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import gc_paused
 from megatron_fcp.contract.head_parallel import stage_plan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, recv_lower_bound
@@ -299,7 +299,7 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
     }
 
 
-@paused_gc
+@gc_paused()
 def compare_packed(
     topology: "Topology | str",
     cp_ranks: Sequence[int] | None,

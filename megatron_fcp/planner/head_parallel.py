@@ -29,8 +29,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_fcp.contract.blocks import PlanError, check_parts
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import PlanError, check_parts, gc_paused
 from megatron_fcp.contract.head_parallel import (
     HeadParallelPlan,
     check_head_parallel,
@@ -61,7 +60,7 @@ stages keep plain waves, which keeps a 1,024-rank head-parallel plan within the 
 __all__ = ["compile_head_parallel", "compile_packed_head_parallel", "choose_packed_head_parallel"]
 
 
-@paused_gc
+@gc_paused()
 def compile_head_parallel(
     topology: "Topology | str",
     cp_ranks: Sequence[int],
@@ -124,7 +123,7 @@ def compile_head_parallel(
     return hp.verify()
 
 
-@paused_gc
+@gc_paused()
 def compile_packed_head_parallel(
     topology: "Topology | str",
     cp_ranks: Sequence[int],
@@ -175,7 +174,7 @@ def compile_packed_head_parallel(
     return PackedHeadParallelPlan(ranks, degree, groups, group_pl, member_pl, kv, rep).verify()
 
 
-@paused_gc
+@gc_paused()
 def choose_packed_head_parallel(
     topology: "Topology | str",
     cp_ranks: Sequence[int],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import gc_paused
 from megatron_fcp.contract.head_parallel_packed import place_packed_groups
 from megatron_fcp.contract.layer_placement import place_balanced
 from megatron_fcp.contract.placement import Placement
@@ -31,7 +31,7 @@ def cp_nodes(topology: "Topology | str", cp_ranks: Sequence[int]) -> tuple[int, 
     return tuple(int(d) for d in load_topology(topology).domains_of(list(cp_ranks)))
 
 
-@paused_gc
+@gc_paused()
 def place_batch(topology: "Topology | str", cp_ranks: Sequence[int], doc_lengths: Sequence[int], *,
                 balance: str = PACKED_BALANCE, **place_kw) -> Placement:
     """The placement FCP runs packed batch ``doc_lengths`` with on CP group ``cp_ranks`` (global
@@ -42,7 +42,7 @@ def place_batch(topology: "Topology | str", cp_ranks: Sequence[int], doc_lengths
     return place_balanced(doc_lengths, len(ranks), nodes=cp_nodes(topology, ranks), balance=balance, **place_kw)
 
 
-@paused_gc
+@gc_paused()
 def place_batch_groups(topology: "Topology | str", cp_ranks: Sequence[int], head_groups: Sequence[Sequence[int]],
                        doc_lengths: Sequence[int], *, balance: str = PACKED_BALANCE,
                        **place_kw) -> tuple[Placement, Placement]:

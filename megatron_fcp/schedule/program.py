@@ -66,8 +66,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from megatron_fcp.contract.blocks import Block, Transfer
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import Block, Transfer, gc_paused
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.chains import (ChainStep, chain_steps, first_keepers, first_kept_blocks, first_wave_fetch,
                                           keep_limits)
@@ -251,7 +250,7 @@ class BackwardProgram:
         return tuple(out)
 
 
-@paused_gc
+@gc_paused()
 def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None = None, *,
                      seq_len: int | None = None, budget: int | None = None) -> BackwardProgram:
     """The backward program of ``plan`` (Note [Backward program]), memoised on the plan object.

@@ -1,5 +1,6 @@
-"""Note [Planning with the cyclic collector paused]: the planning entry points run with the cyclic
-collector off and give it back as they found it, on return and on raise."""
+"""gc_paused as a decorator: the per-batch planning entry points run with the cyclic collector off
+and give it back as they found it, on return and on raise (the context manager's own rules, nesting
+and threads, are tested in test_shared_search.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,18 @@ import gc
 
 import pytest
 
-from megatron_fcp.contract.gc_pause import paused_gc
+from megatron_fcp.contract.blocks import gc_paused
 
 
 def test_the_collector_is_off_inside_and_restored_after():
     seen = []
 
-    @paused_gc
+    @gc_paused()
     def inner():
         seen.append(gc.isenabled())
         return 7
 
-    @paused_gc
+    @gc_paused()
     def outer():
         seen.append(gc.isenabled())
         out = inner()
@@ -30,7 +31,7 @@ def test_the_collector_is_off_inside_and_restored_after():
 
 
 def test_restored_when_the_call_raises():
-    @paused_gc
+    @gc_paused()
     def bad():
         raise ValueError("no")
 
@@ -41,7 +42,7 @@ def test_restored_when_the_call_raises():
 
 
 def test_a_caller_that_turned_it_off_keeps_it_off():
-    @paused_gc
+    @gc_paused()
     def f():
         return gc.isenabled()
 
