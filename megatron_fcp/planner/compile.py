@@ -359,24 +359,22 @@ def _fast_links_first(cg: CommGraph, rounds) -> tuple[tuple[Transfer, ...], ...]
     first lets compute start as soon as the first blocks land. Same-pair transfers keep their
     relative order (same bandwidth), which is what send/receive matching relies on.
     """
-    g = cg.graph
     bw: dict[tuple[int, int], float] = {}
 
     def key(t: Transfer) -> float:
         e = (t.src, t.dst)
         v = bw.get(e)
         if v is None:
-            v = bw[e] = -float(g[t.src][t.dst].get("bandwidth", 0.0))
+            v = bw[e] = -cg.bandwidth(t.src, t.dst)
         return v
 
     return tuple(tuple(sorted(rnd, key=key)) for rnd in rounds)
 
 
 def _check_tree(cg: CommGraph, owner: int, dests: Sequence[int], tree) -> None:
-    graph = cg.graph
     reached = {owner}
     for u, v in tree:
-        if not graph.has_edge(u, v):
+        if not cg.has_edge(u, v):
             raise PlanError(f"graph {cg.name!r}: multicast tree of rank {owner} uses {u}->{v}, not an edge of the graph")
         if u not in reached:
             raise PlanError(f"graph {cg.name!r}: tree of rank {owner} forwards from {u} before reaching it")

@@ -65,6 +65,7 @@ class CommGraph:
         self.meta = meta if meta is not None else {}
         self._graph = graph
         self._edge_array = None
+        self._edge_set: set[tuple[int, int]] | None = None
         if isinstance(edges, np.ndarray):
             arr = np.asarray(edges).reshape(-1, 2)
             if arr.dtype.kind not in "iu":
@@ -102,6 +103,21 @@ class CommGraph:
             g.add_edges_from((a, b, _edge_attrs(self.topology, a, b)) for a, b in self.edges)
             self._graph = g
         return self._graph
+
+    def has_edge(self, a: int, b: int) -> bool:
+        """Whether ``a -> b`` is an edge (a set of the edges; the networkx graph is not built for it)."""
+        if self._graph is not None:
+            return self._graph.has_edge(a, b)
+        if self._edge_set is None:
+            self._edge_set = set(self.edges)
+        return (a, b) in self._edge_set
+
+    def bandwidth(self, a: int, b: int) -> float:
+        """Edge ``a -> b``'s ``bandwidth`` attribute, as :attr:`graph` holds it (read from the route
+        when the graph was given as edges, without building the networkx graph)."""
+        if self._graph is not None:
+            return float(self._graph[a][b].get("bandwidth", 0.0))
+        return float(_edge_attrs(self.topology, a, b)["bandwidth"])
 
     def __repr__(self) -> str:
         return f"CommGraph({self.name!r}, cp={len(self.ranks)}, edges={self.num_edges()})"
