@@ -130,13 +130,18 @@ def wave_timeline(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes
     m_key: list[tuple[str, int, int]] = []
     posts: dict[tuple[str, int, int], dict[int, list[int]]] = {}
 
+    routes: dict[tuple[int, int], tuple[list[tuple[int, float]], float]] = {}   # (src, dst): [(resource, bw)], latency
+
     def add(key, src: int, dst: int, nbytes: float) -> None:
         i = len(m_src)
-        rid, lat = idx.route(src, dst)
+        hit = routes.get((src, dst))
+        if hit is None:
+            rid, lat = idx.route(src, dst)
+            hit = routes[(src, dst)] = ([(x, idx.bw[x]) for x in rid.tolist()], lat + round_overhead_s)
         m_src.append(src)
         m_dst.append(dst)
-        m_dur.append([(x, nbytes / idx.bw[x]) for x in rid.tolist()])
-        m_lat.append(lat + round_overhead_s)
+        m_dur.append([(x, nbytes / bw) for x, bw in hit[0]])
+        m_lat.append(hit[1])
         m_key.append(key)
         by = posts.setdefault(key, {})
         by.setdefault(src, []).append(i)
