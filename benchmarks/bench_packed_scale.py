@@ -7,6 +7,12 @@ Writes ``benchmarks/results/packed_scale.json`` (committed) and prints a summary
 model only (TE as priced by :mod:`megatron_fcp.cost.te` at the time of the run)::
 
     python benchmarks/bench_packed_scale.py [--out benchmarks/results/packed_scale.json] [--quick] [--planning-repeats N]
+    python benchmarks/bench_packed_scale.py --planning-only [--planning-repeats N]
+
+``--planning-only`` re-measures the per-batch planning rows alone and writes them into the existing
+JSON (``planning_speed``, with its own ``planning_command`` and ``planning_date``), leaving the grid
+as its own run measured it: planning changes that leave every plan and price the same (checked)
+need no 15-minute grid run.
 
 Grid: lognormal mixes (log-sigma 1.0, medians 2K, 8K, 32K tokens, seed 0) of 1M tokens per batch,
 cp = 16, 64, 256 on dgx-h100:2, :8, :32 (all ranks of the cluster), GQA 64:8 and 32:4, head size
@@ -198,9 +204,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="cp 16 and 64 only, one GQA (a smoke run)")
     ap.add_argument("--planning-repeats", type=int, default=3, metavar="N",
                     help="per-batch planning: best of N runs (this machine's run-to-run spread is wide)")
+    ap.add_argument("--planning-only", action="store_true",
+                    help="re-measure the per-batch planning rows alone, into the existing --out JSON")
     args = ap.parse_args()
     if args.planning_repeats < 1:
         ap.error(f"--planning-repeats must be at least 1, got {args.planning_repeats}")
+    if args.planning_only:
+        if not Path(args.out).exists():
+            ap.error(f"--planning-only updates an existing result; {args.out} does not exist (run the grid first)")
+        res = json.loads(Path(args.out).read_text())
+        res["planning_speed"] = planning_speed(args.planning_repeats)
+        res["planning_command"] = ("python benchmarks/bench_packed_scale.py --planning-only"
+                                   + (f" --planning-repeats {args.planning_repeats}" if args.planning_repeats != 3 else ""))
+        res["planning_date"] = time.strftime("%Y-%m-%d", time.gmtime())
+        Path(args.out).write_text(json.dumps(res, indent=1, default=_plain) + "\n")
+        print(f"wrote the planning rows of {args.out}")
+        return
     t0 = time.perf_counter()
     cps = (16, 64) if args.quick else tuple(CPS)
     gqa = GQA[:1] if args.quick else GQA
