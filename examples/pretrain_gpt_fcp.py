@@ -407,7 +407,7 @@ def train(
     from megatron_fcp.patches.compat import cp_batch_splitter  # noqa: PLC0415
     from megatron_fcp.patches.cpu import apply_cpu_shims  # noqa: PLC0415
     from megatron_fcp.patches.megatron import apply_fcp, assert_model_uses_fcp, revert_fcp  # noqa: PLC0415
-    from megatron_fcp.patches.packed import shard_packed_batch  # noqa: PLC0415
+    from megatron_fcp.patches.packed import prefetch_packed_batch, shard_packed_batch  # noqa: PLC0415
     from megatron_fcp.patches.runtime import setup_fcp  # noqa: PLC0415
     from megatron_fcp.patches.te_spec import model_windows  # noqa: PLC0415
 
@@ -514,6 +514,7 @@ def train(
 
         losses: list[float] = []
         grad_norms: list[float] = []
+        planned_ahead = 0
         bar = _progress(args.train_iters, rank == 0 and not args.no_progress)
         t0 = time.perf_counter()
         model.train()
@@ -524,8 +525,15 @@ def train(
             loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
             for m in range(microbatches):
                 if args.packed:  # THD: this rank's tokens in FCP's placement of the documents
-                    lengths, whole = samples[step * global_batch + dp_rank * microbatches + m]
+                    here = step * global_batch + dp_rank * microbatches + m
+                    lengths, whole = samples[here]
                     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+                    # the next micro-batch's plans are made in the background while this one runs
+                    # (Note [Planning a packed batch ahead]); the data loader knows its lengths now
+                    after = here + 1 if m + 1 < microbatches else (step + 1) * global_batch + dp_rank * microbatches
+                    if fcp.enabled and step * microbatches + m + 1 < args.train_iters * microbatches:
+                        nxt = samples[after][0]
+                        planned_ahead += prefetch_packed_batch([0, *torch.tensor(nxt).cumsum(0).tolist()]) is not None
                     batch, packed = shard_packed_batch(whole, cu)
                     batch = {k: v.to(device) for k, v in batch.items()}
                     token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
@@ -577,6 +585,12 @@ def train(
                 f"{m['backward_peak_kv_bytes']} B), re-sent "
                 f"{m['resend_bytes_sent']} B; Transformer Engine's ring saves its last received shard "
                 f"({m['ring_in_flight_kv_bytes']} B) between the passes and holds that much in flight")
+        if args.packed and fcp.enabled:
+            info["planned_ahead"] = planned_ahead  # micro-batches whose plans were made while the previous ran
+            info["microbatches"] = microbatches
+            if layout.cp > 1:
+                say(f"packed: {planned_ahead} of {args.train_iters * microbatches} micro-batches planned in the "
+                    "background while the one before ran (prefetch_packed_batch)")
         metrics = {"losses": losses, "grad_norms": grad_norms, "fcp": info, "seconds": elapsed}
         if args.softmax_type != "vanilla":  # this rank's sink logits after training (its TP heads)
             metrics["softmax_offset"] = {n: p.detach().double().tolist() for n, p in model.named_parameters()

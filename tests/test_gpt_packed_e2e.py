@@ -53,6 +53,9 @@ def test_packed_cp4_matches_cp1(runs):
     ref, fcp = runs[0]["cp1"], runs[0]["cp4"]
     assert fcp["fcp"]["packed"] and fcp["fcp"]["cp"] == 4 and fcp["fcp"]["graph"] == "hierarchical"
     assert fcp["fcp"]["fcp_modules"] == 2 and fcp["fcp"]["transfers"] > 0
+    # every micro-batch after the first was planned while the one before it ran (Note [Planning a
+    # packed batch ahead]); the losses below are those of plans made in the background
+    assert fcp["fcp"]["planned_ahead"] == len(fcp["losses"]) * fcp["fcp"]["microbatches"] - 1
     for step, (a, b) in enumerate(zip(fcp["losses"], ref["losses"])):
         assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
     for step, (a, b) in enumerate(zip(fcp["grad_norms"], ref["grad_norms"])):

@@ -19,6 +19,9 @@ by the placement before the model runs, and everything that depends on a token's
   ``megatron.core.transformer.attention``: for a packed batch under FCP with CP > 1 it rotates each
   local token by its position inside its document (Megatron's own bshd rotation, with the table
   gathered at those positions); everything else goes to Megatron's function unchanged.
+* **planning ahead** -- :func:`prefetch_packed_batch` makes a later micro-batch's plans in the
+  background while the current one runs (Note [Planning a packed batch ahead] in
+  :mod:`megatron_fcp.patches.runtime`); the data path and the attention then take them.
 * **attention** -- ``FCPCoreAttention`` calls :func:`packed_attention` with q ``[t_local, h, d]``:
   the plan of this micro-batch's lengths (cached), one agreement per micro-batch across the CP
   group (the lengths, the placement and the plan), then
@@ -45,8 +48,8 @@ from megatron_fcp.contract.placement import check_doc_lengths
 from megatron_fcp.patches import REGISTRY
 from megatron_fcp.patches.runtime import FCPStateError, current_runtime
 
-__all__ = ["doc_lengths_of", "shard_packed_batch", "packed_attention", "local_packed_attention",
-           "make_rope", "window_mask", "ROPE_TARGET"]
+__all__ = ["doc_lengths_of", "shard_packed_batch", "prefetch_packed_batch", "packed_attention",
+           "local_packed_attention", "make_rope", "window_mask", "ROPE_TARGET"]
 
 ROPE_TARGET = "megatron.core.transformer.attention:apply_rotary_pos_emb"
 """The RoPE binding ``Attention.forward`` looks up (every supported megatron-core)."""
@@ -98,6 +101,27 @@ def _cp_group_and_index(cp_group: Any) -> tuple[Any, int, int]:
 
         cp_group = ps.get_context_parallel_group()
     return cp_group, cp_group.size(), cp_group.rank()
+
+
+def prefetch_packed_batch(cu_seqlens: Any, *, cp_group: Any = None, causal: bool = True) -> Any:
+    """Plan a packed micro-batch that :func:`shard_packed_batch` will see later, in the background,
+    while the current step runs (Note [Planning a packed batch ahead] in
+    :mod:`megatron_fcp.patches.runtime`): call it with the next micro-batch's ``cu_seqlens`` as soon
+    as the data loader has them. The same plans as planning on the spot; call it on every rank of
+    the CP group (each plans alone: no communication). Returns the planning's future, or None with
+    CP = 1 (nothing to plan). Bad ``cu_seqlens`` raise here (ValueError naming the fix)."""
+    lengths = _cu_lengths(cu_seqlens, "cu_seqlens")
+    check_doc_lengths(lengths)
+    cp_group, cp, _ = _cp_group_and_index(cp_group)
+    if cp == 1:
+        return None
+    runtime = current_runtime()
+    if runtime is None:
+        raise FCPStateError("prefetch_packed_batch with CP > 1 needs FCP set up: call apply_fcp() and setup_fcp() first")
+    ranks = _ranks_of(cp_group)
+    if ranks is None:
+        ranks = runtime.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+    return runtime.prefetch_packed(ranks, lengths, causal=causal)
 
 
 def shard_packed_batch(batch: dict[str, torch.Tensor], cu_seqlens: Any, *, cp_group: Any = None,

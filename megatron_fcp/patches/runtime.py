@@ -33,6 +33,25 @@ where it is what :meth:`FCPRuntime.packed_head_parallel` would compile (the runt
 head size and dtype), is the one the batch runs, with its placement: it is not compiled twice. An
 explicit degree runs on every batch.
 
+Note [Planning a packed batch ahead]
+------------------------------------
+A packed batch's plans are per batch (its documents decide them) and take 0.16-0.7 s at cp = 64 and
+1.3-10 s at cp = 256 to make (docs/planner.md, "Per-batch planning, fourth pass"); made when the
+batch reaches :func:`~megatron_fcp.patches.packed.shard_packed_batch`, they stall the step.
+:meth:`FCPRuntime.prefetch_packed` (through
+:func:`~megatron_fcp.patches.packed.prefetch_packed_batch`) makes them for a batch the data loader
+will hand over later, in one background thread, while the current step runs: the degree choice,
+the placement, and the plan of every mask the model has (with a head-parallel stage, the stage).
+It runs the very methods the step would call, on a copy of the runtime whose packed cache is its
+own (so nothing is shared while it runs), and hands back that cache: the first lookup of the
+batch (:meth:`FCPRuntime.packed_degree` and the others) takes those entries, waiting for them if
+planning is still under way, and re-raises any error planning raised, where planning on the spot
+would have raised it. So the plans are the same objects' equals either way (tested), and every
+rank still agrees on them once per micro-batch. A thread shares the interpreter: it gains what the
+step spends outside Python (CUDA kernels, NCCL and gloo waits release the GIL), and while it
+plans the cyclic collector is paused for the whole process (``gc_paused`` is process-wide).
+Bad input (lengths, a group not in the layout) is refused by the call, before anything runs.
+
 Note [Per-layer plans]
 ----------------------
 A model may mix masks: ``window_size`` with ``window_attn_skip_freq`` gives sliding-window layers
@@ -65,6 +84,7 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +105,7 @@ from megatron_fcp.contract.head_parallel import (
 )
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
-from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement
+from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, check_doc_lengths
 from megatron_fcp.planner.placing import place_batch, place_batch_groups
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape
@@ -302,6 +322,10 @@ class FCPRuntime:
     packed_degrees: tuple[int, ...] = ()
     packed_shape: AttentionShape | None = None  # per tensor-parallel rank; seq_len set per batch
     packed_hp_groups: dict[tuple, Any] = field(default_factory=dict)  # (CP ranks, degree) -> HeadParallelGroups
+    #: batches planned ahead (Note [Planning a packed batch ahead]): (CP ranks, lengths, causal) -> the
+    #: background planning's cache entries
+    prefetches: dict[tuple, Future] = field(default_factory=dict)
+    planner_thread: ThreadPoolExecutor | None = None  # created by the first prefetch_packed
 
     def head_parallel_degree(self) -> int:
         """The head-parallel degree of this run (``--fcp-head-parallel``, ``auto`` settled at setup;
@@ -381,6 +405,39 @@ class FCPRuntime:
         return next((p for (r, c, _), p in self.plans.items() if r == ranks and c), None)
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
+    def prefetch_packed(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *,
+                        causal: bool = True) -> Future:
+        """Start planning packed batch ``doc_lengths`` of CP group ``cp_ranks`` in the background
+        (Note [Planning a packed batch ahead]): its degree, placement and the plans of every mask
+        of the model (the stage's too, for the run's heads). Returns the planning's future (its
+        result is the cache entries). Checks the lengths and the group now, before anything runs;
+        a batch already planned or under way is not planned again."""
+        cp_ranks = tuple(int(r) for r in cp_ranks)
+        lengths = tuple(int(x) for x in doc_lengths)
+        check_doc_lengths(lengths)
+        if cp_ranks not in self.layout.cp_groups():
+            raise FCPStateError(f"prefetch_packed: CP group {list(cp_ranks)} is not a CP group of this run's layout "
+                                f"({self.layout.cp_groups()[:2]}...); pass the ranks of this rank's CP group")
+        key = (cp_ranks, lengths, bool(causal))
+        got = self.prefetches.get(key)
+        if got is None:
+            if self.planner_thread is None:
+                self.planner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fcp-plan-ahead")
+            ahead = dataclasses.replace(self, packed=OrderedDict(), prefetches={}, planner_thread=None)
+            got = self.prefetches[key] = self.planner_thread.submit(_plan_ahead, ahead, *key)
+        return got
+
+    def _take_prefetched(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], causal: bool) -> None:
+        """The entries a prefetch made for this batch, into the cache (waiting for them, and raising
+        what planning raised); nothing when the batch was not planned ahead."""
+        if not self.prefetches:
+            return
+        done = self.prefetches.pop((tuple(cp_ranks), tuple(doc_lengths), bool(causal)), None)
+        if done is not None:
+            for key, value in done.result().items():
+                if key not in self.packed:
+                    self._remember(key, value)
+
     def packed_placement(self, doc_lengths: tuple[int, ...], *, causal: bool = True,
                          cp_ranks: tuple[int, ...] | None = None) -> Placement:
         """The placement of a packed batch over this run's CP size (deterministic, the same on every
@@ -392,6 +449,7 @@ class FCPRuntime:
         :mod:`megatron_fcp.contract.head_parallel_packed`), so data, RoPE and every layer follow it."""
         if cp_ranks is None:
             cp_ranks = self.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        self._take_prefetched(cp_ranks, doc_lengths, causal)
         degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
         key = ("placement", tuple(doc_lengths), bool(causal), None if degree == 1 else tuple(cp_ranks))
         if key not in self.packed:
@@ -415,6 +473,7 @@ class FCPRuntime:
             return 1
         if not self.packed_degrees:
             return self.head_parallel_degree()
+        self._take_prefetched(cp_ranks, doc_lengths, causal)
         key = ("degree", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
         if key not in self.packed:
             shape = dataclasses.replace(self.packed_shape, seq_len=sum(doc_lengths))
@@ -459,6 +518,7 @@ class FCPRuntime:
         placement whose member split is :meth:`packed_placement` (checked)."""
         if tuple(cp_ranks) not in self.layout.cp_groups():
             raise FCPStateError(f"CP group {list(cp_ranks)} is not a CP group of this run's layout; call setup_fcp() again")
+        self._take_prefetched(cp_ranks, doc_lengths, causal)
         key = ("hp", tuple(cp_ranks), tuple(doc_lengths), bool(causal), int(heads), int(kv_heads))
         if key not in self.packed:
             degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
@@ -483,6 +543,7 @@ class FCPRuntime:
         if tuple(cp_ranks) not in self.layout.cp_groups():
             raise FCPStateError(f"CP group {list(cp_ranks)} is not a CP group of this run's layout; call setup_fcp() again")
         window = None if window is None else tuple(window)
+        self._take_prefetched(cp_ranks, doc_lengths, causal)
         key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal), window)
         if key not in self.packed:
             placement = self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks))
@@ -622,6 +683,19 @@ class FCPRuntime:
 
 
 _RUNTIME: FCPRuntime | None = None  # process-wide, like megatron's parallel_state
+
+
+def _plan_ahead(ahead: FCPRuntime, cp_ranks: tuple[int, ...], lengths: tuple[int, ...], causal: bool) -> OrderedDict:
+    """What the step's lookups make for a packed batch, made on ``ahead`` (a copy of the runtime
+    with a cache of its own: Note [Planning a packed batch ahead]); returns that cache."""
+    degree = ahead.packed_degree(cp_ranks, lengths, causal=causal)
+    ahead.packed_placement(lengths, causal=causal, cp_ranks=cp_ranks)
+    shape = ahead.packed_shape
+    if degree > 1 and shape is not None:              # the stage for the run's heads per TP rank
+        ahead.packed_head_parallel(cp_ranks, lengths, causal=causal, heads=shape.heads, kv_heads=shape.kv_heads)
+    for window in ((None,) if degree == 1 else ()) + tuple(ahead.windows):
+        ahead.packed_plan(cp_ranks, lengths, causal=causal, window=window)
+    return ahead.packed
 
 
 def setup_fcp(
@@ -819,6 +893,9 @@ def current_runtime() -> FCPRuntime | None:
 
 
 def reset_fcp() -> None:
-    """Forget the settled runtime (e.g. after ``destroy_model_parallel``)."""
+    """Forget the settled runtime (e.g. after ``destroy_model_parallel``); its planning-ahead
+    thread, if any, stops after the batch it is planning (batches queued behind it are dropped)."""
     global _RUNTIME
+    if _RUNTIME is not None and _RUNTIME.planner_thread is not None:
+        _RUNTIME.planner_thread.shutdown(wait=False, cancel_futures=True)
     _RUNTIME = None
