@@ -296,8 +296,8 @@ class _PackInput:
     order, each rank's needs (flags, counts, and least work / fewest bytes first) and own blocks,
     block bytes and the work of every delivery (flat tables indexed ``block * span + rank``); and
     what a pace is relative to (Note [Balanced waves]): the busiest rank's total work, the most
-    bytes a rank receives. Built from the plan's transfer columns (one pass of numpy, not a Python
-    loop over the transfers)."""
+    bytes a rank receives. The (block, reader) tables come from the plan's transfer columns (numpy),
+    not from a Python loop over every transfer."""
 
     def __init__(self, plan: Plan, block_bytes: Callable[[Block], int]):
         self.plan = plan
@@ -305,7 +305,7 @@ class _PackInput:
         self.span = R = max(ranks) + 1                             # (block i, rank x) is the key i * R + x
         self.blocks = blocks = list(plan.blocks())                 # block number = its work_matrix column
         col = _block_column(plan)
-        rnd, src, dst, owner, chunk, part = plan.transfer_columns()   # [T] each, plan order
+        _, src, dst, owner, chunk, part = plan.transfer_columns()     # [T] each, plan order
         at = np.zeros(R, dtype=np.int64)                           # global rank -> its first column
         at[ranks] = [col(plan.local_blocks(x)[0]) if plan.local_blocks(x) else 0 for x in ranks]
         c = at[owner] + chunk * plan.parts_per_chunk + part        # [T]: each transfer's block number
@@ -351,10 +351,6 @@ class _PackInput:
         total = [sum(w[i * R + x] for i in self.needs[x]) + sum(w[i * R + x] for i in self.own[x]) for x in ranks]
         self.work_all = max(total, default=0.0) or 1.0
         self.bytes_all = int(got[ranks].max(initial=0)) or 1
-
-    def wk(self, x: int, i: int) -> float:
-        """The work of rank ``x`` on block number ``i``."""
-        return self.work[i * self.span + x]
 
 
 def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float, bool]:
