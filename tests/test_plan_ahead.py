@@ -100,3 +100,21 @@ def test_bad_input_is_refused_at_the_call():
         rt.prefetch_packed((0, 1, 2, 3), (5, 7))
     assert not rt.prefetches and rt.planner_thread is None
     reset_fcp()
+
+
+def test_batches_planned_but_never_used_are_dropped_oldest_first(monkeypatch):
+    """More prefetches than PREFETCH_ENTRIES without a lookup: the oldest go, the newest stay."""
+    import threading
+
+    rt = _runtime()
+    gate = threading.Event()
+    original = runtime_mod._plan_ahead
+    monkeypatch.setattr(runtime_mod, "_plan_ahead", lambda *a: (gate.wait(timeout=30), original(*a))[1])
+    batches = [tuple(lognormal_lengths(5.0, 1.0, 2048, seed=100 + s)) for s in range(runtime_mod.PREFETCH_ENTRIES + 3)]
+    futures = [rt.prefetch_packed(RANKS, docs) for docs in batches]
+    kept = [key[1] for key in rt.prefetches]
+    assert kept == batches[3:]
+    assert all(f.cancelled() for f in futures[1:3])            # queued behind the first: never started
+    gate.set()
+    assert rt.packed_degree(RANKS, batches[-1]) >= 1 and batches[-1] not in [k[1] for k in rt.prefetches]
+    reset_fcp()

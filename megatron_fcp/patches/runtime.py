@@ -137,6 +137,9 @@ __all__ = [
 logger = logging.getLogger("megatron_fcp.runtime")
 
 PACKED_CACHE_ENTRIES = 64
+PREFETCH_ENTRIES = 8
+"""Packed batches planned ahead and not yet looked up that :meth:`FCPRuntime.prefetch_packed`
+keeps (a loader prefetches one or two); past it the oldest is dropped (cancelled if not started)."""
 """Placements and plans of packed batches kept per process (least recently used dropped first)."""
 
 
@@ -425,6 +428,8 @@ class FCPRuntime:
                 self.planner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fcp-plan-ahead")
             ahead = dataclasses.replace(self, packed=OrderedDict(), prefetches={}, planner_thread=None)
             got = self.prefetches[key] = self.planner_thread.submit(_plan_ahead, ahead, *key)
+            while len(self.prefetches) > PREFETCH_ENTRIES:    # batches planned but never used: drop the oldest
+                self.prefetches.pop(next(iter(self.prefetches))).cancel()
         return got
 
     def _take_prefetched(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], causal: bool) -> None:
