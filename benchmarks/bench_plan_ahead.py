@@ -12,9 +12,10 @@ process groups: planning needs none. A batch is 512 documents of lognormal lengt
 log-sigma 1.2, a new seed per batch, so nothing is cached), as in ``bench_packed_scale.py``'s
 planning rows. The *step* is CPU matrix products for a set time: like a GPU step's CUDA kernels and
 NCCL waits it releases the GIL (one core each for it and the planning thread; ``OMP_NUM_THREADS=1``).
-*Exposed* is what the step's lookups of the next batch (``packed_degree``, ``packed_placement``,
-the plans ``packed_attention`` asks for) take after the step: all of the planning on the spot; with
-``prefetch_packed`` issued before the step, only what the step did not cover. The two modes' plans
+*Exposed* is what rank 0's lookups of the next batch (``packed_placement``, ``packed_degree``,
+the plans ``packed_attention`` asks for and the backward programs its executor compiles,
+``packed_programs``) take after the step: all of the planning on the spot; with ``prefetch_packed``
+issued before the step, only what the step did not cover. The two modes' plans
 are compared (degree, placement, plan rounds) and must be equal.
 """
 
@@ -51,14 +52,18 @@ def _runtime(cp: int):
 
 
 def _lookups(rt, ranks: tuple[int, ...], docs: tuple[int, ...]) -> tuple:
-    """What a step asks for one packed batch (``packed_attention``'s lookups)."""
-    degree = rt.packed_degree(ranks, docs)
+    """What rank 0's step asks for one packed batch: ``shard_packed_batch``'s placement, then
+    ``packed_attention``'s degree and plans and its executor's backward programs
+    (``packed_programs``, the ones ``build_executor`` compiles)."""
     placement = rt.packed_placement(docs, cp_ranks=ranks)
+    degree = rt.packed_degree(ranks, docs)
+    programs = rt.packed_programs(ranks, docs, rank=0)
     if degree > 1:
         plan = rt.packed_head_parallel(ranks, docs, causal=True, heads=HEADS, kv_heads=KV_HEADS).kv_plan
     else:
         plan = rt.packed_plan(ranks, docs)
-    return degree, placement.blocks, None if plan is None else plan.rounds
+    return (degree, placement.blocks, None if plan is None else plan.rounds,
+            tuple((p.mode, len(p.waves or ()), len(p.steps or ())) for p in programs))
 
 
 def _step(seconds: float, a: torch.Tensor) -> float:
@@ -81,7 +86,7 @@ def run(cp: int, step_s: float, batches: int) -> dict:
         for i in range(batches):
             nxt = _batch(1001 + i)
             if mode == "ahead":
-                rt.prefetch_packed(ranks, nxt)
+                rt.prefetch_packed(ranks, nxt, rank=0)
             _step(step_s, a)
             t0 = time.perf_counter()
             plans.append(_lookups(rt, ranks, nxt))

@@ -22,18 +22,24 @@ def _runtime(**cfg):
 
 
 def _lookups(rt, docs):
-    """What a step asks the runtime for one packed batch (packed_attention's calls)."""
+    """What rank 0's step asks the runtime for one packed batch (packed_attention's calls and the
+    executor's backward programs)."""
     degree = rt.packed_degree(RANKS, docs)
     placement = rt.packed_placement(docs, cp_ranks=RANKS)
+    programs = [(p.mode, p.waves, p.steps) for p in rt.packed_programs(RANKS, docs, rank=0)]
     if degree > 1:
         hp = rt.packed_head_parallel(RANKS, docs, causal=True, heads=8, kv_heads=2)
-        return degree, placement, hp.kv_plan, hp
-    return degree, placement, rt.packed_plan(RANKS, docs), None
+        return degree, placement, hp.kv_plan, hp, programs
+    return degree, placement, rt.packed_plan(RANKS, docs), None, programs
 
 
 def _count_planning(monkeypatch) -> list[str]:
-    """Every planning call the runtime makes from now on, by name."""
+    """Every planning call the runtime makes from now on, by name (backward programs too)."""
+    from megatron_fcp.schedule import program as program_mod
+
     calls: list[str] = []
+    original_compile = program_mod._compile
+    monkeypatch.setattr(program_mod, "_compile", lambda *a: calls.append("compile_backward") or original_compile(*a))
     for name in ("choose_packed_head_parallel", "place_batch", "place_batch_groups", "build_group_plan",
                  "compile_packed_head_parallel"):
         original = getattr(runtime_mod, name)
@@ -53,7 +59,7 @@ def test_a_batch_planned_ahead_is_the_batch_planned_on_the_spot(monkeypatch, hea
     fresh = _runtime(head_parallel=head_parallel)
     want = [_lookups(fresh, docs) for docs in batches]
     rt = _runtime(head_parallel=head_parallel)
-    futures = [rt.prefetch_packed(RANKS, docs) for docs in batches]
+    futures = [rt.prefetch_packed(RANKS, docs, rank=0) for docs in batches]
     assert all(f is rt.prefetch_packed(RANKS, docs) for f, docs in zip(futures, batches))  # not planned twice
     for f in futures:
         f.result(timeout=120)
@@ -62,6 +68,7 @@ def test_a_batch_planned_ahead_is_the_batch_planned_on_the_spot(monkeypatch, hea
     assert calls == [] and not rt.prefetches
     assert [g[:3] for g in got] == [w[:3] for w in want]
     assert [g[3] for g in got] == [w[3] for w in want]
+    assert [g[4] for g in got] == [w[4] for w in want] and all(g[4] for g in got)
     if head_parallel == "auto":
         assert {g[0] for g in got} - {1}, "no batch chose a stage: the test checks half of what it claims"
     reset_fcp()
@@ -118,3 +125,62 @@ def test_batches_planned_but_never_used_are_dropped_oldest_first(monkeypatch):
     gate.set()
     assert rt.packed_degree(RANKS, batches[-1]) >= 1 and batches[-1] not in [k[1] for k in rt.prefetches]
     reset_fcp()
+
+
+def test_the_step_finds_the_backward_program_compiled_ahead(monkeypatch):
+    """The executor's backward program of a batch planned ahead (degree 1: the layer plan, the run's
+    K|V bytes, --fcp-backward-kv) was compiled in the background: the step compiles nothing."""
+    from megatron_fcp.schedule import program as program_mod
+
+    rt = _runtime(head_parallel=1)
+    docs = tuple(lognormal_lengths(5.0, 1.0, 2048, seed=11))
+    rt.prefetch_packed(RANKS, docs).result(timeout=120)
+    compiled = []
+    original = program_mod._compile
+    monkeypatch.setattr(program_mod, "_compile", lambda *a: compiled.append(a) or original(*a))
+    plan = rt.packed_plan(RANKS, docs)
+    policy = program_mod.BackwardPolicy(rt.config.backward_kv, rt.config.kv_memory_budget)
+    got = program_mod.compile_backward(plan, rt.packed_shape.kv_bytes(1), policy)
+    assert compiled == [] and got in program_mod.compiled_programs(plan)
+    reset_fcp()
+
+
+def test_compiles_run_outside_the_lock_once_per_plan(monkeypatch):
+    """compile_backward: threads asking for one program compile it once and share it; a thread
+    compiling one plan does not hold up a lookup of another plan's cached program."""
+    import threading
+
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.schedule import program as program_mod
+
+    def plan_of(seed):
+        pl = place_packed(lognormal_lengths(6.0, 1.0, 8 * 1024, seed), 8, block_tokens=256)
+        return build_plan("dgx-h100:1", range(8), "full", placement=pl)
+
+    slow, ready = plan_of(1), plan_of(2)
+    cached = program_mod.compile_backward(ready, 4096)
+    inside, release = threading.Event(), threading.Event()
+    calls = []
+    original = program_mod._compile
+
+    def gated(plan, *rest):
+        calls.append(plan)
+        if plan is slow:
+            inside.set()
+            release.wait(timeout=30)
+        return original(plan, *rest)
+
+    monkeypatch.setattr(program_mod, "_compile", gated)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(program_mod.compile_backward(slow, 4096)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert inside.wait(timeout=30)
+    assert program_mod.compile_backward(ready, 4096) is cached      # not held up by the compile under way
+    release.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == 3 and all(r is results[0] for r in results)
+    assert [p for p in calls if p is slow] == [slow]                 # compiled once for the three

@@ -43,7 +43,9 @@ batch reaches :func:`~megatron_fcp.patches.packed.shard_packed_batch`, they stal
 will hand over later, in one background thread, while the current step runs: the degree choice,
 the placement, and the plan of every mask the model has (with a head-parallel stage, the stage).
 It runs the very methods the step would call, on a copy of the runtime whose packed cache is its
-own (so nothing is shared while it runs), and hands back that cache: the first lookup of the
+own (so nothing is shared while it runs), compiles the backward programs the executor will ask
+for those plans on this rank (``compile_backward`` caches them per plan object and compiles
+outside its lock, so the step's own lookups never wait on it), and hands back that cache: the first lookup of the
 batch (:meth:`FCPRuntime.packed_degree` and the others) takes those entries, waiting for them if
 planning is still under way, and re-raises any error planning raised, where planning on the spot
 would have raised it. So the plans are the same objects' equals either way (tested), and every
@@ -118,6 +120,7 @@ from megatron_fcp.planner.head_parallel import (
     compile_packed_head_parallel,
 )
 from megatron_fcp.planner.megatron_layout import MegatronLayout
+from megatron_fcp.schedule.program import BackwardPolicy, compile_backward
 from megatron_fcp.topology import TopologyError, load_topology
 
 __all__ = [
@@ -323,7 +326,7 @@ class FCPRuntime:
     #: --fcp-head-parallel auto without a settled schedule (packed runs): the degrees each packed batch
     #: chooses from (Note [Head-parallel degree of a packed batch]); () = the run's one degree
     packed_degrees: tuple[int, ...] = ()
-    packed_shape: AttentionShape | None = None  # per tensor-parallel rank; seq_len set per batch
+    packed_shape: AttentionShape | None = None  # per tensor-parallel rank (heads known at setup); seq_len set per batch
     packed_hp_groups: dict[tuple, Any] = field(default_factory=dict)  # (CP ranks, degree) -> HeadParallelGroups
     #: batches planned ahead (Note [Planning a packed batch ahead]): (CP ranks, lengths, causal) -> the
     #: background planning's cache entries
@@ -409,12 +412,13 @@ class FCPRuntime:
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
     def prefetch_packed(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *,
-                        causal: bool = True) -> Future:
+                        causal: bool = True, rank: int | None = None) -> Future:
         """Start planning packed batch ``doc_lengths`` of CP group ``cp_ranks`` in the background
-        (Note [Planning a packed batch ahead]): its degree, placement and the plans of every mask
-        of the model (the stage's too, for the run's heads). Returns the planning's future (its
-        result is the cache entries). Checks the lengths and the group now, before anything runs;
-        a batch already planned or under way is not planned again."""
+        (Note [Planning a packed batch ahead]): its degree, placement, the plans of every mask of
+        the model (the stage's too, for the run's heads) and ``rank``'s backward programs
+        (:meth:`packed_programs`; ``rank`` default: torch.distributed's). Returns the planning's
+        future (its result is the cache entries). Checks the lengths and the group now, before
+        anything runs; a batch already planned or under way is not planned again."""
         cp_ranks = tuple(int(r) for r in cp_ranks)
         lengths = tuple(int(x) for x in doc_lengths)
         check_doc_lengths(lengths)
@@ -427,10 +431,39 @@ class FCPRuntime:
             if self.planner_thread is None:
                 self.planner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fcp-plan-ahead")
             ahead = dataclasses.replace(self, packed=OrderedDict(), prefetches={}, planner_thread=None)
-            got = self.prefetches[key] = self.planner_thread.submit(_plan_ahead, ahead, *key)
+            if rank is None and dist.is_available() and dist.is_initialized():
+                rank = dist.get_rank()
+            got = self.prefetches[key] = self.planner_thread.submit(_plan_ahead, ahead, *key, rank)
             while len(self.prefetches) > PREFETCH_ENTRIES:    # batches planned but never used: drop the oldest
                 self.prefetches.pop(next(iter(self.prefetches))).cancel()
         return got
+
+    def packed_programs(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool = True,
+                        rank: int | None = None) -> list:
+        """The plans a step runs for packed batch ``doc_lengths`` (every mask's; with a head-parallel
+        stage, the stage for the run's heads) and the backward programs global ``rank``'s executor
+        compiles for them (its K|V bytes, ``--fcp-backward-kv``, ``--fcp-kv-memory-budget``;
+        ``compile_backward`` caches them per plan object, so the executor finds them compiled).
+        ``rank`` default: torch.distributed's; without it the stage's program (per head shard) is
+        left to the first call, and without the head counts of ``setup_fcp`` every program (and
+        the stage). Returns the programs."""
+        shape = self.packed_shape
+        if rank is None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        policy = BackwardPolicy(self.config.backward_kv, self.config.kv_memory_budget)
+        degree = self.packed_degree(cp_ranks, doc_lengths, causal=causal)
+        programs = []
+        if degree > 1 and shape is not None:
+            hp = self.packed_head_parallel(cp_ranks, doc_lengths, causal=causal, heads=shape.heads,
+                                           kv_heads=shape.kv_heads)
+            if hp.kv_plan is not None and rank in hp.ranks:   # this rank's KV stage: h_kv * rep / a heads
+                stage = dataclasses.replace(shape, kv_heads=shape.kv_heads * hp.kv_replication // degree)
+                programs.append(compile_backward(hp.kv_plan_for(hp.position(rank)[1]), stage.kv_bytes(1), policy))
+        for window in ((None,) if degree == 1 else ()) + tuple(self.windows):
+            plan = self.packed_plan(cp_ranks, doc_lengths, causal=causal, window=window)
+            if shape is not None:
+                programs.append(compile_backward(plan, shape.kv_bytes(1), policy))
+        return programs
 
     def _take_prefetched(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], causal: bool) -> None:
         """The entries a prefetch made for this batch, into the cache (waiting for them, and raising
@@ -690,16 +723,13 @@ class FCPRuntime:
 _RUNTIME: FCPRuntime | None = None  # process-wide, like megatron's parallel_state
 
 
-def _plan_ahead(ahead: FCPRuntime, cp_ranks: tuple[int, ...], lengths: tuple[int, ...], causal: bool) -> OrderedDict:
+def _plan_ahead(ahead: FCPRuntime, cp_ranks: tuple[int, ...], lengths: tuple[int, ...], causal: bool,
+                rank: int | None) -> OrderedDict:
     """What the step's lookups make for a packed batch, made on ``ahead`` (a copy of the runtime
-    with a cache of its own: Note [Planning a packed batch ahead]); returns that cache."""
-    degree = ahead.packed_degree(cp_ranks, lengths, causal=causal)
+    with a cache of its own: Note [Planning a packed batch ahead]), and the backward programs the
+    executor of ``rank`` will compile for them (:meth:`FCPRuntime.packed_programs`); returns that cache."""
     ahead.packed_placement(lengths, causal=causal, cp_ranks=cp_ranks)
-    shape = ahead.packed_shape
-    if degree > 1 and shape is not None:              # the stage for the run's heads per TP rank
-        ahead.packed_head_parallel(cp_ranks, lengths, causal=causal, heads=shape.heads, kv_heads=shape.kv_heads)
-    for window in ((None,) if degree == 1 else ()) + tuple(ahead.windows):
-        ahead.packed_plan(cp_ranks, lengths, causal=causal, window=window)
+    ahead.packed_programs(cp_ranks, lengths, causal=causal, rank=rank)
     return ahead.packed
 
 
@@ -778,6 +808,7 @@ def setup_fcp(
             and head_dim is not None:  # packed runs: each batch chooses (Note [Head-parallel degree of a packed batch])
         cands = tuple(head_parallel_degrees(topology, layout.cp_groups()[0], tp_heads, tp_kv))
         runtime.packed_degrees = cands if len(cands) > 1 else ()   # one candidate: nothing to choose
+    if layout.cp > 1 and heads is not None and head_dim is not None:  # what a packed batch prices and plans ahead
         runtime.packed_shape = AttentionShape(1, tp_heads, tp_kv, head_dim, dtype_bytes, v_head_dim)
     parts = runtime.parts_per_chunk(seq_len // layout.cp) if seq_len is not None else 1
     if layout.cp > 1:

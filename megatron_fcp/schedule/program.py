@@ -266,20 +266,44 @@ def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None
         raise ValueError("compile_backward: a zigzag plan needs seq_len (the padded global sequence length)")
     seq_len = None if plan.placement is not None else int(seq_len)
     key = (int(token_bytes), seq_len, policy, budget)
-    with _LOCK:  # the in-process harness runs every rank in a thread: one program for all of them
-        per_plan = _PROGRAMS.get(id(plan))
-        if per_plan is not None and per_plan[0]() is plan and key in per_plan[1]:
-            return per_plan[1][key]
+    while True:
+        with _LOCK:
+            got = _cached(plan, key)
+            if got is not None:
+                return got
+            busy = _COMPILING.get((id(plan), key))
+            if busy is None:              # this thread compiles it
+                busy = _COMPILING[(id(plan), key)] = threading.Event()
+                break
+        busy.wait()   # the in-process harness runs every rank in a thread: one compile for all of them
+    # compiled outside the lock: a batch planned ahead in the background (Note [Planning a packed
+    # batch ahead] in megatron_fcp.patches.runtime) must not hold up the step's lookups of other
+    # plans for a compile of up to seconds
+    try:
         program = _compile(plan, int(token_bytes), policy, seq_len, budget)
-        if per_plan is None or per_plan[0]() is not plan:
-            if len(_PROGRAMS) > 256:
-                _PROGRAMS.clear()
-            per_plan = _PROGRAMS[id(plan)] = (weakref.ref(plan), {})
-        per_plan[1][key] = program
-    return program
+        with _LOCK:
+            per_plan = _PROGRAMS.get(id(plan))
+            if per_plan is None or per_plan[0]() is not plan:
+                if len(_PROGRAMS) > 256:
+                    _PROGRAMS.clear()
+                per_plan = _PROGRAMS[id(plan)] = (weakref.ref(plan), {})
+            per_plan[1][key] = program
+        return program
+    finally:
+        with _LOCK:
+            _COMPILING.pop((id(plan), key)).set()  # waiters find it cached (or, if it raised, compile it)
+
+
+def _cached(plan: Plan, key: tuple) -> "BackwardProgram | None":
+    """The program compiled for ``plan`` (this object) and ``key``, or None; call under ``_LOCK``."""
+    per_plan = _PROGRAMS.get(id(plan))
+    if per_plan is not None and per_plan[0]() is plan:
+        return per_plan[1].get(key)
+    return None
 
 
 _PROGRAMS: dict[int, tuple[weakref.ref, dict]] = {}  # id(plan) -> (plan ref, {key: program})
+_COMPILING: dict[tuple[int, tuple], threading.Event] = {}  # (id(plan), key) being compiled -> set when done
 _LOCK = threading.Lock()
 
 
