@@ -118,10 +118,7 @@ def prefetch_packed_batch(cu_seqlens: Any, *, cp_group: Any = None, causal: bool
     runtime = current_runtime()
     if runtime is None:
         raise FCPStateError("prefetch_packed_batch with CP > 1 needs FCP set up: call apply_fcp() and setup_fcp() first")
-    ranks = _ranks_of(cp_group)
-    if ranks is None:
-        ranks = runtime.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
-    return runtime.prefetch_packed(ranks, lengths, causal=causal)
+    return runtime.prefetch_packed(_ranks_of(cp_group), lengths, causal=causal)   # None: this rank's group
 
 
 def shard_packed_batch(batch: dict[str, torch.Tensor], cu_seqlens: Any, *, cp_group: Any = None,

@@ -411,15 +411,16 @@ class FCPRuntime:
         return next((p for (r, c, _), p in self.plans.items() if r == ranks and c), None)
 
     # ---- packed batches (THD): one placement and plan per document-length list, cached --------------
-    def prefetch_packed(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *,
+    def prefetch_packed(self, cp_ranks: tuple[int, ...] | None, doc_lengths: tuple[int, ...], *,
                         causal: bool = True, rank: int | None = None) -> Future:
         """Start planning packed batch ``doc_lengths`` of CP group ``cp_ranks`` in the background
         (Note [Planning a packed batch ahead]): its degree, placement, the plans of every mask of
         the model (the stage's too, for the run's heads) and ``rank``'s backward programs
         (:meth:`packed_programs`; ``rank`` default: torch.distributed's). Returns the planning's
         future (its result is the cache entries). Checks the lengths and the group now, before
-        anything runs; a batch already planned or under way is not planned again."""
-        cp_ranks = tuple(int(r) for r in cp_ranks)
+        anything runs; a batch already planned or under way is not planned again. ``cp_ranks``
+        None: this rank's CP group."""
+        cp_ranks = tuple(int(r) for r in (self._own_cp_group() if cp_ranks is None else cp_ranks))
         lengths = tuple(int(x) for x in doc_lengths)
         check_doc_lengths(lengths)
         if cp_ranks not in self.layout.cp_groups():
@@ -431,8 +432,6 @@ class FCPRuntime:
             if self.planner_thread is None:
                 self.planner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fcp-plan-ahead")
             ahead = dataclasses.replace(self, packed=OrderedDict(), prefetches={}, planner_thread=None)
-            if rank is None and dist.is_available() and dist.is_initialized():
-                rank = dist.get_rank()
             got = self.prefetches[key] = self.planner_thread.submit(_plan_ahead, ahead, *key, rank)
             while len(self.prefetches) > PREFETCH_ENTRIES:    # batches planned but never used: drop the oldest
                 self.prefetches.pop(next(iter(self.prefetches))).cancel()
@@ -465,6 +464,10 @@ class FCPRuntime:
                 programs.append(compile_backward(plan, shape.kv_bytes(1), policy))
         return programs
 
+    def _own_cp_group(self) -> tuple[int, ...]:
+        """This rank's CP group in the layout (rank 0's without torch.distributed)."""
+        return self.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+
     def _take_prefetched(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], causal: bool) -> None:
         """The entries a prefetch made for this batch, into the cache (waiting for them, and raising
         what planning raised); nothing when the batch was not planned ahead."""
@@ -486,7 +489,7 @@ class FCPRuntime:
         members (Note [Head-parallel stage on packed batches] in
         :mod:`megatron_fcp.contract.head_parallel_packed`), so data, RoPE and every layer follow it."""
         if cp_ranks is None:
-            cp_ranks = self.layout.cp_group_of(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+            cp_ranks = self._own_cp_group()
         self._take_prefetched(cp_ranks, doc_lengths, causal)
         degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
         key = ("placement", tuple(doc_lengths), bool(causal), None if degree == 1 else tuple(cp_ranks))
