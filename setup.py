@@ -23,6 +23,8 @@ setup(
         "einops>=0.7",
         "tqdm>=4.0",
         "numpy>=1.24",
+        # compiles the planner's per-batch loops (megatron_fcp/jit.py); without it they run as Python
+        "numba>=0.60",
     ],
     extras_require={
         "plot": ["matplotlib>=3.7"],

@@ -74,6 +74,7 @@ import numpy as np
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.jit import jit
 
 __all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
            "block_work",
@@ -289,68 +290,87 @@ def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> f
 
 
 class _PackInput:
-    """What every packing of one plan reads, numbered once (the four work caps of
-    :func:`plan_waves` share it): blocks by their column in :func:`work_matrix` (``plan.blocks()``
-    order), the blocks with readers in the order the plan first sends them (``order``), each
-    (block, reader)'s arriving transfer (its index in plan order and its sender), readers in plan
-    order, each rank's needs (flags, counts, and least work / fewest bytes first) and own blocks,
-    block bytes and the work of every delivery (flat tables indexed ``block * span + rank``); and
-    what a pace is relative to (Note [Balanced waves]): the busiest rank's total work, the most
-    bytes a rank receives. The (block, reader) tables come from the plan's transfer columns (numpy),
-    not from a Python loop over every transfer."""
+    """What every packing of one plan reads, numbered once (the work caps of :func:`plan_waves`
+    share it), as the flat arrays :func:`_pack_kernel` takes (``arrays``): blocks by their column
+    in :func:`work_matrix` (``plan.blocks()`` order), the blocks with readers in the order the plan
+    first sends them (``order``) and each one's readers that need it, in plan order; each (block,
+    reader)'s arriving transfer (its index in plan order and its sender); each rank's needs (flags,
+    counts, least work / fewest bytes first) and own blocks; block bytes and the work of every
+    delivery (flat tables indexed ``block * span + rank``); and what a pace is relative to (Note
+    [Balanced waves]): the busiest rank's total work, the most bytes a rank receives. All of it is
+    read from the plan's transfer columns, need matrix and work matrix (numpy), not from a Python
+    loop over every transfer."""
 
     def __init__(self, plan: Plan, block_bytes: Callable[[Block], int]):
         self.plan = plan
-        ranks = list(plan.ranks)
-        self.span = R = max(ranks) + 1                             # (block i, rank x) is the key i * R + x
+        ranks = np.array(plan.ranks, dtype=np.int64)
+        self.span = R = int(ranks.max()) + 1                       # (block i, rank x) is the key i * R + x
         self.blocks = blocks = list(plan.blocks())                 # block number = its work_matrix column
-        col = _block_column(plan)
-        _, src, dst, owner, chunk, part = plan.transfer_columns()     # [T] each, plan order
-        at = np.zeros(R, dtype=np.int64)                           # global rank -> its first column
-        at[ranks] = [col(plan.local_blocks(x)[0]) if plan.local_blocks(x) else 0 for x in ranks]
-        c = at[owner] + chunk * plan.parts_per_chunk + part        # [T]: each transfer's block number
+        nB = len(blocks)
+        n_local = plan.chunks_per_rank() * plan.parts_per_chunk    # [cp] blocks each rank owns
+        offset = np.zeros(R, dtype=np.int64)                       # global rank -> its first column
+        offset[ranks] = np.cumsum(n_local) - n_local
+        _, src, dst, owner, chunk, part = plan.transfer_columns()  # [T] each, plan order
+        c = offset[owner] + chunk * plan.parts_per_chunk + part    # [T]: each transfer's block number
         key = c * R + dst
         _, first = np.unique(key, return_index=True)               # each (block, reader)'s arriving transfer
         first.sort()                                               # plan order
-        fk, fc, fd, fs = key[first].tolist(), c[first].tolist(), dst[first].tolist(), src[first].tolist()
-        self.arrive: dict[int, int] = dict(zip(fk, first.tolist()))   # (block, reader) -> its transfer's index
-        self.sender: dict[int, int] = dict(zip(fk, fs))              # (block, reader) -> that transfer's sender
-        self.readers: dict[int, list[int]] = {}                      # block -> its readers, plan order
-        for i, x in zip(fc, fd):
-            self.readers.setdefault(i, []).append(x)
-        self.order = list(self.readers)                            # blocks with readers, by first send
-        self.transfers = list(plan.transfers())                    # plan order: (round, transfer)
-        self.size_of = size_of = [block_bytes(b) for b in blocks]
-        sizes = np.array(size_of, dtype=np.int64)
+        fk, fc, fd = key[first], c[first], dst[first]
+        arrive = np.full(nB * R, -1, dtype=np.int64)               # key -> its arriving transfer's index
+        arrive[fk] = first
+        sender = np.full(nB * R, -1, dtype=np.int64)               # key -> that transfer's sender
+        sender[fk] = src[first]
+        flags = np.zeros((nB, R), dtype=np.uint8)                  # [blocks, R]: x needs i
+        flags[:, ranks] = plan.need_matrix().T
+        need_flags = flags.ravel()
+        # blocks with readers by first send; each one's readers that need it, in plan order (a relay
+        # that does not read the block is never a delivery)
+        _, at_first = np.unique(fc, return_index=True)
+        order = fc[np.sort(at_first)]
+        slot = np.empty(nB, dtype=np.int64)
+        slot[order] = np.arange(len(order))
+        reads = need_flags[fk] == 1
+        by_block = np.argsort(slot[fc[reads]], kind="stable")
+        rd_x = fd[reads][by_block]
+        rd_ptr = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(slot[fc[reads]], minlength=len(order)), out=rd_ptr[1:])
+        self.size_of = [block_bytes(b) for b in blocks]
+        sizes = np.array(self.size_of, dtype=np.int64)
         got = np.zeros(R, dtype=np.int64)                          # bytes each rank receives in all
         np.add.at(got, dst, sizes[c])
-        self.needs = {x: [col(b) for b in plan.needs(x)] for x in ranks}
-        self.own = {x: [col(b) for b in plan.local_blocks(x)] for x in ranks}
-        self.owner = [b.owner for b in blocks]
-        # work[i * R + x]: rank x's work on block number i, one gather of the plan's work matrix
-        table = np.zeros((len(blocks), R))                                       # [blocks, R]
+        table = np.zeros((nB, R))                                  # [blocks, R]: rank x's work on block i
         table[:, ranks] = work_matrix(plan).T
-        self.work = table.ravel().tolist()
-        flags = np.zeros((len(blocks), R), dtype=np.uint8)                       # [blocks, R]: x needs i
-        for x in ranks:
-            flags[self.needs[x], x] = 1
-        self.need_flags = flags.ravel().tobytes()
-        self.n_needs = [0] * R
-        # per rank: its needs, least work first and fewest bytes first (only the least still left
-        # is ever read, so the order among equals does not matter)
-        self.lightest: list[list[int]] = [[] for _ in range(R)]
-        self.smallest: list[list[int]] = [[] for _ in range(R)]
-        for x in ranks:
-            ids = np.array(self.needs[x], dtype=np.int64)
-            self.n_needs[x] = len(ids)
-            self.lightest[x] = ids[np.argsort(table[ids, x], kind="stable")].tolist()
-            self.smallest[x] = ids[np.argsort(sizes[ids], kind="stable")].tolist()
-        w = self.work
-        self.top = max([w[i * R + x] for x in ranks for i in self.needs[x]]
-                       + [w[i * R + x] for x in ranks for i in self.own[x]] + [0.0])
-        total = [sum(w[i * R + x] for i in self.needs[x]) + sum(w[i * R + x] for i in self.own[x]) for x in ranks]
-        self.work_all = max(total, default=0.0) or 1.0
+        work = table.ravel()
+        owner_of = np.repeat(ranks, n_local)                       # [blocks]: each block's owner
+        does = flags == 1                                          # [blocks, R]: x computes i somewhere
+        does[np.arange(nB), owner_of] = True
+        # per rank: its own blocks, numbers own_lo[x] .. own_hi[x] - 1 in local order; as CSR over
+        # global ranks its needs least work first and fewest bytes first (only the least still left
+        # is ever read: ties need no order)
+        own_hi = offset.copy()
+        own_hi[ranks] += n_local
+        need_rank, need_block = np.nonzero(flags.T)                # rank-major, blocks ascending
+        light = np.lexsort((table[need_block, need_rank], need_rank))
+        small = np.lexsort((sizes[need_block], need_rank))
+        n_needs = np.bincount(need_rank, minlength=R).astype(np.int64)
+        need_ptr = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(n_needs, out=need_ptr[1:])
+        self.arrays = {"order": order, "rd_ptr": rd_ptr, "rd_x": rd_x, "owner": owner_of,
+                       "size": sizes, "work": work, "sender": sender, "arrive": arrive, "need_flags": need_flags,
+                       "n_needs": n_needs, "own_lo": offset, "own_hi": own_hi, "light_ptr": need_ptr,
+                       "light_ids": need_block[light], "small_ptr": need_ptr, "small_ids": need_block[small],
+                       "ranks": ranks}
+        self.top = float(table[does].max(initial=0.0))
+        self.work_all = float(np.where(does, table, 0.0).sum(axis=0)[ranks].max(initial=0.0)) or 1.0
         self.bytes_all = int(got[ranks].max(initial=0)) or 1
+
+    @property
+    def transfers(self) -> list[tuple[int, Transfer]]:
+        """The plan's ``(round, transfer)`` pairs in plan order (what a packing's indices name)."""
+        got = self.__dict__.get("_transfers")
+        if got is None:
+            got = self.__dict__["_transfers"] = list(self.plan.transfers())
+        return got
 
 
 def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float, bool]:
@@ -359,122 +379,248 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
     return _waves(inp, raw), pace, capped
 
 
-def _waves(inp: _PackInput, raw: list[tuple[list[int], list[tuple[int, int]]]]) -> tuple[Wave, ...]:
+def _waves(inp: _PackInput, raw: "_RawPacking") -> tuple[Wave, ...]:
     """The waves of a raw packing: per wave, its transfers (indices into ``inp.transfers``, in plan
     order) and its computes ``(block number, rank)``."""
     blocks, transfers = inp.blocks, inp.transfers
-    return tuple(Wave(tuple(transfers[k] for k in carried), frozenset((blocks[i], x) for i, x in computes))
-                 for carried, computes in raw)
+    cp_, carried = raw.carried_ptr.tolist(), raw.carried.tolist()
+    mp, ci, cx = raw.comp_ptr.tolist(), raw.comp_i.tolist(), raw.comp_x.tolist()
+    return tuple(Wave(tuple(transfers[k] for k in carried[cp_[w]:cp_[w + 1]]),
+                      frozenset((blocks[i], x) for i, x in zip(ci[mp[w]:mp[w + 1]], cx[mp[w]:mp[w + 1]])))
+                 for w in range(len(raw)))
 
 
-def _pack_raw(inp: _PackInput, budget: int, scale: float) -> tuple[list[tuple[list[int], list[tuple[int, int]]]],
-                                                                    float, bool]:
+def _pack_raw(inp: _PackInput, budget: int, scale: float) -> tuple["_RawPacking", float, bool]:
     """Greedy packing (module docstring) with a rank's work per wave capped at ``scale`` times the
     largest single delivery's (a rank's first delivery of a wave always fits), and its *pace*: the
     sum over waves of the larger of the busiest rank's work and the most bytes a rank receives in
     the wave, each relative to the whole backward's (``inp.work_all``, ``inp.bytes_all``): 1.0 when
     every wave is as balanced as the one pass (Note [Balanced waves]); and whether the cap ever
-    turned work away (if not, any larger cap packs the same waves). The bookkeeping is on block
-    numbers and ranks (``inp``: flat tables indexed ``block * span + rank``, lists indexed by
-    rank); a wave comes out as its carried transfers' indices (sorted: plan order) and its computes
-    ``(block number, rank)`` (:func:`_waves` turns them into :class:`Wave`)."""
-    W, owner, size, sender, R, arrive = inp.work, inp.owner, inp.size_of, inp.sender, inp.span, inp.arrive
-    ranks = list(inp.plan.ranks)
-    left = bytearray(inp.need_flags)                              # left[i * R + x]: x still has to do i
-    n_left = list(inp.n_needs)                                    # per rank: deliveries still to do
-    local = {x: [i for i in ids] for x, ids in inp.own.items()}   # own block numbers still to do
-    order = inp.order
-    pending = {i: list(inp.readers[i]) for i in order}            # readers still to serve (a superset)
+    turned work away (if not, any larger cap packs the same waves). The loop is
+    :func:`_pack_kernel`, compiled (Note [Compiled planning loops] in :mod:`megatron_fcp.jit`)."""
+    a = inp.arrays
     cap = inp.top * scale
-    lightest = inp.lightest                                       # per rank: its needs, least work first
-    first_left = [0] * R                                          # lightest[x][:k] are all done
-    smallest = inp.smallest                                       # per rank: its needs, fewest bytes first
-    first_small = [0] * R                                         # smallest[x][:k] are all done
-    mins = [0.0] * R                                              # per wave: least work x has left
-    mins_at = [-1] * R                                            # the wave mins[x] was read in
-    raw: list[tuple[list[int], list[tuple[int, int]]]] = []
+    out = _pack_kernel(a["order"], a["rd_ptr"], a["rd_x"], a["owner"], a["size"], a["work"], a["sender"],
+                       a["arrive"], a["need_flags"], a["n_needs"], a["own_lo"], a["own_hi"], a["light_ptr"],
+                       a["light_ids"], a["small_ptr"], a["small_ids"], a["ranks"], inp.span, int(budget),
+                       float(cap), float(inp.work_all), float(inp.bytes_all))
+    carried_ptr, carried, comp_ptr, comp_i, comp_x, pace, capped = out
+    return _RawPacking(carried_ptr, carried, comp_ptr, comp_i, comp_x), float(pace), bool(capped)
+
+
+@dataclass(frozen=True)
+class _RawPacking:
+    """A packing as :func:`_pack_kernel` returns it: wave ``w``'s carried transfers (indices into
+    the plan's transfers, ascending: plan order) are ``carried[carried_ptr[w]:carried_ptr[w + 1]]``,
+    its computes ``(comp_i, comp_x)[comp_ptr[w]:comp_ptr[w + 1]]`` (block number, rank), in the
+    order they were packed."""
+
+    carried_ptr: np.ndarray
+    carried: np.ndarray
+    comp_ptr: np.ndarray
+    comp_i: np.ndarray
+    comp_x: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.carried_ptr) - 1
+
+
+@jit
+def _grow(a, n):
+    """``a`` with room for at least ``n`` entries (doubling), its first ``len(a)`` kept."""
+    if n <= a.shape[0]:
+        return a
+    b = np.empty(max(n, 2 * a.shape[0]), dtype=a.dtype)
+    b[:a.shape[0]] = a
+    return b
+
+
+@jit
+def _pack_kernel(order, rd_ptr, rd_x, owner, size, W, sender, arrive, need_flags, n_needs, own_lo, own_hi,
+                 light_ptr, light_ids, small_ptr, small_ids, ranks, R, budget, cap, work_all, bytes_all):
+    """The greedy packing of :func:`_pack_raw` over flat arrays (Note [Compiled planning loops]).
+
+    Blocks are numbers (``work_matrix`` columns), a (block i, rank x) the key ``i * R + x``:
+    ``order`` the blocks with readers by first send, ``rd_x[rd_ptr[j]:rd_ptr[j + 1]]`` block
+    ``order[j]``'s readers in plan order; ``owner``, ``size`` per block; ``W``, ``sender``,
+    ``arrive``, ``need_flags`` per key (work, the arriving transfer's sender and index, whether x
+    needs i); per rank ``n_needs``, its own blocks ``own_lo[x] .. own_hi[x] - 1`` in local order
+    and, as CSR over ranks, its needs least work first (``light_*``) and fewest bytes first (``small_*``);
+    ``ranks`` the plan's ranks in order.
+
+    A wave visits the blocks in ``order`` and each one's readers still to serve; a delivery joins
+    unless its reader already holds work and the cap would be passed, or (once the wave has one) a
+    rank on its path from the nearest holder would receive more than ``budget`` bytes. Relays on
+    the path that need the block compute it too within the cap. A rank stops taking work in the
+    wave once it has nothing left, its bytes reach the budget, its smallest delivery left no longer
+    fits, or (holding work) its least-work delivery left would pass the cap (read once a wave). Own
+    blocks then fill each rank's spare work, in local order."""
+    nB = owner.shape[0]
+    left = need_flags.copy()                        # [nB * R]: x still has to do i
+    n_left = n_needs.copy()                         # [R]
+    own_pos = own_lo.copy()                         # [R]: own blocks own_pos[x] .. own_hi[x] - 1 still to do
+    rd_x = rd_x.copy()                              # compacted in place as readers are served
+    pend_len = rd_ptr[1:] - rd_ptr[:-1]             # [len(order)]: readers still to serve (a superset)
+    first_left = light_ptr[:-1].copy()              # [R]: light_ids[light_ptr[x]:first_left[x]] all done
+    first_small = small_ptr[:-1].copy()
+    mins = np.zeros(R)
+    mins_at = np.full(R, -1, dtype=np.int64)
+    hungry = np.zeros(R, dtype=np.bool_)
+    carried_at = np.full(nB * R, -1, dtype=np.int64)  # the wave that carries key's arriving transfer
+    path = np.empty(R, dtype=np.int64)
+    load = np.zeros(R, dtype=np.int64)
+    comp = np.zeros(R)
+    total_left = 0
+    for x in ranks:
+        total_left += n_left[x]
+    own_left = 0
+    for x in ranks:
+        own_left += own_hi[x] - own_lo[x]
+    carried = np.empty(1024, dtype=np.int64)
+    n_carried = 0
+    carried_ptr = np.zeros(64, dtype=np.int64)
+    comp_i = np.empty(total_left + own_left, dtype=np.int64)
+    comp_x = np.empty(total_left + own_left, dtype=np.int64)
+    n_comp = 0
+    comp_ptr = np.zeros(64, dtype=np.int64)
     pace = 0.0
-    capped = False                                                # the cap turned a job away
-    while sum(n_left) or any(local.values()):
-        wave_no = len(raw)
-        load = [0] * R                                            # bytes each rank receives in the wave
-        comp = [0.0] * R                                          # work each rank does in the wave
-        carried: dict[int, int] = {}                              # (block, rank) -> the transfer bringing it
-        computes: list[tuple[int, int]] = []
-        hungry = {x for x in ranks if n_left[x]}                  # ranks that may still take work
-        for i in order:
-            if not hungry:
+    capped = False
+    wave_no = 0
+    while total_left > 0 or own_left > 0:
+        load[:] = 0
+        comp[:] = 0.0
+        wave_comp0 = n_comp
+        hungry[:] = False
+        n_hungry = 0
+        for x in ranks:
+            if n_left[x] > 0:
+                hungry[x] = True
+                n_hungry += 1
+        for j in range(order.shape[0]):
+            if n_hungry == 0:
                 break
-            readers = pending[i]
-            if not readers:
+            m = pend_len[j]
+            if m == 0:
                 continue
-            o, n_i, base = owner[i], size[i], i * R
-            for x in readers:
-                if x not in hungry or not left[base + x]:
+            i = order[j]
+            o = owner[i]
+            n_i = size[i]
+            base = i * R
+            r0 = rd_ptr[j]
+            touched = False
+            for q in range(r0, r0 + m):
+                x = rd_x[q]
+                if not hungry[x] or left[base + x] == 0:
                     continue
                 w = W[base + x]
-                if comp[x] and comp[x] + w > cap:
+                if comp[x] != 0.0 and comp[x] + w > cap:
                     capped = True
                     continue
-                path, y, fits = [], x, True          # the ranks the block still has to reach, reader first
-                while y != o and base + y not in carried:
-                    if computes and load[y] + n_i > budget:
+                n_path = 0                        # the ranks the block still has to reach, reader first
+                y = x
+                fits = True
+                while y != o and carried_at[base + y] != wave_no:
+                    if n_comp > wave_comp0 and load[y] + n_i > budget:
                         fits = False
                         break
-                    path.append(y)
+                    path[n_path] = y
+                    n_path += 1
                     y = sender[base + y]
                 if not fits:
                     continue
-                for d in path:
+                carried = _grow(carried, n_carried + n_path)
+                for p in range(n_path):
+                    d = path[p]
                     load[d] += n_i
-                    carried[base + d] = arrive[base + d]
-                computes.append((i, x))
+                    carried_at[base + d] = wave_no
+                    carried[n_carried] = arrive[base + d]
+                    n_carried += 1
+                comp_i[n_comp] = i
+                comp_x[n_comp] = x
+                n_comp += 1
                 comp[x] += w
                 left[base + x] = 0
                 n_left[x] -= 1
-                for d in path[1:]:                               # relays that need it compute it too
-                    if left[base + d]:
+                total_left -= 1
+                touched = True
+                for p in range(1, n_path):        # relays that need it compute it too
+                    d = path[p]
+                    if left[base + d] != 0:
                         wd = W[base + d]
                         if comp[d] + wd <= cap:
-                            computes.append((i, d))
+                            comp_i[n_comp] = i
+                            comp_x[n_comp] = d
+                            n_comp += 1
                             comp[d] += wd
                             left[base + d] = 0
                             n_left[d] -= 1
+                            total_left -= 1
                         else:
                             capped = True
-                for d in path:                                   # full: no delivery of theirs fits any more
-                    if not n_left[d] or load[d] >= budget:
-                        hungry.discard(d)
+                # full: no delivery of theirs fits any more (a rank already full is checked again:
+                # its cap check still counts as turning work away)
+                for p in range(n_path):
+                    d = path[p]
+                    if n_left[d] == 0 or load[d] >= budget:
+                        if hungry[d]:
+                            hungry[d] = False
+                            n_hungry -= 1
                         continue
-                    lst, k = smallest[d], first_small[d]         # its smallest delivery left no longer fits:
-                    while not left[lst[k] * R + d]:              # it cannot read again in this wave, whatever
-                        k += 1                                   # the cap (load only grows), so the cap's
-                    first_small[d] = k                           # comparisons for it change nothing
-                    if load[d] + size[lst[k]] > budget:
-                        hungry.discard(d)
-                    elif comp[d]:
-                        if mins_at[d] != wave_no:                # least work d still has to do (read once a wave)
-                            lst, k = lightest[d], first_left[d]
-                            while k < len(lst) and not left[lst[k] * R + d]:
+                    k = first_small[d]            # its smallest delivery left no longer fits: it
+                    while left[small_ids[k] * R + d] == 0:   # cannot read again in this wave,
+                        k += 1                    # whatever the cap (load only grows)
+                    first_small[d] = k
+                    if load[d] + size[small_ids[k]] > budget:
+                        if hungry[d]:
+                            hungry[d] = False
+                            n_hungry -= 1
+                    elif comp[d] != 0.0:
+                        if mins_at[d] != wave_no:  # least work d still has to do (read once a wave)
+                            k = first_left[d]
+                            end = light_ptr[d + 1]
+                            while k < end and left[light_ids[k] * R + d] == 0:
                                 k += 1
                             first_left[d] = k
-                            mins[d] = W[lst[k] * R + d] if k < len(lst) else 0.0
+                            mins[d] = W[light_ids[k] * R + d] if k < end else 0.0
                             mins_at[d] = wave_no
                         if comp[d] + mins[d] > cap:
-                            hungry.discard(d)
+                            if hungry[d]:
+                                hungry[d] = False
+                                n_hungry -= 1
                             capped = True
-            pending[i] = [x for x in readers if left[base + x]]
-        for x in ranks:                                          # own blocks fill spare work
-            mine = local[x]
-            while mine and (not comp[x] or comp[x] + W[mine[0] * R + x] <= cap):
-                i = mine.pop(0)
-                computes.append((i, x))
+            if touched:                           # keep the readers still to serve, in order
+                kept = r0
+                for q in range(r0, r0 + m):
+                    x = rd_x[q]
+                    if left[base + x] != 0:
+                        rd_x[kept] = x
+                        kept += 1
+                pend_len[j] = kept - r0
+        for x in ranks:                           # own blocks fill spare work
+            end = own_hi[x]
+            while own_pos[x] < end:
+                i = own_pos[x]
+                if comp[x] != 0.0 and comp[x] + W[i * R + x] > cap:
+                    break
+                comp_i[n_comp] = i
+                comp_x[n_comp] = x
+                n_comp += 1
                 comp[x] += W[i * R + x]
-            capped = capped or bool(mine)
-        raw.append((sorted(carried.values()), computes))
+                own_pos[x] += 1
+                own_left -= 1
+            if own_pos[x] < end:
+                capped = True
+        carried_ptr = _grow(carried_ptr, wave_no + 2)
+        comp_ptr = _grow(comp_ptr, wave_no + 2)
+        w0 = carried_ptr[wave_no]
+        carried[w0:n_carried] = np.sort(carried[w0:n_carried])
+        carried_ptr[wave_no + 1] = n_carried
+        comp_ptr[wave_no + 1] = n_comp
         # load: the bytes each rank receives in the wave (every carried transfer once)
-        pace += max(max(comp) / inp.work_all, max(load) / inp.bytes_all)
-    return raw, pace, capped
+        pace += max(comp.max() / work_all, load.max() / bytes_all)
+        wave_no += 1
+    return (carried_ptr[:wave_no + 1].copy(), carried[:n_carried].copy(), comp_ptr[:wave_no + 1].copy(),
+            comp_i[:n_comp].copy(), comp_x[:n_comp].copy(), pace, capped)
 
 
 _WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}

@@ -1,0 +1,67 @@
+"""Compiled loops for per-batch planning: :func:`jit` compiles a pure loop over numpy arrays with
+numba when it is installed, and otherwise runs the same function as Python.
+
+Note [Compiled planning loops]
+------------------------------
+Per-batch planning (issue 28 item 6) is a handful of greedy loops that visit every (block, reader)
+of a plan once per wave or round: at cp = 256 the backward's wave packing alone makes 137K
+deliveries and turns away 650K a packing, several packings a plan, and in Python each visit's
+bookkeeping costs a few hundred nanoseconds. These loops are written once, over flat numpy arrays
+and scalars only (no dicts, sets or objects), so that numba compiles them to machine code; the
+planner's decisions stay in the one function, whichever runs it:
+
+* **The same answer either way.** The functions use integer and IEEE double arithmetic in a fixed
+  order, without ``fastmath``, so the compiled and the Python run give the same bits (tested:
+  ``tests/test_jit.py`` runs each kernel both ways on the same plans).
+* **numba is a dependency** (``setup.py``); where it cannot be imported (a Python it does not
+  support yet) the functions run as Python, slower and with the same result, and this is logged
+  once (``megatron_fcp.jit``) -- a fallback that keeps the plan.
+* **Compiled once per machine**: ``cache=True`` keeps the machine code beside the module
+  (``__pycache__``) so that later processes load it (tens of ms) instead of compiling (seconds).
+* **nogil**: a compiled loop releases the GIL, so a batch planned ahead in the background (Note
+  [Planning a packed batch ahead] in :mod:`megatron_fcp.patches.runtime`) runs beside the step's
+  Python instead of taking turns with it.
+
+``MEGATRON_FCP_NO_JIT=1`` runs every loop as Python (for debugging, and for the test that holds the
+two runs equal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, TypeVar
+
+__all__ = ["jit", "COMPILED"]
+
+_log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable)
+
+try:
+    if os.environ.get("MEGATRON_FCP_NO_JIT", "") not in ("", "0"):
+        raise ImportError("MEGATRON_FCP_NO_JIT is set")
+    import numba as _numba
+except ImportError as exc:   # the Python run of the same functions: same plans, slower
+    _numba = None
+    _reason = str(exc)
+else:
+    _reason = ""
+
+COMPILED = _numba is not None
+"""Whether :func:`jit` compiles (numba imported) or returns the functions as they are."""
+
+_warned = False
+
+
+def jit(fn: F) -> F:
+    """``fn`` compiled by numba (``nopython``, ``nogil``, cached on disk), or ``fn`` itself where
+    numba is not importable (logged once): Note [Compiled planning loops]."""
+    global _warned
+    if _numba is None:
+        if not _warned:
+            _warned = True
+            _log.warning("megatron_fcp: numba not available (%s); the planner's loops run as Python, "
+                         "with the same plans, several times slower (pip install numba)", _reason)
+        return fn
+    return _numba.njit(cache=True, nogil=True)(fn)
