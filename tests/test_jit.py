@@ -62,3 +62,27 @@ def test_no_jit_runs_the_same_waves_as_python():
             assert "numba not available" in run.stderr and "MEGATRON_FCP_NO_JIT" in run.stderr
     assert out["1"][0] == "False" and out["0"][0] == str(J.COMPILED)
     assert out["1"][1] == out["0"][1]
+
+
+@pytest.mark.skipif(not J.COMPILED, reason="numba not installed: only the Python run exists")
+@pytest.mark.parametrize("nodes", (False, True), ids=("flat", "nodes"))
+def test_layer_assign_compiled_equals_python(nodes):
+    """The layer placement's greedy and search (``_assign_kernel``) give the same bins both ways."""
+    from megatron_fcp.contract import layer_placement as LP
+
+    lengths = lognormal_lengths(8.0, 1.2, 1 << 18, 5)
+    items = LP._items(lengths, 16, 4096, LP.Mask(True, -1, -1))
+    spans = {d: LP.Span(d, 0, n) for d, n in enumerate(lengths)}
+    w = np.array([LP.span_pairs(s, spans[s.doc], LP.Mask(True, -1, -1)) for s in items], dtype=np.float64)
+    t = np.array([s.tokens for s in items], dtype=np.float64)
+    n = 2 if nodes else 16
+    W_, T_ = w.sum() / n, t.sum() / n
+    order = np.array(sorted(range(len(items)), key=lambda k: (-max(w[k] / W_, t[k] / T_), items[k].doc,
+                                                              items[k].start)), dtype=np.int64)
+    doc = np.array([s.doc for s in items], dtype=np.int64)
+    args = (order, w, t, doc, n, W_, T_, 1.0 + LP.LAYER_TOLERANCE, LP.LAYER_TARGET, 8, LP.HOLDER_SLACK)
+    (fm, fs), (sm, ss) = LP._assign_kernel(*args), LP._assign_kernel.py_func(*args)
+    assert np.array_equal(fs, ss) and all(np.array_equal(fm[r, :fs[r]], sm[r, :ss[r]]) for r in range(n))
+    assert sorted(np.concatenate([fm[r, :fs[r]] for r in range(n)]).tolist()) == list(range(len(items)))
+    loads = np.array([w[fm[r, :fs[r]]].sum() for r in range(n)])
+    assert loads.max() / loads.mean() <= 1 + LP.LAYER_TOLERANCE     # balanced, as the placement promises

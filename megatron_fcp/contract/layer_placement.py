@@ -53,6 +53,7 @@ import numpy as np
 from megatron_fcp.contract.mask import Mask, check_window
 from megatron_fcp.contract.placement import (DEFAULT_BLOCK_TOKENS, Placement, Span, check_placement_args,
                                              node_groups, place_packed, span_pairs)
+from megatron_fcp.jit import jit
 
 __all__ = ["place_packed_layer", "place_balanced", "BALANCES", "LAYER_TOLERANCE", "LAYER_TARGET"]
 
@@ -102,83 +103,143 @@ def _items(lengths: Sequence[int], cp: int, block_tokens: int, mask: Mask) -> li
 
 def _assign(items: list[Span], w: np.ndarray, t: np.ndarray, n: int, tolerance: float,
             target: float, candidates: int = 8) -> list[list[int]]:
-    """Steps 2-3: item indices per bin; ``w[k]``, ``t[k]``: item ``k``'s pairs and tokens."""
+    """Steps 2-3: item indices per bin; ``w[k]``, ``t[k]``: item ``k``'s pairs and tokens. The
+    loops are :func:`_assign_kernel`, compiled (Note [Compiled planning loops] in
+    :mod:`megatron_fcp.jit`)."""
     W, T = w.sum() / n, t.sum() / n
     W, T = W or 1.0, T or 1.0
-    lw, lt = np.zeros(n), np.zeros(n)
-    bins: list[list[int]] = [[] for _ in range(n)]
-    holders: dict[int, set[int]] = {}
-    cap = 1.0 + tolerance
     order = sorted(range(len(items)), key=lambda k: (-max(w[k] / W, t[k] / T), items[k].doc, items[k].start))
-    for k in order:
-        aw, at = (lw + w[k]) / W, (lt + t[k]) / T
-        fits = (aw <= cap) & (at <= cap)
-        doc = items[k].doc
-        vw, vt = w[k] / W, t[k] / T
-        room = vw * (1.0 - lw / W) + vt * (1.0 - lt / T)   # the item against each bin's deficit
-        room = np.where(fits, room, room - 1e9)
-        r = int(np.argmax(room))
-        slack = HOLDER_SLACK * (vw * vw + vt * vt)
-        held = [h for h in sorted(holders.get(doc, ())) if fits[h] and room[h] >= room[r] - slack]
-        if held:
-            r = max(held, key=lambda h: (room[h], -h))
+    doc = np.array([s.doc for s in items], dtype=np.int64)
+    members, sizes = _assign_kernel(np.array(order, dtype=np.int64), np.asarray(w, dtype=np.float64),
+                                    np.asarray(t, dtype=np.float64), doc, n, float(W), float(T),
+                                    1.0 + tolerance, float(target), candidates, HOLDER_SLACK)
+    return [members[r, :sizes[r]].tolist() for r in range(n)]
+
+
+@jit
+def _assign_kernel(order, w, t, doc, n, W, T, cap, target, candidates, holder_slack):
+    """Steps 2-3 of Note [Layer-balanced placement] over arrays: returns ``members [n, items]`` and
+    ``sizes [n]``, bin ``r`` holding items ``members[r, :sizes[r]]`` in the order they came.
+
+    Greedy (step 2), items in ``order``: the bin with the largest ``v . d`` among those that stay
+    within ``cap`` in both resources (any bin if none does), unless a bin holding the item's
+    document fits and comes within ``holder_slack * |v|^2`` of it (the best such, ties the lowest
+    bin). Search (step 3): while the worst bin's ``max(pairs / W, tokens / T)`` is above ``1 +
+    target``, the move of one of its items to, or swap with one of, the ``candidates`` least
+    loaded bins that most lowers the larger of the two bins' scores (ties: an item whose document
+    the other bin holds, then the earliest item), for up to ``8 n + 64`` steps."""
+    m = order.shape[0]
+    n_docs = doc.max() + 1 if m else 1
+    held = np.zeros((n_docs, n), dtype=np.int64)     # [documents, bins]: items of the document in the bin
+    members = np.empty((n, max(m, 1)), dtype=np.int64)
+    sizes = np.zeros(n, dtype=np.int64)
+    lw = np.zeros(n)
+    lt = np.zeros(n)
+    room = np.empty(n)
+    fits = np.empty(n, dtype=np.bool_)
+    for k in order:                                 # step 2
+        d = doc[k]
+        vw = w[k] / W
+        vt = t[k] / T
+        for r in range(n):
+            fits[r] = ((lw[r] + w[k]) / W <= cap) and ((lt[r] + t[k]) / T <= cap)
+            room[r] = vw * (1.0 - lw[r] / W) + vt * (1.0 - lt[r] / T)   # the item against each bin's deficit
+            if not fits[r]:
+                room[r] = room[r] - 1e9
+        best = int(np.argmax(room))
+        slack = holder_slack * (vw * vw + vt * vt)
+        pick = -1
+        for h in range(n):                          # a bin holding the document, if near enough
+            if held[d, h] > 0 and fits[h] and room[h] >= room[best] - slack:
+                if pick < 0 or room[h] > room[pick]:
+                    pick = h
+        r = best if pick < 0 else pick
         lw[r] += w[k]
         lt[r] += t[k]
-        bins[r].append(k)
-        holders.setdefault(doc, set()).add(r)
-    _search(items, w, t, bins, lw, lt, W, T, target, candidates)
-    return bins
-
-
-def _search(items, w, t, bins, lw, lt, W: float, T: float, target: float, candidates: int) -> None:
-    """Step 3 (in place): moves and swaps off the worst bin while its score falls. Candidates are
-    scored at once per bin pair (numpy); ties go to an item whose document the other bin holds."""
-    n = len(bins)
-    doc = np.array([s.doc for s in items], dtype=np.int64)
-    docs = [set(doc[b].tolist()) for b in bins]
-    for _ in range(8 * n + 64):
+        members[r, sizes[r]] = k
+        sizes[r] += 1
+        held[d, r] += 1
+    for _ in range(8 * n + 64):                     # step 3
         score = np.maximum(lw / W, lt / T)
         a = int(np.argmax(score))
-        if score[a] <= 1.0 + target or not bins[a] or n == 1:
-            return
-        others = [int(r) for r in np.argsort(score, kind="stable") if r != a][:candidates]
-        ka = np.array(bins[a], dtype=np.int64)
-        wa, ta = w[ka], t[ka]
-        best = None  # (value, not a holder, kind, index in a, b, index in b)
-        for b in others:
-            away = np.array([d not in docs[b] for d in doc[ka].tolist()])
-            # move item i of a to b
-            v = np.maximum(np.maximum((lw[a] - wa) / W, (lt[a] - ta) / T),
-                           np.maximum((lw[b] + wa) / W, (lt[b] + ta) / T))
-            i = int(np.lexsort((away, v))[0])
-            cand = (float(v[i]), bool(away[i]), "move", i, b, -1)
-            if best is None or cand[:2] < best[:2]:
-                best = cand
-            if not bins[b]:
+        if score[a] <= 1.0 + target or sizes[a] == 0 or n == 1:
+            break
+        rank = np.argsort(score, kind="mergesort")
+        na = sizes[a]
+        best_v = np.inf
+        best_away = True
+        best_kind = -1                              # 0: move, 1: swap
+        best_i = best_b = best_j = -1
+        seen = 0
+        for q in range(n):
+            b = rank[q]
+            if b == a:
                 continue
-            kb = np.array(bins[b], dtype=np.int64)
-            dw, dt = wa[:, None] - w[kb][None, :], ta[:, None] - t[kb][None, :]     # [items of a, items of b]
-            v2 = np.maximum(np.maximum((lw[a] - dw) / W, (lt[a] - dt) / T),
-                            np.maximum((lw[b] + dw) / W, (lt[b] + dt) / T))
-            v2 = np.where((dw <= 0) & (dt <= 0), np.inf, v2)
-            i, j = np.unravel_index(int(np.argmin(v2)), v2.shape)
-            cand = (float(v2[i, j]), bool(away[i]), "swap", int(i), b, int(j))
-            if cand[:2] < best[:2]:
-                best = cand
-        if best[0] >= score[a] - 1e-12:
-            return
-        _, _, kind, i, b, j = best
-        k = int(ka[i])
-        moved = [(k, a, b)] + ([(bins[b][j], b, a)] if kind == "swap" else [])
-        for item, src, dst in moved:
-            bins[src].remove(item)
-            bins[dst].append(item)
-            lw[src] -= w[item]
-            lt[src] -= t[item]
-            lw[dst] += w[item]
-            lt[dst] += t[item]
-        docs[a] = set(doc[bins[a]].tolist())
-        docs[b] = set(doc[bins[b]].tolist())
+            if seen == candidates:
+                break
+            seen += 1
+            # move item i of a to b
+            mi = -1
+            mv = np.inf
+            m_away = True
+            for i in range(na):
+                k = members[a, i]
+                v = max(max((lw[a] - w[k]) / W, (lt[a] - t[k]) / T), max((lw[b] + w[k]) / W, (lt[b] + t[k]) / T))
+                away = held[doc[k], b] == 0
+                if mi < 0 or v < mv or (v == mv and (not away) and m_away):
+                    mi, mv, m_away = i, v, away
+            if best_kind < 0 or mv < best_v or (mv == best_v and (not m_away) and best_away):
+                best_v, best_away, best_kind, best_i, best_b, best_j = mv, m_away, 0, mi, b, -1
+            if sizes[b] == 0:
+                continue
+            si = sj = 0                             # swap item i of a with item j of b
+            sv = np.inf
+            for i in range(na):
+                ka = members[a, i]
+                for j in range(sizes[b]):
+                    kb = members[b, j]
+                    dw = w[ka] - w[kb]
+                    dt = t[ka] - t[kb]
+                    if dw <= 0 and dt <= 0:
+                        continue
+                    v = max(max((lw[a] - dw) / W, (lt[a] - dt) / T), max((lw[b] + dw) / W, (lt[b] + dt) / T))
+                    if v < sv:
+                        si, sj, sv = i, j, v
+            s_away = held[doc[members[a, si]], b] == 0
+            if sv < best_v or (sv == best_v and (not s_away) and best_away):
+                best_v, best_away, best_kind, best_i, best_b, best_j = sv, s_away, 1, si, b, sj
+        if best_v >= score[a] - 1e-12:
+            break
+        b = best_b
+        k = members[a, best_i]
+        kb = members[b, best_j] if best_kind == 1 else -1
+        _take(members, sizes, held, doc, lw, lt, w, t, a, best_i)      # a's item to the end of b
+        _put(members, sizes, held, doc, lw, lt, w, t, b, k)
+        if best_kind == 1:                                              # b's item to the end of a
+            _take(members, sizes, held, doc, lw, lt, w, t, b, best_j)
+            _put(members, sizes, held, doc, lw, lt, w, t, a, kb)
+    return members, sizes
+
+
+@jit
+def _take(members, sizes, held, doc, lw, lt, w, t, r, i):
+    """Remove the ``i``-th item of bin ``r`` (the later ones move up)."""
+    k = members[r, i]
+    members[r, i:sizes[r] - 1] = members[r, i + 1:sizes[r]].copy()
+    sizes[r] -= 1
+    held[doc[k], r] -= 1
+    lw[r] -= w[k]
+    lt[r] -= t[k]
+
+
+@jit
+def _put(members, sizes, held, doc, lw, lt, w, t, r, k):
+    """Append item ``k`` to bin ``r``."""
+    members[r, sizes[r]] = k
+    sizes[r] += 1
+    held[doc[k], r] += 1
+    lw[r] += w[k]
+    lt[r] += t[k]
 
 
 def place_packed_layer(doc_lengths: Sequence[int], cp: int, *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
