@@ -56,6 +56,7 @@ from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan, plan_mask
 from megatron_fcp.contract.table import table_rounds
+from megatron_fcp.jit import jit
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
 
@@ -313,42 +314,75 @@ def _balanced_waves(cg: CommGraph, trees, P: int,
                     due = 0 if u == owner else k  # k = parent's round + 1
                     leaves.append((due, u, v, b, w))
     n = last + 1
-    load: list[dict[int, float]] = [dict() for _ in range(n)]
-    cur = [0.0] * n
+    leaves.sort(key=lambda e: -e[0])
+    rigid_routes = [route(u, v) for _, u, v, _ in rigid]
+    leaf_routes = [route(u, v) for _, u, v, _, _ in leaves]
+    leaf_round = _leaf_rounds(
+        n, np.array(bws, dtype=np.float64),
+        np.array([k for k, _, _, _ in rigid], dtype=np.int64), *_csr(rigid_routes),
+        np.array([weight(b.owner, b.chunk) for _, _, _, b in rigid], dtype=np.float64),
+        np.array([due for due, _, _, _, _ in leaves], dtype=np.int64), *_csr(leaf_routes),
+        np.array([w for _, _, _, _, w in leaves], dtype=np.float64))
     rounds: list[list[Transfer]] = [[] for _ in range(n)]
     for k, u, v, b in rigid:
-        w = weight(b.owner, b.chunk)
-        lk = load[k]
-        for i in route(u, v):
-            x = lk.get(i, 0.0) + w
-            lk[i] = x
+        rounds[k].append(make_transfer(u, v, b))
+    for k, (_, u, v, b, _) in zip(leaf_round.tolist(), leaves):
+        rounds[k].append(make_transfer(u, v, b))
+    return tuple(tuple(r) for r in rounds)
+
+
+def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ptr, ids)``: list ``j`` is ``ids[ptr[j]:ptr[j + 1]]``."""
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in lists], out=ptr[1:])
+    return ptr, np.fromiter((i for x in lists for i in x), dtype=np.int64, count=int(ptr[-1]))
+
+
+@jit
+def _leaf_rounds(n, bws, rigid_k, rigid_ptr, rigid_ids, rigid_w, leaf_due, leaf_ptr, leaf_ids, leaf_w):
+    """The round of each leaf edge (:func:`_balanced_waves`; compiled, Note [Compiled planning
+    loops] in :mod:`megatron_fcp.jit`). ``bws[i]``: resource ``i``'s bandwidth; rigid edge ``e``
+    in round ``rigid_k[e]`` over resources ``rigid_ids[rigid_ptr[e]:rigid_ptr[e + 1]]`` with
+    ``rigid_w[e]`` relative bytes; the leaves likewise, latest-due first, each from ``leaf_due``
+    on. A round's time is its busiest resource's bytes over bandwidth; each leaf goes to the round
+    whose time grows least (by more than 1e-15), the earliest on ties, stopping at one where it
+    does not grow."""
+    load = np.zeros((n, bws.shape[0]))            # [rounds, resources]: relative bytes
+    cur = np.zeros(n)                             # [rounds]: the busiest resource's time
+    for e in range(rigid_k.shape[0]):
+        k = rigid_k[e]
+        for q in range(rigid_ptr[e], rigid_ptr[e + 1]):
+            i = rigid_ids[q]
+            x = load[k, i] + rigid_w[e]
+            load[k, i] = x
             if x / bws[i] > cur[k]:
                 cur[k] = x / bws[i]
-        rounds[k].append(make_transfer(u, v, b))
-    leaves.sort(key=lambda e: -e[0])
-    for due, u, v, b, w in leaves:
-        ids = route(u, v)
-        best_k, best_inc = due, None
-        for k in range(due, n):
-            lk = load[k]
+    out = np.empty(leaf_due.shape[0], dtype=np.int64)
+    for e in range(leaf_due.shape[0]):
+        w = leaf_w[e]
+        best_k = leaf_due[e]
+        best_inc = np.inf
+        found = False
+        for k in range(leaf_due[e], n):
             t = cur[k]
-            for i in ids:
-                x = (lk.get(i, 0.0) + w) / bws[i]
+            for q in range(leaf_ptr[e], leaf_ptr[e + 1]):
+                i = leaf_ids[q]
+                x = (load[k, i] + w) / bws[i]
                 if x > t:
                     t = x
             inc = t - cur[k]
-            if best_inc is None or inc < best_inc - 1e-15:
-                best_k, best_inc = k, inc
+            if not found or inc < best_inc - 1e-15:
+                best_k, best_inc, found = k, inc, True
                 if inc <= 0:
                     break
-        lk = load[best_k]
-        for i in ids:
-            x = lk.get(i, 0.0) + w
-            lk[i] = x
+        for q in range(leaf_ptr[e], leaf_ptr[e + 1]):
+            i = leaf_ids[q]
+            x = load[best_k, i] + w
+            load[best_k, i] = x
             if x / bws[i] > cur[best_k]:
                 cur[best_k] = x / bws[i]
-        rounds[best_k].append(make_transfer(u, v, b))
-    return tuple(tuple(r) for r in rounds)
+        out[e] = best_k
+    return out
 
 
 def _fast_links_first(cg: CommGraph, rounds) -> tuple[tuple[Transfer, ...], ...]:
