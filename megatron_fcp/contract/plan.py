@@ -20,6 +20,7 @@ its own children sent it (which arrive in later forward rounds, i.e. earlier bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -247,6 +248,7 @@ class Plan:
         state.pop("_rank_rounds", None)  # caches: rebuilt on use
         state.pop("_needs", None)
         state.pop("_cp_index", None)
+        state.pop("_columns", None)
         return state
 
     def received_blocks(self, rank: int) -> tuple[Block, ...]:
@@ -265,16 +267,23 @@ class Plan:
 
     def transfer_columns(self) -> tuple[np.ndarray, ...]:
         """``(round, src, dst, owner, chunk, part)`` int64 arrays of every transfer (global ranks),
-        in plan order; read from the table when the plan has one."""
+        in plan order; read from the table when the plan has one. Built once per plan object (the
+        cost model, the floors and the wave packing all read them), read-only."""
+        got = self.__dict__.get("_columns")
+        if got is not None:
+            return got
         if self.table is not None:
-            return table_columns(self.table, self.ranks, self.chunks_per_rank(), self.parts_per_chunk)
-        flat = [t for r in self.rounds for t in r]
-        T = len(flat)
-        rnd = np.repeat(np.arange(len(self.rounds), dtype=np.int64), [len(r) for r in self.rounds])
-        cols = [np.fromiter((getattr(t, f) for t in flat), dtype=np.int64, count=T) for f in ("src", "dst")]
-        cols += [np.fromiter((getattr(t.block, f) for t in flat), dtype=np.int64, count=T)
-                 for f in ("owner", "chunk", "part")]
-        return (rnd, *cols)
+            got = table_columns(self.table, self.ranks, self.chunks_per_rank(), self.parts_per_chunk)
+        else:
+            flat = [t for r in self.rounds for t in r]
+            T = len(flat)
+            rnd = np.repeat(np.arange(len(self.rounds), dtype=np.int64), [len(r) for r in self.rounds])
+            got = (rnd, *(np.fromiter(map(attrgetter(f), flat), dtype=np.int64, count=T)
+                          for f in ("src", "dst", "block.owner", "block.chunk", "block.part")))
+        for col in got:
+            col.flags.writeable = False
+        self.__dict__["_columns"] = got
+        return got
 
     def chunks_moved(self) -> float:
         """Bytes moved in units of one zigzag chunk of KV."""

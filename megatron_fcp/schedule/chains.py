@@ -375,18 +375,33 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
                       cache_key: Hashable = None) -> dict[int, tuple[Block, ...]]:
     """What each rank would keep from the forward for the backward's first step: a chain plan's
     first sub-round (:func:`first_received`, relayed blocks too: they go on from there), any other
-    plan's first wave of received deliveries (Note [Backward waves])."""
+    plan's first wave of received deliveries (Note [Backward waves]). cache_key: as
+    :func:`~megatron_fcp.schedule.waves.plan_waves`'s; with it the answer is computed once per plan
+    object and key (the program asks three times), and is shared: read it, do not change it."""
+    key = (id(plan), cache_key)
+    hit = _KEPT.get(key)
+    if cache_key is not None and hit is not None and hit[0]() is plan:
+        return hit[1]
     if chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
-        return first_received(plan, block_bytes, cache_key=cache_key)
-    waves = plan_waves(plan, block_bytes, cache_key=cache_key)
-    out: dict[int, list[Block]] = {}
-    seen: set[tuple[Block, int]] = set()
-    for _, t in (waves[0].transfers if waves else ()):
-        k = (t.block, t.dst)
-        if k in waves[0].computes and k not in seen:
-            seen.add(k)
-            out.setdefault(t.dst, []).append(t.block)
-    return {r: tuple(b) for r, b in out.items()}
+        got = first_received(plan, block_bytes, cache_key=cache_key)
+    else:
+        waves = plan_waves(plan, block_bytes, cache_key=cache_key)
+        out: dict[int, list[Block]] = {}
+        seen: set[tuple[Block, int]] = set()
+        for _, t in (waves[0].transfers if waves else ()):
+            k = (t.block, t.dst)
+            if k in waves[0].computes and k not in seen:
+                seen.add(k)
+                out.setdefault(t.dst, []).append(t.block)
+        got = {r: tuple(b) for r, b in out.items()}
+    if cache_key is not None:
+        if len(_KEPT) > 1024:
+            _KEPT.clear()
+        _KEPT[key] = (weakref.ref(plan), got)
+    return got
+
+
+_KEPT: dict[tuple, tuple[weakref.ref, dict]] = {}  # (id(plan), cache_key) -> (plan ref, first_kept_blocks)
 
 
 def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],

@@ -89,15 +89,18 @@ class Wave:
     transfers: tuple[tuple[int, Transfer], ...]   # (plan round, transfer), in plan order
     computes: frozenset                           # (block, rank): rank computes block's gradient here
     rounds: tuple[int, ...] = field(init=False)   # ascending plan rounds with a transfer of the wave
-    _tset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rounds", tuple(sorted({r for r, _ in self.transfers})))
-        object.__setattr__(self, "_tset", frozenset(self.transfers))
 
     def has(self, round_index: int, t: Transfer) -> bool:
-        """Whether the wave carries transfer ``t`` of plan round ``round_index``."""
-        return (round_index, t) in self._tset
+        """Whether the wave carries transfer ``t`` of plan round ``round_index`` (the set of them is
+        built on the first call: the cost model never asks, an executor's rank asks per round)."""
+        got = self.__dict__.get("_tset")
+        if got is None:
+            got = frozenset(self.transfers)
+            object.__setattr__(self, "_tset", got)
+        return (round_index, t) in got
 
 
 def leading_own_jobs(n_own: int, n_waves: int) -> int:
@@ -652,9 +655,11 @@ def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
     computes as ``wave``; reads only the wave, so every rank and the cost model cut it alike."""
     wanted: set[tuple[Block, int]] = set()        # (block, rank): the rank must hold it again
     again: list[tuple[int, Transfer]] = []
+    held = {r: v if isinstance(v, (set, frozenset)) else frozenset(v) for r, v in kept.items()}
+    none: frozenset = frozenset()
     for r, t in reversed(wave.transfers):
         b, d = t.block, t.dst
-        if b in kept.get(d, ()) or ((b, d) not in wave.computes and (b, d) not in wanted):
+        if b in held.get(d, none) or ((b, d) not in wave.computes and (b, d) not in wanted):
             continue
         again.append((r, t))
         if t.src != b.owner:
@@ -669,8 +674,11 @@ RING_BUDGET = -1
 
 
 def kept_bytes_per_rank(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
-    """Bytes of received KV each rank would save for backward under ``keep`` (its need set)."""
-    return {r: sum(block_bytes(b) for b in plan.needs(r)) for r in plan.ranks}
+    """Bytes of received KV each rank would save for backward under ``keep`` (its need set): the
+    need matrix (``[cp, blocks]``, columns in ``plan.blocks()`` order) times the blocks' bytes."""
+    sizes = np.array([block_bytes(b) for b in plan.blocks()], dtype=np.int64)
+    kept = plan.need_matrix().astype(np.int64) @ sizes                      # [cp]
+    return dict(zip(plan.ranks, kept.tolist()))
 
 
 def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int], budget: int = RING_BUDGET,
