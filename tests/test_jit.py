@@ -86,3 +86,33 @@ def test_layer_assign_compiled_equals_python(nodes):
     assert sorted(np.concatenate([fm[r, :fs[r]] for r in range(n)]).tolist()) == list(range(len(items)))
     loads = np.array([w[fm[r, :fs[r]]].sum() for r in range(n)])
     assert loads.max() / loads.mean() <= 1 + LP.LAYER_TOLERANCE     # balanced, as the placement promises
+
+
+def test_tree_check_of_all_trees_names_the_first_fault():
+    """The compiler's vectorised tree check (``_check_trees``) passes the trees it builds and, for a
+    tree at fault, raises the message the per-tree check gives for the first such tree."""
+    from megatron_fcp.contract.blocks import PlanError
+    from megatron_fcp.planner import compile as C
+    from megatron_fcp.planner.builders import get_builder
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology("dgx-h100:2")
+    cg = get_builder("hierarchical").build(topo, list(range(16)))
+    good = [(o, 0) + cg.tree_with_depths(o, [r for r in range(16) if r != o], 0) for o in range(16)]
+    readers = [[r for r in range(16) if r != o] for o in range(16)]
+    C._check_trees(cg, good, readers)                               # every builder tree is sound
+    o, c, tree, depths = good[5]
+    u, v = tree[-1]
+    faults = {"twice": (tree + [(u, v)], "reaches"), "late parent": ([tree[-1]] + tree[:-1], "forwards from"),
+              "missing": (tree[:-1], "misses reader"), "no edge": (tree[:-1] + [(o, v)] if not cg.has_edge(o, v)
+                                                                    else None, "not an edge")}
+    for name, (bad, words) in faults.items():
+        if bad is None:
+            continue
+        trees = list(good)
+        trees[5] = (o, c, bad, depths)
+        with pytest.raises(PlanError, match=words) as got:
+            C._check_trees(cg, trees, readers)
+        with pytest.raises(PlanError) as alone:
+            C._check_tree(cg, o, readers[5], bad)
+        assert str(got.value) == str(alone.value), name

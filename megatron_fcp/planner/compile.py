@@ -46,11 +46,13 @@ Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter
 from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_fcp.contract.blocks import Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers
+from megatron_fcp.contract.blocks import (Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers,
+                                          transfers_from_columns)
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
@@ -178,13 +180,15 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
         plan_rounds = _waves(runs, P, stagger)
     else:
         trees = []  # (owner, chunk, edges parents-first, depth of each edge's receiver)
+        readers_of = []
         for owner, chunk, dests in _sources(ranks, need_of, placement, seq_len, P):
             tree, depths = cg.tree_with_depths(owner, dests, chunk)
-            if check:
-                _check_tree(cg, owner, dests, tree)
             if stagger_blocks > 1:
                 depths = [d + chunk % stagger_blocks for d in depths]
             trees.append((owner, chunk, tree, depths))
+            readers_of.append(dests)
+        if check:
+            _check_trees(cg, trees, readers_of)
         if limited and packing == "colour" and all(max(d, default=1) == 1 for _, _, _, d in trees):
             plan_rounds = colour_rounds([make_transfer(u, v, Block(o, c, p)) for o, c, tree, _ in trees
                                          for p in range(P) for u, v in tree])
@@ -280,55 +284,58 @@ def _balanced_waves(cg: CommGraph, trees, P: int,
     idles while the first sub-blocks cross the network.
     """
     topo = cg.topology
+    # every edge of every tree (trees in order, edges parents first), then each part: column index
+    # e * P + p is the e-th edge's part p, the order the rounds list them in
+    n_edges = [len(tree) for _, _, tree, _ in trees]
+    tree_of = np.repeat(np.arange(len(trees), dtype=np.int64), n_edges)                  # [E]
+    us = np.fromiter((u for _, _, tree, _ in trees for u, _ in tree), dtype=np.int64, count=len(tree_of))
+    vs = np.fromiter((v for _, _, tree, _ in trees for _, v in tree), dtype=np.int64, count=len(tree_of))
+    depth = np.fromiter((d for _, _, _, ds in trees for d in ds), dtype=np.int64, count=len(tree_of))
+    owners = np.array([o for o, _, _, _ in trees], dtype=np.int64)
+    tree_w = np.array([weight(o, c) for o, c, _, _ in trees], dtype=np.float64)
+    span = int(max(us.max(initial=0), vs.max(initial=0))) + 1
+    into_relay = np.isin(tree_of * span + vs, tree_of * span + us)                      # [E]: v forwards it
+    pair = us * span + vs
+    uniq, pair_of = np.unique(pair, return_inverse=True)                               # routes once per pair
     res_id: dict[str, int] = {}
     bws: list[float] = []
-    route_cache: dict[tuple[int, int], list[int]] = {}
-
-    def route(u: int, v: int) -> list[int]:
-        ids = route_cache.get((u, v))
-        if ids is None:
-            ids = []
-            for r in topo.route(u, v).resources:
-                i = res_id.get(r.name)
-                if i is None:
-                    i = res_id[r.name] = len(bws)
-                    bws.append(r.bandwidth)
-                ids.append(i)
-            route_cache[(u, v)] = ids
-        return ids
-
-    rigid: list[tuple[int, int, int, Block]] = []
-    leaves: list[tuple[int, int, int, Block, float]] = []
-    last = 0
-    for owner, chunk, tree, depths in trees:
-        has_children = {u for u, _ in tree}
-        w = weight(owner, chunk)
-        for (u, v), d in zip(tree, depths):
-            for p in range(P):
-                k = d - 1 + p
-                last = max(last, k)
-                b = Block(owner, chunk, p)
-                if v in has_children:
-                    rigid.append((k, u, v, b))
-                else:
-                    due = 0 if u == owner else k  # k = parent's round + 1
-                    leaves.append((due, u, v, b, w))
-    n = last + 1
-    leaves.sort(key=lambda e: -e[0])
-    rigid_routes = [route(u, v) for _, u, v, _ in rigid]
-    leaf_routes = [route(u, v) for _, u, v, _, _ in leaves]
+    routes = []
+    for uv in uniq.tolist():
+        ids = []
+        for r in topo.route(uv // span, uv % span).resources:
+            i = res_id.get(r.name)
+            if i is None:
+                i = res_id[r.name] = len(bws)
+                bws.append(r.bandwidth)
+            ids.append(i)
+        routes.append(ids)
+    pair_ptr, pair_ids = _csr(routes)
+    parts = np.arange(P, dtype=np.int64)
+    col_edge = np.repeat(np.arange(len(tree_of), dtype=np.int64), P)                   # [E * P]
+    col_part = np.tile(parts, len(tree_of))
+    k = depth[col_edge] - 1 + col_part                                                 # the edge's wave round
+    n = int(k.max(initial=0)) + 1
+    rigid = into_relay[col_edge]
+    rigid_cols = np.nonzero(rigid)[0]
+    leaf_cols = np.nonzero(~rigid)[0]
+    # a leaf is due from its wave round (its parent's round + 1), or from round 0 sent by its owner
+    due = np.where(us[col_edge[leaf_cols]] == owners[tree_of[col_edge[leaf_cols]]], 0, k[leaf_cols])
+    latest_first = np.argsort(-due, kind="stable")
+    leaf_cols, due = leaf_cols[latest_first], due[latest_first]
     leaf_round = _leaf_rounds(
         n, np.array(bws, dtype=np.float64),
-        np.array([k for k, _, _, _ in rigid], dtype=np.int64), *_csr(rigid_routes),
-        np.array([weight(b.owner, b.chunk) for _, _, _, b in rigid], dtype=np.float64),
-        np.array([due for due, _, _, _, _ in leaves], dtype=np.int64), *_csr(leaf_routes),
-        np.array([w for _, _, _, _, w in leaves], dtype=np.float64))
-    rounds: list[list[Transfer]] = [[] for _ in range(n)]
-    for k, u, v, b in rigid:
-        rounds[k].append(make_transfer(u, v, b))
-    for k, (_, u, v, b, _) in zip(leaf_round.tolist(), leaves):
-        rounds[k].append(make_transfer(u, v, b))
-    return tuple(tuple(r) for r in rounds)
+        k[rigid_cols], pair_of[col_edge[rigid_cols]], tree_w[tree_of[col_edge[rigid_cols]]],
+        due, pair_of[col_edge[leaf_cols]], tree_w[tree_of[col_edge[leaf_cols]]], pair_ptr, pair_ids)
+    # each round: its rigid edges in order, then its leaves in placing order
+    cols = np.concatenate([rigid_cols, leaf_cols])
+    rnd = np.concatenate([k[rigid_cols], leaf_round])
+    by_round = np.argsort(rnd, kind="stable")
+    cols, rnd = cols[by_round], rnd[by_round]
+    blocks = [Block(o, c, p) for o, c, _, _ in trees for p in range(P)]                 # [trees * P]
+    flat = transfers_from_columns(us[col_edge[cols]].tolist(), vs[col_edge[cols]].tolist(),
+                                  [blocks[i] for i in (tree_of[col_edge[cols]] * P + col_part[cols]).tolist()])
+    ends = np.searchsorted(rnd, np.arange(n + 1)).tolist()
+    return tuple(tuple(flat[ends[j]:ends[j + 1]]) for j in range(n))
 
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -339,20 +346,21 @@ def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 @jit
-def _leaf_rounds(n, bws, rigid_k, rigid_ptr, rigid_ids, rigid_w, leaf_due, leaf_ptr, leaf_ids, leaf_w):
+def _leaf_rounds(n, bws, rigid_k, rigid_pair, rigid_w, leaf_due, leaf_pair, leaf_w, pair_ptr, pair_ids):
     """The round of each leaf edge (:func:`_balanced_waves`; compiled, Note [Compiled planning
-    loops] in :mod:`megatron_fcp.jit`). ``bws[i]``: resource ``i``'s bandwidth; rigid edge ``e``
-    in round ``rigid_k[e]`` over resources ``rigid_ids[rigid_ptr[e]:rigid_ptr[e + 1]]`` with
-    ``rigid_w[e]`` relative bytes; the leaves likewise, latest-due first, each from ``leaf_due``
-    on. A round's time is its busiest resource's bytes over bandwidth; each leaf goes to the round
-    whose time grows least (by more than 1e-15), the earliest on ties, stopping at one where it
-    does not grow."""
+    loops] in :mod:`megatron_fcp.jit`). ``bws[i]``: resource ``i``'s bandwidth; route ``j`` the
+    resources ``pair_ids[pair_ptr[j]:pair_ptr[j + 1]]``; rigid edge ``e`` in round ``rigid_k[e]``
+    over route ``rigid_pair[e]`` with ``rigid_w[e]`` relative bytes; the leaves likewise,
+    latest-due first, each from ``leaf_due`` on. A round's time is its busiest resource's bytes
+    over bandwidth; each leaf goes to the round whose time grows least (by more than 1e-15), the
+    earliest on ties, stopping at one where it does not grow."""
     load = np.zeros((n, bws.shape[0]))            # [rounds, resources]: relative bytes
     cur = np.zeros(n)                             # [rounds]: the busiest resource's time
     for e in range(rigid_k.shape[0]):
         k = rigid_k[e]
-        for q in range(rigid_ptr[e], rigid_ptr[e + 1]):
-            i = rigid_ids[q]
+        j = rigid_pair[e]
+        for q in range(pair_ptr[j], pair_ptr[j + 1]):
+            i = pair_ids[q]
             x = load[k, i] + rigid_w[e]
             load[k, i] = x
             if x / bws[i] > cur[k]:
@@ -360,13 +368,14 @@ def _leaf_rounds(n, bws, rigid_k, rigid_ptr, rigid_ids, rigid_w, leaf_due, leaf_
     out = np.empty(leaf_due.shape[0], dtype=np.int64)
     for e in range(leaf_due.shape[0]):
         w = leaf_w[e]
+        j = leaf_pair[e]
         best_k = leaf_due[e]
         best_inc = np.inf
         found = False
         for k in range(leaf_due[e], n):
             t = cur[k]
-            for q in range(leaf_ptr[e], leaf_ptr[e + 1]):
-                i = leaf_ids[q]
+            for q in range(pair_ptr[j], pair_ptr[j + 1]):
+                i = pair_ids[q]
                 x = (load[k, i] + w) / bws[i]
                 if x > t:
                     t = x
@@ -375,8 +384,8 @@ def _leaf_rounds(n, bws, rigid_k, rigid_ptr, rigid_ids, rigid_w, leaf_due, leaf_
                 best_k, best_inc, found = k, inc, True
                 if inc <= 0:
                     break
-        for q in range(leaf_ptr[e], leaf_ptr[e + 1]):
-            i = leaf_ids[q]
+        for q in range(pair_ptr[j], pair_ptr[j + 1]):
+            i = pair_ids[q]
             x = load[best_k, i] + w
             load[best_k, i] = x
             if x / bws[i] > cur[best_k]:
@@ -391,18 +400,56 @@ def _fast_links_first(cg: CommGraph, rounds) -> tuple[tuple[Transfer, ...], ...]
     Ranks consume received blocks in plan order (bitwise-reproducible accumulation), so a block
     on NVLink listed after a block crossing the network would wait for it; listing fast edges
     first lets compute start as soon as the first blocks land. Same-pair transfers keep their
-    relative order (same bandwidth), which is what send/receive matching relies on.
+    relative order (same bandwidth), which is what send/receive matching relies on. One stable
+    sort of all transfers by (round, -bandwidth), each pair's bandwidth read once.
     """
-    bw: dict[tuple[int, int], float] = {}
+    flat = [t for rnd in rounds for t in rnd]
+    if not flat:
+        return tuple(tuple(rnd) for rnd in rounds)
+    lens = [len(rnd) for rnd in rounds]
+    rnd_of = np.repeat(np.arange(len(rounds), dtype=np.int64), lens)
+    src = np.fromiter(map(attrgetter("src"), flat), dtype=np.int64, count=len(flat))
+    dst = np.fromiter(map(attrgetter("dst"), flat), dtype=np.int64, count=len(flat))
+    span = int(max(src.max(), dst.max())) + 1
+    uniq, pair_of = np.unique(src * span + dst, return_inverse=True)
+    bw = np.array([cg.bandwidth(int(x // span), int(x % span)) for x in uniq.tolist()], dtype=np.float64)
+    order = np.lexsort((-bw[pair_of], rnd_of)).tolist()          # by round, then fastest; stable
+    ends = np.cumsum([0] + lens).tolist()
+    return tuple(tuple(flat[i] for i in order[ends[k]:ends[k + 1]]) for k in range(len(rounds)))
 
-    def key(t: Transfer) -> float:
-        e = (t.src, t.dst)
-        v = bw.get(e)
-        if v is None:
-            v = bw[e] = -cg.bandwidth(t.src, t.dst)
-        return v
 
-    return tuple(tuple(sorted(rnd, key=key)) for rnd in rounds)
+def _check_trees(cg: CommGraph, trees, readers_of: Sequence[Sequence[int]]) -> None:
+    """:func:`_check_tree` of every tree at once (numpy over all edges: edges of the graph, parents
+    reached first, no rank reached twice, every reader reached); the first tree at fault is checked
+    again on its own, which raises its message."""
+    n_edges = [len(tree) for _, _, tree, _ in trees]
+    E = sum(n_edges)
+    tree_of = np.repeat(np.arange(len(trees), dtype=np.int64), n_edges)                 # [E]
+    us = np.fromiter((u for _, _, tree, _ in trees for u, _ in tree), dtype=np.int64, count=E)
+    vs = np.fromiter((v for _, _, tree, _ in trees for _, v in tree), dtype=np.int64, count=E)
+    owners = np.array([o for o, _, _, _ in trees], dtype=np.int64)
+    n_read = [len(d) for d in readers_of]
+    read_tree = np.repeat(np.arange(len(trees), dtype=np.int64), n_read)
+    reads = np.fromiter((x for d in readers_of for x in d), dtype=np.int64, count=sum(n_read))
+    span = int(max(us.max(initial=0), vs.max(initial=0), owners.max(initial=0), reads.max(initial=0))) + 1
+    pair = us * span + vs
+    uniq, pair_of = np.unique(pair, return_inverse=True)
+    is_edge = np.array([cg.has_edge(int(x // span), int(x % span)) for x in uniq.tolist()], dtype=bool)
+    vkey = tree_of * span + vs
+    keys, first = np.unique(vkey, return_index=True)                                   # each reached rank's edge
+    at = np.minimum(np.searchsorted(keys, tree_of * span + us), max(len(keys) - 1, 0))
+    parent_first = (us == owners[tree_of]) | ((keys[at] == tree_of * span + us) & (first[at] < np.arange(E)))
+    once = (first[np.searchsorted(keys, vkey)] == np.arange(E)) & (vs != owners[tree_of])
+    edge_bad = ~is_edge[pair_of] | ~parent_first | ~once                                   # [E]
+    rkey = read_tree * span + reads
+    missing = ~(np.isin(rkey, keys) | (reads == owners[read_tree]))
+    bad = np.zeros(len(trees), dtype=bool)
+    bad[tree_of[edge_bad]] = True
+    bad[read_tree[missing]] = True
+    if bad.any():
+        t = int(np.argmax(bad))
+        _check_tree(cg, trees[t][0], readers_of[t], trees[t][2])
+        raise AssertionError(f"tree {t} of {cg.name!r} found at fault by the vectorised check only (a bug)")
 
 
 def _check_tree(cg: CommGraph, owner: int, dests: Sequence[int], tree) -> None:
