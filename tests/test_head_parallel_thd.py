@@ -147,8 +147,39 @@ def test_choose_packed_head_parallel_takes_the_least_predicted_time():
 
     docs = lognormal_lengths(math.log(2048), 1.0, 128 * 1024, seed=0)
     shape = AttentionShape(128 * 1024, 32, 8, 128, 2)
-    best, times = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape)
+    best, times = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape, prune=False)
     assert sorted(times) == head_parallel_degrees("dgx-h100:2", range(16), 32, 8) == [1, 2, 4, 8]
     assert times[best] == min(times.values())
-    best2, times2 = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape, degrees=[1, 2])
+    best2, times2 = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape, degrees=[1, 2], prune=False)
     assert times2 == {a: times[a] for a in (1, 2)} and best2 in (1, 2)
+    # pruned (the default): the same choice, each degree simulated has the full search's time
+    best3, times3 = choose_packed_head_parallel("dgx-h100:2", range(16), docs, shape)
+    assert best3 == best and best in times3 and times3 == {a: times[a] for a in times3}
+
+
+def test_pruned_degree_choice_is_the_full_search():
+    """Note [Pruning the packed degree choice]: on mixes where degrees are pruned, the choice is the
+    full search's, each pruned degree's floor is above the choice's time, and no floor is above its
+    own degree's time."""
+    import math
+
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.head_parallel_packed import PackedAsRun
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
+
+    shape = AttentionShape(1, 64, 8, 128, 2)
+    pruned_somewhere = False
+    for median, seed in ((2048, 0), (8192, 1), (32768, 2)):
+        docs = lognormal_lengths(math.log(median), 1.0, 1 << 18, seed)
+        plans: dict = {}
+        full_best, full = choose_packed_head_parallel("dgx-h100:4", range(32), docs, shape, prune=False, plans=plans)
+        best, times = choose_packed_head_parallel("dgx-h100:4", range(32), docs, shape)
+        assert best == full_best and times == {a: full[a] for a in times}
+        for a, plan in plans.items():
+            floor = PackedAsRun(plan, "dgx-h100:4", shape).floor()
+            assert floor <= full[a] * (1 + 1e-9)
+            if a not in times:
+                pruned_somewhere = True
+                assert floor > full[best]
+    assert pruned_somewhere

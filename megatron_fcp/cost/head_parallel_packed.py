@@ -33,7 +33,7 @@ from megatron_fcp.contract.head_parallel import LOCAL_STAGE
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
+from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward, wave_backward_floor
 from megatron_fcp.cost.head_parallel import combine, stage_shape
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
@@ -47,7 +47,7 @@ from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel",
-           "packed_as_run"]
+           "packed_as_run", "PackedAsRun"]
 
 
 def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
@@ -132,17 +132,44 @@ def packed_as_run(plan: "Plan | PackedHeadParallelPlan", topology: "Topology | s
     merged stage plan with the stage's heads, between the same all-to-alls. What
     :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel` ranks degrees by.
     Returns ``fwd_s``, ``bwd_s``, ``total_s``, ``waves`` and ``backward_kv`` (the mode run)."""
-    topo = load_topology(topology)
-    cm = compute_model or ComputeModel()
-    if isinstance(plan, PackedHeadParallelPlan):
-        sp, sshape = packed_stage_plan(plan), stage_shape(plan, shape)
-        fwd = _stage_forward(plan, topo, shape, cm).total_s
-        exposed = sum(_a2a(plan, topo, shape, w).total_s for w in ("o-in", "qkv-out"))
-    else:
-        sp, sshape, exposed = plan, shape, 0.0
-        fwd = simulate_plan(plan, topo, shape, compute_model=cm).total_s
-    waves = simulate_backward_waves(sp, topo, sshape, compute_model=cm, backward_kv=backward_kv,
-                                    kv_memory_budget=kv_memory_budget, per_wave=False)
-    bwd = exposed + waves["bwd_s"]
-    return {"fwd_s": fwd, "bwd_s": bwd, "total_s": fwd + bwd, "waves": waves["waves"],
-            "backward_kv": waves["backward_kv"]}
+    return PackedAsRun(plan, topology, shape, compute_model=compute_model, backward_kv=backward_kv,
+                       kv_memory_budget=kv_memory_budget).result()
+
+
+class PackedAsRun:
+    """:func:`packed_as_run` in two steps, so that a search can rule a plan out before simulating
+    its backward (Note [Pruning the packed degree choice] in
+    :mod:`megatron_fcp.planner.head_parallel`): the forward (and a stage's exposed all-to-alls)
+    is priced at construction; :meth:`floor` adds a floor on the backward in waves
+    (:func:`~megatron_fcp.cost.backward.wave_backward_floor`: the waves packed, their messages not
+    simulated; 0 for a backward that streams as chains); :meth:`result` adds the backward itself.
+    ``floor() <= result()["total_s"]`` (the floor's own guarantee, tested)."""
+
+    def __init__(self, plan: "Plan | PackedHeadParallelPlan", topology: "Topology | str", shape: AttentionShape, *,
+                 compute_model: ComputeModel | None = None, backward_kv: str = "auto",
+                 kv_memory_budget: int = RING_BUDGET):
+        self.topo = load_topology(topology)
+        self.cm = compute_model or ComputeModel()
+        self.backward_kv, self.kv_memory_budget = backward_kv, kv_memory_budget
+        if isinstance(plan, PackedHeadParallelPlan):
+            self.sp, self.sshape = packed_stage_plan(plan), stage_shape(plan, shape)
+            self.fwd = _stage_forward(plan, self.topo, shape, self.cm).total_s
+            self.exposed = sum(_a2a(plan, self.topo, shape, w).total_s for w in ("o-in", "qkv-out"))
+        else:
+            self.sp, self.sshape, self.exposed = plan, shape, 0.0
+            self.fwd = simulate_plan(plan, self.topo, shape, compute_model=self.cm).total_s
+
+    def floor(self) -> float:
+        """A floor on :meth:`result`'s ``total_s``."""
+        wave = wave_backward_floor(self.sp, self.topo, self.sshape, compute_model=self.cm,
+                                   backward_kv=self.backward_kv, kv_memory_budget=self.kv_memory_budget)
+        return self.fwd + self.exposed + (wave or 0.0)
+
+    def result(self) -> dict:
+        """``fwd_s``, ``bwd_s``, ``total_s``, ``waves``, ``backward_kv``: :func:`packed_as_run`'s."""
+        waves = simulate_backward_waves(self.sp, self.topo, self.sshape, compute_model=self.cm,
+                                        backward_kv=self.backward_kv, kv_memory_budget=self.kv_memory_budget,
+                                        per_wave=False)
+        bwd = self.exposed + waves["bwd_s"]
+        return {"fwd_s": self.fwd, "bwd_s": bwd, "total_s": self.fwd + bwd, "waves": waves["waves"],
+                "backward_kv": waves["backward_kv"]}
