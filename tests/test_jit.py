@@ -116,3 +116,22 @@ def test_tree_check_of_all_trees_names_the_first_fault():
         with pytest.raises(PlanError) as alone:
             C._check_tree(cg, o, readers[5], bad)
         assert str(got.value) == str(alone.value), name
+
+
+@pytest.mark.skipif(not J.COMPILED, reason="numba not installed: only the Python run exists")
+@pytest.mark.parametrize("buffered", (False, True), ids=("nccl", "gloo"))
+def test_wave_floor_compiled_equals_python(monkeypatch, buffered):
+    """wave_timeline_floor with its chain loop (``_chain_floor``) compiled and as Python: the same
+    floor, bit for bit, re-sending and keeping."""
+    from megatron_fcp.cost import backward as BK
+    from megatron_fcp.cost import timeline as TL
+    from megatron_fcp.cost.model import AttentionShape
+
+    shape = AttentionShape(1, 32, 8, 128, 2)
+    for _, plan, _ in list(_plans())[:1]:
+        for kv in ("resend", "keep"):
+            fast = BK.wave_backward_floor(plan, "dgx-h100:2", shape, backward_kv=kv, buffered_sends=buffered)
+            with monkeypatch.context() as m:
+                m.setattr(TL, "_chain_floor", TL._chain_floor.py_func)
+                slow = BK.wave_backward_floor(plan, "dgx-h100:2", shape, backward_kv=kv, buffered_sends=buffered)
+            assert fast == slow and fast > 0

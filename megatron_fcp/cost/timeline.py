@@ -91,11 +91,15 @@ placements and windows (``tests/test_wave_floor.py``).
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter, itemgetter
 from typing import Callable, Sequence
+
+import numpy as np
 
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
+from megatron_fcp.jit import jit
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
 from megatron_fcp.schedule.waves import Wave, loop_jobs
@@ -478,52 +482,61 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
     comp = [{x: sum(job_s(x, b) for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]))
              for x in ranks} for w in range(W + 1)]
 
-    routes: dict[tuple[int, int], tuple[list[int], list[float], float]] = {}   # (src, dst) -> resources, bandwidths, latency
-    sizes: dict[int, dict[Block, float]] = {id(kv_bytes): {}, id(grad_bytes): {}}   # per size function: block -> bytes
-    held: dict[int, float] = {}          # resource -> seconds of every message of the backward on it
+    # every chain's messages as columns: block numbers (plan.blocks() order), routes once per pair
+    pos = {x: i for i, x in enumerate(ranks)}
+    n_local = plan.chunks_per_rank() * plan.parts_per_chunk
+    offset = np.zeros(max(ranks) + 1, dtype=np.int64)
+    offset[ranks] = np.cumsum(n_local) - n_local
+    blocks = plan.blocks()
+    kv_size = np.array([kv_bytes(b) for b in blocks], dtype=np.float64)
+    grad_size = np.array([grad_bytes(b) for b in blocks], dtype=np.float64)
+    pairs: dict[tuple[int, int], int] = {}
+    pair_ids: list[list[int]] = []
+    pair_lat: list[float] = []
+
+    def columns(transfers, reverse: bool) -> tuple[np.ndarray, ...]:
+        """``(round, sender, receiver, route, block number)`` of a chain's messages, plan order."""
+        T = len(transfers)
+        rnd = np.fromiter(map(itemgetter(0), transfers), dtype=np.int64, count=T)
+        ts = list(map(itemgetter(1), transfers))
+        src, dst, own, chunk, part = (np.fromiter(map(attrgetter(f), ts), dtype=np.int64, count=T)
+                                      for f in ("src", "dst", "block.owner", "block.chunk", "block.part"))
+        s, d = (dst, src) if reverse else (src, dst)
+        route = np.empty(T, dtype=np.int64)
+        for j, key in enumerate(zip(s.tolist(), d.tolist())):
+            k = pairs.get(key)
+            if k is None:
+                k = pairs[key] = len(pair_ids)
+                rid, latency = idx.route(*key)
+                pair_ids.append(rid.tolist())
+                pair_lat.append(latency + round_overhead_s)
+            route[j] = k
+        return rnd, np.array([pos[x] for x in s.tolist()], dtype=np.int64), \
+            np.array([pos[x] for x in d.tolist()], dtype=np.int64), route, offset[own] + chunk * plan.parts_per_chunk + part
+
+    held = None
 
     def chain(transfers, reverse: bool, size: Callable[[Block], float], start: dict[int, float]) -> dict[int, float]:
         """Each rank's completion of one chain (a wave's fetch or its reduction), every rank posting
         its first round no sooner than ``start`` and each next round once its last completed: a
         message starts once both ends posted and takes its route's slowest resource plus latency;
-        a rank's messages of a round share its resources. Ranks without messages: ``start``."""
-        by_round: dict[int, list] = {}
-        for r, t in transfers:
-            by_round.setdefault(r, []).append(t)
-        memo = sizes[id(size)]
-        ready = dict(start)
-        for r in sorted(by_round, reverse=reverse):
-            done: dict[int, float] = {}
-            load: dict[int, float] = {}          # (rank << 20 | resource) -> its messages' seconds there
-            lat: dict[int, float] = {}
-            for t in by_round[r]:
-                s, d = (t.dst, t.src) if reverse else (t.src, t.dst)
-                hit = routes.get((s, d))
-                if hit is None:
-                    rid, latency = idx.route(s, d)
-                    ks = rid.tolist()
-                    hit = routes[(s, d)] = (ks, [idx.bw[k] for k in ks], latency + round_overhead_s)
-                ks, bws, latency = hit
-                nbytes = memo.get(t.block)
-                if nbytes is None:
-                    nbytes = memo[t.block] = size(t.block)
-                durs = [nbytes / bw for bw in bws]
-                for k, dur in zip(ks, durs):
-                    held[k] = held.get(k, 0.0) + dur
-                begin = ready[s] if ready[s] > ready[d] else ready[d]
-                fin = begin + max(durs, default=0.0) + latency
-                done[s] = max(done.get(s, 0.0), begin if buffered_sends else fin)   # gloo: a send completes as it starts
-                done[d] = max(done.get(d, 0.0), fin)
-                for x in ((d,) if buffered_sends else (s, d)):
-                    lat[x] = min(lat.get(x, latency), latency)
-                    base = x << 20
-                    for k, dur in zip(ks, durs):
-                        load[base | k] = load.get(base | k, 0.0) + dur
-            for xk, busy in load.items():
-                x = xk >> 20
-                done[x] = max(done[x], ready[x] + busy + lat[x])
-            ready.update(done)
-        return ready
+        a rank's messages of a round share its resources. Ranks without messages: ``start``
+        (:func:`_chain_floor`, compiled)."""
+        nonlocal held
+        rnd, s, d, route, block = columns(transfers, reverse)
+        ptr, ids = _csr_lists(pair_ids)
+        bws = np.array(idx.bw, dtype=np.float64)
+        if held is None or len(held) < len(bws):
+            grown = np.zeros(len(bws))
+            if held is not None:
+                grown[:len(held)] = held
+            held = grown
+        order = np.argsort(-rnd if reverse else rnd, kind="stable")     # rounds in turn, plan order in each
+        ready = _chain_floor(rnd[order], s[order], d[order], route[order],
+                             (kv_size if size is kv_bytes else grad_size)[block[order]], ptr, ids,
+                             np.array(pair_lat, dtype=np.float64), bws, held,
+                             np.array([start[x] for x in ranks], dtype=np.float64), buffered_sends)
+        return dict(zip(ranks, ready.tolist()))
 
     fetched = [wave if w or first_fetch is None else first_fetch for w, wave in enumerate(waves)]
     zero = dict.fromkeys(ranks, 0.0)
@@ -547,4 +560,97 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
                 nxt = {x: max(nxt[x], reduced[v][x]) for x in ranks}
         begin, end = nxt, nxt
     # every message of the backward holds each resource of its route for its bytes, one at a time
-    return max(max(end.values(), default=0.0), max(held.values(), default=0.0))
+    return max(max(end.values(), default=0.0), float(held.max()) if held is not None and len(held) else 0.0)
+
+
+def _csr_lists(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ptr, ids)``: list ``j`` is ``ids[ptr[j]:ptr[j + 1]]``."""
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in lists], out=ptr[1:])
+    return ptr, np.fromiter((i for x in lists for i in x), dtype=np.int64, count=int(ptr[-1]))
+
+
+@jit
+def _chain_floor(rnd, s, d, route, nbytes, pair_ptr, pair_ids, pair_lat, bws, held, start, buffered):
+    """One chain of :func:`wave_timeline_floor` over columns (compiled: Note [Compiled planning
+    loops] in :mod:`megatron_fcp.jit`): messages ``s[m] -> d[m]`` (CP positions) of ``nbytes[m]``
+    over route ``route[m]`` (resources ``pair_ids[pair_ptr[j]:pair_ptr[j + 1]]``, latency
+    ``pair_lat[j]``), rounds in the order given (``rnd``, grouped). Returns each rank's completion
+    (``start`` for a rank without messages); adds every message's seconds on each resource to
+    ``held``. Per round: a message begins once both ends are ready and ends its route's slowest
+    resource plus latency later; a rank is done no sooner than that (its sends, with ``buffered``,
+    as they begin) nor than its ready time plus its messages' summed seconds on any one resource
+    plus its least latency."""
+    R = start.shape[0]
+    n_res = bws.shape[0]
+    ready = start.copy()
+    done = np.zeros(R)
+    has_done = np.zeros(R, dtype=np.bool_)
+    lat = np.zeros(R)
+    has_lat = np.zeros(R, dtype=np.bool_)
+    load = np.zeros(R * n_res)                       # [rank * n_res + resource]: seconds in the round
+    touched = np.empty(R * 8 + 64, dtype=np.int64)
+    n_touched = 0
+    ranks_hit = np.empty(R, dtype=np.int64)
+    n_hit = 0
+    M = rnd.shape[0]
+    m = 0
+    while m < M:
+        r = rnd[m]
+        while m < M and rnd[m] == r:
+            a = s[m]
+            b = d[m]
+            j = route[m]
+            latency = pair_lat[j]
+            top = 0.0
+            first = True
+            for q in range(pair_ptr[j], pair_ptr[j + 1]):
+                k = pair_ids[q]
+                dur = nbytes[m] / bws[k]
+                held[k] += dur
+                if first or dur > top:
+                    top = dur
+                    first = False
+            begin = ready[a] if ready[a] > ready[b] else ready[b]
+            fin = begin + top + latency
+            for x, t in ((a, begin if buffered else fin), (b, fin)):
+                if not has_done[x]:
+                    has_done[x] = True
+                    done[x] = 0.0
+                    ranks_hit[n_hit] = x
+                    n_hit += 1
+                done[x] = max(done[x], t)
+            for who in range(2):
+                if who == 0 and buffered:
+                    continue
+                x = a if who == 0 else b
+                if not has_lat[x]:
+                    has_lat[x] = True
+                    lat[x] = latency
+                else:
+                    lat[x] = min(lat[x], latency)
+                base = x * n_res
+                for q in range(pair_ptr[j], pair_ptr[j + 1]):
+                    k = pair_ids[q]
+                    if load[base + k] == 0.0:
+                        if n_touched == touched.shape[0]:
+                            grown = np.empty(2 * n_touched, dtype=np.int64)
+                            grown[:n_touched] = touched
+                            touched = grown
+                        touched[n_touched] = base + k
+                        n_touched += 1
+                    load[base + k] += nbytes[m] / bws[k]
+            m += 1
+        for q in range(n_touched):
+            key = touched[q]
+            x = key // n_res
+            done[x] = max(done[x], ready[x] + load[key] + lat[x])
+            load[key] = 0.0
+        n_touched = 0
+        for q in range(n_hit):
+            x = ranks_hit[q]
+            ready[x] = done[x]
+            has_done[x] = False
+            has_lat[x] = False
+        n_hit = 0
+    return ready
