@@ -819,21 +819,28 @@ def simulate_plan(
             res.meta["padded_seq_len"] = shape.seq_len
         return res
     starts = np.searchsorted(k_of, np.arange(n_rounds + 1))
-    entry_route: list[np.ndarray] = []
-    entry_lat: list[float] = []
+    # each (round, src, dst) entry's route: looked up once per pair, in order of first use (the
+    # resource ids follow it), then gathered into every round's flat resource list
+    pair = uk % (cp * cp)
+    _, first_use, pair_inv = np.unique(pair, return_index=True, return_inverse=True)
+    by_use = np.argsort(first_use)
+    pair_slot = np.empty(len(by_use), dtype=np.int64)
+    pair_slot[by_use] = np.arange(len(by_use))
+    routes = [idx.route(plan.ranks[int(p) // cp], plan.ranks[int(p) % cp]) for p in pair[first_use[by_use]].tolist()]
+    entry_pair = pair_slot[pair_inv]                                             # [entries]
+    r_len = np.array([len(rid) for rid, _ in routes], dtype=np.int64)
+    r_ptr = np.concatenate([[0], np.cumsum(r_len)])
+    r_ids = np.concatenate([rid for rid, _ in routes]) if routes else np.zeros(0, np.int64)
+    entry_lat = np.array([lt for _, lt in routes], dtype=np.float64)[entry_pair] if routes else np.zeros(0)
+    e_len = r_len[entry_pair]
+    e_at = np.concatenate([[0], np.cumsum(e_len)])                               # entry -> its flat start
+    flat = np.repeat(r_ptr[entry_pair] - e_at[:-1], e_len) + np.arange(int(e_at[-1]))
+    flat_ids, flat_w = r_ids[flat], np.repeat(agg, e_len)
     for k in range(n_rounds):
-        ids, wts, lmax = [], [], 0.0
-        for e in range(starts[k], starts[k + 1]):
-            s_i, d_i = divmod(int(uk[e]) % (cp * cp), cp)
-            rid, l = idx.route(plan.ranks[s_i], plan.ranks[d_i])
-            ids.append(rid)
-            wts.append(np.full(len(rid), agg[e]))
-            lmax = max(lmax, l)
-            entry_route.append(rid)
-            entry_lat.append(l)
-        per_round_ids.append(np.concatenate(ids) if ids else np.zeros(0, np.int64))
-        per_round_bytes.append(np.concatenate(wts) if wts else np.zeros(0))
-        lat.append(lmax)
+        a, b = int(e_at[starts[k]]), int(e_at[starts[k + 1]])
+        per_round_ids.append(flat_ids[a:b])
+        per_round_bytes.append(flat_w[a:b])
+        lat.append(float(entry_lat[starts[k]:starts[k + 1]].max(initial=0.0)))
     busy_k: list[np.ndarray] = []
     res = _finish_rounds(idx, per_round_ids, per_round_bytes, lat, float(nbytes.sum()), round_overhead_s,
                          name or f"fcp-{plan.name}", busy_k)
@@ -846,8 +853,11 @@ def simulate_plan(
     # arrival of each (round, src, dst) message group: round start + latency + its route's busiest
     # resource in that round (messages on idle NVLink land before the round's NIC bottleneck ends)
     starts_t = np.array([e["start_s"] for e in res.timeline])
-    finish = np.array([starts_t[k_of[e]] + entry_lat[e] + float(busy_k[k_of[e]][entry_route[e]].max())
-                       for e in range(len(uk))])
+    if len(uk):
+        busy_of = np.stack(busy_k)[np.repeat(k_of, e_len), flat_ids]            # [flat]: its resource's busy time
+        finish = starts_t[k_of] + entry_lat + np.maximum.reduceat(busy_of, e_at[:-1])
+    else:
+        finish = np.zeros(0)
     arrival = finish[inv] if len(rnd) else np.zeros(0)
 
     # compute: own blocks first (one kernel), then received blocks in plan order, each no earlier
