@@ -117,6 +117,8 @@ def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
         raise PlanError(f"relabel: {len(ranks)} ranks for a plan over {plan.cp}")
     if ranks == tuple(plan.ranks):
         return plan
+    if plan.table is not None and plan.__dict__.get("_rounds") is None:
+        return replace(plan, ranks=ranks, rounds=None)   # a table names CP indices: nothing to rename
     to = {old: new for old, new in zip(plan.ranks, ranks)}
 
     renamed: dict[Block, Block] = {}

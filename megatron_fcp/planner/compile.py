@@ -51,13 +51,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_fcp.contract.blocks import (Block, PlanError, Transfer, gc_paused, make_transfer, make_transfers,
-                                          transfers_from_columns)
+from megatron_fcp.contract.blocks import (Block, PlanError, Transfer, cp_index_of, gc_paused, make_transfer,
+                                          make_transfers, transfers_from_columns)
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan, plan_mask
-from megatron_fcp.contract.table import table_rounds
+from megatron_fcp.contract.table import TransferTable, block_layout, small_int, table_rounds
 from megatron_fcp.jit import jit
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
@@ -195,6 +195,11 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
         elif limited:
             plan_rounds = _list_schedule(trees, P, stagger, max_sends, max_recvs)
         elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
+            if placement is not None and any(tree for _, _, tree, _ in trees):
+                cols, _ = _balanced_columns(cg, trees, P, _block_weights(cg, placement))
+                plan = Plan(ranks, None, causal, P, table=_placement_table(cg, cols, placement_chunks(placement)),
+                            **header)
+                return plan.verify(max_sends=max_sends, max_recvs=max_recvs) if verify else plan
             plan_rounds = _balanced_waves(cg, trees, P, _block_weights(cg, placement))
         else:
             plan_rounds = _waves([(o, c, runs_of(t, d)) for o, c, t, d in trees], P, stagger)
@@ -274,7 +279,22 @@ def _block_weights(cg: CommGraph, placement: Placement | None) -> Callable[[int,
 
 def _balanced_waves(cg: CommGraph, trees, P: int,
                     weight: Callable[[int, int], float]) -> tuple[tuple[Transfer, ...], ...]:
-    """Waves, then leaf edges moved into rounds with spare capacity on their route's resources.
+    """:func:`_balanced_columns` as rounds of transfers."""
+    (rnd, src, dst, owner, chunk, part), n = _balanced_columns(cg, trees, P, weight)
+    blocks: dict[tuple[int, int, int], Block] = {}
+    flat = transfers_from_columns(src.tolist(), dst.tolist(),
+                                  [blocks.setdefault(b, Block(*b)) for b in zip(owner.tolist(), chunk.tolist(),
+                                                                                 part.tolist())])
+    ends = np.searchsorted(rnd, np.arange(n + 1)).tolist()
+    return tuple(tuple(flat[ends[j]:ends[j + 1]]) for j in range(n))
+
+
+def _balanced_columns(cg: CommGraph, trees, P: int,
+                      weight: Callable[[int, int], float]) -> tuple[tuple[np.ndarray, ...], int]:
+    """Waves, then leaf edges moved into rounds with spare capacity on their route's resources;
+    ``(round, src, dst, owner, chunk, part)`` int64 columns in plan order (rounds ascending; in a
+    round its relay edges in tree order, then its leaves in the order they were placed), and the
+    number of wave rounds (the last ones may be left empty).
 
     Edges into relays keep their wave round (the pipeline's backbone). A *leaf* edge (its
     receiver forwards nothing) may run in any round from one after its sender got the block up to
@@ -331,11 +351,14 @@ def _balanced_waves(cg: CommGraph, trees, P: int,
     rnd = np.concatenate([k[rigid_cols], leaf_round])
     by_round = np.argsort(rnd, kind="stable")
     cols, rnd = cols[by_round], rnd[by_round]
-    blocks = [Block(o, c, p) for o, c, _, _ in trees for p in range(P)]                 # [trees * P]
-    flat = transfers_from_columns(us[col_edge[cols]].tolist(), vs[col_edge[cols]].tolist(),
-                                  [blocks[i] for i in (tree_of[col_edge[cols]] * P + col_part[cols]).tolist()])
-    ends = np.searchsorted(rnd, np.arange(n + 1)).tolist()
-    return tuple(tuple(flat[ends[j]:ends[j + 1]]) for j in range(n))
+    edge, t = col_edge[cols], tree_of[col_edge[cols]]
+    chunks = np.array([c for _, c, _, _ in trees], dtype=np.int64)
+    return (rnd, us[edge], vs[edge], owners[t], chunks[t], col_part[cols]), n
+
+
+def placement_chunks(placement: Placement) -> np.ndarray:
+    """int64 ``[cp]``: the blocks each CP rank holds under ``placement`` (a packed plan's chunks)."""
+    return np.array([len(b) for b in placement.blocks], dtype=np.int64)
 
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -395,14 +418,7 @@ def _leaf_rounds(n, bws, rigid_k, rigid_pair, rigid_w, leaf_due, leaf_pair, leaf
 
 
 def _fast_links_first(cg: CommGraph, rounds) -> tuple[tuple[Transfer, ...], ...]:
-    """Order each round's transfers by edge bandwidth, fastest first (stable).
-
-    Ranks consume received blocks in plan order (bitwise-reproducible accumulation), so a block
-    on NVLink listed after a block crossing the network would wait for it; listing fast edges
-    first lets compute start as soon as the first blocks land. Same-pair transfers keep their
-    relative order (same bandwidth), which is what send/receive matching relies on. One stable
-    sort of all transfers by (round, -bandwidth), each pair's bandwidth read once.
-    """
+    """Order each round's transfers by edge bandwidth, fastest first (stable: :func:`_fast_order`)."""
     flat = [t for rnd in rounds for t in rnd]
     if not flat:
         return tuple(tuple(rnd) for rnd in rounds)
@@ -410,12 +426,43 @@ def _fast_links_first(cg: CommGraph, rounds) -> tuple[tuple[Transfer, ...], ...]
     rnd_of = np.repeat(np.arange(len(rounds), dtype=np.int64), lens)
     src = np.fromiter(map(attrgetter("src"), flat), dtype=np.int64, count=len(flat))
     dst = np.fromiter(map(attrgetter("dst"), flat), dtype=np.int64, count=len(flat))
-    span = int(max(src.max(), dst.max())) + 1
-    uniq, pair_of = np.unique(src * span + dst, return_inverse=True)
-    bw = np.array([cg.bandwidth(int(x // span), int(x % span)) for x in uniq.tolist()], dtype=np.float64)
-    order = np.lexsort((-bw[pair_of], rnd_of)).tolist()          # by round, then fastest; stable
+    order = _fast_order(cg, rnd_of, src, dst).tolist()
     ends = np.cumsum([0] + lens).tolist()
     return tuple(tuple(flat[i] for i in order[ends[k]:ends[k + 1]]) for k in range(len(rounds)))
+
+
+def _fast_order(cg: CommGraph, rnd: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """The permutation that orders each round's transfers (columns in plan order) by edge
+    bandwidth, fastest first, stable.
+
+    Ranks consume received blocks in plan order (bitwise-reproducible accumulation), so a block
+    on NVLink listed after a block crossing the network would wait for it; listing fast edges
+    first lets compute start as soon as the first blocks land. Same-pair transfers keep their
+    relative order (same bandwidth), which is what send/receive matching relies on. One stable
+    sort of all transfers by (round, -bandwidth), each pair's bandwidth read once.
+    """
+    span = int(max(src.max(initial=0), dst.max(initial=0))) + 1
+    uniq, pair_of = np.unique(src * span + dst, return_inverse=True)
+    bw = np.array([cg.bandwidth(int(x // span), int(x % span)) for x in uniq.tolist()], dtype=np.float64)
+    return np.lexsort((-bw[pair_of], rnd))                      # by round, then fastest; stable
+
+
+def _placement_table(cg: CommGraph, cols: tuple[np.ndarray, ...], chunks: np.ndarray) -> TransferTable:
+    """A packed plan's balanced columns as its transfer table (Note [Columnar plans] in
+    :mod:`megatron_fcp.contract.table`), fast links first in each round and trailing empty rounds
+    dropped, as the object path does (the same rounds once materialised): the compiled candidates
+    of ``auto`` are priced and verified from columns, and only the chosen plan's rounds are ever
+    built as objects, when something reads them."""
+    rnd, src, dst, owner, chunk, part = cols
+    order = _fast_order(cg, rnd, src, dst)
+    rnd, src, dst, owner, chunk, part = (c[order] for c in (rnd, src, dst, owner, chunk, part))
+    pos = cp_index_of(cg.ranks)
+    offset, _, nb = block_layout(chunks, 1)
+    n = int(rnd.max()) + 1
+    starts = np.searchsorted(rnd, np.arange(n + 1)).astype(np.int64)
+    idx = small_int(max(len(cg.ranks), nb))
+    return TransferTable(starts, pos(src).astype(idx), pos(dst).astype(idx),
+                         (offset[pos(owner)] + chunk + part).astype(idx))
 
 
 def _check_trees(cg: CommGraph, trees, readers_of: Sequence[Sequence[int]]) -> None:
