@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
-__all__ = ["jit", "COMPILED"]
+import numpy as np
+
+__all__ = ["jit", "COMPILED", "csr"]
 
 _log = logging.getLogger(__name__)
 
@@ -65,3 +67,11 @@ def jit(fn: F) -> F:
                          "with the same plans, several times slower (pip install numba)", _reason)
         return fn
     return _numba.njit(cache=True, nogil=True)(fn)
+
+
+def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of ints as the flat pair the compiled loops read: ``(ptr, ids)``, int64, list ``j``
+    being ``ids[ptr[j]:ptr[j + 1]]``."""
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in lists], out=ptr[1:])
+    return ptr, np.fromiter((i for x in lists for i in x), dtype=np.int64, count=int(ptr[-1]))

@@ -99,7 +99,7 @@ import numpy as np
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
-from megatron_fcp.jit import jit
+from megatron_fcp.jit import csr, jit
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
 from megatron_fcp.schedule.waves import Wave, loop_jobs
@@ -524,7 +524,7 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
         (:func:`_chain_floor`, compiled)."""
         nonlocal held
         rnd, s, d, route, block = columns(transfers, reverse)
-        ptr, ids = _csr_lists(pair_ids)
+        ptr, ids = csr(pair_ids)
         bws = np.array(idx.bw, dtype=np.float64)
         if held is None or len(held) < len(bws):
             grown = np.zeros(len(bws))
@@ -561,13 +561,6 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
         begin, end = nxt, nxt
     # every message of the backward holds each resource of its route for its bytes, one at a time
     return max(max(end.values(), default=0.0), float(held.max()) if held is not None and len(held) else 0.0)
-
-
-def _csr_lists(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """``(ptr, ids)``: list ``j`` is ``ids[ptr[j]:ptr[j + 1]]``."""
-    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
-    np.cumsum([len(x) for x in lists], out=ptr[1:])
-    return ptr, np.fromiter((i for x in lists for i in x), dtype=np.int64, count=int(ptr[-1]))
 
 
 @jit

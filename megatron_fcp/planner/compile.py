@@ -58,7 +58,7 @@ from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan, plan_mask
 from megatron_fcp.contract.table import TransferTable, block_layout, small_int, table_rounds
-from megatron_fcp.jit import jit
+from megatron_fcp.jit import csr, jit
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
 
@@ -329,7 +329,7 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
                 bws.append(r.bandwidth)
             ids.append(i)
         routes.append(ids)
-    pair_ptr, pair_ids = _csr(routes)
+    pair_ptr, pair_ids = csr(routes)
     parts = np.arange(P, dtype=np.int64)
     col_edge = np.repeat(np.arange(len(tree_of), dtype=np.int64), P)                   # [E * P]
     col_part = np.tile(parts, len(tree_of))
@@ -359,13 +359,6 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
 def placement_chunks(placement: Placement) -> np.ndarray:
     """int64 ``[cp]``: the blocks each CP rank holds under ``placement`` (a packed plan's chunks)."""
     return np.array([len(b) for b in placement.blocks], dtype=np.int64)
-
-
-def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """``(ptr, ids)``: list ``j`` is ``ids[ptr[j]:ptr[j + 1]]``."""
-    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
-    np.cumsum([len(x) for x in lists], out=ptr[1:])
-    return ptr, np.fromiter((i for x in lists for i in x), dtype=np.int64, count=int(ptr[-1]))
 
 
 @jit
