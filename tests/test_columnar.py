@@ -358,3 +358,25 @@ def test_the_1024_rank_plan_is_verified_without_objects():
     plan = build_plan("dgx-h100:128", range(1024), "hierarchical")
     assert plan.table is not None and plan.verified and plan.__dict__["_rounds"] is None
     assert plan.num_transfers() == 1.5 * 1024 * 1023 and plan.num_rounds == 2
+
+
+@pytest.mark.parametrize("graph", ["entry", "hierarchical", "full"])
+@pytest.mark.parametrize("cp,ranks_kind", [(16, "range"), (32, "shuffled")])
+def test_packed_plans_compile_to_a_table_with_the_object_plans_rounds(graph, cp, ranks_kind):
+    """A packed batch's balanced plan is kept as its table (verified without objects); its rounds,
+    its columns and what the executor's ranks read are the object plan's."""
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.planner.placing import place_batch
+
+    topo = load_topology("dgx-h100:4")
+    ranks = _group(ranks_kind, topo.world, cp)
+    pl = place_batch(topo, ranks, lognormal_lengths(8.0, 1.2, cp * 4096, 7))
+    cg = build_graph(topo, ranks, graph)
+    columnar = compile_plan(cg, True, 1, placement=pl)
+    objects = compile_plan(build_graph(topo, ranks, graph), True, 1, placement=pl, columnar=False)
+    assert objects.table is None and columnar.table is not None
+    assert columnar.__dict__["_rounds"] is None and columnar.verified
+    for a, b in zip(columnar.transfer_columns(), objects.transfer_columns()):
+        assert np.array_equal(a, b)
+    assert all(columnar.rank_rounds(r) == objects.rank_rounds(r) for r in ranks)   # before rounds are built
+    assert columnar.rounds == objects.rounds and columnar == objects

@@ -104,7 +104,10 @@ def compile_plan(
     (``GraphBuilder.wave_table``: ``hierarchical``, ``ring``, ``full``), a plan of more than
     :data:`BALANCE_MAX_TRANSFERS` transfers keeps them in a table (Note [Columnar plans] in
     :mod:`megatron_fcp.contract.table`): the same rounds, materialised on first access of
-    ``plan.rounds``. False builds objects as before (tests compare the two).
+    ``plan.rounds``. A packed batch's plan whose leaf edges are balanced (no port limits) is kept
+    as a table too, whatever its size: ``auto`` verifies and prices its candidates from columns and
+    only the chosen plan's rounds are ever built as objects. False builds objects as before (tests
+    compare the two).
     """
     mask = plan_mask(causal, window, placement)
     if mask.windowed and placement is None:
@@ -195,7 +198,7 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
         elif limited:
             plan_rounds = _list_schedule(trees, P, stagger, max_sends, max_recvs)
         elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
-            if placement is not None and any(tree for _, _, tree, _ in trees):
+            if placement is not None and columnar and any(tree for _, _, tree, _ in trees):
                 cols, _ = _balanced_columns(cg, trees, P, _block_weights(cg, placement))
                 plan = Plan(ranks, None, causal, P, table=_placement_table(cg, cols, placement_chunks(placement)),
                             **header)
