@@ -29,7 +29,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -41,9 +41,12 @@ class PlanError(ValueError):
     """A plan is malformed; the message names the block, rank and round at fault."""
 
 
-@dataclass(frozen=True, order=True)
-class Block:
-    """One KV block: ``owner``'s (global rank) zigzag ``chunk`` (0 early, 1 late), sub-block ``part``."""
+class Block(NamedTuple):
+    """One KV block: ``owner``'s (global rank) zigzag ``chunk`` (0 early, 1 late), sub-block ``part``.
+
+    A named tuple (before 2026-12-06 a frozen dataclass with the same fields, order, ``repr`` and
+    hash): its hash and equality run in C, and planning hashes blocks by the hundred thousand (a
+    backward program's waves at cp = 256). A block equals the plain tuple of its fields."""
 
     owner: int
     chunk: int
