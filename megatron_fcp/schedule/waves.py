@@ -66,6 +66,7 @@ makes that and every other backward decision once (Note [Backward program]).
 from __future__ import annotations
 
 import weakref
+from itertools import chain, repeat
 from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Hashable, Mapping, Sequence
 
@@ -372,7 +373,9 @@ class _PackInput:
         """The plan's ``(round, transfer)`` pairs in plan order (what a packing's indices name)."""
         got = self.__dict__.get("_transfers")
         if got is None:
-            got = self.__dict__["_transfers"] = list(self.plan.transfers())
+            rounds = self.plan.rounds
+            got = self.__dict__["_transfers"] = list(zip(
+                chain.from_iterable(repeat(k, len(rnd)) for k, rnd in enumerate(rounds)), chain.from_iterable(rounds)))
         return got
 
 
@@ -388,8 +391,9 @@ def _waves(inp: _PackInput, raw: "_RawPacking") -> tuple[Wave, ...]:
     blocks, transfers = inp.blocks, inp.transfers
     cp_, carried = raw.carried_ptr.tolist(), raw.carried.tolist()
     mp, ci, cx = raw.comp_ptr.tolist(), raw.comp_i.tolist(), raw.comp_x.tolist()
-    return tuple(Wave(tuple(transfers[k] for k in carried[cp_[w]:cp_[w + 1]]),
-                      frozenset((blocks[i], x) for i, x in zip(ci[mp[w]:mp[w + 1]], cx[mp[w]:mp[w + 1]])))
+    take_t, take_b = transfers.__getitem__, blocks.__getitem__
+    return tuple(Wave(tuple(map(take_t, carried[cp_[w]:cp_[w + 1]])),
+                      frozenset(zip(map(take_b, ci[mp[w]:mp[w + 1]]), cx[mp[w]:mp[w + 1]])))
                  for w in range(len(raw)))
 
 
