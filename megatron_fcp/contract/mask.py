@@ -37,6 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_fcp.jit import jit
+
 __all__ = ["Mask", "CAUSAL", "FULL", "as_mask", "check_window", "parse_window", "FULL_PAIRS", "PARTIAL_PAIRS",
            "NO_PAIRS"]
 
@@ -136,17 +138,11 @@ class Mask:
         return (d >= lo) & (d <= hi)
 
     def pairs(self, q0, q1, k0, k1) -> np.ndarray:
-        """Visible (q, k) pairs with q in ``[q0, q1)`` and k in ``[k0, k1)`` (exact, int64, vectorised).
-
-        Per query the visible keys are ``[q + lo, q + hi]`` clipped to the range, so the count is
-        (keys ``<= q + hi``) - (keys ``< q + lo``), each a clamped ramp summed in closed form."""
-        q0, q1, k0, k1 = (np.asarray(x, dtype=np.int64) for x in (q0, q1, k0, k1))
+        """Visible (q, k) pairs with q in ``[q0, q1)`` and k in ``[k0, k1)`` (exact, int64; the
+        arguments broadcast): :func:`pair_count` of each."""
+        q0, q1, k0, k1 = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (q0, q1, k0, k1)))
         lo, hi = self.offsets
-        n = np.maximum(q1 - q0, 0)
-        L = np.maximum(k1 - k0, 0)
-        upper = n * L if hi >= _INF else _keys_at_most(q0 + hi, q1 + hi, k0, L)
-        lower = 0 if lo <= -_INF else _keys_at_most(q0 + lo - 1, q1 + lo - 1, k0, L)
-        return np.where((n > 0) & (L > 0), upper - lower, 0)
+        return _pair_counts(q0.ravel(), q1.ravel(), k0.ravel(), k1.ravel(), lo, hi).reshape(q0.shape)
 
     def classify(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> str:
         """Class of query positions ``[q_lo, q_hi]`` (an increasing run: every position in between)
@@ -179,11 +175,42 @@ def as_mask(causal: bool | Mask, window: Sequence[int] | None = None) -> Mask:
     return Mask.of(causal, window)
 
 
-def _keys_at_most(a0, a1, k0, L) -> np.ndarray:
+@jit
+def pair_count(q0, q1, k0, k1, lo, hi):
+    """Visible (q, k) pairs with q in ``[q0, q1)`` and k in ``[k0, k1)`` under offsets ``(lo, hi)``
+    (:attr:`Mask.offsets`; compiled, Note [Compiled planning loops] in :mod:`megatron_fcp.jit`).
+
+    Per query the visible keys are ``[q + lo, q + hi]`` clipped to the range, so the count is
+    (keys ``<= q + hi``) - (keys ``< q + lo``), each a clamped ramp summed in closed form
+    (:func:`_keys_at_most`); exact in int64."""
+    n = max(q1 - q0, 0)
+    L = max(k1 - k0, 0)
+    if n == 0 or L == 0:
+        return 0
+    upper = n * L if hi >= _INF else _keys_at_most(q0 + hi, q1 + hi, k0, L)
+    lower = 0 if lo <= -_INF else _keys_at_most(q0 + lo - 1, q1 + lo - 1, k0, L)
+    return upper - lower
+
+
+@jit
+def _pair_counts(q0, q1, k0, k1, lo, hi):
+    """:func:`pair_count` of each entry of four int64 ``[n]`` arrays."""
+    out = np.empty(q0.shape[0], dtype=np.int64)
+    for i in range(q0.shape[0]):
+        out[i] = pair_count(q0[i], q1[i], k0[i], k1[i], lo, hi)
+    return out
+
+
+@jit
+def _keys_at_most(a0, a1, k0, L):
     """``sum over t in [a0, a1) of clamp(t - k0 + 1, 0, L)``: for each threshold ``t``, the keys of
-    ``[k0, k0 + L)`` at positions ``<= t``."""
-    def F(x):  # sum over t <= x (from -inf) of clamp(t - k0 + 1, 0, L)
-        m = x - k0 + 1
-        ramp = np.minimum(np.maximum(m, 0), L)
-        return ramp * (ramp + 1) // 2 + np.maximum(m - L, 0) * L
-    return F(a1 - 1) - F(a0 - 1)
+    ``[k0, k0 + L)`` at positions ``<= t`` (the difference of the ramp's running sums)."""
+    return _ramp_sum(a1 - 1, k0, L) - _ramp_sum(a0 - 1, k0, L)
+
+
+@jit
+def _ramp_sum(x, k0, L):
+    """``sum over t <= x (from -inf) of clamp(t - k0 + 1, 0, L)``."""
+    m = x - k0 + 1
+    ramp = min(max(m, 0), L)
+    return ramp * (ramp + 1) // 2 + max(m - L, 0) * L

@@ -118,7 +118,8 @@ import logging
 import numpy as np
 
 from megatron_fcp.contract.blocks import Block
-from megatron_fcp.contract.mask import Mask, as_mask, check_window
+from megatron_fcp.contract.mask import Mask, as_mask, check_window, pair_count
+from megatron_fcp.jit import jit
 
 __all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
            "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "node_groups", "check_placement_args", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
@@ -359,8 +360,8 @@ class Placement:
     def pair_matrix(self) -> np.ndarray:
         """``[cp, n_blocks]`` int64: :meth:`pairs` of every CP rank against every block of
         :meth:`block_list` (exact, read-only), computed once: for each document, every (query span,
-        key span) pair of its spans in one vectorised
-        :meth:`~megatron_fcp.contract.mask.Mask.pairs` call, summed per query span's owner."""
+        key span) pair of its spans (:func:`_span_pair_matrix`, compiled), summed per query span's
+        owner."""
         got = self._cache.get("pair matrix")
         if got is not None:
             return got
@@ -372,16 +373,9 @@ class Placement:
         end = np.array([b[2].end for b in blocks], dtype=np.int64)
         order = np.argsort(docs, kind="stable")                       # spans grouped by document
         size = np.bincount(docs, minlength=len(self.doc_lengths))     # spans per document
-        first = np.concatenate(([0], np.cumsum(size)[:-1]))           # group start in `order`
-        per = size[docs[order]]                                       # [n]: its document's span count
-        q = np.repeat(order, per)                                     # [pairs]: query span
-        base = np.repeat(first[docs[order]], per)                     # its group's start
-        ofs = np.arange(len(q)) - np.repeat(np.cumsum(per) - per, per)  # 0..count-1 inside the group
-        k = order[base + ofs]                                         # [pairs]: key span, same document
-        pairs = self.mask.pairs(start[q], end[q], start[k], end[k])
-        # float64 sums are exact: a rank's pairs stay far below 2**53
-        out = np.bincount(owners[q] * n + k, weights=pairs, minlength=self.cp * n)
-        out = np.rint(out).astype(np.int64).reshape(self.cp, n)
+        first = np.concatenate(([0], np.cumsum(size)))                # group g is order[first[g]:first[g + 1]]
+        lo, hi = self.mask.offsets
+        out = _span_pair_matrix(order, first, start, end, owners, self.cp, lo, hi).reshape(self.cp, n)
         out.flags.writeable = False
         self._cache["pair matrix"] = out
         return out
@@ -938,3 +932,21 @@ def place_packed(
                             long_slack=long_slack, window=window, recv_refine=recv_refine, nodes=nodes,
                             token_weight=tw)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal, mask.window)
+
+
+@jit
+def _span_pair_matrix(order, first, start, end, owners, cp, lo, hi):
+    """int64 ``[cp * n]``: entry ``x * n + k``, the visible pairs of CP rank ``x``'s spans against
+    span ``k`` (:func:`~megatron_fcp.contract.mask.pair_count` under offsets ``(lo, hi)``), over the
+    (query, key) pairs of spans of one document: document ``g``'s spans are
+    ``order[first[g]:first[g + 1]]``; ``start``, ``end``, ``owners`` per span. Exact (int64)."""
+    n = start.shape[0]
+    out = np.zeros(cp * n, dtype=np.int64)
+    for g in range(first.shape[0] - 1):
+        for a in range(first[g], first[g + 1]):
+            q = order[a]
+            row = owners[q] * n
+            for b in range(first[g], first[g + 1]):
+                k = order[b]
+                out[row + k] += pair_count(start[q], end[q], start[k], end[k], lo, hi)
+    return out
