@@ -46,7 +46,8 @@ Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non
 from __future__ import annotations
 
 import heapq
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Callable, Sequence
 
 import numpy as np
@@ -309,12 +310,8 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
     topo = cg.topology
     # every edge of every tree (trees in order, edges parents first), then each part: column index
     # e * P + p is the e-th edge's part p, the order the rounds list them in
-    n_edges = [len(tree) for _, _, tree, _ in trees]
-    tree_of = np.repeat(np.arange(len(trees), dtype=np.int64), n_edges)                  # [E]
-    us = np.fromiter((u for _, _, tree, _ in trees for u, _ in tree), dtype=np.int64, count=len(tree_of))
-    vs = np.fromiter((v for _, _, tree, _ in trees for _, v in tree), dtype=np.int64, count=len(tree_of))
-    depth = np.fromiter((d for _, _, _, ds in trees for d in ds), dtype=np.int64, count=len(tree_of))
-    owners = np.array([o for o, _, _, _ in trees], dtype=np.int64)
+    tree_of, us, vs, owners = _edge_columns(trees)                                      # [E] each; [trees]
+    depth = np.fromiter(chain.from_iterable(map(itemgetter(3), trees)), dtype=np.int64, count=len(us))
     tree_w = np.array([weight(o, c) for o, c, _, _ in trees], dtype=np.float64)
     span = int(max(us.max(initial=0), vs.max(initial=0))) + 1
     into_relay = np.isin(tree_of * span + vs, tree_of * span + us)                      # [E]: v forwards it
@@ -461,16 +458,22 @@ def _placement_table(cg: CommGraph, cols: tuple[np.ndarray, ...], chunks: np.nda
                          (offset[pos(owner)] + chunk + part).astype(idx))
 
 
+def _edge_columns(trees) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(tree, u, v)`` int64 ``[E]`` of every edge of ``trees`` (``(owner, chunk, edges, depths)``,
+    in order, edges parents first), and each tree's owner ``[trees]``."""
+    edges = list(chain.from_iterable(map(itemgetter(2), trees)))
+    tree_of = np.repeat(np.arange(len(trees), dtype=np.int64), [len(t) for _, _, t, _ in trees])
+    us = np.fromiter(map(itemgetter(0), edges), dtype=np.int64, count=len(edges))
+    vs = np.fromiter(map(itemgetter(1), edges), dtype=np.int64, count=len(edges))
+    return tree_of, us, vs, np.array([o for o, _, _, _ in trees], dtype=np.int64)
+
+
 def _check_trees(cg: CommGraph, trees, readers_of: Sequence[Sequence[int]]) -> None:
     """:func:`_check_tree` of every tree at once (numpy over all edges: edges of the graph, parents
     reached first, no rank reached twice, every reader reached); the first tree at fault is checked
     again on its own, which raises its message."""
-    n_edges = [len(tree) for _, _, tree, _ in trees]
-    E = sum(n_edges)
-    tree_of = np.repeat(np.arange(len(trees), dtype=np.int64), n_edges)                 # [E]
-    us = np.fromiter((u for _, _, tree, _ in trees for u, _ in tree), dtype=np.int64, count=E)
-    vs = np.fromiter((v for _, _, tree, _ in trees for _, v in tree), dtype=np.int64, count=E)
-    owners = np.array([o for o, _, _, _ in trees], dtype=np.int64)
+    tree_of, us, vs, owners = _edge_columns(trees)
+    E = len(us)
     n_read = [len(d) for d in readers_of]
     read_tree = np.repeat(np.arange(len(trees), dtype=np.int64), n_read)
     reads = np.fromiter((x for d in readers_of for x in d), dtype=np.int64, count=sum(n_read))
