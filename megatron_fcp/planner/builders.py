@@ -190,13 +190,19 @@ class EntryGraph(FullGraph):
         meta = cg.meta
         groups, node_of, pos = meta["groups"], meta["node_of"], meta["pos"]
         home = node_of[owner]
-        want = set(dests)
+        # the readers per node, in the node's member order (a packed block has few readers: bucket
+        # them rather than scan every node's members)
+        by_node: dict = {}
+        for d in dests:
+            if d != owner:
+                by_node.setdefault(node_of[d], []).append(d)
         first: TreeEdges = []
         second: TreeEdges = []
         for node, members in groups.items():
-            readers = [d for d in members if d in want and d != owner]
+            readers = by_node.get(node)
             if not readers:
                 continue
+            readers = sorted(set(readers), key=pos.__getitem__)
             if node == home:
                 first.extend((owner, d) for d in readers)
                 continue
