@@ -415,11 +415,19 @@ class HierarchicalGraph(GraphBuilder):
         first: TreeEdges = []
         second: TreeEdges = []
         relays_needed = False
+        by_node: dict = {}          # the readers per node, in member order (few for a packed block)
+        if not everyone:
+            pos = meta["pos"]
+            for d in want:
+                if d != owner:
+                    by_node.setdefault(node_of[d], []).append(d)
+            for node, readers in by_node.items():
+                readers.sort(key=pos.__getitem__)
         for node, members in groups.items():
             if node == home:
-                first.extend([(owner, d) for d in members if d != owner and (everyone or d in want)])
+                first.extend([(owner, d) for d in (members if everyone else by_node.get(node, ())) if d != owner])
                 continue
-            readers = members if everyone else [d for d in members if d in want]
+            readers = members if everyone else by_node.get(node)
             if not readers:
                 continue
             relays_needed = True
