@@ -52,6 +52,7 @@ from megatron_fcp.planner.compare import compare_packed  # noqa: E402
 from megatron_fcp.planner.head_parallel import choose_packed_head_parallel  # noqa: E402
 from megatron_fcp.planner.placing import PACKED_BALANCE, place_batch  # noqa: E402
 from megatron_fcp.schedule.program import compile_backward  # noqa: E402
+from megatron_fcp.topology import load_topology  # noqa: E402
 
 MEDIANS = (2048, 8192, 32768)
 SIGMA = 1.0
@@ -141,13 +142,17 @@ def _layer(shape: AttentionShape, tokens_max: float, attention_s: float, te_atte
 def planning_speed(repeats: int = 3) -> list[dict]:
     """Per-batch planning as the runtime does it: place_packed, build_plan (graph auto, the default;
     and entry alone), the backward program (compile_backward); and, a row of its own, the degree
-    choice that ``--fcp-head-parallel auto`` makes before them; best of ``repeats``."""
+    choice that ``--fcp-head-parallel auto`` makes before them; best of ``repeats``. The topology
+    is loaded once per row, as the runtime loads it once at setup."""
     rows = []
     shape = AttentionShape(1, heads=64, kv_heads=8, head_dim=128, dtype_bytes=2)
     for cp, docs, bound in ((64, 512, 0.1), (256, 512, 0.5), (256, 2048, 0.5)):
         rng = np.random.default_rng(1)
         lengths = np.maximum(1, rng.lognormal(8.0, 1.2, docs).astype(int)).tolist()
-        topo = f"dgx-h100:{cp // 8}"
+        # one Topology for every batch, as the runtime holds one from setup (FCPRuntime.topology):
+        # its routes are worked out once, not per batch (before 2026-12-06 a preset string per call
+        # rebuilt them every time: 0.1-0.2 s of cp = 256's plan)
+        topo = load_topology(f"dgx-h100:{cp // 8}")
         for graph in ("auto", "entry"):
             times = []
             for _ in range(repeats):
