@@ -633,3 +633,16 @@ def _children(needle: str) -> list[int]:
         if ppid == os.getpid() and needle in cmd:
             found.append(int(pid))
     return found
+
+
+def test_a_failed_rank_log_is_in_the_message_even_without_a_traceback(tmp_path):
+    """A rank that aborts natively (SIGABRT: no Python traceback) still has its log tail in the
+    LaunchError, so the message says where it stopped."""
+    from megatron_fcp.emulate.launcher import _failure
+
+    logs = []
+    for r, text in enumerate(("@progress 1 2 fcp overlap 0.1\n", "fine\n", "[c10d] last words\n")):
+        logs.append(tmp_path / f"rank{r}.log")
+        logs[-1].write_text(text)
+    msg = _failure("rank 2 exited with code -6", logs, {2})
+    assert "--- rank 0" in msg and "--- rank 2" in msg and "last words" in msg and "--- rank 1" not in msg

@@ -82,7 +82,8 @@ def run_ranks(spec: ClusterSpec, job_path: str, out_path: str, logdir: str, time
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                raise LaunchError(_failure(f"rank {bad[0][0]} exited with code {bad[0][1]}", logs))
+                raise LaunchError(_failure(f"rank {bad[0][0]} exited with code {bad[0][1]}", logs,
+                                           {r for r, _ in bad}))
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
@@ -104,12 +105,14 @@ def _follow(proc: subprocess.Popen, log: Path, on_progress) -> None:
                 on_progress(line.strip())
 
 
-def _failure(what: str, logs: list[Path]) -> str:
+def _failure(what: str, logs: list[Path], failed: set[int] = frozenset()) -> str:
+    """The message of a failed run: rank 0's log tail, and that of every rank that raised or
+    exited non-zero (a native abort leaves no traceback: its tail still says where it was)."""
     parts = [f"emulated run failed: {what}"]
     for r, log in enumerate(logs):
         t = _tail(log).strip()
-        if t and ("Error" in t or "Traceback" in t or r == 0):
-            parts.append(f"--- rank {r} ({log}) ---\n{t}")
+        if r in failed or (t and ("Error" in t or "Traceback" in t or r == 0)):
+            parts.append(f"--- rank {r} ({log}) ---\n{t or '(empty log)'}")
     return "\n".join(parts)
 
 
