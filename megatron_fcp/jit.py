@@ -22,8 +22,16 @@ planner's decisions stay in the one function, whichever runs it:
   [Planning a packed batch ahead] in :mod:`megatron_fcp.patches.runtime`) runs beside the step's
   Python instead of taking turns with it.
 
+The loops compiled (2026-12-06; docs/planner.md, "Per-batch planning, fifth pass"): the backward's
+wave packing (``schedule.waves._pack_kernel``), the layer placement's greedy and search
+(``contract.layer_placement._assign_kernel``), the compiler's leaf rounds
+(``planner.compile._leaf_rounds``), the wave timeline floor's chains
+(``cost.timeline._chain_floor``) and the mask's pair count (``contract.mask.pair_count``, with the
+placement's pair matrix, ``contract.placement._span_pair_matrix``). Inputs are built by numpy;
+:func:`csr` turns lists of ints into the flat pair the loops read.
+
 ``MEGATRON_FCP_NO_JIT=1`` runs every loop as Python (for debugging, and for the test that holds the
-two runs equal).
+two runs equal; ``tests/test_jit.py`` also calls each kernel's ``py_func``).
 """
 
 from __future__ import annotations
