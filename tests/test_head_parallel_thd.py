@@ -183,3 +183,24 @@ def test_pruned_degree_choice_is_the_full_search():
                 pruned_somewhere = True
                 assert floor > full[best]
     assert pruned_somewhere
+
+
+def test_merged_stage_plan_is_every_member_copy_of_every_kv_transfer():
+    """packed_stage_plan builds its table from the KV plan's columns: its rounds are, per KV round,
+    each KV transfer once per member ``j`` (group ranks' ``j``-th members, in order), and the plan
+    is built once per stage object."""
+    import math
+
+    from megatron_fcp.contract.blocks import Block, Transfer
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.head_parallel_packed import packed_stage_plan
+    from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
+
+    docs = lognormal_lengths(math.log(4096), 1.0, 16 * 8192, seed=3)
+    hp = compile_packed_head_parallel("dgx-h100:4", range(32), docs, 32, 8, 4, "auto")
+    g = hp.head_groups
+    want = tuple(tuple(Transfer(g[t.src][j], g[t.dst][j], Block(g[t.block.owner][j], t.block.chunk, 0))
+                       for t in rnd for j in range(hp.degree)) for rnd in hp.kv_plan.rounds)
+    sp = packed_stage_plan(hp)
+    assert sp.table is not None and sp.verified and sp.rounds == want and len(want) > 1
+    assert packed_stage_plan(hp) is sp

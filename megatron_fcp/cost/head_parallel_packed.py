@@ -28,11 +28,16 @@ executor runs it (waves), which is what the degree choice ranks by.
 
 from __future__ import annotations
 
-from megatron_fcp.contract.blocks import Block, Transfer, gc_paused
+import weakref
+
+import numpy as np
+
+from megatron_fcp.contract.blocks import gc_paused
 from megatron_fcp.contract.head_parallel import LOCAL_STAGE
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.contract.table import TransferTable, block_layout, small_int
 from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward, wave_backward_floor
 from megatron_fcp.cost.head_parallel import combine, stage_shape
 from megatron_fcp.cost.model import (
@@ -53,18 +58,40 @@ __all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_par
 def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
     """Every KV stage of ``hp`` merged into one verified Plan on ``hp.ranks`` (Note [Packed
     head-parallel cost]): ``a`` copies of the documents, rank (``g``, ``j``) holding group ``g``'s
-    spans of copy ``j``; each KV-plan transfer once per member."""
+    spans of copy ``j``; each KV-plan transfer once per member, the members' copies of a transfer
+    next to each other. Built as a transfer table from the KV plan's columns (Note [Columnar plans]
+    in :mod:`megatron_fcp.contract.table`), once per ``hp`` object."""
+    hit = _MERGED.get(id(hp))
+    if hit is not None and hit[0]() is hp:
+        return hit[1]
     a, n = hp.degree, len(hp.group_placement.doc_lengths)
     gp, groups = hp.group_placement, hp.head_groups
     pos = {r: (g, j) for g, group in enumerate(groups) for j, r in enumerate(group)}
     blocks = tuple(tuple(Span(s.doc + pos[r][1] * n, s.start, s.end) for s in gp.blocks[pos[r][0]]) for r in hp.ranks)
     placement = Placement(gp.doc_lengths * a, blocks, gp.causal, gp.window)
-    rounds: tuple = ()
-    if hp.kv_plan is not None:
-        rounds = tuple(tuple(Transfer(groups[t.src][j], groups[t.dst][j], Block(groups[t.block.owner][j], t.block.chunk, 0))
-                             for t in rnd for j in range(a)) for rnd in hp.kv_plan.rounds)
-    name = hp.kv_plan.name if hp.kv_plan is not None else LOCAL_STAGE
-    return Plan(hp.ranks, rounds, gp.causal, 1, name=f"hp{a}-{name}", placement=placement).verify()
+    name = f"hp{a}-{hp.kv_plan.name if hp.kv_plan is not None else LOCAL_STAGE}"
+    if hp.kv_plan is None or not hp.kv_plan.num_transfers():
+        plan = Plan(hp.ranks, (), gp.causal, 1, name=name, placement=placement).verify()
+    else:
+        rnd, src, dst, owner, chunk, _ = hp.kv_plan.transfer_columns()     # [T]: group indices (virtual ranks)
+        cp_of = {r: i for i, r in enumerate(hp.ranks)}
+        member = np.array([[cp_of[r] for r in group] for group in groups], dtype=np.int64)   # [G, a]: CP index
+        j = np.tile(np.arange(a, dtype=np.int64), len(rnd))                               # [T * a]
+        src, dst, owner, chunk = (np.repeat(c, a) for c in (src, dst, owner, chunk))
+        chunks = np.array([len(b) for b in blocks], dtype=np.int64)
+        offset, _, nb = block_layout(chunks, 1)
+        idx = small_int(max(len(hp.ranks), nb))
+        starts = np.searchsorted(rnd, np.arange(hp.kv_plan.num_rounds + 1)).astype(np.int64) * a
+        table = TransferTable(starts, member[src, j].astype(idx), member[dst, j].astype(idx),
+                              (offset[member[owner, j]] + chunk).astype(idx))
+        plan = Plan(hp.ranks, None, gp.causal, 1, name=name, placement=placement, table=table).verify()
+    if len(_MERGED) > 256:
+        _MERGED.clear()
+    _MERGED[id(hp)] = (weakref.ref(hp), plan)
+    return plan
+
+
+_MERGED: dict[int, tuple[weakref.ref, Plan]] = {}   # id(hp) -> (hp ref, its merged stage plan)
 
 
 def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which: str) -> list[tuple[int, int, float]]:
