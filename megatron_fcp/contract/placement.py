@@ -349,11 +349,19 @@ class Placement:
         from :meth:`pair_matrix`."""
         return int(self.pair_matrix()[j, self._block_offsets()[i] + b])
 
+    def blocks_per_rank(self) -> np.ndarray:
+        """int64 ``[cp]``: how many blocks each CP rank holds (read-only)."""
+        got = self._cache.get("blocks per rank")
+        if got is None:
+            got = self._cache["blocks per rank"] = np.array([len(x) for x in self.blocks], dtype=np.int64)
+            got.flags.writeable = False
+        return got
+
     def _block_offsets(self) -> np.ndarray:
         """int64 ``[cp]``: the column of each CP rank's first block in :meth:`block_list` order."""
         got = self._cache.get("block offsets")
         if got is None:
-            sizes = [len(x) for x in self.blocks]
+            sizes = self.blocks_per_rank()
             got = self._cache["block offsets"] = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         return got
 

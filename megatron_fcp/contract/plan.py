@@ -191,7 +191,7 @@ class Plan:
         2 under zigzag, the number of its blocks under a placement."""
         if self.placement is None:
             return np.full(self.cp, 2, dtype=np.int64)
-        return np.array([len(b) for b in self.placement.blocks], dtype=np.int64)
+        return self.placement.blocks_per_rank()
 
     def needs(self, rank: int) -> frozenset[Block]:
         """Blocks global ``rank`` must receive (:func:`~megatron_fcp.contract.needs.need_set`, or the

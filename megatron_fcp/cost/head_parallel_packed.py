@@ -78,8 +78,7 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
         member = np.array([[cp_of[r] for r in group] for group in groups], dtype=np.int64)   # [G, a]: CP index
         j = np.tile(np.arange(a, dtype=np.int64), len(rnd))                               # [T * a]
         src, dst, owner, chunk = (np.repeat(c, a) for c in (src, dst, owner, chunk))
-        chunks = np.array([len(b) for b in blocks], dtype=np.int64)
-        offset, _, nb = block_layout(chunks, 1)
+        offset, _, nb = block_layout(placement.blocks_per_rank(), 1)
         idx = small_int(max(len(hp.ranks), nb))
         starts = np.searchsorted(rnd, np.arange(hp.kv_plan.num_rounds + 1)).astype(np.int64) * a
         table = TransferTable(starts, member[src, j].astype(idx), member[dst, j].astype(idx),

@@ -98,6 +98,7 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.contract.table import block_layout
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.jit import csr, jit
 from megatron_fcp.schedule.chains import ChainStep
@@ -484,9 +485,8 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
 
     # every chain's messages as columns: block numbers (plan.blocks() order), routes once per pair
     pos = {x: i for i, x in enumerate(ranks)}
-    n_local = plan.chunks_per_rank() * plan.parts_per_chunk
-    offset = np.zeros(max(ranks) + 1, dtype=np.int64)
-    offset[ranks] = np.cumsum(n_local) - n_local
+    offset = np.zeros(max(ranks) + 1, dtype=np.int64)                 # global rank -> its first block
+    offset[ranks] = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
     blocks = plan.blocks()
     kv_size = np.array([kv_bytes(b) for b in blocks], dtype=np.float64)
     grad_size = np.array([grad_bytes(b) for b in blocks], dtype=np.float64)

@@ -201,7 +201,7 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
         elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
             if placement is not None and columnar and any(tree for _, _, tree, _ in trees):
                 cols, _ = _balanced_columns(cg, trees, P, _block_weights(cg, placement))
-                plan = Plan(ranks, None, causal, P, table=_placement_table(cg, cols, placement_chunks(placement)),
+                plan = Plan(ranks, None, causal, P, table=_placement_table(cg, cols, placement.blocks_per_rank()),
                             **header)
                 return plan.verify(max_sends=max_sends, max_recvs=max_recvs) if verify else plan
             plan_rounds = _balanced_waves(cg, trees, P, _block_weights(cg, placement))
@@ -354,11 +354,6 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
     edge, t = col_edge[cols], tree_of[col_edge[cols]]
     chunks = np.array([c for _, c, _, _ in trees], dtype=np.int64)
     return (rnd, us[edge], vs[edge], owners[t], chunks[t], col_part[cols]), n
-
-
-def placement_chunks(placement: Placement) -> np.ndarray:
-    """int64 ``[cp]``: the blocks each CP rank holds under ``placement`` (a packed plan's chunks)."""
-    return np.array([len(b) for b in placement.blocks], dtype=np.int64)
 
 
 @jit

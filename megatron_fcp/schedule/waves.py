@@ -75,6 +75,7 @@ import numpy as np
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.contract.table import block_layout
 from megatron_fcp.jit import jit
 
 __all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
@@ -313,7 +314,7 @@ class _PackInput:
         nB = len(blocks)
         n_local = plan.chunks_per_rank() * plan.parts_per_chunk    # [cp] blocks each rank owns
         offset = np.zeros(R, dtype=np.int64)                       # global rank -> its first column
-        offset[ranks] = np.cumsum(n_local) - n_local
+        offset[ranks] = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
         _, src, dst, owner, chunk, part = plan.transfer_columns()  # [T] each, plan order
         c = offset[owner] + chunk * plan.parts_per_chunk + part    # [T]: each transfer's block number
         key = c * R + dst
