@@ -77,6 +77,7 @@ from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
 from megatron_fcp.schedule.launches import launch_ids, launch_starts, local_stage
 from megatron_fcp.topology import Topology, load_topology
+from megatron_fcp.topology.route_ids import first_use_ids
 
 __all__ = [
     "BACKWARD_FLOP_RATIO",
@@ -622,6 +623,26 @@ class _ResourceIndex:
             self.routes[(s, d)] = hit
         return hit
 
+    def route_columns(self, src, dst) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The routes ``src[i] -> dst[i]`` (global ranks) at once, from the topology's
+        :class:`~megatron_fcp.topology.route_ids.RouteIds`: ``(resources per route, their ids one
+        route after another, each route's latency)``, new resources numbered in order of first use,
+        as calling :meth:`route` pair by pair would number them (Note [Route ids])."""
+        table = self.topo.route_ids()
+        rows = table.rows(src, dst)
+        lens, topo_ids = table.gather(rows)
+        local, first_used = first_use_ids(topo_ids)
+        mine = np.empty(len(first_used), dtype=np.int64)       # topology id (first-use order) -> ours
+        for j, g in enumerate(first_used.tolist()):
+            name = table.names[g]
+            i = self.ids.get(name)
+            if i is None:
+                i = self.ids[name] = len(self.names)
+                self.names.append(name)
+                self.bw.append(float(table.resource_bandwidth[g]))
+            mine[j] = i
+        return lens, mine[local], table.latency[rows]
+
 
 def simulate_rounds(
     topology: Topology,
@@ -795,9 +816,7 @@ def simulate_plan(
             w_owner = np.ones(cp)
         nbytes = ((p1 - p0) * shape.kv_bytes(1)).astype(np.float64) * w_owner[owner_i]
     else:  # a packed batch: each block's own token count
-        tokens = {(i, b): sp.tokens for i, b, sp in pl.block_list()}
-        nbytes = np.array([tokens[(o, c)] for o, c in zip(owner_i.tolist(), chunk.tolist())],
-                          dtype=np.float64) * shape.kv_bytes(1)
+        nbytes = pl.tokens_of(owner_i, chunk).astype(np.float64) * shape.kv_bytes(1)
 
     # aggregate bytes per (round, src, dst), then load the routes
     idx = _ResourceIndex(topo)
@@ -826,12 +845,12 @@ def simulate_plan(
     by_use = np.argsort(first_use)
     pair_slot = np.empty(len(by_use), dtype=np.int64)
     pair_slot[by_use] = np.arange(len(by_use))
-    routes = [idx.route(plan.ranks[int(p) // cp], plan.ranks[int(p) % cp]) for p in pair[first_use[by_use]].tolist()]
+    used = pair[first_use[by_use]]                                               # [pairs], first-use order
+    rank_arr = np.asarray(plan.ranks, dtype=np.int64)
+    r_len, r_ids, r_lat = idx.route_columns(rank_arr[used // cp], rank_arr[used % cp])
     entry_pair = pair_slot[pair_inv]                                             # [entries]
-    r_len = np.array([len(rid) for rid, _ in routes], dtype=np.int64)
     r_ptr = np.concatenate([[0], np.cumsum(r_len)])
-    r_ids = np.concatenate([rid for rid, _ in routes]) if routes else np.zeros(0, np.int64)
-    entry_lat = np.array([lt for _, lt in routes], dtype=np.float64)[entry_pair] if routes else np.zeros(0)
+    entry_lat = r_lat[entry_pair]
     e_len = r_len[entry_pair]
     e_at = np.concatenate([[0], np.cumsum(e_len)])                               # entry -> its flat start
     flat = np.repeat(r_ptr[entry_pair] - e_at[:-1], e_len) + np.arange(int(e_at[-1]))

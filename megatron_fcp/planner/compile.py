@@ -59,9 +59,10 @@ from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan, plan_mask
 from megatron_fcp.contract.table import TransferTable, block_layout, small_int, table_rounds
-from megatron_fcp.jit import csr, jit
+from megatron_fcp.jit import jit
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
+from megatron_fcp.topology.route_ids import first_use_ids
 
 __all__ = ["compile_plan"]
 
@@ -317,19 +318,13 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
     into_relay = np.isin(tree_of * span + vs, tree_of * span + us)                      # [E]: v forwards it
     pair = us * span + vs
     uniq, pair_of = np.unique(pair, return_inverse=True)                               # routes once per pair
-    res_id: dict[str, int] = {}
-    bws: list[float] = []
-    routes = []
-    for uv in uniq.tolist():
-        ids = []
-        for r in topo.route(uv // span, uv % span).resources:
-            i = res_id.get(r.name)
-            if i is None:
-                i = res_id[r.name] = len(bws)
-                bws.append(r.bandwidth)
-            ids.append(i)
-        routes.append(ids)
-    pair_ptr, pair_ids = csr(routes)
+    # each pair's resources, numbered densely in order of first use (Note [Route ids])
+    table = topo.route_ids()
+    lens, topo_ids = table.gather(table.rows(uniq // span, uniq % span))
+    pair_ids, used = first_use_ids(topo_ids)
+    pair_ptr = np.zeros(len(uniq) + 1, dtype=np.int64)
+    np.cumsum(lens, out=pair_ptr[1:])
+    bws = table.resource_bandwidth[used]                                               # [resources]
     parts = np.arange(P, dtype=np.int64)
     col_edge = np.repeat(np.arange(len(tree_of), dtype=np.int64), P)                   # [E * P]
     col_part = np.tile(parts, len(tree_of))
@@ -343,7 +338,7 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
     latest_first = np.argsort(-due, kind="stable")
     leaf_cols, due = leaf_cols[latest_first], due[latest_first]
     leaf_round = _leaf_rounds(
-        n, np.array(bws, dtype=np.float64),
+        n, bws,
         k[rigid_cols], pair_of[col_edge[rigid_cols]], tree_w[tree_of[col_edge[rigid_cols]]],
         due, pair_of[col_edge[leaf_cols]], tree_w[tree_of[col_edge[leaf_cols]]], pair_ptr, pair_ids)
     # each round: its rigid edges in order, then its leaves in placing order
@@ -431,7 +426,7 @@ def _fast_order(cg: CommGraph, rnd: np.ndarray, src: np.ndarray, dst: np.ndarray
     """
     span = int(max(src.max(initial=0), dst.max(initial=0))) + 1
     uniq, pair_of = np.unique(src * span + dst, return_inverse=True)
-    bw = np.array([cg.bandwidth(int(x // span), int(x % span)) for x in uniq.tolist()], dtype=np.float64)
+    bw = cg.bandwidths(uniq // span, uniq % span)
     return np.lexsort((-bw[pair_of], rnd))                      # by round, then fastest; stable
 
 

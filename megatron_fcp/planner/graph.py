@@ -119,6 +119,17 @@ class CommGraph:
             return float(self._graph[a][b].get("bandwidth", 0.0))
         return float(_edge_attrs(self.topology, a, b)["bandwidth"])
 
+    def bandwidths(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """:meth:`bandwidth` of edges ``src[i] -> dst[i]`` at once (float64 ``[edges]``): read from
+        the topology's route columns (Note [Route ids] in :mod:`megatron_fcp.topology.route_ids`),
+        or edge by edge when the graph wraps a networkx graph or has no topology."""
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        if self._graph is None and self.topology is not None:
+            table = self.topology.route_ids()
+            rows = table.rows(src, dst)          # first: it may replace the columns read below
+            return table.bandwidth[rows]
+        return np.array([self.bandwidth(a, b) for a, b in zip(src.tolist(), dst.tolist())], dtype=np.float64)
+
     def __repr__(self) -> str:
         return f"CommGraph({self.name!r}, cp={len(self.ranks)}, edges={self.num_edges()})"
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from megatron_fcp.topology.errors import TopologyError
+from megatron_fcp.topology.route_ids import RouteIds
 from megatron_fcp.topology.units import GB, parse_bandwidth, parse_latency
 
 __all__ = ["LINK_KINDS", "REF_BYTES", "Link", "Nic", "Resource", "Route", "NodeLayout", "Topology"]
@@ -420,6 +421,14 @@ class Topology:
 
     def _hops(self, node: int, hops) -> tuple[Resource, ...]:
         return tuple(self._resource(node, u, v, ln.kind, ln.bandwidth, ln.latency) for u, v, ln in hops)
+
+    def route_ids(self) -> "RouteIds":
+        """This topology's routes as integer columns, filled as pairs are asked for (Note [Route
+        ids] in :mod:`megatron_fcp.topology.route_ids`); one per topology."""
+        table = self._cache.get("route-ids")
+        if table is None:
+            table = self._cache.setdefault("route-ids", RouteIds(self))
+        return table
 
     def route(self, src: int, dst: int) -> Route:
         """Resources crossed by a message ``src -> dst`` (global ranks); see Note [Topology model]."""

@@ -1,0 +1,127 @@
+"""Routes as integer columns: the resources of many ``(src, dst)`` pairs at once. Pure, no torch.
+
+Note [Route ids]
+----------------
+The cost model and the compiler's leaf balancing load every message's bytes onto the resources
+of its route. Looked up pair by pair (``Topology.route``, then each resource's name mapped to a
+dense id), a 256-rank packed plan's ~15K distinct pairs cost ~30 ms per plan priced, and a batch's
+``auto`` prices three plans and balances three more. A :class:`RouteIds` (one per topology,
+:meth:`~megatron_fcp.topology.model.Topology.route_ids`) keeps every route it has been asked for
+as a row of flat columns over *topology-wide* resource ids: ``ptr``/``ids`` (CSR: the route's
+resources in order), ``latency`` and ``bandwidth`` (its bottleneck) per row. :meth:`RouteIds.rows`
+answers an array of pairs with their rows, looking up in Python only the pairs it has not seen
+(sorted keys, ``searchsorted``): a batch's routes are found again on the next batch.
+
+Callers that number resources densely in *their own* order of first use (the cost model's
+``_ResourceIndex``, whose order names the timeline's resources and breaks its ties) renumber
+with :func:`first_use_ids`, which gives the numbering a loop over the same routes would give.
+
+Invariant: a row never changes once made (routes of a topology are fixed), so arrays handed out
+stay valid, but :meth:`RouteIds.rows` may replace the column arrays: read a column *after* asking
+for its rows (``table.bandwidth[table.rows(s, d)]`` reads the old, possibly shorter, array); rows are only appended, under a lock (a batch may be planned on a background thread
+while the step plans another, Note [Planning a packed batch ahead]).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from megatron_fcp.topology.model import Topology
+
+__all__ = ["RouteIds", "first_use_ids"]
+
+
+class RouteIds:
+    """Every route of ``topology`` asked for so far, as rows of columns (Note [Route ids])."""
+
+    def __init__(self, topology: "Topology"):
+        self.topology = topology
+        self._lock = threading.Lock()
+        self._id_of: dict[str, int] = {}
+        self.names: list[str] = []               # resource id -> name
+        self._bw: list[float] = []               # resource id -> bandwidth (bytes/s)
+        self.resource_bandwidth = np.zeros(0)
+        # (sorted src * span + dst of the rows, each key's row): one tuple, replaced whole
+        self._index = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        self.ptr = np.zeros(1, dtype=np.int64)    # [rows + 1]: row j's resources are ids[ptr[j]:ptr[j + 1]]
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.latency = np.zeros(0)                # [rows]: Route.latency
+        self.bandwidth = np.zeros(0)              # [rows]: Route.bandwidth (the bottleneck)
+        self.span = topology.world
+
+    def rows(self, src, dst) -> np.ndarray:
+        """The row of each pair ``(src[i], dst[i])`` (global ranks; int64 ``[pairs]``), adding the
+        routes not seen before (checked and built by ``Topology.route``)."""
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        for name, r in (("src", src), ("dst", dst)):
+            bad = (r < 0) | (r >= self.span)
+            if bad.any():
+                self.topology.check_rank(int(r[bad][0]), name)   # raises, naming the rank
+        key = src * self.span + dst
+        keys, rows = self._index
+        at = np.searchsorted(keys, key)
+        hit = at < len(keys)
+        hit[hit] = keys[at[hit]] == key[hit]
+        if not hit.all():
+            with self._lock:
+                self._add(np.unique(key[~hit]))
+            keys, rows = self._index
+            at = np.searchsorted(keys, key)
+        return rows[at]
+
+    def _add(self, new_keys: np.ndarray) -> None:
+        old_keys, old_rows = self._index
+        new_keys = new_keys[~np.isin(new_keys, old_keys)]         # another thread may have added some
+        if not len(new_keys):
+            return
+        lens, flat, lat, bw = [], [], [], []
+        for k in new_keys.tolist():
+            route = self.topology.route(k // self.span, k % self.span)
+            for res in route.resources:
+                i = self._id_of.get(res.name)
+                if i is None:
+                    i = self._id_of[res.name] = len(self.names)
+                    self.names.append(res.name)
+                    self._bw.append(res.bandwidth)
+                flat.append(i)
+            lens.append(len(route.resources))
+            lat.append(route.latency)
+            bw.append(route.bandwidth)
+        first = len(self.latency)
+        ptr = np.concatenate([self.ptr, self.ptr[-1] + np.cumsum(lens, dtype=np.int64)])
+        ids = np.concatenate([self.ids, np.asarray(flat, dtype=np.int64)])
+        latency = np.concatenate([self.latency, np.asarray(lat, dtype=np.float64)])
+        bandwidth = np.concatenate([self.bandwidth, np.asarray(bw, dtype=np.float64)])
+        keys = np.concatenate([old_keys, new_keys])
+        row_of_key = np.concatenate([old_rows, np.arange(first, first + len(new_keys), dtype=np.int64)])
+        order = np.argsort(keys, kind="stable")
+        # publish the columns before the index that points into them (readers take the index
+        # first, and columns only grow: a reader's rows are always in the columns it reads)
+        self.ptr, self.ids, self.latency, self.bandwidth = ptr, ids, latency, bandwidth
+        self.resource_bandwidth = np.asarray(self._bw, dtype=np.float64)
+        self._index = (keys[order], row_of_key[order])
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(lengths [rows], ids [sum of lengths])``: the resources of ``rows``, one route after
+        another."""
+        ptr = self.ptr
+        start, lens = ptr[rows], ptr[rows + 1] - ptr[rows]
+        at = np.concatenate([[0], np.cumsum(lens)])
+        flat = np.repeat(start - at[:-1], lens) + np.arange(int(at[-1]), dtype=np.int64)
+        return lens, self.ids[flat]
+
+
+def first_use_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Renumber topology-wide resource ids densely in order of first appearance in ``ids``:
+    ``(local ids [len(ids)], the topology id of each local id)`` -- the numbering a loop that gives
+    each new resource the next id would make."""
+    uniq, first, inv = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    local_of_uniq = np.empty(len(uniq), dtype=np.int64)
+    local_of_uniq[order] = np.arange(len(uniq), dtype=np.int64)
+    return local_of_uniq[inv], uniq[order]
