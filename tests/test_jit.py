@@ -94,13 +94,14 @@ def test_tree_check_of_all_trees_names_the_first_fault():
     from megatron_fcp.contract.blocks import PlanError
     from megatron_fcp.planner import compile as C
     from megatron_fcp.planner.builders import get_builder
+    from megatron_fcp.planner.tree_columns import Readers, from_trees
     from megatron_fcp.topology import load_topology
 
     topo = load_topology("dgx-h100:2")
     cg = get_builder("hierarchical").build(topo, list(range(16)))
     good = [(o, 0) + cg.tree_with_depths(o, [r for r in range(16) if r != o], 0) for o in range(16)]
     readers = [[r for r in range(16) if r != o] for o in range(16)]
-    C._check_trees(cg, good, readers)                               # every builder tree is sound
+    C._check_trees(cg, from_trees(good), Readers.from_lists(readers))                               # every builder tree is sound
     o, c, tree, depths = good[5]
     u, v = tree[-1]
     faults = {"twice": (tree + [(u, v)], "reaches"), "late parent": ([tree[-1]] + tree[:-1], "forwards from"),
@@ -110,9 +111,9 @@ def test_tree_check_of_all_trees_names_the_first_fault():
         if bad is None:
             continue
         trees = list(good)
-        trees[5] = (o, c, bad, depths)
+        trees[5] = (o, c, bad, [1] * len(bad))     # the check reads edges, not depths
         with pytest.raises(PlanError, match=words) as got:
-            C._check_trees(cg, trees, readers)
+            C._check_trees(cg, from_trees(trees), Readers.from_lists(readers))
         with pytest.raises(PlanError) as alone:
             C._check_tree(cg, o, readers[5], bad)
         assert str(got.value) == str(alone.value), name

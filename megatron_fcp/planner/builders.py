@@ -39,6 +39,7 @@ import numpy as np
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.table import TransferTable
 from megatron_fcp.planner.graph import CommGraph, TreeEdges, depths_of, parents_first, prune_bfs, runs_of, steiner_tree
+from megatron_fcp.planner.tree_columns import Readers, TreeColumns, columns_of, full_columns, tier_columns
 from megatron_fcp.planner.table_compile import (
     full_edges,
     full_table,
@@ -117,6 +118,18 @@ class GraphBuilder:
         """``(depth, srcs, dsts)`` runs of the tree; builders may override to skip edge tuples."""
         return runs_of(*self.tree_with_depths(cg, owner, dests, chunk))
 
+    def tree_columns(self, cg: CommGraph, owner: np.ndarray, chunk: np.ndarray, readers: Readers) -> TreeColumns:
+        """Every block's tree at once (Note [Trees as columns] in
+        :mod:`megatron_fcp.planner.tree_columns`): :meth:`tree_with_depths` tree by tree; builders
+        whose trees follow a rule over the whole batch override it with array code."""
+        return columns_of(owner.tolist(), chunk.tolist(), readers,
+                          lambda o, d, c: self.tree_with_depths(cg, o, d, c))
+
+    def _own_tree(self, cls, *methods: str) -> bool:
+        """Whether this builder's trees are ``cls``'s: none of ``methods`` overridden below it (a
+        subclass that changes them gets the tree-by-tree :meth:`tree_columns`)."""
+        return all(getattr(type(self), m) is getattr(cls, m) for m in methods)
+
     def wave_table(self, cg: CommGraph, causal: bool, parts_per_chunk: int) -> TransferTable | None:
         """The ASAP waves of this builder's zigzag trees as columns (Note [Compiling to a table] in
         :mod:`megatron_fcp.planner.table_compile`), or None: the compiler then builds objects."""
@@ -165,6 +178,11 @@ class FullGraph(GraphBuilder):
 
     def tree_runs(self, cg, owner, dests, chunk=0):
         return [(1, [owner] * len(dests), list(dests))]
+
+    def tree_columns(self, cg, owner, chunk, readers):
+        if self._own_tree(FullGraph, "tree_with_depths"):
+            return full_columns(owner, chunk, readers)
+        return super().tree_columns(cg, owner, chunk, readers)
 
 
 class EntryGraph(FullGraph):
@@ -218,6 +236,11 @@ class EntryGraph(FullGraph):
 
     def tree_runs(self, cg, owner, dests, chunk=0):
         return runs_of(*self.tree_with_depths(cg, owner, dests, chunk))
+
+    def tree_columns(self, cg, owner, chunk, readers):
+        if self._own_tree(EntryGraph, "tree_with_depths"):
+            return tier_columns(cg.meta["groups"], owner, chunk, readers, relay="entry")
+        return GraphBuilder.tree_columns(self, cg, owner, chunk, readers)
 
     def wave_table(self, cg, causal, parts_per_chunk):
         return None  # its trees differ from full's
@@ -445,6 +468,12 @@ class HierarchicalGraph(GraphBuilder):
             first.append((owner, exit_rank))
         edges = parents_first(first + second, owner)
         return edges, depths_of(edges, owner)
+
+
+    def tree_columns(self, cg, owner, chunk, readers):
+        if self._own_tree(HierarchicalGraph, "tree_with_depths", "_exit"):
+            return tier_columns(cg.meta["groups"], owner, chunk, readers, relay="rail")
+        return super().tree_columns(cg, owner, chunk, readers)
 
 
 class BalancedGraph(HierarchicalGraph):

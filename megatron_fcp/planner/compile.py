@@ -46,9 +46,8 @@ Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non
 from __future__ import annotations
 
 import heapq
-from itertools import chain
-from operator import attrgetter, itemgetter
-from typing import Callable, Sequence
+from operator import attrgetter
+from typing import Sequence
 
 import numpy as np
 
@@ -62,6 +61,7 @@ from megatron_fcp.contract.table import TransferTable, block_layout, small_int, 
 from megatron_fcp.jit import jit
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
+from megatron_fcp.planner.tree_columns import Readers, TreeColumns
 from megatron_fcp.topology.route_ids import first_use_ids
 
 __all__ = ["compile_plan"]
@@ -136,6 +136,33 @@ def _sources(ranks, causal: "bool | Mask", placement: Placement | None, seq_len:
             yield ranks[i], b, rank_arr[need[:, n]].tolist()
 
 
+def _readers(ranks, causal: "bool | Mask", placement: Placement | None, seq_len: int | None = None,
+             P: int = 1) -> tuple[np.ndarray, np.ndarray, Readers]:
+    """:func:`_sources` as columns: ``(owner [trees], chunk [trees], readers)`` (global ranks), the
+    blocks in the same order, each block's readers in CP order. A placement's come straight from
+    its need matrix (the non-zeros of the needed blocks' columns)."""
+    if placement is None:
+        src = list(_sources(ranks, causal, None, seq_len, P))
+        return (np.array([o for o, _, _ in src], dtype=np.int64), np.array([c for _, c, _ in src], dtype=np.int64),
+                Readers.from_lists([d for _, _, d in src]))
+    need = placement.need_matrix()                                          # [cp, blocks]
+    rank_arr = np.asarray(ranks, dtype=np.int64)
+    needed = np.nonzero(need.any(axis=0))[0]                                # [trees]: block-list columns
+    tree, reader = np.nonzero(need[:, needed].T)                            # row-major: tree, then CP order
+    ptr = np.zeros(len(needed) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(tree, minlength=len(needed)), out=ptr[1:])
+    block_rank, block_chunk = _block_columns(placement)
+    return rank_arr[block_rank[needed]], block_chunk[needed], Readers(ptr, rank_arr[reader])
+
+
+def _block_columns(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(owner's CP index, index in its blocks)`` of every block, in ``block_list`` order."""
+    per = placement.blocks_per_rank()
+    rank = np.repeat(np.arange(len(per), dtype=np.int64), per)
+    first = np.concatenate(([0], np.cumsum(per)[:-1])).astype(np.int64)
+    return rank, np.arange(len(rank), dtype=np.int64) - first[rank]
+
+
 def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance, placement, packing="list",
              stagger_blocks=1, columnar=True, mask: Mask | None = None, seq_len: int | None = None) -> Plan:
     mask = mask or Mask(bool(causal))
@@ -184,30 +211,27 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
                 for owner, chunk, dests in _sources(ranks, need_of, placement, seq_len, P)]
         plan_rounds = _waves(runs, P, stagger)
     else:
-        trees = []  # (owner, chunk, edges parents-first, depth of each edge's receiver)
-        readers_of = []
-        for owner, chunk, dests in _sources(ranks, need_of, placement, seq_len, P):
-            tree, depths = cg.tree_with_depths(owner, dests, chunk)
-            if stagger_blocks > 1:
-                depths = [d + chunk % stagger_blocks for d in depths]
-            trees.append((owner, chunk, tree, depths))
-            readers_of.append(dests)
+        # every block's tree as columns (Note [Trees as columns]); the list-based schedulers below
+        # read them back as (owner, chunk, edges, depths) per tree
+        owner, chunk, readers_of = _readers(ranks, need_of, placement, seq_len, P)
+        cols = cg.tree_columns(owner, chunk, readers_of).staggered(stagger_blocks)
         if check:
-            _check_trees(cg, trees, readers_of)
-        if limited and packing == "colour" and all(max(d, default=1) == 1 for _, _, _, d in trees):
-            plan_rounds = colour_rounds([make_transfer(u, v, Block(o, c, p)) for o, c, tree, _ in trees
+            _check_trees(cg, cols, readers_of)
+        if limited and packing == "colour" and int(cols.depth.max(initial=1)) == 1:
+            plan_rounds = colour_rounds([make_transfer(u, v, Block(o, c, p)) for o, c, tree, _ in cols.as_trees()
                                          for p in range(P) for u, v in tree])
         elif limited:
-            plan_rounds = _list_schedule(trees, P, stagger, max_sends, max_recvs)
-        elif balance and cg.topology is not None and stagger and _count(trees, P) <= BALANCE_MAX_TRANSFERS:
-            if placement is not None and columnar and any(tree for _, _, tree, _ in trees):
-                cols, _ = _balanced_columns(cg, trees, P, _block_weights(cg, placement))
-                plan = Plan(ranks, None, causal, P, table=_placement_table(cg, cols, placement.blocks_per_rank()),
+            plan_rounds = _list_schedule(cols.as_trees(), P, stagger, max_sends, max_recvs)
+        elif balance and cg.topology is not None and stagger and P * cols.num_edges <= BALANCE_MAX_TRANSFERS:
+            tree_w = _tree_weights(cg, placement, cols)
+            if placement is not None and columnar and cols.num_edges:
+                balanced, _ = _balanced_columns(cg, cols, P, tree_w)
+                plan = Plan(ranks, None, causal, P, table=_placement_table(cg, balanced, placement.blocks_per_rank()),
                             **header)
                 return plan.verify(max_sends=max_sends, max_recvs=max_recvs) if verify else plan
-            plan_rounds = _balanced_waves(cg, trees, P, _block_weights(cg, placement))
+            plan_rounds = _balanced_waves(cg, cols, P, tree_w)
         else:
-            plan_rounds = _waves([(o, c, runs_of(t, d)) for o, c, t, d in trees], P, stagger)
+            plan_rounds = _waves([(o, c, runs_of(t, d)) for o, c, t, d in cols.as_trees()], P, stagger)
 
     if windowed and placement is None and P > 1:
         plan_rounds = _prune_parts(plan_rounds, zigzag_need_matrix(len(ranks), P, mask, seq_len), ranks, P)
@@ -245,10 +269,6 @@ def _prune_parts(rounds, need: np.ndarray, ranks, P: int) -> tuple[tuple[Transfe
     return tuple(reversed(out))
 
 
-def _count(trees, P: int) -> int:
-    return P * sum(len(t[2]) for t in trees)
-
-
 def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]:
     """ASAP placement: edge at depth d of part p in round d-1 (+p when staggered).
 
@@ -271,21 +291,21 @@ def _waves(tree_runs, P: int, stagger: bool) -> tuple[tuple[Transfer, ...], ...]
     return tuple(tuple(rounds.get(k, ())) for k in range(n))
 
 
-def _block_weights(cg: CommGraph, placement: Placement | None) -> Callable[[int, int], float]:
-    """Relative bytes of ``(owner, chunk)``: tokens over the mean block under a placement, else
-    the graph's per-owner KV sizes (``balanced``), else 1."""
+def _tree_weights(cg: CommGraph, placement: Placement | None, cols: TreeColumns) -> np.ndarray:
+    """float64 ``[trees]``: each tree's block's bytes relative to the mean block: tokens over the
+    mean of all the placement's blocks, else the graph's per-owner KV sizes (``balanced``), else 1."""
     if placement is not None:
-        sizes = {(cg.ranks[i], b): s.tokens for i, b, s in placement.block_list()}
-        mean = sum(sizes.values()) / max(len(sizes), 1)
-        return lambda owner, chunk: sizes[(owner, chunk)] / mean
+        all_tokens = placement.tokens_of(*_block_columns(placement))
+        mean = int(all_tokens.sum()) / max(len(all_tokens), 1)
+        tokens = placement.tokens_of(cp_index_of(cg.ranks)(cols.owner), cols.chunk)
+        return tokens / mean
     per_owner = cg.meta.get("kv_sizes") or {}
-    return lambda owner, chunk: float(per_owner.get(owner, 1.0))
+    return np.array([float(per_owner.get(o, 1.0)) for o in cols.owner.tolist()], dtype=np.float64)
 
 
-def _balanced_waves(cg: CommGraph, trees, P: int,
-                    weight: Callable[[int, int], float]) -> tuple[tuple[Transfer, ...], ...]:
+def _balanced_waves(cg: CommGraph, cols: TreeColumns, P: int, tree_w: np.ndarray) -> tuple[tuple[Transfer, ...], ...]:
     """:func:`_balanced_columns` as rounds of transfers."""
-    (rnd, src, dst, owner, chunk, part), n = _balanced_columns(cg, trees, P, weight)
+    (rnd, src, dst, owner, chunk, part), n = _balanced_columns(cg, cols, P, tree_w)
     blocks: dict[tuple[int, int, int], Block] = {}
     flat = transfers_from_columns(src.tolist(), dst.tolist(),
                                   [blocks.setdefault(b, Block(*b)) for b in zip(owner.tolist(), chunk.tolist(),
@@ -294,12 +314,12 @@ def _balanced_waves(cg: CommGraph, trees, P: int,
     return tuple(tuple(flat[ends[j]:ends[j + 1]]) for j in range(n))
 
 
-def _balanced_columns(cg: CommGraph, trees, P: int,
-                      weight: Callable[[int, int], float]) -> tuple[tuple[np.ndarray, ...], int]:
+def _balanced_columns(cg: CommGraph, cols: TreeColumns, P: int,
+                      tree_w: np.ndarray) -> tuple[tuple[np.ndarray, ...], int]:
     """Waves, then leaf edges moved into rounds with spare capacity on their route's resources;
     ``(round, src, dst, owner, chunk, part)`` int64 columns in plan order (rounds ascending; in a
     round its relay edges in tree order, then its leaves in the order they were placed), and the
-    number of wave rounds (the last ones may be left empty).
+    number of wave rounds (the last ones may be left empty). ``tree_w``: each tree's relative bytes.
 
     Edges into relays keep their wave round (the pipeline's backbone). A *leaf* edge (its
     receiver forwards nothing) may run in any round from one after its sender got the block up to
@@ -311,9 +331,8 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
     topo = cg.topology
     # every edge of every tree (trees in order, edges parents first), then each part: column index
     # e * P + p is the e-th edge's part p, the order the rounds list them in
-    tree_of, us, vs, owners = _edge_columns(trees)                                      # [E] each; [trees]
-    depth = np.fromiter(chain.from_iterable(map(itemgetter(3), trees)), dtype=np.int64, count=len(us))
-    tree_w = np.array([weight(o, c) for o, c, _, _ in trees], dtype=np.float64)
+    tree_of, us, vs, depth = cols.tree_of, cols.u, cols.v, cols.depth                  # [E] each
+    owners, chunk_of = cols.owner, cols.chunk                                          # [trees]
     span = int(max(us.max(initial=0), vs.max(initial=0))) + 1
     into_relay = np.isin(tree_of * span + vs, tree_of * span + us)                      # [E]: v forwards it
     pair = us * span + vs
@@ -347,8 +366,7 @@ def _balanced_columns(cg: CommGraph, trees, P: int,
     by_round = np.argsort(rnd, kind="stable")
     cols, rnd = cols[by_round], rnd[by_round]
     edge, t = col_edge[cols], tree_of[col_edge[cols]]
-    chunks = np.array([c for _, c, _, _ in trees], dtype=np.int64)
-    return (rnd, us[edge], vs[edge], owners[t], chunks[t], col_part[cols]), n
+    return (rnd, us[edge], vs[edge], owners[t], chunk_of[t], col_part[cols]), n
 
 
 @jit
@@ -448,29 +466,16 @@ def _placement_table(cg: CommGraph, cols: tuple[np.ndarray, ...], chunks: np.nda
                          (offset[pos(owner)] + chunk + part).astype(idx))
 
 
-def _edge_columns(trees) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(tree, u, v)`` int64 ``[E]`` of every edge of ``trees`` (``(owner, chunk, edges, depths)``,
-    in order, edges parents first), and each tree's owner ``[trees]``."""
-    edges = list(chain.from_iterable(map(itemgetter(2), trees)))
-    tree_of = np.repeat(np.arange(len(trees), dtype=np.int64), [len(t) for _, _, t, _ in trees])
-    us = np.fromiter(map(itemgetter(0), edges), dtype=np.int64, count=len(edges))
-    vs = np.fromiter(map(itemgetter(1), edges), dtype=np.int64, count=len(edges))
-    return tree_of, us, vs, np.array([o for o, _, _, _ in trees], dtype=np.int64)
-
-
-def _check_trees(cg: CommGraph, trees, readers_of: Sequence[Sequence[int]]) -> None:
+def _check_trees(cg: CommGraph, cols: TreeColumns, readers_of: Readers) -> None:
     """:func:`_check_tree` of every tree at once (numpy over all edges: edges of the graph, parents
     reached first, no rank reached twice, every reader reached); the first tree at fault is checked
     again on its own, which raises its message."""
-    tree_of, us, vs, owners = _edge_columns(trees)
+    tree_of, us, vs, owners = cols.tree_of, cols.u, cols.v, cols.owner
     E = len(us)
-    n_read = [len(d) for d in readers_of]
-    read_tree = np.repeat(np.arange(len(trees), dtype=np.int64), n_read)
-    reads = np.fromiter((x for d in readers_of for x in d), dtype=np.int64, count=sum(n_read))
+    read_tree, reads = readers_of.tree_of(), readers_of.ranks
     span = int(max(us.max(initial=0), vs.max(initial=0), owners.max(initial=0), reads.max(initial=0))) + 1
-    pair = us * span + vs
-    uniq, pair_of = np.unique(pair, return_inverse=True)
-    is_edge = np.array([cg.has_edge(int(x // span), int(x % span)) for x in uniq.tolist()], dtype=bool)
+    uniq, pair_of = np.unique(us * span + vs, return_inverse=True)
+    is_edge = cg.has_edges(uniq // span, uniq % span)
     vkey = tree_of * span + vs
     keys, first = np.unique(vkey, return_index=True)                                   # each reached rank's edge
     at = np.minimum(np.searchsorted(keys, tree_of * span + us), max(len(keys) - 1, 0))
@@ -479,12 +484,13 @@ def _check_trees(cg: CommGraph, trees, readers_of: Sequence[Sequence[int]]) -> N
     edge_bad = ~is_edge[pair_of] | ~parent_first | ~once                                   # [E]
     rkey = read_tree * span + reads
     missing = ~(np.isin(rkey, keys) | (reads == owners[read_tree]))
-    bad = np.zeros(len(trees), dtype=bool)
+    bad = np.zeros(len(owners), dtype=bool)
     bad[tree_of[edge_bad]] = True
     bad[read_tree[missing]] = True
     if bad.any():
         t = int(np.argmax(bad))
-        _check_tree(cg, trees[t][0], readers_of[t], trees[t][2])
+        lo, hi = np.searchsorted(tree_of, [t, t + 1])
+        _check_tree(cg, int(owners[t]), readers_of.of(t), list(zip(us[lo:hi].tolist(), vs[lo:hi].tolist())))
         raise AssertionError(f"tree {t} of {cg.name!r} found at fault by the vectorised check only (a bug)")
 
 

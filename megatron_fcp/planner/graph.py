@@ -19,6 +19,7 @@ import networkx as nx
 import numpy as np
 
 from megatron_fcp.contract.blocks import cp_index_of
+from megatron_fcp.planner.tree_columns import Readers, TreeColumns, columns_of
 from megatron_fcp.topology import Topology
 
 if TYPE_CHECKING:
@@ -112,6 +113,15 @@ class CommGraph:
             self._edge_set = set(self.edges)
         return (a, b) in self._edge_set
 
+    def has_edges(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """:meth:`has_edge` of ``src[i] -> dst[i]`` at once (bool ``[pairs]``)."""
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        if self._graph is not None:
+            return np.array([self._graph.has_edge(a, b) for a, b in zip(src.tolist(), dst.tolist())], dtype=bool)
+        edges = self.edge_array().astype(np.int64)       # may be a small integer type: widen before keys
+        span = int(max(src.max(initial=0), dst.max(initial=0), edges.max(initial=0))) + 1
+        return np.isin(src * span + dst, edges[:, 0] * span + edges[:, 1])
+
     def bandwidth(self, a: int, b: int) -> float:
         """Edge ``a -> b``'s ``bandwidth`` attribute, as :attr:`graph` holds it (read from the route
         when the graph was given as edges, without building the networkx graph)."""
@@ -150,6 +160,14 @@ class CommGraph:
             return self.builder.tree_with_depths(self, owner, dests, chunk)
         edges = steiner_tree(self.graph, owner, dests)
         return edges, depths_of(edges, owner)
+
+    def tree_columns(self, owner: np.ndarray, chunk: np.ndarray, readers: Readers) -> TreeColumns:
+        """The trees of blocks ``(owner[t], chunk[t])`` to ``readers`` (each tree's readers non-empty),
+        as columns (Note [Trees as columns] in :mod:`megatron_fcp.planner.tree_columns`): the
+        edges :meth:`tree_with_depths` gives, tree after tree."""
+        if self.builder is not None:
+            return self.builder.tree_columns(self, owner, chunk, readers)
+        return columns_of(owner.tolist(), chunk.tolist(), readers, self.tree_with_depths)
 
     def tree_runs(self, owner: int, dests: Sequence[int], chunk: int = 0):
         """The tree as runs ``(depth, srcs, dsts)`` of equal depth, shallowest first."""
