@@ -33,10 +33,7 @@ def test_pack_kernel_compiled_equals_python(case):
     budget = W.wave_budget(plan, size)
     for b in (budget // 2, budget):
         for scale in (0.3, 1.0, 4.0, float("inf")):
-            args = (a["order"], a["rd_ptr"], a["rd_x"], a["owner"], a["size"], a["work"], a["sender"], a["arrive"],
-                    a["need_flags"], a["n_needs"], a["own_lo"], a["own_hi"], a["light_ptr"], a["light_ids"],
-                    a["small_ptr"], a["small_ids"], a["ranks"], inp.span, b, inp.top * scale, inp.work_all,
-                    float(inp.bytes_all))
+            args = W._kernel_args(inp, b, inp.top * scale)
             fast, slow = W._pack_kernel(*args), W._pack_kernel.py_func(*args)
             for x, y in zip(fast[:5], slow[:5]):
                 assert x.dtype == y.dtype and np.array_equal(x, y)

@@ -359,3 +359,41 @@ def test_waves_are_the_recorded_ones(case):
     assert len(waves) > 1
     _check(plan, waves, size, wave_budget(plan, size))
     assert _waves_digest(waves) == WAVES_DIGESTS[case]
+
+
+@pytest.mark.parametrize("builder", ("hierarchical", "entry", "ring"))
+def test_waves_know_their_rows_of_the_plan(builder):
+    """``Wave.plan_index`` (set by the packing, kept by ``first_fetch``) names each transfer's row of
+    ``Plan.transfer_columns()``: ``wave_columns`` read through it equal the columns read from the
+    wave's own transfers, and the wave floor is the same float either way."""
+    from dataclasses import replace as dc_replace
+
+    import numpy as np
+
+    from megatron_fcp.cost.timeline import wave_timeline_floor
+    from megatron_fcp.schedule.waves import first_fetch, wave_columns
+    from megatron_fcp.topology import load_topology
+
+    pl = place_packed([900, 40, 300, 170, 10, 3000, 77, 512], 8, block_tokens=64)
+    plan = build_plan("dgx-h100:2", range(8), builder, placement=pl)
+    size = lambda b: 10 * plan.block_tokens(b)  # noqa: E731
+    waves = plan_waves(plan, size, budget=wave_budget(plan, size) // 2)
+    assert len(waves) > 1
+    kept = {x: [t.block for _, t in waves[0].transfers if t.dst == x][:1] for x in plan.ranks}
+    for w in waves + (first_fetch(waves[0], kept),):
+        assert w.plan_index is not None and len(w.plan_index) == len(w.transfers)
+        bare = dc_replace(w, plan_index=None)
+        assert bare == w                                        # a view, not part of the wave
+        for a, b in zip(wave_columns(plan, w), wave_columns(plan, bare)):
+            assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
+    topo = load_topology("dgx-h100:2")
+    work = block_work(plan)
+    for resend, fetch in ((True, None), (True, first_fetch(waves[0], kept)), (False, None)):
+        def floor(ws, fetch_wave):
+            return wave_timeline_floor(plan, ws, topo, kv_bytes=size, grad_bytes=size,
+                                       job_s=lambda x, b: 1e-9 * work(x, b), resend=resend,
+                                       first_fetch=fetch_wave)
+        fast = floor(waves, fetch)
+        slow = floor(tuple(dc_replace(w, plan_index=None) for w in waves),
+                     None if fetch is None else dc_replace(fetch, plan_index=None))
+        assert fast == slow and fast > 0

@@ -91,7 +91,6 @@ placements and windows (``tests/test_wave_floor.py``).
 from __future__ import annotations
 
 import heapq
-from operator import attrgetter, itemgetter
 from typing import Callable, Sequence
 
 import numpy as np
@@ -100,10 +99,10 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import block_layout
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
-from megatron_fcp.jit import csr, jit
+from megatron_fcp.jit import jit
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
-from megatron_fcp.schedule.waves import Wave, loop_jobs
+from megatron_fcp.schedule.waves import Wave, loop_jobs, wave_columns
 from megatron_fcp.topology import Topology
 
 __all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step_compute", "chain_launches"]
@@ -483,66 +482,47 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
     comp = [{x: sum(job_s(x, b) for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]))
              for x in ranks} for w in range(W + 1)]
 
-    # every chain's messages as columns: block numbers (plan.blocks() order), routes once per pair
-    pos = {x: i for i, x in enumerate(ranks)}
-    offset = np.zeros(max(ranks) + 1, dtype=np.int64)                 # global rank -> its first block
+    # every chain's messages as columns: block numbers (plan.blocks() order); the routes of every
+    # (sender, receiver) pair of the plan, either way, looked up once (Note [Route ids])
+    R = max(ranks) + 1
+    pos = np.full(R, -1, dtype=np.int64)                               # global rank -> CP position
+    pos[ranks] = np.arange(len(ranks))
+    offset = np.zeros(R, dtype=np.int64)                               # global rank -> its first block
     offset[ranks] = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
     blocks = plan.blocks()
     kv_size = np.array([kv_bytes(b) for b in blocks], dtype=np.float64)
     grad_size = np.array([grad_bytes(b) for b in blocks], dtype=np.float64)
-    pairs: dict[tuple[int, int], int] = {}
-    pair_ids: list[list[int]] = []
-    pair_lat: list[float] = []
+    all_src, all_dst = plan.transfer_columns()[1:3]
+    pair_keys = np.unique(np.concatenate([all_src * R + all_dst, all_dst * R + all_src]))  # [pairs] sorted
+    pair_len, pair_ids, pair_latency = idx.route_columns(pair_keys // R, pair_keys % R)
+    pair_ptr = np.zeros(len(pair_keys) + 1, dtype=np.int64)
+    np.cumsum(pair_len, out=pair_ptr[1:])
+    pair_lat = np.asarray(pair_latency, dtype=np.float64) + round_overhead_s
+    bws = np.array(idx.bw, dtype=np.float64)
+    held = np.zeros(len(bws))                                          # seconds each resource is held
 
-    def columns(transfers, reverse: bool) -> tuple[np.ndarray, ...]:
-        """``(round, sender, receiver, route, block number)`` of a chain's messages, plan order."""
-        T = len(transfers)
-        rnd = np.fromiter(map(itemgetter(0), transfers), dtype=np.int64, count=T)
-        ts = list(map(itemgetter(1), transfers))
-        src, dst, own, chunk, part = (np.fromiter(map(attrgetter(f), ts), dtype=np.int64, count=T)
-                                      for f in ("src", "dst", "block.owner", "block.chunk", "block.part"))
+    def chain(wave: Wave, reverse: bool, size: Callable[[Block], float], start: dict[int, float]) -> dict[int, float]:
+        """Each rank's completion of one chain (a wave's fetch, or reversed its reduction), every
+        rank posting its first round no sooner than ``start`` and each next round once its last
+        completed: a message starts once both ends posted and takes its route's slowest resource
+        plus latency; a rank's messages of a round share its resources. Ranks without messages:
+        ``start`` (:func:`_chain_floor`, compiled)."""
+        rnd, src, dst, own, chunk, part = wave_columns(plan, wave)
         s, d = (dst, src) if reverse else (src, dst)
-        route = np.empty(T, dtype=np.int64)
-        for j, key in enumerate(zip(s.tolist(), d.tolist())):
-            k = pairs.get(key)
-            if k is None:
-                k = pairs[key] = len(pair_ids)
-                rid, latency = idx.route(*key)
-                pair_ids.append(rid.tolist())
-                pair_lat.append(latency + round_overhead_s)
-            route[j] = k
-        return rnd, np.array([pos[x] for x in s.tolist()], dtype=np.int64), \
-            np.array([pos[x] for x in d.tolist()], dtype=np.int64), route, offset[own] + chunk * plan.parts_per_chunk + part
-
-    held = None
-
-    def chain(transfers, reverse: bool, size: Callable[[Block], float], start: dict[int, float]) -> dict[int, float]:
-        """Each rank's completion of one chain (a wave's fetch or its reduction), every rank posting
-        its first round no sooner than ``start`` and each next round once its last completed: a
-        message starts once both ends posted and takes its route's slowest resource plus latency;
-        a rank's messages of a round share its resources. Ranks without messages: ``start``
-        (:func:`_chain_floor`, compiled)."""
-        nonlocal held
-        rnd, s, d, route, block = columns(transfers, reverse)
-        ptr, ids = csr(pair_ids)
-        bws = np.array(idx.bw, dtype=np.float64)
-        if held is None or len(held) < len(bws):
-            grown = np.zeros(len(bws))
-            if held is not None:
-                grown[:len(held)] = held
-            held = grown
+        route = np.searchsorted(pair_keys, s * R + d)                   # [T]: each message's pair
+        block = offset[own] + chunk * plan.parts_per_chunk + part
         order = np.argsort(-rnd if reverse else rnd, kind="stable")     # rounds in turn, plan order in each
-        ready = _chain_floor(rnd[order], s[order], d[order], route[order],
-                             (kv_size if size is kv_bytes else grad_size)[block[order]], ptr, ids,
-                             np.array(pair_lat, dtype=np.float64), bws, held,
-                             np.array([start[x] for x in ranks], dtype=np.float64), buffered_sends)
+        ready = _chain_floor(rnd[order], pos[s][order], pos[d][order], route[order],
+                             (kv_size if size is kv_bytes else grad_size)[block[order]], pair_ptr, pair_ids,
+                             pair_lat, bws, held, np.array([start[x] for x in ranks], dtype=np.float64),
+                             buffered_sends)
         return dict(zip(ranks, ready.tolist()))
 
     fetched = [wave if w or first_fetch is None else first_fetch for w, wave in enumerate(waves)]
     zero = dict.fromkeys(ranks, 0.0)
     begin = dict(lead)                                               # T_x(0): the leading own jobs, then wave 0's KV
     if resend and W and not first_kept:
-        got = chain(fetched[0].transfers, False, kv_bytes, zero)
+        got = chain(fetched[0], False, kv_bytes, zero)
         begin = {x: max(lead[x], got[x]) for x in ranks}
     reduced: list[dict[int, float]] = []                             # red(w) complete, per rank
     end = zero
@@ -550,17 +530,17 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
         # iteration w: red(w-1) and fetch(w+1) posted from its start; its jobs; then it waits fetch(w+1)
         # and red(w-2) (the last iteration: red(w-1) and red(w-2))
         if w:
-            reduced.append(chain(waves[w - 1].transfers, True, grad_bytes, begin))
+            reduced.append(chain(waves[w - 1], True, grad_bytes, begin))
         nxt = {x: begin[x] + comp[w][x] for x in ranks}
         if resend and w + 1 < W:
-            got = chain(fetched[w + 1].transfers, False, kv_bytes, begin)
+            got = chain(fetched[w + 1], False, kv_bytes, begin)
             nxt = {x: max(nxt[x], got[x]) for x in ranks}
         for v in ((w - 2,) if w < W else (w - 1, w - 2)):
             if 0 <= v < len(reduced):
                 nxt = {x: max(nxt[x], reduced[v][x]) for x in ranks}
         begin, end = nxt, nxt
     # every message of the backward holds each resource of its route for its bytes, one at a time
-    return max(max(end.values(), default=0.0), float(held.max()) if held is not None and len(held) else 0.0)
+    return max(max(end.values(), default=0.0), float(held.max()) if len(held) else 0.0)
 
 
 @jit

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import weakref
 from itertools import chain, repeat
+from operator import attrgetter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Hashable, Mapping, Sequence
 
@@ -78,7 +79,7 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import block_layout
 from megatron_fcp.jit import jit
 
-__all__ = ["Wave", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
+__all__ = ["Wave", "wave_columns", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
            "block_work",
            "BACKWARD_KV_MODES",
            "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
@@ -91,9 +92,15 @@ class Wave:
     transfers: tuple[tuple[int, Transfer], ...]   # (plan round, transfer), in plan order
     computes: frozenset                           # (block, rank): rank computes block's gradient here
     rounds: tuple[int, ...] = field(init=False)   # ascending plan rounds with a transfer of the wave
+    # int64 [len(transfers)]: each transfer's place in plan order (its row of Plan.transfer_columns()),
+    # where the wave was cut from the plan's columns (plan_waves, first_fetch of such a wave); None
+    # where not known. A view of the transfers, not part of the wave's identity
+    plan_index: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rounds", tuple(sorted({r for r, _ in self.transfers})))
+        if self.plan_index is not None and len(self.plan_index) != len(self.transfers):
+            raise ValueError(f"Wave: plan_index has {len(self.plan_index)} entries for {len(self.transfers)} transfers")
 
     def has(self, round_index: int, t: Transfer) -> bool:
         """Whether the wave carries transfer ``t`` of plan round ``round_index`` (the set of them is
@@ -296,77 +303,89 @@ def _makespan(waves: tuple[Wave, ...], work: Callable[[int, Block], float]) -> f
 
 class _PackInput:
     """What every packing of one plan reads, numbered once (the work caps of :func:`plan_waves`
-    share it), as the flat arrays :func:`_pack_kernel` takes (``arrays``): blocks by their column
-    in :func:`work_matrix` (``plan.blocks()`` order), the blocks with readers in the order the plan
-    first sends them (``order``) and each one's readers that need it, in plan order; each (block,
-    reader)'s arriving transfer (its index in plan order and its sender); each rank's needs (flags,
-    counts, least work / fewest bytes first) and own blocks; block bytes and the work of every
-    delivery (flat tables indexed ``block * span + rank``); and what a pace is relative to (Note
-    [Balanced waves]): the busiest rank's total work, the most bytes a rank receives. All of it is
-    read from the plan's transfer columns, need matrix and work matrix (numpy), not from a Python
-    loop over every transfer."""
+    share it), as the flat arrays :func:`_pack_kernel` takes (:func:`_kernel_args`).
+
+    Blocks are numbered by their column in :func:`work_matrix` (``plan.blocks()`` order). An
+    *arrival* is a (block, rank) the plan brings the block to, numbered in plan order of the
+    transfer that brings it (a verified plan brings a block to a rank once): its transfer's index
+    in plan order, its block, its rank, the arrival at the transfer's sender (-1: the sender is the
+    owner), whether the rank needs the block, and the rank's work on it. The packing walks these
+    compact columns, not ``[blocks, ranks]`` tables: at cp = 256 a table is 1M entries, scattered
+    reads into it cost more than the packing's own loop (2026-12-06, 512 packed documents on
+    dgx-h100:32: a packing took 21 ms over tables, 17 ms over arrivals, 11 ms with each wave's sort
+    left to the packing kept, :meth:`_RawPacking.in_plan_order`, and the buffer growth checked inline).
+    Besides them: the blocks with readers in the order the plan first sends them (``order``) and
+    each one's reading arrivals in plan order (CSR); each rank's needs (counts; as arrivals, least
+    work and fewest bytes first) and own blocks; block bytes and each block's work at its owner;
+    and what a pace is relative to (Note [Balanced waves]): the busiest rank's total work, the most
+    bytes a rank receives. All of it is read from the plan's transfer columns, need matrix and work
+    matrix (numpy), not from a Python loop over every transfer."""
 
     def __init__(self, plan: Plan, block_bytes: Callable[[Block], int]):
         self.plan = plan
         ranks = np.array(plan.ranks, dtype=np.int64)
-        self.span = R = int(ranks.max()) + 1                       # (block i, rank x) is the key i * R + x
+        R = int(ranks.max()) + 1
         self.blocks = blocks = list(plan.blocks())                 # block number = its work_matrix column
         nB = len(blocks)
         n_local = plan.chunks_per_rank() * plan.parts_per_chunk    # [cp] blocks each rank owns
         offset = np.zeros(R, dtype=np.int64)                       # global rank -> its first column
         offset[ranks] = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
+        pos = np.full(R, -1, dtype=np.int64)                       # global rank -> CP position
+        pos[ranks] = np.arange(len(ranks))
         _, src, dst, owner, chunk, part = plan.transfer_columns()  # [T] each, plan order
         c = offset[owner] + chunk * plan.parts_per_chunk + part    # [T]: each transfer's block number
         key = c * R + dst
-        _, first = np.unique(key, return_index=True)               # each (block, reader)'s arriving transfer
-        first.sort()                                               # plan order
-        fk, fc, fd = key[first], c[first], dst[first]
-        arrive = np.full(nB * R, -1, dtype=np.int64)               # key -> its arriving transfer's index
-        arrive[fk] = first
-        sender = np.full(nB * R, -1, dtype=np.int64)               # key -> that transfer's sender
-        sender[fk] = src[first]
-        flags = np.zeros((nB, R), dtype=np.uint8)                  # [blocks, R]: x needs i
-        flags[:, ranks] = plan.need_matrix().T
-        need_flags = flags.ravel()
-        # blocks with readers by first send; each one's readers that need it, in plan order (a relay
+        _, first = np.unique(key, return_index=True)               # each (block, rank)'s arriving transfer
+        first.sort()                                               # [A] arrivals, plan order
+        a_key, a_blk, a_dst = key[first], c[first], dst[first]
+        by_key = np.argsort(a_key)
+        up_key = a_blk * R + src[first]                            # (block, sender) of each arrival
+        at = by_key[np.minimum(np.searchsorted(a_key, up_key, sorter=by_key), max(len(first) - 1, 0))] \
+            if len(first) else np.zeros(0, dtype=np.int64)
+        a_up = np.where(a_key[at] == up_key, at, -1) if len(first) else at  # -1: sent by the owner
+        need = plan.need_matrix()                                  # [cp, blocks] bool
+        work = work_matrix(plan)                                   # [cp, blocks] float64
+        a_need = need[pos[a_dst], a_blk].astype(np.uint8)          # [A]: the rank needs the block
+        a_work = work[pos[a_dst], a_blk]                           # [A]: its work on it
+        owner_of = np.repeat(ranks, n_local)                       # [blocks]: each block's owner
+        own_work = work[pos[owner_of], np.arange(nB)]              # [blocks]: the owner's work on it
+        # blocks with readers by first send; each one's reading arrivals, in plan order (a relay
         # that does not read the block is never a delivery)
-        _, at_first = np.unique(fc, return_index=True)
-        order = fc[np.sort(at_first)]
+        _, at_first = np.unique(a_blk, return_index=True)
+        order = a_blk[np.sort(at_first)]
         slot = np.empty(nB, dtype=np.int64)
         slot[order] = np.arange(len(order))
-        reads = need_flags[fk] == 1
-        by_block = np.argsort(slot[fc[reads]], kind="stable")
-        rd_x = fd[reads][by_block]
+        reading = np.flatnonzero(a_need)
+        rd_a = reading[np.argsort(slot[a_blk[reading]], kind="stable")]
         rd_ptr = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(np.bincount(slot[fc[reads]], minlength=len(order)), out=rd_ptr[1:])
+        np.cumsum(np.bincount(slot[a_blk[reading]], minlength=len(order)), out=rd_ptr[1:])
         self.size_of = [block_bytes(b) for b in blocks]
         sizes = np.array(self.size_of, dtype=np.int64)
         got = np.zeros(R, dtype=np.int64)                          # bytes each rank receives in all
         np.add.at(got, dst, sizes[c])
-        table = np.zeros((nB, R))                                  # [blocks, R]: rank x's work on block i
-        table[:, ranks] = work_matrix(plan).T
-        work = table.ravel()
-        owner_of = np.repeat(ranks, n_local)                       # [blocks]: each block's owner
-        does = flags == 1                                          # [blocks, R]: x computes i somewhere
-        does[np.arange(nB), owner_of] = True
         # per rank: its own blocks, numbers own_lo[x] .. own_hi[x] - 1 in local order; as CSR over
-        # global ranks its needs least work first and fewest bytes first (only the least still left
-        # is ever read: ties need no order)
+        # global ranks its needs (arrivals) least work first and fewest bytes first (only the least
+        # still left is ever read: ties need no order)
         own_hi = offset.copy()
         own_hi[ranks] += n_local
-        need_rank, need_block = np.nonzero(flags.T)                # rank-major, blocks ascending
-        light = np.lexsort((table[need_block, need_rank], need_rank))
-        small = np.lexsort((sizes[need_block], need_rank))
-        n_needs = np.bincount(need_rank, minlength=R).astype(np.int64)
+        needs = reading[np.argsort(a_dst[reading] * nB + a_blk[reading], kind="stable")]   # rank, then block
+        light = needs[np.lexsort((a_work[needs], a_dst[needs]))]
+        small = needs[np.lexsort((sizes[a_blk[needs]], a_dst[needs]))]
+        n_needs = np.bincount(a_dst[reading], minlength=R).astype(np.int64)
         need_ptr = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(n_needs, out=need_ptr[1:])
-        self.arrays = {"order": order, "rd_ptr": rd_ptr, "rd_x": rd_x, "owner": owner_of,
-                       "size": sizes, "work": work, "sender": sender, "arrive": arrive, "need_flags": need_flags,
-                       "n_needs": n_needs, "own_lo": offset, "own_hi": own_hi, "light_ptr": need_ptr,
-                       "light_ids": need_block[light], "small_ptr": need_ptr, "small_ids": need_block[small],
-                       "ranks": ranks}
-        self.top = float(table[does].max(initial=0.0))
-        self.work_all = float(np.where(does, table, 0.0).sum(axis=0)[ranks].max(initial=0.0)) or 1.0
+        self.arrays = {"order": order, "rd_ptr": rd_ptr, "rd_a": rd_a, "a_t": first, "a_blk": a_blk,
+                       "a_dst": a_dst, "a_up": a_up, "a_need": a_need, "a_work": a_work, "size": sizes,
+                       "own_work": own_work, "n_needs": n_needs, "own_lo": offset, "own_hi": own_hi,
+                       "need_ptr": need_ptr, "light": light, "small": small, "ranks": ranks}
+        self.span = R
+        # the largest single delivery's work, and the busiest rank's total summed block after block
+        # in block order (a running sum: the same float whatever numpy's reduction order)
+        does = need.copy()                                         # [cp, blocks]: x computes i somewhere
+        does[pos[owner_of], np.arange(nB)] = True
+        self.top = float(max(a_work[reading].max(initial=0.0), own_work.max(initial=0.0)))
+        totals = np.cumsum(np.where(does, work, 0.0), axis=1)[:, -1] if nB else np.zeros(0)
+        self.work_all = float(totals.max(initial=0.0)) or 1.0
         self.bytes_all = int(got[ranks].max(initial=0)) or 1
 
     @property
@@ -390,12 +409,23 @@ def _waves(inp: _PackInput, raw: "_RawPacking") -> tuple[Wave, ...]:
     """The waves of a raw packing: per wave, its transfers (indices into ``inp.transfers``, in plan
     order) and its computes ``(block number, rank)``."""
     blocks, transfers = inp.blocks, inp.transfers
-    cp_, carried = raw.carried_ptr.tolist(), raw.carried.tolist()
+    index = raw.in_plan_order()
+    cp_, carried = raw.carried_ptr.tolist(), index.tolist()
     mp, ci, cx = raw.comp_ptr.tolist(), raw.comp_i.tolist(), raw.comp_x.tolist()
     take_t, take_b = transfers.__getitem__, blocks.__getitem__
     return tuple(Wave(tuple(map(take_t, carried[cp_[w]:cp_[w + 1]])),
-                      frozenset(zip(map(take_b, ci[mp[w]:mp[w + 1]]), cx[mp[w]:mp[w + 1]])))
+                      frozenset(zip(map(take_b, ci[mp[w]:mp[w + 1]]), cx[mp[w]:mp[w + 1]])),
+                      index[cp_[w]:cp_[w + 1]])
                  for w in range(len(raw)))
+
+
+def _kernel_args(inp: _PackInput, budget: int, cap: float) -> tuple:
+    """:func:`_pack_kernel`'s arguments for one packing of ``inp``."""
+    a = inp.arrays
+    return (a["order"], a["rd_ptr"], a["rd_a"], a["a_t"], a["a_blk"], a["a_dst"], a["a_up"], a["a_need"],
+            a["a_work"], a["size"], a["own_work"], a["n_needs"], a["own_lo"], a["own_hi"], a["need_ptr"],
+            a["light"], a["small"], a["ranks"], inp.span, int(budget), float(cap), float(inp.work_all),
+            float(inp.bytes_all))
 
 
 def _pack_raw(inp: _PackInput, budget: int, scale: float) -> tuple["_RawPacking", float, bool]:
@@ -406,12 +436,7 @@ def _pack_raw(inp: _PackInput, budget: int, scale: float) -> tuple["_RawPacking"
     every wave is as balanced as the one pass (Note [Balanced waves]); and whether the cap ever
     turned work away (if not, any larger cap packs the same waves). The loop is
     :func:`_pack_kernel`, compiled (Note [Compiled planning loops] in :mod:`megatron_fcp.jit`)."""
-    a = inp.arrays
-    cap = inp.top * scale
-    out = _pack_kernel(a["order"], a["rd_ptr"], a["rd_x"], a["owner"], a["size"], a["work"], a["sender"],
-                       a["arrive"], a["need_flags"], a["n_needs"], a["own_lo"], a["own_hi"], a["light_ptr"],
-                       a["light_ids"], a["small_ptr"], a["small_ids"], a["ranks"], inp.span, int(budget),
-                       float(cap), float(inp.work_all), float(inp.bytes_all))
+    out = _pack_kernel(*_kernel_args(inp, budget, inp.top * scale))
     carried_ptr, carried, comp_ptr, comp_i, comp_x, pace, capped = out
     return _RawPacking(carried_ptr, carried, comp_ptr, comp_i, comp_x), float(pace), bool(capped)
 
@@ -419,9 +444,9 @@ def _pack_raw(inp: _PackInput, budget: int, scale: float) -> tuple["_RawPacking"
 @dataclass(frozen=True)
 class _RawPacking:
     """A packing as :func:`_pack_kernel` returns it: wave ``w``'s carried transfers (indices into
-    the plan's transfers, ascending: plan order) are ``carried[carried_ptr[w]:carried_ptr[w + 1]]``,
-    its computes ``(comp_i, comp_x)[comp_ptr[w]:comp_ptr[w + 1]]`` (block number, rank), in the
-    order they were packed."""
+    the plan's transfers, in the order they were packed: :meth:`in_plan_order` sorts them) are
+    ``carried[carried_ptr[w]:carried_ptr[w + 1]]``, its computes ``(comp_i, comp_x)[comp_ptr[w]:
+    comp_ptr[w + 1]]`` (block number, rank), in the order they were packed."""
 
     carried_ptr: np.ndarray
     carried: np.ndarray
@@ -431,6 +456,14 @@ class _RawPacking:
 
     def __len__(self) -> int:
         return len(self.carried_ptr) - 1
+
+    def in_plan_order(self) -> np.ndarray:
+        """``carried`` with each wave's transfers ascending (plan order). Sorted here, for the
+        packing :func:`plan_waves` keeps, not in the kernel for every candidate: numba's sort of
+        each wave took 6 of a packing's 13 ms at cp = 256 (2026-12-06)."""
+        span = int(self.carried.max(initial=-1)) + 1
+        wave = np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self.carried_ptr))
+        return np.sort(wave * span + self.carried) - wave * span
 
 
 @jit
@@ -444,17 +477,19 @@ def _grow(a, n):
 
 
 @jit
-def _pack_kernel(order, rd_ptr, rd_x, owner, size, W, sender, arrive, need_flags, n_needs, own_lo, own_hi,
-                 light_ptr, light_ids, small_ptr, small_ids, ranks, R, budget, cap, work_all, bytes_all):
+def _pack_kernel(order, rd_ptr, rd_a, a_t, a_blk, a_dst, a_up, a_need, a_work, size, own_work, n_needs, own_lo,
+                 own_hi, need_ptr, light, small, ranks, R, budget, cap, work_all, bytes_all):
     """The greedy packing of :func:`_pack_raw` over flat arrays (Note [Compiled planning loops]).
 
-    Blocks are numbers (``work_matrix`` columns), a (block i, rank x) the key ``i * R + x``:
-    ``order`` the blocks with readers by first send, ``rd_x[rd_ptr[j]:rd_ptr[j + 1]]`` block
-    ``order[j]``'s readers in plan order; ``owner``, ``size`` per block; ``W``, ``sender``,
-    ``arrive``, ``need_flags`` per key (work, the arriving transfer's sender and index, whether x
-    needs i); per rank ``n_needs``, its own blocks ``own_lo[x] .. own_hi[x] - 1`` in local order
-    and, as CSR over ranks, its needs least work first (``light_*``) and fewest bytes first (``small_*``);
-    ``ranks`` the plan's ranks in order.
+    Blocks are numbers (``work_matrix`` columns), arrivals (block, rank) numbers in plan order
+    (:class:`_PackInput`): ``a_t``, ``a_blk``, ``a_dst``, ``a_up``, ``a_need``, ``a_work`` per
+    arrival (its transfer's index, block, rank, the arrival at its sender or -1 for the owner,
+    whether the rank needs the block, its work on it); ``order`` the blocks with readers by first
+    send, ``rd_a[rd_ptr[j]:rd_ptr[j + 1]]`` block ``order[j]``'s reading arrivals in plan order;
+    ``size``, ``own_work`` per block (bytes, the owner's work); per global rank ``n_needs``, its own
+    blocks ``own_lo[x] .. own_hi[x] - 1`` in local order and, as CSR over ranks (``need_ptr``), its
+    needs as arrivals least work first (``light``) and fewest bytes first (``small``); ``ranks``
+    the plan's ranks in order; ``R`` one more than the largest rank.
 
     A wave visits the blocks in ``order`` and each one's readers still to serve; a delivery joins
     unless its reader already holds work and the cap would be passed, or (once the wave has one) a
@@ -463,19 +498,18 @@ def _pack_kernel(order, rd_ptr, rd_x, owner, size, W, sender, arrive, need_flags
     wave once it has nothing left, its bytes reach the budget, its smallest delivery left no longer
     fits, or (holding work) its least-work delivery left would pass the cap (read once a wave). Own
     blocks then fill each rank's spare work, in local order."""
-    nB = owner.shape[0]
-    left = need_flags.copy()                        # [nB * R]: x still has to do i
+    left = a_need.copy()                            # [A]: the arrival's rank still has to do its block
     n_left = n_needs.copy()                         # [R]
     own_pos = own_lo.copy()                         # [R]: own blocks own_pos[x] .. own_hi[x] - 1 still to do
-    rd_x = rd_x.copy()                              # compacted in place as readers are served
+    rd_a = rd_a.copy()                              # compacted in place as readers are served
     pend_len = rd_ptr[1:] - rd_ptr[:-1]             # [len(order)]: readers still to serve (a superset)
-    first_left = light_ptr[:-1].copy()              # [R]: light_ids[light_ptr[x]:first_left[x]] all done
-    first_small = small_ptr[:-1].copy()
+    first_left = need_ptr[:-1].copy()               # [R]: light[need_ptr[x]:first_left[x]] all done
+    first_small = need_ptr[:-1].copy()
     mins = np.zeros(R)
     mins_at = np.full(R, -1, dtype=np.int64)
     hungry = np.zeros(R, dtype=np.bool_)
-    carried_at = np.full(nB * R, -1, dtype=np.int64)  # the wave that carries key's arriving transfer
-    path = np.empty(R, dtype=np.int64)
+    carried_at = np.full(a_t.shape[0], -1, dtype=np.int64)  # the wave that carries each arrival's transfer
+    path = np.empty(R, dtype=np.int64)              # arrivals
     load = np.zeros(R, dtype=np.int64)
     comp = np.zeros(R)
     total_left = 0
@@ -511,58 +545,59 @@ def _pack_kernel(order, rd_ptr, rd_x, owner, size, W, sender, arrive, need_flags
             if m == 0:
                 continue
             i = order[j]
-            o = owner[i]
             n_i = size[i]
-            base = i * R
             r0 = rd_ptr[j]
             touched = False
             for q in range(r0, r0 + m):
-                x = rd_x[q]
-                if not hungry[x] or left[base + x] == 0:
+                a = rd_a[q]
+                x = a_dst[a]
+                if not hungry[x] or left[a] == 0:
                     continue
-                w = W[base + x]
+                w = a_work[a]
                 if comp[x] != 0.0 and comp[x] + w > cap:
                     capped = True
                     continue
-                n_path = 0                        # the ranks the block still has to reach, reader first
-                y = x
+                n_path = 0                        # the arrivals the block still needs, the reader's first
+                e = a
                 fits = True
-                while y != o and carried_at[base + y] != wave_no:
-                    if n_comp > wave_comp0 and load[y] + n_i > budget:
+                while e != -1 and carried_at[e] != wave_no:
+                    if n_comp > wave_comp0 and load[a_dst[e]] + n_i > budget:
                         fits = False
                         break
-                    path[n_path] = y
+                    path[n_path] = e
                     n_path += 1
-                    y = sender[base + y]
+                    e = a_up[e]
                 if not fits:
                     continue
-                carried = _grow(carried, n_carried + n_path)
+                if n_carried + n_path > carried.shape[0]:
+                    carried = _grow(carried, n_carried + n_path)
                 for p in range(n_path):
-                    d = path[p]
-                    load[d] += n_i
-                    carried_at[base + d] = wave_no
-                    carried[n_carried] = arrive[base + d]
+                    e = path[p]
+                    load[a_dst[e]] += n_i
+                    carried_at[e] = wave_no
+                    carried[n_carried] = a_t[e]
                     n_carried += 1
                 comp_i[n_comp] = i
                 comp_x[n_comp] = x
                 n_comp += 1
                 comp[x] += w
-                left[base + x] = 0
+                left[a] = 0
                 n_left[x] -= 1
                 total_left -= 1
                 touched = True
                 # relays that need it compute it too (the delivery's bookkeeping above, written out
                 # again: a helper call per delivery, not inlined by numba, cost 10% of the packing)
                 for p in range(1, n_path):
-                    d = path[p]
-                    if left[base + d] != 0:
-                        wd = W[base + d]
+                    e = path[p]
+                    if left[e] != 0:
+                        d = a_dst[e]
+                        wd = a_work[e]
                         if comp[d] + wd <= cap:
                             comp_i[n_comp] = i
                             comp_x[n_comp] = d
                             n_comp += 1
                             comp[d] += wd
-                            left[base + d] = 0
+                            left[e] = 0
                             n_left[d] -= 1
                             total_left -= 1
                         else:
@@ -570,28 +605,28 @@ def _pack_kernel(order, rd_ptr, rd_x, owner, size, W, sender, arrive, need_flags
                 # full: no delivery of theirs fits any more (a rank already full is checked again:
                 # its cap check still counts as turning work away)
                 for p in range(n_path):
-                    d = path[p]
+                    d = a_dst[path[p]]
                     if n_left[d] == 0 or load[d] >= budget:
                         if hungry[d]:
                             hungry[d] = False
                             n_hungry -= 1
                         continue
                     k = first_small[d]            # its smallest delivery left no longer fits: it
-                    while left[small_ids[k] * R + d] == 0:   # cannot read again in this wave,
-                        k += 1                    # whatever the cap (load only grows)
+                    while left[small[k]] == 0:    # cannot read again in this wave, whatever the
+                        k += 1                    # cap (load only grows)
                     first_small[d] = k
-                    if load[d] + size[small_ids[k]] > budget:
+                    if load[d] + size[a_blk[small[k]]] > budget:
                         if hungry[d]:
                             hungry[d] = False
                             n_hungry -= 1
                     elif comp[d] != 0.0:
                         if mins_at[d] != wave_no:  # least work d still has to do (read once a wave)
                             k = first_left[d]
-                            end = light_ptr[d + 1]
-                            while k < end and left[light_ids[k] * R + d] == 0:
+                            end = need_ptr[d + 1]
+                            while k < end and left[light[k]] == 0:
                                 k += 1
                             first_left[d] = k
-                            mins[d] = W[light_ids[k] * R + d] if k < end else 0.0
+                            mins[d] = a_work[light[k]] if k < end else 0.0
                             mins_at[d] = wave_no
                         if comp[d] + mins[d] > cap:
                             if hungry[d]:
@@ -601,29 +636,27 @@ def _pack_kernel(order, rd_ptr, rd_x, owner, size, W, sender, arrive, need_flags
             if touched:                           # keep the readers still to serve, in order
                 kept = r0
                 for q in range(r0, r0 + m):
-                    x = rd_x[q]
-                    if left[base + x] != 0:
-                        rd_x[kept] = x
+                    a = rd_a[q]
+                    if left[a] != 0:
+                        rd_a[kept] = a
                         kept += 1
                 pend_len[j] = kept - r0
         for x in ranks:                           # own blocks fill spare work
             end = own_hi[x]
             while own_pos[x] < end:
                 i = own_pos[x]
-                if comp[x] != 0.0 and comp[x] + W[i * R + x] > cap:
+                if comp[x] != 0.0 and comp[x] + own_work[i] > cap:
                     break
                 comp_i[n_comp] = i
                 comp_x[n_comp] = x
                 n_comp += 1
-                comp[x] += W[i * R + x]
+                comp[x] += own_work[i]
                 own_pos[x] += 1
                 own_left -= 1
             if own_pos[x] < end:
                 capped = True
         carried_ptr = _grow(carried_ptr, wave_no + 2)
         comp_ptr = _grow(comp_ptr, wave_no + 2)
-        w0 = carried_ptr[wave_no]
-        carried[w0:n_carried] = np.sort(carried[w0:n_carried])
         carried_ptr[wave_no + 1] = n_carried
         comp_ptr[wave_no + 1] = n_comp
         # load: the bytes each rank receives in the wave (every carried transfer once)
@@ -661,17 +694,33 @@ def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
     a transfer that goes again (a relay that kept a block sends it from what it kept). Same
     computes as ``wave``; reads only the wave, so every rank and the cost model cut it alike."""
     wanted: set[tuple[Block, int]] = set()        # (block, rank): the rank must hold it again
-    again: list[tuple[int, Transfer]] = []
+    again: list[int] = []                         # places in wave.transfers, last first
     held = {r: v if isinstance(v, (set, frozenset)) else frozenset(v) for r, v in kept.items()}
     none: frozenset = frozenset()
-    for r, t in reversed(wave.transfers):
+    for k in range(len(wave.transfers) - 1, -1, -1):
+        t = wave.transfers[k][1]
         b, d = t.block, t.dst
         if b in held.get(d, none) or ((b, d) not in wave.computes and (b, d) not in wanted):
             continue
-        again.append((r, t))
+        again.append(k)
         if t.src != b.owner:
             wanted.add((b, t.src))
-    return Wave(tuple(reversed(again)), wave.computes)
+    again.reverse()
+    index = None if wave.plan_index is None else wave.plan_index[np.array(again, dtype=np.int64)]
+    return Wave(tuple(wave.transfers[k] for k in again), wave.computes, index)
+
+
+def wave_columns(plan: Plan, wave: Wave) -> tuple[np.ndarray, ...]:
+    """``(round, src, dst, owner, chunk, part)`` int64 columns of the wave's transfers, in its
+    order: rows of ``plan.transfer_columns()`` where the wave knows its places in the plan
+    (``Wave.plan_index``), else read from its transfers."""
+    if wave.plan_index is not None:
+        return tuple(col[wave.plan_index] for col in plan.transfer_columns())
+    T = len(wave.transfers)
+    ts = [t for _, t in wave.transfers]
+    return (np.fromiter((r for r, _ in wave.transfers), dtype=np.int64, count=T),
+            *(np.fromiter(map(attrgetter(f), ts), dtype=np.int64, count=T)
+              for f in ("src", "dst", "block.owner", "block.chunk", "block.part")))
 
 
 # ---- keep or resend (Note [Backward KV modes] in megatron_fcp.schedule.program) ----------------
