@@ -57,3 +57,27 @@ def test_cli_plan_and_simulate_with_auto_for_any_cp(capsys, cp):
     padded = zigzag_padded_len(131072, cp)
     assert f"padded to {padded} tokens, as Megatron pads" in out
     assert re.search(r"^fcp\s+\d", out, re.M)
+
+
+def test_named_graphs_are_built_once_per_topology_and_group():
+    """A graph named by its builder is shared by every plan over the same topology object and CP
+    group (it reads nothing else); another topology object, group or a builder instance builds anew;
+    plans from the shared graph equal plans from a fresh one."""
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner import build as B
+    from megatron_fcp.planner.builders import get_builder
+    from megatron_fcp.planner.compile import compile_plan
+    from megatron_fcp.topology import load_topology
+
+    topo, other = load_topology("dgx-h100:2"), load_topology("dgx-h100:2")
+    ranks = tuple(range(16))
+    cg = B._graph(topo, ranks, "entry")
+    assert B._graph(topo, ranks, "entry") is cg
+    assert B._graph(other, ranks, "entry") is not cg
+    assert B._graph(topo, tuple(range(8)), "entry") is not cg
+    assert B._graph(topo, ranks, get_builder("entry")) is not cg
+    for lengths in ([900, 40, 3000, 77, 512], [5] * 40):
+        pl = place_packed(lengths, 16, block_tokens=64)
+        plan = B.build_plan(topo, ranks, "auto", placement=pl)
+        fresh = compile_plan(get_builder(plan.name).build(topo, ranks), True, 1, placement=pl)
+        assert plan.rounds == fresh.rounds

@@ -345,3 +345,15 @@ def test_pairs_of_counts_what_pairs_counts(causal, window):
     matrix = pl.pair_matrix()                          # [cp, blocks]: the waves' work table
     assert matrix.dtype == np.int64 and matrix.shape == (16, len(pl.block_list()))
     assert matrix.ravel().tolist() == counted and not matrix.flags.writeable
+
+
+def test_block_columns_read_the_block_list():
+    """``block_tokens`` / ``block_owners``: each block's tokens and owner (CP index), block_list order,
+    read-only; ``tokens_of`` reads the same table."""
+    pl = place_packed([37, 5, 120, 64, 9, 300, 1], 4, block_tokens=16)
+    blocks = pl.block_list()
+    assert pl.block_tokens().tolist() == [s.tokens for _, _, s in blocks]
+    assert pl.block_owners().tolist() == [i for i, _, _ in blocks]
+    assert not pl.block_tokens().flags.writeable and not pl.block_owners().flags.writeable
+    i = np.array([i for i, _, _ in blocks]), np.array([b for _, b, _ in blocks])
+    assert np.array_equal(pl.tokens_of(*i), pl.block_tokens())

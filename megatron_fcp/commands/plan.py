@@ -135,7 +135,7 @@ def placement_lines(plan, topo, shape=NOMINAL_SHAPE) -> list[str]:
     st = packed_need_stats(plan, topo, shape)
     work = pl.work()
     need = pl.need_matrix()
-    tok = np.array([s.tokens for _, _, s in pl.block_list()], dtype=np.int64)
+    tok = pl.block_tokens()
     recv_tok = (need * tok[None, :]).sum(axis=1)
     moved = sum(pl.blocks[plan.cp_index(t.block.owner)][t.block.chunk].tokens for _, t in plan.transfers())
     cross = sum(pl.blocks[plan.cp_index(t.block.owner)][t.block.chunk].tokens for _, t in plan.transfers()

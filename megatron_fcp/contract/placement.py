@@ -357,14 +357,27 @@ class Placement:
             got.flags.writeable = False
         return got
 
-    def tokens_of(self, i, b) -> np.ndarray:
-        """int64: the tokens of each block ``(i[k], b[k])`` (owner's CP index, index in its blocks),
-        for arrays of blocks at once."""
+    def block_tokens(self) -> np.ndarray:
+        """int64 ``[n_blocks]``, read-only: each block's tokens, :meth:`block_list` order."""
         got = self._cache.get("block tokens")
         if got is None:
             got = self._cache["block tokens"] = np.array([s.tokens for _, _, s in self.block_list()], dtype=np.int64)
             got.flags.writeable = False
-        return got[self._block_offsets()[np.asarray(i, dtype=np.int64)] + np.asarray(b, dtype=np.int64)]
+        return got
+
+    def block_owners(self) -> np.ndarray:
+        """int64 ``[n_blocks]``, read-only: each block's owner (CP index), :meth:`block_list` order."""
+        got = self._cache.get("block owners")
+        if got is None:
+            got = self._cache["block owners"] = np.repeat(np.arange(len(self.blocks), dtype=np.int64),
+                                                          self.blocks_per_rank())
+            got.flags.writeable = False
+        return got
+
+    def tokens_of(self, i, b) -> np.ndarray:
+        """int64: the tokens of each block ``(i[k], b[k])`` (owner's CP index, index in its blocks),
+        for arrays of blocks at once."""
+        return self.block_tokens()[self._block_offsets()[np.asarray(i, dtype=np.int64)] + np.asarray(b, dtype=np.int64)]
 
     def _block_offsets(self) -> np.ndarray:
         """int64 ``[cp]``: the column of each CP rank's first block in :meth:`block_list` order."""

@@ -112,9 +112,7 @@ def _kv_needs(cp: int, placement: "Placement | None", seq_len: int,
         idx = np.arange(cp)
         return (chunk_need_matrix(cp, causal, seq_len), np.concatenate([idx, idx]),
                 np.full(2 * cp, seq_len // (2 * cp), dtype=np.float64))
-    blocks = placement.block_list()
-    return (placement.need_matrix(), np.array([i for i, _, _ in blocks], dtype=np.int64),
-            np.array([s.tokens for _, _, s in blocks], dtype=np.float64))
+    return placement.need_matrix(), placement.block_owners(), placement.block_tokens().astype(np.float64)
 
 
 def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: "bool | Mask") -> np.ndarray:
@@ -167,7 +165,7 @@ def rank_owners(placement: "Placement | None", cp: int, causal: "bool | Mask", s
     if placement is None:
         need = chunk_need_matrix(cp, causal, seq_len).reshape(cp, 2, cp).any(axis=1)  # chunk-major columns
     else:
-        owner = np.array([i for i, _, _ in placement.block_list()], dtype=np.int64)
+        owner = placement.block_owners()
         need = np.zeros((cp, cp), dtype=bool)
         rows, cols = np.nonzero(placement.need_matrix())
         need[rows, owner[cols]] = True
@@ -207,7 +205,7 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
         offset = np.concatenate([[0], np.cumsum([len(b) for b in pl.blocks])]).astype(np.int64)
         n = offset[o_i] + chunk
         read = pl.need_matrix()[d_i, n]
-        tokens = np.array([s.tokens for _, _, s in pl.block_list()], dtype=np.float64)[n]
+        tokens = pl.block_tokens().astype(np.float64)[n]
     if not read.any():
         return 0.0
     idx = _ResourceIndex(topo)

@@ -767,9 +767,8 @@ def _stage_bound(topo: Topology, hp: HeadParallelPlan, shape: AttentionShape, ca
     sshape = stage_shape(hp, shape)
     per_tok = sshape.kv_token_elems * elem_bytes
     need = pl.need_matrix()                                           # [cp, blocks]
-    blocks = pl.block_list()
-    tok = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
-    owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
+    tok = pl.block_tokens().astype(np.float64)
+    owner = pl.block_owners()
     node_of = np.array([topo.node_of(r) for r in sp.ranks])
     multi = len(set(node_of.tolist())) > 1
     recv = (need * tok[None, :]).sum(axis=1) * per_tok

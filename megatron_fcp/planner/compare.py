@@ -251,10 +251,9 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
     topo = load_topology(topology)
     pl = plan.placement
     need = pl.need_matrix()                                             # [cp, n_blocks]
-    blocks = pl.block_list()
     kv_tok = shape.kv_bytes(1)
-    tok = np.array([s.tokens for _, _, s in blocks], dtype=np.float64)
-    owner = np.array([i for i, _, _ in blocks], dtype=np.int64)
+    tok = pl.block_tokens().astype(np.float64)
+    owner = pl.block_owners()
     node_of = np.array([topo.node_of(r) for r in plan.ranks], dtype=np.int64)
     recv = (need * tok[None, :]).sum(axis=1) * kv_tok                   # bytes each rank needs
     node_ids = np.unique(node_of)

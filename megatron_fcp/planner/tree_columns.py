@@ -144,8 +144,9 @@ def tier_columns(groups: dict[int, Sequence[int]], owner: np.ndarray, chunk: np.
         key = (p[remote] - rail[remote]) % n[remote]
     else:
         key = p[remote]
-    order = remote[np.lexsort((key, g[remote], t[remote]))]
-    tg = t[order] * len(members) + g[order]
+    G, width = len(members), int(sizes.max(initial=1))                      # key, tier and depth bounds
+    order = remote[np.argsort((t[remote] * G + g[remote]) * width + key, kind="stable")]  # lexsort by (t, g, key)
+    tg = t[order] * G + g[order]
     head = np.ones(len(order), dtype=bool)
     head[1:] = tg[1:] != tg[:-1]
     group_id = np.cumsum(head) - 1                                          # [remote reads]: its (tree, tier)
@@ -168,5 +169,5 @@ def tier_columns(groups: dict[int, Sequence[int]], owner: np.ndarray, chunk: np.
     e_depth = np.concatenate([np.ones(int(home.sum()) + len(gt), dtype=np.int64),
                               np.full(len(second), 2, dtype=np.int64)])
     e_g = np.concatenate([g[home], gg, g[second]])
-    by = np.lexsort((p_of[e_v], e_g, e_depth, e_tree))
+    by = np.argsort(((e_tree * 3 + e_depth) * G + e_g) * width + p_of[e_v], kind="stable")  # by (tree, depth, g, p)
     return TreeColumns(owner, chunk, e_tree[by], e_u[by], e_v[by], e_depth[by])
