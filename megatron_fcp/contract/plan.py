@@ -166,13 +166,24 @@ class Plan:
             raise PlanError(f"rank {rank} is not in the plan's CP group {list(self.ranks)}") from None
 
     def local_blocks(self, rank: int) -> tuple[Block, ...]:
-        """Blocks global ``rank`` owns, in the order of its local tokens."""
-        if self.placement is None:
-            return blocks_of(rank, self.parts_per_chunk)
-        return tuple(Block(rank, b, 0) for b in range(len(self.placement.blocks[self.cp_index(rank)])))
+        """Blocks global ``rank`` owns, in the order of its local tokens (built once per rank and
+        plan object: the backward program, the cost model and the executor ask per wave)."""
+        cache = self.__dict__.setdefault("_local_blocks", {})
+        got = cache.get(rank)
+        if got is None:
+            if self.placement is None:
+                got = blocks_of(rank, self.parts_per_chunk)
+            else:
+                got = tuple(Block(rank, b, 0) for b in range(len(self.placement.blocks[self.cp_index(rank)])))
+            cache[rank] = got
+        return got
 
     def blocks(self) -> tuple[Block, ...]:
-        return tuple(b for r in self.ranks for b in self.local_blocks(r))
+        """Every block, owner by owner in CP order (built once per plan object)."""
+        got = self.__dict__.get("_blocks")
+        if got is None:
+            got = self.__dict__["_blocks"] = tuple(b for r in self.ranks for b in self.local_blocks(r))
+        return got
 
     def block_tokens(self, block: Block, seq_len: int | None = None) -> int:
         """Tokens of ``block``: its span of the placement, or the zigzag sub-block of a ``seq_len``-token
@@ -249,6 +260,8 @@ class Plan:
         state.pop("_needs", None)
         state.pop("_cp_index", None)
         state.pop("_columns", None)
+        state.pop("_local_blocks", None)
+        state.pop("_blocks", None)
         return state
 
     def received_blocks(self, rank: int) -> tuple[Block, ...]:

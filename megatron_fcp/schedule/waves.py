@@ -138,13 +138,15 @@ def loop_jobs(plan: Plan, waves: Sequence[Wave]
     jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
     n_own = dict.fromkeys(ranks, 0)
     last: dict[int, list[Block]] = {x: [] for x in ranks}
+    local = {x: plan.local_blocks(x) for x in ranks}     # read once, not per wave (a placement's are built per call)
     for w, wave in enumerate(waves):
         got: dict[int, list[Block]] = {}
+        computes = wave.computes
         for _, t in wave.transfers:
-            if (t.block, t.dst) in wave.computes:
+            if (t.block, t.dst) in computes:
                 got.setdefault(t.dst, []).append(t.block)
         for x in ranks:
-            own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
+            own = [b for b in local[x] if (b, x) in computes]
             if w == 0:
                 n_own[x] = leading_own_jobs(len(own), W)
                 own, last[x] = own[:n_own[x]], own[n_own[x]:]
