@@ -340,11 +340,12 @@ class _PackInput:
         _, first = np.unique(key, return_index=True)               # each (block, rank)'s arriving transfer
         first.sort()                                               # [A] arrivals, plan order
         a_key, a_blk, a_dst = key[first], c[first], dst[first]
-        by_key = np.argsort(a_key)
-        up_key = a_blk * R + src[first]                            # (block, sender) of each arrival
-        at = by_key[np.minimum(np.searchsorted(a_key, up_key, sorter=by_key), max(len(first) - 1, 0))] \
-            if len(first) else np.zeros(0, dtype=np.int64)
-        a_up = np.where(a_key[at] == up_key, at, -1) if len(first) else at  # -1: sent by the owner
+        a_up = np.full(len(first), -1, dtype=np.int64)             # [A]: the arrival at its sender; -1: the owner
+        if len(first):
+            by_key = np.argsort(a_key)
+            up_key = a_blk * R + src[first]                        # (block, sender) of each arrival
+            at = by_key[np.minimum(np.searchsorted(a_key, up_key, sorter=by_key), len(first) - 1)]
+            a_up = np.where(a_key[at] == up_key, at, a_up)
         need = plan.need_matrix()                                  # [cp, blocks] bool
         work = work_matrix(plan)                                   # [cp, blocks] float64
         a_need = need[pos[a_dst], a_blk].astype(np.uint8)          # [A]: the rank needs the block
