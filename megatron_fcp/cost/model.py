@@ -77,7 +77,7 @@ from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
 from megatron_fcp.schedule.launches import launch_ids, launch_starts, local_stage
 from megatron_fcp.topology import Topology, load_topology
-from megatron_fcp.topology.route_ids import first_use_ids
+from megatron_fcp.topology.route_ids import ResourceIds, first_use_ids
 
 __all__ = [
     "BACKWARD_FLOP_RATIO",
@@ -602,24 +602,18 @@ class _ResourceIndex:
 
     def __init__(self, topo: Topology):
         self.topo = topo
-        self.ids: dict[str, int] = {}
-        self.bw: list[float] = []
-        self.names: list[str] = []
+        self.resources = ResourceIds()
+        self.ids: dict[str, int] = self.resources.index   # name -> id
+        self.bw: list[float] = self.resources.bandwidths  # id -> bandwidth (bytes/s)
+        self.names: list[str] = self.resources.names      # id -> name
         self.routes: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
 
     def route(self, s: int, d: int) -> tuple[np.ndarray, float]:
         hit = self.routes.get((s, d))
         if hit is None:
             r = self.topo.route(s, d)
-            ids = []
-            for res in r.resources:
-                i = self.ids.get(res.name)
-                if i is None:
-                    i = self.ids[res.name] = len(self.names)
-                    self.names.append(res.name)
-                    self.bw.append(res.bandwidth)
-                ids.append(i)
-            hit = (np.asarray(ids, dtype=np.int64), r.latency)
+            hit = (np.array([self.resources.id(res.name, res.bandwidth) for res in r.resources], dtype=np.int64),
+                   r.latency)
             self.routes[(s, d)] = hit
         return hit
 
@@ -634,13 +628,7 @@ class _ResourceIndex:
         local, first_used = first_use_ids(topo_ids)
         mine = np.empty(len(first_used), dtype=np.int64)       # topology id (first-use order) -> ours
         for j, g in enumerate(first_used.tolist()):
-            name = table.names[g]
-            i = self.ids.get(name)
-            if i is None:
-                i = self.ids[name] = len(self.names)
-                self.names.append(name)
-                self.bw.append(float(table.resource_bandwidth[g]))
-            mine[j] = i
+            mine[j] = self.resources.id(table.names[g], float(table.resource_bandwidth[g]))
         return lens, mine[local], table.latency[rows]
 
 

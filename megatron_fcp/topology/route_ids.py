@@ -32,7 +32,27 @@ import numpy as np
 if TYPE_CHECKING:
     from megatron_fcp.topology.model import Topology
 
-__all__ = ["RouteIds", "first_use_ids"]
+__all__ = ["ResourceIds", "RouteIds", "first_use_ids"]
+
+
+class ResourceIds:
+    """Resources numbered densely in order of first use: ``names[i]`` and ``bandwidths[i]`` of id
+    ``i``, ``index`` a name's id. The one numbering rule of :class:`RouteIds` (topology-wide) and of
+    the cost model's resource index (per pricing)."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.names: list[str] = []
+        self.bandwidths: list[float] = []
+
+    def id(self, name: str, bandwidth: float) -> int:
+        """``name``'s id, numbered next (with ``bandwidth``) the first time it is seen."""
+        i = self.index.get(name)
+        if i is None:
+            i = self.index[name] = len(self.names)
+            self.names.append(name)
+            self.bandwidths.append(bandwidth)
+        return i
 
 
 class RouteIds:
@@ -41,9 +61,8 @@ class RouteIds:
     def __init__(self, topology: "Topology"):
         self.topology = topology
         self._lock = threading.Lock()
-        self._id_of: dict[str, int] = {}
-        self.names: list[str] = []               # resource id -> name
-        self._bw: list[float] = []               # resource id -> bandwidth (bytes/s)
+        self._resources = ResourceIds()
+        self.names: list[str] = self._resources.names   # resource id -> name
         self.resource_bandwidth = np.zeros(0)
         # (sorted src * span + dst of the rows, each key's row): one tuple, replaced whole
         self._index = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -82,13 +101,7 @@ class RouteIds:
         lens, flat, lat, bw = [], [], [], []
         for k in new_keys.tolist():
             route = self.topology.route(k // self.span, k % self.span)
-            for res in route.resources:
-                i = self._id_of.get(res.name)
-                if i is None:
-                    i = self._id_of[res.name] = len(self.names)
-                    self.names.append(res.name)
-                    self._bw.append(res.bandwidth)
-                flat.append(i)
+            flat.extend(self._resources.id(res.name, res.bandwidth) for res in route.resources)
             lens.append(len(route.resources))
             lat.append(route.latency)
             bw.append(route.bandwidth)
@@ -103,7 +116,7 @@ class RouteIds:
         # publish the columns before the index that points into them (readers take the index
         # first, and columns only grow: a reader's rows are always in the columns it reads)
         self.ptr, self.ids, self.latency, self.bandwidth = ptr, ids, latency, bandwidth
-        self.resource_bandwidth = np.asarray(self._bw, dtype=np.float64)
+        self.resource_bandwidth = np.asarray(self._resources.bandwidths, dtype=np.float64)
         self._index = (keys[order], row_of_key[order])
 
     def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
