@@ -397,3 +397,41 @@ def test_waves_know_their_rows_of_the_plan(builder):
         slow = floor(tuple(dc_replace(w, plan_index=None) for w in waves),
                      None if fetch is None else dc_replace(fetch, plan_index=None))
         assert fast == slow and fast > 0
+
+
+@pytest.mark.parametrize("builder", ("hierarchical", "ring"))
+@pytest.mark.parametrize("kv", ("resend", "keep"))
+def test_the_wave_floor_sums_jobs_from_the_table_as_it_calls_them(builder, kv):
+    """``wave_timeline_floor`` with ``job_table`` (the floor ``wave_backward_floor`` prices over a
+    placement) and with a call per job (``loop_jobs``): the same float; the waves' compute columns
+    are their computes."""
+    import numpy as np
+
+    from megatron_fcp.cost import backward as BK
+    from megatron_fcp.cost import timeline as TL
+    from megatron_fcp.schedule import program as P
+    from megatron_fcp.schedule.waves import wave_compute_columns
+    from megatron_fcp.topology import load_topology
+
+    pl = place_packed([900, 40, 300, 170, 10, 3000, 77, 512, 64, 2048], 8, block_tokens=64)
+    plan = build_plan("dgx-h100:2", range(8), builder, placement=pl)
+    shape = AttentionShape(1, 32, 8, 128, 2)
+    topo = load_topology("dgx-h100:2")
+    program = P.compile_backward(plan, shape.kv_bytes(1), P.BackwardPolicy(kv),
+                                 budget=wave_budget(plan, lambda b: plan.block_tokens(b) * shape.kv_bytes(1)) // 2)
+    assert len(program.waves) > 1
+    blocks = plan.blocks()
+    for w in program.waves:
+        cb, cx = wave_compute_columns(plan, w)
+        assert sorted(zip((blocks[i] for i in cb.tolist()), cx.tolist())) == sorted(w.computes)
+    cm = BK.ComputeModel()
+    launch = cm.launch_s(BK.BACKWARD_FLOP_RATIO)
+    work = BK._PairWork(plan, None, shape.pair_flops / cm.flops * BK.BACKWARD_FLOP_RATIO)
+    size = lambda b: plan.block_tokens(b) * shape.kv_bytes(1)  # noqa: E731
+    args = dict(kv_bytes=size, grad_bytes=size, job_s=BK._job_s(work, launch), resend=program.resend,
+                first_kept=program.first_kept, first_fetch=program.first_fetch)
+    table = BK._job_table(work, launch)
+    assert table is not None and table.shape == (8, len(blocks))
+    called = TL.wave_timeline_floor(plan, program.waves, topo, **args)
+    summed = TL.wave_timeline_floor(plan, program.waves, topo, job_table=table, **args)
+    assert called > 0 and summed == pytest.approx(called, rel=1e-12)

@@ -71,7 +71,7 @@ from megatron_fcp.cost.timeline import (chain_launches, chain_step_compute, chai
                                         wave_timeline_floor)
 from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
-from megatron_fcp.schedule.waves import block_work, loop_jobs, restrict, zigzag_pairs
+from megatron_fcp.schedule.waves import block_work, loop_jobs, restrict, work_matrix, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -375,7 +375,6 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
     a block's tokens and one sequence's K|V bytes, and a job's seconds of work (launch not
     included: its query-key pairs at the backward's seconds per pair, or its tile-priced calls)."""
     policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
-    pl = plan.placement
     zshape, kv_tok = _program_shape(plan, shape, kv_dtype_bytes)
     program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
                                budget=None if budget is None else budget * micro_batch)
@@ -391,11 +390,32 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
                 memo[(x, blk)] = _tile_work(cm, plan, zshape, pos[x], blk, BACKWARD_FLOP_RATIO)
             return memo[(x, blk)]
         return program, block_tokens, size, work
-    if pl is not None:
-        pairs = block_work(plan)    # the placement's exact pairs, one table per plan
-    else:
-        pairs = zigzag_pairs(plan, zshape.seq_len)
-    return program, block_tokens, size, lambda x, blk: pairs(x, blk) * flop_s
+    return program, block_tokens, size, _PairWork(plan, zshape.seq_len, flop_s)
+
+
+class _PairWork:
+    """A gradient job's seconds of work, launch not included: its query-key pairs (a placement's
+    exact pairs, :func:`~megatron_fcp.schedule.waves.block_work`; a zigzag plan's for ``seq_len``
+    tokens) at ``flop_s`` seconds a pair. Called ``(rank, block)``; over a placement also the whole
+    ``[cp, blocks]`` table (:meth:`table`), the same products, which the wave floor sums per wave
+    and rank without a call per job."""
+
+    def __init__(self, plan: Plan, seq_len: int | None, flop_s: float):
+        self.plan, self.seq_len, self.flop_s = plan, seq_len, flop_s
+        self._pairs: Callable[[int, Block], float] | None = None
+
+    def __call__(self, x: int, blk: Block) -> float:
+        if self._pairs is None:   # built on first use: the floor reads the table instead
+            self._pairs = block_work(self.plan) if self.plan.placement is not None else \
+                zigzag_pairs(self.plan, self.seq_len)
+        return self._pairs(x, blk) * self.flop_s
+
+    def table(self) -> np.ndarray | None:
+        """float64 ``[cp, blocks]`` (CP order, ``plan.blocks()`` columns): each call's value; None
+        for a zigzag plan (the work matrix holds its relative work, not its pairs)."""
+        if self.plan.placement is None:
+            return None
+        return work_matrix(self.plan) * self.flop_s
 
 
 def _program_shape(plan: Plan, shape: AttentionShape, kv_dtype_bytes: int | None) -> tuple[AttentionShape, int]:
@@ -443,6 +463,13 @@ def _job_s(work, launch_s: float):
     return job_s
 
 
+def _job_table(work, launch_s: float) -> np.ndarray | None:
+    """:func:`_job_s` of every (CP rank, block) at once, float64 ``[cp, blocks]``, where ``work`` has
+    a table (:class:`_PairWork` over a placement); None otherwise (tile-priced or zigzag work)."""
+    table = work.table() if isinstance(work, _PairWork) else None
+    return None if table is None else np.where(table != 0, table + launch_s, 0.0)
+
+
 def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: AttentionShape, *,
                         compute_model: ComputeModel | None = None, backward_kv: str = "auto",
                         grad_dtype_bytes: int | None = None, round_overhead_s: float = 0.0,
@@ -458,9 +485,10 @@ def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: Attention
     if program.steps is not None:
         return None
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
+    launch_s = cm.launch_s(BACKWARD_FLOP_RATIO)
     return wave_timeline_floor(plan, program.waves, topo, kv_bytes=size,
                                grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
-                               job_s=_job_s(work, cm.launch_s(BACKWARD_FLOP_RATIO)),
+                               job_s=_job_s(work, launch_s), job_table=_job_table(work, launch_s),
                                resend=program.mode == "resend", round_overhead_s=round_overhead_s,
                                buffered_sends=buffered_sends, first_kept=program.first_kept,
                                first_fetch=program.first_fetch)

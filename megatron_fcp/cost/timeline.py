@@ -102,7 +102,7 @@ from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.jit import jit
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
-from megatron_fcp.schedule.waves import Wave, loop_jobs, wave_columns
+from megatron_fcp.schedule.waves import Wave, leading_own_jobs, loop_jobs, wave_columns, wave_compute_columns
 from megatron_fcp.topology import Topology
 
 __all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step_compute", "chain_launches"]
@@ -469,18 +469,22 @@ def chain_launches(steps: Sequence[ChainStep], job_s: Callable[[int, Block], flo
 def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
                         grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
                         round_overhead_s: float = 0.0, buffered_sends: bool = False, first_kept: bool = False,
-                        first_fetch: Wave | None = None) -> float:
+                        first_fetch: Wave | None = None, job_table: np.ndarray | None = None) -> float:
     """A lower bound on :func:`wave_timeline`'s ``total_s`` for the same arguments, without the
-    event simulation (Note [Wave timeline floor])."""
+    event simulation (Note [Wave timeline floor]). ``job_table``: ``job_s`` of every (CP rank,
+    block) as a float64 ``[cp, blocks]`` table where the caller has one (:func:`_job_sums`)."""
     idx = _ResourceIndex(topo)
     ranks = list(plan.ranks)
     W = len(waves)
     # per rank and iteration of the loop: its jobs' seconds (iteration 0: after the leading own jobs;
     # iteration W: the first wave's own jobs left for the end)
-    jobs, n_own, last = loop_jobs(plan, waves)
-    lead = {x: sum(job_s(x, b) for b in jobs[x][0][:n_own[x]]) if W else 0.0 for x in ranks}
-    comp = [{x: sum(job_s(x, b) for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]))
-             for x in ranks} for w in range(W + 1)]
+    if job_table is not None:
+        lead, comp = _job_sums(plan, waves, job_table)
+    else:
+        jobs, n_own, last = loop_jobs(plan, waves)
+        lead = {x: sum(job_s(x, b) for b in jobs[x][0][:n_own[x]]) if W else 0.0 for x in ranks}
+        comp = [{x: sum(job_s(x, b) for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]))
+                 for x in ranks} for w in range(W + 1)]
 
     # every chain's messages as columns: block numbers (plan.blocks() order); the routes of every
     # (sender, receiver) pair of the plan, either way, looked up once (Note [Route ids])
@@ -541,6 +545,47 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
         begin, end = nxt, nxt
     # every message of the backward holds each resource of its route for its bytes, one at a time
     return max(max(end.values(), default=0.0), float(held.max()) if len(held) else 0.0)
+
+
+def _job_sums(plan: Plan, waves: Sequence[Wave], job_table: np.ndarray
+              ) -> tuple[dict[int, float], list[dict[int, float]]]:
+    """:func:`wave_timeline_floor`'s per-rank job seconds from a ``[cp, blocks]`` table instead of a
+    call per job: ``lead`` (wave 0's leading own jobs) and ``comp[w]`` (iteration ``w``'s jobs;
+    ``comp[W]`` the own jobs of wave 0 left for the end), the jobs of
+    :func:`~megatron_fcp.schedule.waves.loop_jobs` (received blocks in plan order, own blocks in
+    local order, :func:`~megatron_fcp.schedule.waves.leading_own_jobs` of them first in wave 0)
+    added in the order the loop runs them (``np.add.at`` adds repeated indices in turn)."""
+    ranks = list(plan.ranks)
+    cp, W, P = len(ranks), len(waves), plan.parts_per_chunk
+    R = max(ranks) + 1
+    pos = np.full(R, -1, dtype=np.int64)                      # global rank -> CP position
+    pos[ranks] = np.arange(cp)
+    first_col, owner_pos, _ = block_layout(plan.chunks_per_rank(), P)   # owner_pos [blocks]: its CP position
+    offset = np.zeros(R, dtype=np.int64)                      # global rank -> its first block number
+    offset[ranks] = first_col
+    lead = np.zeros(cp)
+    comp = np.zeros((W + 1, cp))
+    for w, wave in enumerate(waves):
+        cb, cx = wave_compute_columns(plan, wave)             # [computes]: block number, global rank
+        own = owner_pos[cb] == pos[cx]
+        _, _, dst, o, ch, pt = wave_columns(plan, wave)       # [transfers], plan order
+        tb = offset[o] + ch * P + pt
+        got = np.isin(tb * R + dst, cb[~own] * R + cx[~own])  # the transfers that bring a job, in turn
+        r_pos, r_blk = pos[dst[got]], tb[got]
+        o_blk = np.sort(cb[own])                              # own jobs: owner by owner, local order
+        o_pos = owner_pos[o_blk]
+        np.add.at(comp[w], r_pos, job_table[r_pos, r_blk])
+        o_val = job_table[o_pos, o_blk]
+        if w:
+            np.add.at(comp[w], o_pos, o_val)
+            continue
+        n_own = np.bincount(o_pos, minlength=cp)
+        n_lead = np.array([leading_own_jobs(n, W) for n in n_own.tolist()], dtype=np.int64)
+        rank_start = np.concatenate(([0], np.cumsum(n_own)[:-1]))
+        leads = np.arange(len(o_blk)) - rank_start[o_pos] < n_lead[o_pos]
+        np.add.at(lead, o_pos[leads], o_val[leads])
+        np.add.at(comp[W], o_pos[~leads], o_val[~leads])
+    return dict(zip(ranks, lead.tolist())), [dict(zip(ranks, c.tolist())) for c in comp]
 
 
 @jit

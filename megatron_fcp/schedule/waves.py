@@ -79,7 +79,7 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import block_layout
 from megatron_fcp.jit import jit
 
-__all__ = ["Wave", "wave_columns", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
+__all__ = ["Wave", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
            "block_work",
            "BACKWARD_KV_MODES",
            "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
@@ -96,11 +96,16 @@ class Wave:
     # where the wave was cut from the plan's columns (plan_waves, first_fetch of such a wave); None
     # where not known. A view of the transfers, not part of the wave's identity
     plan_index: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # (block numbers in Plan.blocks() order, global ranks), int64 [len(computes)] each: the computes
+    # as columns, where the packing gave them; None where not known. A view, as plan_index
+    compute_index: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rounds", tuple(sorted({r for r, _ in self.transfers})))
         if self.plan_index is not None and len(self.plan_index) != len(self.transfers):
             raise ValueError(f"Wave: plan_index has {len(self.plan_index)} entries for {len(self.transfers)} transfers")
+        if self.compute_index is not None and any(len(c) != len(self.computes) for c in self.compute_index):
+            raise ValueError(f"Wave: compute_index does not have {len(self.computes)} entries")
 
     def has(self, round_index: int, t: Transfer) -> bool:
         """Whether the wave carries transfer ``t`` of plan round ``round_index`` (the set of them is
@@ -418,7 +423,8 @@ def _waves(inp: _PackInput, raw: "_RawPacking") -> tuple[Wave, ...]:
     take_t, take_b = transfers.__getitem__, blocks.__getitem__
     return tuple(Wave(tuple(map(take_t, carried[cp_[w]:cp_[w + 1]])),
                       frozenset(zip(map(take_b, ci[mp[w]:mp[w + 1]]), cx[mp[w]:mp[w + 1]])),
-                      index[cp_[w]:cp_[w + 1]])
+                      index[cp_[w]:cp_[w + 1]],
+                      (raw.comp_i[mp[w]:mp[w + 1]], raw.comp_x[mp[w]:mp[w + 1]]))
                  for w in range(len(raw)))
 
 
@@ -710,7 +716,19 @@ def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
             wanted.add((b, t.src))
     again.reverse()
     index = None if wave.plan_index is None else wave.plan_index[np.array(again, dtype=np.int64)]
-    return Wave(tuple(wave.transfers[k] for k in again), wave.computes, index)
+    return Wave(tuple(wave.transfers[k] for k in again), wave.computes, index, wave.compute_index)
+
+
+def wave_compute_columns(plan: Plan, wave: Wave) -> tuple[np.ndarray, np.ndarray]:
+    """``(block numbers, global ranks)``, int64: the wave's computes as columns (block numbers in
+    ``plan.blocks()`` order), from ``Wave.compute_index`` where the packing gave it, else read from
+    its ``computes`` (in no particular order)."""
+    if wave.compute_index is not None:
+        return wave.compute_index
+    col = _block_column(plan)
+    pairs = list(wave.computes)
+    return (np.fromiter((col(b) for b, _ in pairs), dtype=np.int64, count=len(pairs)),
+            np.fromiter((x for _, x in pairs), dtype=np.int64, count=len(pairs)))
 
 
 def wave_columns(plan: Plan, wave: Wave) -> tuple[np.ndarray, ...]:
