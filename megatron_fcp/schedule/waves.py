@@ -184,7 +184,8 @@ def block_work(plan: Plan) -> Callable[[int, Block], float]:
     table = work_matrix(plan)                                           # [cp, blocks]
     col = _block_column(plan)
     # one element read per call, not the table turned into lists: a head-parallel stage's table at
-    # cp = 256 has 5M entries, its simulated backward reads ~1/40 of them (0.09 s -> ~0.01 s)
+    # cp = 256 (2,048 documents) has 5.0M entries and its simulated backward makes 28K calls (the
+    # lists took 0.09 s, the calls take 0.01 s; 2026-12-06)
     return lambda rank, b: float(table[pos[rank], col(b)])
 
 
