@@ -402,7 +402,7 @@ def test_waves_know_their_rows_of_the_plan(builder):
 @pytest.mark.parametrize("builder", ("hierarchical", "ring"))
 @pytest.mark.parametrize("kv", ("resend", "keep"))
 def test_the_wave_floor_sums_jobs_from_the_table_as_it_calls_them(builder, kv):
-    """``wave_timeline_floor`` with ``job_table`` (the floor ``wave_backward_floor`` prices over a
+    """``wave_timeline_floor`` with ``job_seconds`` (the floor ``wave_backward_floor`` prices over a
     placement) and with a call per job (``loop_jobs``): the same float; the waves' compute columns
     are their computes."""
     import numpy as np
@@ -430,8 +430,11 @@ def test_the_wave_floor_sums_jobs_from_the_table_as_it_calls_them(builder, kv):
     size = lambda b: plan.block_tokens(b) * shape.kv_bytes(1)  # noqa: E731
     args = dict(kv_bytes=size, grad_bytes=size, job_s=BK._job_s(work, launch), resend=program.resend,
                 first_kept=program.first_kept, first_fetch=program.first_fetch)
-    table = BK._job_table(work, launch)
-    assert table is not None and table.shape == (8, len(blocks))
+    seconds = BK._job_seconds(work, launch)
+    assert seconds is not None
+    pos, blk = np.repeat(np.arange(8), len(blocks)), np.tile(np.arange(len(blocks)), 8)
+    assert seconds(pos, blk).tolist() == [BK._job_s(work, launch)(plan.ranks[p], blocks[b])
+                                          for p, b in zip(pos.tolist(), blk.tolist())]
     called = TL.wave_timeline_floor(plan, program.waves, topo, **args)
-    summed = TL.wave_timeline_floor(plan, program.waves, topo, job_table=table, **args)
+    summed = TL.wave_timeline_floor(plan, program.waves, topo, job_seconds=seconds, **args)
     assert called > 0 and summed == pytest.approx(called, rel=1e-12)

@@ -396,9 +396,9 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
 class _PairWork:
     """A gradient job's seconds of work, launch not included: its query-key pairs (a placement's
     exact pairs, :func:`~megatron_fcp.schedule.waves.block_work`; a zigzag plan's for ``seq_len``
-    tokens) at ``flop_s`` seconds a pair. Called ``(rank, block)``; over a placement also the whole
-    ``[cp, blocks]`` table (:meth:`table`), the same products, which the wave floor sums per wave
-    and rank without a call per job."""
+    tokens) at ``flop_s`` seconds a pair. Called ``(rank, block)``; over a placement also for many
+    jobs at once (:meth:`many`: the same products, read from the work table), which the wave floor
+    sums per wave and rank without a call per job."""
 
     def __init__(self, plan: Plan, seq_len: int | None, flop_s: float):
         self.plan, self.seq_len, self.flop_s = plan, seq_len, flop_s
@@ -410,12 +410,17 @@ class _PairWork:
                 zigzag_pairs(self.plan, self.seq_len)
         return self._pairs(x, blk) * self.flop_s
 
-    def table(self) -> np.ndarray | None:
-        """float64 ``[cp, blocks]`` (CP order, ``plan.blocks()`` columns): each call's value; None
-        for a zigzag plan (the work matrix holds its relative work, not its pairs)."""
-        if self.plan.placement is None:
-            return None
-        return work_matrix(self.plan) * self.flop_s
+    @property
+    def vectorised(self) -> bool:
+        """Whether :meth:`many` answers: over a placement (a zigzag plan's work matrix holds its
+        relative work, not its pairs)."""
+        return self.plan.placement is not None
+
+    def many(self, positions: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """float64: the call's value for each (CP position, block number in ``plan.blocks()``
+        order), read from the work table (only the entries asked for: a head-parallel stage's
+        table holds 5.0M at cp = 256)."""
+        return work_matrix(self.plan)[positions, blocks] * self.flop_s
 
 
 def _program_shape(plan: Plan, shape: AttentionShape, kv_dtype_bytes: int | None) -> tuple[AttentionShape, int]:
@@ -463,11 +468,16 @@ def _job_s(work, launch_s: float):
     return job_s
 
 
-def _job_table(work, launch_s: float) -> np.ndarray | None:
-    """:func:`_job_s` of every (CP rank, block) at once, float64 ``[cp, blocks]``, where ``work`` has
-    a table (:class:`_PairWork` over a placement); None otherwise (tile-priced or zigzag work)."""
-    table = work.table() if isinstance(work, _PairWork) else None
-    return None if table is None else np.where(table != 0, table + launch_s, 0.0)
+def _job_seconds(work, launch_s: float) -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
+    """:func:`_job_s` of many jobs at once, ``seconds(CP positions, block numbers)``, where ``work``
+    answers so (:class:`_PairWork` over a placement); None otherwise (tile-priced or zigzag work)."""
+    if not (isinstance(work, _PairWork) and work.vectorised):
+        return None
+
+    def seconds(positions: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        w = work.many(positions, blocks)
+        return np.where(w != 0, w + launch_s, 0.0)
+    return seconds
 
 
 def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: AttentionShape, *,
@@ -488,7 +498,7 @@ def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: Attention
     launch_s = cm.launch_s(BACKWARD_FLOP_RATIO)
     return wave_timeline_floor(plan, program.waves, topo, kv_bytes=size,
                                grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
-                               job_s=_job_s(work, launch_s), job_table=_job_table(work, launch_s),
+                               job_s=_job_s(work, launch_s), job_seconds=_job_seconds(work, launch_s),
                                resend=program.mode == "resend", round_overhead_s=round_overhead_s,
                                buffered_sends=buffered_sends, first_kept=program.first_kept,
                                first_fetch=program.first_fetch)

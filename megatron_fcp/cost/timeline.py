@@ -469,17 +469,18 @@ def chain_launches(steps: Sequence[ChainStep], job_s: Callable[[int, Block], flo
 def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv_bytes: Callable[[Block], float],
                         grad_bytes: Callable[[Block], float], job_s: Callable[[int, Block], float], resend: bool,
                         round_overhead_s: float = 0.0, buffered_sends: bool = False, first_kept: bool = False,
-                        first_fetch: Wave | None = None, job_table: np.ndarray | None = None) -> float:
+                        first_fetch: Wave | None = None,
+                        job_seconds: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> float:
     """A lower bound on :func:`wave_timeline`'s ``total_s`` for the same arguments, without the
-    event simulation (Note [Wave timeline floor]). ``job_table``: ``job_s`` of every (CP rank,
-    block) as a float64 ``[cp, blocks]`` table where the caller has one (:func:`_job_sums`)."""
+    event simulation (Note [Wave timeline floor]). ``job_seconds``: ``job_s`` of many jobs at once,
+    ``(CP positions, block numbers) -> seconds``, where the caller has it (:func:`_job_sums`)."""
     idx = _ResourceIndex(topo)
     ranks = list(plan.ranks)
     W = len(waves)
     # per rank and iteration of the loop: its jobs' seconds (iteration 0: after the leading own jobs;
     # iteration W: the first wave's own jobs left for the end)
-    if job_table is not None:
-        lead, comp = _job_sums(plan, waves, job_table)
+    if job_seconds is not None:
+        lead, comp = _job_sums(plan, waves, job_seconds)
     else:
         jobs, n_own, last = loop_jobs(plan, waves)
         lead = {x: sum(job_s(x, b) for b in jobs[x][0][:n_own[x]]) if W else 0.0 for x in ranks}
@@ -547,10 +548,10 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
     return max(max(end.values(), default=0.0), float(held.max()) if len(held) else 0.0)
 
 
-def _job_sums(plan: Plan, waves: Sequence[Wave], job_table: np.ndarray
+def _job_sums(plan: Plan, waves: Sequence[Wave], job_seconds: Callable[[np.ndarray, np.ndarray], np.ndarray]
               ) -> tuple[dict[int, float], list[dict[int, float]]]:
-    """:func:`wave_timeline_floor`'s per-rank job seconds from a ``[cp, blocks]`` table instead of a
-    call per job: ``lead`` (wave 0's leading own jobs) and ``comp[w]`` (iteration ``w``'s jobs;
+    """:func:`wave_timeline_floor`'s per-rank job seconds, each wave's jobs priced at once
+    (``job_seconds``) instead of a call per job: ``lead`` (wave 0's leading own jobs) and ``comp[w]`` (iteration ``w``'s jobs;
     ``comp[W]`` the own jobs of wave 0 left for the end), the jobs of
     :func:`~megatron_fcp.schedule.waves.loop_jobs` (received blocks in plan order, own blocks in
     local order, :func:`~megatron_fcp.schedule.waves.leading_own_jobs` of them first in wave 0)
@@ -574,8 +575,8 @@ def _job_sums(plan: Plan, waves: Sequence[Wave], job_table: np.ndarray
         r_pos, r_blk = pos[dst[got]], tb[got]
         o_blk = np.sort(cb[own])                              # own jobs: owner by owner, local order
         o_pos = owner_pos[o_blk]
-        np.add.at(comp[w], r_pos, job_table[r_pos, r_blk])
-        o_val = job_table[o_pos, o_blk]
+        np.add.at(comp[w], r_pos, job_seconds(r_pos, r_blk))
+        o_val = job_seconds(o_pos, o_blk)
         if w:
             np.add.at(comp[w], o_pos, o_val)
             continue
