@@ -91,3 +91,18 @@ def test_columns_round_trip_and_stagger():
     deeper = cols.staggered(3)
     assert np.array_equal(deeper.depth - cols.depth, cols.chunk[cols.tree_of] % 3)
     assert cols.staggered(1) is cols
+
+
+def test_entry_position_is_one_rule_for_ints_and_arrays():
+    """``entry_position`` on ints (the per-tree builders) and on arrays (the rail layout, the
+    columns): the same positions, an int for ints; odd chunks shift only into larger nodes."""
+    import itertools
+
+    from megatron_fcp.planner.tree_columns import entry_position
+
+    cases = list(itertools.product(range(9), range(1, 9), range(1, 9), range(4)))
+    ints = [entry_position(*c) for c in cases]
+    assert all(type(x) is int for x in ints)
+    assert ints == [(r + h) % s if s > h and c % 2 else r % s for r, h, s, c in cases]
+    arrays = entry_position(*(np.array(col) for col in zip(*cases)))
+    assert arrays.tolist() == ints

@@ -39,7 +39,8 @@ import numpy as np
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.table import TransferTable
 from megatron_fcp.planner.graph import CommGraph, TreeEdges, depths_of, parents_first, prune_bfs, runs_of, steiner_tree
-from megatron_fcp.planner.tree_columns import Readers, TreeColumns, columns_of, full_columns, tier_columns
+from megatron_fcp.planner.tree_columns import (Readers, TreeColumns, columns_of, entry_position, full_columns,
+                                               tier_columns)
 from megatron_fcp.planner.table_compile import (
     full_edges,
     full_table,
@@ -308,16 +309,6 @@ class StripeGraph(EntryGraph):
         return [(u, v) for _, u, v in edges], [d for d, _, _ in edges]
 
 
-def entry_position(rail: int, home_size: int, size: int, chunk: int) -> int:
-    """Rail position where a block leaving a node of ``home_size`` CP ranks on ``rail`` enters a node
-    of ``size`` CP ranks: ``rail mod size``; when the receiving node holds more CP ranks than the
-    sender's (an uneven CP group), odd chunks enter ``home_size`` positions further on, so the
-    fan-out of a small node's blocks is spread over twice as many relays (see Note [Rail striping])."""
-    if size > home_size and chunk % 2:
-        return (rail + home_size) % size
-    return rail % size
-
-
 class _RailLayout:
     """A rail-striped CP group flattened node by node, as arrays for vectorised trees.
 
@@ -355,8 +346,7 @@ class _RailLayout:
         key = (rail, home_size)
         hit = self._spread.get(key)
         if hit is None:
-            off = np.where(self.size_of > home_size, rail + home_size, rail)
-            relay = self.start_of + off % self.size_of
+            relay = self.start_of + entry_position(rail, home_size, self.size_of, chunk)
             hit = self._spread[key] = (relay, relay == np.arange(len(self.ranks)))
         return hit
 
@@ -468,7 +458,6 @@ class HierarchicalGraph(GraphBuilder):
             first.append((owner, exit_rank))
         edges = parents_first(first + second, owner)
         return edges, depths_of(edges, owner)
-
 
     def tree_columns(self, cg, owner, chunk, readers):
         if self._own_tree(HierarchicalGraph, "tree_with_depths", "_exit"):

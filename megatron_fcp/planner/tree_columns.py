@@ -12,8 +12,8 @@ instead give all of a batch's trees as :class:`TreeColumns` (``GraphBuilder.tree
 *same* edges in the same order, tree after tree, each tree's edges as its ``tree_with_depths``
 lists them. ``full``, ``entry`` and ``hierarchical`` (the packed ``auto`` candidates that survive
 the floors at scale) do it with numpy sorts over every (block, reader) pair; any other builder is
-asked tree by tree (:func:`columns_of`). ``tests/test_tree_columns.py`` checks each vectorised builder against its own
-per-tree answer on uneven groups, rank maps and placements.
+asked tree by tree (:func:`columns_of`). ``tests/test_tree_columns.py`` checks each vectorised
+builder against its own per-tree answer on uneven groups, rank maps and placements.
 
 Readers come as CSR columns too (:class:`Readers`): tree ``t`` reads ``ranks[ptr[t]:ptr[t + 1]]``.
 
@@ -24,8 +24,8 @@ the graph's ``groups`` order, ``p`` its rail position there, ``n`` the tier's si
 * ``entry``: depth 1 ``(owner, d)`` for the owner's tier's readers, and per other tier one edge to
   its *entry*, the reader with the least ``(p - p(owner)) mod n``; depth 2 ``(entry, d)`` for that
   tier's other readers. Edges by (depth, g, p).
-* ``hierarchical``: as ``entry``, but the relay is the tier's member at
-  :func:`~megatron_fcp.planner.builders.entry_position` (a reader or not).
+* ``hierarchical``: as ``entry``, but the relay is the tier's member at :func:`entry_position` (a
+  reader or not).
 """
 
 from __future__ import annotations
@@ -34,7 +34,17 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Readers", "TreeColumns", "columns_of", "from_trees", "full_columns", "tier_columns"]
+__all__ = ["Readers", "TreeColumns", "columns_of", "entry_position", "from_trees", "full_columns", "tier_columns"]
+
+
+def entry_position(rail, home_size, size, chunk):
+    """Rail position where a block leaving a node of ``home_size`` CP ranks on ``rail`` enters a node
+    of ``size`` CP ranks: ``rail mod size``; when the receiving node holds more CP ranks than the
+    sender's (an uneven CP group), odd chunks enter ``home_size`` positions further on, so the
+    fan-out of a small node's blocks is spread over twice as many relays (see Note [Rail striping]
+    in :mod:`megatron_fcp.planner.builders`). Ints in, an int out; or numpy arrays (any argument),
+    element by element: the one rule the per-tree builders, the rail layout and the columns use."""
+    return (rail + home_size * ((size > home_size) & (chunk % 2 == 1))) % size
 
 
 class Readers(NamedTuple):
@@ -130,9 +140,7 @@ def tier_columns(groups: dict[int, Sequence[int]], owner: np.ndarray, chunk: np.
     p_of[flat] = np.arange(len(flat), dtype=np.int64) - np.repeat(start, sizes)
 
     t = readers.tree_of()                                                   # [reads]
-    d = readers.ranks
-    keep = d != owner[t]
-    t, d = t[keep], d[keep]
+    d = readers.ranks                                                       # never the tree's owner
     g, p = g_of[d], p_of[d]
     home_g = g_of[owner]                                                    # [trees]
     home = g == home_g[t]
@@ -154,10 +162,8 @@ def tier_columns(groups: dict[int, Sequence[int]], owner: np.ndarray, chunk: np.
     gt, gg = t[heads], g[heads]                                             # [groups]
     if relay == "entry":
         relay_rank = d[heads]                                               # the entry: a reader
-    else:                                                                   # entry_position, vectorised
-        home_size = sizes[home_g[gt]]
-        off = np.where((sizes[gg] > home_size) & (chunk[gt] % 2 == 1), rail[heads] + home_size, rail[heads])
-        relay_rank = flat[start[gg] + off % sizes[gg]]
+    else:
+        relay_rank = flat[start[gg] + entry_position(rail[heads], sizes[home_g[gt]], sizes[gg], chunk[gt])]
     relay_of = np.empty(len(d), dtype=np.int64)
     relay_of[order] = relay_rank[group_id]
     # edges: home reads (depth 1), one hop per (tree, remote tier) to its relay (depth 1), the
