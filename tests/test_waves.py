@@ -437,4 +437,40 @@ def test_the_wave_floor_sums_jobs_from_the_table_as_it_calls_them(builder, kv):
                                           for p, b in zip(pos.tolist(), blk.tolist())]
     called = TL.wave_timeline_floor(plan, program.waves, topo, **args)
     summed = TL.wave_timeline_floor(plan, program.waves, topo, job_seconds=seconds, **args)
-    assert called > 0 and summed == pytest.approx(called, rel=1e-12)
+    assert called > 0 and summed == called
+
+
+@pytest.mark.parametrize("builder,parts", [("hierarchical", 1), ("ring", 2), ("entry", 1)])
+def test_loop_jobs_run_received_blocks_then_own_ones_leading_own_first(builder, parts):
+    """``loop_jobs`` (the executor's order, listed from ``loop_job_columns``) against the rule
+    written out per rank: wave w's received blocks in plan order then its own in local order; wave
+    0 runs ``leading_own_jobs`` of its own first and leaves the rest for the end; waves with and
+    without their column views alike."""
+    from dataclasses import replace as dc_replace
+
+    from megatron_fcp.schedule import waves as W
+
+    pl = place_packed([900, 40, 300, 170, 10, 3000, 77, 512, 64, 2048], 8, block_tokens=64)
+    plans = [build_plan("dgx-h100:2", range(8), builder, placement=pl),
+             build_plan("dgx-h100:2", range(16), builder, parts_per_chunk=parts)]
+    for plan in plans:
+        size = lambda b: 10 * plan.block_tokens(b, 4096)  # noqa: E731
+        for budget in (wave_budget(plan, size), wave_budget(plan, size) // 3):
+            waves = plan_waves(plan, size, budget)
+            want_jobs, want_lead, want_last = {}, {}, {}
+            for x in plan.ranks:
+                want_jobs[x] = []
+                for w, wave in enumerate(waves):
+                    got = [t.block for _, t in wave.transfers if (t.block, t.dst) in wave.computes and t.dst == x]
+                    own = [b for b in plan.local_blocks(x) if (b, x) in wave.computes]
+                    if w == 0:
+                        want_lead[x] = W.leading_own_jobs(len(own), len(waves))
+                        want_last[x] = own[want_lead[x]:]
+                        want_jobs[x].append(own[:want_lead[x]] + got)
+                    else:
+                        want_jobs[x].append(got + own)
+                want_last.setdefault(x, [])
+                want_lead.setdefault(x, 0)
+            bare = tuple(dc_replace(w, plan_index=None, compute_index=None) for w in waves)
+            for ws in (waves, bare):
+                assert W.loop_jobs(plan, ws) == (want_jobs, want_lead, want_last)

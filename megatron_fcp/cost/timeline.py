@@ -102,7 +102,7 @@ from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.jit import jit
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
-from megatron_fcp.schedule.waves import Wave, leading_own_jobs, loop_jobs, wave_columns, wave_compute_columns
+from megatron_fcp.schedule.waves import Wave, loop_job_columns, loop_jobs, wave_columns
 from megatron_fcp.topology import Topology
 
 __all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step_compute", "chain_launches"]
@@ -473,19 +473,17 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
                         job_seconds: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> float:
     """A lower bound on :func:`wave_timeline`'s ``total_s`` for the same arguments, without the
     event simulation (Note [Wave timeline floor]). ``job_seconds``: ``job_s`` of many jobs at once,
-    ``(CP positions, block numbers) -> seconds``, where the caller has it (:func:`_job_sums`)."""
+    ``(CP positions, block numbers) -> seconds``, where the caller has it; else ``job_s`` is called
+    per job (:func:`_job_sums`)."""
     idx = _ResourceIndex(topo)
     ranks = list(plan.ranks)
     W = len(waves)
+    blocks = plan.blocks()
     # per rank and iteration of the loop: its jobs' seconds (iteration 0: after the leading own jobs;
     # iteration W: the first wave's own jobs left for the end)
-    if job_seconds is not None:
-        lead, comp = _job_sums(plan, waves, job_seconds)
-    else:
-        jobs, n_own, last = loop_jobs(plan, waves)
-        lead = {x: sum(job_s(x, b) for b in jobs[x][0][:n_own[x]]) if W else 0.0 for x in ranks}
-        comp = [{x: sum(job_s(x, b) for b in (jobs[x][w][n_own[x] if w == 0 else 0:] if w < W else last[x]))
-                 for x in ranks} for w in range(W + 1)]
+    lead, comp = _job_sums(plan, waves, job_seconds or (
+        lambda q, blk: np.array([job_s(ranks[x], blocks[i]) for x, i in zip(q.tolist(), blk.tolist())],
+                                dtype=np.float64)))
 
     # every chain's messages as columns: block numbers (plan.blocks() order); the routes of every
     # (sender, receiver) pair of the plan, either way, looked up once (Note [Route ids])
@@ -494,7 +492,6 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
     pos[ranks] = np.arange(len(ranks))
     offset = np.zeros(R, dtype=np.int64)                               # global rank -> its first block
     offset[ranks] = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
-    blocks = plan.blocks()
     kv_size = np.array([kv_bytes(b) for b in blocks], dtype=np.float64)
     grad_size = np.array([grad_bytes(b) for b in blocks], dtype=np.float64)
     all_src, all_dst = plan.transfer_columns()[1:3]
@@ -550,42 +547,19 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
 
 def _job_sums(plan: Plan, waves: Sequence[Wave], job_seconds: Callable[[np.ndarray, np.ndarray], np.ndarray]
               ) -> tuple[dict[int, float], list[dict[int, float]]]:
-    """:func:`wave_timeline_floor`'s per-rank job seconds, each wave's jobs priced at once
-    (``job_seconds``) instead of a call per job: ``lead`` (wave 0's leading own jobs) and ``comp[w]`` (iteration ``w``'s jobs;
-    ``comp[W]`` the own jobs of wave 0 left for the end), the jobs of
-    :func:`~megatron_fcp.schedule.waves.loop_jobs` (received blocks in plan order, own blocks in
-    local order, :func:`~megatron_fcp.schedule.waves.leading_own_jobs` of them first in wave 0)
-    added in the order the loop runs them (``np.add.at`` adds repeated indices in turn)."""
+    """:func:`wave_timeline_floor`'s per-rank job seconds with every job priced at once
+    (``job_seconds``) instead of a call per job: ``lead`` (wave 0's leading own jobs) and ``comp[w]``
+    (iteration ``w``'s other jobs; ``comp[W]`` wave 0's own jobs left for the end), over
+    :func:`~megatron_fcp.schedule.waves.loop_job_columns` and added in the order each rank runs
+    them (``np.add.at`` adds repeated indices in turn), as the call-per-job sums do."""
     ranks = list(plan.ranks)
-    cp, W, P = len(ranks), len(waves), plan.parts_per_chunk
-    R = max(ranks) + 1
-    pos = np.full(R, -1, dtype=np.int64)                      # global rank -> CP position
-    pos[ranks] = np.arange(cp)
-    first_col, owner_pos, _ = block_layout(plan.chunks_per_rank(), P)   # owner_pos [blocks]: its CP position
-    offset = np.zeros(R, dtype=np.int64)                      # global rank -> its first block number
-    offset[ranks] = first_col
-    lead = np.zeros(cp)
-    comp = np.zeros((W + 1, cp))
-    for w, wave in enumerate(waves):
-        cb, cx = wave_compute_columns(plan, wave)             # [computes]: block number, global rank
-        own = owner_pos[cb] == pos[cx]
-        _, _, dst, o, ch, pt = wave_columns(plan, wave)       # [transfers], plan order
-        tb = offset[o] + ch * P + pt
-        got = np.isin(tb * R + dst, cb[~own] * R + cx[~own])  # the transfers that bring a job, in turn
-        r_pos, r_blk = pos[dst[got]], tb[got]
-        o_blk = np.sort(cb[own])                              # own jobs: owner by owner, local order
-        o_pos = owner_pos[o_blk]
-        np.add.at(comp[w], r_pos, job_seconds(r_pos, r_blk))
-        o_val = job_seconds(o_pos, o_blk)
-        if w:
-            np.add.at(comp[w], o_pos, o_val)
-            continue
-        n_own = np.bincount(o_pos, minlength=cp)
-        n_lead = np.array([leading_own_jobs(n, W) for n in n_own.tolist()], dtype=np.int64)
-        rank_start = np.concatenate(([0], np.cumsum(n_own)[:-1]))
-        leads = np.arange(len(o_blk)) - rank_start[o_pos] < n_lead[o_pos]
-        np.add.at(lead, o_pos[leads], o_val[leads])
-        np.add.at(comp[W], o_pos[~leads], o_val[~leads])
+    it, q, blk, leading = loop_job_columns(plan, waves)
+    secs = job_seconds(q, blk)
+    lead = np.zeros(len(ranks))
+    comp = np.zeros((len(waves) + 1, len(ranks)))
+    first = leading == 1
+    np.add.at(lead, q[first], secs[first])
+    np.add.at(comp, (it[~first], q[~first]), secs[~first])
     return dict(zip(ranks, lead.tolist())), [dict(zip(ranks, c.tolist())) for c in comp]
 
 

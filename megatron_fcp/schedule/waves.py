@@ -80,6 +80,7 @@ from megatron_fcp.contract.table import block_layout
 from megatron_fcp.jit import jit
 
 __all__ = ["Wave", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
+           "loop_job_columns",
            "block_work",
            "BACKWARD_KV_MODES",
            "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
@@ -127,6 +128,49 @@ def leading_own_jobs(n_own: int, n_waves: int) -> int:
     return n_own if n_waves > 1 else (n_own + 1) // 2
 
 
+def loop_job_columns(plan: Plan, waves: Sequence[Wave]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The wave loop's gradient jobs as int64 columns ``(iteration, CP position, block number,
+    leading)``, each rank's in the order it runs them: iteration ``w < W`` is wave ``w``'s jobs, its
+    received blocks in plan order and its own in local order, except that wave 0 runs
+    :func:`leading_own_jobs` of its own jobs first (``leading`` 1, while its KV arrives) and leaves
+    the rest for iteration ``W`` (after the last wave, while the last reduction returns). The one
+    rule of the job order: :func:`loop_jobs` (the executor, the timeline) lists it, the wave floor
+    (:func:`~megatron_fcp.cost.timeline.wave_timeline_floor`) prices it as columns."""
+    ranks = list(plan.ranks)
+    cp, W, P = len(ranks), len(waves), plan.parts_per_chunk
+    R = max(ranks) + 1
+    pos = np.full(R, -1, dtype=np.int64)                      # global rank -> CP position
+    pos[ranks] = np.arange(cp)
+    first_col, owner_pos, _ = block_layout(plan.chunks_per_rank(), P)   # owner_pos [blocks]: its CP position
+    offset = np.zeros(R, dtype=np.int64)                      # global rank -> its first block number
+    offset[ranks] = first_col
+    parts: list[tuple[int | np.ndarray, np.ndarray, np.ndarray, int | np.ndarray]] = []
+    for w, wave in enumerate(waves):
+        cb, cx = wave_compute_columns(plan, wave)             # [computes]: block number, global rank
+        own = owner_pos[cb] == pos[cx]
+        _, _, dst, o, ch, pt = wave_columns(plan, wave)       # [transfers], plan order
+        tb = offset[o] + ch * P + pt
+        got = np.isin(tb * R + dst, cb[~own] * R + cx[~own])  # the transfers that bring a job, in turn
+        received = (w, pos[dst[got]], tb[got], 0)
+        o_blk = np.sort(cb[own])                              # own jobs: owner by owner, local order
+        o_pos = owner_pos[o_blk]
+        if w:
+            parts += [received, (w, o_pos, o_blk, 0)]
+            continue
+        n_own = np.bincount(o_pos, minlength=cp)
+        n_lead = np.array([leading_own_jobs(n, W) for n in n_own.tolist()], dtype=np.int64)
+        rank_start = np.concatenate(([0], np.cumsum(n_own)[:-1]))
+        lead = np.arange(len(o_blk)) - rank_start[o_pos] < n_lead[o_pos]
+        parts += [(0, o_pos[lead], o_blk[lead], 1), received, (W, o_pos[~lead], o_blk[~lead], 0)]
+    if not parts:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+    lens = [len(p[1]) for p in parts]
+    return (np.repeat(np.array([p[0] for p in parts], dtype=np.int64), lens),
+            np.concatenate([p[1] for p in parts]).astype(np.int64),
+            np.concatenate([p[2] for p in parts]).astype(np.int64),
+            np.repeat(np.array([p[3] for p in parts], dtype=np.int64), lens))
+
+
 def loop_jobs(plan: Plan, waves: Sequence[Wave]
               ) -> tuple[dict[int, list[list[Block]]], dict[int, int], dict[int, list[Block]]]:
     """Each rank's gradient jobs as the wave loop runs them, one kernel call each (the executor's
@@ -134,28 +178,19 @@ def loop_jobs(plan: Plan, waves: Sequence[Wave]
     :func:`~megatron_fcp.cost.timeline.wave_timeline` prices them: Note [One launch per owner and
     stage] in :mod:`megatron_fcp.schedule.launches`): per wave, the received blocks in plan order
     then its own (wave 0: its own first); how many of wave 0's own jobs run first, while wave 0's
-    KV arrives (:func:`leading_own_jobs`), and the rest, run after the last wave. Memoised per
-    waves object (the program's)."""
+    KV arrives (:func:`leading_own_jobs`), and the rest, run after the last wave: the lists of
+    :func:`loop_job_columns`. Memoised per waves object (the program's)."""
     hit = _JOBS.get(id(waves))
     if hit is not None and hit[0] is waves and hit[1] is plan:
         return hit[2]
-    ranks, W = list(plan.ranks), len(waves)
-    jobs: dict[int, list[list[Block]]] = {x: [] for x in ranks}
+    ranks, W, blocks = list(plan.ranks), len(waves), plan.blocks()
+    jobs: dict[int, list[list[Block]]] = {x: [[] for _ in range(W)] for x in ranks}
     n_own = dict.fromkeys(ranks, 0)
     last: dict[int, list[Block]] = {x: [] for x in ranks}
-    local = {x: plan.local_blocks(x) for x in ranks}     # read once, not per wave (a placement's are built per call)
-    for w, wave in enumerate(waves):
-        got: dict[int, list[Block]] = {}
-        computes = wave.computes
-        for _, t in wave.transfers:
-            if (t.block, t.dst) in computes:
-                got.setdefault(t.dst, []).append(t.block)
-        for x in ranks:
-            own = [b for b in local[x] if (b, x) in computes]
-            if w == 0:
-                n_own[x] = leading_own_jobs(len(own), W)
-                own, last[x] = own[:n_own[x]], own[n_own[x]:]
-            jobs[x].append(own + got.get(x, []) if w == 0 else got.get(x, []) + own)
+    for it, q, i, lead in zip(*(c.tolist() for c in loop_job_columns(plan, waves))):
+        x = ranks[q]
+        (last[x] if it == W else jobs[x][it]).append(blocks[i])
+        n_own[x] += lead
     if len(_JOBS) > 256:
         _JOBS.clear()
     _JOBS[id(waves)] = (waves, plan, (jobs, n_own, last))
