@@ -465,3 +465,21 @@ def test_the_old_all_to_all_name_still_gives_the_full_plan():
     with pytest.warns(FutureWarning, match="'all-to-all' is deprecated; use 'full'"):
         plan = resolve_plan("all-to-all", (0, 1, 2), True)
     assert plan.name == "full" and plan == full_plan((0, 1, 2), True)
+
+
+def test_block_numbers_and_cp_positions_read_blocks_order():
+    """``Plan.block_numbers`` of every block is its place in ``Plan.blocks()`` and ``cp_positions``
+    is ``cp_index`` per rank (-1 outside the group), over scattered ranks, zigzag parts and a
+    placement."""
+    import numpy as np
+
+    from megatron_fcp.contract.placement import place_packed
+    from megatron_fcp.planner.build import build_plan
+
+    plans = [build_plan("dgx-h100:4", [17, 3, 9, 30, 22, 5, 12, 27], "hierarchical", parts_per_chunk=2),
+             build_plan("dgx-h100:1", range(4), "full", placement=place_packed([5, 40, 3, 17, 1, 30], 4, block_tokens=8))]
+    for plan in plans:
+        blocks = plan.blocks()
+        cols = [np.array([getattr(b, f) for b in blocks]) for f in ("owner", "chunk", "part")]
+        assert plan.block_numbers(*cols).tolist() == list(range(len(blocks)))
+        assert plan.cp_positions(list(plan.ranks) + [31]).tolist() == [plan.cp_index(r) for r in plan.ranks] + [-1]

@@ -25,11 +25,11 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from megatron_fcp.contract.blocks import Block, PlanError, Transfer, blocks_of, part_tokens
+from megatron_fcp.contract.blocks import Block, PlanError, Transfer, blocks_of, cp_index_of, part_tokens
 from megatron_fcp.contract.mask import Mask, check_window
 from megatron_fcp.contract.needs import need_matrix, need_set, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
-from megatron_fcp.contract.table import TransferTable, table_columns, table_rank_rounds, table_rounds
+from megatron_fcp.contract.table import TransferTable, block_layout, table_columns, table_rank_rounds, table_rounds
 from megatron_fcp.contract.table_verify import verify_table
 from megatron_fcp.contract.verify import verify_plan
 from megatron_fcp.topology import Topology, TopologyError
@@ -165,6 +165,19 @@ class Plan:
         except (KeyError, TypeError):
             raise PlanError(f"rank {rank} is not in the plan's CP group {list(self.ranks)}") from None
 
+    def cp_positions(self, ranks) -> np.ndarray:
+        """:meth:`cp_index` of an array of global ranks at once (int64; -1 outside the group)."""
+        index_of = self.__dict__.get("_cp_index_of")
+        if index_of is None:
+            index_of = self.__dict__["_cp_index_of"] = cp_index_of(self.ranks)
+        return index_of(np.asarray(ranks, dtype=np.int64))
+
+    def block_numbers(self, owner, chunk, part) -> np.ndarray:
+        """int64: each block's place in :meth:`blocks` (a need or work matrix column), for arrays of
+        global owner ranks, chunks and parts (``block_layout``'s ``offset[owner] + chunk * P + part``)."""
+        offset = block_layout(self.chunks_per_rank(), self.parts_per_chunk)[0]
+        return offset[self.cp_positions(owner)] + np.asarray(chunk) * self.parts_per_chunk + np.asarray(part)
+
     def local_blocks(self, rank: int) -> tuple[Block, ...]:
         """Blocks global ``rank`` owns, in the order of its local tokens (built once per rank and
         plan object: the backward program, the cost model and the executor ask per wave)."""
@@ -259,6 +272,7 @@ class Plan:
         state.pop("_rank_rounds", None)  # caches: rebuilt on use
         state.pop("_needs", None)
         state.pop("_cp_index", None)
+        state.pop("_cp_index_of", None)
         state.pop("_columns", None)
         state.pop("_local_blocks", None)
         state.pop("_blocks", None)

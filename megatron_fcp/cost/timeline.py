@@ -97,7 +97,6 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.contract.table import block_layout
 from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.jit import jit
 from megatron_fcp.schedule.chains import ChainStep
@@ -488,10 +487,6 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
     # every chain's messages as columns: block numbers (plan.blocks() order); the routes of every
     # (sender, receiver) pair of the plan, either way, looked up once (Note [Route ids])
     R = max(ranks) + 1
-    pos = np.full(R, -1, dtype=np.int64)                               # global rank -> CP position
-    pos[ranks] = np.arange(len(ranks))
-    offset = np.zeros(R, dtype=np.int64)                               # global rank -> its first block
-    offset[ranks] = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
     kv_size = np.array([kv_bytes(b) for b in blocks], dtype=np.float64)
     grad_size = np.array([grad_bytes(b) for b in blocks], dtype=np.float64)
     all_src, all_dst = plan.transfer_columns()[1:3]
@@ -512,9 +507,9 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
         rnd, src, dst, own, chunk, part = wave_columns(plan, wave)
         s, d = (dst, src) if reverse else (src, dst)
         route = np.searchsorted(pair_keys, s * R + d)                   # [T]: each message's pair
-        block = offset[own] + chunk * plan.parts_per_chunk + part
+        block = plan.block_numbers(own, chunk, part)
         order = np.argsort(-rnd if reverse else rnd, kind="stable")     # rounds in turn, plan order in each
-        ready = _chain_floor(rnd[order], pos[s][order], pos[d][order], route[order],
+        ready = _chain_floor(rnd[order], plan.cp_positions(s)[order], plan.cp_positions(d)[order], route[order],
                              (kv_size if size is kv_bytes else grad_size)[block[order]], pair_ptr, pair_ids,
                              pair_lat, bws, held, np.array([start[x] for x in ranks], dtype=np.float64),
                              buffered_sends)

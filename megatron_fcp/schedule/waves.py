@@ -79,11 +79,9 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import block_layout
 from megatron_fcp.jit import jit
 
-__all__ = ["Wave", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch", "leading_own_jobs", "loop_jobs",
-           "loop_job_columns",
-           "block_work",
-           "BACKWARD_KV_MODES",
-           "RING_BUDGET", "kept_bytes_per_rank", "choose_backward_kv"]
+__all__ = ["Wave", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch",
+           "leading_own_jobs", "loop_jobs", "loop_job_columns", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
+           "kept_bytes_per_rank", "choose_backward_kv"]
 
 
 @dataclass(frozen=True)
@@ -136,22 +134,17 @@ def loop_job_columns(plan: Plan, waves: Sequence[Wave]) -> tuple[np.ndarray, np.
     the rest for iteration ``W`` (after the last wave, while the last reduction returns). The one
     rule of the job order: :func:`loop_jobs` (the executor, the timeline) lists it, the wave floor
     (:func:`~megatron_fcp.cost.timeline.wave_timeline_floor`) prices it as columns."""
-    ranks = list(plan.ranks)
-    cp, W, P = len(ranks), len(waves), plan.parts_per_chunk
-    R = max(ranks) + 1
-    pos = np.full(R, -1, dtype=np.int64)                      # global rank -> CP position
-    pos[ranks] = np.arange(cp)
-    first_col, owner_pos, _ = block_layout(plan.chunks_per_rank(), P)   # owner_pos [blocks]: its CP position
-    offset = np.zeros(R, dtype=np.int64)                      # global rank -> its first block number
-    offset[ranks] = first_col
+    cp, W = plan.cp, len(waves)
+    owner_pos = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[1]   # [blocks]: owner's CP position
     parts: list[tuple[int | np.ndarray, np.ndarray, np.ndarray, int | np.ndarray]] = []
     for w, wave in enumerate(waves):
         cb, cx = wave_compute_columns(plan, wave)             # [computes]: block number, global rank
-        own = owner_pos[cb] == pos[cx]
+        cq = plan.cp_positions(cx)
+        own = owner_pos[cb] == cq
         _, _, dst, o, ch, pt = wave_columns(plan, wave)       # [transfers], plan order
-        tb = offset[o] + ch * P + pt
-        got = np.isin(tb * R + dst, cb[~own] * R + cx[~own])  # the transfers that bring a job, in turn
-        received = (w, pos[dst[got]], tb[got], 0)
+        tb, tq = plan.block_numbers(o, ch, pt), plan.cp_positions(dst)
+        got = np.isin(tb * cp + tq, cb[~own] * cp + cq[~own])  # the transfers that bring a job, in turn
+        received = (w, tq[got], tb[got], 0)
         o_blk = np.sort(cb[own])                              # own jobs: owner by owner, local order
         o_pos = owner_pos[o_blk]
         if w:
@@ -373,12 +366,11 @@ class _PackInput:
         self.blocks = blocks = list(plan.blocks())                 # block number = its work_matrix column
         nB = len(blocks)
         n_local = plan.chunks_per_rank() * plan.parts_per_chunk    # [cp] blocks each rank owns
+        first_col, owner_pos, _ = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)
         offset = np.zeros(R, dtype=np.int64)                       # global rank -> its first column
-        offset[ranks] = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
-        pos = np.full(R, -1, dtype=np.int64)                       # global rank -> CP position
-        pos[ranks] = np.arange(len(ranks))
+        offset[ranks] = first_col
         _, src, dst, owner, chunk, part = plan.transfer_columns()  # [T] each, plan order
-        c = offset[owner] + chunk * plan.parts_per_chunk + part    # [T]: each transfer's block number
+        c = plan.block_numbers(owner, chunk, part)                 # [T]: each transfer's block number
         key = c * R + dst
         _, first = np.unique(key, return_index=True)               # each (block, rank)'s arriving transfer
         first.sort()                                               # [A] arrivals, plan order
@@ -391,10 +383,10 @@ class _PackInput:
             a_up = np.where(a_key[at] == up_key, at, a_up)
         need = plan.need_matrix()                                  # [cp, blocks] bool
         work = work_matrix(plan)                                   # [cp, blocks] float64
-        a_need = need[pos[a_dst], a_blk].astype(np.uint8)          # [A]: the rank needs the block
-        a_work = work[pos[a_dst], a_blk]                           # [A]: its work on it
-        owner_of = np.repeat(ranks, n_local)                       # [blocks]: each block's owner
-        own_work = work[pos[owner_of], np.arange(nB)]              # [blocks]: the owner's work on it
+        a_pos = plan.cp_positions(a_dst)                           # [A]: the rank's CP position
+        a_need = need[a_pos, a_blk].astype(np.uint8)               # [A]: the rank needs the block
+        a_work = work[a_pos, a_blk]                                # [A]: its work on it
+        own_work = work[owner_pos, np.arange(nB)]                  # [blocks]: the owner's work on it
         # blocks with readers by first send; each one's reading arrivals, in plan order (a relay
         # that does not read the block is never a delivery)
         _, at_first = np.unique(a_blk, return_index=True)
@@ -428,7 +420,7 @@ class _PackInput:
         # the largest single delivery's work, and the busiest rank's total summed block after block
         # in block order (a running sum: the same float whatever numpy's reduction order)
         does = need.copy()                                         # [cp, blocks]: x computes i somewhere
-        does[pos[owner_of], np.arange(nB)] = True
+        does[owner_pos, np.arange(nB)] = True
         self.top = float(max(a_work[reading].max(initial=0.0), own_work.max(initial=0.0)))
         totals = np.cumsum(np.where(does, work, 0.0), axis=1)[:, -1] if nB else np.zeros(0)
         self.work_all = float(totals.max(initial=0.0)) or 1.0
