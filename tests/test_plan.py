@@ -483,3 +483,5 @@ def test_block_numbers_and_cp_positions_read_blocks_order():
         cols = [np.array([getattr(b, f) for b in blocks]) for f in ("owner", "chunk", "part")]
         assert plan.block_numbers(*cols).tolist() == list(range(len(blocks)))
         assert plan.cp_positions(list(plan.ranks) + [31]).tolist() == [plan.cp_index(r) for r in plan.ranks] + [-1]
+        with pytest.raises(PlanError, match=r"block owners \[31\] are not in the plan's CP group"):
+            plan.block_numbers(np.array([31]), np.array([0]), np.array([0]))

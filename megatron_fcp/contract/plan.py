@@ -175,8 +175,12 @@ class Plan:
     def block_numbers(self, owner, chunk, part) -> np.ndarray:
         """int64: each block's place in :meth:`blocks` (a need or work matrix column), for arrays of
         global owner ranks, chunks and parts (``block_layout``'s ``offset[owner] + chunk * P + part``)."""
+        at = self.cp_positions(owner)
+        if (at < 0).any():
+            bad = np.asarray(owner, dtype=np.int64).reshape(-1)[(at < 0).reshape(-1)][:3].tolist()
+            raise PlanError(f"block owners {bad} are not in the plan's CP group {list(self.ranks)}")
         offset = block_layout(self.chunks_per_rank(), self.parts_per_chunk)[0]
-        return offset[self.cp_positions(owner)] + np.asarray(chunk) * self.parts_per_chunk + np.asarray(part)
+        return offset[at] + np.asarray(chunk) * self.parts_per_chunk + np.asarray(part)
 
     def local_blocks(self, rank: int) -> tuple[Block, ...]:
         """Blocks global ``rank`` owns, in the order of its local tokens (built once per rank and
