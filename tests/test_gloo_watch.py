@@ -125,3 +125,79 @@ def test_a_batch_posts_every_receive_before_any_send(monkeypatch):
     counting = CountingTransport(tr)                                      # changes post(): round by round
     counting.post_batch([reduce_, resend])
     assert calls == [("send", 0), ("recv", 0)] and counting.posts == 2
+
+
+def test_no_watcher_keeps_a_round_alive_once_it_is_waited():
+    """Note [Watchers hold nothing between rounds]: rounds run by watchers, rounds the caller claimed
+    first (a watcher then fails to claim them) and failed rounds are all freed once the caller drops
+    them, so nothing (a transport, its process group, works with tensors) outlives the caller."""
+    import gc
+    import weakref
+
+    class Payload:  # stands for the transport and the round's works
+        pass
+
+    def make(i):
+        payload = Payload()
+
+        def wait_works():
+            if i % 3 == 2:
+                raise CommTimeout(f"round {i} failed")
+            return payload
+
+        return RoundWatch(wait_works), weakref.ref(payload)
+
+    made = [make(i) for i in range(3 * gloo_watch.WATCHERS)]
+    refs = [ref for _, ref in made]
+    for watch, _ in made:
+        try:
+            watch.wait()
+        except CommTimeout:
+            pass
+    del made, watch
+
+    def all_freed():  # a failed round is a cycle (watch, error, traceback): freed by the collector
+        gc.collect()
+        return all(ref() is None for ref in refs)
+
+    assert _until(all_freed), \
+        f"{sum(ref() is not None for ref in refs)} rounds still held after their waits"
+
+
+def _rounds_then_destroy(rank: int, world_size: int) -> bool:
+    """Three real gloo rounds on a fresh group, then ``destroy_process_group(group)``: is the group
+    freed (nothing, watchers included, still holds it)?"""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_fcp.attention.comm import GlooTransport
+    from megatron_fcp.contract.blocks import Block, Transfer
+
+    group = dist.new_group(list(range(world_size)))
+    transport = GlooTransport(group, timeout_s=30)
+    transfer = Transfer(0, 1, Block(0, 0, 0))
+    for i in range(3):
+        sends = [(transfer, torch.ones(1000))] if rank == 0 else []
+        recvs = [(transfer, torch.empty(1000))] if rank == 1 else []
+        transport.wait(transport.post(sends, recvs, round_index=i))
+    group_ref = weakref.ref(group)
+    del transport
+    dist.destroy_process_group(group)
+    del group
+
+    def freed():
+        gc.collect()
+        return group_ref() is None
+
+    return _until(freed, timeout_s=2.0)
+
+
+def test_destroy_process_group_frees_a_group_fcp_rounds_ran_on():
+    """Note [Watchers hold nothing between rounds], on real gloo: after ``destroy_process_group`` the
+    group (with its C++ threads) is gone, not kept into interpreter finalization by a watcher."""
+    from megatron_fcp.testing.launch import run_gloo
+
+    assert run_gloo(_rounds_then_destroy, 2, timeout_s=120) == [True, True]
