@@ -204,3 +204,77 @@ def test_merged_stage_plan_is_every_member_copy_of_every_kv_transfer():
     sp = packed_stage_plan(hp)
     assert sp.table is not None and sp.verified and sp.rounds == want and len(want) > 1
     assert packed_stage_plan(hp) is sp
+
+
+def _stage_prices(plan, topo, sshape, mode):
+    """A KV stage plan's forward (total, communication, compute), wave floor and backward in waves
+    (seconds, waves, mode), and how many ranks kept their first wave from the forward."""
+    from megatron_fcp.cost.backward import simulate_backward_waves, wave_backward_floor
+    from megatron_fcp.cost.model import simulate_plan
+
+    fwd = simulate_plan(plan, topo, sshape)
+    bwd = simulate_backward_waves(plan, topo, sshape, backward_kv=mode, per_wave=False)
+    return (fwd.total_s, fwd.comm_s, fwd.compute_s, wave_backward_floor(plan, topo, sshape, backward_kv=mode),
+            bwd["bwd_s"], bwd["waves"], bwd["backward_kv"], bwd["first_kept_ranks"])
+
+
+@pytest.mark.parametrize("topology, ranks, median, heads", [
+    ("dgx-h100:2", 16, 2048, (64, 8)),
+    ("dgx-h100:4", 32, 8192, (32, 4)),
+    ("gb200-nvl72:8", 32, 4096, (64, 8)),
+])
+def test_one_copy_prices_the_kv_stage_as_every_copy_merged(topology, ranks, median, heads):
+    """Note [One copy prices the KV stage]: on rail-aligned topologies the copies are independent,
+    and copy 0 alone prices the forward, the wave floor and the backward in waves (each mode) bit
+    for bit as the merged plan of every copy; the stage is priced on that copy."""
+    import math
+
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.head_parallel import stage_shape
+    from megatron_fcp.cost.head_parallel_packed import packed_stage_plan, priced_stage_plan, stage_copies_independent
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology(topology)
+    docs = lognormal_lengths(math.log(median), 1.0, ranks * 4096, seed=ranks)
+    shape = AttentionShape(1, *heads, 128, 2)
+    staged = 0
+    for a in (2, 4, 8):
+        for graph in ("auto", "entry"):
+            hp = compile_packed_head_parallel(topo, range(ranks), docs, *heads, a, graph, head_dim=128)
+            if hp.kv_plan is None:
+                continue
+            staged += 1
+            assert stage_copies_independent(hp, topo)
+            assert priced_stage_plan(hp, topo) is hp.kv_plan_for(0)
+            for mode in ("auto", "keep", "resend"):
+                *copy, copy_keepers = _stage_prices(hp.kv_plan_for(0), topo, stage_shape(hp, shape), mode)
+                *merged, merged_keepers = _stage_prices(packed_stage_plan(hp), topo, stage_shape(hp, shape), mode)
+                assert copy == merged and merged_keepers == a * copy_keepers, (a, graph, mode)
+    assert staged >= 4
+
+
+@pytest.mark.parametrize("topology, ranks", [("single-uplink:2", 16), ("pcie-box:2", 16)])
+def test_copies_that_share_a_link_are_priced_merged(topology, ranks):
+    """Where the copies share a link (one NIC per node; GPU pairs behind a PCIe switch) they contend:
+    copy 0 alone would price the forward too low, so the stage is priced merged."""
+    import math
+
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.head_parallel import stage_shape
+    from megatron_fcp.cost.head_parallel_packed import packed_stage_plan, priced_stage_plan, stage_copies_independent
+    from megatron_fcp.cost.model import AttentionShape, simulate_plan
+    from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology(topology)
+    docs = lognormal_lengths(math.log(2048), 1.0, ranks * 4096, seed=1)
+    shape = AttentionShape(1, 32, 8, 128, 2)
+    for a in (2, 4):
+        hp = compile_packed_head_parallel(topo, range(ranks), docs, 32, 8, a, "auto", head_dim=128)
+        assert not stage_copies_independent(hp, topo)
+        assert priced_stage_plan(hp, topo) is packed_stage_plan(hp)
+        sshape = stage_shape(hp, shape)
+        alone = simulate_plan(hp.kv_plan_for(0), topo, sshape).comm_s
+        assert simulate_plan(packed_stage_plan(hp), topo, sshape).comm_s > alone * 1.2

@@ -21,6 +21,23 @@ stages back to back per pass, with the packed batch's sizes:
   :func:`~megatron_fcp.cost.backward.simulate_plan_backward` (one pass, KV kept), with ``h/a``
   query and ``rep * h_kv / a`` KV heads (:func:`~megatron_fcp.cost.head_parallel.stage_shape`).
 
+Note [One copy prices the KV stage]
+-----------------------------------
+The merged plan holds ``a`` copies of one schedule: copy ``j`` is the KV plan on member ``j`` of
+every group (``kv_plan_for(j)``, what the executor runs), with the same blocks, sizes, work and
+transfers. Where the copies' routes share no resource and every transfer's route has, copy by
+copy, the same latency and the same bandwidths in the same order (:func:`stage_copies_independent`;
+every rail-aligned preset: member ``j`` of each group talks over GPU ``j``'s own NVLink port and
+NIC), nothing couples them: a round's most loaded link, a wave's packing (each rank's budget and
+work; the pace is a maximum over ranks), a message's queueing in the wave timeline and every floor
+are the same in each copy as in copy 0, and every maximum over ranks or links is copy 0's. So
+:func:`priced_stage_plan` prices copy 0 alone, ``1/a`` of the merged plan's transfers and blocks:
+on 135 packed cases (cp = 16-128, ``a`` = 2, 4, 8, three graphs, ``keep``/``resend``/``auto``)
+the forward, the wave floor and the backward in waves came out bit for bit as the merged plan's,
+2-8x faster (tests/test_head_parallel_thd.py holds a set of them). Where copies share a link (one
+NIC per node, ``single-uplink``; GPUs pairs behind a PCIe switch) they contend, the copy alone
+would price too little, and the merged plan is priced, as before.
+
 ``a = 1`` is the plain packed plan over :func:`~megatron_fcp.planner.placing.place_batch`,
 priced by the same two functions. :func:`packed_as_run` prices either with the backward as the
 executor runs it (waves), which is what the degree choice ranks by.
@@ -51,8 +68,8 @@ from megatron_fcp.cost.model import (
 from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["packed_stage_plan", "packed_a2a_messages", "simulate_packed_head_parallel",
-           "packed_as_run", "PackedAsRun"]
+__all__ = ["packed_stage_plan", "stage_copies_independent", "priced_stage_plan", "packed_a2a_messages",
+           "simulate_packed_head_parallel", "packed_as_run", "PackedAsRun"]
 
 
 def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
@@ -69,7 +86,7 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
     pos = {r: (g, j) for g, group in enumerate(groups) for j, r in enumerate(group)}
     blocks = tuple(tuple(Span(s.doc + pos[r][1] * n, s.start, s.end) for s in gp.blocks[pos[r][0]]) for r in hp.ranks)
     placement = Placement(gp.doc_lengths * a, blocks, gp.causal, gp.window)
-    name = f"hp{a}-{hp.kv_plan.name if hp.kv_plan is not None else LOCAL_STAGE}"
+    name = _stage_name(hp)
     if hp.kv_plan is None or not hp.kv_plan.num_transfers():
         plan = Plan(hp.ranks, (), gp.causal, 1, name=name, placement=placement).verify()
     else:
@@ -91,6 +108,58 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
 
 
 _MERGED: dict[int, tuple[weakref.ref, Plan]] = {}   # id(hp) -> (hp ref, its merged stage plan)
+
+
+def _stage_name(hp: PackedHeadParallelPlan) -> str:
+    """The merged stage plan's name: ``hp{a}-{the KV plan's graph}``."""
+    return f"hp{hp.degree}-{hp.kv_plan.name if hp.kv_plan is not None else LOCAL_STAGE}"
+
+
+def stage_copies_independent(hp: PackedHeadParallelPlan, topology: "Topology | str") -> bool:
+    """Whether the ``a`` copies of ``hp``'s KV stage run on ``topology`` without touching each other
+    (Note [One copy prices the KV stage]): over every (sender, receiver) pair of the KV plan, copy
+    ``j``'s route (member ``j`` of each group) has copy 0's latency, length and resource bandwidths
+    in order, and no resource is on the routes of two copies. False without a KV stage."""
+    if hp.kv_plan is None or hp.degree == 1 or not hp.kv_plan.num_transfers():
+        return False
+    topo = load_topology(topology)
+    _, src, dst, _, _, _ = hp.kv_plan.transfer_columns()                 # [T]: group indices
+    pairs = np.unique(np.stack([src, dst]).astype(np.int64), axis=1)      # [2, distinct pairs]
+    member = np.array(hp.head_groups, dtype=np.int64)                    # [G, a]: global ranks
+    table = topo.route_ids()
+    rows = [table.rows(member[pairs[0], j], member[pairs[1], j]) for j in range(hp.degree)]
+    lens0, ids0 = table.gather(rows[0])         # columns read after every rows() call above
+    owner_of: dict[int, int] = {}
+    for j, r in enumerate(rows):
+        lens, ids = table.gather(r)
+        if not (np.array_equal(lens, lens0) and np.array_equal(table.latency[r], table.latency[rows[0]])
+                and np.array_equal(table.resource_bandwidth[ids], table.resource_bandwidth[ids0])):
+            return False
+        for i in np.unique(ids).tolist():
+            if owner_of.setdefault(i, j) != j:
+                return False
+    return True
+
+
+def priced_stage_plan(hp: PackedHeadParallelPlan, topology: "Topology | str") -> Plan:
+    """The plan ``hp``'s KV stage is priced on: copy 0 alone (``hp.kv_plan_for(0)``) where the copies
+    are independent (:func:`stage_copies_independent`), else every copy merged
+    (:func:`packed_stage_plan`); the same prices either way (Note [One copy prices the KV stage]).
+    The one place that decision is made: the forward, the one-pass backward, the waves and their
+    floor all price this plan. Cached per ``hp`` object and topology."""
+    topo = load_topology(topology)
+    key = (id(hp), id(topo))
+    hit = _PRICED.get(key)
+    if hit is not None and hit[0]() is hp and hit[1]() is topo:
+        return hit[2]
+    plan = hp.kv_plan_for(0) if stage_copies_independent(hp, topo) else packed_stage_plan(hp)
+    if len(_PRICED) > 256:
+        _PRICED.clear()
+    _PRICED[key] = (weakref.ref(hp), weakref.ref(topo), plan)
+    return plan
+
+
+_PRICED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, Plan]] = {}   # (id(hp), id(topo)) -> plan priced
 
 
 def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which: str) -> list[tuple[int, int, float]]:
@@ -120,7 +189,7 @@ def _a2a(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, whic
 def _stage_forward(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, cm: ComputeModel,
                    round_overhead_s: float = 0.0, name: str = "fcp") -> SimResult:
     """The stage's forward (Note [Packed head-parallel cost]): Q|K|V in, the merged KV stage, O out."""
-    kv_f = simulate_plan(packed_stage_plan(hp), topo, stage_shape(hp, shape), compute_model=cm,
+    kv_f = simulate_plan(priced_stage_plan(hp, topo), topo, stage_shape(hp, shape), compute_model=cm,
                          round_overhead_s=round_overhead_s, name=name)
     return combine(name, [_a2a(hp, topo, shape, "qkv-in", round_overhead_s), kv_f,
                           _a2a(hp, topo, shape, "o-out", round_overhead_s)])
@@ -135,15 +204,16 @@ def simulate_packed_head_parallel(hp: PackedHeadParallelPlan, topology: "Topolog
     ``meta``: ``head_parallel``, ``graph``, ``kv_replication``, ``fwd_total_s``, ``bwd_total_s``."""
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
-    sp = packed_stage_plan(hp)
+    sp = priced_stage_plan(hp, topo)
     kv_b = simulate_plan_backward(sp, topo, stage_shape(hp, shape), compute_model=cm,
                                   backward_flop_ratio=backward_flop_ratio, grad_dtype_bytes=grad_dtype_bytes,
                                   round_overhead_s=round_overhead_s, name=name)
     fwd = _stage_forward(hp, topo, shape, cm, round_overhead_s, name)
     bwd = combine(name, [_a2a(hp, topo, shape, "o-in", round_overhead_s), kv_b,
                          _a2a(hp, topo, shape, "qkv-out", round_overhead_s)])
-    meta = {"head_parallel": hp.degree, "graph": sp.name, "kv_replication": hp.kv_replication,
-            "fwd_total_s": fwd.total_s, "bwd_total_s": bwd.total_s, "transfers": sp.num_transfers()}
+    merged_transfers = hp.kv_plan.num_transfers() * hp.degree if hp.kv_plan is not None else 0
+    meta = {"head_parallel": hp.degree, "graph": _stage_name(hp), "kv_replication": hp.kv_replication,
+            "fwd_total_s": fwd.total_s, "bwd_total_s": bwd.total_s, "transfers": merged_transfers}
     return combine(name, [fwd, bwd], meta)
 
 
@@ -178,7 +248,7 @@ class PackedAsRun:
         self.cm = compute_model or ComputeModel()
         self.backward_kv, self.kv_memory_budget = backward_kv, kv_memory_budget
         if isinstance(plan, PackedHeadParallelPlan):
-            self.sp, self.sshape = packed_stage_plan(plan), stage_shape(plan, shape)
+            self.sp, self.sshape = priced_stage_plan(plan, self.topo), stage_shape(plan, shape)
             self.fwd = _stage_forward(plan, self.topo, shape, self.cm).total_s
             self.exposed = sum(_a2a(plan, self.topo, shape, w).total_s for w in ("o-in", "qkv-out"))
         else:
