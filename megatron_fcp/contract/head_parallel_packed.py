@@ -64,15 +64,17 @@ def member_counts(tokens: int, degree: int) -> tuple[int, ...]:
 def _cut(spans: Sequence[Span], counts: Sequence[int]) -> list[tuple[Span, ...]]:
     """``spans`` (in order) cut into consecutive pieces of ``counts`` tokens each."""
     out: list[tuple[Span, ...]] = []
-    queue = list(spans)
+    i, head = 0, spans[0] if spans else None   # the span being cut (its part not yet taken) and its index
     for want in counts:
         piece: list[Span] = []
         while want > 0:
-            s = queue.pop(0)
-            take = min(want, s.tokens)
-            piece.append(Span(s.doc, s.start, s.start + take))
-            if take < s.tokens:
-                queue.insert(0, Span(s.doc, s.start + take, s.end))
+            take = min(want, head.tokens)
+            piece.append(head if take == head.tokens else Span(head.doc, head.start, head.start + take))
+            if take < head.tokens:
+                head = Span(head.doc, head.start + take, head.end)
+            else:
+                i += 1
+                head = spans[i] if i < len(spans) else None
             want -= take
         out.append(tuple(piece))
     return out

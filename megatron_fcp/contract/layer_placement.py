@@ -52,7 +52,7 @@ import numpy as np
 
 from megatron_fcp.contract.mask import Mask, check_window
 from megatron_fcp.contract.placement import (DEFAULT_BLOCK_TOKENS, Placement, Span, check_placement_args,
-                                             node_groups, place_packed, span_pairs)
+                                             node_groups, place_packed)
 from megatron_fcp.jit import jit
 
 __all__ = ["place_packed_layer", "place_balanced", "BALANCES", "LAYER_TOLERANCE", "LAYER_TARGET"]
@@ -86,7 +86,8 @@ bin and still take it (step 2)."""
 
 def _items(lengths: Sequence[int], cp: int, block_tokens: int, mask: Mask) -> list[Span]:
     """Step 1: whole documents, and contiguous chunks of the ones too large for one item."""
-    pairs = [span_pairs(Span(d, 0, n), Span(d, 0, n), mask) for d, n in enumerate(lengths)]
+    n_tok = np.asarray(lengths, dtype=np.int64)
+    pairs = mask.pairs(0, n_tok, 0, n_tok).tolist()   # each whole document's pairs (= span_pairs, exact)
     share_t, share_w = sum(lengths) / cp, sum(pairs) / cp
     out: list[Span] = []
     left, right = mask.window
@@ -108,9 +109,11 @@ def _assign(items: list[Span], w: np.ndarray, t: np.ndarray, n: int, tolerance: 
     :mod:`megatron_fcp.jit`)."""
     W, T = w.sum() / n, t.sum() / n
     W, T = W or 1.0, T or 1.0
-    order = sorted(range(len(items)), key=lambda k: (-max(w[k] / W, t[k] / T), items[k].doc, items[k].start))
     doc = np.array([s.doc for s in items], dtype=np.int64)
-    members, sizes = _assign_kernel(np.array(order, dtype=np.int64), np.asarray(w, dtype=np.float64),
+    start = np.array([s.start for s in items], dtype=np.int64)
+    # largest share first, then document and start: a stable sort on (-max(w/W, t/T), doc, start)
+    order = np.lexsort((start, doc, -np.maximum(np.asarray(w, dtype=np.float64) / W, np.asarray(t, dtype=np.float64) / T)))
+    members, sizes = _assign_kernel(order.astype(np.int64), np.asarray(w, dtype=np.float64),
                                     np.asarray(t, dtype=np.float64), doc, n, float(W), float(T),
                                     1.0 + tolerance, float(target), candidates, HOLDER_SLACK)
     return [members[r, :sizes[r]].tolist() for r in range(n)]
@@ -253,9 +256,12 @@ def place_packed_layer(doc_lengths: Sequence[int], cp: int, *, block_tokens: int
     mask = Mask(bool(causal), *check_window(window))
     groups = node_groups(nodes, cp)
     items = _items(lengths, cp, block_tokens, mask)
-    doc_span = {d: Span(d, 0, n) for d, n in enumerate(lengths)}
-    w = np.array([span_pairs(s, doc_span[s.doc], mask) for s in items], dtype=np.float64)
-    t = np.array([s.tokens for s in items], dtype=np.float64)
+    i_doc = np.array([s.doc for s in items], dtype=np.int64)                       # [items]
+    i_start = np.array([s.start for s in items], dtype=np.int64)
+    i_end = np.array([s.end for s in items], dtype=np.int64)
+    # each item's queries against its whole document (= span_pairs, exact int64, then float64)
+    w = mask.pairs(i_start, i_end, 0, np.asarray(lengths, dtype=np.int64)[i_doc]).astype(np.float64)
+    t = (i_end - i_start).astype(np.float64)
     placed: list[list[Span]] = [[] for _ in range(cp)]
     if groups is None:
         for r, b in enumerate(_assign(items, w, t, cp, LAYER_TOLERANCE, LAYER_TARGET)):

@@ -206,6 +206,37 @@ class Placement:
         check_doc_lengths(self.doc_lengths)
         if not self.blocks:
             raise ValueError("placement: needs at least one CP rank")
+        if self._tiles_documents():
+            return
+        self._raise_not_tiling()   # the slow walk below names the first fault
+
+    def _tiles_documents(self) -> bool:
+        """Whether the blocks are Spans that tile every document exactly once (checked over arrays:
+        sorted by (document, start, end), each document's spans start at 0, follow on without gap
+        or overlap and end at its length)."""
+        flat = [s for rank_blocks in self.blocks for s in rank_blocks]
+        if not all(isinstance(s, Span) for s in flat) or not flat:
+            return False
+        doc = np.fromiter((s.doc for s in flat), dtype=np.int64, count=len(flat))
+        start = np.fromiter((s.start for s in flat), dtype=np.int64, count=len(flat))
+        end = np.fromiter((s.end for s in flat), dtype=np.int64, count=len(flat))
+        n_docs = len(self.doc_lengths)
+        if doc.min() < 0 or doc.max() >= n_docs:
+            return False
+        length = np.asarray(self.doc_lengths, dtype=np.int64)
+        order = np.lexsort((end, start, doc))
+        doc, start, end = doc[order], start[order], end[order]
+        first = np.ones(len(doc), dtype=bool)
+        first[1:] = doc[1:] != doc[:-1]                                  # [spans]: a document's first span
+        last = np.ones(len(doc), dtype=bool)
+        last[:-1] = first[1:]                                            # [spans]: a document's last span
+        follows = np.ones(len(doc), dtype=bool)
+        follows[1:] = start[1:] == end[:-1]
+        return bool(np.count_nonzero(first) == n_docs and (start < end).all()
+                    and (start[first] == 0).all() and (end[last] == length[doc[last]]).all()
+                    and (follows | first).all())
+
+    def _raise_not_tiling(self) -> None:
         covered: dict[int, list[tuple[int, int]]] = {}
         for i, rank_blocks in enumerate(self.blocks):
             for s in rank_blocks:
