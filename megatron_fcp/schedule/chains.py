@@ -85,6 +85,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+import numpy as np
+
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.waves import RING_BUDGET, Wave, block_work, first_fetch, plan_waves, wave_budget
@@ -144,6 +146,11 @@ def _numbered(plan: Plan) -> _Numbered | None:
     hit = _NUMBERED.get(id(plan))
     if hit is not None and hit[0]() is plan:
         return hit[1]
+    if not _travels_chains(plan):   # over the plan's columns: no Transfer objects for a tree plan
+        if len(_NUMBERED) > 256:
+            _NUMBERED.clear()
+        _NUMBERED[id(plan)] = (weakref.ref(plan), None)
+        return None
     blocks = plan.blocks()
     bid = {b: i for i, b in enumerate(blocks)}
     at = [b.owner for b in blocks]                     # the rank each block last reached
@@ -173,6 +180,23 @@ def _numbered(plan: Plan) -> _Numbered | None:
 
 
 _NUMBERED: dict[int, tuple[weakref.ref, _Numbered | None]] = {}
+
+
+def _travels_chains(plan: Plan) -> bool:
+    """Whether every block of ``plan`` travels a chain: in plan order, each of its transfers leaves
+    from where the block last arrived (its owner first). The test :func:`_numbered` makes transfer
+    by transfer, over the plan's columns (a tree plan's multicast fails it at once, and a plan at
+    cp = 256 has ~10^5 transfers to build objects for)."""
+    _, src, dst, owner, chunk, part = plan.transfer_columns()           # [T], plan order
+    if not len(src):
+        return True
+    block = plan.block_numbers(owner, chunk, part)                      # [T]
+    order = np.argsort(block, kind="stable")                            # by block, plan order within
+    b, s, d, o = block[order], src[order], dst[order], owner[order]
+    first = np.ones(len(b), dtype=bool)
+    first[1:] = b[1:] != b[:-1]
+    came_from = np.where(first, o, np.roll(d, 1))                       # owner, or the previous hop's dst
+    return bool((s == came_from).all())
 
 
 def _sub_rounds(plan: Plan, num: _Numbered, size: list[int], budget: int) -> list[int]:
