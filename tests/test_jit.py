@@ -66,11 +66,12 @@ def test_no_jit_runs_the_same_waves_as_python():
 def test_layer_assign_compiled_equals_python(nodes):
     """The layer placement's greedy and search (``_assign_kernel``) give the same bins both ways."""
     from megatron_fcp.contract import layer_placement as LP
+    from megatron_fcp.contract.placement import span_pairs
 
     lengths = lognormal_lengths(8.0, 1.2, 1 << 18, 5)
     items = LP._items(lengths, 16, 4096, LP.Mask(True, -1, -1))
     spans = {d: LP.Span(d, 0, n) for d, n in enumerate(lengths)}
-    w = np.array([LP.span_pairs(s, spans[s.doc], LP.Mask(True, -1, -1)) for s in items], dtype=np.float64)
+    w = np.array([span_pairs(s, spans[s.doc], LP.Mask(True, -1, -1)) for s in items], dtype=np.float64)
     t = np.array([s.tokens for s in items], dtype=np.float64)
     n = 2 if nodes else 16
     W_, T_ = w.sum() / n, t.sum() / n

@@ -46,6 +46,7 @@ moves every document to every rank.
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -290,11 +291,14 @@ def place_balanced(doc_lengths: Sequence[int], cp: int, *, balance: str, **place
     return place_packed_layer(doc_lengths, cp, **place_kw)
 
 
+_span_key = attrgetter("doc", "start", "end")
+
+
 def _merged(spans: Sequence[Span]) -> tuple[Span, ...]:
     """A bin's spans in (document, start) order, adjacent chunks of one document joined into one
     block (the same tokens and need, fewer blocks to move and launch)."""
     out: list[Span] = []
-    for s in sorted(spans):
+    for s in sorted(spans, key=_span_key):   # Span order: (document, start, end)
         if out and out[-1].doc == s.doc and out[-1].end == s.start:
             out[-1] = Span(s.doc, out[-1].start, s.end)
         else:

@@ -660,19 +660,16 @@ def simulate_rounds(
 def _round_loads(idx: _ResourceIndex, msgs) -> tuple[np.ndarray, np.ndarray, float, float]:
     """One round's ``(src, dst, bytes)`` messages as (resource ids, bytes on each, the largest
     route latency, bytes sent): every message's bytes on every resource of its route."""
-    ids, hops, wts, lmax, total = [], [], [], 0.0, 0.0
-    for s, d, b in msgs:
-        if s == d or b <= 0:
-            continue
-        rid, l = idx.route(s, d)
-        ids.append(rid)
-        hops.append(len(rid))
-        wts.append(float(b))
-        lmax = max(lmax, l)
+    sent = [(s, d, b) for s, d, b in msgs if s != d and b > 0]
+    total = 0.0
+    for _, _, b in sent:
         total += b
-    if not ids:
-        return np.zeros(0, dtype=np.int64), np.zeros(0), lmax, total
-    return np.concatenate(ids), np.repeat(np.asarray(wts), hops), lmax, total
+    if not sent:
+        return np.zeros(0, dtype=np.int64), np.zeros(0), 0.0, total
+    src, dst, nbytes = zip(*sent)
+    hops, ids, latency = idx.route_columns(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+    wts = np.array(nbytes, dtype=np.float64)
+    return ids, np.repeat(wts, hops), max(0.0, float(latency.max())), total
 
 
 def round_comm_s(idx: _ResourceIndex, msgs, round_overhead_s: float = 0.0) -> float:
