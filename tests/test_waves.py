@@ -366,7 +366,7 @@ def test_waves_know_their_rows_of_the_plan(builder):
     """``Wave.plan_index`` (set by the packing, kept by ``first_fetch``) names each transfer's row of
     ``Plan.transfer_columns()``: ``wave_columns`` read through it equal the columns read from the
     wave's own transfers, and the wave floor is the same float either way."""
-    from dataclasses import replace as dc_replace
+    from megatron_fcp.schedule.waves import Wave
 
     import numpy as np
 
@@ -382,7 +382,7 @@ def test_waves_know_their_rows_of_the_plan(builder):
     kept = {x: [t.block for _, t in waves[0].transfers if t.dst == x][:1] for x in plan.ranks}
     for w in waves + (first_fetch(waves[0], kept),):
         assert w.plan_index is not None and len(w.plan_index) == len(w.transfers)
-        bare = dc_replace(w, plan_index=None)
+        bare = Wave(w.transfers, w.computes, None, w.compute_index)
         assert bare == w                                        # a view, not part of the wave
         for a, b in zip(wave_columns(plan, w), wave_columns(plan, bare)):
             assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
@@ -394,8 +394,8 @@ def test_waves_know_their_rows_of_the_plan(builder):
                                        job_s=lambda x, b: 1e-9 * work(x, b), resend=resend,
                                        first_fetch=fetch_wave)
         fast = floor(waves, fetch)
-        slow = floor(tuple(dc_replace(w, plan_index=None) for w in waves),
-                     None if fetch is None else dc_replace(fetch, plan_index=None))
+        slow = floor(tuple(Wave(w.transfers, w.computes, None, w.compute_index) for w in waves),
+                     None if fetch is None else Wave(fetch.transfers, fetch.computes, None, fetch.compute_index))
         assert fast == slow and fast > 0
 
 
@@ -446,7 +446,7 @@ def test_loop_jobs_run_received_blocks_then_own_ones_leading_own_first(builder, 
     written out per rank: wave w's received blocks in plan order then its own in local order; wave
     0 runs ``leading_own_jobs`` of its own first and leaves the rest for the end; waves with and
     without their column views alike."""
-    from dataclasses import replace as dc_replace
+    from megatron_fcp.schedule.waves import Wave
 
     from megatron_fcp.schedule import waves as W
 
@@ -471,6 +471,38 @@ def test_loop_jobs_run_received_blocks_then_own_ones_leading_own_first(builder, 
                         want_jobs[x].append(got + own)
                 want_last.setdefault(x, [])
                 want_lead.setdefault(x, 0)
-            bare = tuple(dc_replace(w, plan_index=None, compute_index=None) for w in waves)
+            bare = tuple(Wave(w.transfers, w.computes) for w in waves)
             for ws in (waves, bare):
                 assert W.loop_jobs(plan, ws) == (want_jobs, want_lead, want_last)
+
+
+def test_waves_from_columns_are_the_waves_their_columns_name():
+    """Note [Waves as columns]: a packed wave's transfers, computes and rounds, built on first read
+    from its rows of the plan and its compute columns, are the plan's transfers at those rows and
+    the computes those columns name; a wave built from them is equal (and hashes alike), and a
+    pickled wave comes back equal without the plan."""
+    import pickle
+
+    import numpy as np
+
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.schedule.waves import Wave, plan_transfer_pairs
+
+    docs = lognormal_lengths(np.log(2048), 1.2, 16 * 2048, seed=7)
+    plan = build_plan("dgx-h100:2", range(16), "hierarchical", placement=place_packed(docs, 16))
+    size = lambda b: plan.block_tokens(b) * 1024  # noqa: E731
+    waves = plan_waves(plan, size, wave_budget(plan, size) // 2)
+    assert len(waves) > 1
+    pairs, blocks, rounds_col = plan_transfer_pairs(plan), plan.blocks(), plan.transfer_columns()[0]
+    for w in waves:
+        fresh = Wave.of_plan(plan, w.plan_index, w.compute_index)
+        assert fresh.rounds == tuple(sorted(set(rounds_col[w.plan_index].tolist())))   # read before any pairs
+        assert fresh.transfers == tuple(pairs[k] for k in w.plan_index.tolist())
+        numbers, ranks = w.compute_index
+        assert fresh.computes == frozenset((blocks[i], x) for i, x in zip(numbers.tolist(), ranks.tolist()))
+        eager = Wave(fresh.transfers, fresh.computes)
+        assert eager == fresh and hash(eager) == hash(fresh) and eager.rounds == fresh.rounds
+        back = pickle.loads(pickle.dumps(fresh))
+        assert back == fresh and np.array_equal(back.plan_index, w.plan_index)
+    with pytest.raises(ValueError, match="plan_index has"):
+        Wave(waves[0].transfers, waves[0].computes, plan_index=np.zeros(len(waves[0].transfers) + 1, dtype=np.int64))

@@ -68,7 +68,7 @@ from __future__ import annotations
 import weakref
 from itertools import chain, repeat
 from operator import attrgetter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Collection, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -79,41 +79,110 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import block_layout
 from megatron_fcp.jit import jit
 
-__all__ = ["Wave", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch",
+__all__ = ["Wave", "plan_transfer_pairs", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch",
            "leading_own_jobs", "loop_jobs", "loop_job_columns", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
            "kept_bytes_per_rank", "choose_backward_kv"]
 
 
-@dataclass(frozen=True)
 class Wave:
-    """Deliveries handled together in backward and the plan transfers that carry them."""
+    """Deliveries handled together in backward and the plan transfers that carry them.
 
-    transfers: tuple[tuple[int, Transfer], ...]   # (plan round, transfer), in plan order
-    computes: frozenset                           # (block, rank): rank computes block's gradient here
-    rounds: tuple[int, ...] = field(init=False)   # ascending plan rounds with a transfer of the wave
-    # int64 [len(transfers)]: each transfer's place in plan order (its row of Plan.transfer_columns()),
-    # where the wave was cut from the plan's columns (plan_waves, first_fetch of such a wave); None
-    # where not known. A view of the transfers, not part of the wave's identity
-    plan_index: np.ndarray | None = field(default=None, compare=False, repr=False)
-    # (block numbers in Plan.blocks() order, global ranks), int64 [len(computes)] each: the computes
-    # as columns, where the packing gave them; None where not known. A view, as plan_index
-    compute_index: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
+    ``transfers``: ``(plan round, transfer)`` pairs, in plan order; ``computes``: ``(block, rank)``,
+    rank computes block's gradient here; ``rounds``: ascending plan rounds with a transfer of the
+    wave. ``plan_index`` (int64 ``[len(transfers)]``): each transfer's place in plan order (its row
+    of ``Plan.transfer_columns()``), where the wave was cut from the plan's columns, else None;
+    ``compute_index``: the computes as columns ``(block numbers in Plan.blocks() order, global
+    ranks)``, where the packing gave them, else None. Both are views, not part of the wave's
+    identity (equality and hash are ``transfers`` and ``computes``).
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rounds", tuple(sorted({r for r, _ in self.transfers})))
-        if self.plan_index is not None and len(self.plan_index) != len(self.transfers):
-            raise ValueError(f"Wave: plan_index has {len(self.plan_index)} entries for {len(self.transfers)} transfers")
-        if self.compute_index is not None and any(len(c) != len(self.computes) for c in self.compute_index):
-            raise ValueError(f"Wave: compute_index does not have {len(self.computes)} entries")
+    Note [Waves as columns]
+    -----------------------
+    The packing gives a wave as its rows of the plan and its computes as columns
+    (:meth:`of_plan`); its ``transfers`` and ``computes`` are built from them on first read. The
+    degree choice packs every degree's waves for its floor, which reads only the columns
+    (``wave_columns``, ``wave_compute_columns``), and simulates one or two of them; at cp = 256
+    the tuples and sets of the others (~10^5 ``(round, transfer)`` pairs, and the plan's transfers
+    built for them) were ~0.1 s of a degree choice.
+    """
+
+    __slots__ = ("_transfers", "_computes", "_rounds", "_tset", "_plan", "plan_index", "compute_index")
+
+    def __init__(self, transfers, computes, plan_index: np.ndarray | None = None,
+                 compute_index: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self._transfers = tuple(transfers)
+        self._computes = frozenset(computes)
+        self._rounds = self._tset = self._plan = None
+        self.plan_index, self.compute_index = plan_index, compute_index
+        if plan_index is not None and len(plan_index) != len(self._transfers):
+            raise ValueError(f"Wave: plan_index has {len(plan_index)} entries for {len(self._transfers)} transfers")
+        if compute_index is not None and any(len(c) != len(self._computes) for c in compute_index):
+            raise ValueError(f"Wave: compute_index does not have {len(self._computes)} entries")
+
+    @classmethod
+    def of_plan(cls, plan: Plan, plan_index: np.ndarray, compute_index: tuple[np.ndarray, np.ndarray]) -> "Wave":
+        """The wave of ``plan`` whose transfers are its rows ``plan_index`` (plan order) and whose
+        computes are ``compute_index``; ``transfers`` and ``computes`` built on first read (Note
+        [Waves as columns])."""
+        w = cls.__new__(cls)
+        w._transfers = w._computes = w._rounds = w._tset = None
+        w._plan, w.plan_index, w.compute_index = plan, plan_index, compute_index
+        return w
+
+    @property
+    def transfers(self) -> tuple[tuple[int, Transfer], ...]:
+        if self._transfers is None:
+            pairs = plan_transfer_pairs(self._plan)
+            self._transfers = tuple(map(pairs.__getitem__, self.plan_index.tolist()))
+        return self._transfers
+
+    @property
+    def computes(self) -> frozenset:
+        if self._computes is None:
+            blocks = self._plan.blocks()
+            number, rank = self.compute_index
+            self._computes = frozenset(zip(map(blocks.__getitem__, number.tolist()), rank.tolist()))
+        return self._computes
+
+    @property
+    def rounds(self) -> tuple[int, ...]:
+        if self._rounds is None:
+            if self._transfers is None:   # from the plan's round column: no pairs built
+                self._rounds = tuple(np.unique(self._plan.transfer_columns()[0][self.plan_index]).tolist())
+            else:
+                self._rounds = tuple(sorted({r for r, _ in self._transfers}))
+        return self._rounds
 
     def has(self, round_index: int, t: Transfer) -> bool:
         """Whether the wave carries transfer ``t`` of plan round ``round_index`` (the set of them is
         built on the first call: the cost model never asks, an executor's rank asks per round)."""
-        got = self.__dict__.get("_tset")
-        if got is None:
-            got = frozenset(self.transfers)
-            object.__setattr__(self, "_tset", got)
-        return (round_index, t) in got
+        if self._tset is None:
+            self._tset = frozenset(self.transfers)
+        return (round_index, t) in self._tset
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.transfers == other.transfers and self.computes == other.computes
+
+    def __hash__(self) -> int:
+        return hash((self.transfers, self.computes))
+
+    def __repr__(self) -> str:
+        return f"Wave(transfers={self.transfers!r}, computes={self.computes!r}, rounds={self.rounds!r})"
+
+    def __reduce__(self):   # pickled whole, without the plan it may be a view of
+        return (Wave, (self.transfers, self.computes, self.plan_index, self.compute_index))
+
+
+def plan_transfer_pairs(plan: Plan) -> list[tuple[int, Transfer]]:
+    """The plan's ``(round, transfer)`` pairs in plan order (what a wave's ``plan_index`` names);
+    built once per plan object."""
+    got = plan.__dict__.get("_wave_transfer_pairs")
+    if got is None:
+        rounds = plan.rounds
+        got = plan.__dict__["_wave_transfer_pairs"] = list(zip(
+            chain.from_iterable(repeat(k, len(rnd)) for k, rnd in enumerate(rounds)), chain.from_iterable(rounds)))
+    return got
 
 
 def leading_own_jobs(n_own: int, n_waves: int) -> int:
@@ -429,12 +498,7 @@ class _PackInput:
     @property
     def transfers(self) -> list[tuple[int, Transfer]]:
         """The plan's ``(round, transfer)`` pairs in plan order (what a packing's indices name)."""
-        got = self.__dict__.get("_transfers")
-        if got is None:
-            rounds = self.plan.rounds
-            got = self.__dict__["_transfers"] = list(zip(
-                chain.from_iterable(repeat(k, len(rnd)) for k, rnd in enumerate(rounds)), chain.from_iterable(rounds)))
-        return got
+        return plan_transfer_pairs(self.plan)
 
 
 def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float, bool]:
@@ -446,15 +510,9 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
 def _waves(inp: _PackInput, raw: "_RawPacking") -> tuple[Wave, ...]:
     """The waves of a raw packing: per wave, its transfers (indices into ``inp.transfers``, in plan
     order) and its computes ``(block number, rank)``."""
-    blocks, transfers = inp.blocks, inp.transfers
     index = raw.in_plan_order()
-    cp_, carried = raw.carried_ptr.tolist(), index.tolist()
-    mp, ci, cx = raw.comp_ptr.tolist(), raw.comp_i.tolist(), raw.comp_x.tolist()
-    take_t, take_b = transfers.__getitem__, blocks.__getitem__
-    return tuple(Wave(tuple(map(take_t, carried[cp_[w]:cp_[w + 1]])),
-                      frozenset(zip(map(take_b, ci[mp[w]:mp[w + 1]]), cx[mp[w]:mp[w + 1]])),
-                      index[cp_[w]:cp_[w + 1]],
-                      (raw.comp_i[mp[w]:mp[w + 1]], raw.comp_x[mp[w]:mp[w + 1]]))
+    cp_, mp = raw.carried_ptr.tolist(), raw.comp_ptr.tolist()
+    return tuple(Wave.of_plan(inp.plan, index[cp_[w]:cp_[w + 1]], (raw.comp_i[mp[w]:mp[w + 1]], raw.comp_x[mp[w]:mp[w + 1]]))
                  for w in range(len(raw)))
 
 
