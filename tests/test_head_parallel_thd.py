@@ -159,30 +159,40 @@ def test_choose_packed_head_parallel_takes_the_least_predicted_time():
 
 def test_pruned_degree_choice_is_the_full_search():
     """Note [Pruning the packed degree choice]: on mixes where degrees are pruned, the choice is the
-    full search's, each pruned degree's floor is above the choice's time, and no floor is above its
-    own degree's time."""
+    full search's, each pruned degree's floors rule it out, and no floor (the jobs', the waves') is
+    above its own degree's time; a degree the jobs' floor rules out has no backward program
+    compiled (its waves were never packed)."""
     import math
 
     from megatron_fcp.contract.placement import lognormal_lengths
-    from megatron_fcp.cost.head_parallel_packed import PackedAsRun
+    from megatron_fcp.cost.head_parallel_packed import PackedAsRun, priced_stage_plan
     from megatron_fcp.cost.model import AttentionShape
     from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
+    from megatron_fcp.schedule.program import compiled_programs
+    from megatron_fcp.topology import load_topology
 
+    topo = load_topology("dgx-h100:4")
     shape = AttentionShape(1, 64, 8, 128, 2)
-    pruned_somewhere = False
+    pruned_somewhere = left_unpacked = False
     for median, seed in ((2048, 0), (8192, 1), (32768, 2)):
         docs = lognormal_lengths(math.log(median), 1.0, 1 << 18, seed)
         plans: dict = {}
-        full_best, full = choose_packed_head_parallel("dgx-h100:4", range(32), docs, shape, prune=False, plans=plans)
-        best, times = choose_packed_head_parallel("dgx-h100:4", range(32), docs, shape)
+        full_best, full = choose_packed_head_parallel(topo, range(32), docs, shape, prune=False, plans=plans)
+        mine: dict = {}
+        best, times = choose_packed_head_parallel(topo, range(32), docs, shape, plans=mine)
         assert best == full_best and times == {a: full[a] for a in times}
         for a, plan in plans.items():
-            floor = PackedAsRun(plan, "dgx-h100:4", shape).floor()
-            assert floor <= full[a] * (1 + 1e-9)
+            priced = PackedAsRun(plan, topo, shape)
+            jobs, waves = priced.compute_floor(), priced.floor()
+            assert jobs <= full[a] * (1 + 1e-9) and waves <= full[a] * (1 + 1e-9)
             if a not in times:
                 pruned_somewhere = True
-                assert floor > full[best]
-    assert pruned_somewhere
+                assert max(jobs, waves) > full[best]
+                stage = mine[a] if a == 1 else priced_stage_plan(mine[a], topo)
+                if jobs > full[best]:
+                    assert not compiled_programs(stage)
+                    left_unpacked = True
+    assert pruned_somewhere and left_unpacked
 
 
 def test_merged_stage_plan_is_every_member_copy_of_every_kv_transfer():
@@ -278,3 +288,27 @@ def test_copies_that_share_a_link_are_priced_merged(topology, ranks):
         sshape = stage_shape(hp, shape)
         alone = simulate_plan(hp.kv_plan_for(0), topo, sshape).comm_s
         assert simulate_plan(packed_stage_plan(hp), topo, sshape).comm_s > alone * 1.2
+
+
+def test_the_jobs_floor_holds_where_launches_are_most_of_the_work():
+    """Tiny blocks (64 tokens, head size 16) on one node: a job is mostly its launch, and a stage
+    whose KV plan is a chain launches several jobs per step, so the jobs' floor counts launches only
+    for a backward in waves; every degree's floors stay below its time and the pruned choice is the
+    full search's (a floor counting a launch per job put ``a = 4``'s above its time and chose 8)."""
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.head_parallel_packed import PackedAsRun
+    from megatron_fcp.cost.model import AttentionShape
+    from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology("dgx-h100:1")
+    for seed in range(3):
+        docs = tuple(lognormal_lengths(5.0, 1.0, 2048, seed=seed))
+        shape = AttentionShape(sum(docs), 8, 2, 16, 2)
+        plans: dict = {}
+        kw = dict(graph="hierarchical", block_tokens=64)
+        full_best, full = choose_packed_head_parallel(topo, range(8), docs, shape, prune=False, plans=plans, **kw)
+        best, times = choose_packed_head_parallel(topo, range(8), docs, shape, **kw)
+        assert best == full_best and times == {a: full[a] for a in times}
+        for a, plan in plans.items():
+            assert PackedAsRun(plan, topo, shape).compute_floor() <= full[a] * (1 + 1e-9), (seed, a)

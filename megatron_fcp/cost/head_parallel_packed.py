@@ -55,7 +55,8 @@ from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import TransferTable, block_layout, small_int
-from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward, wave_backward_floor
+from megatron_fcp.cost.backward import (backward_compute_floor, simulate_backward_waves, simulate_plan_backward,
+                                       wave_backward_floor)
 from megatron_fcp.cost.head_parallel import combine, stage_shape
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
@@ -254,6 +255,15 @@ class PackedAsRun:
         else:
             self.sp, self.sshape, self.exposed = plan, shape, 0.0
             self.fwd = simulate_plan(plan, self.topo, shape, compute_model=self.cm).total_s
+
+    def compute_floor(self) -> float:
+        """A floor on :meth:`result`'s ``total_s`` before the backward's waves are packed: the
+        forward, the exposed all-to-alls and the busiest rank's gradient jobs back to back
+        (:func:`~megatron_fcp.cost.backward.backward_compute_floor`; without it, the forward and the
+        all-to-alls). Below :meth:`floor` for a backward in waves (their floor adds every job too),
+        above it for one that streams as chains (whose :meth:`floor` prices no backward)."""
+        jobs = backward_compute_floor(self.sp, self.sshape, compute_model=self.cm)
+        return self.fwd + self.exposed + (jobs or 0.0)
 
     def floor(self) -> float:
         """A floor on :meth:`result`'s ``total_s``."""

@@ -29,19 +29,24 @@ Note [Pruning the packed degree choice]
 :func:`choose_packed_head_parallel` prices every candidate degree of a packed batch as the executor
 runs it, and most of that is the backward's wave timeline, an event simulation of every message
 (at cp = 256, 512 documents: 2-3 s for ``a = 1`` and ``a = 2``, which are not chosen). Each
-degree is first priced up to a floor (:class:`~megatron_fcp.cost.head_parallel_packed.PackedAsRun`:
-its forward exactly, its backward by :func:`~megatron_fcp.cost.timeline.wave_timeline_floor`,
-which packs the waves but does not simulate them); then the degrees are simulated in order of
-their floors, and a degree whose floor is above the least time so far (by more than 1e-9, so
-that rounding never drops a tie, which goes to the smaller degree) is left out: its time is at
-least its floor, so it cannot be the choice. The choice is the one the full search makes
-(tested); the times returned are those of the degrees simulated. Measured 2026-12-06 (1M-token
+degree is priced up to floors that cost more as they tighten
+(:class:`~megatron_fcp.cost.head_parallel_packed.PackedAsRun`): its forward exactly and its
+backward as its busiest rank's gradient jobs back to back (``compute_floor``: no waves needed),
+then its backward by :func:`~megatron_fcp.cost.timeline.wave_timeline_floor` (``floor``: the waves
+packed, not simulated), then simulated. The degree of least floor goes one step further each
+turn; once the least floor left is above the least time so far (by more than 1e-9, so that
+rounding never drops a tie, which goes to the smaller degree) the search ends: every degree not
+simulated has a time at least its floor, so it cannot be the choice. The choice is the one the
+full search makes (tested); the times returned are those of the degrees simulated. The jobs'
+floor was added 2026-12-06 (seventh pass): at cp = 256 with 512 documents it leaves ``a = 1`` out
+before its waves are packed (42.9 ms against ``a = 8``'s 41.3), a quarter of the choice's time. Measured 2026-12-06 (1M-token
 lognormal mixes, 64:8): the floors sit within 0-13% of the as-run times, and at cp = 256
 ``a = 1`` and ``a = 2`` sit 1.2-1.6x above ``a = 8``'s time, so their timelines are never run.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import PlanError, check_parts, gc_paused
@@ -245,11 +250,17 @@ def choose_packed_head_parallel(
                                 kv_memory_budget=kv_memory_budget)
         if plans is not None:
             plans[a] = plan
-    # Note [Pruning the packed degree choice]: simulate in order of floors, skip what cannot win
-    floors = {a: p.floor() for a, p in priced.items()} if prune else dict.fromkeys(priced, 0.0)
+    # Note [Pruning the packed degree choice]: least floor first, each floor tightened or the degree
+    # simulated in its turn; what cannot win is left out
+    heap = [(p.compute_floor() if prune else 0.0, a, 1) for a, p in priced.items()]
+    heapq.heapify(heap)
     times: dict[int, float] = {}
-    for a in sorted(priced, key=lambda a: (floors[a], a)):
-        if times and floors[a] > min(times.values()) * (1 + 1e-9):
+    while heap:
+        floor, a, step = heapq.heappop(heap)
+        if times and floor > min(times.values()) * (1 + 1e-9):
+            break                     # every floor left is at least this one
+        if step == 1 and prune:       # its jobs' floor: now its waves' (packed here; a chain's is 0)
+            heapq.heappush(heap, (max(floor, priced[a].floor()), a, 2))
             continue
         times[a] = priced[a].result()["total_s"]
     best = min(times, key=lambda a: (times[a], a))
