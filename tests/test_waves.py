@@ -506,3 +506,35 @@ def test_waves_from_columns_are_the_waves_their_columns_name():
         assert back == fresh and np.array_equal(back.plan_index, w.plan_index)
     with pytest.raises(ValueError, match="plan_index has"):
         Wave(waves[0].transfers, waves[0].computes, plan_index=np.zeros(len(waves[0].transfers) + 1, dtype=np.int64))
+
+
+@pytest.mark.parametrize("builder", ["hierarchical", "full", "entry"])
+def test_first_wave_cut_over_columns_is_the_cut_over_transfers(builder):
+    """The first wave's re-sent part (``first_fetch``) and what each rank keeps of it
+    (``first_kept_blocks``) come out the same from a wave of columns (an integer walk) as from the
+    same wave built eagerly (the walk over Transfer objects), for several sets of keepers."""
+    import numpy as np
+
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.schedule import chains
+    from megatron_fcp.schedule.waves import Wave, first_fetch
+
+    docs = lognormal_lengths(np.log(4096), 1.2, 32 * 4096, seed=3)
+    plan = build_plan("dgx-h100:4", range(32), builder, placement=place_packed(docs, 32))
+    size = lambda b: plan.block_tokens(b) * 512  # noqa: E731
+    wave = plan_waves(plan, size, wave_budget(plan, size))[0]
+    eager = Wave(wave.transfers, wave.computes, wave.plan_index, wave.compute_index)
+    kept = chains.first_kept_blocks(plan, size)
+    walk: dict = {}
+    seen: set = set()
+    for _, t in eager.transfers:                                 # the object walk, written out
+        if (t.block, t.dst) in eager.computes and (t.block, t.dst) not in seen:
+            seen.add((t.block, t.dst))
+            walk.setdefault(t.dst, []).append(t.block)
+    assert kept == {x: tuple(b) for x, b in walk.items()} and kept
+    ranks = sorted(kept)
+    for keepers in (ranks[::2], ranks[1::3], ranks[:1]):
+        cut = {x: kept[x] for x in keepers}
+        a, b = first_fetch(Wave.of_plan(plan, wave.plan_index, wave.compute_index), cut), first_fetch(eager, cut)
+        assert a == b and np.array_equal(a.plan_index, b.plan_index) and a.rounds == b.rounds
+        assert 0 < len(a.transfers) < len(eager.transfers)

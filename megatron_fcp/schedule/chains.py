@@ -411,12 +411,17 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
     else:
         waves = plan_waves(plan, block_bytes, cache_key=cache_key)
         out: dict[int, list[Block]] = {}
-        seen: set[tuple[Block, int]] = set()
-        for _, t in (waves[0].transfers if waves else ()):
-            k = (t.block, t.dst)
-            if k in waves[0].computes and k not in seen:
-                seen.add(k)
-                out.setdefault(t.dst, []).append(t.block)
+        if waves and waves[0].plan_index is not None and waves[0].compute_index is not None:
+            for x, b in _first_deliveries(plan, waves[0]):
+                out.setdefault(x, []).append(b)
+        elif waves:
+            seen: set[tuple[Block, int]] = set()
+            computes = waves[0].computes
+            for _, t in waves[0].transfers:
+                k = (t.block, t.dst)
+                if k in computes and k not in seen:
+                    seen.add(k)
+                    out.setdefault(t.dst, []).append(t.block)
         got = {r: tuple(b) for r, b in out.items()}
     if cache_key is not None:
         if len(_KEPT) > 1024:
@@ -426,6 +431,22 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
 
 
 _KEPT: dict[tuple, tuple[weakref.ref, dict]] = {}  # (id(plan), cache_key) -> (plan ref, first_kept_blocks)
+
+
+def _first_deliveries(plan: Plan, wave: Wave) -> list[tuple[int, Block]]:
+    """``(rank, block)`` of each delivery of ``wave`` that its receiver computes there, at its first
+    transfer, in plan order: :func:`first_kept_blocks`'s walk over the wave's columns."""
+    _, _, dst, owner, chunk, part = plan.transfer_columns()
+    rows = wave.plan_index
+    R = max(plan.ranks) + 1
+    block = plan.block_numbers(owner[rows], chunk[rows], part[rows])          # [transfers of the wave]
+    key = block * R + dst[rows]
+    number, rank = wave.compute_index
+    first = np.zeros(len(key), dtype=bool)
+    first[np.unique(key, return_index=True)[1]] = True                        # a key's first transfer
+    keep = np.flatnonzero(first & np.isin(key, number * R + rank))            # plan order
+    blocks = plan.blocks()
+    return [(x, blocks[i]) for i, x in zip(block[keep].tolist(), dst[rows][keep].tolist())]
 
 
 def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
