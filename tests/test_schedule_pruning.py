@@ -241,3 +241,33 @@ def test_packed_auto_breaks_an_exact_tie_by_the_fewest_bytes():
     assert simulate_plan_backward(pe, topo, shape).total_s < simulate_plan_backward(ph, topo, shape).total_s
     got = build_plan(topo, range(16), "auto", placement=pl, heads=32, kv_heads=8, head_dim=128)
     assert got.name == "entry"
+
+
+@pytest.mark.parametrize("preset,cp", [("dgx-h100:2", 16), ("single-uplink:2", 16), ("pcie-box:2", 16),
+                                       ("dgx-a100:4", 32), ("gb200-nvl72:4", 16)])
+def test_the_star_floor_is_below_the_full_plans_communication(preset, cp):
+    """``star_kv_floor`` (the ``full`` builder's messages, owner straight to each reader, on their
+    routes' most loaded resource) is at most the full plan's forward communication, packed (causal
+    and windowed) and zigzag (sub-blocks too), on rail-aligned and shared-link presets; and within
+    a few percent of it (the rounds add latencies and imbalance, not bytes)."""
+    import dataclasses
+
+    from megatron_fcp.cost.floors import star_kv_floor
+    from megatron_fcp.cost.model import pad_for_zigzag, simulate_plan
+    from megatron_fcp.planner.build import build_plan
+
+    topo = load_topology(preset)
+    shape = AttentionShape(1, 32, 8, 128, 2)
+    cases = []
+    for window in (None, (1024, 0)):
+        pl = _packed_placement(cp, 4096)
+        pl = pl if window is None else dataclasses.replace(pl, window=window)
+        cases.append((build_plan(topo, range(cp), "full", placement=pl), shape,
+                      star_kv_floor(topo, range(cp), pl, 0, pl.mask, shape.kv_bytes(1))))
+    for parts in (1, 2):
+        padded = pad_for_zigzag(AttentionShape(cp * 2048, 32, 8, 128, 2), cp)[0]
+        cases.append((build_plan(topo, range(cp), "full", parts_per_chunk=parts), padded,
+                      star_kv_floor(topo, range(cp), None, padded.seq_len, True, padded.kv_bytes(1))))
+    for plan, sim_shape, floor in cases:
+        comm = simulate_plan(plan, topo, sim_shape).comm_s
+        assert 0.9 * comm <= floor <= comm

@@ -68,7 +68,8 @@ from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex, block_pairs
 from megatron_fcp.topology import Topology
 
-__all__ = ["rank_pairs", "rank_owners", "rank_jobs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor", "member_nic_ingress"]
+__all__ = ["rank_pairs", "rank_owners", "rank_jobs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor",
+           "star_kv_floor", "member_nic_ingress"]
 
 
 def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
@@ -246,6 +247,25 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
     load = total(ids, wts)
     if again is not None:
         load = load + again
+    return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
+
+
+def star_kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None", seq_len: int,
+                  causal: "bool | Mask", kv_bytes_per_token: float) -> float:
+    """A floor on the forward communication of a plan that sends every block straight from its owner
+    to each reader (the ``full`` builder's trees): those messages, whatever rounds hold them, put
+    their bytes on every resource of their routes, and the rounds take at least the most loaded
+    resource's bytes over its bandwidth (Note [Cost model]: a round takes its most loaded
+    resource's time)."""
+    ranks = tuple(ranks)
+    need, owner, tokens = _kv_needs(len(ranks), placement, seq_len, causal)      # [cp, blocks]
+    reader, block = np.nonzero(need)
+    if not len(reader):
+        return 0.0
+    rank_of = np.asarray(ranks, dtype=np.int64)
+    idx = _ResourceIndex(topo)
+    hops, ids, _ = idx.route_columns(rank_of[owner[block]], rank_of[reader])
+    load = np.bincount(ids, weights=np.repeat(tokens[block] * kv_bytes_per_token, hops), minlength=len(idx.bw))
     return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
 
 
