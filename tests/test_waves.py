@@ -538,3 +538,22 @@ def test_first_wave_cut_over_columns_is_the_cut_over_transfers(builder):
         a, b = first_fetch(Wave.of_plan(plan, wave.plan_index, wave.compute_index), cut), first_fetch(eager, cut)
         assert a == b and np.array_equal(a.plan_index, b.plan_index) and a.rounds == b.rounds
         assert 0 < len(a.transfers) < len(eager.transfers)
+
+
+def test_a_wave_of_columns_does_not_keep_its_plan_alive():
+    """Note [Waves as columns]: the wave caches hold waves of plans that may be gone, so a wave of
+    columns holds its plan weakly; read after its plan is gone it says so."""
+    import gc
+    import weakref
+
+    plan = build_plan("dgx-h100:2", range(8), "hierarchical",
+                      placement=place_packed([900, 40, 300, 170, 10, 3000, 77, 512], 8, block_tokens=64))
+    size = lambda b: 10 * plan.block_tokens(b)  # noqa: E731
+    waves = plan_waves(plan, size, wave_budget(plan, size) // 2)
+    assert len(waves) > 1 and all(w.transfers for w in waves[:-1])   # readable while the plan lives
+    alive = weakref.ref(plan)
+    del plan, size
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match="plan this wave's columns index is gone"):
+        waves[-1].computes

@@ -102,7 +102,9 @@ class Wave:
     degree choice packs every degree's waves for its floor, which reads only the columns
     (``wave_columns``, ``wave_compute_columns``), and simulates one or two of them; at cp = 256
     the tuples and sets of the others (~10^5 ``(round, transfer)`` pairs, and the plan's transfers
-    built for them) were ~0.1 s of a degree choice.
+    built for them) were ~0.1 s of a degree choice. Such a wave holds its plan weakly: the wave
+    caches (``plan_waves``, the program's) hold waves of plans that may be gone, and hand them out
+    only for a live plan, so a wave must not keep its plan (and the plan's tables) alive.
     """
 
     __slots__ = ("_transfers", "_computes", "_rounds", "_tset", "_plan", "plan_index", "compute_index")
@@ -125,20 +127,27 @@ class Wave:
         [Waves as columns])."""
         w = cls.__new__(cls)
         w._transfers = w._computes = w._rounds = w._tset = None
-        w._plan, w.plan_index, w.compute_index = plan, plan_index, compute_index
+        w._plan, w.plan_index, w.compute_index = weakref.ref(plan), plan_index, compute_index
         return w
+
+    def _source(self) -> Plan:
+        """The plan a wave of columns was cut from (it must still be alive)."""
+        plan = self._plan()
+        if plan is None:
+            raise RuntimeError("Wave: the plan this wave's columns index is gone; keep the plan while its waves are read")
+        return plan
 
     @property
     def transfers(self) -> tuple[tuple[int, Transfer], ...]:
         if self._transfers is None:
-            pairs = plan_transfer_pairs(self._plan)
+            pairs = plan_transfer_pairs(self._source())
             self._transfers = tuple(map(pairs.__getitem__, self.plan_index.tolist()))
         return self._transfers
 
     @property
     def computes(self) -> frozenset:
         if self._computes is None:
-            blocks = self._plan.blocks()
+            blocks = self._source().blocks()
             number, rank = self.compute_index
             self._computes = frozenset(zip(map(blocks.__getitem__, number.tolist()), rank.tolist()))
         return self._computes
@@ -147,7 +156,7 @@ class Wave:
     def rounds(self) -> tuple[int, ...]:
         if self._rounds is None:
             if self._transfers is None:   # from the plan's round column: no pairs built
-                self._rounds = tuple(np.unique(self._plan.transfer_columns()[0][self.plan_index]).tolist())
+                self._rounds = tuple(np.unique(self._source().transfer_columns()[0][self.plan_index]).tolist())
             else:
                 self._rounds = tuple(sorted({r for r, _ in self._transfers}))
         return self._rounds
@@ -814,7 +823,7 @@ def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
 
 def _first_fetch_columns(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
     """:func:`first_fetch` of a wave of columns: (block, rank) pairs as ``block number * R + rank``."""
-    plan = wave._plan
+    plan = wave._source()
     _, src, dst, owner, chunk, part = plan.transfer_columns()
     rows = wave.plan_index
     R = max(plan.ranks) + 1
