@@ -126,12 +126,14 @@ def test_the_resend_floor_counts_kv_again_and_stays_below_the_timeline(preset, c
 @pytest.mark.parametrize("mode", ["auto", "keep", "resend"])
 @pytest.mark.parametrize("size", ["large", "tiny"])
 def test_the_jobs_floor_holds_before_any_wave_is_packed(graph, mode, size):
-    """``backward_compute_floor`` (the busiest rank's gradient jobs back to back) is below the
-    backward as priced, in waves or as chains (``ring``, whose steps launch several jobs at once:
-    with tiny blocks the launches are most of a job), and below the wave floor where the backward
-    runs in waves; it reads no program (none is compiled for it). Zigzag plans and tile-priced
-    work have none."""
-    from megatron_fcp.cost.backward import backward_compute_floor
+    """``backward_compute_floor`` (the busiest rank's backward work, and its launches: once per job
+    in waves, once per owner for a chain) is below the backward as priced, in waves or as chains
+    (``ring``, whose steps launch several jobs at once: with tiny blocks the launches are most of a
+    job), by FLOPs and by tiles, and below the wave floor where the backward runs in waves; it
+    reads no program (none is compiled for it)."""
+    from megatron_fcp.cost.floors import backward_compute_floor
+    from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO
+    from megatron_fcp.schedule.chains import is_chain_plan
     from megatron_fcp.schedule.program import compiled_programs
 
     topo = load_topology("dgx-h100:2")
@@ -140,11 +142,13 @@ def test_the_jobs_floor_holds_before_any_wave_is_packed(graph, mode, size):
     else:
         shape, docs, block = AttentionShape(1, 8, 2, 16, 2), lognormal_lengths(5.0, 1.0, 4096, seed=4), 64
     plan = build_plan(topo, range(16), graph, placement=place_packed(docs, 16, block_tokens=block))
-    jobs = backward_compute_floor(plan, shape)
-    assert jobs is not None and jobs > 0 and not compiled_programs(plan)
-    floor, priced = _both(plan, topo, shape, backward_kv=mode)
-    assert jobs <= priced["bwd_s"]
-    if priced["backward"] == "waves":
-        assert jobs <= floor
-    assert backward_compute_floor(plan, shape, compute_model=ComputeModel.tiled()) is None
-    assert backward_compute_floor(build_plan(topo, range(16), graph), shape) is None
+    waves = not is_chain_plan(plan)
+    assert waves == (graph != "ring")
+    floors = {cm: backward_compute_floor(plan, shape, cm, BACKWARD_FLOP_RATIO, waves=waves)
+              for cm in (ComputeModel(), ComputeModel.tiled())}
+    assert all(f > 0 for f in floors.values()) and not compiled_programs(plan)
+    for cm, jobs in floors.items():
+        floor, priced = _both(plan, topo, shape, backward_kv=mode, compute_model=cm)
+        assert jobs <= priced["bwd_s"]
+        if waves:
+            assert jobs <= floor

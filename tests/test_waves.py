@@ -548,7 +548,7 @@ def test_a_wave_of_columns_does_not_keep_its_plan_alive():
 
     plan = build_plan("dgx-h100:2", range(8), "hierarchical",
                       placement=place_packed([900, 40, 300, 170, 10, 3000, 77, 512], 8, block_tokens=64))
-    size = lambda b: 10 * plan.block_tokens(b)  # noqa: E731
+    size = lambda b, p=plan: 10 * p.block_tokens(b)  # noqa: E731
     waves = plan_waves(plan, size, wave_budget(plan, size) // 2)
     assert len(waves) > 1 and all(w.transfers for w in waves[:-1])   # readable while the plan lives
     alive = weakref.ref(plan)

@@ -214,12 +214,10 @@ class Placement:
         """Whether the blocks are Spans that tile every document exactly once (checked over arrays:
         sorted by (document, start, end), each document's spans start at 0, follow on without gap
         or overlap and end at its length)."""
-        flat = [s for rank_blocks in self.blocks for s in rank_blocks]
-        if not all(isinstance(s, Span) for s in flat) or not flat:
+        if not all(isinstance(s, Span) for rank_blocks in self.blocks for s in rank_blocks) or \
+                not any(self.blocks):
             return False
-        doc = np.fromiter((s.doc for s in flat), dtype=np.int64, count=len(flat))
-        start = np.fromiter((s.start for s in flat), dtype=np.int64, count=len(flat))
-        end = np.fromiter((s.end for s in flat), dtype=np.int64, count=len(flat))
+        doc, start, end = self.block_spans()
         n_docs = len(self.doc_lengths)
         if doc.min() < 0 or doc.max() >= n_docs:
             return False
@@ -394,6 +392,19 @@ class Placement:
         if got is None:
             got = self._cache["block tokens"] = np.array([s.tokens for _, _, s in self.block_list()], dtype=np.int64)
             got.flags.writeable = False
+        return got
+
+    def block_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 ``(document, start, end)`` ``[n_blocks]`` each, read-only: every block's span,
+        :meth:`block_list` order."""
+        got = self._cache.get("block spans")
+        if got is None:
+            spans = [s for rank_blocks in self.blocks for s in rank_blocks]
+            got = tuple(np.fromiter((getattr(s, f) for s in spans), dtype=np.int64, count=len(spans))
+                        for f in ("doc", "start", "end"))
+            for col in got:
+                col.flags.writeable = False
+            self._cache["block spans"] = got
         return got
 
     def block_owners(self) -> np.ndarray:

@@ -69,7 +69,6 @@ from megatron_fcp.cost.model import (
 )
 from megatron_fcp.cost.timeline import (chain_launches, chain_step_compute, chain_timeline, wave_timeline,
                                         wave_timeline_floor)
-from megatron_fcp.schedule.chains import travels_chains
 from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
 from megatron_fcp.schedule.waves import block_work, loop_jobs, restrict, work_matrix, zigzag_pairs
@@ -422,31 +421,6 @@ class _PairWork:
         order), read from the work table (only the entries asked for: a head-parallel stage's
         table holds 5.0M at cp = 256)."""
         return work_matrix(self.plan)[positions, blocks] * self.flop_s
-
-
-def backward_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: ComputeModel | None = None) -> float | None:
-    """A floor on :func:`simulate_backward_waves`'s ``bwd_s`` for a plan over a placement, before any
-    wave or chain is packed: the busiest rank's gradient jobs back to back. Every backward runs each
-    (block, rank) job once on its rank, whatever its waves (a rank's received blocks it needs, and
-    its own), for its work; in waves each job is one launch (:func:`_job_s`; none without work),
-    so a plan that moves nothing or whose blocks do not all travel chains (its backward runs in
-    waves, :func:`~megatron_fcp.schedule.chains.travels_chains`) counts them, while a chain plan's
-    steps may launch several jobs at once and count none. None where the work is tile-priced or the plan
-    is zigzag (no work table of pairs). Slightly below the sum (1e-9), so that rounding never lifts
-    it above a timeline that adds the same jobs in another order."""
-    cm = compute_model or ComputeModel()
-    if plan.placement is None or cm.kernel is not None:
-        return None
-    work = work_matrix(plan)                                              # [cp, blocks]: pairs
-    does = plan.need_matrix().copy()                                      # [cp, blocks]: x computes b
-    owner_pos = plan.cp_positions([b.owner for b in plan.blocks()])
-    does[owner_pos, np.arange(len(owner_pos))] = True
-    jobs = does & (work != 0)
-    flop_s = shape.pair_flops / cm.flops * BACKWARD_FLOP_RATIO
-    streams = plan.num_transfers() > 0 and travels_chains(plan)          # may run as chains
-    launch_s = 0.0 if streams else cm.launch_s(BACKWARD_FLOP_RATIO)
-    per_rank = np.where(jobs, work, 0.0).sum(axis=1) * flop_s + jobs.sum(axis=1) * launch_s   # [cp]
-    return float(per_rank.max(initial=0.0)) * (1 - 1e-9)
 
 
 def _program_shape(plan: Plan, shape: AttentionShape, kv_dtype_bytes: int | None) -> tuple[AttentionShape, int]:

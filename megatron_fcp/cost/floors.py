@@ -69,7 +69,7 @@ from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex
 from megatron_fcp.topology import Topology
 
 __all__ = ["rank_pairs", "rank_owners", "rank_jobs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor",
-           "star_kv_floor", "member_nic_ingress"]
+           "star_kv_floor", "backward_compute_floor", "member_nic_ingress"]
 
 
 def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
@@ -127,8 +127,11 @@ def rank_pairs(placement: "Placement | None", cp: int, seq_len: int, causal: "bo
         for g in (j, 2 * cp - 1 - j):  # the rank's two zigzag query chunks against the whole sequence
             out = out + causal_pairs(g * L, (g + 1) * L, 0, seq_len, causal)
         return out
-    return np.array([sum(int(causal_pairs(s.start, s.end, 0, placement.doc_lengths[s.doc], placement.mask))
-                         for s in spans) for spans in placement.blocks], dtype=np.int64)
+    doc, start, end = placement.block_spans()                 # [blocks]: each span against its whole document
+    pairs = causal_pairs(start, end, 0, np.asarray(placement.doc_lengths, dtype=np.int64)[doc], placement.mask)
+    out = np.zeros(cp, dtype=np.int64)
+    np.add.at(out, placement.block_owners(), np.asarray(pairs, dtype=np.int64))
+    return out
 
 
 def compute_floor(placement: "Placement | None", cp: int, shape: AttentionShape, causal: "bool | Mask",
@@ -152,8 +155,21 @@ def rank_jobs(plan: Plan, seq_len: int | None) -> np.ndarray:
     [Backward waves] in :mod:`megatron_fcp.attention.backward_waves`); a block's work is never zero
     there (a need is a visible pair, an own block holds its diagonal). ``seq_len``: a zigzag plan's."""
     needs = plan.need_matrix().sum(axis=1)
-    own = [sum(plan.block_tokens(b, seq_len) > 0 for b in plan.local_blocks(r)) for r in plan.ranks]
+    if plan.placement is not None:   # a placement's spans are never empty
+        own = np.bincount(plan.placement.block_owners(), minlength=plan.cp)
+    else:
+        own = [sum(plan.block_tokens(b, seq_len) > 0 for b in plan.local_blocks(r)) for r in plan.ranks]
     return needs.astype(np.float64) + np.asarray(own, dtype=np.float64)
+
+
+def backward_compute_floor(plan: Plan, shape: AttentionShape, compute_model: ComputeModel, flop_ratio: float, *,
+                           waves: bool) -> float:
+    """:func:`compute_floor` of ``plan``'s backward: the busiest rank's work plus its launches, once
+    per job where the backward runs in waves (:func:`rank_jobs`), else at least once per owner (a
+    chain's step, the one pass; Note [Backward floors]). ``shape``: the plan's (zigzag: its
+    ``seq_len``). The one rule of which launches a backward floor counts."""
+    launches = rank_jobs(plan, None if plan.placement is not None else shape.seq_len) if waves else True
+    return compute_floor(plan.placement, plan.cp, shape, plan.mask, compute_model, flop_ratio, launches=launches)
 
 
 def rank_owners(placement: "Placement | None", cp: int, causal: "bool | Mask", seq_len: int | None = None) -> np.ndarray:

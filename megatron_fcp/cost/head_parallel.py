@@ -80,7 +80,7 @@ from megatron_fcp.contract.head_parallel import (
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.backward import (chain_compute_floor, resend_limits, simulate_backward_waves, simulate_plan_backward,
                                         wave_backward_floor)
-from megatron_fcp.cost.floors import compute_floor, kv_floor, rank_jobs, reduction_floor
+from megatron_fcp.cost.floors import backward_compute_floor, compute_floor, kv_floor, reduction_floor
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
     AttentionShape,
@@ -310,10 +310,7 @@ class HeadParallelPricing:
         sp, sshape = self.sp, self.sshape
         ratio = min(self.backward_flop_ratio, BACKWARD_FLOP_RATIO) if self.backward is not None \
             else self.backward_flop_ratio
-        # waves launch once per job, chains and the one pass at least once per owner (Note [Backward floors])
-        launches = rank_jobs(sp, None if sp.placement is not None else sshape.seq_len) if self.packs() else True
-        stage = compute_floor(sp.placement, sp.cp, sshape, sp.mask, self.cm, ratio, launches=launches) \
-            if not sp.kv_sizes else 0.0
+        stage = backward_compute_floor(sp, sshape, self.cm, ratio, waves=self.packs()) if not sp.kv_sizes else 0.0
         if sp.num_rounds and not self.chain():  # a chain's partials travel the forward's direction
             stage = max(stage, self._reduction())
         if backward_s is not None:   # the KV stage's backward as the executor runs it (tight_floor)

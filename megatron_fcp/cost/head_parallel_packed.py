@@ -55,8 +55,8 @@ from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import TransferTable, block_layout, small_int
-from megatron_fcp.cost.backward import (backward_compute_floor, simulate_backward_waves, simulate_plan_backward,
-                                       wave_backward_floor)
+from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward, wave_backward_floor
+from megatron_fcp.cost.floors import backward_compute_floor
 from megatron_fcp.cost.head_parallel import combine, stage_shape
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
@@ -66,6 +66,7 @@ from megatron_fcp.cost.model import (
     simulate_plan,
     simulate_rounds,
 )
+from megatron_fcp.schedule.chains import is_chain_plan
 from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.topology import Topology, load_topology
 
@@ -258,12 +259,15 @@ class PackedAsRun:
 
     def compute_floor(self) -> float:
         """A floor on :meth:`result`'s ``total_s`` before the backward's waves are packed: the
-        forward, the exposed all-to-alls and the busiest rank's gradient jobs back to back
-        (:func:`~megatron_fcp.cost.backward.backward_compute_floor`; without it, the forward and the
-        all-to-alls). Below :meth:`floor` for a backward in waves (their floor adds every job too),
-        above it for one that streams as chains (whose :meth:`floor` prices no backward)."""
-        jobs = backward_compute_floor(self.sp, self.sshape, compute_model=self.cm)
-        return self.fwd + self.exposed + (jobs or 0.0)
+        forward, the exposed all-to-alls and the busiest rank's backward work and launches
+        (:func:`~megatron_fcp.cost.floors.backward_compute_floor`: once per job in waves, at least
+        once per owner for a chain). Below :meth:`floor` for a backward in waves (their floor adds
+        every job too), above it for one that streams as chains (whose :meth:`floor` prices no
+        backward)."""
+        sp = self.sp
+        waves = bool(sp.num_transfers()) and not is_chain_plan(sp)
+        jobs = backward_compute_floor(sp, self.sshape, self.cm, BACKWARD_FLOP_RATIO, waves=waves)
+        return (self.fwd + self.exposed + jobs) * (1 - 1e-9)
 
     def floor(self) -> float:
         """A floor on :meth:`result`'s ``total_s``."""

@@ -146,7 +146,7 @@ def _numbered(plan: Plan) -> _Numbered | None:
     hit = _NUMBERED.get(id(plan))
     if hit is not None and hit[0]() is plan:
         return hit[1]
-    if not travels_chains(plan):   # over the plan's columns: no Transfer objects for a tree plan
+    if not _travels_chains(plan):   # over the plan's columns: no Transfer objects for a tree plan
         if len(_NUMBERED) > 256:
             _NUMBERED.clear()
         _NUMBERED[id(plan)] = (weakref.ref(plan), None)
@@ -182,7 +182,7 @@ def _numbered(plan: Plan) -> _Numbered | None:
 _NUMBERED: dict[int, tuple[weakref.ref, _Numbered | None]] = {}
 
 
-def travels_chains(plan: Plan) -> bool:
+def _travels_chains(plan: Plan) -> bool:
     """Whether every block of ``plan`` travels a chain: in plan order, each of its transfers leaves
     from where the block last arrived (its owner first). The test :func:`_numbered` makes transfer
     by transfer, over the plan's columns (a tree plan's multicast fails it at once, and a plan at
