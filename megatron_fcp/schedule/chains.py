@@ -89,7 +89,8 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.schedule.waves import RING_BUDGET, Wave, block_work, first_fetch, plan_waves, wave_budget
+from megatron_fcp.schedule.waves import (RING_BUDGET, Wave, block_work, first_fetch, plan_waves, wave_budget,
+                                         wave_columns, wave_compute_columns)
 
 __all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "is_chain_plan",
            "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch", "keep_limits"]
@@ -411,17 +412,8 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
     else:
         waves = plan_waves(plan, block_bytes, cache_key=cache_key)
         out: dict[int, list[Block]] = {}
-        if waves and waves[0].plan_index is not None and waves[0].compute_index is not None:
-            for x, b in _first_deliveries(plan, waves[0]):
-                out.setdefault(x, []).append(b)
-        elif waves:
-            seen: set[tuple[Block, int]] = set()
-            computes = waves[0].computes
-            for _, t in waves[0].transfers:
-                k = (t.block, t.dst)
-                if k in computes and k not in seen:
-                    seen.add(k)
-                    out.setdefault(t.dst, []).append(t.block)
+        for x, b in (_first_deliveries(plan, waves[0]) if waves else ()):
+            out.setdefault(x, []).append(b)
         got = {r: tuple(b) for r, b in out.items()}
     if cache_key is not None:
         if len(_KEPT) > 1024:
@@ -436,17 +428,16 @@ _KEPT: dict[tuple, tuple[weakref.ref, dict]] = {}  # (id(plan), cache_key) -> (p
 def _first_deliveries(plan: Plan, wave: Wave) -> list[tuple[int, Block]]:
     """``(rank, block)`` of each delivery of ``wave`` that its receiver computes there, at its first
     transfer, in plan order: :func:`first_kept_blocks`'s walk over the wave's columns."""
-    _, _, dst, owner, chunk, part = plan.transfer_columns()
-    rows = wave.plan_index
+    _, _, dst, owner, chunk, part = wave_columns(plan, wave)
+    number, rank = wave_compute_columns(plan, wave)
     R = max(plan.ranks) + 1
-    block = plan.block_numbers(owner[rows], chunk[rows], part[rows])          # [transfers of the wave]
-    key = block * R + dst[rows]
-    number, rank = wave.compute_index
+    block = plan.block_numbers(owner, chunk, part)                            # [transfers of the wave]
+    key = block * R + dst
     first = np.zeros(len(key), dtype=bool)
     first[np.unique(key, return_index=True)[1]] = True                        # a key's first transfer
     keep = np.flatnonzero(first & np.isin(key, number * R + rank))            # plan order
     blocks = plan.blocks()
-    return [(x, blocks[i]) for i, x in zip(block[keep].tolist(), dst[rows][keep].tolist())]
+    return [(x, blocks[i]) for i, x in zip(block[keep].tolist(), dst[keep].tolist())]
 
 
 def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
@@ -494,7 +485,7 @@ def first_wave_fetch(plan: Plan, block_bytes: Callable[[Block], int], keepers: f
     if not waves:
         return None
     got = first_kept_blocks(plan, block_bytes, cache_key=cache_key)
-    return first_fetch(waves[0], {r: got.get(r, ()) for r in keepers})
+    return first_fetch(plan, waves[0], {r: got.get(r, ()) for r in keepers})
 
 
 CHAIN_PACE = 1.5

@@ -793,48 +793,24 @@ def restrict(plan: Plan, wave: Wave) -> Plan:
     return replace(plan, rounds=tuple(tuple(rounds[r]) for r in wave.rounds), name=f"{plan.name}/wave")
 
 
-def first_fetch(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
-    """The part of the first wave that is re-sent when some ranks kept theirs from the forward
+def first_fetch(plan: Plan, wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
+    """The part of ``plan``'s first wave that is re-sent when some ranks kept theirs from the forward
     (``kept``: rank -> the blocks it kept; Note [Backward waves], "The first wave"). A transfer goes
     again when its receiver computes the block in the wave and did not keep it, or forwards it on
     a transfer that goes again (a relay that kept a block sends it from what it kept). Same
-    computes as ``wave``; reads only the wave, so every rank and the cost model cut it alike. A
-    wave of columns (:meth:`Wave.of_plan`) is cut over its columns, into another such wave: the
-    same walk on integers (Note [Waves as columns])."""
-    if wave._plan is not None and wave._transfers is None:
-        return _first_fetch_columns(wave, kept)
-    wanted: set[tuple[Block, int]] = set()        # (block, rank): the rank must hold it again
-    again: list[int] = []                         # places in wave.transfers, last first
-    held = {r: v if isinstance(v, (set, frozenset)) else frozenset(v) for r, v in kept.items()}
-    none: frozenset = frozenset()
-    transfers, computes = wave.transfers, wave.computes
-    for k in range(len(transfers) - 1, -1, -1):
-        t = transfers[k][1]
-        b, d = t.block, t.dst
-        if b in held.get(d, none) or ((b, d) not in computes and (b, d) not in wanted):
-            continue
-        again.append(k)
-        if t.src != b.owner:
-            wanted.add((b, t.src))
-    again.reverse()
-    index = None if wave.plan_index is None else wave.plan_index[np.array(again, dtype=np.int64)]
-    return Wave(tuple(transfers[k] for k in again), computes, index, wave.compute_index)
-
-
-def _first_fetch_columns(wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
-    """:func:`first_fetch` of a wave of columns: (block, rank) pairs as ``block number * R + rank``."""
-    plan = wave._source()
-    _, src, dst, owner, chunk, part = plan.transfer_columns()
-    rows = wave.plan_index
+    computes as ``wave``; reads only the wave, so every rank and the cost model cut it alike.
+    Walked backwards over the wave's columns, a (block, rank) pair as ``block number * R + rank``;
+    a wave of columns gives one (Note [Waves as columns])."""
+    _, src, dst, owner, chunk, part = wave_columns(plan, wave)
+    number, rank = wave_compute_columns(plan, wave)
     R = max(plan.ranks) + 1
-    block = plan.block_numbers(owner[rows], chunk[rows], part[rows])          # [transfers of the wave]
-    b, s, d, o = block.tolist(), src[rows].tolist(), dst[rows].tolist(), owner[rows].tolist()
-    number, rank = wave.compute_index
+    block = plan.block_numbers(owner, chunk, part)                      # [transfers of the wave]
+    b, s, d, o = block.tolist(), src.tolist(), dst.tolist(), owner.tolist()
     computes = set((number * R + rank).tolist())
     col = _block_column(plan)
     held = {col(blk) * R + r for r, blocks in kept.items() for blk in blocks}
-    wanted: set[int] = set()
-    again: list[int] = []
+    wanted: set[int] = set()                      # block * R + rank: the rank must hold it again
+    again: list[int] = []                         # places in the wave's transfers, last first
     for k in range(len(b) - 1, -1, -1):
         key = b[k] * R + d[k]
         if key in held or (key not in computes and key not in wanted):
@@ -843,7 +819,9 @@ def _first_fetch_columns(wave: Wave, kept: Mapping[int, Collection[Block]]) -> W
         if s[k] != o[k]:
             wanted.add(b[k] * R + s[k])
     again.reverse()
-    return Wave.of_plan(plan, rows[np.array(again, dtype=np.int64)], wave.compute_index)
+    if wave.plan_index is None:    # a wave built from its transfers: cut them
+        return Wave(tuple(wave.transfers[k] for k in again), wave.computes, None, wave.compute_index)
+    return Wave.of_plan(plan, wave.plan_index[np.array(again, dtype=np.int64)], (number, rank))
 
 
 def wave_compute_columns(plan: Plan, wave: Wave) -> tuple[np.ndarray, np.ndarray]:
