@@ -271,3 +271,6 @@ def test_the_star_floor_is_below_the_full_plans_communication(preset, cp):
     for plan, sim_shape, floor in cases:
         comm = simulate_plan(plan, topo, sim_shape).comm_s
         assert 0.9 * comm <= floor <= comm
+    from megatron_fcp.planner.builders import BUILDERS, get_builder
+
+    assert [n for n in BUILDERS if get_builder(n).sends_direct()] == ["full"]   # the only stars (entry relays)

@@ -36,7 +36,7 @@ from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks, plan_mask
 from megatron_fcp.cost.floors import graph_kv_floor, star_kv_floor
 from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan, zigzag_padded_len
-from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, FullGraph, GraphBuilder, get_builder
+from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, GraphBuilder, get_builder
 from megatron_fcp.planner.compile import compile_plan
 from megatron_fcp.planner.graph import CommGraph
 from megatron_fcp.topology import Topology, load_topology
@@ -166,8 +166,7 @@ def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask", pla
     padded = shape if placement is not None else pad_for_zigzag(shape, len(cg.ranks))[0]
     seq_len, kv_tok = (0 if placement is not None else padded.seq_len), padded.kv_bytes(1)
     floor = graph_kv_floor(cg, topo, seq_len, causal, kv_tok, placement)
-    if isinstance(cg.builder, FullGraph) and cg.builder._own_tree(FullGraph, "tree_with_depths"):
-        # its trees are stars: every block straight to each reader, so its messages are known here
+    if cg.builder is not None and cg.builder.sends_direct():   # its messages are known here
         floor = max(floor, star_kv_floor(topo, cg.ranks, placement, seq_len, causal, kv_tok))
     return floor * (1 - 1e-9)
 

@@ -126,6 +126,11 @@ class GraphBuilder:
         return columns_of(owner.tolist(), chunk.tolist(), readers,
                           lambda o, d, c: self.tree_with_depths(cg, o, d, c))
 
+    def sends_direct(self) -> bool:
+        """Whether every tree is a star, each block straight from its owner to every reader (so a
+        plan's messages are known before it is compiled: Note [Pruning auto])."""
+        return False
+
     def _own_tree(self, cls, *methods: str) -> bool:
         """Whether this builder's trees are ``cls``'s: none of ``methods`` overridden below it (a
         subclass that changes them gets the tree-by-tree :meth:`tree_columns`)."""
@@ -180,8 +185,11 @@ class FullGraph(GraphBuilder):
     def tree_runs(self, cg, owner, dests, chunk=0):
         return [(1, [owner] * len(dests), list(dests))]
 
+    def sends_direct(self) -> bool:
+        return self._own_tree(FullGraph, "tree_with_depths")
+
     def tree_columns(self, cg, owner, chunk, readers):
-        if self._own_tree(FullGraph, "tree_with_depths"):
+        if self.sends_direct():
             return full_columns(owner, chunk, readers)
         return super().tree_columns(cg, owner, chunk, readers)
 
