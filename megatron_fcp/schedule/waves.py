@@ -441,7 +441,7 @@ class _PackInput:
         self.plan = plan
         ranks = np.array(plan.ranks, dtype=np.int64)
         R = int(ranks.max()) + 1
-        self.blocks = blocks = list(plan.blocks())                 # block number = its work_matrix column
+        blocks = list(plan.blocks())                               # block number = its work_matrix column
         nB = len(blocks)
         n_local = plan.chunks_per_rank() * plan.parts_per_chunk    # [cp] blocks each rank owns
         first_col, owner_pos, _ = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)
@@ -504,11 +504,6 @@ class _PackInput:
         self.work_all = float(totals.max(initial=0.0)) or 1.0
         self.bytes_all = int(got[ranks].max(initial=0)) or 1
 
-    @property
-    def transfers(self) -> list[tuple[int, Transfer]]:
-        """The plan's ``(round, transfer)`` pairs in plan order (what a packing's indices name)."""
-        return plan_transfer_pairs(self.plan)
-
 
 def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...], float, bool]:
     """:func:`_pack_raw`'s packing as waves, with its pace and whether the cap turned work away."""
@@ -517,8 +512,8 @@ def _pack(inp: _PackInput, budget: int, scale: float) -> tuple[tuple[Wave, ...],
 
 
 def _waves(inp: _PackInput, raw: "_RawPacking") -> tuple[Wave, ...]:
-    """The waves of a raw packing: per wave, its transfers (indices into ``inp.transfers``, in plan
-    order) and its computes ``(block number, rank)``."""
+    """The waves of a raw packing, as columns (:meth:`Wave.of_plan`): per wave, its rows of the plan
+    (in plan order) and its computes ``(block number, rank)``."""
     index = raw.in_plan_order()
     cp_, mp = raw.carried_ptr.tolist(), raw.comp_ptr.tolist()
     return tuple(Wave.of_plan(inp.plan, index[cp_[w]:cp_[w + 1]], (raw.comp_i[mp[w]:mp[w + 1]], raw.comp_x[mp[w]:mp[w + 1]]))
