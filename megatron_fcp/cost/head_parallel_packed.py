@@ -222,16 +222,20 @@ def simulate_packed_head_parallel(hp: PackedHeadParallelPlan, topology: "Topolog
 @gc_paused()
 def packed_as_run(plan: "Plan | PackedHeadParallelPlan", topology: "Topology | str", shape: AttentionShape, *,
                   compute_model: ComputeModel | None = None, backward_kv: str = "auto",
-                  kv_memory_budget: int = RING_BUDGET) -> dict:
+                  kv_memory_budget: int = RING_BUDGET, buffered_sends: bool = False,
+                  held_routes: bool = False) -> dict:
     """Forward + backward of a packed batch's plan as the executor runs them: the forward as
     :func:`~megatron_fcp.cost.model.simulate_plan` / :func:`simulate_packed_head_parallel` price it, the backward in
     waves under ``kv_memory_budget`` (:func:`~megatron_fcp.cost.backward.simulate_backward_waves`,
     ``backward_kv``) instead of their one pass. For a head-parallel stage the waves run on the
     merged stage plan with the stage's heads, between the same all-to-alls. What
     :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel` ranks degrees by.
-    Returns ``fwd_s``, ``bwd_s``, ``total_s``, ``waves`` and ``backward_kv`` (the mode run)."""
+    ``buffered_sends``, ``held_routes``: the transport's timeline rules
+    (:class:`~megatron_fcp.schedule.program.WaveBackward`; both on for the emulated cluster's gloo
+    over TCP). Returns ``fwd_s``, ``bwd_s``, ``total_s``, ``waves`` and ``backward_kv`` (the mode run)."""
     return PackedAsRun(plan, topology, shape, compute_model=compute_model, backward_kv=backward_kv,
-                       kv_memory_budget=kv_memory_budget).result()
+                       kv_memory_budget=kv_memory_budget, buffered_sends=buffered_sends,
+                       held_routes=held_routes).result()
 
 
 class PackedAsRun:
@@ -241,21 +245,26 @@ class PackedAsRun:
     is priced at construction; :meth:`floor` adds a floor on the backward in waves
     (:func:`~megatron_fcp.cost.backward.wave_backward_floor`: the waves packed, their messages not
     simulated; 0 for a backward that streams as chains); :meth:`result` adds the backward itself.
-    ``floor() <= result()["total_s"]`` (the floor's own guarantee, tested)."""
+    ``floor() <= result()["total_s"]`` (the floor's own guarantee, tested; held routes only add
+    waits to a timeline, so the floor, which has none, holds under them too).
+    ``forward``: the forward's :class:`~megatron_fcp.cost.model.SimResult`; ``exposed``: the
+    backward's all-to-alls (0 for ``a = 1``)."""
 
     def __init__(self, plan: "Plan | PackedHeadParallelPlan", topology: "Topology | str", shape: AttentionShape, *,
                  compute_model: ComputeModel | None = None, backward_kv: str = "auto",
-                 kv_memory_budget: int = RING_BUDGET):
+                 kv_memory_budget: int = RING_BUDGET, buffered_sends: bool = False, held_routes: bool = False):
         self.topo = load_topology(topology)
         self.cm = compute_model or ComputeModel()
         self.backward_kv, self.kv_memory_budget = backward_kv, kv_memory_budget
+        self.timeline = {"buffered_sends": buffered_sends, "held_routes": held_routes}
         if isinstance(plan, PackedHeadParallelPlan):
             self.sp, self.sshape = priced_stage_plan(plan, self.topo), stage_shape(plan, shape)
-            self.fwd = _stage_forward(plan, self.topo, shape, self.cm).total_s
+            self.forward = _stage_forward(plan, self.topo, shape, self.cm)
             self.exposed = sum(_a2a(plan, self.topo, shape, w).total_s for w in ("o-in", "qkv-out"))
         else:
             self.sp, self.sshape, self.exposed = plan, shape, 0.0
-            self.fwd = simulate_plan(plan, self.topo, shape, compute_model=self.cm).total_s
+            self.forward = simulate_plan(plan, self.topo, shape, compute_model=self.cm)
+        self.fwd = self.forward.total_s
 
     def compute_floor(self) -> float:
         """A floor on :meth:`result`'s ``total_s`` before the backward's waves are packed: the
@@ -272,14 +281,20 @@ class PackedAsRun:
     def floor(self) -> float:
         """A floor on :meth:`result`'s ``total_s``."""
         wave = wave_backward_floor(self.sp, self.topo, self.sshape, compute_model=self.cm,
-                                   backward_kv=self.backward_kv, kv_memory_budget=self.kv_memory_budget)
+                                   backward_kv=self.backward_kv, kv_memory_budget=self.kv_memory_budget,
+                                   buffered_sends=self.timeline["buffered_sends"])
         return self.fwd + self.exposed + (wave or 0.0)
 
-    def result(self) -> dict:
-        """``fwd_s``, ``bwd_s``, ``total_s``, ``waves``, ``backward_kv``: :func:`packed_as_run`'s."""
+    def result(self, per_wave: bool = False) -> dict:
+        """``fwd_s``, ``bwd_s``, ``total_s``, ``waves``, ``backward_kv``: :func:`packed_as_run`'s.
+        ``per_wave``: also ``backward_waves``, the stage's
+        :func:`~megatron_fcp.cost.backward.simulate_backward_waves` with its per-wave reports."""
         waves = simulate_backward_waves(self.sp, self.topo, self.sshape, compute_model=self.cm,
                                         backward_kv=self.backward_kv, kv_memory_budget=self.kv_memory_budget,
-                                        per_wave=False)
+                                        per_wave=per_wave, **self.timeline)
         bwd = self.exposed + waves["bwd_s"]
-        return {"fwd_s": self.fwd, "bwd_s": bwd, "total_s": self.fwd + bwd, "waves": waves["waves"],
-                "backward_kv": waves["backward_kv"]}
+        out = {"fwd_s": self.fwd, "bwd_s": bwd, "total_s": self.fwd + bwd, "waves": waves["waves"],
+               "backward_kv": waves["backward_kv"]}
+        if per_wave:
+            out["backward_waves"] = waves
+        return out

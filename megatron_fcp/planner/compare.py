@@ -8,7 +8,7 @@ The comparison the CLI (``megatron-fcp simulate``) and the benchmarks report. Pu
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
@@ -20,7 +20,8 @@ from megatron_fcp.planner.placing import place_batch
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.backward import simulate_backward_waves, simulate_plan_backward
 from megatron_fcp.cost.floors import intra_ingress
-from megatron_fcp.cost.head_parallel import check_pass, simulate_te
+from megatron_fcp.cost.head_parallel import check_pass, simulate_te, stage_shape
+from megatron_fcp.cost.head_parallel_packed import packed_a2a_messages, packed_stage_plan
 from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
     AttentionShape,
@@ -46,8 +47,12 @@ from megatron_fcp.planner.choose import head_parallel_candidates, lower_bound_al
 from megatron_fcp.planner.rounds import plan_delta
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["compare", "compare_head_parallel", "compare_packed", "packed_need_stats", "compare_window",
-           "WINDOW_SCHEDULES"]
+if TYPE_CHECKING:
+    from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
+    from megatron_fcp.contract.plan import Plan
+
+__all__ = ["compare", "compare_head_parallel", "compare_packed", "packed_need_stats", "packed_lower_bound_all",
+           "compare_window", "WINDOW_SCHEDULES"]
 
 WINDOW_SCHEDULES = ("te-a2a", "te-all-gather", "halo-ring", "fcp", "te-p2p", "te-a2a-p2p")
 """Schedules :func:`compare_window` reports, in order (TE's p2p and a2a+p2p as refused)."""
@@ -296,6 +301,53 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
         "B_gpu": b_gpu,
         "B_out": b_out,
     }
+
+
+
+def packed_lower_bound_all(plans: "Mapping[int, Plan | PackedHeadParallelPlan]", topology: "Topology | str",
+                           shape: AttentionShape, *, grad_dtype_bytes: int | None = None) -> dict:
+    """Lower bound on a packed batch's forward + backward communication over every head-parallel
+    degree, each over the placement its plan holds (Note [Packed lower bound over degrees]).
+
+    ``plans``: ``{degree: plan}`` as :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`
+    fills them (``1``: the plain :class:`~megatron_fcp.contract.plan.Plan` over ``place_batch``,
+    else a :class:`~megatron_fcp.contract.head_parallel_packed.PackedHeadParallelPlan`); only their
+    placements and head groups are read. Returns ``lower_bound_s`` (the least degree's),
+    ``degree`` (the one attaining it) and ``per_degree``.
+
+    Note [Packed lower bound over degrees]
+    --------------------------------------
+    Degree 1 moves each block's KV once to every rank that needs it and its dK/dV back: twice the
+    need-set bound of the forward exchange (:func:`packed_need_stats`; dK/dV at
+    ``grad_dtype_bytes`` per element, default the KV's). Degree ``a > 1`` adds its four
+    all-to-alls (Q|K|V and O in forward, dO and dQ|dK|dV in backward), whose sizes the member
+    placement fixes (:func:`~megatron_fcp.cost.head_parallel_packed.packed_a2a_messages`): each
+    is at least its busiest receiver's bytes over the slowest intra-node ingress (head groups sit
+    inside nodes), and none can hide behind the stage it feeds or drains, as in
+    :func:`~megatron_fcp.planner.choose.lower_bound_all`'s ``fwd+bwd``; plus the KV stage's own
+    need-set bound both ways, on every copy at once (the merged stage plan, so copies that share a
+    node's NICs are charged together) with the stage's heads. Compute is not in it: a caller
+    takes the maximum with its compute bound, as for degree 1."""
+    topo = load_topology(topology)
+    ratio = (grad_dtype_bytes or shape.dtype_bytes) / shape.dtype_bytes
+    per_degree: dict[int, float] = {}
+    for a, plan in sorted(plans.items()):
+        if a == 1:
+            per_degree[a] = packed_need_stats(plan, topo, shape)["lower_bound_s"] * (1 + ratio)
+            continue
+        b_intra = min(intra_ingress(topo, r) for r in plan.ranks)
+        a2a = 0.0
+        for which in ("qkv-in", "o-out", "o-in", "qkv-out"):
+            recv: dict[int, float] = {}
+            for _, dst, nbytes in packed_a2a_messages(plan, shape, which):
+                recv[dst] = recv.get(dst, 0.0) + nbytes
+            a2a += max(recv.values(), default=0.0) / b_intra
+        stage = 0.0
+        if plan.kv_plan is not None:
+            stage = packed_need_stats(packed_stage_plan(plan), topo, stage_shape(plan, shape))["lower_bound_s"]
+        per_degree[a] = a2a + stage * (1 + ratio)
+    best = min(per_degree, key=per_degree.get)
+    return {"lower_bound_s": per_degree[best], "degree": best, "per_degree": per_degree}
 
 
 @gc_paused()

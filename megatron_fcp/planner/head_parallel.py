@@ -64,7 +64,7 @@ from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.planner.placing import PACKED_BALANCE, place_batch, place_batch_groups
 from megatron_fcp.schedule.waves import RING_BUDGET
-from megatron_fcp.contract.plan import check_cp_ranks
+from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.head_parallel_packed import PackedAsRun
 from megatron_fcp.cost.model import AttentionShape, ComputeModel, pad_for_zigzag
 from megatron_fcp.planner.build import build_plan
@@ -77,7 +77,7 @@ BALANCE_MAX_GROUPS = 64
 (:func:`~megatron_fcp.planner.compile.compile_plan`'s ``balance``; O(transfers x rounds)); larger
 stages keep plain waves, which keeps a 1,024-rank head-parallel plan within the planning budget."""
 
-__all__ = ["compile_head_parallel", "compile_packed_head_parallel", "choose_packed_head_parallel"]
+__all__ = ["compile_head_parallel", "compile_packed_head_parallel", "packed_degree_plan", "choose_packed_head_parallel"]
 
 
 @gc_paused()
@@ -195,6 +195,25 @@ def compile_packed_head_parallel(
 
 
 @gc_paused()
+def packed_degree_plan(topology: "Topology | str", cp_ranks: Sequence[int], doc_lengths: Sequence[int],
+                       shape: AttentionShape, degree: int, *, graph: str = "hierarchical", causal: bool = True,
+                       block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                       placement_balance: str = PACKED_BALANCE) -> "Plan | PackedHeadParallelPlan":
+    """The plan a packed batch runs at head-parallel ``degree``, as :func:`choose_packed_head_parallel`
+    prices it and the runtime runs it: ``1``, the plain plan over
+    :func:`~megatron_fcp.planner.placing.place_batch`; else :func:`compile_packed_head_parallel`
+    (its KV stage built with ``graph``)."""
+    topo = load_topology(topology)
+    if degree == 1:
+        pl = place_batch(topo, cp_ranks, doc_lengths, block_tokens=block_tokens, causal=causal,
+                         balance=placement_balance)
+        return build_plan(topo, cp_ranks, graph, causal=causal, placement=pl, heads=shape.heads,
+                          kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
+    return compile_packed_head_parallel(topo, cp_ranks, doc_lengths, shape.heads, shape.kv_heads, degree, graph,
+                                        causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
+                                        dtype_bytes=shape.dtype_bytes, placement_balance=placement_balance)
+
+
 def choose_packed_head_parallel(
     topology: "Topology | str",
     cp_ranks: Sequence[int],
@@ -211,6 +230,8 @@ def choose_packed_head_parallel(
     backward_kv: str = "auto",
     kv_memory_budget: int = RING_BUDGET,
     prune: bool = True,
+    buffered_sends: bool = False,
+    held_routes: bool = False,
 ) -> tuple[int, dict[int, float]]:
     """The head-parallel degree of least predicted forward + backward time on one packed batch, and
     every candidate's seconds (``{degree: seconds}``), priced as the executor runs them
@@ -228,7 +249,9 @@ def choose_packed_head_parallel(
     run the chosen one without compiling it again. ``placement_balance``: what every degree's
     placement balances (``place_packed``'s ``balance``; Note [Layer work]). ``prune`` (default):
     a degree whose floor rules it out is not simulated and has no time in the dict (Note [Pruning
-    the packed degree choice]; the same choice either way)."""
+    the packed degree choice]; the same choice either way). ``buffered_sends``, ``held_routes``: the
+    transport's timeline rules (:class:`~megatron_fcp.cost.head_parallel_packed.PackedAsRun`; the
+    emulated cluster's gloo over TCP sets both, the GPU runtime neither)."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     cands = list(degrees) if degrees is not None else head_parallel_degrees(topo, ranks, shape.heads, shape.kv_heads)
@@ -236,18 +259,11 @@ def choose_packed_head_parallel(
         raise ValueError("choose_packed_head_parallel: no candidate degree")
     priced: dict[int, PackedAsRun] = {}
     for a in sorted(set(cands)):
-        if a == 1:
-            pl = place_batch(topo, ranks, doc_lengths, block_tokens=block_tokens, causal=causal,
-                             balance=placement_balance)
-            plan = build_plan(topo, ranks, graph, causal=causal, placement=pl, heads=shape.heads,
-                              kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
-        else:
-            plan = compile_packed_head_parallel(topo, ranks, doc_lengths, shape.heads, shape.kv_heads, a, graph,
-                                                causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
-                                                dtype_bytes=shape.dtype_bytes,
-                                                placement_balance=placement_balance)
+        plan = packed_degree_plan(topo, ranks, doc_lengths, shape, a, graph=graph, causal=causal,
+                                  block_tokens=block_tokens, placement_balance=placement_balance)
         priced[a] = PackedAsRun(plan, topo, shape, compute_model=compute_model, backward_kv=backward_kv,
-                                kv_memory_budget=kv_memory_budget)
+                                kv_memory_budget=kv_memory_budget, buffered_sends=buffered_sends,
+                                held_routes=held_routes)
         if plans is not None:
             plans[a] = plan
     # Note [Pruning the packed degree choice]: least floor first, each floor tightened or the degree
