@@ -151,3 +151,52 @@ def window_worker(rank: int, world: int) -> dict:
         res[name] = {"out": _err(out, ref["out"][idx]), "dq": _err(runner.q.grad, ref["dq"][idx]),
                      "dk": _err(runner.k.grad, ref["dk"][idx]), "dv": _err(runner.v.grad, ref["dv"][idx])}
     return res
+
+
+def packed_head_parallel_worker(rank: int, world: int) -> dict:
+    """fcp-hp on a packed batch (2 nodes x 2 ranks), whose chosen degree is 2: the packed
+    head-parallel runner in FP64 against per-document single-device attention, out and dq/dk/dv
+    through the runner, lse through the engine with the runner's plan and groups; then the worker's
+    loop with it (every mode timed: the compute-only run with its all-to-alls replaced)."""
+    from megatron_fcp.attention.head_parallel_thd import fcp_head_parallel_packed_attention_with_lse
+    from megatron_fcp.emulate.runners import make_runner
+    from megatron_fcp.emulate.spec import ClusterSpec, emulated_topology
+    from megatron_fcp.emulate.workloads import WorkloadShape, make_workloads
+    from megatron_fcp.emulate.worker import run
+
+    topo = emulated_topology(ClusterSpec(2, 2))
+    docs, (h, hk), d = (30, 7, 50, 9), (4, 2), 8
+    shape = WorkloadShape(sum(docs), h, hk, d, True, docs, block_tokens=16)
+    w = make_workloads(["fcp-hp"], shape, topo)[0]
+    runner = make_runner(w, rank, dist.group.WORLD)                      # creates the head-parallel groups
+    hp = w.hp_plan
+    me = hp.ranks.index(rank)
+    T = sum(docs)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(T, x, d, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
+    ref = {n: torch.zeros(T, h if n in ("out", "dq") else hk, d, dtype=torch.float64) for n in ("out", "dq", "dk", "dv")}
+    ref_lse = torch.zeros(h, T, dtype=torch.float64)
+    start = 0
+    for L in docs:  # reference per document
+        sl = slice(start, start + L)
+        r = reference_attention(q[sl, None], k[sl, None], v[sl, None], causal=True, scale=1 / math.sqrt(d),
+                                dout=do[sl, None])
+        for n in ref:
+            ref[n][sl] = r[n][:, 0]
+        ref_lse[:, sl] = r["lse"][0]
+        start += L
+    idx = torch.from_numpy(hp.placement.token_index(me))
+    runner.q, runner.k, runner.v = (x[idx].clone().requires_grad_(True) for x in (q, k, v))
+    out = runner.attention("math", GlooTransport(dist.group.WORLD, 60))
+    out.backward(do[idx])
+    with torch.no_grad():
+        _, lse = fcp_head_parallel_packed_attention_with_lse(runner.q, runner.k, runner.v, cp_group=dist.group.WORLD,
+                                                             hp_plan=hp, groups=runner.groups, kernel="math",
+                                                             agreement=None)
+    errs = {"degree": hp.degree, "tokens": len(idx), "out": _err(out, ref["out"][idx]), "lse": _err(lse, ref_lse[:, idx]),
+            "dq": _err(runner.q.grad, ref["dq"][idx]), "dk": _err(runner.k.grad, ref["dk"][idx]),
+            "dv": _err(runner.v.grad, ref["dv"][idx])}
+    job = {"workloads": [w], "repeats": 2, "component_repeats": 1, "warmup": 1, "compute": "sleep",
+           "flops": 1e9, "timeout_s": 60}
+    errs["times"] = run(job)["times"]["fcp-hp"]
+    return errs

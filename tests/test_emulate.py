@@ -492,13 +492,80 @@ def test_packed_workloads_use_the_placement_and_tes_padding():
     assert "zigzag" in next(w for w in ws if w.name == "te-a2a-p2p").unavailable  # TE's model is its prediction
     fcp = next(w for w in ws if w.name == "fcp-auto")
     assert fcp.placement is not None and fcp.plan.placement is fcp.placement
-    # the runtime has no schedule to settle for a packed batch: degree 1, graph auto over the placement
-    hp = next(w for w in ws if w.name == "fcp-hp")
-    assert hp.unavailable is None and hp.info["head_parallel"] == 1 and hp.placement is fcp.placement
-    assert (hp.plan.name, hp.plan.rounds, hp.backward_kv) == (fcp.plan.name, fcp.plan.rounds, fcp.backward_kv)
     pred = {w.name: w.predict(topo, cm)["predicted_s"] for w in ws}
     assert all(v and v > 0 for v in pred.values())
     assert lower_bounds(shape, topo, cm, fcp.plan)["lower_bound_s"] > 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "resend"])
+def test_packed_fcp_hp_runs_the_runtimes_degree(mode):
+    """fcp-hp on a packed batch is the runtime's degree choice (choose_packed_head_parallel over
+    every degree, the runtime's graph and block tokens, the emulated compute model and gloo's
+    timeline): degree 2 here, the packed head-parallel engine over the chosen plan, its backward KV
+    mode the executor's (compile_backward on a stage's plan), and a prediction equal to the choice's
+    time; the same choice without pruning. Under a window the stage is not run (degree 1, as the
+    runtime's windowed layers), nor is a degree chosen."""
+    from megatron_fcp.cost.head_parallel import stage_shape
+    from megatron_fcp.emulate.workloads import GLOO_TCP, PackedHeadParallelWorkload
+    from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
+    from megatron_fcp.schedule.program import BackwardPolicy, compile_backward
+
+    spec, topo, cm, shape, _ = _prepared(docs=(300, 40, 700, 5))
+    shape = replace(shape, backward_kv=mode)
+    hp = make_workloads([f"fcp-hp@{mode}"], shape, topo, cm)[0]
+    plans: dict = {}
+    full = choose_packed_head_parallel(topo, range(4), shape.doc_lengths, shape.attention(), graph="auto",
+                                       block_tokens=256, compute_model=cm, plans=plans, backward_kv=mode,
+                                       prune=False, **GLOO_TCP)
+    assert full[0] == hp.info["head_parallel"] == 2 and isinstance(hp, PackedHeadParallelWorkload)
+    assert hp.hp_plan.placement == plans[2].placement and hp.hp_plan.head_groups == ((0, 1), (2, 3))
+    assert hp.info["degree_times"][2] == pytest.approx(full[1][2], rel=1e-12)
+    stage = hp.hp_plan.kv_plan_for(0)
+    assert hp.backward_kv == compile_backward(stage, stage_shape(hp.hp_plan, shape.attention()).kv_bytes(1),
+                                              BackwardPolicy(mode)).mode
+    pred = hp.predict(topo, cm)
+    assert pred["predicted_s"] == pytest.approx(full[1][2], rel=1e-12)
+    assert pred["predicted_s"] == pytest.approx(pred["predicted_fwd_s"] + pred["predicted_bwd_s"], rel=1e-12)
+    assert 0 < pred["predicted_comm_s"] and 0 < pred["predicted_compute_s"] and pred["predicted_bwd_waves"] >= 1
+    assert (pred["predicted_resend_s"] > 0) == (hp.backward_kv == "resend")
+    windowed = make_workloads(["fcp-hp"], replace(shape, window=(64, 0)), topo, cm)[0]
+    assert isinstance(windowed, FcpWorkload) and windowed.info["head_parallel"] == 1
+    assert windowed.info["degree_times"] == {} and windowed.plan.window == (64, 0)
+
+
+def test_packed_lower_bound_over_degrees():
+    """Note [Packed lower bound over degrees]: degree 1 is twice the placement's need-set bound;
+    degree a adds its four all-to-alls' busiest receivers over the intra-node ingress to the KV
+    stage's need-set bound both ways; the configuration's all-families bound is the least, with the
+    same compute; no degree's plan is priced below its own bound."""
+    from megatron_fcp.cost.floors import intra_ingress
+    from megatron_fcp.cost.head_parallel import stage_shape
+    from megatron_fcp.cost.head_parallel_packed import packed_as_run, packed_stage_plan
+    from megatron_fcp.planner.compare import packed_lower_bound_all, packed_need_stats
+    from megatron_fcp.planner.head_parallel import packed_degree_plan
+
+    spec, topo, cm, shape, ws = _prepared(docs=(300, 40, 700, 5))
+    att = shape.attention()
+    fcp = next(w for w in ws if w.name == "fcp-auto")
+    plans = {a: fcp.plan if a == 1 else packed_degree_plan(topo, range(4), shape.doc_lengths, att, a, graph="full",
+                                                          block_tokens=256) for a in (1, 2)}   # the degrees of 2 x 2
+    got = packed_lower_bound_all(plans, topo, att)
+    assert got["per_degree"][1] == pytest.approx(2 * packed_need_stats(fcp.plan, topo, att)["lower_bound_s"])
+    hp = plans[2]
+    tokens = [hp.placement.tokens(i) for i in range(4)]                     # member tokens, groups (0, 1), (2, 3)
+    per_tok = {"qkv": (att.q_bytes(1) + att.kv_bytes(1)) / 2, "o": att.o_bytes(1) / 2}
+    # each member receives its partner's rows of its shard: the busiest receiver's partner holds the most
+    a2a = 2 * sum(max(tokens[1 - j % 2 + 2 * (j // 2)] * per for j in range(4)) for per in per_tok.values())
+    stage = packed_need_stats(packed_stage_plan(hp), topo, stage_shape(hp, att))["lower_bound_s"]
+    assert got["per_degree"][2] == pytest.approx(a2a / intra_ingress(topo, 0) + 2 * stage)
+    whole = packed_degree_plan(topo, range(4), shape.doc_lengths, att, 4, graph="full", block_tokens=256)
+    assert whole.kv_plan is None and packed_lower_bound_all({4: whole}, topo, att)["lower_bound_s"] > 0  # a2a alone
+    assert got["lower_bound_s"] == min(got["per_degree"].values()) == got["per_degree"][got["degree"]]
+    bounds = lower_bounds(shape, topo, cm, fcp.plan)
+    assert bounds["lower_bound_all_families_s"] == pytest.approx(max(bounds["lower_bound_compute_s"], got["lower_bound_s"]))
+    assert bounds["lower_bound_all_families_s"] <= bounds["lower_bound_s"]
+    for a, plan in plans.items():
+        assert packed_as_run(plan, topo, att, compute_model=cm)["total_s"] >= got["per_degree"][a] * (1 - 1e-9)
 
 
 def test_result_json_shape_and_table():

@@ -7,6 +7,7 @@ One entry of ``runs`` per workload (the issue's keys; seconds, forward + backwar
     predicted_comm_s, predicted_compute_s (FCP: also predicted_bwd_waves, predicted_resend_s), all on
     the Topology with the link probe's per-message latency, and predicted_nominal_s (without it),
     prediction_error (median / predicted - 1), lower_bound_s, of_lower_bound (median / lower_bound_s),
+    of_lower_bound_all_families (median / the bounds' lower_bound_all_families_s; None without it),
     compute_to_comm (predicted compute over predicted communication: the regime),
     speedup_vs_te_p2p, the cluster (nodes, ranks_per_node, nic, intra, inter) and the workload
     (seq, heads, kv_heads, head_dim, causal, doc_lengths) named like the flags, and ``info``
@@ -47,6 +48,8 @@ def assemble(cluster, shape, workloads, predictions: dict, bounds: dict, measure
         e["prediction_error"] = e["median_s"] / p - 1 if e["median_s"] and p else None
         e["lower_bound_s"] = bounds["lower_bound_s"]
         e["of_lower_bound"] = e["median_s"] / bounds["lower_bound_s"] if e["median_s"] else None
+        fam = bounds.get("lower_bound_all_families_s")
+        e["of_lower_bound_all_families"] = e["median_s"] / fam if e["median_s"] and fam else None
         pc, pm = pred.get("predicted_compute_s"), pred.get("predicted_comm_s")
         e["compute_to_comm"] = pc / pm if pc is not None and pm else None
         e["modelled_compute_s"] = measured.get("modelled_compute_s", {}).get(w.name)

@@ -14,12 +14,15 @@ network inside the timed region.
 
 ``te-a2a``, ``te-a2a-p2p`` and ``fcp-hp`` run
 :func:`~megatron_fcp.attention.head_parallel.fcp_head_parallel_attention` (zigzag shards
-``[s_local, 1, h, d]``): the runner creates the plan's head-group and KV-stage process groups when
-it is built (:func:`~megatron_fcp.attention.head_parallel.create_head_parallel_groups`; every
+``[s_local, 1, h, d]``), ``fcp-hp`` on a packed batch of degree above 1
+:func:`~megatron_fcp.attention.head_parallel_thd.fcp_head_parallel_packed_attention` (THD shards
+``[t, h, d]`` of the member placement): the runner creates the plan's head-group and KV-stage
+process groups when it is built
+(:func:`~megatron_fcp.attention.head_parallel.create_head_parallel_groups`; every
 rank builds the same runners in the same order, so every rank creates every group in the same
 order), the KV stage uses the worker's transport (peers are global ranks). Its all-to-alls are
-gloo collectives, not transport rounds: for the compute-only timing they are replaced, for that
-run only, by a local exchange that moves nothing (:func:`_no_all_to_all`).
+gloo point-to-point or collectives, not transport rounds: for the compute-only timing they are
+replaced, for that run only, by a local exchange that moves nothing (:func:`_no_all_to_all`).
 
 With the emulated GPU stream (Note [The emulated GPU stream] in
 :mod:`megatron_fcp.emulate.sleep_kernel`) the runner waits for the emulated device where a GPU
@@ -33,11 +36,18 @@ import contextlib
 
 import torch
 
-from megatron_fcp.attention import head_parallel, head_parallel_a2a
+from megatron_fcp.attention import head_parallel, head_parallel_a2a, head_parallel_thd
 from megatron_fcp.attention.comm import Handle, Transport, TransportWrapper
 from megatron_fcp.attention.function import fcp_attention_with_lse
 from megatron_fcp.emulate.te_ring import TeLayout, te_p2p_attention
-from megatron_fcp.emulate.workloads import FcpWorkload, HeadParallelWorkload, TeA2AWorkload, TeP2PWorkload, Workload
+from megatron_fcp.emulate.workloads import (
+    FcpWorkload,
+    HeadParallelWorkload,
+    PackedHeadParallelWorkload,
+    TeA2AWorkload,
+    TeP2PWorkload,
+    Workload,
+)
 
 __all__ = ["DeviceSyncTransport", "NullTransport", "Runner", "make_runner"]
 
@@ -147,36 +157,52 @@ class _TeP2P(Runner):
 
 
 @contextlib.contextmanager
-def _no_all_to_all():
-    """The head-parallel all-to-alls exchange nothing (zeros of the right shape) inside the block."""
-    original = head_parallel_a2a._HeadComm.start
-
-    def start(self, x: torch.Tensor, what: str):
-        recv = torch.zeros(x.shape, dtype=x.dtype, device=x.device)        # [a, ...] as received (contiguous)
-        return head_parallel_a2a._Pending(recv, None, what, 0)
-
-    head_parallel_a2a._HeadComm.start = start
+def _patched(owner: type, name: str, replacement):
+    """``owner.name`` is ``replacement(original)`` inside the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement(original))
     try:
         yield
     finally:
-        head_parallel_a2a._HeadComm.start = original
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _no_all_to_all():
+    """The head-parallel all-to-alls (zigzag and packed) exchange nothing (zeros of the right
+    shape) inside the block."""
+
+    def start(original):
+        def run(self, x: torch.Tensor, what: str):
+            recv = torch.zeros(x.shape, dtype=x.dtype, device=x.device)    # [a, ...] as received (contiguous)
+            return head_parallel_a2a._Pending(recv, None, what, 0)
+        return run
+
+    def exchange(original):
+        def run(self, sends: list[torch.Tensor], rows: list[int], what: str) -> list[torch.Tensor]:
+            mine = sends[self.me]                                          # [n_me, W]
+            return [mine if m == self.me else mine.new_zeros((rows[m], *mine.shape[1:])) for m in range(self.a)]
+        return run
+
+    with _patched(head_parallel_a2a._HeadComm, "start", start), \
+            _patched(head_parallel_thd._PackedComm, "_exchange", exchange):
+        yield
 
 
 @contextlib.contextmanager
 def _synced_all_to_all(kernel):
-    """Each head-parallel all-to-all waits for the emulated device first (out and dQ|dK|dV are
-    computed; Q|K|V and dO find it idle)."""
-    original = head_parallel_a2a._HeadComm.start
+    """Each head-parallel all-to-all (zigzag and packed) waits for the emulated device first (out
+    and dQ|dK|dV are computed; Q|K|V and dO find it idle)."""
 
-    def start(self, x: torch.Tensor, what: str):
-        kernel.synchronize()
-        return original(self, x, what)
+    def synced(original):
+        def run(self, *args):
+            kernel.synchronize()
+            return original(self, *args)
+        return run
 
-    head_parallel_a2a._HeadComm.start = start
-    try:
+    with _patched(head_parallel_a2a._HeadComm, "start", synced), \
+            _patched(head_parallel_thd._PackedComm, "_exchange", synced):
         yield
-    finally:
-        head_parallel_a2a._HeadComm.start = original
 
 
 class _HeadParallel(Runner):
@@ -209,9 +235,29 @@ class _HeadParallel(Runner):
             super().run(kernel, transport)
 
 
+class _PackedHeadParallel(_HeadParallel):
+    """``fcp-hp`` on a packed batch of degree above 1: the packed head-parallel engine over
+    ``w.hp_plan`` on this rank's tokens of its member placement (module docstring)."""
+
+    def __init__(self, w: PackedHeadParallelWorkload, rank: int, group, timeout_s: float | None = None) -> None:
+        s, hp = w.shape, w.hp_plan
+        g = torch.Generator().manual_seed(rank)
+        n = hp.placement.tokens(hp.ranks.index(rank))                             # t_j: THD rows
+        Runner.__init__(self, *(torch.randn(n, h, s.head_dim, generator=g).to(DTYPE)
+                                for h in (s.heads, s.kv_heads, s.kv_heads)))
+        self.groups = head_parallel.create_head_parallel_groups([hp.head_groups], timeout_s=timeout_s)[0]
+        self.w, self.group = w, group
+
+    def attention(self, kernel, transport):
+        w = self.w
+        return head_parallel_thd.fcp_head_parallel_packed_attention(
+            self.q, self.k, self.v, cp_group=self.group, hp_plan=w.hp_plan, groups=self.groups,
+            causal=w.shape.causal, kernel=kernel, transport=transport, backward_kv=w.executor_kv, agreement=None)
+
+
 #: workload class -> runner class.
 _RUNNERS: dict[type, type] = {FcpWorkload: _Fcp, TeP2PWorkload: _TeP2P, HeadParallelWorkload: _HeadParallel,
-                              TeA2AWorkload: _HeadParallel}
+                              TeA2AWorkload: _HeadParallel, PackedHeadParallelWorkload: _PackedHeadParallel}
 
 
 def make_runner(w: Workload, rank: int, group) -> Runner:

@@ -24,8 +24,12 @@ Workload names (``--workloads``):
   (degree 1) or stagger (degree > 1). Degree 1 runs as plain FCP over the chosen plan with its
   parts (an :class:`FcpWorkload`, as the plugin does), degree > 1 the head-parallel engine over the
   chosen plan. ``info["choice"]`` is the runtime's report of it (label, predicted ms, runner-up).
-  No ``/P`` suffix: the planner picks the blocks. A packed batch has no choice to settle (degree
-  1, graph ``auto`` over the placement, as the runtime plans it per micro-batch): ``fcp-auto``'s run;
+  No ``/P`` suffix: the planner picks the blocks. On a packed batch the runtime chooses the degree
+  per micro-batch (:func:`packed_hp_choice`, the runtime's
+  :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`): degree 1 is
+  ``fcp-auto``'s run (graph ``auto`` over the placement), degree > 1 the packed head-parallel
+  engine over the chosen plan (:class:`PackedHeadParallelWorkload`); a windowed packed batch runs
+  without the stage, as the runtime's windowed layers do;
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``
   (the builder the cost model picks): our executor over the compiled plan, on the zigzag split or,
   with ``--doc-lengths``, over :func:`~megatron_fcp.planner.placing.place_batch`'s placement (THD). A
@@ -54,7 +58,8 @@ ranks (forward + backward) and communication the need-set lower bound of the for
 the KV's bytes per element, what our executor sends (partials summed in FP32, sent in the input
 dtype, as TE's ring). ``lower_bound_all_families_s`` is the bound over every schedule family
 (head-parallel degrees included, :func:`~megatron_fcp.planning.lower_bound_all`, dK/dV at the
-KV's bytes) with the same compute.
+KV's bytes; on a packed batch :func:`~megatron_fcp.planner.compare.packed_lower_bound_all` over
+the placement each degree runs, Note [Packed lower bound over degrees]) with the same compute.
 
 Note [Windowed workloads]
 -------------------------
@@ -89,12 +94,14 @@ import re
 from dataclasses import dataclass, field, replace
 
 from megatron_fcp.contract.head_parallel import HeadParallelPlan
+from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.planner.placing import place_batch
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.backward import simulate_backward_waves
 from megatron_fcp.cost.head_parallel import simulate_head_parallel, stage_shape
+from megatron_fcp.cost.head_parallel_packed import PackedAsRun
 from megatron_fcp.cost.model import BACKWARD_FLOP_RATIO, AttentionShape, ComputeModel, pad_for_zigzag, simulate_plan
 from megatron_fcp.cost.te import (
     lower_bound,
@@ -108,13 +115,14 @@ from megatron_fcp.cost.te import (
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import BUILDERS
 from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule, lower_bound_all
-from megatron_fcp.planner.compare import packed_need_stats
-from megatron_fcp.planner.head_parallel import compile_head_parallel
+from megatron_fcp.contract.head_parallel import head_parallel_degrees
+from megatron_fcp.planner.compare import packed_lower_bound_all, packed_need_stats
+from megatron_fcp.planner.head_parallel import choose_packed_head_parallel, compile_head_parallel, packed_degree_plan
 from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 
 __all__ = ["WorkloadShape", "Workload", "FcpWorkload", "TeP2PWorkload", "HeadParallelWorkload", "TeA2AWorkload",
-           "WORKLOAD_NAMES",
+           "PackedHeadParallelWorkload", "WORKLOAD_NAMES",
            "make_workloads", "lower_bounds", "predict_head_parallel", "executor_program",
            "fcp_hp_choice"]
 
@@ -340,6 +348,35 @@ class TeA2AWorkload(HeadParallelWorkload):
         return _sum(fwd, bwd)
 
 
+@dataclass
+class PackedHeadParallelWorkload(Workload):
+    """``fcp-hp`` on a packed batch whose chosen degree is above 1: the packed head-parallel engine
+    (:func:`~megatron_fcp.attention.head_parallel_thd.fcp_head_parallel_packed_attention`) over
+    ``hp_plan``, each rank holding its tokens of the member placement.
+
+    ``predict``: :class:`~megatron_fcp.cost.head_parallel_packed.PackedAsRun`, what the degree
+    choice ranked it by (all-to-alls, the KV stage's forward, its backward in waves), with the
+    emulated transport's timeline (:data:`GLOO_TCP`)."""
+
+    hp_plan: PackedHeadParallelPlan | None = None
+    backward_kv: str = "keep"
+    requested_kv: str | None = None  # as FcpWorkload's
+
+    @property
+    def executor_kv(self) -> str:
+        return self.requested_kv or self.backward_kv
+
+    def predict(self, topo: Topology, cm: ComputeModel) -> dict:
+        run = PackedAsRun(self.hp_plan, topo, self.shape.attention(), compute_model=cm, backward_kv=self.executor_kv,
+                          **GLOO_TCP)
+        r = run.result(per_wave=True)
+        w = r["backward_waves"]
+        return {"predicted_s": r["total_s"], "predicted_fwd_s": r["fwd_s"], "predicted_bwd_s": r["bwd_s"],
+                "predicted_comm_s": run.forward.comm_s + run.exposed + sum(w["wave_reduce_s"]) + w["resend_s"],
+                "predicted_compute_s": run.forward.compute_s + sum(w["wave_compute_s"]),
+                "predicted_bwd_waves": w["waves"], "predicted_resend_s": w["resend_s"]}
+
+
 def _te_a2a(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...]) -> Workload:
     """TE's a2a where TE can run it: heads and KV heads divisible by cp; one sequence (zigzag)."""
     name, cp = "te-a2a", len(ranks)
@@ -423,16 +460,46 @@ def _choice_info(choice: ScheduleChoice) -> dict:
     return {"choice": schedule_report(choice), "auto_candidates": dict(choice.plan.auto or ())}
 
 
+def packed_hp_choice(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...],
+                     cm: ComputeModel) -> tuple[int, dict[int, float], dict]:
+    """What the Megatron runtime runs on this packed batch under ``--fcp-head-parallel auto
+    --fcp-graph auto`` (:meth:`~megatron_fcp.patches.runtime.FCPRuntime.packed_degree`):
+    :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel` over every degree whose
+    head groups fit inside nodes, ``shape``'s block tokens and backward KV mode, timed on the
+    emulated compute model with gloo's timeline (:data:`GLOO_TCP`). Returns the degree, every
+    simulated degree's seconds and every degree's compiled plan."""
+    plans: dict = {}
+    degree, times = choose_packed_head_parallel(topo, ranks, shape.doc_lengths, shape.attention(), graph="auto",
+                                                causal=shape.causal, block_tokens=shape.block_tokens,
+                                                compute_model=cm, plans=plans, backward_kv=shape.backward_kv,
+                                                **GLOO_TCP)
+    return degree, times, plans
+
+
 def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], cm: ComputeModel,
             placement: Placement | None = None) -> Workload:
     """What the plugin runs (:func:`fcp_hp_choice`): degree 1 an :class:`FcpWorkload` over the chosen
     plan with its parts (the runtime's plain plan), degree > 1 the head-parallel engine over it. A
-    packed batch: the runtime has no choice to make (:mod:`megatron_fcp.patches.schedule`: degree 1,
-    the configured graph, ``auto``, planned per micro-batch over the placement), so ``fcp-auto``'s
-    run under this name."""
+    packed batch: the runtime chooses its degree (:func:`packed_hp_choice`); degree 1 is
+    ``fcp-auto``'s run under this name (graph ``auto`` over the placement), degree > 1 a
+    :class:`PackedHeadParallelWorkload`. A windowed packed batch runs without the stage, as the
+    runtime's windowed layers do."""
     if shape.doc_lengths:
-        w = _fcp(name, "auto", shape, topo, ranks, placement)
-        w.info.update(head_parallel=1, note="packed batch: the runtime runs degree 1, graph auto over the placement")
+        degree, times, plans = (1, {}, {}) if shape.window else packed_hp_choice(shape, topo, ranks, cm)
+        if degree == 1:
+            w = _fcp(name, "auto", shape, topo, ranks, placement)
+            w.info.update(head_parallel=1, degree_times=times,
+                          note="packed batch: the runtime's degree choice is 1 (graph auto over the placement)"
+                          if not shape.window else "windowed packed batch: the runtime runs it without the stage")
+            return w
+        hp = plans[degree]
+        w = PackedHeadParallelWorkload(name, shape, ranks, hp_plan=hp, requested_kv=shape.backward_kv)
+        w.backward_kv = compile_backward(hp.kv_plan_for(0), stage_shape(hp, shape.attention()).kv_bytes(1),
+                                         BackwardPolicy(shape.backward_kv)).mode
+        w.info = {"graph": f"a2a x{degree} + {hp.kv_plan.name}" if hp.kv_plan is not None else f"a2a x{degree}",
+                  "head_parallel": degree, "head_groups": [list(g) for g in hp.head_groups],
+                  "kv_replication": hp.kv_replication, "backward_kv": w.backward_kv,
+                  "rounds": len(hp.kv_plan.rounds) if hp.kv_plan is not None else 0, "degree_times": times}
         return w
     choice = fcp_hp_choice(shape, topo, ranks, cm)
     hp = choice.plan
@@ -541,7 +608,10 @@ def make_workloads(names: list[str], shape: WorkloadShape, topo: Topology,
 def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placement_plan: Plan | None = None) -> dict:
     """The configuration's lower bounds (module docstring): ``lower_bound_s`` (dK/dV at the KV's
     bytes) and its parts. ``placement_plan``: a plan over the placement (packed batches; any graph,
-    only its placement is used)."""
+    only its placement is used). ``lower_bound_all_families_s``: the same over every head-parallel
+    degree (zigzag: :func:`~megatron_fcp.planning.lower_bound_all`; packed, unwindowed:
+    :func:`~megatron_fcp.planner.compare.packed_lower_bound_all` over the placement each degree
+    runs, :func:`~megatron_fcp.planner.head_parallel.packed_degree_plan`), with the same compute."""
     att = shape.attention()
     ranks = tuple(range(topo.world))
     N = len(ranks)
@@ -567,4 +637,13 @@ def lower_bounds(shape: WorkloadShape, topo: Topology, cm: ComputeModel, placeme
         fam = lower_bound_all(topo, ranks, att, causal=shape.causal, pass_="fwd+bwd")
         out["lower_bound_all_families_s"] = max(compute, fam["lower_bound_s"])
         out["lower_bound_all_families_degree"] = fam["degree"]
+    elif shape.doc_lengths and not mask.windowed:  # Note [Packed lower bound over degrees]
+        plans = {a: placement_plan if a == 1 else
+                 packed_degree_plan(topo, ranks, shape.doc_lengths, att, a, graph="full", causal=shape.causal,
+                                    block_tokens=shape.block_tokens)
+                 for a in head_parallel_degrees(topo, ranks, att.heads, att.kv_heads)}
+        fam = packed_lower_bound_all(plans, topo, att)
+        out["lower_bound_all_families_s"] = max(compute, fam["lower_bound_s"])
+        out["lower_bound_all_families_degree"] = fam["degree"]
+        out["lower_bound_per_degree_s"] = {str(a): max(compute, t) for a, t in fam["per_degree"].items()}
     return out
