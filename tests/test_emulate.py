@@ -584,7 +584,7 @@ def test_result_json_shape_and_table():
     assert (te["median_s"], te["min_s"], te["max_s"]) == (1.0, 0.9, 1.2)
     assert te["prediction_error"] == pytest.approx(1.0 / te["predicted_s"] - 1)
     hp = next(r for r in res["runs"] if r["workload"] == "te-a2a-p2p")
-    assert hp["available"] is False and hp["median_s"] is None and "head-parallel engine" in hp["reason"]
+    assert hp["available"] is False and hp["median_s"] is None and "not emulated" in hp["reason"]
     text = table(res)
     assert "te-a2a-p2p" in text and "n/a" in text and "lower bound" in text
 

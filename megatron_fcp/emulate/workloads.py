@@ -382,7 +382,8 @@ def _te_a2a(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...]) -> Wor
     name, cp = "te-a2a", len(ranks)
     why = None
     if shape.doc_lengths:
-        why = "not available: the head-parallel engine runs Megatron's zigzag layout, not packed batches (THD)"
+        why = ("not available: TE's a2a on packed batches (THD: its per-document chunks) is not emulated, only "
+               "on Megatron's zigzag layout")
     elif shape.heads % cp or shape.kv_heads % cp:
         why = (f"not available: TE's a2a needs heads ({shape.heads}) and KV heads ({shape.kv_heads}) divisible by "
                f"the CP size {cp}")
@@ -425,7 +426,8 @@ def _te_a2a_p2p(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...]) ->
     rpn = len(ranks) // len(per_node)
     why = None
     if shape.doc_lengths:
-        why = ("not available: the head-parallel engine runs Megatron's zigzag layout, not packed batches (THD); "
+        why = ("not available: TE's a2a+p2p on packed batches (THD: its per-document chunks, padded) is not emulated, "
+               "only on Megatron's zigzag layout; "
                "TE's model is given")
     elif any(sum(topo.node_of(r) == n for r in ranks) != rpn for n in per_node):
         why = "not available: nodes hold different numbers of CP ranks (TE's a2a+p2p needs equal)"
