@@ -21,7 +21,9 @@ forward + backward in waves (``simulate_backward_waves``, ``backward_kv="auto"``
 the runtime's placement (``place_batch``: node-aware, layer-balanced). ``plugin``: the plugin's
 default, ``--fcp-head-parallel auto --fcp-packed-balance layer``: the degree
 ``choose_packed_head_parallel`` picks for the batch (priced as the executor runs it, as the runtime
-picks it) and that plan's forward + backward (``packed_as_run``); ``plugin_attention_balance`` the
+picks it) and that plan's forward + backward (``PackedAsRun``), with its forward's communication
+against its own placement's need-set bound (``packed_lower_bound_all`` at its degree, forward
+pass: for a > 1 the two all-to-alls and the KV stage); ``plugin_attention_balance`` the
 same with ``--fcp-packed-balance attention``. Each also prices the *layer* (Note [Layer work]): the
 attention plus the busiest rank's projections and MLP (``LINEAR`` dimensions, GEMMs at
 ``LINEAR_FLOPS``, forward + backward = 3x the forward), against TE's attention plus its even share.
@@ -44,11 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fcp.contract.head_parallel import head_parallel_degrees  # noqa: E402
 from megatron_fcp.contract.placement import lognormal_lengths  # noqa: E402
-from megatron_fcp.cost.head_parallel_packed import packed_as_run  # noqa: E402
+from megatron_fcp.cost.head_parallel_packed import PackedAsRun  # noqa: E402
 from megatron_fcp.cost.backward import simulate_backward_waves  # noqa: E402
 from megatron_fcp.cost.model import AttentionShape, layer_pairs_per_token  # noqa: E402
 from megatron_fcp.planner.build import build_plan  # noqa: E402
-from megatron_fcp.planner.compare import compare_packed  # noqa: E402
+from megatron_fcp.planner.compare import compare_packed, packed_lower_bound_all  # noqa: E402
 from megatron_fcp.planner.head_parallel import choose_packed_head_parallel  # noqa: E402
 from megatron_fcp.planner.placing import PACKED_BALANCE, place_batch  # noqa: E402
 from megatron_fcp.schedule.program import compile_backward  # noqa: E402
@@ -112,7 +114,11 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
         degree, priced = choose_packed_head_parallel(topo, range(cp), lengths, shape, graph="auto", plans=plans,
                                                      placement_balance=balance)
         chosen = plans[degree]
-        run_d = packed_as_run(chosen, topo, shape)
+        as_run = PackedAsRun(chosen, topo, shape)
+        run_d = as_run.result()
+        # its forward's communication against its own placement's need-set bound (degree a > 1:
+        # the forward's two all-to-alls and its KV stage; Note [Packed lower bound over degrees])
+        need_s = packed_lower_bound_all({degree: chosen}, topo, shape, pass_="fwd")["lower_bound_s"]
         pl = chosen.placement
         tokens = np.array([pl.tokens(i) for i in range(cp)], dtype=np.float64)
         # priced_s: the degrees simulated (Note [Pruning the packed degree choice])
@@ -120,6 +126,8 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
                     "graph": chosen.name if degree == 1 else chosen.kv_plan.name if chosen.kv_plan else "none",
                     "fwd_s": run_d["fwd_s"], "bwd_s": run_d["bwd_s"], "fwd_bwd_total_s": run_d["total_s"],
                     "backward": f"{run_d['waves']} waves, {run_d['backward_kv']}",
+                    "fwd_comm_s": as_run.forward.comm_s, "need_bound_s": need_s,
+                    "fwd_comm_over_need_bound": as_run.forward.comm_s / need_s if need_s else None,
                     "tokens_max_over_mean": float(tokens.max() / tokens.mean()),
                     "speedup_vs_best_te": te_s / run_d["total_s"],
                     **_layer(shape, tokens.max(), run_d["total_s"], te_s, TOKENS / cp)}
@@ -242,7 +250,8 @@ def main() -> None:
                 grid.append(r)
                 f, p, q = r["fcp"], r["plugin"], r["plugin_attention_balance"]
                 print(f"cp={cp} {heads}:{kv} median {median}: plugin a={p['degree']} {p['graph']} "
-                      f"{p['speedup_vs_best_te']:.3f}x as run ({p['backward']}), layer "
+                      f"{p['speedup_vs_best_te']:.3f}x as run ({p['backward']}), comm/need bound "
+                      f"{p['fwd_comm_over_need_bound']:.2f}, layer "
                       f"{p['layer_speedup_vs_best_te']:.3f}x, tokens {p['tokens_max_over_mean']:.2f}; attention "
                       f"balance a={q['degree']} {q['speedup_vs_best_te']:.3f}x, layer {q['layer_speedup_vs_best_te']:.3f}x, "
                       f"tokens {q['tokens_max_over_mean']:.2f}; a=1 fcp/{r['best_te']} {r['speedup_vs_best_te']:.3f}x "
@@ -265,6 +274,8 @@ def main() -> None:
                         f"{key}_layer_speedup_vs_best_te_min": min(lay),
                         f"{key}_layer_cells_below_1": sum(x < 1.0 for x in lay),
                         f"{key}_tokens_max_over_mean_max": max(column(key, "tokens_max_over_mean")),
+                        f"{key}_fwd_comm_over_need_bound_max": max(column(key, "fwd_comm_over_need_bound")),
+                        f"{key}_fwd_comm_over_need_bound_min": min(column(key, "fwd_comm_over_need_bound")),
                         f"{key}_degrees": column(key, "degree")})
     summary.update({"a1_speedup_vs_best_te_geomean": _geomean(ratios), "a1_speedup_vs_best_te_min": min(ratios),
                     "a1_as_run_speedup_vs_best_te_geomean": _geomean(run), "a1_as_run_speedup_vs_best_te_min": min(run),

@@ -561,6 +561,13 @@ def test_packed_lower_bound_over_degrees():
     whole = packed_degree_plan(topo, range(4), shape.doc_lengths, att, 4, graph="full", block_tokens=256)
     assert whole.kv_plan is None and packed_lower_bound_all({4: whole}, topo, att)["lower_bound_s"] > 0  # a2a alone
     assert got["lower_bound_s"] == min(got["per_degree"].values()) == got["per_degree"][got["degree"]]
+    fwd, bwd = (packed_lower_bound_all(plans, topo, att, pass_=p)["per_degree"] for p in ("fwd", "bwd"))
+    for a in plans:  # the passes add up; the forward is the half with Q|K|V in and O out
+        assert fwd[a] + bwd[a] == pytest.approx(got["per_degree"][a])
+    assert fwd[1] == pytest.approx(bwd[1]) and fwd[2] == pytest.approx(
+        (max(tokens[1 - j % 2 + 2 * (j // 2)] for j in range(4)) * sum(per_tok.values())) / intra_ingress(topo, 0) + stage)
+    with pytest.raises(ValueError):
+        packed_lower_bound_all(plans, topo, att, pass_="forward")
     bounds = lower_bounds(shape, topo, cm, fcp.plan)
     assert bounds["lower_bound_all_families_s"] == pytest.approx(max(bounds["lower_bound_compute_s"], got["lower_bound_s"]))
     assert bounds["lower_bound_all_families_s"] <= bounds["lower_bound_s"]

@@ -305,9 +305,11 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
 
 
 def packed_lower_bound_all(plans: "Mapping[int, Plan | PackedHeadParallelPlan]", topology: "Topology | str",
-                           shape: AttentionShape, *, grad_dtype_bytes: int | None = None) -> dict:
-    """Lower bound on a packed batch's forward + backward communication over every head-parallel
-    degree, each over the placement its plan holds (Note [Packed lower bound over degrees]).
+                           shape: AttentionShape, *, grad_dtype_bytes: int | None = None,
+                           pass_: str = "fwd+bwd") -> dict:
+    """Lower bound on a packed batch's communication over every head-parallel degree, each over the
+    placement its plan holds (Note [Packed lower bound over degrees]); ``pass_``: ``"fwd"``,
+    ``"bwd"`` or ``"fwd+bwd"`` (default), as :func:`~megatron_fcp.planner.choose.lower_bound_all`.
 
     ``plans``: ``{degree: plan}`` as :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`
     fills them (``1``: the plain :class:`~megatron_fcp.contract.plan.Plan` over ``place_batch``,
@@ -328,16 +330,20 @@ def packed_lower_bound_all(plans: "Mapping[int, Plan | PackedHeadParallelPlan]",
     need-set bound both ways, on every copy at once (the merged stage plan, so copies that share a
     node's NICs are charged together) with the stage's heads. Compute is not in it: a caller
     takes the maximum with its compute bound, as for degree 1."""
+    check_pass(pass_)
     topo = load_topology(topology)
     ratio = (grad_dtype_bytes or shape.dtype_bytes) / shape.dtype_bytes
+    kv_times = {"fwd": 1.0, "bwd": ratio, "fwd+bwd": 1.0 + ratio}[pass_]   # the need sets' bytes, each way
+    a2as = {"fwd": ("qkv-in", "o-out"), "bwd": ("o-in", "qkv-out"),
+            "fwd+bwd": ("qkv-in", "o-out", "o-in", "qkv-out")}[pass_]
     per_degree: dict[int, float] = {}
     for a, plan in sorted(plans.items()):
         if a == 1:
-            per_degree[a] = packed_need_stats(plan, topo, shape)["lower_bound_s"] * (1 + ratio)
+            per_degree[a] = packed_need_stats(plan, topo, shape)["lower_bound_s"] * kv_times
             continue
         b_intra = min(intra_ingress(topo, r) for r in plan.ranks)
         a2a = 0.0
-        for which in ("qkv-in", "o-out", "o-in", "qkv-out"):
+        for which in a2as:
             recv: dict[int, float] = {}
             for _, dst, nbytes in packed_a2a_messages(plan, shape, which):
                 recv[dst] = recv.get(dst, 0.0) + nbytes
@@ -345,9 +351,9 @@ def packed_lower_bound_all(plans: "Mapping[int, Plan | PackedHeadParallelPlan]",
         stage = 0.0
         if plan.kv_plan is not None:
             stage = packed_need_stats(packed_stage_plan(plan), topo, stage_shape(plan, shape))["lower_bound_s"]
-        per_degree[a] = a2a + stage * (1 + ratio)
+        per_degree[a] = a2a + stage * kv_times
     best = min(per_degree, key=per_degree.get)
-    return {"lower_bound_s": per_degree[best], "degree": best, "per_degree": per_degree}
+    return {"lower_bound_s": per_degree[best], "degree": best, "per_degree": per_degree, "pass": pass_}
 
 
 @gc_paused()
