@@ -506,6 +506,7 @@ def test_packed_fcp_hp_runs_the_runtimes_degree(mode):
     time; the same choice without pruning. Under a window the stage is not run (degree 1, as the
     runtime's windowed layers), nor is a degree chosen."""
     from megatron_fcp.cost.head_parallel import stage_shape
+    from megatron_fcp.cost.head_parallel_packed import PackedAsRun
     from megatron_fcp.emulate.workloads import GLOO_TCP, PackedHeadParallelWorkload
     from megatron_fcp.planner.head_parallel import choose_packed_head_parallel
     from megatron_fcp.schedule.program import BackwardPolicy, compile_backward
@@ -525,6 +526,8 @@ def test_packed_fcp_hp_runs_the_runtimes_degree(mode):
                                               BackwardPolicy(mode)).mode
     pred = hp.predict(topo, cm)
     assert pred["predicted_s"] == pytest.approx(full[1][2], rel=1e-12)
+    priced = PackedAsRun(hp.hp_plan, topo, shape.attention(), compute_model=cm, backward_kv=mode, **GLOO_TCP)
+    assert priced.result()["backward_kv"] == hp.backward_kv               # the mode priced is the one run
     assert pred["predicted_s"] == pytest.approx(pred["predicted_fwd_s"] + pred["predicted_bwd_s"], rel=1e-12)
     assert 0 < pred["predicted_comm_s"] and 0 < pred["predicted_compute_s"] and pred["predicted_bwd_waves"] >= 1
     assert (pred["predicted_resend_s"] > 0) == (hp.backward_kv == "resend")
