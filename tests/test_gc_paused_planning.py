@@ -74,6 +74,8 @@ def test_the_planning_entry_points_pause_it(monkeypatch):
     record(placing, "place_balanced")        # inside place_batch
     record(build, "compile_plan")            # inside build_plan
     record(program, "plan_waves")            # inside compile_backward
+    from megatron_fcp.cost import head_parallel_packed
+    record(head_parallel_packed, "simulate_backward_waves")   # the degree choice's pricing
     lengths = lognormal_lengths(7.0, 1.0, 8 * 2048, 0)
     shape = AttentionShape(1, heads=8, kv_heads=2, head_dim=32, dtype_bytes=2)
     pl = placing.place_batch("dgx-h100:1", range(8), lengths)
@@ -81,5 +83,5 @@ def test_the_planning_entry_points_pause_it(monkeypatch):
     program.compile_backward(plan, shape.kv_bytes(1))
     degree, priced = head_parallel.choose_packed_head_parallel("dgx-h100:1", range(8), lengths, shape, graph="auto")
     assert degree in priced and gc.isenabled()
-    assert set(seen) == {"place_balanced", "compile_plan", "plan_waves"}
+    assert set(seen) == {"place_balanced", "compile_plan", "plan_waves", "simulate_backward_waves"}
     assert not any(v for calls in seen.values() for v in calls)

@@ -214,6 +214,7 @@ def packed_degree_plan(topology: "Topology | str", cp_ranks: Sequence[int], doc_
                                         dtype_bytes=shape.dtype_bytes, placement_balance=placement_balance)
 
 
+@gc_paused()
 def choose_packed_head_parallel(
     topology: "Topology | str",
     cp_ranks: Sequence[int],
