@@ -571,6 +571,8 @@ def test_packed_lower_bound_over_degrees():
         (max(tokens[1 - j % 2 + 2 * (j // 2)] for j in range(4)) * sum(per_tok.values())) / intra_ingress(topo, 0) + stage)
     with pytest.raises(ValueError):
         packed_lower_bound_all(plans, topo, att, pass_="forward")
+    with pytest.raises(ValueError, match="no plans"):
+        packed_lower_bound_all({}, topo, att)
     bounds = lower_bounds(shape, topo, cm, fcp.plan)
     assert bounds["lower_bound_all_families_s"] == pytest.approx(max(bounds["lower_bound_compute_s"], got["lower_bound_s"]))
     assert bounds["lower_bound_all_families_s"] <= bounds["lower_bound_s"]

@@ -264,7 +264,11 @@ class PackedAsRun:
         else:
             self.sp, self.sshape, self.exposed = plan, shape, 0.0
             self.forward = simulate_plan(plan, self.topo, shape, compute_model=self.cm)
-        self.fwd = self.forward.total_s
+
+    @property
+    def fwd(self) -> float:
+        """The forward's seconds (exposed all-to-alls included)."""
+        return self.forward.total_s
 
     def compute_floor(self) -> float:
         """A floor on :meth:`result`'s ``total_s`` before the backward's waves are packed: the

@@ -93,7 +93,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from megatron_fcp.contract.head_parallel import HeadParallelPlan
+from megatron_fcp.contract.head_parallel import HeadParallelPlan, head_parallel_degrees
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import Placement
@@ -115,7 +115,6 @@ from megatron_fcp.cost.te import (
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import BUILDERS
 from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule, lower_bound_all
-from megatron_fcp.contract.head_parallel import head_parallel_degrees
 from megatron_fcp.planner.compare import packed_lower_bound_all, packed_need_stats
 from megatron_fcp.planner.head_parallel import choose_packed_head_parallel, compile_head_parallel, packed_degree_plan
 from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
@@ -496,8 +495,8 @@ def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, .
             return w
         hp = plans[degree]
         w = PackedHeadParallelWorkload(name, shape, ranks, hp_plan=hp, requested_kv=shape.backward_kv)
-        w.backward_kv = compile_backward(hp.kv_plan_for(0), stage_shape(hp, shape.attention()).kv_bytes(1),
-                                         BackwardPolicy(shape.backward_kv)).mode
+        w.backward_kv = executor_program(shape.backward_kv, hp.kv_plan_for(0), sum(shape.doc_lengths),
+                                         stage_shape(hp, shape.attention()).kv_heads, shape.head_dim).mode
         w.info = {"graph": f"a2a x{degree} + {hp.kv_plan.name}" if hp.kv_plan is not None else f"a2a x{degree}",
                   "head_parallel": degree, "head_groups": [list(g) for g in hp.head_groups],
                   "kv_replication": hp.kv_replication, "backward_kv": w.backward_kv,

@@ -303,7 +303,6 @@ def packed_need_stats(plan, topology: "Topology | str", shape: AttentionShape) -
     }
 
 
-
 def packed_lower_bound_all(plans: "Mapping[int, Plan | PackedHeadParallelPlan]", topology: "Topology | str",
                            shape: AttentionShape, *, grad_dtype_bytes: int | None = None,
                            pass_: str = "fwd+bwd") -> dict:
@@ -331,6 +330,9 @@ def packed_lower_bound_all(plans: "Mapping[int, Plan | PackedHeadParallelPlan]",
     node's NICs are charged together) with the stage's heads. Compute is not in it: a caller
     takes the maximum with its compute bound, as for degree 1."""
     check_pass(pass_)
+    if not plans:
+        raise ValueError("packed_lower_bound_all: no plans; pass {degree: plan} for at least one degree "
+                         "(packed_degree_plan builds them)")
     topo = load_topology(topology)
     ratio = (grad_dtype_bytes or shape.dtype_bytes) / shape.dtype_bytes
     kv_times = {"fwd": 1.0, "bwd": ratio, "fwd+bwd": 1.0 + ratio}[pass_]   # the need sets' bytes, each way
