@@ -34,24 +34,34 @@ avoids that step by saving the forward's last received KV for its backward. Here
 keep what a rank receives in the first sub-round (``first_kept``; at most one shard): the steps
 then shift by one (KV of sub-round j at step j-1, its compute at step j, ``acc`` at step j_(i+1),
 home at j_k + 1): J+1 steps, TE's count. ``keep`` always runs this way (everything is kept);
-``auto`` does when every rank's first sub-round fits ``--fcp-kv-memory-budget`` (the ring's: its own
-shard; :func:`first_keepers`); an explicit ``resend`` keeps nothing and pays the step. The jobs and
+``auto`` does when every rank's first sub-round fits ``--fcp-kv-memory-budget`` (the ring's: the
+largest shard, the receive buffer a ring relays every shard through; :func:`keep_limits`); an
+explicit ``resend`` keeps nothing and pays the step. The jobs and
 their order are the same in every variant, so ``keep``, ``resend`` and ``auto`` agree bit for bit
 (a relay's ``p_i + acc_(i-1)`` is one IEEE addition: the same whichever arrives first).
 
 **Own blocks.** A rank's own K and V are there from the start and their partials go nowhere, so
-their jobs may run at any step that computes anyway. :func:`_place_own` gives each own block,
-larger first, to the step where the rank has the least work so far (ties: the later step), among
-the steps after the first sub-round's compute (whose partials start the chains), counted from that
-sub-round so that every backward KV mode places alike (a re-sending ring without the first
-sub-round kept has one step more in front, KV only, which gets none). Why: a step lasts the longer
-of its busiest rank's compute and its messages, so compute piled on one step (all own blocks at the
-last one) makes that step compute-bound while the steps before it leave link time unused; a
-head-parallel stage ring staggered over several rounds, which computes a sliver of remote work per
-step and owns ``a`` members' chunks, is the case where it matters. A zigzag ring's steps carry
-equal work, so ties send its own chunks to the last step, as TE's ring computes them. Only where a
-job runs changes, not which jobs, so every backward KV mode still walks the same jobs in the same
-order and agrees bit for bit.
+their jobs may run at any step that computes anyway, among the steps after the first sub-round's
+compute (whose partials start the chains), counted from that sub-round so that every backward KV
+mode places alike (a re-sending ring without the first sub-round kept has one step more in front,
+KV only, which gets none). :func:`_place_own` tries two placements and keeps the one of least pace
+(:func:`_pace`), the first on a tie (within 1e-9):
+
+* *whole*: each rank's own blocks together, in the step where the rank has the least work so far
+  (ties: the later step). They are one owner's blocks, so they cost one kernel call there.
+* *spread*: each own block on its own, larger first, to the step where the rank has the least work
+  so far (ties: the later step). Each step it touches costs the rank one more call.
+
+Why: a step lasts the longer of its busiest rank's compute and its messages. Compute piled on one
+step makes that step compute-bound while the steps before it leave link time unused. A
+head-parallel stage ring staggered over several rounds computes a sliver of remote work per step
+and owns ``a`` members' chunks; there spreading lowers the pace. Where the steps carry equal work
+(a zigzag ring; Transformer Engine's per-document zigzag on a packed batch) the two tie, and whole
+is kept: one call per rank, as TE's ring computes its own chunks in one call. Before 2026-12-07
+only *spread* was tried: on TE's packed layout it put the own blocks of different ranks in three
+different steps, each with one more call, 10-15 us over TE's price (cp = 16 and a cp = 256
+stage, 32K-token documents). Only where a job runs changes, not which jobs, so every backward KV
+mode still walks the same jobs in the same order and agrees bit for bit.
 
 **Memory.** Within backward a rank holds received KV of two sub-rounds (computing and arriving,
 counted from the receive buffer's allocation: two shards) plus, with ``first_kept``, the saved
@@ -336,7 +346,7 @@ def _build(plan: Plan, basis: _Basis | None, pace: float) -> tuple[ChainStep, ..
             else:
                 home[sub[k] + 1].append(k)
     work = _work_table(plan, num)
-    _place_own(comp, plan, num, work, first=1)                   # after sub-round 0's compute, in every mode
+    comp = _place_own(comp, plan, num, work, first=1)            # after sub-round 0's compute, in every mode
     if _pace(comp, work) > pace:
         return None
     blocks, ranks = num.blocks, plan.ranks
@@ -362,24 +372,32 @@ def _work_table(plan: Plan, num: _Numbered) -> Callable[[int, int], float]:
 
 
 def _place_own(comp: list[list[tuple[int, int]]], plan: Plan, num: _Numbered, work: Callable[[int, int], float],
-               first: int) -> None:
-    """Add every rank's own blocks to ``comp`` [step][(block number, rank position)], each to the
-    step from ``first`` on where the rank has the least work so far (``work``; ties: the later
-    step), larger blocks first, ties in plan order (Note [Streaming chain backward], "Own
-    blocks"). Reads only the plan: every rank and the cost model place alike."""
+               first: int) -> list[list[tuple[int, int]]]:
+    """``comp`` [step][(block number, rank position)] with every rank's own blocks added in the steps
+    from ``first`` on: *whole* or *spread*, whichever has the lesser :func:`_pace` (whole on a tie;
+    Note [Streaming chain backward], "Own blocks"). Reads only the plan: every rank and the cost
+    model place alike."""
     S = len(comp)
     loads = [[0] * S for _ in plan.ranks]                        # each rank's work per step, one pass
     for s in range(S):
         for i, x in comp[s]:
             loads[x][s] += work(x, i)
     steps = range(first, S)
-    for x, r in enumerate(plan.ranks):
+    own = [sorted((num.bid[b] for b in plan.local_blocks(r)), key=lambda i: -work(x, i))
+           for x, r in enumerate(plan.ranks)]                    # larger first, ties in plan order
+    whole, spread = [list(c) for c in comp], [list(c) for c in comp]
+    for x, blocks in enumerate(own):
+        if not blocks:
+            continue
+        load = list(loads[x])
+        s = min(steps, key=lambda j: (load[j], -j))
+        whole[s].extend((i, x) for i in blocks)
         load = loads[x]
-        own = sorted((num.bid[b] for b in plan.local_blocks(r)), key=lambda i: -work(x, i))
-        for i in own:
+        for i in blocks:
             s = min(steps, key=lambda j: (load[j], -j))
-            comp[s].append((i, x))
+            spread[s].append((i, x))
             load[s] += work(x, i)
+    return whole if _pace(whole, work) <= _pace(spread, work) * (1 + 1e-9) else spread
 
 
 def first_received(plan: Plan, block_bytes: Callable[[Block], int], *,
@@ -447,8 +465,8 @@ def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callabl
     wave, Note [Backward waves], "The first wave"). ``requested``: ``--fcp-backward-kv``;
     ``decided``: what :func:`~megatron_fcp.schedule.waves.choose_backward_kv` made of it. ``keep``:
     every rank (everything is kept); an explicit ``resend``: none; ``auto`` deciding ``resend``: each
-    rank whose part (:func:`first_kept_blocks`) fits ``kv_memory_budget`` (the ring's: its own
-    shard; Transformer Engine's ring saves its last received shard) -- for a chain plan all ranks
+    rank whose part (:func:`first_kept_blocks`) fits ``kv_memory_budget`` (:func:`keep_limits`;
+    Transformer Engine's ring saves its last received shard) -- for a chain plan all ranks
     or none (its steps shift for everyone at once), for waves each rank on its own (the others'
     part of the first wave is re-sent: :func:`~megatron_fcp.schedule.waves.first_fetch`). Reads
     only the plan and block sizes: every rank and the cost model decide alike."""
@@ -466,11 +484,18 @@ def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callabl
 
 def keep_limits(plan: Plan, block_bytes: Callable[[Block], int], kv_memory_budget: int = RING_BUDGET) -> dict[int, int]:
     """Per rank, the most received KV bytes it may keep from the forward for its first step under
-    ``auto`` (:func:`first_keepers`): ``kv_memory_budget``, or under :data:`RING_BUDGET` its own
-    shard's K and V (what Transformer Engine's ring saves)."""
+    ``auto`` (:func:`first_keepers`): ``kv_memory_budget``, or under :data:`RING_BUDGET` what
+    Transformer Engine's ring saves, its last received shard: for a plan that waves, the rank's own
+    shard's K and V; for a chain plan (a ring), the largest shard's. A ring relays every shard
+    through one receive buffer, so the buffer holds the largest (TE pads every rank's shard to one
+    size, at least the largest real one: on its packed layout, where padding leaves shards a few
+    tokens apart, an own-shard limit left some ranks unable to keep and cost every rank a step)."""
     if kv_memory_budget != RING_BUDGET:
         return dict.fromkeys(plan.ranks, kv_memory_budget)
-    return {r: sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks}
+    own = {r: sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks}
+    if is_chain_plan(plan) and own:
+        return dict.fromkeys(plan.ranks, max(own.values()))
+    return own
 
 
 def first_wave_fetch(plan: Plan, block_bytes: Callable[[Block], int], keepers: frozenset[int], *,
