@@ -19,14 +19,16 @@ cp = 16, 64, 256 on dgx-h100:2, :8, :32 (all ranks of the cluster), GQA 64:8 and
 128, bf16, causal, forward + one-pass backward (``compare_packed``) and, as the executor runs it,
 forward + backward in waves (``simulate_backward_waves``, ``backward_kv="auto"``), of ``a = 1`` over
 the runtime's placement (``place_batch``: node-aware, layer-balanced). ``plugin``: the plugin's
-default, ``--fcp-head-parallel auto --fcp-packed-balance layer``: the degree
-``choose_packed_head_parallel`` picks for the batch (priced as the executor runs it, as the runtime
-picks it) and that plan's forward + backward (``PackedAsRun``), with its forward's communication
+default, ``--fcp-head-parallel auto --fcp-packed-balance layer --fcp-packed-layout auto``: the degree and
+layout ``choose_packed_plan`` picks for the batch (priced as the executor runs it, as the runtime
+picks it; TE's layout on TE's ring where TE's schedule beats FCP's plans, Note [TE's layout as a
+candidate]) and that plan's forward + backward (``PackedAsRun``), with its forward's communication
 against its own placement's need-set bound (``packed_lower_bound_all`` at its degree, forward
 pass: for a > 1 the two all-to-alls and the KV stage); ``plugin_attention_balance`` the
 same with ``--fcp-packed-balance attention``. Each also prices the *layer* (Note [Layer work]): the
 attention plus the busiest rank's projections and MLP (``LINEAR`` dimensions, GEMMs at
-``LINEAR_FLOPS``, forward + backward = 3x the forward), against TE's attention plus its even share.
+``LINEAR_FLOPS``, forward + backward = 3x the forward), against TE's attention plus its even share of the padded batch
+(THD pads every document to a multiple of ``2 * cp``).
 The summary's ``plugin_*`` rows are the issue's yardstick.
 """
 
@@ -45,13 +47,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fcp.contract.head_parallel import head_parallel_degrees  # noqa: E402
-from megatron_fcp.contract.placement import lognormal_lengths  # noqa: E402
+from megatron_fcp.contract.placement import lognormal_lengths, thd_padded_lengths  # noqa: E402
 from megatron_fcp.cost.head_parallel_packed import PackedAsRun  # noqa: E402
 from megatron_fcp.cost.backward import simulate_backward_waves  # noqa: E402
 from megatron_fcp.cost.model import AttentionShape, layer_pairs_per_token  # noqa: E402
 from megatron_fcp.planner.build import build_plan  # noqa: E402
 from megatron_fcp.planner.compare import compare_packed, packed_lower_bound_all  # noqa: E402
-from megatron_fcp.planner.head_parallel import choose_packed_head_parallel  # noqa: E402
+from megatron_fcp.planner.packed_choice import choose_packed_plan  # noqa: E402
 from megatron_fcp.planner.placing import PACKED_BALANCE, place_batch  # noqa: E402
 from megatron_fcp.schedule.program import compile_backward  # noqa: E402
 from megatron_fcp.topology import load_topology  # noqa: E402
@@ -65,6 +67,10 @@ GQA = ((64, 8), (32, 4))
 TE = ("te-p2p", "te-a2a-p2p")
 # linear layers of the layer rows: Llama-3-70B-like for 64:8, 8B-like for 32:4 (SwiGLU), TP 1
 LINEAR = {(64, 8): (8192, 28672), (32, 4): (4096, 14336)}
+TIE = 1e-9
+"""A ratio within this of 1.0 is a tie, not a cell below 1: where the plugin runs TE's own layout
+and ring (Note [TE's layout as a candidate]) the two prices are the same schedule summed in a
+different order (0.9999999999999997 at cp = 16, median 32K, 64:8)."""
 LINEAR_FLOPS = 600e12
 """Sustained dense BF16 GEMM FLOP/s of the layer rows (about 60% of an H100's peak)."""
 
@@ -111,9 +117,9 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
     # --fcp-packed-balance attention
     for key, balance in (("plugin", PACKED_BALANCE), ("plugin_attention_balance", "attention")):
         plans: dict = {}
-        degree, priced = choose_packed_head_parallel(topo, range(cp), lengths, shape, graph="auto", plans=plans,
-                                                     placement_balance=balance)
-        chosen = plans[degree]
+        choice, priced = choose_packed_plan(topo, range(cp), lengths, shape, graph="auto", plans=plans,
+                                            placement_balance=balance)
+        degree, chosen = choice.degree, plans[choice]
         as_run = PackedAsRun(chosen, topo, shape)
         run_d = as_run.result()
         # its forward's communication against its own placement's need-set bound (degree a > 1:
@@ -121,8 +127,10 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
         need_s = packed_lower_bound_all({degree: chosen}, topo, shape, pass_="fwd")["lower_bound_s"]
         pl = chosen.placement
         tokens = np.array([pl.tokens(i) for i in range(cp)], dtype=np.float64)
-        # priced_s: the degrees simulated (Note [Pruning the packed degree choice])
-        row[key] = {"balance": balance, "degree": degree, "priced_s": priced,
+        # priced_s: the choices simulated, "degree-layout" (Note [Pruning the packed degree choice],
+        # Note [TE's layout as a candidate])
+        row[key] = {"balance": balance, "degree": degree, "layout": choice.layout,
+                    "priced_s": {f"{c.degree}-{c.layout}": t for c, t in priced.items()},
                     "graph": chosen.name if degree == 1 else chosen.kv_plan.name if chosen.kv_plan else "none",
                     "fwd_s": run_d["fwd_s"], "bwd_s": run_d["bwd_s"], "fwd_bwd_total_s": run_d["total_s"],
                     "backward": f"{run_d['waves']} waves, {run_d['backward_kv']}",
@@ -130,15 +138,23 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
                     "fwd_comm_over_need_bound": as_run.forward.comm_s / need_s if need_s else None,
                     "tokens_max_over_mean": float(tokens.max() / tokens.mean()),
                     "speedup_vs_best_te": te_s / run_d["total_s"],
-                    **_layer(shape, tokens.max(), run_d["total_s"], te_s, TOKENS / cp)}
+                    **_layer(shape, tokens.max(), run_d["total_s"], te_s, _te_tokens(lengths, cp))}
     return row
+
+
+def _te_tokens(lengths: list[int], cp: int) -> float:
+    """Tokens on each of TE's CP ranks under THD: the batch with every document padded to a multiple
+    of ``2 * cp`` (``cu_seqlens_padded``), split evenly; the padding runs through every layer. (Before
+    2026-12-07 the real tokens over cp: up to 1% less, which put the plugin running TE's own layout
+    at 0.997x TE's layer.)"""
+    return float(thd_padded_lengths(lengths, cp).sum()) / cp
 
 
 def _layer(shape: AttentionShape, tokens_max: float, attention_s: float, te_attention_s: float,
            te_tokens: float) -> dict:
     """A layer's forward + backward where ranks meet at the attention (Note [Layer work]): the
     busiest rank's projections and MLP (``LINEAR`` dimensions, GEMMs at ``LINEAR_FLOPS``), plus the
-    attention; TE's ranks all hold ``te_tokens``."""
+    attention; TE's ranks all hold ``te_tokens`` (:func:`_te_tokens`)."""
     hidden, ffn = LINEAR[(shape.heads, shape.kv_heads)]
     per_token_s = 3 * layer_pairs_per_token(shape, hidden, ffn, gated=True) * shape.pair_flops / LINEAR_FLOPS
     fcp = tokens_max * per_token_s + attention_s
@@ -179,20 +195,21 @@ def planning_speed(repeats: int = 3) -> list[dict]:
                          "place_s": best[1], "plan_s": best[2], "backward_program_s": best[3]})
             print(f"speed cp={cp} docs={docs} {graph}->{plan.name}: {best[0]:.3f} s (place {best[1]:.3f}, plan "
                   f"{best[2]:.3f}, program {best[3]:.3f}); target {bound}", flush=True)
-        # --fcp-head-parallel auto (the default) also chooses each packed batch's degree first
-        # (Note [Head-parallel degree of a packed batch]): every degree's plan built and priced
+        # --fcp-head-parallel auto (the default) also chooses each packed batch's degree and layout
+        # first (Note [Head-parallel degree of a packed batch]): every degree's plan built and priced
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            degree, priced = choose_packed_head_parallel(topo, range(cp), lengths, shape, graph="auto")
+            choice, priced = choose_packed_plan(topo, range(cp), lengths, shape, graph="auto")
             times.append(time.perf_counter() - t0)
-        # the degrees whose backward was simulated (the others' floors ruled them out: Note [Pruning
-        # the packed degree choice])
+        # the choices whose backward was simulated (the others' floors ruled them out: Note [Pruning
+        # the packed degree choice]; TE's layout only past its gates: Note [TE's layout as a candidate])
         rows.append({"cp": cp, "documents": docs, "tokens": sum(lengths), "graph": "auto", "step": "degree choice",
-                     "chosen_degree": degree, "degrees": head_parallel_degrees(topo, range(cp), 64, 8),
-                     "simulated": sorted(priced), "best_s": min(times),
+                     "chosen_degree": choice.degree, "chosen_layout": choice.layout,
+                     "degrees": head_parallel_degrees(topo, range(cp), 64, 8),
+                     "simulated": [f"{c.degree}-{c.layout}" for c in priced], "best_s": min(times),
                      "median_s": statistics.median(times), "target_s": bound})
-        print(f"speed cp={cp} docs={docs} degree choice -> a={degree}, simulated {sorted(priced)}: "
+        print(f"speed cp={cp} docs={docs} degree choice -> {choice}, simulated {rows[-1]['simulated']}: "
               f"{min(times):.3f} s", flush=True)
     return rows
 
@@ -249,7 +266,7 @@ def main() -> None:
                 r = cell(median, cp, heads, kv)
                 grid.append(r)
                 f, p, q = r["fcp"], r["plugin"], r["plugin_attention_balance"]
-                print(f"cp={cp} {heads}:{kv} median {median}: plugin a={p['degree']} {p['graph']} "
+                print(f"cp={cp} {heads}:{kv} median {median}: plugin a={p['degree']} {p['layout']} {p['graph']} "
                       f"{p['speedup_vs_best_te']:.3f}x as run ({p['backward']}), comm/need bound "
                       f"{p['fwd_comm_over_need_bound']:.2f}, layer "
                       f"{p['layer_speedup_vs_best_te']:.3f}x, tokens {p['tokens_max_over_mean']:.2f}; attention "
@@ -269,14 +286,15 @@ def main() -> None:
     for key in ("plugin", "plugin_attention_balance"):
         att, lay = column(key, "speedup_vs_best_te"), column(key, "layer_speedup_vs_best_te")
         summary.update({f"{key}_speedup_vs_best_te_geomean": _geomean(att), f"{key}_speedup_vs_best_te_min": min(att),
-                        f"{key}_cells_below_1": sum(x < 1.0 for x in att),
+                        f"{key}_cells_below_1": sum(x < 1.0 - TIE for x in att),
+                        f"{key}_cells_tied": sum(abs(x - 1.0) <= TIE for x in att),
                         f"{key}_layer_speedup_vs_best_te_geomean": _geomean(lay),
                         f"{key}_layer_speedup_vs_best_te_min": min(lay),
-                        f"{key}_layer_cells_below_1": sum(x < 1.0 for x in lay),
+                        f"{key}_layer_cells_below_1": sum(x < 1.0 - TIE for x in lay),
                         f"{key}_tokens_max_over_mean_max": max(column(key, "tokens_max_over_mean")),
                         f"{key}_fwd_comm_over_need_bound_max": max(column(key, "fwd_comm_over_need_bound")),
                         f"{key}_fwd_comm_over_need_bound_min": min(column(key, "fwd_comm_over_need_bound")),
-                        f"{key}_degrees": column(key, "degree")})
+                        f"{key}_degrees": column(key, "degree"), f"{key}_layouts": column(key, "layout")})
     summary.update({"a1_speedup_vs_best_te_geomean": _geomean(ratios), "a1_speedup_vs_best_te_min": min(ratios),
                     "a1_as_run_speedup_vs_best_te_geomean": _geomean(run), "a1_as_run_speedup_vs_best_te_min": min(run),
                     "fwd_comm_over_need_bound_max": max(r["fcp"]["fwd_comm_over_need_bound"] for r in grid),

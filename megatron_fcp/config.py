@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from megatron_fcp.contract.layer_placement import BALANCES
 from megatron_fcp.planner.builders import GRAPH_CHOICES
-from megatron_fcp.planner.placing import PACKED_BALANCE
+from megatron_fcp.planner.placing import LAYOUT_CHOICES, PACKED_BALANCE
 from megatron_fcp.schedule.program import BACKWARD_KV_MODES, RING_BUDGET
 
 __all__ = ["FCPConfig", "KERNELS", "FALLBACKS", "field_docs", "flag_of", "load_yaml"]
@@ -116,6 +116,12 @@ class FCPConfig:
     holds; attention the attention work alone (fewer KV transfers, but up to several times the mean
     tokens on a rank on batches of many short documents: docs/planner.md, "Layer balance")."""
 
+    packed_layout: str = field(default="auto", metadata={"choices": LAYOUT_CHOICES})
+    """Where a packed (THD) batch's tokens go: auto (the default) FCP's placement, or Transformer
+    Engine's per-document zigzag run on TE's ring where TE's schedule is predicted faster than
+    FCP's plans (compute-bound batches of long documents; docs/planner.md, "TE's layout as a
+    candidate"); fcp FCP's placement always; thd TE's layout always."""
+
     def __post_init__(self) -> None:
         if isinstance(self.head_parallel, str) and self.head_parallel.strip().isdigit():
             object.__setattr__(self, "head_parallel", int(self.head_parallel))  # from the command line
@@ -160,6 +166,9 @@ class FCPConfig:
         if self.packed_balance not in BALANCES:
             raise ValueError(f"--fcp-packed-balance (fcp.packed_balance) must be one of {', '.join(BALANCES)}, "
                              f"got {self.packed_balance!r}")
+        if self.packed_layout not in LAYOUT_CHOICES:
+            raise ValueError(f"--fcp-packed-layout (fcp.packed_layout) must be one of {', '.join(LAYOUT_CHOICES)}, "
+                             f"got {self.packed_layout!r}")
         if self.kernel not in KERNELS:
             raise ValueError(
                 f"unknown block kernel {self.kernel!r}: set --fcp-kernel (fcp.kernel) to one of " + ", ".join(KERNELS)

@@ -38,18 +38,19 @@ class Case:
     dtype: str = "fp64"
     kernel: str = "math"
     sink: bool = False
+    layout: str = "fcp"      # "thd": TE's per-document zigzag over the groups, on TE's ring
 
     @property
     def name(self) -> str:
         return (f"a{self.degree}-{self.docs}-{'causal' if self.causal else 'full'}-h{self.heads[0]}kv{self.heads[1]}-"
-                f"{self.graph}-{self.dtype}-{self.kernel}{'-sink' if self.sink else ''}")
+                f"{self.graph}-{self.dtype}-{self.kernel}{'-sink' if self.sink else ''}-{self.layout}")
 
 
 def make_plan(case: Case, ranks: tuple):
     from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
 
     return compile_packed_head_parallel(TOPOLOGIES[len(ranks)], ranks, DOCS[case.docs], *case.heads, case.degree,
-                                        case.graph, causal=case.causal, block_tokens=8)
+                                        case.graph, causal=case.causal, block_tokens=8, layout=case.layout)
 
 
 def _inputs(case: Case):

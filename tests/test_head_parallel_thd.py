@@ -4,7 +4,8 @@ one head group, attention local over the whole batch) and cp = 8 (a = 4 and a = 
 Every case against an FP64 per-document reference (plain torch, each document attended alone):
 out, LSE, dQ, dK, dV within 1e-12 x max(1, max|ref|) on every rank's shard; GQA with and without KV
 replication (h = 4, h_kv = 2 / 1 at a = 2; h = 8, h_kv = 2 at a = 4), causal and not, a sink, the
-fused CPU flash kernel in FP32 (1e-5), members without tokens. The member placement is checked
+fused CPU flash kernel in FP32 (1e-5), members without tokens, and Transformer Engine's layout on
+its ring (``layout="thd"``). The member placement is checked
 pure: each group's member shards concatenate to the group's placement shard. Bad input raises
 ValueError before any communication. Pure: the merged stage plan and the all-to-all sizes the
 cost model prices, and choose_packed_head_parallel's choice (the least predicted time).
@@ -35,10 +36,12 @@ CASES_4 = [
     Case(2, "tiny", True), Case(2, "mix", True, graph="ring"), Case(2, "mix", True, sink=True),
     Case(2, "mix", True, dtype="fp32", kernel="cpu-flash"),
     Case(4, "mix", True, heads=(8, 2)), Case(4, "mix", False, heads=(8, 2)), Case(4, "tiny", True, heads=(8, 2)),
+    Case(2, "mix", True, layout="thd"),
 ]
 CASES_8 = [
     Case(4, "mix", True, heads=(8, 2)), Case(4, "mix", False, heads=(8, 2)), Case(4, "one", True, heads=(8, 4)),
     Case(2, "mix", True), Case(2, "mix", True, heads=(4, 1), graph="ring"),
+    Case(4, "mix", True, heads=(8, 2), layout="thd"), Case(2, "one", True, layout="thd"),
 ]
 
 

@@ -40,7 +40,7 @@ def _count_planning(monkeypatch) -> list[str]:
     calls: list[str] = []
     original_compile = program_mod._compile
     monkeypatch.setattr(program_mod, "_compile", lambda *a: calls.append("compile_backward") or original_compile(*a))
-    for name in ("choose_packed_head_parallel", "place_batch", "place_batch_groups", "build_group_plan",
+    for name in ("choose_packed_plan", "place_batch", "place_batch_groups", "build_group_plan",
                  "compile_packed_head_parallel"):
         original = getattr(runtime_mod, name)
 
@@ -82,19 +82,19 @@ def test_a_lookup_waits_for_the_batch_under_way_and_raises_its_error(monkeypatch
     rt = _runtime()
     docs = tuple(lognormal_lengths(5.0, 1.0, 2048, seed=7))
     gate = threading.Event()
-    original = runtime_mod.choose_packed_head_parallel
+    original = runtime_mod.choose_packed_plan
 
     def slow_then_fail(*args, **kwargs):
         gate.wait(timeout=30)
         raise ValueError("planning failed: fix the documents")
 
-    monkeypatch.setattr(runtime_mod, "choose_packed_head_parallel", slow_then_fail)
+    monkeypatch.setattr(runtime_mod, "choose_packed_plan", slow_then_fail)
     fut = rt.prefetch_packed(RANKS, docs)
     assert not fut.done()
     gate.set()
     with pytest.raises(ValueError, match="planning failed"):
         rt.packed_degree(RANKS, docs)
-    monkeypatch.setattr(runtime_mod, "choose_packed_head_parallel", original)
+    monkeypatch.setattr(runtime_mod, "choose_packed_plan", original)
     assert rt.packed_degree(RANKS, docs) >= 1          # planned on the spot afterwards
     reset_fcp()
 

@@ -121,7 +121,8 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.mask import Mask, as_mask, check_window, pair_count
 from megatron_fcp.jit import jit
 
-__all__ = ["Span", "Placement", "place_packed", "span_pairs", "lognormal_lengths", "check_doc_lengths",
+__all__ = ["Span", "Placement", "place_packed", "thd_padded_lengths", "thd_placement", "span_pairs",
+           "lognormal_lengths", "check_doc_lengths",
            "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "node_groups", "check_placement_args", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
 
 _log = logging.getLogger(__name__)
@@ -487,6 +488,44 @@ def check_doc_lengths(doc_lengths: Sequence[int]) -> None:
         if isinstance(n, bool) or int(n) != n or n < 1:
             raise ValueError(f"doc_lengths[{d}] = {n!r}: every document needs at least 1 token "
                              "(drop empty documents from cu_seqlens)")
+
+
+def thd_padded_lengths(doc_lengths: Sequence[int], cp: int) -> np.ndarray:
+    """Each document's length rounded up to a multiple of ``2*cp`` (int64), as Transformer Engine pads
+    a THD batch under context parallelism (``cu_seqlens_padded``)."""
+    check_doc_lengths(doc_lengths)
+    L = np.asarray(doc_lengths, dtype=np.int64)
+    return -(-L // (2 * cp)) * (2 * cp)
+
+
+def thd_placement(doc_lengths: Sequence[int], n: int, *, pad_ranks: int | None = None,
+                  causal: bool = True) -> Placement:
+    """Transformer Engine's layout of a packed batch over ``n`` ranks (Note [Transformer Engine on a
+    packed batch] in :mod:`megatron_fcp.cost.te`): document ``d`` padded to ``P_d``, a multiple of
+    ``2 * pad_ranks`` (default ``n``; TE's ``a2a+p2p`` pads to its whole CP size and rings over
+    ``n`` nodes), cut into ``2n`` chunks of ``P_d / 2n`` tokens; rank ``i`` holds chunks ``i`` and
+    ``2n-1-i`` of every document, in document order. Padding sits at a document's end and is not
+    placed: a chunk keeps its real tokens, and a chunk with none is left out. Every rank then holds
+    the same causal work of every document, as TE's ranks do."""
+    lengths = check_placement_args(doc_lengths, n, 1)
+    P = thd_padded_lengths(lengths, n if pad_ranks is None else pad_ranks)
+    L = np.asarray(lengths, dtype=np.int64)
+    chunk = P // (2 * n)                                                     # [D] tokens per chunk
+    idx = np.arange(n)
+    blocks = []
+    for i in range(n):
+        pieces = []
+        for c in (idx[i], 2 * n - 1 - idx[i]):                               # its two chunks of every document
+            pieces.append((np.minimum(c * chunk, L), np.minimum((c + 1) * chunk, L)))
+        (s0, e0), (s1, e1) = pieces                                          # [D] each
+        rank = []
+        for d, a0, b0, a1, b1 in zip(range(len(L)), s0.tolist(), e0.tolist(), s1.tolist(), e1.tolist()):
+            if b0 > a0:
+                rank.append(Span(d, a0, b0))
+            if b1 > a1:
+                rank.append(Span(d, a1, b1))
+        blocks.append(tuple(rank))
+    return Placement(lengths, tuple(blocks), causal)
 
 
 def check_placement_args(doc_lengths: Sequence[int], cp: int, block_tokens: int) -> tuple[int, ...]:

@@ -98,7 +98,7 @@ import numpy as np
 
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.needs import causal_pairs, chunk_need_matrix
-from megatron_fcp.contract.placement import check_doc_lengths
+from megatron_fcp.contract.placement import thd_padded_lengths
 from megatron_fcp.contract.plan import check_cp_ranks, halo_plan
 from megatron_fcp.cost.backward import simulate_plan_backward
 from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress, rank_pairs
@@ -116,7 +116,7 @@ from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound", "thd_padded_lengths", "thd_rank_work",
            "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "simulate_te_a2a", "simulate_te_all_gather",
-           "simulate_halo_ring", "te_refuses_window", "TE_WINDOW_TYPES", "te_ring_steps_s"]
+           "simulate_halo_ring", "te_refuses_window", "TE_WINDOW_TYPES", "te_ring_steps_s", "te_thd_floor"]
 
 TE_WINDOW_TYPES = ("a2a", "all_gather")
 """TE's ``cp_comm_type`` values that run a sliding window (Note [Transformer Engine under a sliding window])."""
@@ -152,7 +152,8 @@ def simulate_te_p2p(
     shape, _ = pad_for_zigzag(shape, cp)  # as Megatron pads
     pair_bytes = 2 * kv_block_bytes(shape.seq_len, cp, shape.kv_heads, shape.head_dim, shape.dtype_bytes,
                                     v_head_dim=shape.v_head_dim)
-    rounds = [[(ranks[i], ranks[(i + 1) % cp], pair_bytes) for i in range(cp)] for _ in range(cp - 1)]
+    hop = [(ranks[i], ranks[(i + 1) % cp], pair_bytes) for i in range(cp)]
+    rounds = [hop] * (cp - 1)                    # one round object, routed once (simulate_rounds)
     res = simulate_rounds(topo, rounds, round_overhead_s, name="te-p2p")
     res.meta.update(graph="ring", steps=cp)
     if not compute:
@@ -196,18 +197,7 @@ def simulate_te_a2a_p2p(
     cm = compute_model or ComputeModel()
     cp = len(ranks)
     shape, _ = pad_for_zigzag(shape, cp)  # as Megatron pads
-    groups: dict[int, list[int]] = {}
-    for r in ranks:
-        groups.setdefault(topo.node_of(r), []).append(r)
-    sizes = {len(g) for g in groups.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"te-a2a-p2p: nodes hold different numbers of CP ranks {sorted(sizes)}")
-    g = sizes.pop()
-    if shape.heads % g or shape.kv_heads % g:
-        raise ValueError(
-            f"te-a2a-p2p: heads ({shape.heads}) and kv_heads ({shape.kv_heads}) must divide by the "
-            f"{g} CP ranks per node"
-        )
+    groups, g = _a2a_p2p_nodes(topo, ranks, shape)
     nodes = list(groups)
     n = len(nodes)
     L2 = shape.seq_len / cp  # tokens per rank (two zigzag chunks)
@@ -215,7 +205,7 @@ def simulate_te_a2a_p2p(
     a2a_out = [(a, b, shape.o_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
     ring_bytes = shape.kv_bytes(L2)  # node sequence (g*L2 tokens) of heads/g KV heads
     ring = [[(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k], ring_bytes) for x in range(n) for k in range(g)]
-            for _ in range(n - 1)]
+            ] * (n - 1)                          # one round object, routed once (simulate_rounds)
     rounds = ([a2a_in] if g > 1 else []) + ring + ([a2a_out] if g > 1 else [])
     res = simulate_rounds(topo, rounds, round_overhead_s, name="te-a2a-p2p")
     res.meta.update(graph="a2a+ring", ranks_per_node=g, nodes=n)
@@ -281,13 +271,6 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
             "causal": bool(causal), "window": mask.window}
 
 
-def thd_padded_lengths(doc_lengths: Sequence[int], cp: int) -> np.ndarray:
-    """Each document's length rounded up to a multiple of ``2*cp`` (int64), as TE pads THD."""
-    check_doc_lengths(doc_lengths)
-    L = np.asarray(doc_lengths, dtype=np.int64)
-    return -(-L // (2 * cp)) * (2 * cp)
-
-
 def thd_rank_work(doc_lengths: Sequence[int], cp: int, causal: bool = True) -> np.ndarray:
     """Real attention work (query-key pairs under the document mask) of each CP rank (int64 ``[cp]``)
     under TE's per-document zigzag; see Note [Transformer Engine on a packed batch]."""
@@ -351,6 +334,13 @@ def _thd_shape(doc_lengths: Sequence[int], cp: int, shape: AttentionShape) -> At
     return replace(shape, seq_len=int(thd_padded_lengths(doc_lengths, cp).sum()))
 
 
+def _ring_backward_rounds(hops: list[tuple[int, int]], steps: int, kv_bytes: float) -> list:
+    """TE's backward ring's rounds: round 0 KV, rounds 1..steps-2 KV and dKV, the last dKV home;
+    the repeated rounds are one object each (routed once: :func:`~megatron_fcp.cost.model.simulate_rounds`)."""
+    kv, both = ([(a, b, kv_bytes * m) for a, b in hops] for m in (1, 2))
+    return [kv] + [both] * (steps - 2) + [kv] if hops and steps > 1 else []
+
+
 def _ring_backward(topo: Topology, hops: list[tuple[int, int]], steps: int, kv_bytes: float, step_s,
                    round_overhead_s: float, name: str, pre: list | None = None,
                    post: list | None = None) -> SimResult:
@@ -359,8 +349,7 @@ def _ring_backward(topo: Topology, hops: list[tuple[int, int]], steps: int, kv_b
     ``pre``/``post``: exposed all-to-all rounds before and after. ``step_s``: seconds of every step,
     or a list of each step's."""
     step_list = [float(step_s)] * steps if np.isscalar(step_s) else [float(x) for x in step_s]
-    ring = [[(a, b, kv_bytes * (1 if k in (0, steps - 1) else 2)) for a, b in hops] for k in range(steps)] \
-        if hops and steps > 1 else []
+    ring = _ring_backward_rounds(hops, steps, kv_bytes)
     rounds = ([pre] if pre else []) + ring + ([post] if post else [])
     res = simulate_rounds(topo, rounds, round_overhead_s, name=name)
     dur = [e["end_s"] - e["start_s"] for e in res.timeline]
@@ -456,10 +445,7 @@ def simulate_te_a2a_p2p_thd(
     else:
         step = node_work / (g * n) * flop_s * ratio + cm.kernel_overhead_s
     steps = [step] * n if np.isscalar(step) else step
-    groups: dict[int, list[int]] = {}
-    for r in ranks:
-        groups.setdefault(topo.node_of(r), []).append(r)
-    nodes = list(groups)
+    groups = _node_ranks(topo, ranks)
     L2 = tshape.seq_len / cp
     if not backward:
         res = fwd
@@ -473,16 +459,80 @@ def simulate_te_a2a_p2p_thd(
         res.compute_s = float(sum(steps)) if not np.isscalar(step) else step * n
         res.total_s = max(t + d_out, res.comm_s)
     else:
-        pre = [(a, b, tshape.o_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
-        post = [(a, b, (tshape.q_bytes(L2) + tshape.kv_bytes(L2)) / g) for m in groups.values() for a in m for b in m
-                if a != b]
-        hops = [(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k]) for x in range(n) for k in range(g)] \
-            if n > 1 else []
+        pre, post, hops = _a2a_p2p_backward_messages(groups, tshape, g)
         res = _ring_backward(topo, hops, n, tshape.kv_bytes(L2), step, round_overhead_s, "te-a2a-p2p",
                              pre if g > 1 else None, post if g > 1 else None)
         res.meta.update(graph="a2a+ring", ranks_per_node=g, nodes=n)
     _thd_meta(res, doc_lengths, tshape, work)
     return res
+
+
+def _node_ranks(topo: Topology, ranks: Sequence[int]) -> dict[int, list[int]]:
+    """The CP ranks of every node, nodes in the order they first appear in CP order."""
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(topo.node_of(r), []).append(r)
+    return groups
+
+
+def _a2a_p2p_nodes(topo: Topology, ranks: Sequence[int], shape: AttentionShape) -> tuple[dict[int, list[int]], int]:
+    """TE ``a2a+p2p``'s nodes (:func:`_node_ranks`) and CP ranks per node; ValueError where TE does
+    not run it: nodes holding different numbers of CP ranks, or heads / kv_heads not divisible by
+    the ranks per node (TE's own requirement)."""
+    groups = _node_ranks(topo, ranks)
+    sizes = {len(m) for m in groups.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"te-a2a-p2p: nodes hold different numbers of CP ranks {sorted(sizes)}")
+    g = sizes.pop()
+    if shape.heads % g or shape.kv_heads % g:
+        raise ValueError(
+            f"te-a2a-p2p: heads ({shape.heads}) and kv_heads ({shape.kv_heads}) must divide by the "
+            f"{g} CP ranks per node"
+        )
+    return groups, g
+
+
+def _rail_hops(groups: dict[int, list[int]], g: int) -> list[tuple[int, int]]:
+    """The hops of TE ``a2a+p2p``'s ring: rank ``k`` of each node to rank ``k`` of the next."""
+    nodes = list(groups)
+    n = len(nodes)
+    return [(groups[nodes[x]][k], groups[nodes[(x + 1) % n]][k]) for x in range(n) for k in range(g)] if n > 1 else []
+
+
+def _a2a_p2p_backward_messages(groups: dict[int, list[int]], tshape: AttentionShape, g: int) -> tuple[list, list, list]:
+    """TE ``a2a+p2p``'s backward on the padded THD shape ``tshape``: the dO all-to-all in, the
+    dQ/dK/dV all-to-all out (messages) and the ring's hops across rail peers."""
+    L2 = tshape.seq_len / (len(groups) * g)                   # a rank's padded tokens
+    pre = [(a, b, tshape.o_bytes(L2) / g) for m in groups.values() for a in m for b in m if a != b]
+    post = [(a, b, (tshape.q_bytes(L2) + tshape.kv_bytes(L2)) / g) for m in groups.values() for a in m for b in m
+            if a != b]
+    return pre, post, _rail_hops(groups, g)
+
+
+def te_thd_floor(topology: "Topology | str", cp_ranks: Sequence[int], doc_lengths: Sequence[int],
+                 shape: AttentionShape, cp_comm_type: str, *, round_overhead_s: float = 0.0) -> float:
+    """A floor on TE's forward + backward seconds on a packed batch (``cp_comm_type`` ``"p2p"``:
+    :func:`simulate_te_p2p_thd`, ``"a2a+p2p"``: :func:`simulate_te_a2a_p2p_thd`), from its messages
+    alone: each pass lasts at least its rounds back to back (the forward's ``total_s`` is at least
+    its ``comm_s``; the backward's ring steps each wait for their round). No compute is priced, so it
+    costs a few rounds' routing (the ring's rounds repeat one object), not the document work: what a
+    search uses to leave TE's layout out where TE cannot be fast (Note [TE's layout as a candidate] in
+    :mod:`megatron_fcp.planner.packed_choice`). Raises ValueError where TE cannot run it."""
+    topo = load_topology(topology)
+    ranks = check_cp_ranks(topo, cp_ranks)
+    cp = len(ranks)
+    tshape = _thd_shape(doc_lengths, cp, shape)
+    if cp_comm_type == "p2p":
+        hops, n = ([(ranks[i], ranks[(i + 1) % cp]) for i in range(cp)] if cp > 1 else []), cp
+    elif cp_comm_type == "a2a+p2p":
+        groups, g = _a2a_p2p_nodes(topo, ranks, tshape)
+        hops, n = _rail_hops(groups, g), len(groups)
+    else:
+        raise ValueError(f"te_thd_floor: cp_comm_type 'p2p' or 'a2a+p2p', got {cp_comm_type!r}")
+    kv = tshape.kv_bytes(tshape.seq_len / cp)          # a rank's padded shard (a2a+p2p: its node's, h/g heads)
+    forward = [(a, b, kv) for a, b in hops]
+    rounds = [forward] * (n - 1) + _ring_backward_rounds(hops, n, kv)
+    return simulate_rounds(topo, rounds, round_overhead_s).comm_s
 
 
 def _thd_meta(res: SimResult, doc_lengths, tshape: AttentionShape, work: np.ndarray) -> None:

@@ -116,7 +116,9 @@ from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.builders import BUILDERS
 from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule, lower_bound_all
 from megatron_fcp.planner.compare import packed_lower_bound_all, packed_need_stats
-from megatron_fcp.planner.head_parallel import choose_packed_head_parallel, compile_head_parallel, packed_degree_plan
+from megatron_fcp.planner.head_parallel import compile_head_parallel, packed_degree_plan
+from megatron_fcp.planner.packed_choice import PackedChoice, choose_packed_plan
+from megatron_fcp.planner.placing import THD_GRAPH
 from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 
@@ -462,19 +464,18 @@ def _choice_info(choice: ScheduleChoice) -> dict:
 
 
 def packed_hp_choice(shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...],
-                     cm: ComputeModel) -> tuple[int, dict[int, float], dict]:
+                     cm: ComputeModel) -> tuple[PackedChoice, dict[int, float], dict]:
     """What the Megatron runtime runs on this packed batch under ``--fcp-head-parallel auto
-    --fcp-graph auto`` (:meth:`~megatron_fcp.patches.runtime.FCPRuntime.packed_degree`):
-    :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel` over every degree whose
+    --fcp-graph auto --fcp-packed-layout auto`` (:meth:`~megatron_fcp.patches.runtime.FCPRuntime.packed_choice`):
+    :func:`~megatron_fcp.planner.packed_choice.choose_packed_plan` over every degree whose
     head groups fit inside nodes, ``shape``'s block tokens and backward KV mode, timed on the
-    emulated compute model with gloo's timeline (:data:`GLOO_TCP`). Returns the degree, every
-    simulated degree's seconds and every degree's compiled plan."""
+    emulated compute model with gloo's timeline (:data:`GLOO_TCP`). Returns the choice, the seconds
+    of every degree simulated in FCP's layout and every choice's compiled plan."""
     plans: dict = {}
-    degree, times = choose_packed_head_parallel(topo, ranks, shape.doc_lengths, shape.attention(), graph="auto",
-                                                causal=shape.causal, block_tokens=shape.block_tokens,
-                                                compute_model=cm, plans=plans, backward_kv=shape.backward_kv,
-                                                **GLOO_TCP)
-    return degree, times, plans
+    choice, times = choose_packed_plan(topo, ranks, shape.doc_lengths, shape.attention(), graph="auto",
+                                       causal=shape.causal, block_tokens=shape.block_tokens,
+                                       compute_model=cm, plans=plans, backward_kv=shape.backward_kv, **GLOO_TCP)
+    return choice, {c.degree: t for c, t in times.items() if c.layout == "fcp"}, plans
 
 
 def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...], cm: ComputeModel,
@@ -486,21 +487,28 @@ def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, .
     :class:`PackedHeadParallelWorkload`. A windowed packed batch runs without the stage, as the
     runtime's windowed layers do."""
     if shape.doc_lengths:
-        degree, times, plans = (1, {}, {}) if shape.window else packed_hp_choice(shape, topo, ranks, cm)
+        choice, times, plans = (PackedChoice(1), {}, {}) if shape.window else packed_hp_choice(shape, topo, ranks, cm)
+        degree = choice.degree
+        if degree == 1 and choice.layout == "thd":     # TE's layout on TE's ring (Note [TE's layout as a candidate])
+            w = _fcp(name, THD_GRAPH, shape, topo, ranks, plans[choice].placement)
+            w.info.update(head_parallel=1, degree_times=times, layout="thd",
+                          note="packed batch: the runtime's choice is TE's layout on its ring")
+            return w
         if degree == 1:
             w = _fcp(name, "auto", shape, topo, ranks, placement)
             w.info.update(head_parallel=1, degree_times=times,
                           note="packed batch: the runtime's degree choice is 1 (graph auto over the placement)"
                           if not shape.window else "windowed packed batch: the runtime runs it without the stage")
             return w
-        hp = plans[degree]
+        hp = plans[choice]
         w = PackedHeadParallelWorkload(name, shape, ranks, hp_plan=hp, requested_kv=shape.backward_kv)
         w.backward_kv = executor_program(shape.backward_kv, hp.kv_plan_for(0), sum(shape.doc_lengths),
                                          stage_shape(hp, shape.attention()).kv_heads, shape.head_dim).mode
         w.info = {"graph": f"a2a x{degree} + {hp.kv_plan.name}" if hp.kv_plan is not None else f"a2a x{degree}",
                   "head_parallel": degree, "head_groups": [list(g) for g in hp.head_groups],
                   "kv_replication": hp.kv_replication, "backward_kv": w.backward_kv,
-                  "rounds": len(hp.kv_plan.rounds) if hp.kv_plan is not None else 0, "degree_times": times}
+                  "rounds": len(hp.kv_plan.rounds) if hp.kv_plan is not None else 0, "degree_times": times,
+                  "layout": choice.layout}
         return w
     choice = fcp_hp_choice(shape, topo, ranks, cm)
     hp = choice.plan

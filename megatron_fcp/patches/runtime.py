@@ -24,7 +24,10 @@ head groups fit inside nodes and split the heads per tensor-parallel rank
 the one of least predicted forward + backward time for its documents
 (:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`, the configured graph,
 ``--fcp-packed-balance``, and the backward as it runs under ``--fcp-backward-kv`` and
-``--fcp-kv-memory-budget``).
+``--fcp-kv-memory-budget``), and its layout by ``--fcp-packed-layout``: under ``auto`` FCP's
+placement, or Transformer Engine's per-document zigzag on TE's ring where TE's schedule is
+predicted faster (:func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`, Note [TE's layout
+as a candidate]); the batch's placement, stage and causal plan follow the layout.
 The choice is a pure function of the lengths, so every rank makes the same one; the per-batch
 agreement compares the stage with the placement. The layout (``shard_packed_batch``, RoPE) and
 every layer follow the batch's degree (:meth:`FCPRuntime.packed_degree`); the process groups of
@@ -108,17 +111,14 @@ from megatron_fcp.contract.head_parallel import (
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, check_doc_lengths
-from megatron_fcp.planner.placing import place_batch, place_batch_groups
+from megatron_fcp.planner.placing import layout_graph, place_batch, place_batch_groups
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.patches.schedule import schedule_report, search_share, settle_schedule
 from megatron_fcp.planner.build import build_plan
 from megatron_fcp.planner.choose import ScheduleChoice
-from megatron_fcp.planner.head_parallel import (
-    choose_packed_head_parallel,
-    compile_head_parallel,
-    compile_packed_head_parallel,
-)
+from megatron_fcp.planner.head_parallel import compile_head_parallel, compile_packed_head_parallel
+from megatron_fcp.planner.packed_choice import PackedChoice, choose_packed_plan
 from megatron_fcp.planner.megatron_layout import MegatronLayout
 from megatron_fcp.schedule.program import BackwardPolicy, compile_backward
 from megatron_fcp.topology import TopologyError, load_topology
@@ -228,14 +228,16 @@ def build_group_plan(
     dtype_bytes: int = 2,
     placement: Placement | None = None,
     window: tuple[int, int] | None = None,
+    graph: str | None = None,
 ) -> Plan:
-    """Build the plan of one CP group with the configured graph (verified as it is built);
-    ``placement``: a packed batch's placement instead of Megatron's zigzag split; ``window``: a
-    sliding window (Megatron's ``(left, right)``): the plan moves each block only to the ranks whose
-    window reaches it (a zigzag plan then needs ``seq_len``, the padded global sequence)."""
+    """Build the plan of one CP group with the configured graph (``graph``: another; verified as it
+    is built); ``placement``: a packed batch's placement instead of Megatron's zigzag split;
+    ``window``: a sliding window (Megatron's ``(left, right)``): the plan moves each block only to
+    the ranks whose window reaches it (a zigzag plan then needs ``seq_len``, the padded global
+    sequence)."""
     extra = {} if window is None else {"window": tuple(window)}
     plan = build_plan(
-        topology, tuple(cp_ranks), config.graph, causal=causal, parts_per_chunk=parts_per_chunk,
+        topology, tuple(cp_ranks), graph or config.graph, causal=causal, parts_per_chunk=parts_per_chunk,
         seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
         placement=placement, **extra,
     )
@@ -491,47 +493,58 @@ class FCPRuntime:
         if cp_ranks is None:
             cp_ranks = self._own_cp_group()
         self._take_prefetched(cp_ranks, doc_lengths, causal)
-        degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
-        key = ("placement", tuple(doc_lengths), bool(causal), None if degree == 1 else tuple(cp_ranks))
+        degree, layout = self.packed_choice(tuple(cp_ranks), doc_lengths, causal=causal)
+        key = ("placement", tuple(doc_lengths), bool(causal), None if degree == 1 else tuple(cp_ranks), layout)
         if key not in self.packed:
             block = self.config.block_tokens or DEFAULT_BLOCK_TOKENS
             if degree == 1:
                 placement = place_batch(self.topology, tuple(cp_ranks), doc_lengths, block_tokens=block, causal=causal,
-                                        balance=self.config.packed_balance)
+                                        balance=self.config.packed_balance, layout=layout)
             else:
                 groups = head_groups_for(self.topology, tuple(cp_ranks), degree)
                 placement = place_batch_groups(self.topology, tuple(cp_ranks), groups, doc_lengths,
                                                block_tokens=block, causal=causal,
-                                               balance=self.config.packed_balance)[1]
+                                               balance=self.config.packed_balance, layout=layout)[1]
             self._remember(key, placement)
         self.packed.move_to_end(key)
         return self.packed[key]
 
     def packed_degree(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *, causal: bool = True) -> int:
-        """The head-parallel degree of a packed batch on CP group ``cp_ranks``: the run's degree, or
-        under ``auto`` the batch's own (Note [Head-parallel degree of a packed batch]; cached)."""
+        """The head-parallel degree of a packed batch on CP group ``cp_ranks``
+        (:meth:`packed_choice`'s)."""
+        return self.packed_choice(cp_ranks, doc_lengths, causal=causal).degree
+
+    def packed_choice(self, cp_ranks: tuple[int, ...], doc_lengths: tuple[int, ...], *,
+                      causal: bool = True) -> PackedChoice:
+        """The head-parallel degree and layout of a packed batch on CP group ``cp_ranks`` (cached): under
+        ``--fcp-head-parallel auto`` the batch's own, by ``--fcp-packed-layout``
+        (:func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`; Note [Head-parallel degree
+        of a packed batch]); with one degree (explicit or the only one that fits) that degree, in
+        FCP's layout unless ``--fcp-packed-layout thd`` (nothing is priced per batch)."""
+        forced = self.config.packed_layout
         if self.layout.cp == 1:
-            return 1
+            return PackedChoice(1, "fcp")
         if not self.packed_degrees:
-            return self.head_parallel_degree()
+            return PackedChoice(self.head_parallel_degree(), "thd" if forced == "thd" else "fcp")
         self._take_prefetched(cp_ranks, doc_lengths, causal)
-        key = ("degree", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
+        key = ("choice", tuple(cp_ranks), tuple(doc_lengths), bool(causal))
         if key not in self.packed:
             shape = dataclasses.replace(self.packed_shape, seq_len=sum(doc_lengths))
             compiled: dict = {}
-            best, _ = choose_packed_head_parallel(self.topology, tuple(cp_ranks), tuple(doc_lengths), shape,
-                                                  degrees=self.packed_degrees, graph=self.config.graph, causal=causal,
-                                                  block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
-                                                  plans=compiled, placement_balance=self.config.packed_balance,
-                                                  backward_kv=self.config.backward_kv,
-                                                  kv_memory_budget=self.config.kv_memory_budget)
+            best, _ = choose_packed_plan(self.topology, tuple(cp_ranks), tuple(doc_lengths), shape,
+                                         layout=forced, degrees=self.packed_degrees, graph=self.config.graph,
+                                         causal=causal, block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
+                                         plans=compiled, placement_balance=self.config.packed_balance,
+                                         backward_kv=self.config.backward_kv,
+                                         kv_memory_budget=self.config.kv_memory_budget)
             self._remember(key, best)
             hp = compiled.get(best)
-            if best > 1 and self._compiles_as_runtime(hp, tuple(cp_ranks), shape):
+            if best.degree > 1 and self._compiles_as_runtime(hp, tuple(cp_ranks), shape):
                 # the chosen stage, compiled as packed_head_parallel would: the batch runs it as it is
                 self._remember(("hp", tuple(cp_ranks), tuple(doc_lengths), bool(causal), shape.heads,
                                 shape.kv_heads), hp)
-                self._remember(("placement", tuple(doc_lengths), bool(causal), tuple(cp_ranks)), hp.placement)
+                self._remember(("placement", tuple(doc_lengths), bool(causal), tuple(cp_ranks), best.layout),
+                               hp.placement)
         self.packed.move_to_end(key)
         return self.packed[key]
 
@@ -562,13 +575,13 @@ class FCPRuntime:
         self._take_prefetched(cp_ranks, doc_lengths, causal)
         key = ("hp", tuple(cp_ranks), tuple(doc_lengths), bool(causal), int(heads), int(kv_heads))
         if key not in self.packed:
-            degree = self.packed_degree(tuple(cp_ranks), doc_lengths, causal=causal)
+            degree, layout = self.packed_choice(tuple(cp_ranks), doc_lengths, causal=causal)
             hp = compile_packed_head_parallel(
                 self.topology, tuple(cp_ranks), doc_lengths, heads, kv_heads, degree, self.config.graph, causal=causal,
                 head_groups=head_groups_for(self.topology, tuple(cp_ranks), degree),
                 block_tokens=self.config.block_tokens or DEFAULT_BLOCK_TOKENS,
                 head_dim=self.plan_args.get("head_dim"), dtype_bytes=self.plan_args.get("dtype_bytes", 2),
-                placement_balance=self.config.packed_balance)
+                placement_balance=self.config.packed_balance, layout=layout)
             if hp.placement != self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks)):
                 raise FCPStateError("the packed head-parallel plan's member placement differs from the batch's layout")
             self._remember(key, hp)
@@ -588,10 +601,13 @@ class FCPRuntime:
         key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal), window)
         if key not in self.packed:
             placement = self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks))
+            graph = self.config.graph
             if window is not None:  # the same blocks, need sets under the layer's window
                 placement = dataclasses.replace(placement, window=window)
+            else:                   # TE's layout runs on TE's ring (Note [TE's layout as a candidate])
+                graph = layout_graph(self.packed_choice(tuple(cp_ranks), doc_lengths, causal=causal).layout, graph)
             self._remember(key, build_group_plan(self.config, self.topology, tuple(cp_ranks), causal=causal,
-                                                 placement=placement, **self.plan_args))
+                                                 placement=placement, graph=graph, **self.plan_args))
         self.packed.move_to_end(key)
         return self.packed[key]
 

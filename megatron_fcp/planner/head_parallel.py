@@ -62,7 +62,7 @@ from megatron_fcp.contract.head_parallel import (
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
-from megatron_fcp.planner.placing import PACKED_BALANCE, place_batch, place_batch_groups
+from megatron_fcp.planner.placing import PACKED_BALANCE, layout_graph, place_batch, place_batch_groups
 from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.head_parallel_packed import PackedAsRun
@@ -159,6 +159,7 @@ def compile_packed_head_parallel(
     head_dim: int | None = None,
     dtype_bytes: int = 2,
     placement_balance: str = PACKED_BALANCE,
+    layout: str = "fcp",
 ) -> PackedHeadParallelPlan:
     """A verified :class:`PackedHeadParallelPlan` of one packed batch (Note [Head-parallel stage on
     packed batches] in :mod:`megatron_fcp.contract.head_parallel_packed`).
@@ -172,7 +173,10 @@ def compile_packed_head_parallel(
     then renamed onto virtual ranks ``0..G-1``. ``heads`` / ``kv_heads``: the attention's (per
     tensor-parallel rank); ValueError naming the fix when ``degree`` does not fit them or the CP
     size. ``degree`` must be >= 2 (degree 1 is the plain packed plan). ``placement_balance``:
-    what the placement balances (``place_packed``'s ``balance``; Note [Layer work])."""
+    what the placement balances (``place_packed``'s ``balance``; Note [Layer work]). ``layout``:
+    ``fcp`` or ``thd`` (TE's per-document zigzag over the groups,
+    :func:`~megatron_fcp.planner.placing.place_batch_groups`; ``graph`` is then not read: the KV
+    stage is TE's ring, :func:`~megatron_fcp.planner.placing.layout_graph`)."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     if degree < 2:
@@ -181,14 +185,15 @@ def compile_packed_head_parallel(
     rep = check_head_parallel(heads, kv_heads, degree, len(ranks))
     groups = tuple(tuple(g) for g in head_groups) if head_groups is not None \
         else head_groups_for(topo, ranks, degree)
-    place_kw = {"causal": causal, "balance": placement_balance}
+    place_kw = {"causal": causal, "balance": placement_balance, "layout": layout}
     if block_tokens is not None:
         place_kw["block_tokens"] = block_tokens
     group_pl, member_pl = place_batch_groups(topo, ranks, groups, doc_lengths, **place_kw)
     kv = None
     if len(groups) > 1:
         stage0 = tuple(g[0] for g in groups)
-        plan = build_plan(topo, stage0, graph, causal=causal, placement=group_pl, heads=heads // degree,
+        plan = build_plan(topo, stage0, layout_graph(layout, graph), causal=causal, placement=group_pl,
+                          heads=heads // degree,
                           kv_heads=kv_heads * rep // degree, head_dim=head_dim, dtype_bytes=dtype_bytes)
         kv = relabel_plan(plan, range(len(groups)))
     return PackedHeadParallelPlan(ranks, degree, groups, group_pl, member_pl, kv, rep).verify()
@@ -198,20 +203,23 @@ def compile_packed_head_parallel(
 def packed_degree_plan(topology: "Topology | str", cp_ranks: Sequence[int], doc_lengths: Sequence[int],
                        shape: AttentionShape, degree: int, *, graph: str = "hierarchical", causal: bool = True,
                        block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                       placement_balance: str = PACKED_BALANCE) -> "Plan | PackedHeadParallelPlan":
-    """The plan a packed batch runs at head-parallel ``degree``, as :func:`choose_packed_head_parallel`
-    prices it and the runtime runs it: ``1``, the plain plan over
-    :func:`~megatron_fcp.planner.placing.place_batch`; else :func:`compile_packed_head_parallel`
-    (its KV stage built with ``graph``)."""
+                       placement_balance: str = PACKED_BALANCE, layout: str = "fcp") -> "Plan | PackedHeadParallelPlan":
+    """The plan a packed batch runs at head-parallel ``degree`` and ``layout``, as the choices
+    (:func:`choose_packed_head_parallel`,
+    :func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`) price it and the runtime runs it:
+    ``1``, the plain plan over :func:`~megatron_fcp.planner.placing.place_batch`; else
+    :func:`compile_packed_head_parallel`; the KV plan built with
+    :func:`~megatron_fcp.planner.placing.layout_graph` of ``graph``."""
     topo = load_topology(topology)
     if degree == 1:
         pl = place_batch(topo, cp_ranks, doc_lengths, block_tokens=block_tokens, causal=causal,
-                         balance=placement_balance)
-        return build_plan(topo, cp_ranks, graph, causal=causal, placement=pl, heads=shape.heads,
+                         balance=placement_balance, layout=layout)
+        return build_plan(topo, cp_ranks, layout_graph(layout, graph), causal=causal, placement=pl, heads=shape.heads,
                           kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
     return compile_packed_head_parallel(topo, cp_ranks, doc_lengths, shape.heads, shape.kv_heads, degree, graph,
                                         causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
-                                        dtype_bytes=shape.dtype_bytes, placement_balance=placement_balance)
+                                        dtype_bytes=shape.dtype_bytes, placement_balance=placement_balance,
+                                        layout=layout)
 
 
 @gc_paused()

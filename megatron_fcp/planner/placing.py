@@ -6,6 +6,12 @@ placement] in :mod:`megatron_fcp.contract.placement`), so a document that fits i
 on it and its keys move over NVLink, not through a NIC. With a head-parallel stage the documents
 are placed over the head groups, each group standing where its members are. The placement
 balances the layer (:data:`PACKED_BALANCE`), not only its attention. Pure, no ``torch``.
+
+That is the ``"fcp"`` layout. The ``"thd"`` layout is Transformer Engine's: every document cut into
+``2n`` chunks, rank ``i`` holding chunks ``i`` and ``2n-1-i``
+(:func:`~megatron_fcp.contract.placement.thd_placement`), run on TE's ring (:func:`layout_graph`).
+FCP runs it only where TE's own schedule would beat FCP's plans (Note [TE's layout as a
+candidate] in :mod:`megatron_fcp.planner.packed_choice`).
 """
 
 from __future__ import annotations
@@ -13,17 +19,46 @@ from __future__ import annotations
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import gc_paused
-from megatron_fcp.contract.head_parallel_packed import place_packed_groups
+from megatron_fcp.contract.head_parallel_packed import place_packed_groups, split_group_placement
 from megatron_fcp.contract.layer_placement import place_balanced
-from megatron_fcp.contract.placement import Placement
+from megatron_fcp.contract.placement import Placement, thd_placement
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["place_batch", "place_batch_groups", "cp_nodes", "PACKED_BALANCE"]
+__all__ = ["place_batch", "place_batch_groups", "cp_nodes", "layout_graph", "check_layout", "PACKED_BALANCE", "PACKED_LAYOUTS", "LAYOUT_CHOICES",
+           "THD_GRAPH"]
 
 PACKED_BALANCE = "layer"
 """What a packed batch's placement balances unless told (``--fcp-packed-balance``): the layer's
 attention pairs *and* tokens (Note [Layer-balanced placement]), since the projections and MLP run on
 the placement's tokens too (Note [Layer work]); ``"attention"``: pairs alone."""
+
+
+PACKED_LAYOUTS = ("fcp", "thd")
+"""A packed batch's layouts: ``fcp``, FCP's placement (node-aware, balanced as told); ``thd``,
+Transformer Engine's per-document zigzag (:func:`~megatron_fcp.contract.placement.thd_placement`)."""
+
+LAYOUT_CHOICES = ("auto",) + PACKED_LAYOUTS
+"""``--fcp-packed-layout``: ``auto`` (FCP's layout, TE's where TE's schedule is faster: Note [TE's
+layout as a candidate] in :mod:`megatron_fcp.planner.packed_choice`), ``fcp`` or ``thd``."""
+
+THD_GRAPH = "ring"
+"""The graph the ``thd`` layout's KV moves on: TE's ring, whose backward streams as chains as TE's
+does (Note [Streaming chain backward] in :mod:`megatron_fcp.schedule.chains`). ``auto`` over that
+layout picks ``hierarchical``, whose backward runs in waves: 649.0 ms against the ring's 645.2 at
+cp = 16 (1M tokens, median 32K, 64:8; 2026-12-07)."""
+
+
+def layout_graph(layout: str, graph: str) -> str:
+    """The graph a packed batch's causal KV plan is built with under ``layout``: ``graph`` (the
+    configured one) for ``fcp``, :data:`THD_GRAPH` for ``thd``."""
+    check_layout(layout)
+    return THD_GRAPH if layout == "thd" else graph
+
+
+def check_layout(layout: str) -> None:
+    """ValueError naming the choices unless ``layout`` is one of :data:`PACKED_LAYOUTS`."""
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"packed layout {layout!r}: must be one of {', '.join(PACKED_LAYOUTS)}")
 
 
 def cp_nodes(topology: "Topology | str", cp_ranks: Sequence[int]) -> tuple[int, ...]:
@@ -33,23 +68,34 @@ def cp_nodes(topology: "Topology | str", cp_ranks: Sequence[int]) -> tuple[int, 
 
 @gc_paused()
 def place_batch(topology: "Topology | str", cp_ranks: Sequence[int], doc_lengths: Sequence[int], *,
-                balance: str = PACKED_BALANCE, **place_kw) -> Placement:
+                balance: str = PACKED_BALANCE, layout: str = "fcp", **place_kw) -> Placement:
     """The placement FCP runs packed batch ``doc_lengths`` with on CP group ``cp_ranks`` (global
-    ranks, CP order): :func:`~megatron_fcp.contract.layer_placement.place_balanced` over the
-    group's nodes, balancing ``balance`` (:data:`PACKED_BALANCE` unless told);
-    ``place_kw`` go to it."""
+    ranks, CP order): under the ``fcp`` layout
+    :func:`~megatron_fcp.contract.layer_placement.place_balanced` over the group's nodes, balancing
+    ``balance`` (:data:`PACKED_BALANCE` unless told), ``place_kw`` going to it; under ``thd`` TE's
+    per-document zigzag over the group (``causal`` read from ``place_kw``, the rest unused)."""
     ranks = tuple(cp_ranks)
+    check_layout(layout)
+    if layout == "thd":
+        return thd_placement(doc_lengths, len(ranks), causal=place_kw.get("causal", True))
     return place_balanced(doc_lengths, len(ranks), nodes=cp_nodes(topology, ranks), balance=balance, **place_kw)
 
 
 @gc_paused()
 def place_batch_groups(topology: "Topology | str", cp_ranks: Sequence[int], head_groups: Sequence[Sequence[int]],
-                       doc_lengths: Sequence[int], *, balance: str = PACKED_BALANCE,
+                       doc_lengths: Sequence[int], *, balance: str = PACKED_BALANCE, layout: str = "fcp",
                        **place_kw) -> tuple[Placement, Placement]:
     """``(group placement, member placement)`` of a packed batch under a head-parallel stage
     (:func:`~megatron_fcp.contract.head_parallel_packed.place_packed_groups`): the head groups are
     the placement's virtual ranks, each on the node of its members (None where a group spans
-    nodes: the group placement is then flat)."""
+    nodes: the group placement is then flat). Under the ``thd`` layout the group placement is TE's
+    per-document zigzag over the groups, documents padded to a multiple of twice the CP size as TE's
+    ``a2a+p2p`` pads them (with one group per node it is that schedule's layout)."""
+    check_layout(layout)
+    if layout == "thd":
+        group = thd_placement(doc_lengths, len(head_groups), pad_ranks=len(tuple(cp_ranks)),
+                              causal=place_kw.get("causal", True))
+        return group, split_group_placement(group, tuple(cp_ranks), head_groups)
     topo = load_topology(topology)
     domains = [set(cp_nodes(topo, g)) for g in head_groups]
     nodes = None if any(len(d) != 1 for d in domains) else tuple(d.pop() for d in domains)
