@@ -447,7 +447,7 @@ def train(
             if layout.cp > 1 and args.packed:  # plans follow each micro-batch's documents: show the first
                 lengths, _ = _packed_sample(0, 0, args)
                 cp_ranks = tuple(ps.get_context_parallel_global_ranks())
-                degree = runtime.packed_degree(cp_ranks, tuple(lengths))
+                degree, packed_layout = runtime.packed_choice(cp_ranks, tuple(lengths))
                 if degree == 1:
                     plan, placed, over = runtime.packed_plan(cp_ranks, tuple(lengths)), None, "CP ranks"
                 else:  # the KV stage runs over the head groups: their placement and plan are what to show
@@ -457,8 +457,9 @@ def train(
                 placed = placed or plan.placement
                 info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(cp_ranks),
                             rounds=len(plan.rounds), transfers=plan.num_transfers(), packed=True,
-                            head_parallel=degree)
-                say(f"FCP packed: first micro-batch {lengths}, head-parallel degree {degree}; placement over the "
+                            head_parallel=degree, packed_layout=packed_layout)
+                say(f"FCP packed: first micro-batch {lengths}, head-parallel degree {degree}, {packed_layout} layout; "
+                    f"placement over the "
                     f"{over}:\n{placed.summary()}\n{plan.round_table()}")
             elif layout.cp > 1:
                 plan = runtime.plan(tuple(ps.get_context_parallel_global_ranks()), causal=True,

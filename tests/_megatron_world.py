@@ -152,7 +152,7 @@ def _recompute(example, cp1: dict) -> dict:
 
 def _packed(example) -> dict:
     """Packed batches: cp = 1 (SDPA per document), cp = 4 with the agreements counted, cp = 4 with the
-    head-parallel stage (a = 2), tp = 2 at cp = 1 and tp = 2 x cp = 2."""
+    head-parallel stage (a = 2), cp = 4 in Transformer Engine's layout, tp = 2 at cp = 1 and tp = 2 x cp = 2."""
     from megatron_fcp.attention import agreement
 
     out = {"cp1": example.train(*example.parse_args(PACKED_COMMON + CP1), log=_quiet)}
@@ -170,6 +170,7 @@ def _packed(example) -> dict:
         agreement.agree = real
     out["cp4"]["agreements"] = len(calls)
     out["cp4hp2"] = example.train(*example.parse_args(PACKED_COMMON + ["--fcp-head-parallel", "2"]), log=_quiet)
+    out["cp4thd"] = example.train(*example.parse_args(PACKED_COMMON + ["--fcp-packed-layout", "thd"]), log=_quiet)
     out["tp2cp1"] = example.train(*example.parse_args(PACKED_COMMON + CP1 + ["--tensor-model-parallel-size", "2"]),
                                   log=_quiet)
     out["tp2cp2"] = example.train(*example.parse_args(

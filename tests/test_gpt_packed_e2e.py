@@ -11,6 +11,7 @@ seeded lognormal lengths, 256 tokens a sequence):
   under the default ``--fcp-head-parallel auto`` each batch runs the degree (1 or 2) the cost model
   predicts fastest for its documents (Note [Head-parallel degree of a packed batch]);
 * cp = 4 with the head-parallel stage, a = 2 (Note [Head-parallel stage on packed batches]);
+* cp = 4 in Transformer Engine's layout (``--fcp-packed-layout thd``, Note [TE's layout as a candidate]);
 * tp = 2, cp = 1 and tp = 2, cp = 2 with FCP.
 
 Losses must agree within 1e-5 relative per step (grad norms of tp = 2 against tp = 2, cp = 1, as in
@@ -76,6 +77,21 @@ def test_packed_head_parallel_a2_matches_cp1(runs):
     for step, (a, b) in enumerate(zip(hp["losses"], ref["losses"])):
         assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
     for step, (a, b) in enumerate(zip(hp["grad_norms"], ref["grad_norms"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs cp=1 {b}"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_packed_te_layout_matches_cp1(runs):
+    """cp = 4 with --fcp-packed-layout thd: every batch in Transformer Engine's per-document zigzag,
+    its KV on TE's ring (Note [TE's layout as a candidate]); the data path and RoPE follow that
+    placement. Losses and grad norms within 1e-5 of cp = 1."""
+    ref, thd = runs[0]["cp1"], runs[0]["cp4thd"]
+    assert thd["fcp"]["packed"] and thd["fcp"]["packed_layout"] == "thd" and thd["fcp"]["transfers"] > 0
+    assert thd["fcp"]["graph"] == "ring"
+    for step, (a, b) in enumerate(zip(thd["losses"], ref["losses"])):
+        assert _rel(a, b) <= 1e-5, f"step {step}: loss {a} vs cp=1 {b}"
+    for step, (a, b) in enumerate(zip(thd["grad_norms"], ref["grad_norms"])):
         assert _rel(a, b) <= 1e-5, f"step {step}: grad norm {a} vs cp=1 {b}"
 
 
