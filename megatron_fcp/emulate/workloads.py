@@ -26,8 +26,8 @@ Workload names (``--workloads``):
   chosen plan. ``info["choice"]`` is the runtime's report of it (label, predicted ms, runner-up).
   No ``/P`` suffix: the planner picks the blocks. On a packed batch the runtime chooses the degree
   per micro-batch (:func:`packed_hp_choice`, the runtime's
-  :func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`): degree 1 is
-  ``fcp-auto``'s run (graph ``auto`` over the placement), degree > 1 the packed head-parallel
+  :func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`): degree 1 is
+  ``fcp-auto``'s run (graph ``auto`` over the placement; TE's layout on its ring where that is the choice), degree > 1 the packed head-parallel
   engine over the chosen plan (:class:`PackedHeadParallelWorkload`); a windowed packed batch runs
   without the stage, as the runtime's windowed layers do;
 * ``fcp-<graph>`` for every graph builder (:data:`~megatron_fcp.planning.BUILDERS`) and ``fcp-auto``

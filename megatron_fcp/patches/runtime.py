@@ -22,7 +22,8 @@ length at setup) lets each packed batch choose its degree: the candidates are th
 head groups fit inside nodes and split the heads per tensor-parallel rank
 (:func:`~megatron_fcp.contract.head_parallel.head_parallel_degrees`, CP group 0), and a batch runs
 the one of least predicted forward + backward time for its documents
-(:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`, the configured graph,
+(:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel` inside
+:func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`, the configured graph,
 ``--fcp-packed-balance``, and the backward as it runs under ``--fcp-backward-kv`` and
 ``--fcp-kv-memory-budget``), and its layout by ``--fcp-packed-layout``: under ``auto`` FCP's
 placement, or Transformer Engine's per-document zigzag on TE's ring where TE's schedule is
