@@ -487,9 +487,11 @@ def keep_limits(plan: Plan, block_bytes: Callable[[Block], int], kv_memory_budge
     ``auto`` (:func:`first_keepers`): ``kv_memory_budget``, or under :data:`RING_BUDGET` what
     Transformer Engine's ring saves, its last received shard: for a plan that waves, the rank's own
     shard's K and V; for a chain plan (a ring), the largest shard's. A ring relays every shard
-    through one receive buffer, so the buffer holds the largest (TE pads every rank's shard to one
-    size, at least the largest real one: on its packed layout, where padding leaves shards a few
-    tokens apart, an own-shard limit left some ranks unable to keep and cost every rank a step)."""
+    through one receive buffer, so the buffer holds the largest. TE's ring on its packed layout
+    pads every shard to one size, at least the largest real one; there an own-shard limit left the
+    ranks whose real shard was a few tokens short unable to keep, and cost every rank a step. (On
+    FCP's own placements, whose shards differ by up to about 1%, the largest may be that much over
+    TE's padded shard of the same batch.)"""
     if kv_memory_budget != RING_BUDGET:
         return dict.fromkeys(plan.ranks, kv_memory_budget)
     own = {r: sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks}
