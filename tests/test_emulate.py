@@ -499,7 +499,7 @@ def test_packed_workloads_use_the_placement_and_tes_padding():
 
 @pytest.mark.parametrize("mode", ["auto", "resend"])
 def test_packed_fcp_hp_runs_the_runtimes_degree(mode):
-    """fcp-hp on a packed batch is the runtime's degree choice (choose_packed_head_parallel over
+    """fcp-hp on a packed batch is the runtime's degree choice (choose_packed_plan: choose_packed_head_parallel over
     every degree, the runtime's graph and block tokens, the emulated compute model and gloo's
     timeline): degree 2 here, the packed head-parallel engine over the chosen plan, its backward KV
     mode the executor's (compile_backward on a stage's plan), and a prediction equal to the choice's
@@ -534,6 +534,30 @@ def test_packed_fcp_hp_runs_the_runtimes_degree(mode):
     windowed = make_workloads(["fcp-hp"], replace(shape, window=(64, 0)), topo, cm)[0]
     assert isinstance(windowed, FcpWorkload) and windowed.info["head_parallel"] == 1
     assert windowed.info["degree_times"] == {} and windowed.plan.window == (64, 0)
+
+
+def test_packed_fcp_hp_runs_te_layout_where_the_runtime_would(monkeypatch):
+    """Where the runtime's choice is Transformer Engine's layout (Note [TE's layout as a candidate]),
+    fcp-hp runs that: at degree 1 a plain FCP workload over TE's per-document zigzag on the ring, at
+    degree 2 the packed head-parallel engine over the chosen stage. (The emulated batches are
+    communication-bound, so the choice is forced here.)"""
+    from megatron_fcp.contract.placement import thd_placement
+    from megatron_fcp.emulate import workloads as wl
+    from megatron_fcp.planner.head_parallel import packed_degree_plan
+    from megatron_fcp.planner.packed_choice import PackedChoice
+
+    spec, topo, cm, shape, _ = _prepared(docs=(300, 40, 700, 5))
+    for degree in (1, 2):
+        choice = PackedChoice(degree, "thd")
+        plan = packed_degree_plan(topo, range(4), shape.doc_lengths, shape.attention(), degree, layout="thd")
+        monkeypatch.setattr(wl, "packed_hp_choice", lambda *a, c=choice, p=plan: (c, {}, {c: p}))
+        w = make_workloads(["fcp-hp"], shape, topo, cm)[0]
+        assert w.info["layout"] == "thd" and w.info["head_parallel"] == degree
+        if degree == 1:
+            assert isinstance(w, FcpWorkload) and w.plan.name == "ring"
+            assert w.plan.placement == thd_placement(shape.doc_lengths, 4)
+        else:
+            assert w.hp_plan is plan and w.hp_plan.kv_plan.name == "ring"
 
 
 def test_packed_lower_bound_over_degrees():

@@ -9,7 +9,8 @@
   a bad layout is refused, naming the choices.
 * FP64 numerics of the layout on the in-process harness: out, LSE, dQ, dK, dV against a
   per-document reference (the gloo stage runs are in tests/test_head_parallel_thd.py).
-* The runtime runs the layout it chose: placement, stage and plan follow ``--fcp-packed-layout``.
+* The runtime runs the layout it chose: placement, stage and plan follow ``--fcp-packed-layout``;
+  a windowed layer keeps the batch's tokens and plans its window over them.
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ def test_runtime_runs_the_layout_it_chose():
                     plan = rt.packed_plan(ranks, docs)
                     assert (pl == thd_placement(docs, 4)) == (layout == "thd")
                     assert (plan.name == "ring") == (layout == "thd") and plan.placement == pl
+                    # a windowed layer: the same tokens, its window's need sets, the configured graph
+                    windowed = rt.packed_plan(ranks, docs, window=(16, 0))
+                    assert windowed.placement.blocks == pl.blocks and windowed.placement.window == (16, 0)
+                    assert windowed.name == "hierarchical"
                 else:
                     hp = rt.packed_head_parallel(ranks, docs, causal=True, heads=4, kv_heads=2)
                     assert hp.placement == pl

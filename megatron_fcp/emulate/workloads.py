@@ -118,7 +118,7 @@ from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule, lower_b
 from megatron_fcp.planner.compare import packed_lower_bound_all, packed_need_stats
 from megatron_fcp.planner.head_parallel import compile_head_parallel, packed_degree_plan
 from megatron_fcp.planner.packed_choice import PackedChoice, choose_packed_plan
-from megatron_fcp.planner.placing import THD_GRAPH
+from megatron_fcp.planner.placing import layout_graph
 from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 
@@ -490,7 +490,7 @@ def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, .
         choice, times, plans = (PackedChoice(1), {}, {}) if shape.window else packed_hp_choice(shape, topo, ranks, cm)
         degree = choice.degree
         if degree == 1 and choice.layout == "thd":     # TE's layout on TE's ring (Note [TE's layout as a candidate])
-            w = _fcp(name, THD_GRAPH, shape, topo, ranks, plans[choice].placement)
+            w = _fcp(name, layout_graph(choice.layout, "auto"), shape, topo, ranks, plans[choice].placement)
             w.info.update(head_parallel=1, degree_times=times, layout="thd",
                           note="packed batch: the runtime's choice is TE's layout on its ring")
             return w
