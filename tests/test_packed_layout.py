@@ -87,6 +87,31 @@ def test_fcp_on_te_layout_never_above_te():
         assert got <= te * (1 + 1e-9), (degree, got, te)
 
 
+def test_te_layout_chain_computes_own_blocks_in_one_step():
+    """On TE's layout the chain backward computes each rank's own blocks in one step (one call, as
+    TE's ring does); over FCP's layout of the same tokens they may spread (Note [Streaming chain
+    backward], "Own blocks"). A placement names its layout, and only two."""
+    import dataclasses
+
+    from megatron_fcp.planner.build import build_plan
+    from megatron_fcp.schedule.chains import chain_steps
+
+    def own_steps(plan):
+        size = lambda b: plan.block_tokens(b) * 64  # noqa: E731
+        steps = chain_steps(plan, size, pace=math.inf)
+        return {r: {s for s, st in enumerate(steps) for b, x in st.computes if x == r and b.owner == r}
+                for r in plan.ranks}
+
+    pl = thd_placement(LONG, 16)            # the cp = 16 cell where spreading cost three launches
+    assert pl.layout == "thd"
+    got = own_steps(build_plan("dgx-h100:2", range(16), "ring", placement=pl))
+    assert all(len(s) == 1 for s in got.values())
+    spread = own_steps(build_plan("dgx-h100:2", range(16), "ring", placement=dataclasses.replace(pl, layout="fcp")))
+    assert any(len(s) > 1 for s in spread.values())
+    with pytest.raises(ValueError, match="'fcp' or 'thd'"):
+        dataclasses.replace(pl, layout="te")
+
+
 def test_te_degrees():
     shape = AttentionShape(1, 64, 8, 128, 2)
     assert te_degrees("dgx-h100:2", range(16), shape, [1, 2, 4, 8]) == {1: "p2p", 8: "a2a+p2p"}

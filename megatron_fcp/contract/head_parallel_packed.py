@@ -97,7 +97,7 @@ def split_group_placement(group_placement: Placement, ranks: Sequence[int],
     if sorted(blocks) != sorted(ranks):
         raise PlanError(f"head groups {list(map(list, head_groups))} do not partition the CP ranks {list(ranks)}")
     return Placement(group_placement.doc_lengths, tuple(blocks[r] for r in ranks), group_placement.causal,
-                     group_placement.window)
+                     group_placement.window, group_placement.layout)
 
 
 def place_packed_groups(doc_lengths: Sequence[int], ranks: Sequence[int], head_groups: Sequence[Sequence[int]], *,

@@ -192,15 +192,22 @@ class Placement:
     causal: the mask the need sets follow.
     window: the sliding window ``(left, right)`` inside each document (Megatron's convention, -1:
         unbounded; ``(-1, -1)``: none). :attr:`mask` is ``causal`` and ``window`` together.
+    layout: what laid the tokens out: ``"fcp"`` (FCP's placements) or ``"thd"`` (Transformer
+        Engine's per-document zigzag, :func:`thd_placement`). The chain backward of a ``thd``
+        placement computes each rank's own blocks in one call, as TE's ring does (Note [Streaming
+        chain backward] in :mod:`megatron_fcp.schedule.chains`, "Own blocks").
     """
 
     doc_lengths: tuple[int, ...]
     blocks: tuple[tuple[Span, ...], ...]
     causal: bool = True
     window: tuple[int, int] = (-1, -1)
+    layout: str = "fcp"
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        if self.layout not in ("fcp", "thd"):
+            raise ValueError(f"placement layout {self.layout!r}: must be 'fcp' or 'thd'")
         object.__setattr__(self, "doc_lengths", tuple(int(x) for x in self.doc_lengths))
         object.__setattr__(self, "blocks", tuple(tuple(r) for r in self.blocks))
         object.__setattr__(self, "window", Mask(bool(self.causal), *check_window(self.window)).window)
@@ -525,7 +532,7 @@ def thd_placement(doc_lengths: Sequence[int], n: int, *, pad_ranks: int | None =
             if b1 > a1:
                 rank.append(Span(d, a1, b1))
         blocks.append(tuple(rank))
-    return Placement(lengths, tuple(blocks), causal)
+    return Placement(lengths, tuple(blocks), causal, layout="thd")
 
 
 def check_placement_args(doc_lengths: Sequence[int], cp: int, block_tokens: int) -> tuple[int, ...]:

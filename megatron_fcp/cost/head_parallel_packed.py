@@ -87,7 +87,7 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
     gp, groups = hp.group_placement, hp.head_groups
     pos = {r: (g, j) for g, group in enumerate(groups) for j, r in enumerate(group)}
     blocks = tuple(tuple(Span(s.doc + pos[r][1] * n, s.start, s.end) for s in gp.blocks[pos[r][0]]) for r in hp.ranks)
-    placement = Placement(gp.doc_lengths * a, blocks, gp.causal, gp.window)
+    placement = Placement(gp.doc_lengths * a, blocks, gp.causal, gp.window, gp.layout)
     name = _stage_name(hp)
     if hp.kv_plan is None or not hp.kv_plan.num_transfers():
         plan = Plan(hp.ranks, (), gp.causal, 1, name=name, placement=placement).verify()

@@ -44,24 +44,28 @@ their order are the same in every variant, so ``keep``, ``resend`` and ``auto`` 
 their jobs may run at any step that computes anyway, among the steps after the first sub-round's
 compute (whose partials start the chains), counted from that sub-round so that every backward KV
 mode places alike (a re-sending ring without the first sub-round kept has one step more in front,
-KV only, which gets none). :func:`_place_own` tries two placements and keeps the one of least pace
-(:func:`_pace`), the first on a tie (within 1e-9):
+KV only, which gets none). Two ways to place them:
 
 * *whole*: each rank's own blocks together, in the step where the rank has the least work so far
   (ties: the later step). They are one owner's blocks, so they cost one kernel call there.
 * *spread*: each own block on its own, larger first, to the step where the rank has the least work
   so far (ties: the later step). Each step it touches costs the rank one more call.
 
-Why: a step lasts the longer of its busiest rank's compute and its messages. Compute piled on one
-step makes that step compute-bound while the steps before it leave link time unused. A
-head-parallel stage ring staggered over several rounds computes a sliver of remote work per step
-and owns ``a`` members' chunks; there spreading lowers the pace. Where the steps carry equal work
-(a zigzag ring; Transformer Engine's per-document zigzag on a packed batch) the two tie, and whole
-is kept: one call per rank, as TE's ring computes its own chunks in one call. Before 2026-12-07
-only *spread* was tried: on TE's packed layout it put the own blocks of different ranks in three
-different steps, each with one more call, 10-15 us over TE's price (cp = 16 and a cp = 256
-stage, 32K-token documents). Only where a job runs changes, not which jobs, so every backward KV
-mode still walks the same jobs in the same order and agrees bit for bit.
+A plan over Transformer Engine's packed layout (``placement.layout == "thd"``) places *whole*, as
+TE's ring computes its own chunks in one call; every other plan places *spread*. Why spread: a step
+lasts the longer of its busiest rank's compute and its messages. Compute piled on one step makes
+that step compute-bound while the steps before it leave link time unused. A head-parallel stage
+ring staggered over several rounds computes a sliver of remote work per step and owns ``a``
+members' chunks; there spreading lets message-bound steps take the own work. Ties send a zigzag
+ring's own chunks to the last step, as TE's ring computes them. Why whole on TE's layout: every
+step is the same ring round, and *spread* put the own blocks of different ranks in three
+different steps (their real shards differ by a few tokens of padding), each with one more call:
+10-15 us over TE's price at cp = 16 and at a cp = 256 stage (32K-token documents; 2026-12-07).
+Whole was not made the rule everywhere: over 144 zigzag stage rings (cp 8-64, a = 1-8, stagger
+1-8, 32K-512K tokens) it priced from 0.8% below to 0.4% above *spread*, and which one wins depends on
+the steps' messages, which the plan's backward program does not see (it reads only the plan).
+Only where a job runs changes, not which jobs, so every backward KV mode still walks the same jobs
+in the same order and agrees bit for bit.
 
 **Memory.** Within backward a rank holds received KV of two sub-rounds (computing and arriving,
 counted from the receive buffer's allocation: two shards) plus, with ``first_kept``, the saved
@@ -374,9 +378,8 @@ def _work_table(plan: Plan, num: _Numbered) -> Callable[[int, int], float]:
 def _place_own(comp: list[list[tuple[int, int]]], plan: Plan, num: _Numbered, work: Callable[[int, int], float],
                first: int) -> list[list[tuple[int, int]]]:
     """``comp`` [step][(block number, rank position)] with every rank's own blocks added in the steps
-    from ``first`` on: *whole* or *spread*, whichever has the lesser :func:`_pace` (whole on a tie;
-    Note [Streaming chain backward], "Own blocks"). Reads only the plan: every rank and the cost
-    model place alike."""
+    from ``first`` on: *whole* over Transformer Engine's layout, else *spread* (Note [Streaming chain
+    backward], "Own blocks"). Reads only the plan: every rank and the cost model place alike."""
     S = len(comp)
     loads = [[0] * S for _ in plan.ranks]                        # each rank's work per step, one pass
     for s in range(S):
@@ -385,19 +388,18 @@ def _place_own(comp: list[list[tuple[int, int]]], plan: Plan, num: _Numbered, wo
     steps = range(first, S)
     own = [sorted((num.bid[b] for b in plan.local_blocks(r)), key=lambda i: -work(x, i))
            for x, r in enumerate(plan.ranks)]                    # larger first, ties in plan order
-    whole, spread = [list(c) for c in comp], [list(c) for c in comp]
+    whole = plan.placement is not None and plan.placement.layout == "thd"
+    out = [list(c) for c in comp]
     for x, blocks in enumerate(own):
-        if not blocks:
-            continue
-        load = list(loads[x])
-        s = min(steps, key=lambda j: (load[j], -j))
-        whole[s].extend((i, x) for i in blocks)
         load = loads[x]
+        if whole and blocks:
+            out[min(steps, key=lambda j: (load[j], -j))].extend((i, x) for i in blocks)
+            continue
         for i in blocks:
             s = min(steps, key=lambda j: (load[j], -j))
-            spread[s].append((i, x))
+            out[s].append((i, x))
             load[s] += work(x, i)
-    return whole if _pace(whole, work) <= _pace(spread, work) * (1 + 1e-9) else spread
+    return out
 
 
 def first_received(plan: Plan, block_bytes: Callable[[Block], int], *,
