@@ -56,6 +56,8 @@ bounds, so a candidate pruned by one could not have been chosen (nor been the ru
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Sequence
 
 import numpy as np
@@ -91,18 +93,40 @@ def kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | None"
     """The forward's KV floor of Note [Backward floors] for the CP ranks ``ranks`` holding
     ``placement`` (None: Megatron's zigzag split of ``seq_len`` tokens; ``causal`` may be a
     windowed :class:`~megatron_fcp.contract.mask.Mask`: its need sets)."""
+    _, recv, into, rank_in, node_in = _need_tokens(topo, tuple(ranks), placement, seq_len, causal)
+    t = float((recv / rank_in).max()) * kv_bytes_per_token
+    if len(into) > 1:
+        t = max(t, max(into[x] / node_in[x] for x in into) * kv_bytes_per_token)
+    return t
+
+
+def _need_tokens(topo: Topology, ranks: tuple[int, ...], placement: "Placement | None", seq_len: int,
+                 causal: "bool | Mask") -> tuple[np.ndarray, np.ndarray, dict[int, float], np.ndarray, dict[int, float]]:
+    """What the KV floors read of the need sets, in tokens, and the ingress they meet: each CP rank's
+    node (``[cp]``), the tokens each rank needs (``[cp]``), per node (sorted) the tokens its ranks
+    need from other nodes (each block once), each rank's ingress (its NIC's across nodes, else its
+    intra-node ingress; ``[cp]``) and each node's NICs' ingress. It depends only on the placement
+    (or the zigzag split), the ranks' nodes and the mask, not on a graph or the bytes per token:
+    over a placement it is computed once and kept on it (``auto`` floors six graphs per degree over
+    one placement: at cp = 256, 512 documents, a seventh of the degree choice before 2026-12-07)."""
+    key = ("need tokens", id(topo), ranks, Mask.of(causal) if isinstance(causal, bool) else causal)
+    if placement is not None:
+        got = placement._cache.get(key)
+        if got is not None and got[0]() is topo:
+            return got[1]
     need, owner, tokens = _kv_needs(len(ranks), placement, seq_len, causal)
     node_of = np.array([topo.node_of(r) for r in ranks])
-    multi = len(set(node_of.tolist())) > 1
-    recv = (need * tokens[None, :]).sum(axis=1) * kv_bytes_per_token
-    t = max(float(recv[i]) / (topo.gpu_ingress_bandwidth(r) if multi else intra_ingress(topo, r))
-            for i, r in enumerate(ranks))
-    if multi:
-        for x in sorted(set(node_of.tolist())):
-            into = need[node_of == x].any(axis=0) & (node_of[owner] != x)
-            b_in = member_nic_ingress(topo, [r for r, m in zip(ranks, node_of == x) if m])
-            t = max(t, float((into * tokens).sum()) * kv_bytes_per_token / b_in)
-    return t
+    recv = need.astype(np.float64) @ tokens                                    # [cp]
+    into = {x: float((need[node_of == x].any(axis=0) & (node_of[owner] != x)) @ tokens)
+            for x in sorted(set(node_of.tolist()))}
+    multi = len(into) > 1
+    rank_in = np.array([topo.gpu_ingress_bandwidth(r) if multi else intra_ingress(topo, r) for r in ranks])
+    node_in = {x: member_nic_ingress(topo, [r for r, m in zip(ranks, node_of == x) if m]) for x in into} \
+        if multi else {}
+    out = (node_of, recv, into, rank_in, node_in)
+    if placement is not None:
+        placement._cache[key] = (weakref.ref(topo), out)
+    return out
 
 
 def _kv_needs(cp: int, placement: "Placement | None", seq_len: int,
@@ -306,10 +330,8 @@ def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: "bool | Mask", kv_b
     cross = node_of[u] != node_of[v]
     entry = np.zeros(cp, dtype=bool)
     entry[v[cross]] = True                                  # ranks a block may enter its node through
-    need, owner, tokens = _kv_needs(cp, placement, seq_len, causal)
-    for x in sorted(set(node_of.tolist())):
+    for x, into in _need_tokens(topo, tuple(ranks), placement, seq_len, causal)[2].items():
         members = node_of == x
-        into = float((need[members].any(axis=0) & (node_of[owner] != x)) @ tokens)
         if not into:
             continue
         nics = {topo.layout.gpu_nic[topo.local_rank_of(ranks[i])] for i in np.nonzero(members & entry)[0].tolist()}
