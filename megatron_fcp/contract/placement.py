@@ -121,9 +121,14 @@ from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.mask import Mask, as_mask, check_window, pair_count
 from megatron_fcp.jit import jit
 
-__all__ = ["Span", "Placement", "place_packed", "thd_padded_lengths", "thd_placement", "span_pairs",
+__all__ = ["Span", "Placement", "PACKED_LAYOUTS", "place_packed", "thd_padded_lengths", "thd_placement", "span_pairs",
            "lognormal_lengths", "check_doc_lengths",
            "recv_lower_bound", "DEFAULT_BLOCK_TOKENS", "node_groups", "check_placement_args", "RECV_WORK_CAP", "BALANCE_TARGET", "MIN_BLOCK_WORK"]
+
+PACKED_LAYOUTS = ("fcp", "thd")
+"""What lays a packed batch's tokens out (:attr:`Placement.layout`): ``fcp``, FCP's placements
+(:func:`place_packed`, :func:`~megatron_fcp.contract.layer_placement.place_balanced`); ``thd``,
+Transformer Engine's per-document zigzag (:func:`thd_placement`)."""
 
 _log = logging.getLogger(__name__)
 _UNEVEN_LOGGED: list[bool] = []
@@ -206,8 +211,8 @@ class Placement:
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.layout not in ("fcp", "thd"):
-            raise ValueError(f"placement layout {self.layout!r}: must be 'fcp' or 'thd'")
+        if self.layout not in PACKED_LAYOUTS:
+            raise ValueError(f"placement layout {self.layout!r}: must be one of {', '.join(PACKED_LAYOUTS)}")
         object.__setattr__(self, "doc_lengths", tuple(int(x) for x in self.doc_lengths))
         object.__setattr__(self, "blocks", tuple(tuple(r) for r in self.blocks))
         object.__setattr__(self, "window", Mask(bool(self.causal), *check_window(self.window)).window)
@@ -518,20 +523,12 @@ def thd_placement(doc_lengths: Sequence[int], n: int, *, pad_ranks: int | None =
     P = thd_padded_lengths(lengths, n if pad_ranks is None else pad_ranks)
     L = np.asarray(lengths, dtype=np.int64)
     chunk = P // (2 * n)                                                     # [D] tokens per chunk
-    idx = np.arange(n)
     blocks = []
     for i in range(n):
-        pieces = []
-        for c in (idx[i], 2 * n - 1 - idx[i]):                               # its two chunks of every document
-            pieces.append((np.minimum(c * chunk, L), np.minimum((c + 1) * chunk, L)))
-        (s0, e0), (s1, e1) = pieces                                          # [D] each
-        rank = []
-        for d, a0, b0, a1, b1 in zip(range(len(L)), s0.tolist(), e0.tolist(), s1.tolist(), e1.tolist()):
-            if b0 > a0:
-                rank.append(Span(d, a0, b0))
-            if b1 > a1:
-                rank.append(Span(d, a1, b1))
-        blocks.append(tuple(rank))
+        first, second = ((np.minimum(c * chunk, L).tolist(), np.minimum((c + 1) * chunk, L).tolist())
+                         for c in (i, 2 * n - 1 - i))                        # its two chunks: [D] starts, ends
+        blocks.append(tuple(Span(d, a, b) for d in range(len(L))
+                            for a, b in ((first[0][d], first[1][d]), (second[0][d], second[1][d])) if b > a))
     return Placement(lengths, tuple(blocks), causal, layout="thd")
 
 

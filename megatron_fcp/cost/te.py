@@ -116,7 +116,8 @@ from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["simulate_te_p2p", "simulate_te_a2a_p2p", "lower_bound", "thd_padded_lengths", "thd_rank_work",
            "simulate_te_p2p_thd", "simulate_te_a2a_p2p_thd", "simulate_te_a2a", "simulate_te_all_gather",
-           "simulate_halo_ring", "te_refuses_window", "TE_WINDOW_TYPES", "te_ring_steps_s", "te_thd_floor"]
+           "simulate_halo_ring", "te_refuses_window", "TE_WINDOW_TYPES", "te_ring_steps_s", "te_thd_floor",
+           "te_a2a_p2p_ranks_per_node"]
 
 TE_WINDOW_TYPES = ("a2a", "all_gather")
 """TE's ``cp_comm_type`` values that run a sliding window (Note [Transformer Engine under a sliding window])."""
@@ -473,6 +474,13 @@ def _node_ranks(topo: Topology, ranks: Sequence[int]) -> dict[int, list[int]]:
     for r in ranks:
         groups.setdefault(topo.node_of(r), []).append(r)
     return groups
+
+
+def te_a2a_p2p_ranks_per_node(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape) -> int:
+    """The CP ranks per node TE's ``a2a+p2p`` exchanges heads among (its all-to-all degree), or
+    ValueError naming why TE does not run it on this group and shape (:func:`_a2a_p2p_nodes`)."""
+    topo = load_topology(topology)
+    return _a2a_p2p_nodes(topo, check_cp_ranks(topo, cp_ranks), shape)[1]
 
 
 def _a2a_p2p_nodes(topo: Topology, ranks: Sequence[int], shape: AttentionShape) -> tuple[dict[int, list[int]], int]:

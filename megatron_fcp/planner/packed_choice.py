@@ -53,13 +53,15 @@ from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.cost.head_parallel_packed import PackedAsRun
 from megatron_fcp.cost.model import AttentionShape, ComputeModel
-from megatron_fcp.cost.te import simulate_te_a2a_p2p_thd, simulate_te_p2p_thd, te_thd_floor
+from megatron_fcp.cost.te import (simulate_te_a2a_p2p_thd, simulate_te_p2p_thd, te_a2a_p2p_ranks_per_node,
+                                  te_thd_floor)
 from megatron_fcp.planner.head_parallel import choose_packed_head_parallel, packed_degree_plan
 from megatron_fcp.planner.placing import LAYOUT_CHOICES, PACKED_BALANCE
 from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["PackedChoice", "LAYOUT_CHOICES", "te_degrees", "choose_packed_plan"]
+
 
 class PackedChoice(NamedTuple):
     """What a packed batch runs: its head-parallel degree and its layout (``fcp`` or ``thd``)."""
@@ -74,17 +76,14 @@ _TE = {"p2p": simulate_te_p2p_thd, "a2a+p2p": simulate_te_a2a_p2p_thd}
 def te_degrees(topology: "Topology | str", cp_ranks: Sequence[int], shape: AttentionShape,
                degrees: Sequence[int]) -> dict[int, str]:
     """``{degree: TE's cp_comm_type}`` for the TE schedules the group runs, as FCP degrees among
-    ``degrees``: ``p2p`` is degree 1; ``a2a+p2p`` is the ranks per node, where every node holds
-    that many CP ranks (more than one) and they divide the heads (TE's own rule)."""
-    topo = load_topology(topology)
-    ranks = check_cp_ranks(topo, cp_ranks)
+    ``degrees``: ``p2p`` is degree 1; ``a2a+p2p`` is its all-to-all degree, the ranks per node
+    (:func:`~megatron_fcp.cost.te.te_a2a_p2p_ranks_per_node`, TE's own rule), where that is above 1."""
     out = {1: "p2p"} if 1 in degrees else {}
-    per_node: dict[int, int] = {}
-    for r in ranks:
-        per_node[topo.node_of(r)] = per_node.get(topo.node_of(r), 0) + 1
-    sizes = set(per_node.values())
-    g = sizes.pop() if len(sizes) == 1 else 0
-    if g > 1 and g in degrees and not (shape.heads % g or shape.kv_heads % g):
+    try:
+        g = te_a2a_p2p_ranks_per_node(topology, cp_ranks, shape)
+    except ValueError:                    # TE does not run a2a+p2p here
+        return out
+    if g > 1 and g in degrees:
         out[g] = "a2a+p2p"
     return out
 
@@ -148,7 +147,7 @@ def choose_packed_plan(
         plans.update({PackedChoice(a, "fcp"): p for a, p in fcp_plans.items()})
     best = PackedChoice(degree, "fcp")
     if layout == "fcp":
-        return best, times
+        return best, dict(sorted(times.items()))
     for a, kind in sorted(te_degrees(topo, ranks, shape, cands).items()):
         bar = times[best]
         if te_thd_floor(topo, ranks, doc_lengths, shape, kind) >= bar:

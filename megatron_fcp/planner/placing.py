@@ -16,12 +16,13 @@ candidate] in :mod:`megatron_fcp.planner.packed_choice`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from megatron_fcp.contract.blocks import gc_paused
 from megatron_fcp.contract.head_parallel_packed import place_packed_groups, split_group_placement
 from megatron_fcp.contract.layer_placement import place_balanced
-from megatron_fcp.contract.placement import Placement, thd_placement
+from megatron_fcp.contract.placement import PACKED_LAYOUTS, Placement, thd_placement
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = ["place_batch", "place_batch_groups", "cp_nodes", "layout_graph", "check_layout", "PACKED_BALANCE", "PACKED_LAYOUTS", "LAYOUT_CHOICES",
@@ -32,10 +33,6 @@ PACKED_BALANCE = "layer"
 attention pairs *and* tokens (Note [Layer-balanced placement]), since the projections and MLP run on
 the placement's tokens too (Note [Layer work]); ``"attention"``: pairs alone."""
 
-
-PACKED_LAYOUTS = ("fcp", "thd")
-"""A packed batch's layouts: ``fcp``, FCP's placement (node-aware, balanced as told); ``thd``,
-Transformer Engine's per-document zigzag (:func:`~megatron_fcp.contract.placement.thd_placement`)."""
 
 LAYOUT_CHOICES = ("auto",) + PACKED_LAYOUTS
 """``--fcp-packed-layout``: ``auto`` (FCP's layout, TE's where TE's schedule is faster: Note [TE's
@@ -73,11 +70,12 @@ def place_batch(topology: "Topology | str", cp_ranks: Sequence[int], doc_lengths
     ranks, CP order): under the ``fcp`` layout
     :func:`~megatron_fcp.contract.layer_placement.place_balanced` over the group's nodes, balancing
     ``balance`` (:data:`PACKED_BALANCE` unless told), ``place_kw`` going to it; under ``thd`` TE's
-    per-document zigzag over the group (``causal`` read from ``place_kw``, the rest unused)."""
+    per-document zigzag over the group (:func:`_thd`: ``causal`` and ``window`` read from
+    ``place_kw``; TE's chunks, not ``block_tokens``, set the blocks)."""
     ranks = tuple(cp_ranks)
     check_layout(layout)
     if layout == "thd":
-        return thd_placement(doc_lengths, len(ranks), causal=place_kw.get("causal", True))
+        return _thd(doc_lengths, len(ranks), None, place_kw)
     return place_balanced(doc_lengths, len(ranks), nodes=cp_nodes(topology, ranks), balance=balance, **place_kw)
 
 
@@ -93,10 +91,17 @@ def place_batch_groups(topology: "Topology | str", cp_ranks: Sequence[int], head
     ``a2a+p2p`` pads them (with one group per node it is that schedule's layout)."""
     check_layout(layout)
     if layout == "thd":
-        group = thd_placement(doc_lengths, len(head_groups), pad_ranks=len(tuple(cp_ranks)),
-                              causal=place_kw.get("causal", True))
+        group = _thd(doc_lengths, len(head_groups), len(tuple(cp_ranks)), place_kw)
         return group, split_group_placement(group, tuple(cp_ranks), head_groups)
     topo = load_topology(topology)
     domains = [set(cp_nodes(topo, g)) for g in head_groups]
     nodes = None if any(len(d) != 1 for d in domains) else tuple(d.pop() for d in domains)
     return place_packed_groups(doc_lengths, tuple(cp_ranks), head_groups, nodes=nodes, balance=balance, **place_kw)
+
+
+def _thd(doc_lengths: Sequence[int], n: int, pad_ranks: int | None, place_kw: dict) -> Placement:
+    """TE's layout over ``n`` ranks or groups with the mask ``place_kw`` asks for (``causal``,
+    ``window``): a window is kept on the placement, not dropped."""
+    placement = thd_placement(doc_lengths, n, pad_ranks=pad_ranks, causal=place_kw.get("causal", True))
+    window = place_kw.get("window")
+    return placement if window is None else dataclasses.replace(placement, window=tuple(window))
