@@ -169,3 +169,28 @@ def test_pair_matrix_sums_every_span_pair_of_a_document():
                 want[j, k] = sum(int(pl.mask.pairs(s.start, s.end, ks.start, ks.end))
                                  for s in pl.blocks[j] if s.doc == ks.doc)
         assert np.array_equal(pl.pair_matrix(), want) and want.sum() > 0
+
+
+@pytest.mark.skipif(not J.COMPILED, reason="numba not installed: only the Python run exists")
+@pytest.mark.parametrize("case", list(_plans()), ids=lambda c: c[0])
+def test_forward_compute_timeline_compiled_equals_python(case):
+    """simulate_plan's per-rank compute timeline (cost.model._compute_ends): the compiled and the
+    Python run give the same ends, and the forward's total is the one the loop gives."""
+    from megatron_fcp.cost import model as M
+
+    _, plan, seq = case
+    shape = M.AttentionShape(seq or 1, 32, 8, 128)
+    res = M.simulate_plan(plan, "dgx-h100:4" if plan.cp == 8 else ("pcie-box:2" if seq == 65536 else "dgx-h100:2"),
+                          shape)
+    rng = np.random.default_rng(0)
+    for n_ranks, per in ((plan.cp, 40), (3, 1000)):
+        counts = rng.integers(0, per, n_ranks)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        arrival = rng.random(int(bounds[-1])) * 1e-3
+        work = rng.random(int(bounds[-1])) * 1e-4
+        start = rng.random(n_ranks) * 1e-3
+        fast, slow = start.copy(), start.copy()
+        M._compute_ends(fast, bounds, arrival, work)
+        M._compute_ends.py_func(slow, bounds, arrival, work)
+        assert np.array_equal(fast, slow) and (fast >= start).all()
+    assert res.total_s >= res.compute_s > 0

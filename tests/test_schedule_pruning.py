@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from megatron_fcp.cost.model import AttentionShape
@@ -169,6 +170,33 @@ def test_packed_graph_floors_never_exceed_the_priced_plans(preset, cp, median):
             cg = build_graph(topo, range(cp), name)
             res = simulate_plan(compile_plan(cg, causal, placement=pl), topo, NOMINAL_SHAPE)
             assert 0 < _floor(cg, topo, NOMINAL_SHAPE, causal, pl) <= min(res.comm_s, res.total_s), (name, causal)
+
+
+@pytest.mark.parametrize("preset,cp,median", PACKED_CASES)
+@pytest.mark.parametrize("name", ["ring", "spanning"])
+def test_fixed_path_edge_loads_are_the_compiled_plans(preset, cp, median, name):
+    """A builder's fixed paths (GraphBuilder.edge_loads: the ring's chains, the spanning tree's
+    paths) give each graph edge exactly the tokens the compiled plan sends over it, causal or not,
+    and the packed floor built on them stays below the plan's time."""
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner.build import NOMINAL_SHAPE, _floor
+    from megatron_fcp.planner.builders import build_graph
+    from megatron_fcp.planner.compile import compile_plan
+
+    topo = load_topology(preset)
+    for causal in (True, False):
+        pl = _packed_placement(cp, median, causal)
+        cg = build_graph(topo, range(cp), name)
+        src, dst, tokens = cg.builder.edge_loads(cg, pl.block_owners(), pl.need_matrix(),
+                                                 pl.block_tokens().astype(np.float64))
+        plan = compile_plan(cg, causal, placement=pl)
+        _, s, d, owner, chunk, _ = plan.transfer_columns()
+        sent = {}
+        for key, t in zip(zip(s.tolist(), d.tolist()), pl.tokens_of(owner, chunk).tolist()):
+            sent[key] = sent.get(key, 0) + t
+        assert {(a, b): t for a, b, t in zip(src.tolist(), dst.tolist(), tokens.tolist())} == sent
+        res = simulate_plan(plan, topo, NOMINAL_SHAPE)
+        assert 0 < _floor(cg, topo, NOMINAL_SHAPE, causal, pl) <= min(res.comm_s, res.total_s)
 
 
 @pytest.mark.parametrize("preset,cp,median", PACKED_CASES)

@@ -71,7 +71,7 @@ from megatron_fcp.cost.model import AttentionShape, ComputeModel, _ResourceIndex
 from megatron_fcp.topology import Topology
 
 __all__ = ["rank_pairs", "rank_owners", "rank_jobs", "compute_floor", "reduction_floor", "kv_floor", "graph_kv_floor",
-           "star_kv_floor", "backward_compute_floor", "member_nic_ingress"]
+           "star_kv_floor", "edge_kv_floor", "backward_compute_floor", "member_nic_ingress"]
 
 
 def member_nic_ingress(topo: Topology, members: Sequence[int]) -> float:
@@ -306,6 +306,22 @@ def star_kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | 
     idx = _ResourceIndex(topo)
     hops, ids, _ = idx.route_columns(rank_of[owner[block]], rank_of[reader])
     load = np.bincount(ids, weights=np.repeat(tokens[block] * kv_bytes_per_token, hops), minlength=len(idx.bw))
+    return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
+
+
+def edge_kv_floor(topo: Topology, ranks: Sequence[int], src: np.ndarray, dst: np.ndarray, tokens: np.ndarray,
+                  kv_bytes_per_token: float) -> float:
+    """A floor on the forward communication of a plan whose graph edges ``src[i] -> dst[i]`` (CP
+    indices into ``ranks``) carry ``tokens[i]`` tokens of KV in all, over whatever rounds (a
+    builder's fixed paths: :meth:`~megatron_fcp.planner.builders.GraphBuilder.edge_loads`): the
+    rounds take at least the most loaded resource's bytes over its bandwidth (Note [Cost model])."""
+    if not len(src):
+        return 0.0
+    rank_of = np.asarray(ranks, dtype=np.int64)
+    idx = _ResourceIndex(topo)
+    hops, ids, _ = idx.route_columns(rank_of[src], rank_of[dst])
+    load = np.bincount(ids, weights=np.repeat(np.asarray(tokens, dtype=np.float64) * kv_bytes_per_token, hops),
+                       minlength=len(idx.bw))
     return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
 
 

@@ -126,7 +126,8 @@ def stage_copies_independent(hp: PackedHeadParallelPlan, topology: "Topology | s
         return False
     topo = load_topology(topology)
     _, src, dst, _, _, _ = hp.kv_plan.transfer_columns()                 # [T]: group indices
-    pairs = np.unique(np.stack([src, dst]).astype(np.int64), axis=1)      # [2, distinct pairs]
+    G = len(hp.head_groups)
+    pairs = np.divmod(np.unique(src.astype(np.int64) * G + dst), G)       # [2, distinct pairs], sorted
     member = np.array(hp.head_groups, dtype=np.int64)                    # [G, a]: global ranks
     table = topo.route_ids()
     rows = [table.rows(member[pairs[0], j], member[pairs[1], j]) for j in range(hp.degree)]
@@ -173,8 +174,10 @@ def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which
     if kind not in per or direction not in ("in", "out"):
         raise ValueError(f"which: 'qkv-in', 'qkv-out', 'o-in' or 'o-out', got {which!r}")
     out = []
-    for g, group in enumerate(hp.head_groups):
-        tokens = hp.member_tokens(g)
+    cp_of = {r: i for i, r in enumerate(hp.ranks)}
+    held = [hp.placement.tokens(i) for i in range(len(hp.ranks))]     # [cp]: each rank's tokens
+    for group in hp.head_groups:
+        tokens = [held[cp_of[r]] for r in group]                      # member order (member_tokens)
         for m, src in enumerate(group):
             for i, dst in enumerate(group):
                 if m != i and tokens[m]:  # in: m's rows of shard i to i; out: shard i's rows of m back to m

@@ -75,6 +75,7 @@ from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
+from megatron_fcp.jit import jit
 from megatron_fcp.schedule.launches import launch_ids, launch_starts, local_stage
 from megatron_fcp.topology import Topology, load_topology
 from megatron_fcp.topology.route_ids import ResourceIds, first_use_ids
@@ -924,14 +925,24 @@ def simulate_plan(
     ends = local + compute_from_s
     q_sorted, a_sorted, t_sorted = q_i[order], arrival[order], recv_t[order]
     bounds = np.searchsorted(q_sorted, np.arange(cp + 1))
-    for r in range(cp):
-        e = ends[r]
-        for a, c in zip(a_sorted[bounds[r]:bounds[r + 1]].tolist(), t_sorted[bounds[r]:bounds[r + 1]].tolist()):
-            e = max(e, a) + c
-        ends[r] = e
+    _compute_ends(ends, bounds, np.ascontiguousarray(a_sorted, dtype=np.float64),
+                  np.ascontiguousarray(t_sorted, dtype=np.float64))
     res.compute_s = float(busy.max())
     res.total_s = float(max(ends.max(), res.comm_s, res.compute_s))  # max(): float summation order
     return res
+
+
+@jit
+def _compute_ends(ends, bounds, arrival, work):
+    """Each CP rank's compute timeline in place: rank ``r`` starts at ``ends[r]`` (its own blocks
+    done) and runs its received blocks ``bounds[r]:bounds[r + 1]`` in order, each no earlier than
+    its ``arrival``, for its ``work`` seconds; ``ends[r]`` becomes when the last one finishes.
+    Compiled (Note [Compiled planning loops]): one visit per received block, 135K at cp = 256."""
+    for r in range(ends.shape[0]):
+        e = ends[r]
+        for i in range(bounds[r], bounds[r + 1]):
+            e = max(e, arrival[i]) + work[i]
+        ends[r] = e
 
 
 def check_plan_seq(plan: Plan, seq_len: int) -> None:

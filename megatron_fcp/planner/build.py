@@ -15,7 +15,14 @@ needs over the NICs the graph enters it through); the ``full`` builder's trees a
 messages are known before it is compiled and its floor is also their most loaded resource
 (:func:`~megatron_fcp.cost.floors.star_kv_floor`, within 2% of its plan's communication on 72
 packed and zigzag cases; added 2026-12-06: at cp = 256 with 512 documents ``full`` took 0.1 s to
-compile and came out 3x ``hierarchical``'s communication). Candidates are compiled and timed in
+compile and came out 3x ``hierarchical``'s communication). Over a placement, builders whose trees
+follow fixed paths (``ring``: a chain to the farthest reader; ``spanning``: the tree's paths) know
+every edge's load before compiling too
+(:meth:`~megatron_fcp.planner.builders.GraphBuilder.edge_loads`, equal to the compiled plan's edge
+by edge, tested), and their floor is also the most loaded resource under those loads
+(:func:`~megatron_fcp.cost.floors.edge_kv_floor`; added 2026-12-07: at cp = 256 with ``a = 8`` the
+KV stage compiled ``ring`` and ``spanning`` at 13.8 and 45 ms of communication against a best of
+1.8, 0.09 s of the degree choice). Candidates are compiled and timed in
 increasing floor; one whose floor is above the best communication so far (``comm``), or above
 the best total so far by more than :func:`~megatron_fcp.cost.model.pick_best`'s 0.1% tie
 (``total``), cannot be chosen and is neither compiled nor timed (a 1,024-rank ``leader`` plan
@@ -31,10 +38,12 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
+
 from megatron_fcp.contract.blocks import PlanError, gc_paused
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks, plan_mask
-from megatron_fcp.cost.floors import graph_kv_floor, star_kv_floor
+from megatron_fcp.cost.floors import edge_kv_floor, graph_kv_floor, star_kv_floor
 from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan, zigzag_padded_len
 from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, GraphBuilder, get_builder
 from megatron_fcp.planner.compile import compile_plan
@@ -153,8 +162,10 @@ PRUNE_AUTO_MIN_CP = 64
 it every candidate is timed and recorded in ``plan.auto`` (cheap, and what the CLI compares)."""
 
 
-PRUNE_PACKED_AUTO_MIN_CP = 16
-"""The same for a packed batch, whose plan is built per batch (Note [Pruning auto])."""
+PRUNE_PACKED_AUTO_MIN_CP = 4
+"""The same for a packed batch, whose plan is built per batch (Note [Pruning auto]); lowered from 16
+2026-12-07: at cp = 64 the KV stages of ``a = 4`` and ``a = 8`` (16 and 8 groups) compiled all six
+candidates where the floors leave two to four."""
 
 
 def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask", placement=None) -> float:
@@ -168,6 +179,11 @@ def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask", pla
     floor = graph_kv_floor(cg, topo, seq_len, causal, kv_tok, placement)
     if cg.builder is not None and cg.builder.sends_direct():   # its messages are known here
         floor = max(floor, star_kv_floor(topo, cg.ranks, placement, seq_len, causal, kv_tok))
+    elif cg.builder is not None and placement is not None:     # or each edge's load, on fixed paths
+        loads = cg.builder.edge_loads(cg, placement.block_owners(), placement.need_matrix(),
+                                      placement.block_tokens().astype(np.float64))
+        if loads is not None:
+            floor = max(floor, edge_kv_floor(topo, cg.ranks, *loads, kv_tok))
     return floor * (1 - 1e-9)
 
 

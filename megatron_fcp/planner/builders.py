@@ -131,6 +131,15 @@ class GraphBuilder:
         plan's messages are known before it is compiled: Note [Pruning auto])."""
         return False
 
+    def edge_loads(self, cg: CommGraph, owner: np.ndarray, need: np.ndarray,
+                   tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Where this builder's trees follow fixed paths, the tokens every graph edge carries in any
+        plan compiled from it, before it is compiled: ``(src, dst, tokens)`` (CP indices, one row
+        per edge used), from each block's owner (``[blocks]``, CP index), readers (``need``,
+        ``[cp, blocks]`` bool) and tokens (``[blocks]``). None where the paths depend on more than
+        that. A floor on the plan's communication (Note [Pruning auto])."""
+        return None
+
     def _own_tree(self, cls, *methods: str) -> bool:
         """Whether this builder's trees are ``cls``'s: none of ``methods`` overridden below it (a
         subclass that changes them gets the tree-by-tree :meth:`tree_columns`)."""
@@ -163,6 +172,24 @@ class RingGraph(GraphBuilder):
         want = set(dests)
         last = max(((ranks.index(d) - i) % cp for d in want), default=0)
         return [(ranks[(i + h) % cp], ranks[(i + h + 1) % cp]) for h in range(last)]
+
+    def edge_loads(self, cg, owner, need, tokens):
+        """:meth:`tree`'s chains: block ``b`` crosses hops ``owner, owner + 1, ...`` up to its
+        farthest reader downstream, so hop ``j -> j + 1`` carries it when ``(j - owner) mod cp`` is
+        below that distance (a cyclic range per block, summed by a difference array)."""
+        if not self._own_tree(RingGraph, "tree", "tree_with_depths", "tree_runs", "tree_columns"):
+            return None
+        cp = len(cg.ranks)
+        dist = (np.arange(cp)[:, None] - owner[None, :]) % cp                  # [cp, blocks]: hops downstream
+        last = np.where(need, dist, 0).max(axis=0, initial=0)                  # [blocks]: farthest reader
+        diff = np.zeros(2 * cp + 1)
+        np.add.at(diff, owner, tokens)
+        np.add.at(diff, owner + last, -tokens)
+        run = np.cumsum(diff)[:2 * cp]
+        load = run[:cp] + run[cp:]                                             # [cp]: hop j -> j + 1
+        hop = np.arange(cp)
+        used = load > 0
+        return hop[used], (hop[used] + 1) % cp, load[used]
 
 
 class FullGraph(GraphBuilder):
@@ -615,6 +642,47 @@ class SpanningGraph(GraphBuilder):
 
     def tree(self, cg, owner, dests, chunk=0):
         return prune_bfs(cg.meta["tree"], owner, dests)
+
+    def edge_loads(self, cg, owner, need, tokens):
+        """:meth:`tree`'s paths on the spanning tree: removing tree edge ``(p, v)`` splits off
+        ``v``'s subtree, and a block crosses ``p -> v`` when its owner is outside the subtree and a
+        reader inside, ``v -> p`` when the owner is inside and a reader outside. Matrix work of
+        ``cp**2 * blocks``; None above :data:`TREE_LOADS_MAX` of it (the floor is not tightened)."""
+        if not self._own_tree(SpanningGraph, "tree", "tree_with_depths", "tree_runs", "tree_columns"):
+            return None
+        ranks = cg.ranks
+        cp = len(ranks)
+        if cp < 2 or cp * cp * need.shape[1] > TREE_LOADS_MAX:
+            return None
+        pos = {r: i for i, r in enumerate(ranks)}
+        parent = {ranks[0]: None}
+        order = [ranks[0]]
+        for u in order:                                  # BFS from CP rank 0: parents, then subtrees
+            for v in sorted(cg.meta["tree"][u]):
+                if v not in parent:
+                    parent[v] = u
+                    order.append(v)
+        inside = np.zeros((cp, cp), dtype=bool)          # [v, rank]: rank in v's subtree
+        for v in reversed(order):
+            inside[pos[v], pos[v]] = True
+            if parent[v] is not None:
+                inside[pos[parent[v]]] |= inside[pos[v]]
+        child = np.array([pos[v] for v in order[1:]], dtype=np.int64)          # [cp - 1]: tree edges
+        par = np.array([pos[parent[v]] for v in order[1:]], dtype=np.int64)
+        sub = inside[child]                                                    # [cp - 1, cp]
+        readers_in = sub.astype(np.float64) @ need.astype(np.float64)          # [cp - 1, blocks]
+        owner_in = sub[:, owner]                                               # [cp - 1, blocks]
+        down = (~owner_in & (readers_in > 0)) @ tokens                         # [cp - 1]: p -> v
+        up = (owner_in & (readers_in < need.sum(axis=0))) @ tokens             # [cp - 1]: v -> p
+        src, dst, load = np.concatenate([par, child]), np.concatenate([child, par]), np.concatenate([down, up])
+        used = load > 0
+        return src[used], dst[used], load[used]
+
+
+TREE_LOADS_MAX = 2 ** 25
+"""The most matrix work (``cp**2 * blocks``) :meth:`SpanningGraph.edge_loads` does; above it the
+graph's floor is the need-set floor alone (at cp = 256, 512 documents the generic floor already
+puts ``spanning`` out)."""
 
 
 BUILDERS: dict[str, Callable[..., GraphBuilder]] = {
