@@ -200,6 +200,31 @@ def test_fixed_path_edge_loads_are_the_compiled_plans(preset, cp, median, name):
 
 
 @pytest.mark.parametrize("preset,cp,median", PACKED_CASES)
+def test_trees_floor_is_below_every_packed_plan_and_the_trees_are_reused(preset, cp, median):
+    """The trees floor (_trees_floor: each edge's load from the candidate's trees) never exceeds the
+    plan compiled from the same graph, and the compile over the trees kept on the placement is the
+    compile from scratch."""
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner.build import NOMINAL_SHAPE, _trees_floor
+    from megatron_fcp.planner.builders import PACKED_AUTO_CANDIDATES, build_graph
+    from megatron_fcp.planner.compile import compile_plan, placement_trees
+
+    topo = load_topology(preset)
+    for causal in (True, False):
+        pl = _packed_placement(cp, median, causal)
+        for name in PACKED_AUTO_CANDIDATES:
+            cg = build_graph(topo, range(cp), name)
+            fresh = compile_plan(cg, causal, placement=_packed_placement(cp, median, causal))
+            floor = _trees_floor(cg, topo, NOMINAL_SHAPE, pl)              # keeps the trees on pl
+            _, cols = placement_trees(cg, pl)
+            assert not cols.u.flags.writeable
+            again = compile_plan(cg, causal, placement=pl)
+            assert again.rounds == fresh.rounds, name
+            res = simulate_plan(again, topo, NOMINAL_SHAPE)
+            assert 0 < floor <= min(res.comm_s, res.total_s), (name, causal)
+
+
+@pytest.mark.parametrize("preset,cp,median", PACKED_CASES)
 @pytest.mark.parametrize("shaped", [False, True])
 def test_packed_auto_picks_what_every_candidate_would(preset, cp, median, shaped, monkeypatch):
     """Pruned auto on a packed batch is _least_crossing over every builder's plan, each compiled

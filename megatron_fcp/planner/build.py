@@ -22,7 +22,11 @@ every edge's load before compiling too
 by edge, tested), and their floor is also the most loaded resource under those loads
 (:func:`~megatron_fcp.cost.floors.edge_kv_floor`; added 2026-12-07: at cp = 256 with ``a = 8`` the
 KV stage compiled ``ring`` and ``spanning`` at 13.8 and 45 ms of communication against a best of
-1.8, 0.09 s of the degree choice). Candidates are compiled and timed in
+1.8, 0.09 s of the degree choice). A packed candidate that its floor does not rule out once
+another is priced is held to one more before it is compiled: its trees (the compile's first step,
+kept on the placement for the compile) give every edge's load, and so the most loaded resource
+(:func:`_trees_floor`; 2026-12-07: ``entry`` at cp = 256, ``a = 1``, 12.45 against its 12.46 ms,
+where the need-set floor said 2.8 and ``hierarchical`` had 4.6). Candidates are compiled and timed in
 increasing floor; one whose floor is above the best communication so far (``comm``), or above
 the best total so far by more than :func:`~megatron_fcp.cost.model.pick_best`'s 0.1% tie
 (``total``), cannot be chosen and is neither compiled nor timed (a 1,024-rank ``leader`` plan
@@ -46,7 +50,7 @@ from megatron_fcp.contract.plan import AutoChoice, Plan, check_cp_ranks, plan_ma
 from megatron_fcp.cost.floors import edge_kv_floor, graph_kv_floor, star_kv_floor
 from megatron_fcp.cost.model import AttentionShape, pad_for_zigzag, pick_best, simulate_plan, zigzag_padded_len
 from megatron_fcp.planner.builders import AUTO_CANDIDATES, PACKED_AUTO_CANDIDATES, GraphBuilder, get_builder
-from megatron_fcp.planner.compile import compile_plan
+from megatron_fcp.planner.compile import compile_plan, placement_trees
 from megatron_fcp.planner.graph import CommGraph
 from megatron_fcp.topology import Topology, load_topology
 
@@ -125,6 +129,9 @@ def build_plan(
     for name in sorted(names, key=lambda n: (floors[n], names.index(n))):  # Note [Pruning auto]
         if prune and priced and floors[name] > _bar(priced.values(), objective, placement is not None):
             continue
+        if prune and priced and placement is not None \
+                and _trees_floor(graphs[name], topo, shape, placement) > _bar(priced.values(), objective, True):
+            continue
         plan = compile_plan(graphs.pop(name), causal, parts_per_chunk, placement=placement, **win)
         priced[name] = (simulate_plan(plan, topo, shape, compute=objective == "total"), plan)
     candidates = [priced[n] for n in names if n in priced]
@@ -185,6 +192,27 @@ def _floor(cg, topo: Topology, shape: AttentionShape, causal: "bool | Mask", pla
         if loads is not None:
             floor = max(floor, edge_kv_floor(topo, cg.ranks, *loads, kv_tok))
     return floor * (1 - 1e-9)
+
+
+def _trees_floor(cg, topo: Topology, shape: AttentionShape, placement) -> float:
+    """A packed candidate's floor from its trees (Note [Pruning auto]): the compiler's first step,
+    :func:`~megatron_fcp.planner.compile.placement_trees` (kept for its compile), gives every edge's
+    tokens, and the rounds take at least the most loaded resource under them. Tighter than
+    :func:`_floor` for a graph that relays (``entry``, ``hierarchical``), at the cost of the trees;
+    0 when the graph's owners carry relative KV sizes."""
+    if cg.meta.get("kv_sizes"):
+        return 0.0
+    _, cols = placement_trees(cg, placement)
+    if not cols.num_edges:
+        return 0.0
+    pos = np.full(max(cg.ranks) + 1, -1, dtype=np.int64)
+    pos[list(cg.ranks)] = np.arange(len(cg.ranks))
+    owner = pos[cols.owner]
+    tokens = placement.tokens_of(owner, cols.chunk).astype(np.float64)[cols.tree_of]     # [edges]
+    cp = len(cg.ranks)
+    pair, inv = np.unique(pos[cols.u] * cp + pos[cols.v], return_inverse=True)
+    load = np.bincount(inv, weights=tokens)
+    return edge_kv_floor(topo, cg.ranks, pair // cp, pair % cp, load, shape.kv_bytes(1)) * (1 - 1e-9)
 
 
 def _bar(priced, objective: str, packed: bool = False) -> float:

@@ -46,6 +46,7 @@ Round table for ``hierarchical`` on two nodes of two ranks (ranks 0,1 | 2,3; non
 from __future__ import annotations
 
 import heapq
+import weakref
 from operator import attrgetter
 from typing import Sequence
 
@@ -64,7 +65,7 @@ from megatron_fcp.planner.rounds import colour_rounds
 from megatron_fcp.planner.tree_columns import Readers, TreeColumns
 from megatron_fcp.topology.route_ids import first_use_ids
 
-__all__ = ["compile_plan"]
+__all__ = ["placement_trees", "compile_plan"]
 
 
 def compile_plan(
@@ -155,6 +156,24 @@ def _readers(ranks, causal: "bool | Mask", placement: Placement | None, seq_len:
     return rank_arr[block_rank[needed]], block_chunk[needed], Readers(ptr, rank_arr[reader])
 
 
+def placement_trees(cg: CommGraph, placement: Placement) -> tuple[Readers, TreeColumns]:
+    """Every needed block's readers and its tree in ``cg`` over ``placement``, as columns (the
+    compiler's first step, before staggering), kept on the placement per graph object: ``auto``
+    reads a candidate's trees for its floor before deciding to compile it (Note [Pruning auto] in
+    :mod:`megatron_fcp.planner.build`), and the compile then reuses them. A placement's readers are
+    its need matrix's (its mask is in it)."""
+    key = ("trees", id(cg))
+    got = placement._cache.get(key)
+    if got is not None and got[0]() is cg:
+        return got[1]
+    owner, chunk, readers_of = _readers(cg.ranks, placement.mask, placement)
+    out = (readers_of, cg.tree_columns(owner, chunk, readers_of))
+    for a in (*out[0], *out[1]):
+        a.flags.writeable = False     # shared by the floor and the compile: read only
+    placement._cache[key] = (weakref.ref(cg), out)
+    return out
+
+
 def _block_columns(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     """int64 ``(owner's CP index, index in its blocks)`` of every block, in ``block_list`` order."""
     per = placement.blocks_per_rank()
@@ -213,8 +232,12 @@ def _compile(cg, causal, parts_per_chunk, max_sends, max_recvs, verify, balance,
     else:
         # every block's tree as columns (Note [Trees as columns]); the list-based schedulers below
         # read them back as (owner, chunk, edges, depths) per tree
-        owner, chunk, readers_of = _readers(ranks, need_of, placement, seq_len, P)
-        cols = cg.tree_columns(owner, chunk, readers_of).staggered(stagger_blocks)
+        if placement is not None:
+            readers_of, cols = placement_trees(cg, placement)
+        else:
+            owner, chunk, readers_of = _readers(ranks, need_of, placement, seq_len, P)
+            cols = cg.tree_columns(owner, chunk, readers_of)
+        cols = cols.staggered(stagger_blocks)
         if check:
             _check_trees(cg, cols, readers_of)
         if limited and packing == "colour" and int(cols.depth.max(initial=1)) == 1:
