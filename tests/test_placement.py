@@ -357,3 +357,23 @@ def test_block_columns_read_the_block_list():
     assert not pl.block_tokens().flags.writeable and not pl.block_owners().flags.writeable
     i = np.array([i for i, _, _ in blocks]), np.array([b for _, b, _ in blocks])
     assert np.array_equal(pl.tokens_of(*i), pl.block_tokens())
+
+
+def test_a_placement_pickles_without_its_caches():
+    """A placement that planning has used (need matrix, trees kept for auto, floors' need tokens
+    holding weak references) pickles to an equal placement with an empty cache, and a plan over
+    it still pickles (the emulated cluster's workers and the head-parallel setup send plans)."""
+    import pickle
+
+    from megatron_fcp.contract.placement import lognormal_lengths
+    from megatron_fcp.cost.floors import kv_floor
+    from megatron_fcp.topology import load_topology
+
+    topo = load_topology("dgx-h100:2")
+    pl = place_packed(lognormal_lengths(8.0, 1.2, 16 * 8192, 3), 16, block_tokens=2048)
+    plan = build_plan(topo, range(16), "entry", placement=pl)
+    kv_floor(topo, range(16), pl, 0, True, 4096.0)
+    assert len(pl._cache) > 3
+    back = pickle.loads(pickle.dumps(plan))
+    assert back.placement == pl and back.rounds == plan.rounds
+    assert back.placement.need_matrix().tolist() == pl.need_matrix().tolist()

@@ -210,6 +210,17 @@ class Placement:
     layout: str = "fcp"
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
+    def __getstate__(self) -> dict:
+        """Pickled without :attr:`_cache`: it holds derived arrays and weak references (to the
+        topology and graph objects a cached floor or tree was computed for), and a copy in another
+        process recomputes what it reads."""
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def __post_init__(self) -> None:
         if self.layout not in PACKED_LAYOUTS:
             raise ValueError(f"placement layout {self.layout!r}: must be one of {', '.join(PACKED_LAYOUTS)}")
