@@ -298,15 +298,15 @@ def star_kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | 
     resource's bytes over its bandwidth (Note [Cost model]: a round takes its most loaded
     resource's time)."""
     ranks = tuple(ranks)
-    need, owner, tokens = _kv_needs(len(ranks), placement, seq_len, causal)      # [cp, blocks]
+    cp = len(ranks)
+    need, owner, tokens = _kv_needs(cp, placement, seq_len, causal)              # [cp, blocks]
     reader, block = np.nonzero(need)
     if not len(reader):
         return 0.0
-    rank_of = np.asarray(ranks, dtype=np.int64)
-    idx = _ResourceIndex(topo)
-    hops, ids, _ = idx.route_columns(rank_of[owner[block]], rank_of[reader])
-    load = np.bincount(ids, weights=np.repeat(tokens[block] * kv_bytes_per_token, hops), minlength=len(idx.bw))
-    return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
+    # one message per (owner, reader) pair carries all its blocks' tokens: each route looked up once
+    pair, inv = np.unique(owner[block] * cp + reader, return_inverse=True)
+    return edge_kv_floor(topo, ranks, pair // cp, pair % cp, np.bincount(inv, weights=tokens[block]),
+                         kv_bytes_per_token)
 
 
 def edge_kv_floor(topo: Topology, ranks: Sequence[int], src: np.ndarray, dst: np.ndarray, tokens: np.ndarray,
@@ -318,11 +318,13 @@ def edge_kv_floor(topo: Topology, ranks: Sequence[int], src: np.ndarray, dst: np
     if not len(src):
         return 0.0
     rank_of = np.asarray(ranks, dtype=np.int64)
-    idx = _ResourceIndex(topo)
-    hops, ids, _ = idx.route_columns(rank_of[src], rank_of[dst])
+    table = topo.route_ids()                  # topology-wide resource ids: only the maximum is read
+    rows = table.rows(rank_of[src], rank_of[dst])
+    hops, ids = table.gather(rows)
+    bw = table.resource_bandwidth             # read after rows() (Note [Route ids])
     load = np.bincount(ids, weights=np.repeat(np.asarray(tokens, dtype=np.float64) * kv_bytes_per_token, hops),
-                       minlength=len(idx.bw))
-    return float((load / np.asarray(idx.bw, dtype=np.float64)).max())
+                       minlength=len(bw))
+    return float((load / bw).max())
 
 
 def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: "bool | Mask", kv_bytes_per_token: float,
