@@ -131,7 +131,16 @@ def _assign_kernel(order, w, t, doc, n, W, T, cap, target, candidates, holder_sl
     bin). Search (step 3): while the worst bin's ``max(pairs / W, tokens / T)`` is above ``1 +
     target``, the move of one of its items to, or swap with one of, the ``candidates`` least
     loaded bins that most lowers the larger of the two bins' scores (ties: an item whose document
-    the other bin holds, then the earliest item), for up to ``8 n + 64`` steps."""
+    the other bin holds, then the earliest item), for up to ``8 n + 64`` steps.
+
+    Note [Swaps by weight]: the swaps with one bin are not all tried. A swap whose ``v`` is above the
+    best move or swap found so far (``best_v``) is never taken, so each item of the worst bin only
+    looks at the other bin's items whose pairs put ``v`` at or below the least of ``best_v`` and
+    the best swap with this bin so far: an interval of pairs, found by bisection over the bin's
+    items sorted by pairs (widened far past rounding). Within an item, ties go to the lowest other
+    item, the first minimum the full double loop keeps, so the bins come out the same (tested
+    against the full loop; 2026-12-07: the node-level search of cp = 256, 512 documents, 4,951
+    items on 32 bins, 62 -> 17 ms)."""
     m = order.shape[0]
     n_docs = doc.max() + 1 if m else 1
     held = np.zeros((n_docs, n), dtype=np.int64)     # [documents, bins]: items of the document in the bin
@@ -141,6 +150,8 @@ def _assign_kernel(order, w, t, doc, n, W, T, cap, target, candidates, holder_sl
     lt = np.zeros(n)
     room = np.empty(n)
     fits = np.empty(n, dtype=np.bool_)
+    keys = np.empty(max(m, 1))                      # step 3: a bin's items' pairs, and sorted
+    wsort = np.empty(max(m, 1))
     for k in order:                                 # step 2
         d = doc[k]
         vw = w[k] / W
@@ -196,19 +207,45 @@ def _assign_kernel(order, w, t, doc, n, W, T, cap, target, candidates, holder_sl
                 best_v, best_away, best_kind, best_i, best_b, best_j = mv, m_away, 0, mi, b, -1
             if sizes[b] == 0:
                 continue
-            si = sj = 0                             # swap item i of a with item j of b
+            # swap item i of a with item j of b, by weight (Note [Swaps by weight] above)
+            nb = sizes[b]
+            for j in range(nb):
+                keys[j] = w[members[b, j]]
+            perm = np.argsort(keys[:nb])
+            for q in range(nb):
+                wsort[q] = keys[perm[q]]
+            si = sj = 0
             sv = np.inf
             for i in range(na):
                 ka = members[a, i]
-                for j in range(sizes[b]):
+                thr = min(sv, best_v)
+                p0 = 0
+                p1 = nb
+                if thr < np.inf:
+                    # (lw[b] + dw) / W <= thr and (lw[a] - dw) / W <= thr, dw = w[ka] - w[kb], widened
+                    # far beyond the rounding of either side
+                    slack = 1e-9 * (abs(lw[a]) + abs(lw[b]) + abs(w[ka]) + abs(thr * W)) + 1e-300
+                    lo = lw[b] + w[ka] - thr * W - slack
+                    hi = thr * W - lw[a] + w[ka] + slack
+                    if hi < lo:
+                        continue
+                    p0 = np.searchsorted(wsort[:nb], lo)
+                    p1 = np.searchsorted(wsort[:nb], hi, side="right")
+                bj = -1
+                bv = np.inf
+                for q in range(p0, p1):
+                    j = perm[q]
                     kb = members[b, j]
                     dw = w[ka] - w[kb]
                     dt = t[ka] - t[kb]
                     if dw <= 0 and dt <= 0:
                         continue
                     v = max(max((lw[a] - dw) / W, (lt[a] - dt) / T), max((lw[b] + dw) / W, (lt[b] + dt) / T))
-                    if v < sv:
-                        si, sj, sv = i, j, v
+                    if v < bv or (v == bv and j < bj):
+                        bv = v
+                        bj = j
+                if bj >= 0 and bv < sv:
+                    si, sj, sv = i, bj, bv
             s_away = held[doc[members[a, si]], b] == 0
             if sv < best_v or (sv == best_v and (not s_away) and best_away):
                 best_v, best_away, best_kind, best_i, best_b, best_j = sv, s_away, 1, si, b, sj
