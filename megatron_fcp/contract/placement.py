@@ -297,7 +297,14 @@ class Placement:
 
     def tokens(self, cp_index: int) -> int:
         """Local tokens of CP rank ``cp_index``."""
-        return sum(s.tokens for s in self.blocks[cp_index])
+        return self.rank_tokens()[cp_index]
+
+    def rank_tokens(self) -> tuple[int, ...]:
+        """Every CP rank's local tokens (computed once per placement)."""
+        got = self._cache.get("rank tokens")
+        if got is None:
+            got = self._cache["rank tokens"] = tuple(sum(s.end - s.start for s in b) for b in self.blocks)
+        return got
 
     def block_starts(self, cp_index: int) -> tuple[int, ...]:
         """Local token offset of each of CP rank ``cp_index``'s blocks."""

@@ -175,7 +175,7 @@ def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which
         raise ValueError(f"which: 'qkv-in', 'qkv-out', 'o-in' or 'o-out', got {which!r}")
     out = []
     cp_of = {r: i for i, r in enumerate(hp.ranks)}
-    held = [hp.placement.tokens(i) for i in range(len(hp.ranks))]     # [cp]: each rank's tokens
+    held = hp.placement.rank_tokens()                                 # [cp]: each rank's tokens
     for group in hp.head_groups:
         tokens = [held[cp_of[r]] for r in group]                      # member order (member_tokens)
         for m, src in enumerate(group):

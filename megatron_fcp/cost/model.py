@@ -627,9 +627,9 @@ class _ResourceIndex:
         rows = table.rows(src, dst)
         lens, topo_ids = table.gather(rows)
         local, first_used = first_use_ids(topo_ids)
-        mine = np.empty(len(first_used), dtype=np.int64)       # topology id (first-use order) -> ours
-        for j, g in enumerate(first_used.tolist()):
-            mine[j] = self.resources.id(table.names[g], float(table.resource_bandwidth[g]))
+        used = first_used.tolist()                              # topology ids, first-use order -> ours
+        mine = np.array(self.resources.ids([table.names[g] for g in used],
+                                           table.resource_bandwidth[first_used].tolist()), dtype=np.int64)
         return lens, mine[local], table.latency[rows]
 
 

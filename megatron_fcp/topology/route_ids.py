@@ -54,6 +54,17 @@ class ResourceIds:
             self.bandwidths.append(bandwidth)
         return i
 
+    def ids(self, names: list[str], bandwidths: list[float]) -> list[int]:
+        """:meth:`id` of distinct ``names`` in order: the ids calling it name by name gives; the
+        names none of which is known yet (a fresh numbering's first routes) numbered at once."""
+        if self.index.keys().isdisjoint(names):
+            start = len(self.names)
+            self.names.extend(names)
+            self.bandwidths.extend(bandwidths)
+            self.index.update(zip(names, range(start, start + len(names))))
+            return list(range(start, start + len(names)))
+        return [self.id(n, b) for n, b in zip(names, bandwidths)]
+
 
 class RouteIds:
     """Every route of ``topology`` asked for so far, as rows of columns (Note [Route ids])."""
