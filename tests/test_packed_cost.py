@@ -36,6 +36,22 @@ def test_thd_padding_and_work_by_hand():
     assert thd_rank_work([5, 3], 2, causal=False).tolist() == [2 * 5 + 1 * 3, 3 * 5 + 2 * 3]
 
 
+def test_thd_rank_work_is_each_ranks_two_chunks_of_every_document():
+    """thd_rank_work (all chunks at once) against each rank's two chunks summed one document at a time."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for cp in (1, 2, 3, 8, 64):
+        lengths = np.maximum(1, rng.lognormal(7.0, 1.5, 40).astype(int)).tolist()
+        l = (thd_padded_lengths(lengths, cp) // (2 * cp)).tolist()
+        for causal in (True, False):
+            want = [sum(span_pairs(Span(d, min(c * l[d], n), min((c + 1) * l[d], n)), Span(d, 0, n), causal)
+                        for d, n in enumerate(lengths) for c in (i, 2 * cp - 1 - i)
+                        if min(c * l[d], n) < min((c + 1) * l[d], n))
+                    for i in range(cp)]
+            assert thd_rank_work(lengths, cp, causal).tolist() == want
+
+
 def test_te_p2p_thd_bytes_fwd_and_bwd():
     lengths, cp = [5, 3, 100], 4
     padded = int(thd_padded_lengths(lengths, cp).sum())  # 8 + 8 + 104

@@ -278,13 +278,10 @@ def thd_rank_work(doc_lengths: Sequence[int], cp: int, causal: bool = True) -> n
     L = np.asarray(doc_lengths, dtype=np.int64)
     P = thd_padded_lengths(doc_lengths, cp)
     l = P // (2 * cp)
-    work = np.zeros(cp, dtype=np.int64)
-    for i in range(cp):
-        for c in (i, 2 * cp - 1 - i):
-            q0 = np.minimum(c * l, L)
-            q1 = np.minimum((c + 1) * l, L)
-            work[i] += int(causal_pairs(q0, q1, 0, L, causal).sum())
-    return work
+    c = np.arange(2 * cp, dtype=np.int64)[:, None]                           # [2cp, 1]: chunk
+    q0, q1 = np.minimum(c * l, L), np.minimum((c + 1) * l, L)                 # [2cp, D]
+    chunk = causal_pairs(q0, q1, 0, L, causal).sum(axis=1)                    # [2cp]: every document's
+    return chunk[:cp] + chunk[2 * cp - 1:cp - 1:-1]                           # rank i: chunks i, 2cp-1-i
 
 
 def _full_work(c, heads: int, n: np.ndarray, m: np.ndarray, merged: bool) -> np.ndarray:
