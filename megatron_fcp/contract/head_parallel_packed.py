@@ -152,7 +152,8 @@ class PackedHeadParallelPlan(HeadGroups):
 
     def member_tokens(self, g: int) -> tuple[int, ...]:
         """Tokens each member of head group ``g`` holds (member order)."""
-        return tuple(self.placement.tokens(self.ranks.index(r)) for r in self.head_groups[g])
+        held = self.placement.rank_tokens()
+        return tuple(held[self.ranks.index(r)] for r in self.head_groups[g])
 
     def verify(self) -> "PackedHeadParallelPlan":
         """Prove the stage: the groups partition the ranks, the member placement is the group

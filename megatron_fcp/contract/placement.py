@@ -218,9 +218,6 @@ class Placement:
         state["_cache"] = {}
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-
     def __post_init__(self) -> None:
         if self.layout not in PACKED_LAYOUTS:
             raise ValueError(f"placement layout {self.layout!r}: must be one of {', '.join(PACKED_LAYOUTS)}")

@@ -298,32 +298,32 @@ def star_kv_floor(topo: Topology, ranks: Sequence[int], placement: "Placement | 
     resource's bytes over its bandwidth (Note [Cost model]: a round takes its most loaded
     resource's time)."""
     ranks = tuple(ranks)
-    cp = len(ranks)
-    need, owner, tokens = _kv_needs(cp, placement, seq_len, causal)              # [cp, blocks]
+    need, owner, tokens = _kv_needs(len(ranks), placement, seq_len, causal)      # [cp, blocks]
     reader, block = np.nonzero(need)
     if not len(reader):
         return 0.0
-    # one message per (owner, reader) pair carries all its blocks' tokens: each route looked up once
-    pair, inv = np.unique(owner[block] * cp + reader, return_inverse=True)
-    return edge_kv_floor(topo, ranks, pair // cp, pair % cp, np.bincount(inv, weights=tokens[block]),
-                         kv_bytes_per_token)
+    return edge_kv_floor(topo, ranks, owner[block], reader, tokens[block], kv_bytes_per_token)
 
 
 def edge_kv_floor(topo: Topology, ranks: Sequence[int], src: np.ndarray, dst: np.ndarray, tokens: np.ndarray,
                   kv_bytes_per_token: float) -> float:
-    """A floor on the forward communication of a plan whose graph edges ``src[i] -> dst[i]`` (CP
-    indices into ``ranks``) carry ``tokens[i]`` tokens of KV in all, over whatever rounds (a
-    builder's fixed paths: :meth:`~megatron_fcp.planner.builders.GraphBuilder.edge_loads`): the
-    rounds take at least the most loaded resource's bytes over its bandwidth (Note [Cost model])."""
+    """A floor on the forward communication of a plan that sends ``tokens[i]`` tokens of KV from
+    ``src[i]`` to ``dst[i]`` (CP indices into ``ranks``; a pair may repeat), over whatever rounds:
+    the rounds take at least the most loaded resource's bytes over its bandwidth (Note [Cost
+    model]). The messages of a star (:func:`star_kv_floor`), of a builder's fixed paths
+    (:meth:`~megatron_fcp.planner.builders.GraphBuilder.edge_loads`) or of a candidate's trees."""
     if not len(src):
         return 0.0
+    cp = len(ranks)
+    # one load per (sender, receiver) pair: each route looked up once
+    pair, inv = np.unique(np.asarray(src, dtype=np.int64) * cp + dst, return_inverse=True)
+    per_pair = np.bincount(inv, weights=np.asarray(tokens, dtype=np.float64) * kv_bytes_per_token)
     rank_of = np.asarray(ranks, dtype=np.int64)
     table = topo.route_ids()                  # topology-wide resource ids: only the maximum is read
-    rows = table.rows(rank_of[src], rank_of[dst])
+    rows = table.rows(rank_of[pair // cp], rank_of[pair % cp])
     hops, ids = table.gather(rows)
     bw = table.resource_bandwidth             # read after rows() (Note [Route ids])
-    load = np.bincount(ids, weights=np.repeat(np.asarray(tokens, dtype=np.float64) * kv_bytes_per_token, hops),
-                       minlength=len(bw))
+    load = np.bincount(ids, weights=np.repeat(per_pair, hops), minlength=len(bw))
     return float((load / bw).max())
 
 

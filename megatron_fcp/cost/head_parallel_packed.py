@@ -174,10 +174,8 @@ def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which
     if kind not in per or direction not in ("in", "out"):
         raise ValueError(f"which: 'qkv-in', 'qkv-out', 'o-in' or 'o-out', got {which!r}")
     out = []
-    cp_of = {r: i for i, r in enumerate(hp.ranks)}
-    held = hp.placement.rank_tokens()                                 # [cp]: each rank's tokens
-    for group in hp.head_groups:
-        tokens = [held[cp_of[r]] for r in group]                      # member order (member_tokens)
+    for g, group in enumerate(hp.head_groups):
+        tokens = hp.member_tokens(g)
         for m, src in enumerate(group):
             for i, dst in enumerate(group):
                 if m != i and tokens[m]:  # in: m's rows of shard i to i; out: shard i's rows of m back to m

@@ -207,12 +207,8 @@ def _trees_floor(cg, topo: Topology, shape: AttentionShape, placement) -> float:
         return 0.0
     pos = np.full(max(cg.ranks) + 1, -1, dtype=np.int64)
     pos[list(cg.ranks)] = np.arange(len(cg.ranks))
-    owner = pos[cols.owner]
-    tokens = placement.tokens_of(owner, cols.chunk).astype(np.float64)[cols.tree_of]     # [edges]
-    cp = len(cg.ranks)
-    pair, inv = np.unique(pos[cols.u] * cp + pos[cols.v], return_inverse=True)
-    load = np.bincount(inv, weights=tokens)
-    return edge_kv_floor(topo, cg.ranks, pair // cp, pair % cp, load, shape.kv_bytes(1)) * (1 - 1e-9)
+    tokens = placement.tokens_of(pos[cols.owner], cols.chunk)[cols.tree_of]                # [edges]
+    return edge_kv_floor(topo, cg.ranks, pos[cols.u], pos[cols.v], tokens, shape.kv_bytes(1)) * (1 - 1e-9)
 
 
 def _bar(priced, objective: str, packed: bool = False) -> float:
