@@ -576,3 +576,31 @@ def test_a_wave_of_columns_does_not_keep_its_plan_alive():
     assert alive() is None
     with pytest.raises(RuntimeError, match="plan this wave's columns index is gone"):
         waves[-1].computes
+
+
+@pytest.mark.parametrize("packed,parts", ((True, 1), (False, 1), (False, 3)))
+def test_block_bytes_at_once_are_the_per_block_ones(packed, parts):
+    """BlockBytes' array, block_sizes and own_block_bytes read every block at once; they are the
+    per-block calls (Plan.block_tokens times the token bytes) in plan.blocks() order, exactly, on a
+    packed plan and on a zigzag plan whose parts differ by a token; and every decision that reads
+    them (the wave budget, the kept bytes, the keep-or-resend choice) is the per-block callable's."""
+    from megatron_fcp.schedule.waves import (BlockBytes, block_sizes, choose_backward_kv, kept_bytes_per_rank,
+                                             own_block_bytes)
+    if packed:                                  # a placement's plan has one part per chunk
+        pl = place_packed([5, 40, 3, 17, 1, 30, 9], 4, block_tokens=8)
+        plan, seq_len = build_plan("dgx-h100:1", range(4), "hierarchical", placement=pl), None
+    else:
+        plan, seq_len = build_plan("dgx-h100:1", range(4), "full", parts_per_chunk=parts), 8 * 37 + 8
+    fast = BlockBytes(plan, 12, seq_len)
+    slow = lambda b: plan.block_tokens(b, seq_len) * 12  # noqa: E731   a plain callable: one call per block
+    want = [slow(b) for b in plan.blocks()]
+    assert fast.array().tolist() == want == block_sizes(plan, slow).tolist() == block_sizes(plan, fast).tolist()
+    assert [fast(b) for b in plan.blocks()] == want
+    assert not fast.array().flags.writeable
+    assert own_block_bytes(plan, fast) == {r: sum(slow(b) for b in plan.local_blocks(r)) for r in plan.ranks}
+    assert wave_budget(plan, fast) == wave_budget(plan, slow)
+    assert kept_bytes_per_rank(plan, fast) == kept_bytes_per_rank(plan, slow)
+    for budget in (-1, 0, 10**9):
+        assert choose_backward_kv("auto", plan, fast, budget) == choose_backward_kv("auto", plan, slow, budget)
+    other = build_plan("dgx-h100:1", range(4), "ring", parts_per_chunk=parts, placement=pl if packed else None)
+    assert block_sizes(other, fast).tolist() == [fast(b) for b in other.blocks()]   # another plan: per block

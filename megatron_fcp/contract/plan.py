@@ -214,6 +214,19 @@ class Plan:
             raise ValueError("Plan.block_tokens: a zigzag plan needs seq_len (the padded global sequence)")
         return part_tokens(seq_len, self.cp, self.parts_per_chunk, block.part)
 
+    def block_token_counts(self, seq_len: int | None = None) -> np.ndarray:
+        """int64 ``[n_blocks]``, read-only: :meth:`block_tokens` of every block of :meth:`blocks`, in
+        that order (a placement's block spans; a zigzag plan's parts, the same ``2 * cp`` times)."""
+        if self.placement is not None:
+            return self.placement.block_tokens()
+        seq_len = self.seq_len if seq_len is None else seq_len
+        if seq_len is None:
+            raise ValueError("Plan.block_token_counts: a zigzag plan needs seq_len (the padded global sequence)")
+        parts = [part_tokens(seq_len, self.cp, self.parts_per_chunk, p) for p in range(self.parts_per_chunk)]
+        got = np.tile(np.asarray(parts, dtype=np.int64), 2 * self.cp)       # blocks_of: chunk-major, then parts
+        got.flags.writeable = False
+        return got
+
     def chunks_per_rank(self) -> np.ndarray:
         """Chunks each CP rank owns (int64 ``[cp]``; each cut into ``parts_per_chunk`` blocks):
         2 under zigzag, the number of its blocks under a placement."""

@@ -103,8 +103,8 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.schedule.waves import (RING_BUDGET, Wave, block_work, first_fetch, plan_waves, wave_budget,
-                                         wave_columns, wave_compute_columns)
+from megatron_fcp.schedule.waves import (RING_BUDGET, Wave, block_work, first_fetch, own_block_bytes,
+                                         plan_waves, wave_budget, wave_columns, wave_compute_columns)
 
 __all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "is_chain_plan",
            "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch", "keep_limits"]
@@ -496,7 +496,7 @@ def keep_limits(plan: Plan, block_bytes: Callable[[Block], int], kv_memory_budge
     TE's padded shard of the same batch.)"""
     if kv_memory_budget != RING_BUDGET:
         return dict.fromkeys(plan.ranks, kv_memory_budget)
-    own = {r: sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks}
+    own = own_block_bytes(plan, block_bytes)
     if is_chain_plan(plan) and own:
         return dict.fromkeys(plan.ranks, max(own.values()))
     return own

@@ -70,7 +70,7 @@ from megatron_fcp.contract.blocks import Block, Transfer, gc_paused
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.schedule.chains import (ChainStep, chain_steps, first_keepers, first_kept_blocks, first_wave_fetch,
                                           keep_limits)
-from megatron_fcp.schedule.waves import BACKWARD_KV_MODES, RING_BUDGET, Wave, choose_backward_kv, plan_waves
+from megatron_fcp.schedule.waves import BACKWARD_KV_MODES, RING_BUDGET, BlockBytes, Wave, choose_backward_kv, plan_waves
 
 __all__ = ["BackwardPolicy", "WaveBackward", "BackwardProgram", "ProgramPost", "compile_backward", "compiled_programs",
            "resend_keep_limits",
@@ -332,16 +332,9 @@ def resend_keep_limits(plan: Plan, token_bytes: int, policy: BackwardPolicy | No
     return keep_limits(plan, size, policy.kv_memory_budget)
 
 
-def _sizes(plan: Plan, token_bytes: int, seq_len: int | None):
+def _sizes(plan: Plan, token_bytes: int, seq_len: int | None) -> BlockBytes:
     """A block's K and V bytes in the program's units: its tokens times ``token_bytes``."""
-    tokens: dict[Block, int] = {}
-
-    def size(b: Block) -> int:
-        n = tokens.get(b)
-        if n is None:
-            n = tokens[b] = plan.block_tokens(b, seq_len)
-        return n * token_bytes
-    return size
+    return BlockBytes(plan, token_bytes, seq_len)
 
 
 def _mode(plan: Plan, size, policy: BackwardPolicy, cache_key) -> str:

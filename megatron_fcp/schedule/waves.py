@@ -81,7 +81,7 @@ from megatron_fcp.jit import jit
 
 __all__ = ["Wave", "plan_transfer_pairs", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch",
            "leading_own_jobs", "loop_jobs", "loop_job_columns", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
-           "kept_bytes_per_rank", "choose_backward_kv"]
+           "kept_bytes_per_rank", "choose_backward_kv", "BlockBytes", "block_sizes", "own_block_bytes"]
 
 
 class Wave:
@@ -271,6 +271,50 @@ def loop_jobs(plan: Plan, waves: Sequence[Wave]
 _JOBS: dict[int, tuple] = {}
 
 
+class BlockBytes:
+    """A block's K and V bytes in a plan: its tokens (:meth:`~megatron_fcp.contract.plan.Plan.block_tokens`,
+    ``seq_len`` for a zigzag plan) times ``token_bytes``. Called per block, as every ``block_bytes``
+    here is; :func:`block_sizes` reads the plan's every block at once from
+    :meth:`~megatron_fcp.contract.plan.Plan.block_token_counts` instead of one call per block (at
+    cp = 256 a plan has 5K blocks, and the backward program asked for all of them several times)."""
+
+    def __init__(self, plan: Plan, token_bytes: int, seq_len: int | None = None):
+        self.plan, self.token_bytes, self.seq_len = plan, int(token_bytes), seq_len
+        self._memo: dict[Block, int] = {}
+        self._array: np.ndarray | None = None
+
+    def __call__(self, b: Block) -> int:
+        n = self._memo.get(b)
+        if n is None:
+            n = self._memo[b] = self.plan.block_tokens(b, self.seq_len) * self.token_bytes
+        return n
+
+    def array(self) -> np.ndarray:
+        """int64 ``[n_blocks]``, read-only: every block's bytes, ``plan.blocks()`` order."""
+        if self._array is None:
+            self._array = self.plan.block_token_counts(self.seq_len) * self.token_bytes
+            self._array.flags.writeable = False
+        return self._array
+
+
+def block_sizes(plan: Plan, block_bytes: Callable[[Block], int]) -> np.ndarray:
+    """int64 ``[n_blocks]``: ``block_bytes`` of every block of ``plan.blocks()``, in that order (read
+    at once from a :class:`BlockBytes` of ``plan``, else one call per block)."""
+    if isinstance(block_bytes, BlockBytes) and block_bytes.plan is plan:
+        return block_bytes.array()
+    return np.array([block_bytes(b) for b in plan.blocks()], dtype=np.int64)
+
+
+def own_block_bytes(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
+    """Per global rank, the bytes of the blocks it owns (:func:`block_sizes` summed owner by owner;
+    exact integers)."""
+    sizes = block_sizes(plan, block_bytes)
+    n_local = plan.chunks_per_rank() * plan.parts_per_chunk              # [cp]
+    offset = block_layout(plan.chunks_per_rank(), plan.parts_per_chunk)[0]
+    total = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    return dict(zip(plan.ranks, (total[offset + n_local] - total[offset]).tolist()))
+
+
 def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
     """The largest shard's K and V bytes: the two waves alive at once (w computing, w+1 arriving)
     then hold what Transformer Engine's ring backward allocates for the same purpose, two buffers of
@@ -280,7 +324,7 @@ def wave_budget(plan: Plan, block_bytes: Callable[[Block], int]) -> int:
     cp = 256, 64:8, 32K median: backward 37.6 -> 31.2 ms at one shard; docs/planner.md, "Waves of
     a shard"). The one wave rule of the executor, the cost model and the emulator; the chains'
     sub-rounds use the same (:func:`~megatron_fcp.schedule.chains.chain_budget`)."""
-    return max(sum(block_bytes(b) for b in plan.local_blocks(r)) for r in plan.ranks)
+    return max(own_block_bytes(plan, block_bytes).values())
 
 
 def block_work(plan: Plan) -> Callable[[int, Block], float]:
@@ -475,8 +519,7 @@ class _PackInput:
         rd_a = reading[np.argsort(slot[a_blk[reading]], kind="stable")]
         rd_ptr = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(np.bincount(slot[a_blk[reading]], minlength=len(order)), out=rd_ptr[1:])
-        self.size_of = [block_bytes(b) for b in blocks]
-        sizes = np.array(self.size_of, dtype=np.int64)
+        sizes = block_sizes(plan, block_bytes)
         got = np.zeros(R, dtype=np.int64)                          # bytes each rank receives in all
         np.add.at(got, dst, sizes[c])
         # per rank: its own blocks, numbers own_lo[x] .. own_hi[x] - 1 in local order; as CSR over
@@ -853,8 +896,7 @@ RING_BUDGET = -1
 def kept_bytes_per_rank(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
     """Bytes of received KV each rank would save for backward under ``keep`` (its need set): the
     need matrix (``[cp, blocks]``, columns in ``plan.blocks()`` order) times the blocks' bytes."""
-    sizes = np.array([block_bytes(b) for b in plan.blocks()], dtype=np.int64)
-    kept = plan.need_matrix().astype(np.int64) @ sizes                      # [cp]
+    kept = plan.need_matrix().astype(np.int64) @ block_sizes(plan, block_bytes)   # [cp]
     return dict(zip(plan.ranks, kept.tolist()))
 
 
@@ -880,9 +922,10 @@ def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int
     if cache_key is not None and hit is not None and hit[0]() is plan:
         return hit[1]
     kept = kept_bytes_per_rank(plan, block_bytes)
+    own = own_block_bytes(plan, block_bytes) if budget == RING_BUDGET else None
     decision = "keep"
     for r in plan.ranks:
-        limit = budget if budget != RING_BUDGET else sum(block_bytes(b) for b in plan.local_blocks(r))
+        limit = budget if own is None else own[r]
         if kept[r] > limit:
             decision = "resend"
             break
