@@ -71,7 +71,7 @@ from megatron_fcp.cost.timeline import (chain_launches, chain_step_compute, chai
                                         wave_timeline_floor)
 from megatron_fcp.schedule.launches import launch_starts
 from megatron_fcp.schedule.program import RING_BUDGET, BackwardPolicy, compile_backward, resend_keep_limits
-from megatron_fcp.schedule.waves import block_work, loop_jobs, restrict, work_matrix, zigzag_pairs
+from megatron_fcp.schedule.waves import BlockBytes, block_work, loop_jobs, restrict, work_matrix, zigzag_pairs
 from megatron_fcp.topology import Topology, load_topology
 
 __all__ = [
@@ -293,7 +293,7 @@ def simulate_backward_waves(
     against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced."""
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
-    program, block_tokens, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget,
+    program, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget,
                                                  micro_batch, kv_dtype_bytes, budget)
     launch_s = cm.launch_s(BACKWARD_FLOP_RATIO)
     backward_kv = program.mode
@@ -304,7 +304,7 @@ def simulate_backward_waves(
     saved = {r: sum(size(b) for b in program.kept(r)) for r in plan.ranks}   # received KV saved from the forward
     steps = program.steps
     if steps is not None:  # Note [Streaming chain backward]
-        out = _chain_backward(steps, topo, backward_kv, size, lambda blk: block_tokens(blk) * grad_tok,
+        out = _chain_backward(steps, topo, backward_kv, size, BlockBytes(plan, grad_tok, program.seq_len),
                               work, round_overhead_s, plan, launch_s,
                               saved, _call_s(cm, plan, shape))
         calls = chain_launches(steps, work)
@@ -324,7 +324,7 @@ def simulate_backward_waves(
                 if sub.rounds and resend else 0.0), got
 
     partial = program.first_fetch
-    timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
+    timeline = wave_timeline(plan, waves, topo, kv_bytes=size, grad_bytes=BlockBytes(plan, grad_tok, program.seq_len),
                              job_s=job_s, resend=resend, round_overhead_s=round_overhead_s,
                              buffered_sends=buffered_sends, first_kept=first, first_fetch=partial,
                              held_routes=held_routes)
@@ -372,14 +372,14 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
              micro_batch: int, kv_dtype_bytes: int | None, budget: int | None):
     """What :func:`simulate_backward_waves` and :func:`chain_compute_floor` price from: the
     executor's program (its block bytes are ``micro_batch`` sequences', Note [Backward program]),
-    a block's tokens and one sequence's K|V bytes, and a job's seconds of work (launch not
-    included: its query-key pairs at the backward's seconds per pair, or its tile-priced calls)."""
+    one sequence's K|V bytes of a block (a :class:`~megatron_fcp.schedule.waves.BlockBytes`: the
+    floors read every block's at once), and a job's seconds of work (launch not included: its
+    query-key pairs at the backward's seconds per pair, or its tile-priced calls)."""
     policy = BackwardPolicy(backward_kv, kv_memory_budget)      # validates both
     zshape, kv_tok = _program_shape(plan, shape, kv_dtype_bytes)
     program = compile_backward(plan, kv_tok * micro_batch, policy, seq_len=zshape.seq_len,
                                budget=None if budget is None else budget * micro_batch)
-    block_tokens = _block_tokens(plan, program.seq_len)
-    size = lambda blk: int(block_tokens(blk) * kv_tok)  # noqa: E731   one sequence's, for the times
+    size = BlockBytes(plan, kv_tok, program.seq_len)    # one sequence's, for the times
     flop_s = shape.pair_flops / cm.flops * BACKWARD_FLOP_RATIO
     pos = {r: i for i, r in enumerate(plan.ranks)}
     if cm.kernel is not None:
@@ -389,8 +389,8 @@ def _program(plan: Plan, shape: AttentionShape, cm: ComputeModel, backward_kv: s
             if (x, blk) not in memo:
                 memo[(x, blk)] = _tile_work(cm, plan, zshape, pos[x], blk, BACKWARD_FLOP_RATIO)
             return memo[(x, blk)]
-        return program, block_tokens, size, work
-    return program, block_tokens, size, _PairWork(plan, zshape.seq_len, flop_s)
+        return program, size, work
+    return program, size, _PairWork(plan, zshape.seq_len, flop_s)
 
 
 class _PairWork:
@@ -490,14 +490,14 @@ def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: Attention
     on the program pricing reads (memoised on the plan: the waves are packed once for both)."""
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
-    program, block_tokens, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
+    program, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
                                                  None, None)
     if program.steps is not None:
         return None
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
     launch_s = cm.launch_s(BACKWARD_FLOP_RATIO)
     return wave_timeline_floor(plan, program.waves, topo, kv_bytes=size,
-                               grad_bytes=lambda blk: block_tokens(blk) * grad_tok,
+                               grad_bytes=BlockBytes(plan, grad_tok, program.seq_len),
                                job_s=_job_s(work, launch_s), job_seconds=_job_seconds(work, launch_s),
                                resend=program.mode == "resend", round_overhead_s=round_overhead_s,
                                buffered_sends=buffered_sends, first_kept=program.first_kept,
@@ -524,7 +524,7 @@ def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: Com
     messages where those take longer (Note [Backward floors]). It reads the program that pricing
     the backward reads (memoised on the plan), not the messages: a fraction of the price."""
     cm = compute_model or ComputeModel()
-    program, _, _, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
+    program, _, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
                                    kv_dtype_bytes, None)
     if program.steps is None:
         return None

@@ -101,7 +101,7 @@ from megatron_fcp.cost.model import _ResourceIndex, round_comm_s
 from megatron_fcp.jit import jit
 from megatron_fcp.schedule.chains import ChainStep
 from megatron_fcp.schedule.launches import launch_ids, launch_starts
-from megatron_fcp.schedule.waves import Wave, loop_job_columns, loop_jobs, wave_columns
+from megatron_fcp.schedule.waves import Wave, block_sizes, loop_job_columns, loop_jobs, wave_columns
 from megatron_fcp.topology import Topology
 
 __all__ = ["wave_timeline", "wave_timeline_floor", "chain_timeline", "chain_step_compute", "chain_launches"]
@@ -487,8 +487,8 @@ def wave_timeline_floor(plan: Plan, waves: Sequence[Wave], topo: Topology, *, kv
     # every chain's messages as columns: block numbers (plan.blocks() order); the routes of every
     # (sender, receiver) pair of the plan, either way, looked up once (Note [Route ids])
     R = max(ranks) + 1
-    kv_size = np.array([kv_bytes(b) for b in blocks], dtype=np.float64)
-    grad_size = np.array([grad_bytes(b) for b in blocks], dtype=np.float64)
+    kv_size = block_sizes(plan, kv_bytes, np.float64)
+    grad_size = block_sizes(plan, grad_bytes, np.float64)
     all_src, all_dst = plan.transfer_columns()[1:3]
     pair_keys = np.unique(np.concatenate([all_src * R + all_dst, all_dst * R + all_src]))  # [pairs] sorted
     pair_len, pair_ids, pair_latency = idx.route_columns(pair_keys // R, pair_keys % R)

@@ -279,7 +279,7 @@ class BlockBytes:
     cp = 256 a plan has 5K blocks, and the backward program asked for all of them several times)."""
 
     def __init__(self, plan: Plan, token_bytes: int, seq_len: int | None = None):
-        self.plan, self.token_bytes, self.seq_len = plan, int(token_bytes), seq_len
+        self.plan, self.token_bytes, self.seq_len = plan, token_bytes, seq_len
         self._memo: dict[Block, int] = {}
         self._array: np.ndarray | None = None
 
@@ -290,19 +290,20 @@ class BlockBytes:
         return n
 
     def array(self) -> np.ndarray:
-        """int64 ``[n_blocks]``, read-only: every block's bytes, ``plan.blocks()`` order."""
+        """``[n_blocks]``, read-only: every block's bytes, ``plan.blocks()`` order (int64 for integer
+        ``token_bytes``)."""
         if self._array is None:
             self._array = self.plan.block_token_counts(self.seq_len) * self.token_bytes
             self._array.flags.writeable = False
         return self._array
 
 
-def block_sizes(plan: Plan, block_bytes: Callable[[Block], int]) -> np.ndarray:
-    """int64 ``[n_blocks]``: ``block_bytes`` of every block of ``plan.blocks()``, in that order (read
-    at once from a :class:`BlockBytes` of ``plan``, else one call per block)."""
+def block_sizes(plan: Plan, block_bytes: Callable[[Block], float], dtype=np.int64) -> np.ndarray:
+    """``[n_blocks]`` of ``dtype``: ``block_bytes`` of every block of ``plan.blocks()``, in that order
+    (read at once from a :class:`BlockBytes` of ``plan``, else one call per block)."""
     if isinstance(block_bytes, BlockBytes) and block_bytes.plan is plan:
-        return block_bytes.array()
-    return np.array([block_bytes(b) for b in plan.blocks()], dtype=np.int64)
+        return block_bytes.array().astype(dtype, copy=False)
+    return np.array([block_bytes(b) for b in plan.blocks()], dtype=dtype)
 
 
 def own_block_bytes(plan: Plan, block_bytes: Callable[[Block], int]) -> dict[int, int]:
