@@ -327,3 +327,38 @@ def test_the_star_floor_is_below_the_full_plans_communication(preset, cp):
     from megatron_fcp.planner.builders import BUILDERS, get_builder
 
     assert [n for n in BUILDERS if get_builder(n).sends_direct()] == ["full"]   # the only stars (entry relays)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_graphs_with_the_same_trees_compile_alike_and_auto_times_one(causal):
+    """One rank per node (a = 8's KV stage): full, hierarchical, leader and entry all send each
+    block straight to its readers. compiles_alike says so, and their compiled plans are the same
+    transfers; auto compiles the first and records the others at its time, which is what compiling
+    each gives, and picks what every candidate compiled would. Where trees differ (relays inside a
+    node) it says no."""
+    from megatron_fcp.cost.model import simulate_plan
+    from megatron_fcp.planner.build import NOMINAL_SHAPE, _least_crossing, build_plan
+    from megatron_fcp.planner.builders import PACKED_AUTO_CANDIDATES, build_graph
+    from megatron_fcp.planner.compile import compile_plan, compiles_alike
+
+    topo = load_topology("dgx-h100:6")
+    ranks = tuple(range(0, 48, 8))                                   # member 0 of each node's group
+    pl = _packed_placement(len(ranks), 8192, causal)
+    graphs = {n: build_graph(topo, ranks, n) for n in PACKED_AUTO_CANDIDATES}
+    plans = {n: compile_plan(cg, causal, placement=pl) for n, cg in graphs.items()}
+    alike = [n for n in PACKED_AUTO_CANDIDATES if compiles_alike(graphs["full"], graphs[n], pl)]
+    assert {"full", "hierarchical", "leader", "entry"} <= set(alike)
+    for n in alike:
+        assert [c.tolist() for c in plans[n].transfer_columns()] == [c.tolist() for c in plans["full"].transfer_columns()]
+    every = [(simulate_plan(p, topo, NOMINAL_SHAPE, compute=False), p) for p in plans.values()]
+    want = _least_crossing(every, "comm")[1]
+    got = build_plan(topo, ranks, "auto", placement=pl, causal=causal)
+    assert got.name == want.name and got.rounds == want.rounds
+    times = {p.name: r.comm_s for r, p in every}
+    assert all(times[k] == t for k, t in got.auto.times)
+    assert {k for k, _ in got.auto.times} >= set(alike) - {"full"}      # recorded, not left out
+    # inside a node, hierarchical relays where full sends straight: not alike
+    inner = tuple(range(16))
+    pl16 = _packed_placement(16, 8192, causal)
+    assert not compiles_alike(build_graph(topo, inner, "full"), build_graph(topo, inner, "hierarchical"), pl16)
+    assert not compiles_alike(graphs["full"], build_graph(topo, inner, "full"), pl16)    # other ranks

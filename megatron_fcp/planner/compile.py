@@ -65,7 +65,7 @@ from megatron_fcp.planner.rounds import colour_rounds
 from megatron_fcp.planner.tree_columns import Readers, TreeColumns
 from megatron_fcp.topology.route_ids import first_use_ids
 
-__all__ = ["placement_trees", "compile_plan"]
+__all__ = ["placement_trees", "compile_plan", "compiles_alike"]
 
 
 def compile_plan(
@@ -172,6 +172,29 @@ def placement_trees(cg: CommGraph, placement: Placement) -> tuple[Readers, TreeC
         a.flags.writeable = False     # shared by the floor and the compile: read only
     placement._cache[key] = (weakref.ref(cg), out)
     return out
+
+
+def compiles_alike(cg: CommGraph, other: CommGraph, placement: Placement) -> bool:
+    """Whether :func:`compile_plan` over ``placement`` (the same other arguments, no port limits)
+    gives ``other`` the plan it gives ``cg``, transfer for transfer, only its name differing: both
+    are builders' graphs over the same ranks and topology (every bandwidth the compiler reads is the
+    topology's route), with the same ``pipeline_parts`` and no relative KV sizes, the group is one
+    whose trees the compiler reads as :func:`placement_trees` (up to :data:`CHECK_TREES_MAX_CP`
+    ranks), and those trees are equal. Those are all the compiler reads of a graph besides its
+    name. ``auto`` then times one of them (Note [Pruning auto] in
+    :mod:`megatron_fcp.planner.build`): at cp = 256, ``a = 8``, ``full``, ``hierarchical``,
+    ``leader`` and ``entry`` all send each block straight to its readers (one virtual rank per
+    node). ``other``'s trees are checked against ``other`` as its compile would (PlanError)."""
+    if not (cg.builder is not None and other.builder is not None and cg.ranks == other.ranks
+            and cg.topology is not None and cg.topology is other.topology
+            and len(cg.ranks) <= CHECK_TREES_MAX_CP and cg.pipeline_parts == other.pipeline_parts
+            and not cg.meta.get("kv_sizes") and not other.meta.get("kv_sizes")):
+        return False
+    mine, theirs = placement_trees(cg, placement)[1], placement_trees(other, placement)[1]
+    if not all(np.array_equal(x, y) for x, y in zip(mine, theirs)):
+        return False
+    _check_trees(other, theirs, placement_trees(other, placement)[0])
+    return True
 
 
 def _block_columns(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
