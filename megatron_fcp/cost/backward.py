@@ -294,7 +294,7 @@ def simulate_backward_waves(
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     program, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget,
-                                                 micro_batch, kv_dtype_bytes, budget)
+                                   micro_batch, kv_dtype_bytes, budget)
     launch_s = cm.launch_s(BACKWARD_FLOP_RATIO)
     backward_kv = program.mode
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
@@ -491,7 +491,7 @@ def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: Attention
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     program, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
-                                                 None, None)
+                                   None, None)
     if program.steps is not None:
         return None
     grad_tok = (grad_dtype_bytes or shape.dtype_bytes) * shape.kv_token_elems
@@ -525,7 +525,7 @@ def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: Com
     the backward reads (memoised on the plan), not the messages: a fraction of the price."""
     cm = compute_model or ComputeModel()
     program, _, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
-                                   kv_dtype_bytes, None)
+                                kv_dtype_bytes, None)
     if program.steps is None:
         return None
     return float(sum(chain_step_compute(program.steps, work, cm.launch_s(BACKWARD_FLOP_RATIO),
