@@ -190,10 +190,11 @@ def compiles_alike(cg: CommGraph, other: CommGraph, placement: Placement) -> boo
             and len(cg.ranks) <= CHECK_TREES_MAX_CP and cg.pipeline_parts == other.pipeline_parts
             and not cg.meta.get("kv_sizes") and not other.meta.get("kv_sizes")):
         return False
-    mine, theirs = placement_trees(cg, placement)[1], placement_trees(other, placement)[1]
+    mine = placement_trees(cg, placement)[1]
+    readers_of, theirs = placement_trees(other, placement)
     if not all(np.array_equal(x, y) for x, y in zip(mine, theirs)):
         return False
-    _check_trees(other, theirs, placement_trees(other, placement)[0])
+    _check_trees(other, theirs, readers_of)
     return True
 
 
