@@ -43,6 +43,20 @@ def test_pack_kernel_compiled_equals_python(case):
             assert len(fast[3]) == n and len(set(zip(fast[3].tolist(), fast[4].tolist()))) == n
 
 
+@pytest.mark.parametrize("case", list(_plans()), ids=lambda c: c[0])
+def test_row_totals_are_the_running_sums(case):
+    """The packing's busiest-rank total (``_row_totals``): each rank's work on the blocks it computes,
+    summed in block order, the bits of numpy's running sum both compiled and as Python."""
+    _, plan, _ = case
+    work = W.work_matrix(plan)
+    does = plan.need_matrix().copy()
+    does[np.arange(work.shape[1]) % work.shape[0], np.arange(work.shape[1])] = True  # some extra cells
+    want = np.cumsum(np.where(does, work, 0.0), axis=1)[:, -1]
+    for run in (W._row_totals, getattr(W._row_totals, "py_func", W._row_totals)):
+        got = run(does, work)
+        assert got.dtype == np.float64 and np.array_equal(got, want) and got.max() > 0
+
+
 def test_no_jit_runs_the_same_waves_as_python():
     """MEGATRON_FCP_NO_JIT=1 runs the loops as Python (logged once) and gives the same waves."""
     code = ("import hashlib; from megatron_fcp import jit; from megatron_fcp.planner.build import build_plan; "

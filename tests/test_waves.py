@@ -547,6 +547,11 @@ def test_the_first_waves_cut_is_the_rule_written_out(builder):
             seen.add((t.block, t.dst))
             walk.setdefault(t.dst, []).append(t.block)
     assert kept == {x: tuple(b) for x, b in walk.items()} and kept
+    # their bytes: summed block by block, and read at once from BlockBytes (cached under a key)
+    from megatron_fcp.schedule.waves import BlockBytes
+    want_bytes = {x: sum(size(b) for b in bs) for x, bs in kept.items()}
+    assert chains.first_kept_bytes(plan, size) == want_bytes
+    assert chains.first_kept_bytes(plan, BlockBytes(plan, 512), cache_key="t") == want_bytes
     ranks = sorted(kept)
     for keepers in (ranks[::2], ranks[1::3], ranks[:1]):
         cut = {x: kept[x] for x in keepers}

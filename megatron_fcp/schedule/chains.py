@@ -103,11 +103,11 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.schedule.waves import (RING_BUDGET, Wave, block_work, first_fetch, own_block_bytes,
+from megatron_fcp.schedule.waves import (RING_BUDGET, BlockBytes, Wave, block_work, first_fetch, own_block_bytes,
                                          plan_waves, wave_budget, wave_columns, wave_compute_columns)
 
 __all__ = ["CHAIN_PACE", "ChainStep", "chain_budget", "chain_routes", "chain_steps", "is_chain_plan",
-           "first_kept_blocks", "first_keepers", "first_received", "first_wave_fetch", "keep_limits"]
+           "first_kept_blocks", "first_kept_bytes", "first_keepers", "first_received", "first_wave_fetch", "keep_limits"]
 
 
 @dataclass(frozen=True)
@@ -423,31 +423,54 @@ def first_kept_blocks(plan: Plan, block_bytes: Callable[[Block], int], *,
     plan's first wave of received deliveries (Note [Backward waves]). cache_key: as
     :func:`~megatron_fcp.schedule.waves.plan_waves`'s; with it the answer is computed once per plan
     object and key (the program asks three times), and is shared: read it, do not change it."""
+    return _first_kept(plan, block_bytes, cache_key)[0]
+
+
+def first_kept_bytes(plan: Plan, block_bytes: Callable[[Block], int], *,
+                     cache_key: Hashable = None) -> dict[int, int]:
+    """Per rank with any, the bytes of its :func:`first_kept_blocks` (``block_bytes`` summed; exact
+    integers), cached with them."""
+    return _first_kept(plan, block_bytes, cache_key)[1]
+
+
+def _first_kept(plan: Plan, block_bytes: Callable[[Block], int],
+                cache_key: Hashable) -> tuple[dict[int, tuple[Block, ...]], dict[int, int]]:
+    """:func:`first_kept_blocks` and :func:`first_kept_bytes`, computed together."""
     key = (id(plan), cache_key)
     hit = _KEPT.get(key)
     if cache_key is not None and hit is not None and hit[0]() is plan:
         return hit[1]
     if chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
         got = first_received(plan, block_bytes, cache_key=cache_key)
+        nbytes = {r: sum(block_bytes(b) for b in bs) for r, bs in got.items()}
     else:
         waves = plan_waves(plan, block_bytes, cache_key=cache_key)
+        x, block = _first_deliveries(plan, waves[0]) if waves else (np.zeros(0, np.int64),) * 2
+        blocks = plan.blocks()
         out: dict[int, list[Block]] = {}
-        for x, b in (_first_deliveries(plan, waves[0]) if waves else ()):
-            out.setdefault(x, []).append(b)
+        for r, i in zip(x.tolist(), block.tolist()):
+            out.setdefault(r, []).append(blocks[i])
         got = {r: tuple(b) for r, b in out.items()}
+        if isinstance(block_bytes, BlockBytes) and block_bytes.plan is plan:   # every block's bytes at once
+            sizes = block_bytes.array()
+            total = np.zeros(max(plan.ranks) + 1, dtype=sizes.dtype)           # [global ranks]
+            np.add.at(total, x, sizes[block])                                  # in plan order, as the sum
+            nbytes = {r: total[r].item() for r in got}
+        else:
+            nbytes = {r: sum(block_bytes(b) for b in bs) for r, bs in got.items()}
     if cache_key is not None:
         if len(_KEPT) > 1024:
             _KEPT.clear()
-        _KEPT[key] = (weakref.ref(plan), got)
-    return got
+        _KEPT[key] = (weakref.ref(plan), (got, nbytes))
+    return got, nbytes
 
 
-_KEPT: dict[tuple, tuple[weakref.ref, dict]] = {}  # (id(plan), cache_key) -> (plan ref, first_kept_blocks)
+_KEPT: dict[tuple, tuple[weakref.ref, tuple]] = {}  # (id(plan), cache_key) -> (plan ref, (blocks, bytes))
 
 
-def _first_deliveries(plan: Plan, wave: Wave) -> list[tuple[int, Block]]:
-    """``(rank, block)`` of each delivery of ``wave`` that its receiver computes there, at its first
-    transfer, in plan order: :func:`first_kept_blocks`'s walk over the wave's columns."""
+def _first_deliveries(plan: Plan, wave: Wave) -> tuple[np.ndarray, np.ndarray]:
+    """``(ranks, block numbers)`` of each delivery of ``wave`` that its receiver computes there, at
+    its first transfer, in plan order: :func:`first_kept_blocks`'s walk over the wave's columns."""
     _, _, dst, owner, chunk, part = wave_columns(plan, wave)
     number, rank = wave_compute_columns(plan, wave)
     R = max(plan.ranks) + 1
@@ -456,8 +479,7 @@ def _first_deliveries(plan: Plan, wave: Wave) -> list[tuple[int, Block]]:
     first = np.zeros(len(key), dtype=bool)
     first[np.unique(key, return_index=True)[1]] = True                        # a key's first transfer
     keep = np.flatnonzero(first & np.isin(key, number * R + rank))            # plan order
-    blocks = plan.blocks()
-    return [(x, blocks[i]) for i, x in zip(block[keep].tolist(), dst[keep].tolist())]
+    return dst[keep], block[keep]
 
 
 def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callable[[Block], int],
@@ -476,9 +498,9 @@ def first_keepers(requested: str, decided: str, plan: Plan, block_bytes: Callabl
         return frozenset(plan.ranks)
     if requested != "auto":
         return frozenset()
-    got = first_kept_blocks(plan, block_bytes, cache_key=cache_key)
+    got = first_kept_bytes(plan, block_bytes, cache_key=cache_key)
     limit = keep_limits(plan, block_bytes, kv_memory_budget)
-    fits = frozenset(r for r in plan.ranks if sum(block_bytes(b) for b in got.get(r, ())) <= limit[r])
+    fits = frozenset(r for r in plan.ranks if got.get(r, 0) <= limit[r])
     if len(fits) < len(plan.ranks) and chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
         return frozenset()
     return fits
