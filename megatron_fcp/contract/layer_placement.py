@@ -45,8 +45,6 @@ moves every document to every rank.
 
 from __future__ import annotations
 
-import math
-from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -86,38 +84,49 @@ bin and still take it (step 2)."""
 
 
 def _items(lengths: Sequence[int], cp: int, block_tokens: int, mask: Mask) -> list[Span]:
-    """Step 1: whole documents, and contiguous chunks of the ones too large for one item."""
-    n_tok = np.asarray(lengths, dtype=np.int64)
-    pairs = mask.pairs(0, n_tok, 0, n_tok).tolist()   # each whole document's pairs (= span_pairs, exact)
-    share_t, share_w = sum(lengths) / cp, sum(pairs) / cp
-    out: list[Span] = []
+    """Step 1: whole documents, and contiguous chunks of the ones too large for one item
+    (:func:`_item_columns` as spans)."""
+    doc, start, end = _item_columns(lengths, cp, block_tokens, mask)
+    return list(map(Span, doc.tolist(), start.tolist(), end.tolist()))
+
+
+def _item_columns(lengths: Sequence[int], cp: int, block_tokens: int,
+                  mask: Mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step 1 as columns ``(document, start, end)``, ``[items]`` int64 each, in document order, then
+    start: a document of ``n`` tokens in ``chunks`` near-equal pieces, piece ``i`` from ``i * n //
+    chunks``; ``chunks`` the fewest whose tokens stay within ``block_tokens`` and :data:`ITEM_SHARE`
+    of a rank's share of tokens and whose pairs (at most ``tokens * reach``, every query seeing up to
+    ``reach`` keys: the document, or its window) within that share of a rank's pairs."""
+    n_tok = np.asarray(lengths, dtype=np.int64)                              # [documents]
+    share_t, share_w = int(n_tok.sum()) / cp, int(mask.pairs(0, n_tok, 0, n_tok).sum()) / cp
     left, right = mask.window
-    for d, n in enumerate(lengths):
-        # a chunk of c tokens holds at most c * reach pairs: every query sees up to n keys, or its window's
-        reach = n if not mask.windowed else min(n, (n if left < 0 else left) + 1
-                                                + (0 if mask.causal else (n if right < 0 else right)))
-        c = min(block_tokens, ITEM_SHARE * share_t, ITEM_SHARE * share_w / reach)
-        chunks = min(n, max(1, math.ceil(n / max(c, 1.0))))
-        cuts = [i * n // chunks for i in range(chunks + 1)]
-        out.extend(Span(d, a, b) for a, b in zip(cuts, cuts[1:]))
-    return out
+    reach = n_tok
+    if mask.windowed:
+        ahead = n_tok if left < 0 else np.full_like(n_tok, left)
+        behind = np.zeros_like(n_tok) if mask.causal else (n_tok if right < 0 else np.full_like(n_tok, right))
+        reach = np.minimum(n_tok, ahead + 1 + behind)
+    c = np.minimum(min(block_tokens, ITEM_SHARE * share_t), ITEM_SHARE * share_w / np.maximum(reach, 1))
+    chunks = np.minimum(n_tok, np.maximum(1, np.ceil(n_tok / np.maximum(c, 1.0)).astype(np.int64)))
+    doc = np.repeat(np.arange(len(n_tok), dtype=np.int64), chunks)          # [items]
+    first = np.cumsum(chunks) - chunks                                      # [documents]: first item
+    i = np.arange(len(doc), dtype=np.int64) - first[doc]                     # [items]: piece of its document
+    n, k = n_tok[doc], chunks[doc]
+    return doc, i * n // k, (i + 1) * n // k
 
 
-def _assign(items: list[Span], w: np.ndarray, t: np.ndarray, n: int, tolerance: float,
-            target: float, candidates: int = 8) -> list[list[int]]:
-    """Steps 2-3: item indices per bin; ``w[k]``, ``t[k]``: item ``k``'s pairs and tokens. The
-    loops are :func:`_assign_kernel`, compiled (Note [Compiled planning loops] in
-    :mod:`megatron_fcp.jit`)."""
+def _assign(doc: np.ndarray, start: np.ndarray, w: np.ndarray, t: np.ndarray, n: int, tolerance: float,
+            target: float, candidates: int = 8) -> list[np.ndarray]:
+    """Steps 2-3: item indices per bin, in the order the bin took them; ``doc[k]``, ``start[k]``,
+    ``w[k]``, ``t[k]``: item ``k``'s document, first token, pairs and tokens. The loops are
+    :func:`_assign_kernel`, compiled (Note [Compiled planning loops] in :mod:`megatron_fcp.jit`)."""
     W, T = w.sum() / n, t.sum() / n
     W, T = W or 1.0, T or 1.0
-    doc = np.array([s.doc for s in items], dtype=np.int64)
-    start = np.array([s.start for s in items], dtype=np.int64)
     # largest share first, then document and start: a stable sort on (-max(w/W, t/T), doc, start)
     order = np.lexsort((start, doc, -np.maximum(np.asarray(w, dtype=np.float64) / W, np.asarray(t, dtype=np.float64) / T)))
     members, sizes = _assign_kernel(order.astype(np.int64), np.asarray(w, dtype=np.float64),
-                                    np.asarray(t, dtype=np.float64), doc, n, float(W), float(T),
-                                    1.0 + tolerance, float(target), candidates, HOLDER_SLACK)
-    return [members[r, :sizes[r]].tolist() for r in range(n)]
+                                    np.asarray(t, dtype=np.float64), np.asarray(doc, dtype=np.int64), n, float(W),
+                                    float(T), 1.0 + tolerance, float(target), candidates, HOLDER_SLACK)
+    return [members[r, :sizes[r]] for r in range(n)]
 
 
 @jit
@@ -293,24 +302,22 @@ def place_packed_layer(doc_lengths: Sequence[int], cp: int, *, block_tokens: int
     lengths = check_placement_args(doc_lengths, cp, block_tokens)
     mask = Mask(bool(causal), *check_window(window))
     groups = node_groups(nodes, cp)
-    items = _items(lengths, cp, block_tokens, mask)
-    i_doc = np.array([s.doc for s in items], dtype=np.int64)                       # [items]
-    i_start = np.array([s.start for s in items], dtype=np.int64)
-    i_end = np.array([s.end for s in items], dtype=np.int64)
+    i_doc, i_start, i_end = _item_columns(lengths, cp, block_tokens, mask)        # [items] each
     # each item's queries against its whole document (= span_pairs, exact int64, then float64)
     w = mask.pairs(i_start, i_end, 0, np.asarray(lengths, dtype=np.int64)[i_doc]).astype(np.float64)
     t = (i_end - i_start).astype(np.float64)
-    placed: list[list[Span]] = [[] for _ in range(cp)]
+    bin_of = np.empty(len(i_doc), dtype=np.int64)                                  # [items]: its CP index
     if groups is None:
-        for r, b in enumerate(_assign(items, w, t, cp, LAYER_TOLERANCE, LAYER_TARGET)):
-            placed[r] = [items[k] for k in b]
+        for r, b in enumerate(_assign(i_doc, i_start, w, t, cp, LAYER_TOLERANCE, LAYER_TARGET)):
+            bin_of[b] = r
     else:
-        for members, node_items in zip(groups, _assign(items, w, t, len(groups), LAYER_TOLERANCE, LAYER_TARGET)):
-            sub = [items[k] for k in node_items]
-            inner = _assign(sub, w[node_items], t[node_items], len(members), LAYER_TOLERANCE, LAYER_TARGET)
+        for members, node_items in zip(groups, _assign(i_doc, i_start, w, t, len(groups), LAYER_TOLERANCE,
+                                                       LAYER_TARGET)):
+            inner = _assign(i_doc[node_items], i_start[node_items], w[node_items], t[node_items], len(members),
+                            LAYER_TOLERANCE, LAYER_TARGET)
             for r, b in zip(members, inner):
-                placed[r] = [sub[k] for k in b]
-    return Placement(lengths, tuple(_merged(p) for p in placed), mask.causal, mask.window)
+                bin_of[node_items[b]] = r
+    return Placement(lengths, _merged(bin_of, i_doc, i_start, i_end, cp), mask.causal, mask.window)
 
 
 def place_balanced(doc_lengths: Sequence[int], cp: int, *, balance: str, **place_kw) -> Placement:
@@ -328,16 +335,17 @@ def place_balanced(doc_lengths: Sequence[int], cp: int, *, balance: str, **place
     return place_packed_layer(doc_lengths, cp, **place_kw)
 
 
-_span_key = attrgetter("doc", "start", "end")
-
-
-def _merged(spans: Sequence[Span]) -> tuple[Span, ...]:
-    """A bin's spans in (document, start) order, adjacent chunks of one document joined into one
-    block (the same tokens and need, fewer blocks to move and launch)."""
-    out: list[Span] = []
-    for s in sorted(spans, key=_span_key):   # Span order: (document, start, end)
-        if out and out[-1].doc == s.doc and out[-1].end == s.start:
-            out[-1] = Span(s.doc, out[-1].start, s.end)
-        else:
-            out.append(s)
-    return tuple(out)
+def _merged(bin_of: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.ndarray,
+            n: int) -> tuple[tuple[Span, ...], ...]:
+    """Each of ``n`` bins' items (``bin_of[k]``: item ``k``'s bin) as spans in (document, start)
+    order, adjacent chunks of one document joined into one block (the same tokens and need, fewer
+    blocks to move and launch)."""
+    k = np.lexsort((end, start, doc, bin_of))                       # [items]: by bin, then Span order
+    b, d, s, e = bin_of[k], doc[k], start[k], end[k]
+    new = np.ones(len(k), dtype=bool)                               # [items]: begins a span
+    new[1:] = (b[1:] != b[:-1]) | (d[1:] != d[:-1]) | (s[1:] != e[:-1])
+    head = np.flatnonzero(new)                                      # [spans]
+    tail = np.append(head[1:], len(k)) - 1
+    spans = list(map(Span, d[head].tolist(), s[head].tolist(), e[tail].tolist()))
+    cut = np.searchsorted(b[head], np.arange(n + 1))                # [n + 1]: each bin's first span
+    return tuple(tuple(spans[lo:hi]) for lo, hi in zip(cut[:-1].tolist(), cut[1:].tolist()))
