@@ -45,6 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from megatron_fcp.contract.blocks import PlanError
 from megatron_fcp.contract.head_parallel import HeadGroups, check_head_parallel
 from megatron_fcp.contract.layer_placement import place_balanced
@@ -61,41 +63,37 @@ def member_counts(tokens: int, degree: int) -> tuple[int, ...]:
     return tuple(base + (1 if j < extra else 0) for j in range(degree))
 
 
-def _cut(spans: Sequence[Span], counts: Sequence[int]) -> list[tuple[Span, ...]]:
-    """``spans`` (in order) cut into consecutive pieces of ``counts`` tokens each."""
-    out: list[tuple[Span, ...]] = []
-    i, head = 0, spans[0] if spans else None   # the span being cut (its part not yet taken) and its index
-    for want in counts:
-        piece: list[Span] = []
-        while want > 0:
-            take = min(want, head.tokens)
-            piece.append(head if take == head.tokens else Span(head.doc, head.start, head.start + take))
-            if take < head.tokens:
-                head = Span(head.doc, head.start + take, head.end)
-            else:
-                i += 1
-                head = spans[i] if i < len(spans) else None
-            want -= take
-        out.append(tuple(piece))
-    return out
-
-
 def split_group_placement(group_placement: Placement, ranks: Sequence[int],
                           head_groups: Sequence[Sequence[int]]) -> Placement:
     """The member placement (Note [Head-parallel stage on packed batches], step 2): virtual rank
     ``g`` of ``group_placement`` is head group ``head_groups[g]``; its tokens are cut into
     :func:`member_counts` pieces, member ``j`` (global rank ``head_groups[g][j]``) taking piece
-    ``j``. Returns a Placement over ``ranks`` (CP order)."""
+    ``j``. Returns a Placement over ``ranks`` (CP order).
+
+    Over arrays: the groups' spans laid end to end, group after group, each in its order; every
+    span boundary and every member boundary is a cut, and each stretch between two cuts is one
+    member's piece of one span (a span cut only where a member's tokens end)."""
     ranks = tuple(ranks)
     if group_placement.cp != len(head_groups):
         raise PlanError(f"group placement over {group_placement.cp} ranks for {len(head_groups)} head groups")
-    blocks: dict[int, tuple[Span, ...]] = {}
-    for g, group in enumerate(head_groups):
-        pieces = _cut(group_placement.blocks[g], member_counts(group_placement.tokens(g), len(group)))
-        for member, piece in zip(group, pieces):
-            blocks[member] = piece
-    if sorted(blocks) != sorted(ranks):
+    members = [r for g in head_groups for r in g]                            # [members], group by group
+    if sorted(members) != sorted(ranks) or len(set(members)) != len(members):
         raise PlanError(f"head groups {list(map(list, head_groups))} do not partition the CP ranks {list(ranks)}")
+    doc, start, end = group_placement.block_spans()                          # [spans], group by group
+    span_at = np.cumsum(end - start) - (end - start)                         # [spans]: first token, end to end
+    held = np.asarray(group_placement.rank_tokens(), dtype=np.int64)         # [G]
+    size = np.array([len(g) for g in head_groups], dtype=np.int64)           # [G]
+    j = np.arange(len(members), dtype=np.int64) - np.repeat(np.cumsum(size) - size, size)   # [members]
+    base, extra = np.repeat(held // size, size), np.repeat(held % size, size)
+    member_at = np.repeat(np.cumsum(held) - held, size) + j * base + np.minimum(j, extra)   # [members]: first token
+    cuts = np.union1d(np.append(span_at, int(held.sum())), member_at)        # sorted, distinct
+    lo, hi = cuts[:-1], cuts[1:]                                             # [pieces]
+    k = np.searchsorted(span_at, lo, side="right") - 1                       # [pieces]: its span
+    m = np.searchsorted(member_at, lo, side="right") - 1                     # [pieces]: its member (of the
+    first = start[k] + lo - span_at[k]                                       # empty ones at lo, the last)
+    pieces = list(map(Span, doc[k].tolist(), first.tolist(), (first + hi - lo).tolist()))
+    bounds = np.searchsorted(m, np.arange(len(members) + 1)).tolist()        # pieces come in member order
+    blocks = {r: tuple(pieces[bounds[i]:bounds[i + 1]]) for i, r in enumerate(members)}
     return Placement(group_placement.doc_lengths, tuple(blocks[r] for r in ranks), group_placement.causal,
                      group_placement.window, group_placement.layout)
 

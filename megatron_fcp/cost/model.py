@@ -708,7 +708,9 @@ def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_
             load = np.bincount(ids, weights=wts, minlength=nres)
             busy = load / bw
             j = int(np.argmax(busy))
-            got = same[id(wts)] = (load, busy, j, {idx.names[i]: float(busy[i]) for i in np.nonzero(load)[0]})
+            used = np.flatnonzero(load)
+            busy_names = dict(zip([idx.names[i] for i in used.tolist()], busy[used].tolist()))
+            got = same[id(wts)] = (load, busy, j, busy_names)
         load, busy, j, busy_names = got
         res_bytes += load
         if busy_out is not None:
@@ -717,11 +719,12 @@ def _finish_rounds(idx, per_round_ids, per_round_bytes, lat, total_bytes, round_
         timeline.append({"round": k, "start_s": t, "end_s": t + dur, "bottleneck": idx.names[j],
                          "busy": busy_names})   # shared by a repeated round's entries: read only
         t += dur
-    used = np.nonzero(res_bytes)[0]
+    used = np.flatnonzero(res_bytes).tolist()
+    names = [idx.names[i] for i in used]
     return SimResult(
         name=name, comm_s=t, compute_s=0.0, total_s=t, bytes=total_bytes, rounds=len(per_round_ids),
-        resource_bytes={idx.names[i]: float(res_bytes[i]) for i in used},
-        resource_bandwidth={idx.names[i]: float(bw[i]) for i in used},
+        resource_bytes=dict(zip(names, res_bytes[used].tolist())),
+        resource_bandwidth=dict(zip(names, bw[used].tolist())),
         timeline=timeline,
     )
 

@@ -91,6 +91,7 @@ compute as FCP's plans are (:func:`~megatron_fcp.cost.model.simulate_plan`; back
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Sequence
 
@@ -98,7 +99,7 @@ import numpy as np
 
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.needs import causal_pairs, chunk_need_matrix
-from megatron_fcp.contract.placement import thd_padded_lengths
+from megatron_fcp.contract.placement import check_doc_lengths, thd_padded_lengths
 from megatron_fcp.contract.plan import check_cp_ranks, halo_plan
 from megatron_fcp.cost.backward import simulate_plan_backward
 from megatron_fcp.cost.floors import intra_ingress, member_nic_ingress, rank_pairs
@@ -274,7 +275,14 @@ def lower_bound(topology: "Topology | str", cp_ranks: Sequence[int], shape: Atte
 
 def thd_rank_work(doc_lengths: Sequence[int], cp: int, causal: bool = True) -> np.ndarray:
     """Real attention work (query-key pairs under the document mask) of each CP rank (int64 ``[cp]``)
-    under TE's per-document zigzag; see Note [Transformer Engine on a packed batch]."""
+    under TE's per-document zigzag; see Note [Transformer Engine on a packed batch]. The last few
+    batches' answers are kept (TE's forward and backward of one batch both ask)."""
+    check_doc_lengths(doc_lengths)
+    return _thd_rank_work(tuple(map(int, doc_lengths)), int(cp), bool(causal)).copy()
+
+
+@functools.lru_cache(maxsize=8)
+def _thd_rank_work(doc_lengths: tuple[int, ...], cp: int, causal: bool) -> np.ndarray:
     L = np.asarray(doc_lengths, dtype=np.int64)
     P = thd_padded_lengths(doc_lengths, cp)
     l = P // (2 * cp)
