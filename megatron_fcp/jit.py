@@ -42,7 +42,7 @@ from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
-__all__ = ["jit", "COMPILED", "csr"]
+__all__ = ["jit", "COMPILED", "csr", "unique_ints"]
 
 _log = logging.getLogger(__name__)
 
@@ -83,3 +83,43 @@ def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     ptr = np.zeros(len(lists) + 1, dtype=np.int64)
     np.cumsum([len(x) for x in lists], out=ptr[1:])
     return ptr, np.fromiter((i for x in lists for i in x), dtype=np.int64, count=int(ptr[-1]))
+
+
+def unique_ints(keys: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_index=True, return_inverse=True)`` for int64 ``keys`` in ``[0,
+    span)``: ``(sorted distinct keys, each one's first index, each key's place among them)``. Where
+    ``span`` is small next to the keys (the planner's ``(sender, receiver)`` pairs: at most
+    ``cp^2``) it is one compiled pass over a table of ``span`` entries (:func:`_unique_table`);
+    otherwise numpy's sort. The same arrays either way."""
+    keys = np.asarray(keys, dtype=np.int64)
+    if len(keys) and (keys.min() < 0 or keys.max() >= span):
+        raise ValueError(f"unique_ints: keys must lie in [0, {span}), got {int(keys.min())}..{int(keys.max())}")
+    if span > 4 * len(keys) + (1 << 16):
+        uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        return uniq, first, inv.reshape(-1)
+    return _unique_table(keys, int(span))
+
+
+@jit
+def _unique_table(keys, span):
+    """:func:`unique_ints` over a table: each key's first index, then the keys present in order."""
+    first = np.full(span, -1, dtype=np.int64)
+    for i in range(keys.shape[0]):
+        if first[keys[i]] < 0:
+            first[keys[i]] = i
+    slot = np.empty(span, dtype=np.int64)
+    m = 0
+    for k in range(span):
+        if first[k] >= 0:
+            slot[k] = m
+            m += 1
+    uniq = np.empty(m, dtype=np.int64)
+    at = np.empty(m, dtype=np.int64)
+    for k in range(span):
+        if first[k] >= 0:
+            uniq[slot[k]] = k
+            at[slot[k]] = first[k]
+    inv = np.empty(keys.shape[0], dtype=np.int64)
+    for i in range(keys.shape[0]):
+        inv[i] = slot[keys[i]]
+    return uniq, at, inv

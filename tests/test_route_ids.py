@@ -52,8 +52,13 @@ def test_first_use_ids_number_as_a_loop_would():
     expect = [seen.setdefault(int(i), len(seen)) for i in ids]
     assert local.tolist() == expect
     assert topo_of_local.tolist() == list(seen)
+    from megatron_fcp.topology.route_ids import _first_use
+    slow = getattr(_first_use, "py_func", _first_use)(ids.astype(np.int64), 40)   # the loop as Python
+    assert slow[0].tolist() == expect and slow[1].tolist() == list(seen)
     empty_local, empty_of = first_use_ids(np.zeros(0, dtype=np.int64))
     assert len(empty_local) == 0 and len(empty_of) == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        first_use_ids(np.array([3, -1]))
 
 
 def test_cost_model_route_columns_match_route_by_route():

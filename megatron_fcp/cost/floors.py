@@ -315,9 +315,11 @@ def edge_kv_floor(topo: Topology, ranks: Sequence[int], src: np.ndarray, dst: np
     if not len(src):
         return 0.0
     cp = len(ranks)
-    # one load per (sender, receiver) pair: each route looked up once
-    pair, inv = np.unique(np.asarray(src, dtype=np.int64) * cp + dst, return_inverse=True)
-    per_pair = np.bincount(inv, weights=np.asarray(tokens, dtype=np.float64) * kv_bytes_per_token)
+    # one load per (sender, receiver) pair, summed in message order: each route looked up once
+    key = np.asarray(src, dtype=np.int64) * cp + dst                                  # [messages]
+    pair = np.flatnonzero(np.bincount(key, minlength=cp * cp))                        # [pairs], sorted
+    per_pair = np.bincount(key, weights=np.asarray(tokens, dtype=np.float64) * kv_bytes_per_token,
+                           minlength=cp * cp)[pair]
     rank_of = np.asarray(ranks, dtype=np.int64)
     table = topo.route_ids()                  # topology-wide resource ids: only the maximum is read
     rows = table.rows(rank_of[pair // cp], rank_of[pair % cp])

@@ -75,7 +75,7 @@ from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.route_table import round_loads
 from megatron_fcp.cost.tiles import TileCosts, TileCounts, count_tiles
-from megatron_fcp.jit import jit
+from megatron_fcp.jit import jit, unique_ints
 from megatron_fcp.schedule.launches import launch_ids, launch_starts, local_stage
 from megatron_fcp.topology import Topology, load_topology
 from megatron_fcp.topology.route_ids import ResourceIds, first_use_ids
@@ -819,7 +819,7 @@ def simulate_plan(
     per_round_ids, per_round_bytes, lat = [], [], []
     if len(rnd):
         key = (rnd * cp + pos_of[src]) * cp + pos_of[dst]
-        uk, inv = np.unique(key, return_inverse=True)
+        uk, _, inv = unique_ints(key, n_rounds * cp * cp)
         agg = np.bincount(inv, weights=nbytes)
     else:
         uk, agg = np.zeros(0, np.int64), np.zeros(0)
@@ -836,7 +836,7 @@ def simulate_plan(
     # each (round, src, dst) entry's route: looked up once per pair, in order of first use (the
     # resource ids follow it), then gathered into every round's flat resource list
     pair = uk % (cp * cp)
-    _, first_use, pair_inv = np.unique(pair, return_index=True, return_inverse=True)
+    _, first_use, pair_inv = unique_ints(pair, cp * cp)
     by_use = np.argsort(first_use)
     pair_slot = np.empty(len(by_use), dtype=np.int64)
     pair_slot[by_use] = np.arange(len(by_use))

@@ -59,7 +59,7 @@ from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan, plan_mask
 from megatron_fcp.contract.table import TransferTable, block_layout, small_int, table_rounds
-from megatron_fcp.jit import jit
+from megatron_fcp.jit import jit, unique_ints
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
 from megatron_fcp.planner.tree_columns import Readers, TreeColumns
@@ -383,7 +383,7 @@ def _balanced_columns(cg: CommGraph, cols: TreeColumns, P: int,
     span = int(max(us.max(initial=0), vs.max(initial=0))) + 1
     into_relay = np.isin(tree_of * span + vs, tree_of * span + us)                      # [E]: v forwards it
     pair = us * span + vs
-    uniq, pair_of = np.unique(pair, return_inverse=True)                               # routes once per pair
+    uniq, _, pair_of = unique_ints(pair, span * span)                                  # routes once per pair
     # each pair's resources, numbered densely in order of first use (Note [Route ids])
     table = topo.route_ids()
     lens, topo_ids = table.gather(table.rows(uniq // span, uniq % span))
@@ -490,7 +490,7 @@ def _fast_order(cg: CommGraph, rnd: np.ndarray, src: np.ndarray, dst: np.ndarray
     sort of all transfers by (round, -bandwidth), each pair's bandwidth read once.
     """
     span = int(max(src.max(initial=0), dst.max(initial=0))) + 1
-    uniq, pair_of = np.unique(src * span + dst, return_inverse=True)
+    uniq, _, pair_of = unique_ints(src * span + dst, span * span)
     bw = cg.bandwidths(uniq // span, uniq % span)
     return np.lexsort((-bw[pair_of], rnd))                      # by round, then fastest; stable
 
@@ -521,10 +521,10 @@ def _check_trees(cg: CommGraph, cols: TreeColumns, readers_of: Readers) -> None:
     E = len(us)
     read_tree, reads = readers_of.tree_of(), readers_of.ranks
     span = int(max(us.max(initial=0), vs.max(initial=0), owners.max(initial=0), reads.max(initial=0))) + 1
-    uniq, pair_of = np.unique(us * span + vs, return_inverse=True)
+    uniq, _, pair_of = unique_ints(us * span + vs, span * span)
     is_edge = cg.has_edges(uniq // span, uniq % span)
     vkey = tree_of * span + vs
-    keys, first = np.unique(vkey, return_index=True)                                   # each reached rank's edge
+    keys, first, _ = unique_ints(vkey, len(owners) * span)                             # each reached rank's edge
     at = np.minimum(np.searchsorted(keys, tree_of * span + us), max(len(keys) - 1, 0))
     parent_first = (us == owners[tree_of]) | ((keys[at] == tree_of * span + us) & (first[at] < np.arange(E)))
     once = (first[np.searchsorted(keys, vkey)] == np.arange(E)) & (vs != owners[tree_of])

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_fcp.jit import jit
+
 if TYPE_CHECKING:
     from megatron_fcp.topology.model import Topology
 
@@ -143,9 +145,27 @@ class RouteIds:
 def first_use_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Renumber topology-wide resource ids densely in order of first appearance in ``ids``:
     ``(local ids [len(ids)], the topology id of each local id)`` -- the numbering a loop that gives
-    each new resource the next id would make."""
-    uniq, first, inv = np.unique(ids, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    local_of_uniq = np.empty(len(uniq), dtype=np.int64)
-    local_of_uniq[order] = np.arange(len(uniq), dtype=np.int64)
-    return local_of_uniq[inv], uniq[order]
+    each new resource the next id would make (that loop, compiled: :func:`_first_use`)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if not len(ids):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if ids.min() < 0:
+        raise ValueError(f"first_use_ids: resource ids are >= 0, got {int(ids.min())}")
+    return _first_use(ids, int(ids.max()) + 1)
+
+
+@jit
+def _first_use(ids, span):
+    """:func:`first_use_ids` over ids in ``[0, span)``: one pass, a table of the local id given."""
+    local_of = np.full(span, -1, dtype=np.int64)
+    local = np.empty(ids.shape[0], dtype=np.int64)
+    topo_of = np.empty(ids.shape[0], dtype=np.int64)
+    n = 0
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        if local_of[x] < 0:
+            local_of[x] = n
+            topo_of[n] = x
+            n += 1
+        local[i] = local_of[x]
+    return local, topo_of[:n].copy()
