@@ -42,7 +42,7 @@ from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
-__all__ = ["jit", "COMPILED", "csr", "unique_ints"]
+__all__ = ["jit", "COMPILED", "csr", "unique_ints", "isin_ints"]
 
 _log = logging.getLogger(__name__)
 
@@ -123,3 +123,17 @@ def _unique_table(keys, span):
     for i in range(keys.shape[0]):
         inv[i] = slot[keys[i]]
     return uniq, at, inv
+
+
+def isin_ints(keys: np.ndarray, values: np.ndarray, span: int) -> np.ndarray:
+    """``np.isin(keys, values)`` for int ``keys`` and ``values`` in ``[0, span)``: a lookup in a table
+    of ``span`` flags where that is at most a few MB (numpy sorts both arrays otherwise)."""
+    keys, values = np.asarray(keys, dtype=np.int64), np.asarray(values, dtype=np.int64)
+    if span > 16 * (len(keys) + len(values)) + (1 << 22):
+        return np.isin(keys, values)
+    for a in (keys, values):
+        if len(a) and (a.min() < 0 or a.max() >= span):
+            raise ValueError(f"isin_ints: keys must lie in [0, {span}), got {int(a.min())}..{int(a.max())}")
+    table = np.zeros(span, dtype=bool)
+    table[values] = True
+    return table[keys]

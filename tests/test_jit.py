@@ -228,3 +228,12 @@ def test_unique_ints_is_numpys_unique():
             assert all(np.array_equal(g, w.reshape(-1)) and g.dtype == np.int64 for g, w in zip(got, want))
     with pytest.raises(ValueError, match=r"\[0, 8\)"):
         J.unique_ints(np.array([1, 8]), 8)
+
+
+def test_isin_ints_is_numpys_isin():
+    rng = np.random.default_rng(5)
+    for n, m, span in ((0, 3, 10), (7, 0, 10), (400, 300, 500), (1000, 10, 1 << 30)):
+        keys, values = rng.integers(0, span, n), rng.integers(0, span, m)
+        assert np.array_equal(J.isin_ints(keys, values, span), np.isin(keys, values))
+    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+        J.isin_ints(np.array([0, 1]), np.array([5]), 5)

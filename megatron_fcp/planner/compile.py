@@ -59,7 +59,7 @@ from megatron_fcp.contract.needs import readers, zigzag_need_matrix
 from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.plan import Plan, plan_mask
 from megatron_fcp.contract.table import TransferTable, block_layout, small_int, table_rounds
-from megatron_fcp.jit import jit, unique_ints
+from megatron_fcp.jit import isin_ints, jit, unique_ints
 from megatron_fcp.planner.graph import CommGraph, runs_of
 from megatron_fcp.planner.rounds import colour_rounds
 from megatron_fcp.planner.tree_columns import Readers, TreeColumns
@@ -381,7 +381,7 @@ def _balanced_columns(cg: CommGraph, cols: TreeColumns, P: int,
     tree_of, us, vs, depth = cols.tree_of, cols.u, cols.v, cols.depth                  # [E] each
     owners, chunk_of = cols.owner, cols.chunk                                          # [trees]
     span = int(max(us.max(initial=0), vs.max(initial=0))) + 1
-    into_relay = np.isin(tree_of * span + vs, tree_of * span + us)                      # [E]: v forwards it
+    into_relay = isin_ints(tree_of * span + vs, tree_of * span + us, len(owners) * span)  # [E]: v forwards it
     pair = us * span + vs
     uniq, _, pair_of = unique_ints(pair, span * span)                                  # routes once per pair
     # each pair's resources, numbered densely in order of first use (Note [Route ids])
@@ -530,7 +530,7 @@ def _check_trees(cg: CommGraph, cols: TreeColumns, readers_of: Readers) -> None:
     once = (first[np.searchsorted(keys, vkey)] == np.arange(E)) & (vs != owners[tree_of])
     edge_bad = ~is_edge[pair_of] | ~parent_first | ~once                                   # [E]
     rkey = read_tree * span + reads
-    missing = ~(np.isin(rkey, keys) | (reads == owners[read_tree]))
+    missing = ~(isin_ints(rkey, keys, len(owners) * span) | (reads == owners[read_tree]))
     bad = np.zeros(len(owners), dtype=bool)
     bad[tree_of[edge_bad]] = True
     bad[read_tree[missing]] = True

@@ -19,6 +19,7 @@ import networkx as nx
 import numpy as np
 
 from megatron_fcp.contract.blocks import cp_index_of
+from megatron_fcp.jit import isin_ints
 from megatron_fcp.planner.tree_columns import Readers, TreeColumns, columns_of
 from megatron_fcp.topology import Topology
 
@@ -120,7 +121,7 @@ class CommGraph:
             return np.array([self._graph.has_edge(a, b) for a, b in zip(src.tolist(), dst.tolist())], dtype=bool)
         edges = self.edge_array().astype(np.int64)       # may be a small integer type: widen before keys
         span = int(max(src.max(initial=0), dst.max(initial=0), edges.max(initial=0))) + 1
-        return np.isin(src * span + dst, edges[:, 0] * span + edges[:, 1])
+        return isin_ints(src * span + dst, edges[:, 0] * span + edges[:, 1], span * span)
 
     def bandwidth(self, a: int, b: int) -> float:
         """Edge ``a -> b``'s ``bandwidth`` attribute, as :attr:`graph` holds it (read from the route

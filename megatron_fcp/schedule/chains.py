@@ -103,6 +103,7 @@ import numpy as np
 
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.jit import isin_ints, unique_ints
 from megatron_fcp.schedule.waves import (RING_BUDGET, BlockBytes, Wave, block_work, first_fetch, own_block_bytes,
                                          plan_waves, wave_budget, wave_columns, wave_compute_columns)
 
@@ -476,9 +477,10 @@ def _first_deliveries(plan: Plan, wave: Wave) -> tuple[np.ndarray, np.ndarray]:
     R = max(plan.ranks) + 1
     block = plan.block_numbers(owner, chunk, part)                            # [transfers of the wave]
     key = block * R + dst
+    span = len(plan.blocks()) * R
     first = np.zeros(len(key), dtype=bool)
-    first[np.unique(key, return_index=True)[1]] = True                        # a key's first transfer
-    keep = np.flatnonzero(first & np.isin(key, number * R + rank))            # plan order
+    first[unique_ints(key, span)[1]] = True                                   # a key's first transfer
+    keep = np.flatnonzero(first & isin_ints(key, number * R + rank, span))    # plan order
     return dst[keep], block[keep]
 
 

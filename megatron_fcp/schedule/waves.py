@@ -77,7 +77,7 @@ from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import block_layout
-from megatron_fcp.jit import jit
+from megatron_fcp.jit import isin_ints, jit
 
 __all__ = ["Wave", "plan_transfer_pairs", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch",
            "leading_own_jobs", "loop_jobs", "loop_job_columns", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
@@ -221,7 +221,7 @@ def loop_job_columns(plan: Plan, waves: Sequence[Wave]) -> tuple[np.ndarray, np.
         own = owner_pos[cb] == cq
         _, _, dst, o, ch, pt = wave_columns(plan, wave)       # [transfers], plan order
         tb, tq = plan.block_numbers(o, ch, pt), plan.cp_positions(dst)
-        got = np.isin(tb * cp + tq, cb[~own] * cp + cq[~own])  # the transfers that bring a job, in turn
+        got = isin_ints(tb * cp + tq, cb[~own] * cp + cq[~own], len(owner_pos) * cp)   # bring a job, in turn
         received = (w, tq[got], tb[got], 0)
         o_blk = np.sort(cb[own])                              # own jobs: owner by owner, local order
         o_pos = owner_pos[o_blk]
