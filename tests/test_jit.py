@@ -237,3 +237,35 @@ def test_isin_ints_is_numpys_isin():
         assert np.array_equal(J.isin_ints(keys, values, span), np.isin(keys, values))
     with pytest.raises(ValueError, match=r"\[0, 5\)"):
         J.isin_ints(np.array([0, 1]), np.array([5]), 5)
+
+
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_need_table_is_the_dense_rule(causal):
+    """A placement's need matrix (``_need_table``) is the rule written over dense tables: rank j
+    needs block b when it does not own it and its last query of b's document is at or after b's
+    start (any query, unmasked), compiled and as Python."""
+    from megatron_fcp.contract import placement as P
+
+    pl = place_packed(lognormal_lengths(7.0, 1.2, 16 * 4096, 2), 16, block_tokens=1024, causal=causal)
+    docs, starts, ends = pl.block_spans()
+    owners = pl.block_owners()
+    last_q = np.full((pl.cp, len(pl.doc_lengths)), -1, dtype=np.int64)
+    np.maximum.at(last_q, (owners, docs), ends - 1)
+    held = last_q[:, docs]
+    want = (held >= (starts[None, :] if causal else 0)) & (owners[None, :] != np.arange(pl.cp)[:, None])
+    for run in (P._need_table, getattr(P._need_table, "py_func", P._need_table)):
+        assert np.array_equal(run(last_q, docs, starts, owners, causal), want)
+    assert np.array_equal(pl.need_matrix(), want) and want.any() and not want.all()
+
+
+def test_farthest_ring_reader_is_the_dense_rule():
+    """The ring builder's farthest reader per block (``_farthest_reader``): the largest ``(j - owner)
+    mod cp`` over the block's readers, compiled and as Python, as the dense tables give it."""
+    from megatron_fcp.planner import builders as B
+
+    rng = np.random.default_rng(6)
+    cp, n = 12, 200
+    need, owner = rng.random((cp, n)) < 0.2, rng.integers(0, cp, n)
+    want = np.where(need, (np.arange(cp)[:, None] - owner[None, :]) % cp, 0).max(axis=0, initial=0)
+    for run in (B._farthest_reader, getattr(B._farthest_reader, "py_func", B._farthest_reader)):
+        assert np.array_equal(run(need, owner, cp), want)

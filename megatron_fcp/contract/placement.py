@@ -362,17 +362,14 @@ class Placement:
     def need_matrix(self) -> np.ndarray:
         """``[cp, n_blocks]`` booleans: CP rank j needs block ``n`` of :meth:`block_list`."""
         if "need" not in self._cache:
-            blocks = self.block_list()
-            docs = np.array([b[2].doc for b in blocks], dtype=np.int64)
-            starts = np.array([b[2].start for b in blocks], dtype=np.int64)
-            owners = np.array([b[0] for b in blocks], dtype=np.int64)
+            docs, starts, ends = self.block_spans()                             # [n_blocks] each
+            owners = self.block_owners()
             # last_q[j, d]: the latest query position CP rank j holds in document d (-1: none)
             last_q = np.full((self.cp, len(self.doc_lengths)), -1, dtype=np.int64)
-            np.maximum.at(last_q, (owners, docs), np.array([b[2].end - 1 for b in blocks], dtype=np.int64))
-            held = last_q[:, docs]                                              # [cp, n_blocks]
-            need = (held >= (starts[None, :] if self.causal else 0)) & (owners[None, :] != np.arange(self.cp)[:, None])
+            np.maximum.at(last_q, (owners, docs), ends - 1)
+            need = _need_table(last_q, docs, starts, owners, bool(self.causal))    # [cp, n_blocks]
             if self.mask.windowed:
-                need = self._window_need(blocks, docs, owners) & need  # the window only removes pairs
+                need = self._window_need(self.block_list(), docs, owners) & need  # the window only removes pairs
             need.flags.writeable = False
             self._cache["need"] = need
         return self._cache["need"]
@@ -1062,6 +1059,22 @@ def place_packed(
                             long_slack=long_slack, window=window, recv_refine=recv_refine, nodes=nodes,
                             token_weight=tw)
     return Placement(lengths, tuple(tuple(sorted(p)) for p in placed), causal, mask.window)
+
+
+@jit
+def _need_table(last_q, docs, starts, owners, causal):
+    """:meth:`Placement.need_matrix` without the window, ``[cp, n_blocks]``: rank ``j`` needs block
+    ``b`` when it does not own it and holds a query of its document at or after the block's start
+    (any query of the document when not causal); ``last_q[j, d]``: rank ``j``'s last query position
+    in document ``d`` (-1: none). One pass, no ``[cp, n_blocks]`` integer table."""
+    cp, n = last_q.shape[0], docs.shape[0]
+    out = np.zeros((cp, n), dtype=np.bool_)
+    for j in range(cp):
+        for b in range(n):
+            if owners[b] != j:
+                q = last_q[j, docs[b]]
+                out[j, b] = q >= starts[b] if causal else q >= 0
+    return out
 
 
 @jit

@@ -38,6 +38,7 @@ import numpy as np
 
 from megatron_fcp.contract.plan import check_cp_ranks
 from megatron_fcp.contract.table import TransferTable
+from megatron_fcp.jit import jit
 from megatron_fcp.planner.graph import CommGraph, TreeEdges, depths_of, parents_first, prune_bfs, runs_of, steiner_tree
 from megatron_fcp.planner.tree_columns import (Readers, TreeColumns, columns_of, entry_position, full_columns,
                                                tier_columns)
@@ -180,8 +181,7 @@ class RingGraph(GraphBuilder):
         if not self._own_tree(RingGraph, "tree", "tree_with_depths", "tree_runs", "tree_columns"):
             return None
         cp = len(cg.ranks)
-        dist = (np.arange(cp)[:, None] - owner[None, :]) % cp                  # [cp, blocks]: hops downstream
-        last = np.where(need, dist, 0).max(axis=0, initial=0)                  # [blocks]: farthest reader
+        last = _farthest_reader(need, np.asarray(owner, dtype=np.int64), cp)   # [blocks]: hops downstream
         diff = np.zeros(2 * cp + 1)
         np.add.at(diff, owner, tokens)
         np.add.at(diff, owner + last, -tokens)
@@ -677,6 +677,20 @@ class SpanningGraph(GraphBuilder):
         src, dst, load = np.concatenate([par, child]), np.concatenate([child, par]), np.concatenate([down, up])
         used = load > 0
         return src[used], dst[used], load[used]
+
+
+@jit
+def _farthest_reader(need, owner, cp):
+    """``[blocks]``: the most ring hops downstream of its owner (``(j - owner) mod cp``) at which a
+    reader of each block sits (``need[j, b]``), 0 for none; one pass over ``need``."""
+    last = np.zeros(need.shape[1], dtype=np.int64)
+    for j in range(need.shape[0]):
+        for b in range(need.shape[1]):
+            if need[j, b]:
+                d = (j - owner[b]) % cp
+                if d > last[b]:
+                    last[b] = d
+    return last
 
 
 TREE_LOADS_MAX = 2 ** 25
