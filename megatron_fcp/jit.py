@@ -94,7 +94,7 @@ def unique_ints(keys: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray, np
     keys = np.asarray(keys, dtype=np.int64)
     if len(keys) and (keys.min() < 0 or keys.max() >= span):
         raise ValueError(f"unique_ints: keys must lie in [0, {span}), got {int(keys.min())}..{int(keys.max())}")
-    if span > 4 * len(keys) + (1 << 16):
+    if span > 16 * len(keys) + (1 << 20):                      # a table of at most ~16 MB
         uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
         return uniq, first, inv.reshape(-1)
     return _unique_table(keys, int(span))

@@ -462,12 +462,9 @@ class Placement:
         got = self._cache.get("pair matrix")
         if got is not None:
             return got
-        blocks = self.block_list()
-        n = len(blocks)
-        docs = np.array([b[2].doc for b in blocks], dtype=np.int64)
-        owners = np.array([b[0] for b in blocks], dtype=np.int64)
-        start = np.array([b[2].start for b in blocks], dtype=np.int64)
-        end = np.array([b[2].end for b in blocks], dtype=np.int64)
+        docs, start, end = self.block_spans()                         # [n_blocks] each
+        owners = self.block_owners()
+        n = len(docs)
         order = np.argsort(docs, kind="stable")                       # spans grouped by document
         size = np.bincount(docs, minlength=len(self.doc_lengths))     # spans per document
         first = np.concatenate(([0], np.cumsum(size)))                # group g is order[first[g]:first[g + 1]]

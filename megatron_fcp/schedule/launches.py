@@ -47,6 +47,7 @@ import numpy as np
 from megatron_fcp.contract.blocks import Block
 from megatron_fcp.contract.head_parallel import LOCAL_STAGE
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.jit import unique_ints
 
 __all__ = ["OWN", "local_stage", "launch_ids", "launch_starts", "group_blocks", "forward_launches"]
 
@@ -66,29 +67,34 @@ def launch_ids(stage, rank, owner, live=None) -> np.ndarray:
     ``(stage, rank, owner)`` (array-likes of one length) with the same triple share a call;
     ``live`` (bool array, default all): entries with work; the others get -1 (no call). Calls are
     numbered 0.. in order of their first live entry."""
+    return _launches(stage, rank, owner, live)[0]
+
+
+def launch_starts(stage, rank, owner, live=None) -> np.ndarray:
+    """Indices of the entries that start a call (the first live entry of each; :func:`launch_ids`),
+    in entry order: where a model adds one launch."""
+    return _launches(stage, rank, owner, live)[1]
+
+
+def _launches(stage, rank, owner, live) -> tuple[np.ndarray, np.ndarray]:
+    """``(launch_ids, launch_starts)``: one integer key per triple, its distinct values found once
+    (:func:`~megatron_fcp.jit.unique_ints`: a table over the keys' span where that is small)."""
     st, rk, ow = (np.asarray(x, dtype=np.int64).ravel() for x in (stage, rank, owner))
     n = st.size
     live = np.ones(n, dtype=bool) if live is None else np.asarray(live, dtype=bool).ravel()
     ids = np.full(n, -1, dtype=np.int64)
     idx = np.flatnonzero(live)
     if not idx.size:
-        return ids
+        return ids, idx
     s0, r0, o0 = st[idx] - st[idx].min(), rk[idx] - rk[idx].min(), ow[idx] - ow[idx].min()
-    key = (s0 * (int(r0.max()) + 1) + r0) * (int(o0.max()) + 1) + o0      # one integer per triple
-    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    n_r, n_o = int(r0.max()) + 1, int(o0.max()) + 1
+    key = (s0 * n_r + r0) * n_o + o0                                        # one integer per triple
+    _, first, inv = unique_ints(key, (int(s0.max()) + 1) * n_r * n_o)
+    order = np.argsort(first, kind="stable")
     rank_of = np.empty(len(first), dtype=np.int64)
-    rank_of[np.argsort(first, kind="stable")] = np.arange(len(first))  # numbered by first entry
-    ids[idx] = rank_of[inv.ravel()]
-    return ids
-
-
-def launch_starts(stage, rank, owner, live=None) -> np.ndarray:
-    """Indices of the entries that start a call (the first live entry of each; :func:`launch_ids`),
-    in entry order: where a model adds one launch."""
-    ids = launch_ids(stage, rank, owner, live)
-    valid = np.flatnonzero(ids >= 0)
-    _, first = np.unique(ids[valid], return_index=True)
-    return np.sort(valid[first])
+    rank_of[order] = np.arange(len(first))                                  # numbered by first entry
+    ids[idx] = rank_of[inv]
+    return ids, idx[first[order]]
 
 
 def group_blocks(entries: Sequence[tuple[int, Block]], rank: int = 0,
