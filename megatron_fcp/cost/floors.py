@@ -350,11 +350,13 @@ def graph_kv_floor(cg, topo: Topology, seq_len: int, causal: "bool | Mask", kv_b
     cross = node_of[u] != node_of[v]
     entry = np.zeros(cp, dtype=bool)
     entry[v[cross]] = True                                  # ranks a block may enter its node through
+    entry_nics: dict[int, set] = {}                         # per node, its entry ranks' NICs (rank order)
+    for i in np.flatnonzero(entry).tolist():
+        entry_nics.setdefault(int(node_of[i]), set()).add(topo.layout.gpu_nic[topo.local_rank_of(ranks[i])])
     for x, into in _need_tokens(topo, tuple(ranks), placement, seq_len, causal)[2].items():
-        members = node_of == x
         if not into:
             continue
-        nics = {topo.layout.gpu_nic[topo.local_rank_of(ranks[i])] for i in np.nonzero(members & entry)[0].tolist()}
+        nics = entry_nics.get(x, set())
         if not nics:
             return float("inf")                             # the graph never reaches this node's readers
         t = max(t, into * kv_bytes_per_token / sum(topo.layout.nics[k].bandwidth for k in nics))
