@@ -19,10 +19,17 @@ def _pairs(world, n, seed):
     return rng.integers(0, world, n), rng.integers(0, world, n)
 
 
+@pytest.mark.parametrize("dense", (True, False), ids=("table", "search"))
 @pytest.mark.parametrize("preset", ["dgx-h100:4", "gb200-nvl72:18", "pcie-box:2"])
-def test_rows_are_the_topology_routes_whatever_order_they_are_asked_in(preset):
+def test_rows_are_the_topology_routes_whatever_order_they_are_asked_in(preset, dense):
+    """Rows found by the world x world table and by the sorted keys' search (worlds over
+    DENSE_ROWS_MAX_WORLD) alike."""
+    from megatron_fcp.topology.route_ids import RouteIds
+
     topo = load_topology(preset)
-    table = topo.route_ids()
+    table = topo.route_ids() if dense else RouteIds(topo)
+    if not dense:
+        table._dense = None
     for seed in range(3):                        # later calls find earlier rows and add new ones
         src, dst = _pairs(topo.world, 200, seed)
         rows = table.rows(src, dst)
@@ -34,7 +41,7 @@ def test_rows_are_the_topology_routes_whatever_order_they_are_asked_in(preset):
             assert [table.resource_bandwidth[i] for i in ids[at[k]:at[k + 1]]] == [r.bandwidth for r in route.resources]
             assert table.latency[rows[k]] == route.latency
             assert table.bandwidth[rows[k]] == route.bandwidth
-    assert topo.route_ids() is table                               # one per topology
+    assert (topo.route_ids() is table) == dense                    # one per topology
     assert len(np.unique(table._index[0])) == len(table.latency)    # each pair one row
 
 

@@ -505,6 +505,8 @@ def check_doc_lengths(doc_lengths: Sequence[int]) -> None:
     """Raise ValueError naming the fix unless ``doc_lengths`` is a non-empty list of integers >= 1."""
     if len(doc_lengths) == 0:
         raise ValueError("doc_lengths: the batch is empty; give at least one document")
+    if all(type(n) is int for n in doc_lengths) and min(doc_lengths) >= 1:
+        return                                              # plain ints (a placement's own): nothing to name
     for d, n in enumerate(doc_lengths):
         if isinstance(n, bool) or int(n) != n or n < 1:
             raise ValueError(f"doc_lengths[{d}] = {n!r}: every document needs at least 1 token "

@@ -68,6 +68,10 @@ class ResourceIds:
         return [self.id(n, b) for n, b in zip(names, bandwidths)]
 
 
+DENSE_ROWS_MAX_WORLD = 1024
+"""The largest world whose :class:`RouteIds` keeps a ``world x world`` table of rows (8 MB)."""
+
+
 class RouteIds:
     """Every route of ``topology`` asked for so far, as rows of columns (Note [Route ids])."""
 
@@ -84,6 +88,10 @@ class RouteIds:
         self.latency = np.zeros(0)                # [rows]: Route.latency
         self.bandwidth = np.zeros(0)              # [rows]: Route.bandwidth (the bottleneck)
         self.span = topology.world
+        # every (src, dst) key's row, -1 until asked: a lookup instead of a search where the
+        # world is small enough (at most DENSE_ROWS_MAX_WORLD ranks: a table of at most 8 MB)
+        self._dense = np.full(self.span * self.span, -1, dtype=np.int64) \
+            if self.span <= DENSE_ROWS_MAX_WORLD else None
 
     def rows(self, src, dst) -> np.ndarray:
         """The row of each pair ``(src[i], dst[i])`` (global ranks; int64 ``[pairs]``), adding the
@@ -95,6 +103,13 @@ class RouteIds:
             if bad.any():
                 self.topology.check_rank(int(r[bad][0]), name)   # raises, naming the rank
         key = src * self.span + dst
+        if self._dense is not None:
+            got = self._dense[key]
+            if (got < 0).any():
+                with self._lock:
+                    self._add(np.unique(key[got < 0]))
+                got = self._dense[key]
+            return got
         keys, rows = self._index
         at = np.searchsorted(keys, key)
         hit = at < len(keys)
@@ -131,6 +146,8 @@ class RouteIds:
         self.ptr, self.ids, self.latency, self.bandwidth = ptr, ids, latency, bandwidth
         self.resource_bandwidth = np.asarray(self._resources.bandwidths, dtype=np.float64)
         self._index = (keys[order], row_of_key[order])
+        if self._dense is not None:      # after the columns: a row found here is in them
+            self._dense[new_keys] = row_of_key[len(old_rows):]
 
     def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(lengths [rows], ids [sum of lengths])``: the resources of ``rows``, one route after
