@@ -96,6 +96,24 @@ def test_member_placement_concatenates_to_the_group_placement():
         assert (hp.kv_plan is None) == (hp.num_groups == 1)
 
 
+def test_verify_refuses_a_member_placement_that_is_not_the_split():
+    """``verify`` proves the member placement is the group placement's split: two members' shards
+    swapped (a valid placement of the same tokens) or another layout are refused."""
+    import dataclasses
+
+    from megatron_fcp.contract.blocks import PlanError
+    from megatron_fcp.contract.placement import Placement
+
+    hp = make_plan(Case(2, "mix", True), (0, 1, 2, 3))
+    assert hp.verify() is hp
+    pl = hp.placement
+    swapped = Placement(pl.doc_lengths, (pl.blocks[1], pl.blocks[0]) + pl.blocks[2:], pl.causal, pl.window)
+    thd = Placement(pl.doc_lengths, pl.blocks, pl.causal, pl.window, layout="thd")
+    for bad in (swapped, thd):
+        with pytest.raises(PlanError, match="not the split of the group placement"):
+            dataclasses.replace(hp, placement=bad).verify()
+
+
 def test_packed_head_parallel_plan_errors():
     from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
 

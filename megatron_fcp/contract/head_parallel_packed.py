@@ -68,12 +68,22 @@ def split_group_placement(group_placement: Placement, ranks: Sequence[int],
     """The member placement (Note [Head-parallel stage on packed batches], step 2): virtual rank
     ``g`` of ``group_placement`` is head group ``head_groups[g]``; its tokens are cut into
     :func:`member_counts` pieces, member ``j`` (global rank ``head_groups[g][j]``) taking piece
-    ``j``. Returns a Placement over ``ranks`` (CP order).
-
-    Over arrays: the groups' spans laid end to end, group after group, each in its order; every
-    span boundary and every member boundary is a cut, and each stretch between two cuts is one
-    member's piece of one span (a span cut only where a member's tokens end)."""
+    ``j``. Returns a Placement over ``ranks`` (CP order); its pieces are :func:`_split_columns`."""
     ranks = tuple(ranks)
+    count, doc, start, end = _split_columns(group_placement, ranks, head_groups)
+    pieces = list(map(Span, doc.tolist(), start.tolist(), end.tolist()))
+    at = np.concatenate(([0], np.cumsum(count))).tolist()
+    return Placement(group_placement.doc_lengths, tuple(tuple(pieces[a:b]) for a, b in zip(at, at[1:])),
+                     group_placement.causal, group_placement.window, group_placement.layout)
+
+
+def _split_columns(group_placement: Placement, ranks: tuple[int, ...],
+                   head_groups: Sequence[Sequence[int]]) -> tuple[np.ndarray, ...]:
+    """:func:`split_group_placement`'s pieces as columns, ranks in CP order: ``(pieces per rank
+    [cp], document, start, end [pieces])``. The groups' spans laid end to end, group after group,
+    each in its order; every span boundary and every member boundary is a cut, and each stretch
+    between two cuts is one member's piece of one span (a span cut only where a member's tokens
+    end). PlanError unless the head groups partition ``ranks``."""
     if group_placement.cp != len(head_groups):
         raise PlanError(f"group placement over {group_placement.cp} ranks for {len(head_groups)} head groups")
     members = [r for g in head_groups for r in g]                            # [members], group by group
@@ -87,15 +97,15 @@ def split_group_placement(group_placement: Placement, ranks: Sequence[int],
     base, extra = np.repeat(held // size, size), np.repeat(held % size, size)
     member_at = np.repeat(np.cumsum(held) - held, size) + j * base + np.minimum(j, extra)   # [members]: first token
     cuts = np.union1d(np.append(span_at, int(held.sum())), member_at)        # sorted, distinct
-    lo, hi = cuts[:-1], cuts[1:]                                             # [pieces]
+    lo, hi = cuts[:-1], cuts[1:]                                             # [pieces], member by member
     k = np.searchsorted(span_at, lo, side="right") - 1                       # [pieces]: its span
     m = np.searchsorted(member_at, lo, side="right") - 1                     # [pieces]: its member (of the
     first = start[k] + lo - span_at[k]                                       # empty ones at lo, the last)
-    pieces = list(map(Span, doc[k].tolist(), first.tolist(), (first + hi - lo).tolist()))
-    bounds = np.searchsorted(m, np.arange(len(members) + 1)).tolist()        # pieces come in member order
-    blocks = {r: tuple(pieces[bounds[i]:bounds[i + 1]]) for i, r in enumerate(members)}
-    return Placement(group_placement.doc_lengths, tuple(blocks[r] for r in ranks), group_placement.causal,
-                     group_placement.window, group_placement.layout)
+    cp_of = {r: i for i, r in enumerate(ranks)}
+    order = np.argsort(np.array([cp_of[r] for r in members], dtype=np.int64)[m], kind="stable")  # CP order
+    count = np.zeros(len(ranks), dtype=np.int64)
+    np.add.at(count, [cp_of[r] for r in members], np.bincount(m, minlength=len(members)))
+    return count, doc[k][order], first[order], (first + hi - lo)[order]
 
 
 def place_packed_groups(doc_lengths: Sequence[int], ranks: Sequence[int], head_groups: Sequence[Sequence[int]], *,
@@ -158,7 +168,11 @@ class PackedHeadParallelPlan(HeadGroups):
         placement's split (member shards concatenate to the group's shard, span for span up to
         cuts), the KV plan is verified. Raises :class:`PlanError`; returns ``self``."""
         self.__post_init__()
-        if split_group_placement(self.group_placement, self.ranks, self.head_groups) != self.placement:
+        count, doc, start, end = _split_columns(self.group_placement, self.ranks, self.head_groups)
+        mine, gp = self.placement, self.group_placement
+        if (mine.doc_lengths, mine.causal, mine.window, mine.layout) != (gp.doc_lengths, gp.causal, gp.window, gp.layout) \
+                or not np.array_equal(mine.blocks_per_rank(), count) \
+                or not all(np.array_equal(a, b) for a, b in zip(mine.block_spans(), (doc, start, end))):
             raise PlanError("the member placement is not the split of the group placement")
         if self.kv_plan is not None:
             self.kv_plan.verify()
