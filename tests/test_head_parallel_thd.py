@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -156,6 +157,48 @@ def test_packed_stage_plan_and_all_to_all_sizes():
         assert res.total_s > 0 and res.meta["head_parallel"] == a
     with pytest.raises(ValueError, match="which"):
         packed_a2a_messages(hp, shape, "kv-in")
+
+
+def _a2a_messages_by_loop(hp, shape, which):
+    """The all-to-all's messages as the definition reads (group, then sender member, then receiver)."""
+    a, rep = hp.degree, hp.kv_replication
+    per = (shape.q_bytes(1) + shape.kv_bytes(1) * rep) / a if which.startswith("qkv") else shape.o_bytes(1) / a
+    out = []
+    for g, group in enumerate(hp.head_groups):
+        tokens = hp.member_tokens(g)
+        for m, src in enumerate(group):
+            for i, dst in enumerate(group):
+                if m != i and tokens[m]:
+                    out.append((src, dst, tokens[m] * per) if which.endswith("in") else (dst, src, tokens[m] * per))
+    return out
+
+
+@pytest.mark.parametrize("degree,cp", [(2, 4), (4, 8), (2, 8)])
+def test_all_to_all_priced_from_one_routing_is_simulate_rounds(degree, cp):
+    """Each all-to-all is the definition's messages in its order, and its price from the round
+    routed once per direction (:class:`~megatron_fcp.cost.model.ScaledRound`) is
+    ``simulate_rounds`` of those messages, every field equal (not approximately)."""
+    from megatron_fcp.cost.head_parallel_packed import _a2a, packed_a2a_messages
+    from megatron_fcp.cost.model import AttentionShape, ScaledRound, simulate_rounds
+    from megatron_fcp.topology import load_topology
+
+    shape = AttentionShape(256, 8, 2, 16, 2)
+    hp = make_plan(Case(degree, "mix", True, heads=(8, 2)), tuple(range(cp)))
+    topo = load_topology(TOPOLOGIES[cp])
+    for which in ("qkv-in", "o-out", "o-in", "qkv-out"):
+        msgs = packed_a2a_messages(hp, shape, which)
+        assert msgs == _a2a_messages_by_loop(hp, shape, which)
+        for overhead in (0.0, 3e-6):
+            want, got = simulate_rounds(topo, [msgs], overhead, name="a2a-" + which), _a2a(hp, topo, shape, which, overhead)
+            assert (got.name, got.comm_s, got.total_s, got.bytes, got.rounds, got.resource_bytes,
+                    got.resource_bandwidth, got.timeline) == \
+                   (want.name, want.comm_s, want.total_s, want.bytes, want.rounds, want.resource_bytes,
+                    want.resource_bandwidth, want.timeline)
+    src, dst, units = [np.array(c) for c in zip(*[(0, 1, 3.0), (2, 2, 5.0), (1, 3, 0.0), (3, 0, 2.0)])]
+    rnd = ScaledRound(topo, src, dst, units)
+    assert rnd.messages(2.0) == [(0, 1, 6.0), (3, 0, 4.0)]
+    assert rnd.simulate(2.0).timeline == simulate_rounds(topo, [rnd.messages(2.0)]).timeline
+    assert rnd.simulate(0.0).total_s == simulate_rounds(topo, [[]]).total_s == 0.0
 
 
 def test_choose_packed_head_parallel_takes_the_least_predicted_time():

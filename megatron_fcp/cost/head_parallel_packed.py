@@ -62,9 +62,9 @@ from megatron_fcp.cost.model import (
     BACKWARD_FLOP_RATIO,
     AttentionShape,
     ComputeModel,
+    ScaledRound,
     SimResult,
     simulate_plan,
-    simulate_rounds,
 )
 from megatron_fcp.schedule.chains import is_chain_plan
 from megatron_fcp.schedule.waves import RING_BUDGET
@@ -167,26 +167,75 @@ _PRICED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, Plan]] = {}   # (
 
 def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which: str) -> list[tuple[int, int, float]]:
     """``(src, dst, bytes)`` of one all-to-all: ``which`` is ``"qkv-in"`` (Q|K|V to heads),
-    ``"qkv-out"`` (dQ|dK|dV back), ``"o-in"`` (dO to heads) or ``"o-out"`` (O back)."""
-    a, rep = hp.degree, hp.kv_replication
-    per = {"qkv": (shape.q_bytes(1) + shape.kv_bytes(1) * rep) / a, "o": shape.o_bytes(1) / a}
+    ``"qkv-out"`` (dQ|dK|dV back), ``"o-in"`` (dO to heads) or ``"o-out"`` (O back). In: member
+    ``m`` sends its rows of shard ``i`` to member ``i``; out: shard ``i``'s rows of ``m`` go back to
+    ``m`` (groups in order, then ``m``, then ``i``)."""
+    src, dst, rows = _a2a_rows(hp, _a2a_direction(which))
+    per = _a2a_bytes_per_row(hp, shape, which)
+    return list(zip(src.tolist(), dst.tolist(), (rows.astype(np.float64) * per).tolist()))
+
+
+def _a2a_direction(which: str) -> str:
     kind, _, direction = which.partition("-")
-    if kind not in per or direction not in ("in", "out"):
+    if kind not in ("qkv", "o") or direction not in ("in", "out"):
         raise ValueError(f"which: 'qkv-in', 'qkv-out', 'o-in' or 'o-out', got {which!r}")
-    out = []
-    for g, group in enumerate(hp.head_groups):
-        tokens = hp.member_tokens(g)
-        for m, src in enumerate(group):
-            for i, dst in enumerate(group):
-                if m != i and tokens[m]:  # in: m's rows of shard i to i; out: shard i's rows of m back to m
-                    out.append((src, dst, tokens[m] * per[kind]) if direction == "in" else (dst, src, tokens[m] * per[kind]))
-    return out
+    return direction
+
+
+def _a2a_bytes_per_row(hp: PackedHeadParallelPlan, shape: AttentionShape, which: str) -> float:
+    """Bytes one token's row carries in all-to-all ``which`` (its heads' share of one member's)."""
+    a, rep = hp.degree, hp.kv_replication
+    if which.startswith("qkv"):
+        return (shape.q_bytes(1) + shape.kv_bytes(1) * rep) / a
+    return shape.o_bytes(1) / a
+
+
+def _a2a_rows(hp: PackedHeadParallelPlan, direction: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The all-to-all's messages as columns ``(src, dst, rows)`` (global ranks; int64 ``[messages]``):
+    every ordered pair of distinct members ``(m, i)`` of every group whose ``m`` holds tokens, in
+    group, ``m``, ``i`` order; ``rows``: ``m``'s tokens; ``"in"`` sends ``m -> i``, ``"out"``
+    ``i -> m``."""
+    a = hp.degree
+    member = np.array(hp.head_groups, dtype=np.int64).reshape(-1, a)                  # [G, a]: global ranks
+    held = np.asarray(hp.placement.rank_tokens(), dtype=np.int64)                     # [cp]: CP order
+    cp_of = np.full(int(member.max()) + 1, -1, dtype=np.int64)
+    cp_of[list(hp.ranks)] = np.arange(len(hp.ranks))
+    tokens = held[cp_of[member]]                                                      # [G, a]
+    m, i = np.divmod(np.arange(a * a, dtype=np.int64), a)                             # [a * a]: m-major
+    off = m != i
+    m, i = m[off], i[off]
+    rows = tokens[:, m].reshape(-1)                                                   # [G * a(a-1)]
+    src, dst = member[:, m].reshape(-1), member[:, i].reshape(-1)
+    keep = rows > 0
+    src, dst, rows = src[keep], dst[keep], rows[keep]
+    return (src, dst, rows) if direction == "in" else (dst, src, rows)
+
+
+def _a2a_round(hp: PackedHeadParallelPlan, topo: Topology, direction: str) -> ScaledRound:
+    """The stage's all-to-all in ``direction`` routed once, priced per byte of a row (the two
+    all-to-alls of a direction move the same rows: :class:`~megatron_fcp.cost.model.ScaledRound`).
+    Cached per ``hp`` object, topology and direction."""
+    key = (id(hp), id(topo), direction)
+    hit = _A2A.get(key)
+    if hit is not None and hit[0]() is hp and hit[1]() is topo:
+        return hit[2]
+    src, dst, rows = _a2a_rows(hp, direction)
+    rnd = ScaledRound(topo, src, dst, rows)
+    if len(_A2A) > 512:
+        _A2A.clear()
+    _A2A[key] = (weakref.ref(hp), weakref.ref(topo), rnd)
+    return rnd
+
+
+_A2A: dict[tuple[int, int, str], tuple[weakref.ref, weakref.ref, ScaledRound]] = {}
 
 
 def _a2a(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, which: str,
          round_overhead_s: float = 0.0) -> SimResult:
-    """One all-to-all of the stage (:func:`packed_a2a_messages`), a contention-aware round."""
-    return simulate_rounds(topo, [packed_a2a_messages(hp, shape, which)], round_overhead_s, name="a2a-" + which)
+    """One all-to-all of the stage (:func:`packed_a2a_messages`), a contention-aware round
+    (:func:`~megatron_fcp.cost.model.simulate_rounds`' price)."""
+    return _a2a_round(hp, topo, _a2a_direction(which)).simulate(_a2a_bytes_per_row(hp, shape, which),
+                                                                round_overhead_s, name="a2a-" + which)
 
 
 def _stage_forward(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, cm: ComputeModel,

@@ -97,6 +97,7 @@ __all__ = [
     "zigzag_padded_len",
     "pad_for_zigzag",
     "simulate_rounds",
+    "ScaledRound",
     "simulate_plan",
     "pick_best",
     "check_plan_seq",
@@ -675,6 +676,44 @@ def _round_loads(idx: _ResourceIndex, msgs) -> tuple[np.ndarray, np.ndarray, flo
     hops, ids, latency = idx.route_columns(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
     wts = np.array(nbytes, dtype=np.float64)
     return ids, np.repeat(wts, hops), max(0.0, float(latency.max())), total
+
+
+class ScaledRound:
+    """One round of messages whose sizes are fixed up to a common factor, routed once and priced at
+    any factor: ``simulate(unit)`` is ``simulate_rounds(topology, [[(src[i], dst[i], units[i] * unit)
+    ...]])``, the same result to the bit (the messages in the same order, each size the same
+    product, the resources numbered as that call numbers them). The all-to-alls of a head-parallel
+    stage are such rounds: Q|K|V in and dO in move the same rows between the same members, O out
+    and dQ|dK|dV back the reverse, each at its own bytes per row (before 2026-12-07 each of the four
+    was routed on its own: 4 ms of cp = 64's packed degree choice)."""
+
+    def __init__(self, topology: Topology, src: np.ndarray, dst: np.ndarray, units: np.ndarray):
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)   # [messages]
+        units = np.asarray(units, dtype=np.float64)                                    # [messages]
+        keep = (src != dst) & (units > 0)
+        self._idx = _ResourceIndex(topology)
+        self._src, self._dst, self._units = src[keep], dst[keep], units[keep]
+        if len(self._units):
+            hops, self._ids, latency = self._idx.route_columns(self._src, self._dst)
+            self._unit_rep = np.repeat(self._units, hops)      # [route entries]: each message's units
+            self._lmax = max(0.0, float(latency.max()))
+        else:
+            self._ids, self._unit_rep, self._lmax = np.zeros(0, dtype=np.int64), np.zeros(0), 0.0
+
+    def messages(self, unit: float) -> list[tuple[int, int, float]]:
+        """The round's ``(src, dst, bytes)`` at ``unit`` bytes per unit (messages of no bytes left out)."""
+        return list(zip(self._src.tolist(), self._dst.tolist(), (self._units * unit).tolist()))
+
+    def simulate(self, unit: float, round_overhead_s: float = 0.0, name: str = "rounds") -> SimResult:
+        """The round priced at ``unit`` bytes per unit (:func:`simulate_rounds`' result)."""
+        sizes = (self._units * unit).tolist()
+        if unit <= 0:
+            return simulate_rounds(self._idx.topo, [[]], round_overhead_s, name)
+        total = 0.0
+        for b in sizes:                    # in message order, as simulate_rounds adds them
+            total += b
+        return _finish_rounds(self._idx, [self._ids], [self._unit_rep * unit], [self._lmax], total,
+                              round_overhead_s, name)
 
 
 def round_comm_s(idx: _ResourceIndex, msgs, round_overhead_s: float = 0.0) -> float:
