@@ -27,8 +27,15 @@ wave packing (``schedule.waves._pack_kernel``), the layer placement's greedy and
 (``contract.layer_placement._assign_kernel``), the compiler's leaf rounds
 (``planner.compile._leaf_rounds``), the wave timeline floor's chains
 (``cost.timeline._chain_floor``) and the mask's pair count (``contract.mask.pair_count``, with the
-placement's pair matrix, ``contract.placement._span_pair_matrix``). Inputs are built by numpy;
-:func:`csr` turns lists of ints into the flat pair the loops read.
+placement's pair matrix, ``contract.placement._span_pair_matrix``). Added 2026-12-07 (docs/planner.md,
+"Per-batch planning, twelfth pass"): the packing's busiest-rank total (``schedule.waves._row_totals``),
+the placement's need matrix (``contract.placement._need_table``), the ring's farthest readers
+(``planner.builders._farthest_reader``), the resources' first-use numbering
+(``topology.route_ids._first_use``) and :func:`unique_ints`'s table (``_unique_table``): numpy's
+``unique`` of keys bounded by a small span (the planner's ``(sender, receiver)`` and ``(block,
+rank)`` keys) as one pass over a table (:func:`isin_ints` is the same idea for ``isin``, a numpy
+lookup). Inputs are built by numpy; :func:`csr` turns
+lists of ints into the flat pair the loops read.
 
 ``MEGATRON_FCP_NO_JIT=1`` runs every loop as Python (for debugging, and for the test that holds the
 two runs equal; ``tests/test_jit.py`` also calls each kernel's ``py_func``).
