@@ -89,7 +89,7 @@ def test_a_cycle_would_be_caught():
 # the backward program; the Megatron integration may use all of it; measuring and emulating are on
 # top, and nothing below imports them.
 PACKAGE_LAYERS = [
-    ("jit",),                   # compiled planning loops (numba, or the same functions as Python)
+    ("jit", "memo"),            # compiled planning loops (numba, or Python); answers kept on their objects
     ("topology",),              # the cluster: hosts, NVLink domains, links, NICs; presets and detection
     ("contract",),              # blocks, need rules, placements, the Plan and its proofs
     ("schedule",),              # the backward program: every backward decision, once
@@ -104,7 +104,7 @@ PACKAGE_LAYERS = [
     ("commands",),              # the CLI's commands
     ("cli",),                   # the CLI's entry point
 ]
-PURE = ("jit", "topology", "contract", "schedule", "cost", "planner")
+PURE = ("jit", "memo", "topology", "contract", "schedule", "cost", "planner")
 
 
 def _package(module: str) -> str:

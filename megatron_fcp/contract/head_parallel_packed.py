@@ -52,6 +52,7 @@ from megatron_fcp.contract.head_parallel import HeadGroups, check_head_parallel
 from megatron_fcp.contract.layer_placement import place_balanced
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.memo import without_memo
 
 __all__ = ["PackedHeadParallelPlan", "split_group_placement", "place_packed_groups", "member_counts"]
 
@@ -139,6 +140,10 @@ class PackedHeadParallelPlan(HeadGroups):
     kv_plan: Plan | None
     kv_replication: int = 1
     _stage_plans: dict[int, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        """Pickled without what the planner derived from it (:mod:`megatron_fcp.memo`)."""
+        return without_memo(dict(self.__dict__))
 
     def __post_init__(self) -> None:
         cp = len(self.ranks)

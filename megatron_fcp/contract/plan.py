@@ -32,6 +32,7 @@ from megatron_fcp.contract.placement import Placement
 from megatron_fcp.contract.table import TransferTable, block_layout, table_columns, table_rank_rounds, table_rounds
 from megatron_fcp.contract.table_verify import verify_table
 from megatron_fcp.contract.verify import verify_plan
+from megatron_fcp.memo import without_memo
 from megatron_fcp.topology import Topology, TopologyError
 
 __all__ = ["Plan", "AutoChoice", "ring_plan", "full_plan", "halo_plan", "SIMPLE_PLANS", "check_cp_ranks", "plan_mask"]
@@ -293,7 +294,7 @@ class Plan:
         state.pop("_columns", None)
         state.pop("_local_blocks", None)
         state.pop("_blocks", None)
-        return state
+        return without_memo(state)     # what the planner derived from this object (megatron_fcp.memo)
 
     def received_blocks(self, rank: int) -> tuple[Block, ...]:
         """Blocks ``rank`` receives, in the order they arrive (plan order)."""

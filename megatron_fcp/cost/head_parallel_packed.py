@@ -66,6 +66,7 @@ from megatron_fcp.cost.model import (
     SimResult,
     simulate_plan,
 )
+from megatron_fcp.memo import memo
 from megatron_fcp.schedule.chains import is_chain_plan
 from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.topology import Topology, load_topology
@@ -80,9 +81,10 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
     spans of copy ``j``; each KV-plan transfer once per member, the members' copies of a transfer
     next to each other. Built as a transfer table from the KV plan's columns (Note [Columnar plans]
     in :mod:`megatron_fcp.contract.table`), once per ``hp`` object."""
-    hit = _MERGED.get(id(hp))
-    if hit is not None and hit[0]() is hp:
-        return hit[1]
+    cache = memo(hp)                                      # Note [Caches live with their object]
+    hit = cache.get("merged_stage_plan")
+    if hit is not None:
+        return hit
     a, n = hp.degree, len(hp.group_placement.doc_lengths)
     gp, groups = hp.group_placement, hp.head_groups
     pos = {r: (g, j) for g, group in enumerate(groups) for j, r in enumerate(group)}
@@ -103,13 +105,8 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
         table = TransferTable(starts, member[src, j].astype(idx), member[dst, j].astype(idx),
                               (offset[member[owner, j]] + chunk).astype(idx))
         plan = Plan(hp.ranks, None, gp.causal, 1, name=name, placement=placement, table=table).verify()
-    if len(_MERGED) > 256:
-        _MERGED.clear()
-    _MERGED[id(hp)] = (weakref.ref(hp), plan)
+    cache["merged_stage_plan"] = plan
     return plan
-
-
-_MERGED: dict[int, tuple[weakref.ref, Plan]] = {}   # id(hp) -> (hp ref, its merged stage plan)
 
 
 def _stage_name(hp: PackedHeadParallelPlan) -> str:
@@ -151,18 +148,13 @@ def priced_stage_plan(hp: PackedHeadParallelPlan, topology: "Topology | str") ->
     The one place that decision is made: the forward, the one-pass backward, the waves and their
     floor all price this plan. Cached per ``hp`` object and topology."""
     topo = load_topology(topology)
-    key = (id(hp), id(topo))
-    hit = _PRICED.get(key)
-    if hit is not None and hit[0]() is hp and hit[1]() is topo:
-        return hit[2]
+    cache, key = memo(hp), ("priced_stage_plan", id(topo))   # Note [Caches live with their object]
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is topo:
+        return hit[1]
     plan = hp.kv_plan_for(0) if stage_copies_independent(hp, topo) else packed_stage_plan(hp)
-    if len(_PRICED) > 256:
-        _PRICED.clear()
-    _PRICED[key] = (weakref.ref(hp), weakref.ref(topo), plan)
+    cache[key] = (weakref.ref(topo), plan)
     return plan
-
-
-_PRICED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, Plan]] = {}   # (id(hp), id(topo)) -> plan priced
 
 
 def packed_a2a_messages(hp: PackedHeadParallelPlan, shape: AttentionShape, which: str) -> list[tuple[int, int, float]]:
@@ -215,19 +207,14 @@ def _a2a_round(hp: PackedHeadParallelPlan, topo: Topology, direction: str) -> Sc
     """The stage's all-to-all in ``direction`` routed once, priced per byte of a row (the two
     all-to-alls of a direction move the same rows: :class:`~megatron_fcp.cost.model.ScaledRound`).
     Cached per ``hp`` object, topology and direction."""
-    key = (id(hp), id(topo), direction)
-    hit = _A2A.get(key)
-    if hit is not None and hit[0]() is hp and hit[1]() is topo:
-        return hit[2]
+    cache, key = memo(hp), ("a2a_round", id(topo), direction)   # Note [Caches live with their object]
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is topo:
+        return hit[1]
     src, dst, rows = _a2a_rows(hp, direction)
     rnd = ScaledRound(topo, src, dst, rows)
-    if len(_A2A) > 512:
-        _A2A.clear()
-    _A2A[key] = (weakref.ref(hp), weakref.ref(topo), rnd)
+    cache[key] = (weakref.ref(topo), rnd)
     return rnd
-
-
-_A2A: dict[tuple[int, int, str], tuple[weakref.ref, weakref.ref, ScaledRound]] = {}
 
 
 def _a2a(hp: PackedHeadParallelPlan, topo: Topology, shape: AttentionShape, which: str,

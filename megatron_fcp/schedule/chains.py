@@ -95,7 +95,6 @@ less where the ring prunes relays past a block's last reader.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
@@ -104,6 +103,7 @@ import numpy as np
 from megatron_fcp.contract.blocks import Block, Transfer
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.jit import isin_ints, unique_ints
+from megatron_fcp.memo import memo
 from megatron_fcp.schedule.waves import (RING_BUDGET, BlockBytes, Wave, block_work, first_fetch, own_block_bytes,
                                          plan_waves, wave_budget, wave_columns, wave_compute_columns)
 
@@ -159,13 +159,12 @@ class _Numbered:
 def _numbered(plan: Plan) -> _Numbered | None:
     """The plan's transfers numbered, or None when its blocks do not all travel chains (a plan with
     no transfers is one, vacuously); memoised per plan object (it reads only the plan)."""
-    hit = _NUMBERED.get(id(plan))
-    if hit is not None and hit[0]() is plan:
-        return hit[1]
+    cache = memo(plan)                                    # Note [Caches live with their object]
+    hit = cache.get("numbered", _MISS)
+    if hit is not _MISS:
+        return hit
     if not _travels_chains(plan):   # over the plan's columns: no Transfer objects for a tree plan
-        if len(_NUMBERED) > 256:
-            _NUMBERED.clear()
-        _NUMBERED[id(plan)] = (weakref.ref(plan), None)
+        cache["numbered"] = None
         return None
     blocks = plan.blocks()
     bid = {b: i for i, b in enumerate(blocks)}
@@ -189,13 +188,11 @@ def _numbered(plan: Plan) -> _Numbered | None:
         tb.append(i)
     else:
         out = _Numbered(ts, rnd, tb, blocks, bid, {x: j for j, x in enumerate(plan.ranks)}, routes, order)
-    if len(_NUMBERED) > 256:
-        _NUMBERED.clear()
-    _NUMBERED[id(plan)] = (weakref.ref(plan), out)
+    cache["numbered"] = out
     return out
 
 
-_NUMBERED: dict[int, tuple[weakref.ref, _Numbered | None]] = {}
+_MISS = object()   # not computed yet (None is an answer: not a chain plan)
 
 
 def _travels_chains(plan: Plan) -> bool:
@@ -250,24 +247,20 @@ def chain_steps(plan: Plan, block_bytes: Callable[[Block], int], budget: int | N
     the kept first sub-round the steps are those with it, behind one step that only brings
     sub-round 0's KV (the jobs, their order and the own blocks' places are the same)."""
     pace = CHAIN_PACE if pace is None else pace
-    key = (id(plan), budget, cache_key, pace)
-    hit = _STEPS.get(key)
-    if cache_key is not None and hit is not None and hit[0]() is plan:
-        kept, first = hit[1]
+    cache, key = memo(plan), ("chain_steps", budget, cache_key, pace)   # Note [Caches live with their object]
+    hit = cache.get(key) if cache_key is not None else None
+    if hit is not None:
+        kept, first = hit
     else:
         basis = _basis(plan, block_bytes, budget, cache_key)
         kept = _build(plan, basis, pace)
         first = None if basis is None else basis.first
         if cache_key is not None:
-            if len(_STEPS) > 1024:
-                _STEPS.clear()
-            _STEPS[key] = (weakref.ref(plan), (kept, first))
+            cache[key] = (kept, first)
     if kept is None or first_kept:
         return kept
     return (ChainStep(first, (), (), ()),) + kept
 
-
-_STEPS: dict[tuple, tuple[weakref.ref, tuple[tuple[ChainStep, ...] | None, tuple[Transfer, ...] | None]]] = {}
 
 
 
@@ -289,10 +282,10 @@ def _basis(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
            cache_key: Hashable = None) -> _Basis | None:
     """The :class:`_Basis` of a chain plan, or None when it is not one; computed once per plan
     object, budget and ``cache_key`` (with one)."""
-    key = (id(plan), budget, cache_key)
-    hit = _BASIS.get(key)
-    if cache_key is not None and hit is not None and hit[0]() is plan:
-        return hit[1]
+    cache, key = memo(plan), ("chain_basis", budget, cache_key)   # Note [Caches live with their object]
+    hit = cache.get(key, _MISS) if cache_key is not None else _MISS
+    if hit is not _MISS:
+        return hit
     num = _numbered(plan)
     out = None
     if num is not None and num.ts:                                     # nothing travels: no steps
@@ -309,13 +302,8 @@ def _basis(plan: Plan, block_bytes: Callable[[Block], int], budget: int | None,
                 live[k] = read
         out = _Basis(num, sub, reads, live)
     if cache_key is not None:
-        if len(_BASIS) > 1024:
-            _BASIS.clear()
-        _BASIS[key] = (weakref.ref(plan), out)
+        cache[key] = out
     return out
-
-
-_BASIS: dict[tuple, tuple[weakref.ref, _Basis | None]] = {}
 
 
 def _build(plan: Plan, basis: _Basis | None, pace: float) -> tuple[ChainStep, ...] | None:
@@ -437,10 +425,10 @@ def first_kept_bytes(plan: Plan, block_bytes: Callable[[Block], int], *,
 def _first_kept(plan: Plan, block_bytes: Callable[[Block], int],
                 cache_key: Hashable) -> tuple[dict[int, tuple[Block, ...]], dict[int, int]]:
     """:func:`first_kept_blocks` and :func:`first_kept_bytes`, computed together."""
-    key = (id(plan), cache_key)
-    hit = _KEPT.get(key)
-    if cache_key is not None and hit is not None and hit[0]() is plan:
-        return hit[1]
+    cache, key = memo(plan), ("first_kept", cache_key)   # Note [Caches live with their object]
+    hit = cache.get(key) if cache_key is not None else None
+    if hit is not None:
+        return hit
     if chain_steps(plan, block_bytes, cache_key=cache_key) is not None:
         got = first_received(plan, block_bytes, cache_key=cache_key)
         nbytes = {r: sum(block_bytes(b) for b in bs) for r, bs in got.items()}
@@ -460,13 +448,8 @@ def _first_kept(plan: Plan, block_bytes: Callable[[Block], int],
         else:
             nbytes = {r: sum(block_bytes(b) for b in bs) for r, bs in got.items()}
     if cache_key is not None:
-        if len(_KEPT) > 1024:
-            _KEPT.clear()
-        _KEPT[key] = (weakref.ref(plan), (got, nbytes))
+        cache[key] = (got, nbytes)
     return got, nbytes
-
-
-_KEPT: dict[tuple, tuple[weakref.ref, tuple]] = {}  # (id(plan), cache_key) -> (plan ref, (blocks, bytes))
 
 
 def _first_deliveries(plan: Plan, wave: Wave) -> tuple[np.ndarray, np.ndarray]:

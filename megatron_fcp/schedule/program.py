@@ -63,11 +63,11 @@ sizes, never one rank's own state: re-sending needs the senders, so all ranks mu
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 from megatron_fcp.contract.blocks import Block, Transfer, gc_paused
 from megatron_fcp.contract.plan import Plan
+from megatron_fcp.memo import memo
 from megatron_fcp.schedule.chains import (ChainStep, chain_steps, first_keepers, first_kept_blocks, first_wave_fetch,
                                           keep_limits)
 from megatron_fcp.schedule.waves import BACKWARD_KV_MODES, RING_BUDGET, BlockBytes, Wave, choose_backward_kv, plan_waves
@@ -282,12 +282,7 @@ def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None
     try:
         program = _compile(plan, int(token_bytes), policy, seq_len, budget)
         with _LOCK:
-            per_plan = _PROGRAMS.get(id(plan))
-            if per_plan is None or per_plan[0]() is not plan:
-                if len(_PROGRAMS) > 256:
-                    _PROGRAMS.clear()
-                per_plan = _PROGRAMS[id(plan)] = (weakref.ref(plan), {})
-            per_plan[1][key] = program
+            memo(plan).setdefault("programs", {})[key] = program
         return program
     finally:
         with _LOCK:
@@ -296,13 +291,12 @@ def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None
 
 def _cached(plan: Plan, key: tuple) -> "BackwardProgram | None":
     """The program compiled for ``plan`` (this object) and ``key``, or None; call under ``_LOCK``."""
-    per_plan = _PROGRAMS.get(id(plan))
-    if per_plan is not None and per_plan[0]() is plan:
-        return per_plan[1].get(key)
-    return None
+    return memo(plan).get("programs", {}).get(key)
 
 
-_PROGRAMS: dict[int, tuple[weakref.ref, dict]] = {}  # id(plan) -> (plan ref, {key: program})
+# a plan's programs are kept on it, {key: program} in compile order (Note [Caches live with their
+# object] in megatron_fcp.memo); the compiles under way are keyed by the plan's id, which is alive
+# while its compile runs
 _COMPILING: dict[tuple[int, tuple], threading.Event] = {}  # (id(plan), key) being compiled -> set when done
 _LOCK = threading.Lock()
 
@@ -311,8 +305,7 @@ def compiled_programs(plan: Plan) -> tuple[BackwardProgram, ...]:
     """The programs compiled for ``plan`` (this object) in this process so far, in compile order:
     what ran, for reports and for tests that hold the recorded posts against it."""
     with _LOCK:
-        per_plan = _PROGRAMS.get(id(plan))
-        return tuple(per_plan[1].values()) if per_plan is not None and per_plan[0]() is plan else ()
+        return tuple(memo(plan).get("programs", {}).values())
 
 
 def resend_keep_limits(plan: Plan, token_bytes: int, policy: BackwardPolicy | None = None, *,

@@ -66,9 +66,9 @@ makes that and every other backward decision once (Note [Backward program]).
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, replace
 from itertools import chain, repeat
 from operator import attrgetter
-from dataclasses import dataclass, replace
 from typing import Callable, Collection, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -78,6 +78,7 @@ from megatron_fcp.contract.needs import block_pairs
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.contract.table import block_layout
 from megatron_fcp.jit import isin_ints, jit
+from megatron_fcp.memo import memo
 
 __all__ = ["Wave", "plan_transfer_pairs", "wave_columns", "wave_compute_columns", "plan_waves", "wave_budget", "restrict", "first_fetch",
            "leading_own_jobs", "loop_jobs", "loop_job_columns", "block_work", "BACKWARD_KV_MODES", "RING_BUDGET",
@@ -251,9 +252,10 @@ def loop_jobs(plan: Plan, waves: Sequence[Wave]
     then its own (wave 0: its own first); how many of wave 0's own jobs run first, while wave 0's
     KV arrives (:func:`leading_own_jobs`), and the rest, run after the last wave: the lists of
     :func:`loop_job_columns`. Memoised per waves object (the program's)."""
-    hit = _JOBS.get(id(waves))
-    if hit is not None and hit[0] is waves and hit[1] is plan:
-        return hit[2]
+    cache, key = memo(plan), ("loop_jobs", id(waves))     # Note [Caches live with their object]
+    hit = cache.get(key)
+    if hit is not None and hit[0] is waves:
+        return hit[1]
     ranks, W, blocks = list(plan.ranks), len(waves), plan.blocks()
     jobs: dict[int, list[list[Block]]] = {x: [[] for _ in range(W)] for x in ranks}
     n_own = dict.fromkeys(ranks, 0)
@@ -262,13 +264,8 @@ def loop_jobs(plan: Plan, waves: Sequence[Wave]
         x = ranks[q]
         (last[x] if it == W else jobs[x][it]).append(blocks[i])
         n_own[x] += lead
-    if len(_JOBS) > 256:
-        _JOBS.clear()
-    _JOBS[id(waves)] = (waves, plan, (jobs, n_own, last))
+    cache[key] = (waves, (jobs, n_own, last))
     return jobs, n_own, last
-
-
-_JOBS: dict[int, tuple] = {}
 
 
 class BlockBytes:
@@ -346,22 +343,18 @@ def work_matrix(plan: Plan) -> np.ndarray:
     table per plan object: a placement's exact pairs
     (:meth:`~megatron_fcp.contract.placement.Placement.pair_matrix`), or a zigzag plan's relative
     pairs (:func:`zigzag_pairs`)."""
-    hit = _WORK.get(id(plan))
-    if hit is not None and hit[0]() is plan:
-        return hit[1]
+    cache = memo(plan)                                    # Note [Caches live with their object]
+    hit = cache.get("work_matrix")
+    if hit is not None:
+        return hit
     if plan.placement is not None:
         out = plan.placement.pair_matrix().astype(np.float64)
     else:  # relative work: 64 tokens per sub-block; a windowed plan's own length (its window is in tokens)
         out = _zigzag_rows(plan, plan.seq_len if plan.mask.windowed else 2 * plan.cp * plan.parts_per_chunk * 64
                            ).astype(np.float64)
     out.flags.writeable = False
-    if len(_WORK) > 256:
-        _WORK.clear()
-    _WORK[id(plan)] = (weakref.ref(plan), out)
+    cache["work_matrix"] = out
     return out
-
-
-_WORK: dict[int, tuple[weakref.ref, np.ndarray]] = {}
 
 
 def _block_column(plan: Plan) -> Callable[[Block], int]:
@@ -379,10 +372,10 @@ def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
     rank against one of its blocks for a ``seq_len``-token sequence under the plan's mask, read from
     one vectorised ``[cp, blocks]`` table (the same integers as the call per pair), built once per
     plan object and length."""
-    key = (id(plan), seq_len)
-    hit = _PAIRS.get(key)
-    if hit is not None and hit[0]() is plan:
-        return hit[1]
+    cache, key = memo(plan), ("zigzag_pairs", seq_len)    # Note [Caches live with their object]
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
     pos = {r: i for i, r in enumerate(plan.ranks)}
     P = plan.parts_per_chunk
     rows = _zigzag_rows(plan, seq_len).tolist()                         # [cp][blocks]
@@ -390,13 +383,8 @@ def zigzag_pairs(plan: Plan, seq_len: int) -> Callable[[int, Block], int]:
     def pairs(rank: int, b: Block) -> int:   # plan.blocks() order: owner, chunk, part
         return rows[pos[rank]][(2 * pos[b.owner] + b.chunk) * P + b.part]
 
-    if len(_PAIRS) > 256:
-        _PAIRS.clear()
-    _PAIRS[key] = (weakref.ref(plan), pairs)
+    cache[key] = pairs
     return pairs
-
-
-_PAIRS: dict[tuple, tuple[weakref.ref, Callable[[int, Block], int]]] = {}
 
 
 def _zigzag_rows(plan: Plan, seq_len: int) -> np.ndarray:
@@ -412,10 +400,10 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
     """Split the plan's deliveries into waves (module docstring, Note [Balanced waves]). cache_key:
     what ``block_bytes`` depends on besides the plan; with it the waves are computed once per plan
     object and key."""
-    key = (id(plan), budget, cache_key)
-    hit = _WAVES.get(key)
-    if cache_key is not None and hit is not None and hit[0]() is plan:
-        return hit[1]
+    cache, key = memo(plan), ("waves", budget, cache_key)  # Note [Caches live with their object]
+    hit = cache.get(key) if cache_key is not None else None
+    if hit is not None:
+        return hit
     if budget is None:
         budget = wave_budget(plan, block_bytes)
     inp = _PackInput(plan, block_bytes)
@@ -435,9 +423,7 @@ def plan_waves(plan: Plan, block_bytes: Callable[[Block], int], budget: int | No
             chosen = spread_raw
     waves = _waves(inp, chosen)
     if cache_key is not None:
-        if len(_WAVES) > 1024:
-            _WAVES.clear()
-        _WAVES[key] = (weakref.ref(plan), waves)
+        cache[key] = waves
     return waves
 
 
@@ -825,8 +811,6 @@ def _pack_kernel(order, rd_ptr, rd_a, a_t, a_blk, a_dst, a_up, a_need, a_work, s
             comp_i[:n_comp].copy(), comp_x[:n_comp].copy(), pace, capped)
 
 
-_WAVES: dict[tuple, tuple[weakref.ref, tuple[Wave, ...]]] = {}
-
 WAVE_CAP_SCALES = (1.0, 2.0, 4.0, float("inf"))
 """Work caps :func:`plan_waves` tries, in units of the largest single delivery (Note [Balanced waves])."""
 WAVE_TIE = 0.01
@@ -932,10 +916,10 @@ def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < RING_BUDGET:
         raise ValueError(f"kv_memory_budget must be bytes >= 0 or {RING_BUDGET} (the ring's), got {budget!r} "
                          "(--fcp-kv-memory-budget)")
-    key = (id(plan), budget, cache_key)
-    hit = _DECISIONS.get(key)
-    if cache_key is not None and hit is not None and hit[0]() is plan:
-        return hit[1]
+    cache, key = memo(plan), ("backward_kv", budget, cache_key)   # Note [Caches live with their object]
+    hit = cache.get(key) if cache_key is not None else None
+    if hit is not None:
+        return hit
     kept = kept_bytes_per_rank(plan, block_bytes)
     own = own_block_bytes(plan, block_bytes) if budget == RING_BUDGET else None
     decision = "keep"
@@ -945,10 +929,5 @@ def choose_backward_kv(mode: str, plan: Plan, block_bytes: Callable[[Block], int
             decision = "resend"
             break
     if cache_key is not None:
-        if len(_DECISIONS) > 1024:
-            _DECISIONS.clear()
-        _DECISIONS[key] = (weakref.ref(plan), decision)
+        cache[key] = decision
     return decision
-
-
-_DECISIONS: dict[tuple, tuple[weakref.ref, str]] = {}  # (id(plan), budget, key) -> (plan ref, decision)
