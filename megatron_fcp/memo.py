@@ -9,7 +9,8 @@ module dicts keyed by ``id(plan)``, holding a weak reference to the plan and a s
 answer, and emptied only when 256-1,024 entries had piled up; so the answers outlived their plans
 by hundreds of batches. Measured (``choose_packed_plan`` on a new batch each step, cp = 256, 2,048
 documents, ``gc.collect()`` between): the process grew 245 -> 916 MB over 14 batches, about 50 MB a
-batch, and the degree choice slowed from 0.43 to 0.57 s by the ninth repeat of the planning bench.
+batch; and the planning bench's degree choice at 2,048 documents, run after its other rows in one
+process, took 0.55-0.63 s a repeat with nine repeats per row against 0.39-0.49 s with five.
 
 Now each answer is kept in its object's own ``__dict__`` (under ``"_memo"``, a dict keyed by what
 the answer depends on besides the object): it lives exactly as long as the object. An answer that
@@ -19,7 +20,7 @@ object: the young-generation pass after a degree choice collects the batch befor
 at cp = 64, 512 documents: 3 ms against 1.3 ms for that pass when the caches held everything; 47K
 at cp = 256 with 2,048 documents: 13-28 ms), a price paid once per batch instead of memory that
 grows with every batch. The objects are frozen dataclasses with a ``__dict__``
-(``Plan``, ``PackedHeadParallelPlan``, ``Topology``); writing to ``__dict__`` does not touch
+(``Plan``, ``PackedHeadParallelPlan``); writing to ``__dict__`` does not touch
 their fields, equality or hash. Pickling drops the memo (:func:`without_memo`): a copy in another
 process derives its own.
 

@@ -52,7 +52,7 @@ from megatron_fcp.contract.head_parallel import HeadGroups, check_head_parallel
 from megatron_fcp.contract.layer_placement import place_balanced
 from megatron_fcp.contract.placement import Placement, Span
 from megatron_fcp.contract.plan import Plan
-from megatron_fcp.memo import without_memo
+from megatron_fcp.memo import memo, without_memo
 
 __all__ = ["PackedHeadParallelPlan", "split_group_placement", "place_packed_groups", "member_counts"]
 
@@ -164,9 +164,22 @@ class PackedHeadParallelPlan(HeadGroups):
             raise PlanError("the KV-stage plan must run over virtual ranks 0..G-1 and the group placement")
 
     def member_tokens(self, g: int) -> tuple[int, ...]:
-        """Tokens each member of head group ``g`` holds (member order)."""
-        held = self.placement.rank_tokens()
-        return tuple(held[self.ranks.index(r)] for r in self.head_groups[g])
+        """Tokens each member of head group ``g`` holds (member order): row ``g`` of
+        :meth:`member_token_table`."""
+        return tuple(self.member_token_table()[g].tolist())
+
+    def member_token_table(self) -> np.ndarray:
+        """int64 ``[groups, degree]``, read-only: the tokens each member of each head group holds
+        (the member placement's shards), computed once per plan object."""
+        cache = memo(self)                                # Note [Caches live with their object]
+        got = cache.get("member tokens")
+        if got is None:
+            held = np.asarray(self.placement.rank_tokens(), dtype=np.int64)          # [cp]: CP order
+            pos = {r: i for i, r in enumerate(self.ranks)}
+            got = held[np.array([[pos[r] for r in g] for g in self.head_groups], dtype=np.int64)]
+            got.flags.writeable = False
+            cache["member tokens"] = got
+        return got
 
     def verify(self) -> "PackedHeadParallelPlan":
         """Prove the stage: the groups partition the ranks, the member placement is the group

@@ -189,10 +189,7 @@ def _a2a_rows(hp: PackedHeadParallelPlan, direction: str) -> tuple[np.ndarray, n
     ``i -> m``."""
     a = hp.degree
     member = np.array(hp.head_groups, dtype=np.int64).reshape(-1, a)                  # [G, a]: global ranks
-    held = np.asarray(hp.placement.rank_tokens(), dtype=np.int64)                     # [cp]: CP order
-    cp_of = np.full(int(member.max()) + 1, -1, dtype=np.int64)
-    cp_of[list(hp.ranks)] = np.arange(len(hp.ranks))
-    tokens = held[cp_of[member]]                                                      # [G, a]
+    tokens = hp.member_token_table()                                                  # [G, a]
     m, i = np.divmod(np.arange(a * a, dtype=np.int64), a)                             # [a * a]: m-major
     off = m != i
     m, i = m[off], i[off]

@@ -673,9 +673,17 @@ def _round_loads(idx: _ResourceIndex, msgs) -> tuple[np.ndarray, np.ndarray, flo
     if not sent:
         return np.zeros(0, dtype=np.int64), np.zeros(0), 0.0, total
     src, dst, nbytes = zip(*sent)
-    hops, ids, latency = idx.route_columns(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
-    wts = np.array(nbytes, dtype=np.float64)
-    return ids, np.repeat(wts, hops), max(0.0, float(latency.max())), total
+    ids, wts, lmax = _routed(idx, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64),
+                             np.array(nbytes, dtype=np.float64))
+    return ids, wts, lmax, total
+
+
+def _routed(idx: _ResourceIndex, src: np.ndarray, dst: np.ndarray, weights: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Messages ``src[i] -> dst[i]`` (at least one) on their routes: (resource ids, route after
+    route; each message's weight on every resource of its route; the largest route latency)."""
+    hops, ids, latency = idx.route_columns(src, dst)
+    return ids, np.repeat(weights, hops), max(0.0, float(latency.max()))
 
 
 class ScaledRound:
@@ -692,25 +700,17 @@ class ScaledRound:
         units = np.asarray(units, dtype=np.float64)                                    # [messages]
         keep = (src != dst) & (units > 0)
         self._idx = _ResourceIndex(topology)
-        self._src, self._dst, self._units = src[keep], dst[keep], units[keep]
-        if len(self._units):
-            hops, self._ids, latency = self._idx.route_columns(self._src, self._dst)
-            self._unit_rep = np.repeat(self._units, hops)      # [route entries]: each message's units
-            self._lmax = max(0.0, float(latency.max()))
-        else:
-            self._ids, self._unit_rep, self._lmax = np.zeros(0, dtype=np.int64), np.zeros(0), 0.0
-
-    def messages(self, unit: float) -> list[tuple[int, int, float]]:
-        """The round's ``(src, dst, bytes)`` at ``unit`` bytes per unit (messages of no bytes left out)."""
-        return list(zip(self._src.tolist(), self._dst.tolist(), (self._units * unit).tolist()))
+        self._units = units[keep]
+        # [route entries] each: resource ids and the message's units on them
+        self._ids, self._unit_rep, self._lmax = _routed(self._idx, src[keep], dst[keep], self._units) \
+            if len(self._units) else (np.zeros(0, dtype=np.int64), np.zeros(0), 0.0)
 
     def simulate(self, unit: float, round_overhead_s: float = 0.0, name: str = "rounds") -> SimResult:
         """The round priced at ``unit`` bytes per unit (:func:`simulate_rounds`' result)."""
-        sizes = (self._units * unit).tolist()
         if unit <= 0:
             return simulate_rounds(self._idx.topo, [[]], round_overhead_s, name)
         total = 0.0
-        for b in sizes:                    # in message order, as simulate_rounds adds them
+        for b in (self._units * unit).tolist():   # in message order, as simulate_rounds adds them
             total += b
         return _finish_rounds(self._idx, [self._ids], [self._unit_rep * unit], [self._lmax], total,
                               round_overhead_s, name)
