@@ -132,6 +132,8 @@ def cell(median: int, cp: int, heads: int, kv_heads: int) -> dict:
         row[key] = {"balance": balance, "degree": degree, "layout": choice.layout,
                     "priced_s": {f"{c.degree}-{c.layout}": t for c, t in priced.items()},
                     "graph": chosen.name if degree == 1 else chosen.kv_plan.name if chosen.kv_plan else "none",
+                    # the graph its backward walks where not the forward's (Note [A backward on another graph])
+                    "backward_graph": chosen.backward.name if degree == 1 and chosen.backward is not None else None,
                     "fwd_s": run_d["fwd_s"], "bwd_s": run_d["bwd_s"], "fwd_bwd_total_s": run_d["total_s"],
                     "backward": f"{run_d['waves']} waves, {run_d['backward_kv']}",
                     "fwd_comm_s": as_run.forward.comm_s, "need_bound_s": need_s,

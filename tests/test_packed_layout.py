@@ -72,13 +72,15 @@ def test_group_layout_is_te_a2a_p2p_layout():
 
 @pytest.mark.parametrize("cp,heads,kv_heads,degree,kind", [(16, 32, 4, 1, "p2p"), (16, 64, 8, 8, "a2a+p2p")])
 def test_fcp_on_te_layout_prices_as_te(cp, heads, kv_heads, degree, kind):
-    """Compute-bound (median 32K): FCP's plan of TE's layout on TE's ring (a chain: it streams as TE's
-    ring backward) prices as TE's schedule, to 1e-9; its ring floor is below both."""
+    """Compute-bound (median 32K): FCP's plan of TE's layout, its backward on TE's ring (a chain: it
+    streams as TE's ring backward), prices as TE's schedule, to 1e-9; its ring floor is below both.
+    At degree 1 the forward moves the KV on the configured graph, at degree 8 the stage's ring."""
     topo = load_topology(f"dgx-h100:{cp // 8}")
     shape = AttentionShape(1, heads, kv_heads, 128, 2)
     plan = packed_degree_plan(topo, range(cp), LONG, shape, degree, layout="thd")
     run = PackedAsRun(plan, topo, shape)
-    assert is_chain_plan(run.sp)
+    assert is_chain_plan(run.sp.backward_plan)
+    assert (run.sp.backward is not None) == (degree == 1)
     got, te = run.result()["total_s"], _te(topo, cp, LONG, shape, kind)
     assert abs(got - te) <= 1e-9 * te, (got, te)
     assert te_thd_floor(topo, range(cp), LONG, shape, kind) <= te
@@ -138,7 +140,8 @@ def test_choice_takes_te_layout_where_te_wins():
     assert best == PackedChoice(1, "thd")
     fcp = min(t for c, t in times.items() if c.layout == "fcp")
     assert times[best] < fcp and te / times[best] >= 1 - 1e-9
-    assert plans[best].placement == thd_placement(LONG, 16) and plans[best].name == "ring"
+    assert plans[best].placement == thd_placement(LONG, 16) and plans[best].backward_plan.name == "ring"
+    assert plans[best].name != "ring"            # the forward on a need-driven graph (Note [A backward on another graph])
     forced, _ = choose_packed_plan(topo, range(16), LONG, shape, graph="auto", layout="fcp")
     assert forced.layout == "fcp"
 
@@ -213,7 +216,8 @@ def test_runtime_runs_the_layout_it_chose():
                 if degree == 1:
                     plan = rt.packed_plan(ranks, docs)
                     assert (pl == thd_placement(docs, 4)) == (layout == "thd")
-                    assert (plan.name == "ring") == (layout == "thd") and plan.placement == pl
+                    assert plan.name == "hierarchical" and plan.placement == pl   # the forward: the configured graph
+                    assert (plan.backward_plan.name == "ring") == (layout == "thd")
                     # a windowed layer: the same tokens, its window's need sets, the configured graph
                     windowed = rt.packed_plan(ranks, docs, window=(16, 0))
                     assert windowed.placement.blocks == pl.blocks and windowed.placement.window == (16, 0)

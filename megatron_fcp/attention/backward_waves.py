@@ -129,11 +129,12 @@ __all__ = ["BackwardHost", "run_backward_waves"]
 class BackwardHost(Protocol):
     """What a backward runner (:func:`run_backward_waves`,
     :func:`~megatron_fcp.attention.backward_chain.run_backward_chain`) uses of the executor that
-    runs it: the plan and this rank's place in it, the shard layout, and the transport's verbs with
-    the plan named in their errors. The schedule itself comes from the backward program (Note
-    [Backward program] in :mod:`megatron_fcp.schedule.program`)."""
+    runs it: the plan the backward walks (the program's: Note [A backward on another graph] in
+    :mod:`megatron_fcp.contract.plan`) and this rank's place in it, the shard layout, and the
+    transport's verbs with the plan named in their errors. The schedule itself comes from the
+    backward program (Note [Backward program] in :mod:`megatron_fcp.schedule.program`)."""
 
-    plan: Plan
+    backward_plan: Plan
     rank: int
     layout: ShardLayout
     local_blocks: tuple[Block, ...]
@@ -211,9 +212,9 @@ class _Fetch:
         """The next round (the one before it must be complete): forward what I have."""
         ex, wave = self.ex, self.wave
         nxt = wave.rounds[self.i]
-        sends = [(t, self.have[t.block]) for t in ex.plan.sends(ex.rank, nxt) if wave.has(nxt, t)]
+        sends = [(t, self.have[t.block]) for t in ex.backward_plan.sends(ex.rank, nxt) if wave.has(nxt, t)]
         recvs = [(t, torch.empty(ex.kv_shape(t.block, self.k), dtype=self.k.dtype, device=self.k.device))
-                 for t in ex.plan.recvs(ex.rank, nxt) if wave.has(nxt, t)]
+                 for t in ex.backward_plan.recvs(ex.rank, nxt) if wave.has(nxt, t)]
         return RoundPost(sends, recvs, nxt, "resend")
 
     def attach(self, post: RoundPost, handle) -> None:
@@ -375,7 +376,7 @@ def run_backward_waves(ex: BackwardHost, waves: tuple[Wave, ...], k: torch.Tenso
     this rank's last job, before the last reductions are waited (dq is final then). Returns ``grads`` (the
     local blocks' complete dK/dV in ``grad_dtype``: each wave's sum, added in wave order), wait
     seconds, bytes sent (dK/dV; re-sent KV apart) and the peak received KV bytes alive."""
-    plan, rank, lay = ex.plan, ex.rank, ex.layout
+    plan, rank, lay = ex.backward_plan, ex.rank, ex.layout
     wire = grad_dtype if wire_dtype is None else wire_dtype
     resend = kept is None if resend is None else resend
     kept = kept or {}

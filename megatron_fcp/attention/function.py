@@ -276,9 +276,10 @@ class _Executor:
                  device: torch.device, q_ready: Callable[[], None] | None = None,
                  dq_ready: Callable[[torch.Tensor], None] | None = None, sink: torch.Tensor | None = None,
                  v_head_dim: int | None = None) -> None:
-        if program.plan is not plan:
+        if program.plan is not plan.backward_plan:
             raise ValueError("_Executor: the backward program was compiled for another plan")
         self.plan, self.rank, self.transport, self.kernel = plan, rank, transport, kernel
+        self.backward_plan = program.plan  # the transfers the backward walks (Note [A backward on another graph])
         self.mask, self.scale, self.layout, self.stats = mask, scale, layout, stats
         self.causal = mask.causal
         self._sees: dict[Block, bool] = {}  # block -> some local query sees some of its keys
@@ -735,6 +736,7 @@ def build_executor(q, k, v, *, cp_group, plan=None, causal=True, softmax_scale=N
             "sink": softmax_offset is not None,                      # that a sink is used, not its values
             "placement": None if placement is None else placement.blocks,
             "plan": (plan_obj.name, plan_obj.ranks, plan_obj.parts_per_chunk, plan_obj.rounds),
+            "backward_plan": None if plan_obj.backward is None else (plan_obj.backward.name, plan_obj.backward.rounds),
         }, cp_group, what="fcp_attention", timeout_s=timeout_s)
     if transport is None:
         transport = default_transport(cp_group, timeout_s)

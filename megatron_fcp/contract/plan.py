@@ -15,6 +15,31 @@ transfers of one round between the same pair are matched in plan order on both s
 The backward pass runs the same rounds reversed with every transfer flipped: each rank sends its
 partial dK/dV of a block back to the rank it received the block from, after adding the partials
 its own children sent it (which arrive in later forward rounds, i.e. earlier backward rounds).
+
+Note [A backward on another graph]
+----------------------------------
+The forward and the backward of a plan need not walk one graph. The forward moves each block once
+to its readers and is done; the backward re-sends KV under a memory budget and reduces dK/dV, and a
+graph whose blocks travel chains (the ring) streams that one hop per step where a need-driven graph
+packs waves whose relays hold blocks too. On TE's layout at cp = 16 (1M tokens, median 32K, 64:8,
+dgx-h100:2; 2026-12-07) the ring's forward moved its KV in 80.7 ms, ``hierarchical``'s in 9.6 ms
+(1.19x the need-set bound), both hidden behind 184.4 ms of compute; the ring's backward took
+460.9 ms in 16 steps, ``hierarchical``'s 464.7 ms in 18 waves. A plan may therefore carry
+``backward``: the plan whose transfers the backward walks (:attr:`Plan.backward_plan`: that one,
+or the plan itself). Everything about the backward reads it and only it: the backward program
+(:func:`~megatron_fcp.schedule.program.compile_backward`), so the executor's backward runners, the
+cost model's backward and its floors, and the emulator.
+
+Invariants, checked by :meth:`Plan.with_backward` before anything is sent: both plans are verified
+and over the same ranks, placement, mask and blocks; the backward plan has no backward of its own;
+and the forward delivers every block the backward plan delivers in its first round. What a backward
+keeps from the forward (Note [Backward KV modes] in :mod:`megatron_fcp.schedule.program`) is the
+need set (``keep``), the first wave's deliveries that their receiver computes (a need, which every
+verified forward delivers), or a chain's first sub-round, relays included: part of the first
+round. So whatever is kept, the forward has received. A forward graph that sends blocks only to
+their readers therefore also carries the backward's first-round relays
+(:func:`~megatron_fcp.planner.build.join_backward`). The rounds the forward posts are ``rounds``;
+the reduction's are the backward plan's, reversed and flipped.
 """
 
 from __future__ import annotations
@@ -104,6 +129,8 @@ class Plan:
         default takes the placement's window; another window is an error.
     seq_len: the padded global sequence in tokens (a multiple of ``2*cp``). Required for a
         windowed zigzag plan (its need sets depend on it); None otherwise.
+    backward: the plan whose transfers the backward walks when it is not this one (Note [A backward
+        on another graph]); attach it with :meth:`with_backward`, which checks it. None: this plan.
     """
 
     ranks: tuple[int, ...]
@@ -119,6 +146,7 @@ class Plan:
     table: TransferTable | None = field(default=None, repr=False, compare=False)
     window: tuple[int, int] = (-1, -1)
     seq_len: int | None = None
+    backward: "Plan | None" = field(default=None, repr=False)
     _verified_ports: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +174,25 @@ class Plan:
                                 "place the batch with place_packed(window=...) and pass the same window")
         elif self.mask.windowed:
             zigzag_need_matrix(len(self.ranks), self.parts_per_chunk, self.mask, self.seq_len)  # checks seq_len
+        if self.backward is not None:
+            self._check_backward(self.backward)
+
+    def _check_backward(self, other: "Plan") -> None:
+        """PlanError unless ``other`` is over the same blocks and mask as this plan and has no
+        backward of its own (the cheap half of :meth:`with_backward`'s checks; a copy of a plan
+        made with another CP group or placement fails here instead of running the old backward)."""
+        if not isinstance(other, Plan):
+            raise PlanError(f"backward: a Plan over the same blocks, got {type(other).__name__}")
+        if other.backward is not None:
+            raise PlanError(f"backward: plan {other.name!r} has a backward of its own; attach its backward_plan")
+        same = (other.ranks == self.ranks, other.placement is self.placement or other.placement == self.placement,
+                other.causal == self.causal, other.window == self.window,
+                other.parts_per_chunk == self.parts_per_chunk, other.seq_len == self.seq_len,
+                other.kv_sizes == self.kv_sizes)
+        if not all(same):
+            raise PlanError(f"backward: plan {other.name!r} must cover this plan's ranks, placement, mask and "
+                            f"blocks (ranks, placement, causal, window, parts_per_chunk, seq_len, kv_sizes "
+                            f"equal: {same}); build both with the same arguments but the graph")
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -368,7 +415,50 @@ class Plan:
 
     def with_auto(self, auto: AutoChoice) -> "Plan":
         """This plan with ``auto`` recorded; the rounds are the same, so it stays verified."""
-        out = replace(self, rounds=self.__dict__["_rounds"] if self.table is None else None, auto=auto)
+        return self._with(auto=auto)
+
+    @property
+    def backward_plan(self) -> "Plan":
+        """The plan whose transfers the backward walks: :attr:`backward`, or this plan (Note [A
+        backward on another graph])."""
+        return self if self.backward is None else self.backward
+
+    def with_backward(self, backward: "Plan | None") -> "Plan":
+        """This plan with its backward walking ``backward``'s transfers (None: its own), after the
+        checks of Note [A backward on another graph]; PlanError naming what differs otherwise. The
+        forward rounds are the same, so the result stays verified."""
+        if backward is not None:
+            self._check_backward(backward)
+            if not (self.verified and backward.verified):
+                raise PlanError("with_backward: verify both plans first (Plan.verify())")
+            missing = self.undelivered_first_round(backward)
+            if missing:
+                rank, block = missing[0]
+                raise PlanError(f"with_backward: plan {backward.name!r} delivers {len(missing)} block(s) in its first "
+                                f"round that plan {self.name!r}'s forward does not (e.g. {block} to rank {rank}), "
+                                "so its backward could not keep them; add them to the forward "
+                                "(megatron_fcp.planner.build.join_backward) or use this plan's own backward")
+        return self._with(backward=backward)
+
+    def undelivered_first_round(self, backward: "Plan") -> list[tuple[int, Block]]:
+        """``(rank, block)`` of each delivery of ``backward``'s first round that this plan's
+        forward does not make, in ``backward``'s order (Note [A backward on another graph])."""
+        rnd, _, dst, owner, chunk, part = backward.transfer_columns()
+        first = rnd == 0
+        want = self._delivery_keys(dst[first], owner[first], chunk[first], part[first])
+        got = self._delivery_keys(*self.transfer_columns()[2:])
+        where = np.flatnonzero(~np.isin(want, got))
+        idx = np.flatnonzero(first)[where]
+        return [(int(dst[i]), Block(int(owner[i]), int(chunk[i]), int(part[i]))) for i in idx]
+
+    def _delivery_keys(self, dst: np.ndarray, owner: np.ndarray, chunk: np.ndarray, part: np.ndarray) -> np.ndarray:
+        """int64 per delivery: (receiving CP position, block number) as one number, for set tests."""
+        return self.cp_positions(dst) * len(self.blocks()) + self.block_numbers(owner, chunk, part)
+
+    def _with(self, **changes) -> "Plan":
+        """This plan with fields other than its transfers changed: the rounds are the same object,
+        so it stays verified."""
+        out = replace(self, rounds=self.__dict__["_rounds"] if self.table is None else None, **changes)
         if self.table is not None and self.__dict__["_rounds"] is not None:
             out.__dict__["_rounds"] = self.__dict__["_rounds"]  # keep rounds already materialised
         object.__setattr__(out, "_verified_ports", self._verified_ports)

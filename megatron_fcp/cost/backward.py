@@ -117,6 +117,7 @@ def simulate_plan_backward(
         raise ValueError(f"order: must be 'executor' or 'eager', got {order!r}")
     if backward_kv not in ("keep", "resend"):
         raise ValueError(f"backward_kv: must be 'keep' or 'resend', got {backward_kv!r}")
+    plan = plan.backward_plan          # Note [A backward on another graph] in megatron_fcp.contract.plan
     pl = plan.placement
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
@@ -290,7 +291,10 @@ def simulate_backward_waves(
     ``grad_dtype_bytes``: the partials' bytes per element (default ``shape.dtype_bytes``).
     ``backward_kv="auto"``: keep or resend as the executor decides
     (:func:`~megatron_fcp.schedule.program.compile_backward`, ``kv_memory_budget`` bytes per rank
-    against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced."""
+    against ``micro_batch`` sequences' blocks); ``backward_kv`` in the result is the mode priced.
+    Every backward price reads the plan's :attr:`~megatron_fcp.contract.plan.Plan.backward_plan`
+    (Note [A backward on another graph])."""
+    plan = plan.backward_plan
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     program, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget,
@@ -437,6 +441,7 @@ def resend_limits(plan: Plan, shape: AttentionShape, *, backward_kv: str = "auto
     the program :func:`_program` compiles keeps every received block, else per rank the most
     received KV bytes of one sequence it may start from
     (:func:`~megatron_fcp.schedule.program.resend_keep_limits` on the same token bytes and policy)."""
+    plan = plan.backward_plan
     zshape, kv_tok = _program_shape(plan, shape, kv_dtype_bytes)
     got = resend_keep_limits(plan, kv_tok * micro_batch, BackwardPolicy(backward_kv, kv_memory_budget),
                              seq_len=zshape.seq_len)
@@ -488,6 +493,7 @@ def wave_backward_floor(plan: Plan, topology: "Topology | str", shape: Attention
     """A floor on :func:`simulate_backward_waves`'s ``bwd_s`` (the same arguments) for a plan whose
     backward runs in waves, None for a chain: :func:`~megatron_fcp.cost.timeline.wave_timeline_floor`
     on the program pricing reads (memoised on the plan: the waves are packed once for both)."""
+    plan = plan.backward_plan
     topo = load_topology(topology)
     cm = compute_model or ComputeModel()
     program, size, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
@@ -523,6 +529,7 @@ def chain_compute_floor(plan: Plan, shape: AttentionShape, *, compute_model: Com
     lock-step :func:`~megatron_fcp.cost.timeline.chain_timeline` adds up with each step's
     messages where those take longer (Note [Backward floors]). It reads the program that pricing
     the backward reads (memoised on the plan), not the messages: a fraction of the price."""
+    plan = plan.backward_plan
     cm = compute_model or ComputeModel()
     program, _, work = _program(plan, shape, cm, backward_kv, kv_memory_budget, micro_batch,
                                 kv_dtype_bytes, None)

@@ -191,7 +191,9 @@ def backward_compute_floor(plan: Plan, shape: AttentionShape, compute_model: Com
     """:func:`compute_floor` of ``plan``'s backward: the busiest rank's work plus its launches, once
     per job where the backward runs in waves (:func:`rank_jobs`), else at least once per owner (a
     chain's step, the one pass; Note [Backward floors]). ``shape``: the plan's (zigzag: its
-    ``seq_len``). The one rule of which launches a backward floor counts."""
+    ``seq_len``). The one rule of which launches a backward floor counts. Reads the plan's
+    :attr:`~megatron_fcp.contract.plan.Plan.backward_plan`."""
+    plan = plan.backward_plan
     launches = rank_jobs(plan, None if plan.placement is not None else shape.seq_len) if waves else True
     return compute_floor(plan.placement, plan.cp, shape, plan.mask, compute_model, flop_ratio, launches=launches)
 
@@ -224,7 +226,8 @@ def reduction_floor(plan: Plan, topo: Topology, shape: AttentionShape, grad_dtyp
     bytes of one sequence it may start from, :func:`~megatron_fcp.cost.backward.resend_limits`):
     each resource also carries every reader delivery's KV again, less what
     the ranks receiving those deliveries may have kept (``kv_dtype_bytes`` per element, default the
-    shape's)."""
+    shape's). The deliveries are the plan's :attr:`~megatron_fcp.contract.plan.Plan.backward_plan`'s."""
+    plan = plan.backward_plan
     rnd, src, dst, owner, chunk, part = plan.transfer_columns()
     if not len(rnd):
         return 0.0

@@ -311,7 +311,7 @@ class PackedAsRun:
         once per owner for a chain). Below :meth:`floor` for a backward in waves (their floor adds
         every job too), above it for one that streams as chains (whose :meth:`floor` prices no
         backward)."""
-        sp = self.sp
+        sp = self.sp.backward_plan
         waves = bool(sp.num_transfers()) and not is_chain_plan(sp)
         jobs = backward_compute_floor(sp, self.sshape, self.cm, BACKWARD_FLOP_RATIO, waves=waves)
         return (self.fwd + self.exposed + jobs) * (1 - 1e-9)

@@ -118,7 +118,7 @@ from megatron_fcp.planner.choose import ScheduleChoice, choose_schedule, lower_b
 from megatron_fcp.planner.compare import packed_lower_bound_all, packed_need_stats
 from megatron_fcp.planner.head_parallel import compile_head_parallel, packed_degree_plan
 from megatron_fcp.planner.packed_choice import PackedChoice, choose_packed_plan
-from megatron_fcp.planner.placing import layout_graph
+from megatron_fcp.planner.placing import layout_graphs
 from megatron_fcp.schedule.program import BackwardPolicy, BackwardProgram, WaveBackward, compile_backward
 from megatron_fcp.topology import Topology
 
@@ -489,10 +489,11 @@ def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, .
     if shape.doc_lengths:
         choice, times, plans = (PackedChoice(1), {}, {}) if shape.window else packed_hp_choice(shape, topo, ranks, cm)
         degree = choice.degree
-        if degree == 1 and choice.layout == "thd":     # TE's layout on TE's ring (Note [TE's layout as a candidate])
-            w = _fcp(name, layout_graph(choice.layout, "auto"), shape, topo, ranks, plans[choice].placement)
+        if degree == 1 and choice.layout == "thd":     # TE's layout, backward on TE's ring (Note [TE's layout as a candidate])
+            graphs = layout_graphs(choice.layout, "auto")
+            w = _fcp(name, graphs.forward, shape, topo, ranks, plans[choice].placement, backward_graph=graphs.backward)
             w.info.update(head_parallel=1, degree_times=times, layout="thd",
-                          note="packed batch: the runtime's choice is TE's layout on its ring")
+                          note="packed batch: the runtime's choice is TE's layout, its backward on TE's ring")
             return w
         if degree == 1:
             w = _fcp(name, "auto", shape, topo, ranks, placement)
@@ -533,19 +534,21 @@ def _fcp_hp(name: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, .
 
 
 def _fcp(name: str, graph: str, shape: WorkloadShape, topo: Topology, ranks: tuple[int, ...],
-         placement: Placement | None) -> FcpWorkload:
+         placement: Placement | None, backward_graph: str | None = None) -> FcpWorkload:
     att = shape.attention()
     try:
         plan = build_plan(topo, ranks, graph, causal=shape.causal, parts_per_chunk=1 if placement else shape.parts,
                           seq_len=att.seq_len, heads=att.heads, kv_heads=att.kv_heads, head_dim=att.head_dim,
                           dtype_bytes=DTYPE_BYTES, objective="total", placement=placement,
-                          window=shape.window)
+                          window=shape.window, backward_graph=backward_graph)
     except (ValueError, TypeError) as e:
         return FcpWorkload(name, shape, ranks, unavailable=f"not available: {e}")
     w = FcpWorkload(name, shape, ranks, plan=plan, placement=placement, requested_kv=shape.backward_kv)
     w.backward_kv = _backward_kv_mode(shape, plan, placement)
     w.info = {"graph": plan.name, "rounds": len(plan.rounds), "transfers": plan.num_transfers(),
               "parts_per_chunk": plan.parts_per_chunk, "backward_kv": w.backward_kv}
+    if plan.backward is not None:
+        w.info["backward_graph"] = plan.backward.name
     if plan.auto is not None:
         w.info["auto_candidates"] = {n: t for n, t in plan.auto.times}
     return w

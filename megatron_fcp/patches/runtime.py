@@ -26,8 +26,8 @@ the one of least predicted forward + backward time for its documents
 :func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`, the configured graph,
 ``--fcp-packed-balance``, and the backward as it runs under ``--fcp-backward-kv`` and
 ``--fcp-kv-memory-budget``), and its layout by ``--fcp-packed-layout``: under ``auto`` FCP's
-placement, or Transformer Engine's per-document zigzag on TE's ring where TE's schedule is
-predicted faster (:func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`, Note [TE's layout
+placement, or Transformer Engine's per-document zigzag, its backward on TE's ring, where TE's
+schedule is predicted faster (:func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`, Note [TE's layout
 as a candidate]); the batch's placement, stage and causal plan follow the layout.
 The choice is a pure function of the lengths, so every rank makes the same one; the per-batch
 agreement compares the stage with the placement. The layout (``shard_packed_batch``, RoPE) and
@@ -112,7 +112,7 @@ from megatron_fcp.contract.head_parallel import (
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS, Placement, check_doc_lengths
-from megatron_fcp.planner.placing import layout_graph, place_batch, place_batch_groups
+from megatron_fcp.planner.placing import LayoutGraphs, layout_graphs, place_batch, place_batch_groups
 from megatron_fcp.contract.plan import Plan
 from megatron_fcp.cost.model import AttentionShape
 from megatron_fcp.patches.schedule import schedule_report, search_share, settle_schedule
@@ -230,17 +230,19 @@ def build_group_plan(
     placement: Placement | None = None,
     window: tuple[int, int] | None = None,
     graph: str | None = None,
+    backward_graph: str | None = None,
 ) -> Plan:
     """Build the plan of one CP group with the configured graph (``graph``: another; verified as it
     is built); ``placement``: a packed batch's placement instead of Megatron's zigzag split;
     ``window``: a sliding window (Megatron's ``(left, right)``): the plan moves each block only to
     the ranks whose window reaches it (a zigzag plan then needs ``seq_len``, the padded global
-    sequence)."""
+    sequence); ``backward_graph``: the graph the backward walks (None: the forward's; Note [A
+    backward on another graph] in :mod:`megatron_fcp.contract.plan`)."""
     extra = {} if window is None else {"window": tuple(window)}
     plan = build_plan(
         topology, tuple(cp_ranks), graph or config.graph, causal=causal, parts_per_chunk=parts_per_chunk,
         seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
-        placement=placement, **extra,
+        placement=placement, backward_graph=backward_graph, **extra,
     )
     if tuple(plan.ranks) != tuple(cp_ranks):
         raise PlanError(f"planner returned ranks {list(plan.ranks)} for CP group {list(cp_ranks)}")
@@ -602,13 +604,15 @@ class FCPRuntime:
         key = ("plan", tuple(cp_ranks), tuple(doc_lengths), bool(causal), window)
         if key not in self.packed:
             placement = self.packed_placement(doc_lengths, causal=causal, cp_ranks=tuple(cp_ranks))
-            graph = self.config.graph
+            graphs = LayoutGraphs(self.config.graph)
             if window is not None:  # the same blocks, need sets under the layer's window
                 placement = dataclasses.replace(placement, window=window)
-            else:                   # TE's layout runs on TE's ring (Note [TE's layout as a candidate])
-                graph = layout_graph(self.packed_choice(tuple(cp_ranks), doc_lengths, causal=causal).layout, graph)
+            else:                   # TE's layout: its backward on TE's ring (Note [TE's layout as a candidate])
+                layout = self.packed_choice(tuple(cp_ranks), doc_lengths, causal=causal).layout
+                graphs = layout_graphs(layout, self.config.graph)
             self._remember(key, build_group_plan(self.config, self.topology, tuple(cp_ranks), causal=causal,
-                                                 placement=placement, graph=graph, **self.plan_args))
+                                                 placement=placement, graph=graphs.forward,
+                                                 backward_graph=graphs.backward, **self.plan_args))
         self.packed.move_to_end(key)
         return self.packed[key]
 

@@ -50,6 +50,7 @@ took 24 of ``a = 8``'s 56 ms at cp = 256 (512 documents) and 10 of 24 ms at cp =
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import numpy as np
 
@@ -63,7 +64,7 @@ from megatron_fcp.planner.compile import compile_plan, compiles_alike, placement
 from megatron_fcp.planner.graph import CommGraph
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["build_plan", "NOMINAL_SHAPE", "PACKED_TIE"]
+__all__ = ["build_plan", "join_backward", "NOMINAL_SHAPE", "PACKED_TIE"]
 
 NOMINAL_SHAPE = AttentionShape(131072, 32, 8, 128, 2)
 """The shape ``auto`` times candidates on when the caller gives none (128K tokens, GQA 32:8, d=128, bf16)."""
@@ -89,6 +90,7 @@ def build_plan(
     objective=None,
     placement=None,
     window=None,
+    backward_graph=None,
 ) -> Plan:
     """Verified plan for the CP group ``cp_ranks`` (global ranks, CP order) on ``topology``.
 
@@ -105,7 +107,45 @@ def build_plan(
     placement's, or none): every block moves only to the ranks its window reaches (Note [Windowed
     need sets]); a windowed zigzag plan needs ``seq_len`` (padded to a multiple of ``2*cp`` as
     Megatron pads; the plan records the padded length).
+    ``backward_graph``: a builder name the backward walks instead of the forward's graph (Note [A
+    backward on another graph] in :mod:`megatron_fcp.contract.plan`): the forward is chosen as
+    above, and where its graph is another, the plan on ``backward_graph`` is joined to it
+    (:func:`join_backward`), kept only where its forward is predicted no slower (to 1e-9) than
+    that plan's own (same backward, so never slower in all); else that plan alone. None: the
+    forward's.
     """
+    plan = _build_forward(topology, cp_ranks, graph, causal=causal, parts_per_chunk=parts_per_chunk,
+                          seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          dtype_bytes=dtype_bytes, objective=objective, placement=placement, window=window)
+    if backward_graph is None or backward_graph == plan.name:
+        return plan
+    back = _build_forward(topology, cp_ranks, backward_graph, causal=causal, parts_per_chunk=parts_per_chunk,
+                          seq_len=seq_len, placement=placement, window=window)
+    joined = join_backward(plan, back)
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    shape = _priced_shape(seq_len, heads, kv_heads, head_dim, dtype_bytes)
+    mine, theirs = (simulate_plan(p, topo, shape).total_s for p in (joined, back))
+    return joined if mine <= theirs * (1 + 1e-9) else back
+
+
+def join_backward(forward: Plan, backward: Plan) -> Plan:
+    """``forward`` with its backward walking ``backward`` (Note [A backward on another graph] in
+    :mod:`megatron_fcp.contract.plan`). The deliveries of ``backward``'s first round that
+    ``forward`` does not make (a ring's first hops past ranks that do not read them, which a chain
+    backward keeps from the forward) are added to ``forward``'s first round, as ``backward`` makes
+    them (each from its owner), and the result is verified again."""
+    missing = set(forward.undelivered_first_round(backward))
+    if missing:
+        extra = tuple(t for t in backward.rounds[0] if (t.dst, t.block) in missing)
+        rounds = forward.rounds
+        forward = replace(forward, rounds=(rounds[0] + extra,) + rounds[1:], table=None).verify(
+            forward.max_sends, forward.max_recvs)
+    return forward.with_backward(backward)
+
+
+def _build_forward(topology, cp_ranks, graph, *, causal, parts_per_chunk, seq_len=None, heads=None, kv_heads=None,
+                   head_dim=None, dtype_bytes=2, objective=None, placement=None, window=None) -> Plan:
+    """:func:`build_plan` without ``backward_graph``: the plan on ``graph`` (or ``auto``'s choice)."""
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     if not isinstance(parts_per_chunk, int) or parts_per_chunk < 1:
@@ -125,9 +165,7 @@ def build_plan(
         objective = "total" if seq_len is not None and heads is not None and head_dim is not None else "comm"
     if objective not in ("comm", "total"):
         raise ValueError(f"objective: must be 'comm' or 'total', got {objective!r}")
-    n = NOMINAL_SHAPE
-    shape = AttentionShape(seq_len or n.seq_len, heads or n.heads, kv_heads or heads or n.kv_heads,
-                           head_dim or n.head_dim, dtype_bytes)
+    shape = _priced_shape(seq_len, heads, kv_heads, head_dim, dtype_bytes)
     candidates = []
     names = [n for n in (AUTO_CANDIDATES if placement is None else PACKED_AUTO_CANDIDATES)
              if len(ranks) > 1 or n == "ring"]
@@ -156,6 +194,13 @@ def build_plan(
     timed = [(priced[n][1].name, getattr(priced[n][0], metric)) if n in priced
              else (n, getattr(priced[twins[n]][0], metric)) for n in names if n in priced or n in twins]
     return best.with_auto(AutoChoice(metric, tuple(timed)))
+
+
+def _priced_shape(seq_len, heads, kv_heads, head_dim, dtype_bytes) -> AttentionShape:
+    """The shape candidates are timed on: the fields given, the rest :data:`NOMINAL_SHAPE`'s."""
+    n = NOMINAL_SHAPE
+    return AttentionShape(seq_len or n.seq_len, heads or n.heads, kv_heads or heads or n.kv_heads,
+                          head_dim or n.head_dim, dtype_bytes)
 
 
 def _graph(topo: Topology, ranks: tuple[int, ...], graph: "str | GraphBuilder") -> CommGraph:

@@ -62,7 +62,7 @@ from megatron_fcp.contract.head_parallel import (
 from megatron_fcp.contract.head_parallel_packed import PackedHeadParallelPlan
 from megatron_fcp.contract.mask import Mask
 from megatron_fcp.contract.placement import DEFAULT_BLOCK_TOKENS
-from megatron_fcp.planner.placing import PACKED_BALANCE, layout_graph, place_batch, place_batch_groups
+from megatron_fcp.planner.placing import PACKED_BALANCE, layout_graphs, place_batch, place_batch_groups
 from megatron_fcp.schedule.waves import RING_BUDGET
 from megatron_fcp.contract.plan import Plan, check_cp_ranks
 from megatron_fcp.cost.head_parallel_packed import PackedAsRun
@@ -176,7 +176,7 @@ def compile_packed_head_parallel(
     what the placement balances (``place_packed``'s ``balance``; Note [Layer work]). ``layout``:
     ``fcp`` or ``thd`` (TE's per-document zigzag over the groups,
     :func:`~megatron_fcp.planner.placing.place_batch_groups`; ``graph`` is then not read: the KV
-    stage is TE's ring, :func:`~megatron_fcp.planner.placing.layout_graph`)."""
+    stage is TE's ring both ways, :func:`~megatron_fcp.planner.placing.layout_graphs`)."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     if degree < 2:
@@ -192,9 +192,9 @@ def compile_packed_head_parallel(
     kv = None
     if len(groups) > 1:
         stage0 = tuple(g[0] for g in groups)
-        plan = build_plan(topo, stage0, layout_graph(layout, graph), causal=causal, placement=group_pl,
-                          heads=heads // degree,
-                          kv_heads=kv_heads * rep // degree, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        plan = build_plan(topo, stage0, layout_graphs(layout, graph, stage=True).forward, causal=causal,
+                          placement=group_pl, heads=heads // degree, kv_heads=kv_heads * rep // degree,
+                          head_dim=head_dim, dtype_bytes=dtype_bytes)
         kv = relabel_plan(plan, range(len(groups)))
     return PackedHeadParallelPlan(ranks, degree, groups, group_pl, member_pl, kv, rep).verify()
 
@@ -209,13 +209,16 @@ def packed_degree_plan(topology: "Topology | str", cp_ranks: Sequence[int], doc_
     :func:`~megatron_fcp.planner.packed_choice.choose_packed_plan`) price it and the runtime runs it:
     ``1``, the plain plan over :func:`~megatron_fcp.planner.placing.place_batch`; else
     :func:`compile_packed_head_parallel`; the KV plan built with
-    :func:`~megatron_fcp.planner.placing.layout_graph` of ``graph``."""
+    :func:`~megatron_fcp.planner.placing.layout_graphs` of ``graph`` (TE's layout: the backward on
+    TE's ring)."""
     topo = load_topology(topology)
     if degree == 1:
         pl = place_batch(topo, cp_ranks, doc_lengths, block_tokens=block_tokens, causal=causal,
                          balance=placement_balance, layout=layout)
-        return build_plan(topo, cp_ranks, layout_graph(layout, graph), causal=causal, placement=pl, heads=shape.heads,
-                          kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes)
+        forward, backward = layout_graphs(layout, graph)
+        return build_plan(topo, cp_ranks, forward, causal=causal, placement=pl, heads=shape.heads,
+                          kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes,
+                          backward_graph=backward)
     return compile_packed_head_parallel(topo, cp_ranks, doc_lengths, shape.heads, shape.kv_heads, degree, graph,
                                         causal=causal, block_tokens=block_tokens, head_dim=shape.head_dim,
                                         dtype_bytes=shape.dtype_bytes, placement_balance=placement_balance,

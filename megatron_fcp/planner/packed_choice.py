@@ -13,17 +13,24 @@ both cp = 16 cells with median 32K. At cp = 256 (64:8, median 32K) it sat at 0.8
 ``a2a+p2p``: there FCP's one-round KV stage waits for its busiest member's bytes, which TE's ring
 spreads over its steps.
 
-FCP runs TE's layout on its own engine, over TE's ring (:data:`~megatron_fcp.planner.placing.THD_GRAPH`):
+FCP runs TE's layout on its own engine, its backward over TE's ring
+(:func:`~megatron_fcp.planner.placing.layout_graphs`):
 
-* the forward makes one call per owner and round, which is TE's step;
 * the backward streams as chains, which is TE's ring backward (Note [Streaming chain backward] in
   :mod:`megatron_fcp.schedule.chains`), with the first sub-round kept and each rank's own blocks
-  in one call.
+  in one call;
+* at degree 1 the forward moves each block to its readers over the configured graph (``auto``:
+  the candidates' best forward), plus the ring's first-round relays that the backward keeps (Note
+  [A backward on another graph] in :mod:`megatron_fcp.contract.plan`), where that forward is
+  predicted no slower than the ring's; a head-parallel stage's KV plan stays on the ring both ways,
+  its forward one call per owner and round, which is TE's step.
 
-At degree 1 that is TE's ``p2p``. At degree ``g``, the ranks per node, with one head group per
-node, it is TE's ``a2a+p2p``. Priced as run (:class:`~megatron_fcp.cost.head_parallel_packed.PackedAsRun`),
+At degree 1 that is TE's ``p2p`` backward. At degree ``g``, the ranks per node, with one head group
+per node, it is TE's ``a2a+p2p``. Priced as run (:class:`~megatron_fcp.cost.head_parallel_packed.PackedAsRun`),
 it comes out at TE's price, or below it where the ring stops at a block's last reader. In the
-three cells above it equals TE's price to the microsecond (2026-12-07).
+three cells above it equals TE's price to the microsecond (2026-12-07). In the two cp = 16 cells
+the ring's forward moved its KV in 10x the placement's need-set bound, hidden behind compute; the
+forward on ``hierarchical`` moves it in 1.19x, at the same total (thirteenth pass, 2026-12-07).
 
 **When it is tried.** :func:`choose_packed_plan` first makes FCP's degree choice
 (:func:`~megatron_fcp.planner.head_parallel.choose_packed_head_parallel`). Then, for each TE

@@ -9,7 +9,7 @@ balances the layer (:data:`PACKED_BALANCE`), not only its attention. Pure, no ``
 
 That is the ``"fcp"`` layout. The ``"thd"`` layout is Transformer Engine's: every document cut into
 ``2n`` chunks, rank ``i`` holding chunks ``i`` and ``2n-1-i``
-(:func:`~megatron_fcp.contract.placement.thd_placement`), run on TE's ring (:func:`layout_graph`).
+(:func:`~megatron_fcp.contract.placement.thd_placement`), its backward run on TE's ring (:func:`layout_graphs`).
 FCP runs it only where TE's own schedule would beat FCP's plans (Note [TE's layout as a
 candidate] in :mod:`megatron_fcp.planner.packed_choice`).
 """
@@ -17,7 +17,7 @@ candidate] in :mod:`megatron_fcp.planner.packed_choice`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from megatron_fcp.contract.blocks import gc_paused
 from megatron_fcp.contract.head_parallel_packed import place_packed_groups, split_group_placement
@@ -25,8 +25,8 @@ from megatron_fcp.contract.layer_placement import place_balanced
 from megatron_fcp.contract.placement import PACKED_LAYOUTS, Placement, thd_placement
 from megatron_fcp.topology import Topology, load_topology
 
-__all__ = ["place_batch", "place_batch_groups", "cp_nodes", "layout_graph", "check_layout", "PACKED_BALANCE", "PACKED_LAYOUTS", "LAYOUT_CHOICES",
-           "THD_GRAPH"]
+__all__ = ["place_batch", "place_batch_groups", "cp_nodes", "layout_graphs", "LayoutGraphs", "check_layout", "PACKED_BALANCE",
+           "PACKED_LAYOUTS", "LAYOUT_CHOICES", "THD_GRAPH"]
 
 PACKED_BALANCE = "layer"
 """What a packed batch's placement balances unless told (``--fcp-packed-balance``): the layer's
@@ -39,17 +39,32 @@ LAYOUT_CHOICES = ("auto",) + PACKED_LAYOUTS
 layout as a candidate] in :mod:`megatron_fcp.planner.packed_choice`), ``fcp`` or ``thd``."""
 
 THD_GRAPH = "ring"
-"""The graph the ``thd`` layout's KV moves on: TE's ring, whose backward streams as chains as TE's
-does (Note [Streaming chain backward] in :mod:`megatron_fcp.schedule.chains`). ``auto`` over that
-layout picks ``hierarchical``, whose backward runs in waves: 649.0 ms against the ring's 645.2 at
-cp = 16 (1M tokens, median 32K, 64:8; 2026-12-07)."""
+"""The graph the ``thd`` layout's backward walks: TE's ring, whose backward streams as chains as
+TE's does (Note [Streaming chain backward] in :mod:`megatron_fcp.schedule.chains`). Over that
+layout a need-driven graph's backward packs more waves: ``hierarchical``'s took 464.7 ms in 18
+waves against the ring's 460.9 ms in 16 steps at cp = 16 (1M tokens, median 32K, 64:8; 2026-12-07).
+The forward does not need the ring: it moved the same KV in 80.7 ms on it, in 9.6 ms on
+``hierarchical`` (Note [A backward on another graph] in :mod:`megatron_fcp.contract.plan`)."""
 
 
-def layout_graph(layout: str, graph: str) -> str:
-    """The graph a packed batch's causal KV plan is built with under ``layout``: ``graph`` (the
-    configured one) for ``fcp``, :data:`THD_GRAPH` for ``thd``."""
+class LayoutGraphs(NamedTuple):
+    """The graphs a packed batch's causal KV plan is built on: ``forward`` (a builder name or
+    ``auto``) and ``backward``, the graph its backward walks (None: the forward's)."""
+
+    forward: str
+    backward: str | None = None
+
+
+def layout_graphs(layout: str, graph: str, *, stage: bool = False) -> LayoutGraphs:
+    """The graphs of a packed batch's causal KV plan under ``layout``, ``graph`` the configured one.
+    ``fcp``: ``graph`` both ways. ``thd``: the forward on ``graph``, the backward on
+    :data:`THD_GRAPH` (:func:`~megatron_fcp.planner.build.build_plan`'s ``backward_graph``); a
+    head-parallel stage's KV plan (``stage``) on :data:`THD_GRAPH` both ways (its plan is renamed
+    onto virtual ranks and merged over the members for pricing, which carry one graph)."""
     check_layout(layout)
-    return THD_GRAPH if layout == "thd" else graph
+    if layout == "fcp":
+        return LayoutGraphs(graph)
+    return LayoutGraphs(THD_GRAPH) if stage else LayoutGraphs(graph, THD_GRAPH)
 
 
 def check_layout(layout: str) -> None:

@@ -33,6 +33,12 @@ sequence of the micro-batch in the input dtype. Budgets are in the same bytes.
 
 Programs are memoised per plan object (every layer of a model runs the same settled plan).
 
+The plan walked. A plan whose backward walks another graph (Note [A backward on another graph] in
+:mod:`megatron_fcp.contract.plan`) compiles the program of its :attr:`~megatron_fcp.contract.plan.Plan.backward_plan`:
+:func:`compile_backward`, :func:`resend_keep_limits` and :func:`compiled_programs` read that plan,
+and :attr:`BackwardProgram.plan` is it. What the program keeps from the forward is then a subset of
+what that plan delivers, which the forward delivers too (checked when the two are joined).
+
 Note [Backward KV modes]
 ------------------------
 Backward recomputes each block's scores from its K and V (flash-attn's recipe), so a rank needs
@@ -142,7 +148,7 @@ class BackwardProgram:
     """The compiled backward of one plan (Note [Backward program]). Plain data: build it with
     :func:`compile_backward`."""
 
-    plan: Plan
+    plan: Plan                                     # the plan walked: the forward's backward_plan
     policy: BackwardPolicy
     token_bytes: int                               # K and V of one token, micro-batch included
     seq_len: int | None                            # zigzag: the padded global sequence; None: a placement
@@ -259,7 +265,9 @@ def compile_backward(plan: Plan, token_bytes: int, policy: BackwardPolicy | None
     sequences of one call). seq_len: the zigzag plan's padded global sequence (the executor's
     ``s_local * cp``); ignored over a placement. budget: bytes a rank receives per wave or step
     (default: the largest shard per wave or chain step); for studies,
-    never set by the executor."""
+    never set by the executor. A plan whose backward walks another plan compiles that one's
+    program (:attr:`~megatron_fcp.contract.plan.Plan.backward_plan`)."""
+    plan = plan.backward_plan
     # the decision's inputs alone: a WaveBackward's pricing options do not change the program
     policy = BackwardPolicy() if policy is None else BackwardPolicy(policy.backward_kv, policy.kv_memory_budget)
     if plan.placement is None and seq_len is None:
@@ -303,7 +311,9 @@ _LOCK = threading.Lock()
 
 def compiled_programs(plan: Plan) -> tuple[BackwardProgram, ...]:
     """The programs compiled for ``plan`` (this object) in this process so far, in compile order:
-    what ran, for reports and for tests that hold the recorded posts against it."""
+    what ran, for reports and for tests that hold the recorded posts against it (those of its
+    :attr:`~megatron_fcp.contract.plan.Plan.backward_plan`)."""
+    plan = plan.backward_plan
     with _LOCK:
         return tuple(memo(plan).get("programs", {}).values())
 
@@ -315,6 +325,7 @@ def resend_keep_limits(plan: Plan, token_bytes: int, policy: BackwardPolicy | No
     the most received KV bytes it may start from (the first step kept from the forward, Note
     [Backward KV modes]; 0 under an explicit ``resend``). The same decision as the program's, so
     a floor on re-sent bytes (:func:`~megatron_fcp.cost.floors.reduction_floor`) holds for it."""
+    plan = plan.backward_plan
     policy = BackwardPolicy() if policy is None else BackwardPolicy(policy.backward_kv, policy.kv_memory_budget)
     seq_len = None if plan.placement is not None else seq_len
     size = _sizes(plan, int(token_bytes), seq_len)

@@ -827,7 +827,8 @@ def restrict(plan: Plan, wave: Wave) -> Plan:
     rounds: dict[int, list[Transfer]] = {}
     for r, t in wave.transfers:
         rounds.setdefault(r, []).append(t)
-    return replace(plan, rounds=tuple(tuple(rounds[r]) for r in wave.rounds), name=f"{plan.name}/wave")
+    return replace(plan, rounds=tuple(tuple(rounds[r]) for r in wave.rounds), name=f"{plan.name}/wave",
+                   backward=None)   # waves are of the plan the backward walks: its own
 
 
 def first_fetch(plan: Plan, wave: Wave, kept: Mapping[int, Collection[Block]]) -> Wave:
