@@ -170,3 +170,55 @@ def test_a_joined_forward_predicted_slower_is_not_taken(monkeypatch):
     monkeypatch.setattr(build, "simulate_plan", slower_when_joined)
     got = build_plan(TOPO, range(4), "full", placement=pl, backward_graph="ring")
     assert got.name == "ring" and got.backward is None
+
+
+def test_relabel_keeps_the_backward():
+    from megatron_fcp.contract.head_parallel import relabel_plan
+
+    for pl in _placements().values():
+        joined = _split(pl)
+        moved = relabel_plan(joined, (10, 11, 12, 13))
+        assert moved.ranks == moved.backward.ranks == (10, 11, 12, 13)
+        assert moved.backward.num_transfers() == joined.backward.num_transfers()
+        assert moved.verify().undelivered_first_round(moved.backward.verify()) == []
+
+
+def test_gloo_thd_stage_cases_run_a_split_plan():
+    """The head-parallel gloo cases on TE's layout (tests/test_head_parallel_thd.py, FP64 against the
+    per-document reference) run KV stages whose backward walks the ring and forward another graph."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _head_parallel_thd_cases import Case, make_plan
+
+    for ranks, case in ((tuple(range(4)), Case(2, "mix", True, layout="thd")),
+                        (tuple(range(8)), Case(4, "mix", True, heads=(8, 2), layout="thd"))):
+        hp = make_plan(case, ranks)
+        assert hp.kv_plan.name == "hierarchical" and hp.kv_plan.backward.name == "ring", case.name
+
+
+@pytest.mark.parametrize("cp,degree", [(16, 2), (32, 2)])
+def test_split_stage_merged_and_one_copy_price_alike(cp, degree):
+    """A head-parallel stage on TE's layout: its merged plan carries every copy of the backward
+    plan too, and (copies independent on dgx-h100) copy 0 alone prices forward and backward as the
+    merged plan, bit for bit."""
+    from megatron_fcp.cost.head_parallel import stage_shape
+    from megatron_fcp.cost.head_parallel_packed import packed_stage_plan, priced_stage_plan, stage_copies_independent
+    from megatron_fcp.planner.head_parallel import compile_packed_head_parallel
+
+    topo = load_topology(f"dgx-h100:{cp // 8}")
+    docs = lognormal_lengths(math.log(8192), 1.0, cp * 8192, seed=cp)
+    hp = compile_packed_head_parallel(topo, range(cp), docs, 64, 8, degree, "auto", head_dim=128, layout="thd")
+    kv = hp.kv_plan
+    assert kv.backward is not None and kv.backward.name == "ring" and kv.name != "ring"
+    merged = packed_stage_plan(hp)
+    assert merged.backward.num_transfers() == degree * kv.backward.num_transfers()
+    assert merged.num_transfers() == degree * kv.num_transfers()
+    assert stage_copies_independent(hp, topo) and priced_stage_plan(hp, topo) is hp.kv_plan_for(0)
+    sshape = stage_shape(hp, AttentionShape(1, 64, 8, 128, 2))
+    for mode in MODES:
+        got = [cost_backward.simulate_backward_waves(p, topo, sshape, backward_kv=mode, per_wave=False)
+               for p in (hp.kv_plan_for(0), merged)]
+        assert got[0]["bwd_s"] == got[1]["bwd_s"] and got[0]["waves"] == got[1]["waves"], mode
+    assert simulate_plan(hp.kv_plan_for(0), topo, sshape).total_s == simulate_plan(merged, topo, sshape).total_s

@@ -74,13 +74,12 @@ def test_group_layout_is_te_a2a_p2p_layout():
 def test_fcp_on_te_layout_prices_as_te(cp, heads, kv_heads, degree, kind):
     """Compute-bound (median 32K): FCP's plan of TE's layout, its backward on TE's ring (a chain: it
     streams as TE's ring backward), prices as TE's schedule, to 1e-9; its ring floor is below both.
-    At degree 1 the forward moves the KV on the configured graph, at degree 8 the stage's ring."""
+    The forward moves the KV on the configured graph (at degree 8 over two groups, the same hops)."""
     topo = load_topology(f"dgx-h100:{cp // 8}")
     shape = AttentionShape(1, heads, kv_heads, 128, 2)
     plan = packed_degree_plan(topo, range(cp), LONG, shape, degree, layout="thd")
     run = PackedAsRun(plan, topo, shape)
-    assert is_chain_plan(run.sp.backward_plan)
-    assert (run.sp.backward is not None) == (degree == 1)
+    assert is_chain_plan(run.sp.backward_plan) and run.sp.backward is not None
     got, te = run.result()["total_s"], _te(topo, cp, LONG, shape, kind)
     assert abs(got - te) <= 1e-9 * te, (got, te)
     assert te_thd_floor(topo, range(cp), LONG, shape, kind) <= te
@@ -195,8 +194,8 @@ def test_te_layout_fp64_numerics(docs):
 
 
 def test_runtime_runs_the_layout_it_chose():
-    """``--fcp-packed-layout thd``: the runtime's placement is TE's layout and its causal plan TE's
-    ring, at degree 1 and at degree 2 (the stage's group placement TE's zigzag over the groups);
+    """``--fcp-packed-layout thd``: the runtime's placement is TE's layout and its causal plan's
+    backward TE's ring, at degree 1 and at degree 2 (the stage's group placement TE's zigzag over the groups);
     ``fcp`` keeps FCP's placement."""
     from megatron_fcp.config import FCPConfig
     from megatron_fcp.patches.runtime import reset_fcp, setup_fcp
@@ -226,6 +225,7 @@ def test_runtime_runs_the_layout_it_chose():
                     hp = rt.packed_head_parallel(ranks, docs, causal=True, heads=4, kv_heads=2)
                     assert hp.placement == pl
                     assert (hp.group_placement == thd_placement(docs, 2, pad_ranks=4)) == (layout == "thd")
-                    assert (hp.kv_plan.name == "ring") == (layout == "thd")
+                    assert hp.kv_plan.name == "hierarchical"                     # the forward: the configured graph
+                    assert (hp.kv_plan.backward_plan.name == "ring") == (layout == "thd")
     finally:
         reset_fcp()

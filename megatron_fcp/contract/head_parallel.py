@@ -111,14 +111,17 @@ def group_placement(ranks: Sequence[int], head_groups: Sequence[Sequence[int]], 
 
 def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
     """The same schedule with CP index ``i`` of ``plan`` renamed to global rank ``ranks[i]``
-    (``plan`` itself when that renames nothing: a zigzag plan over ranks ``0..cp-1``)."""
+    (``plan`` itself when that renames nothing: a zigzag plan over ranks ``0..cp-1``); a plan whose
+    backward walks another (Note [A backward on another graph] in :mod:`megatron_fcp.contract.plan`)
+    has both renamed."""
     ranks = tuple(ranks)
     if len(ranks) != plan.cp:
         raise PlanError(f"relabel: {len(ranks)} ranks for a plan over {plan.cp}")
     if ranks == tuple(plan.ranks):
         return plan
+    backward = None if plan.backward is None else relabel_plan(plan.backward, ranks)
     if plan.table is not None and plan.__dict__.get("_rounds") is None:
-        return replace(plan, ranks=ranks, rounds=None)   # a table names CP indices: nothing to rename
+        return replace(plan, ranks=ranks, rounds=None, backward=backward)   # a table names CP indices
     to = {old: new for old, new in zip(plan.ranks, ranks)}
 
     renamed: dict[Block, Block] = {}
@@ -130,7 +133,7 @@ def relabel_plan(plan: Plan, ranks: Sequence[int]) -> Plan:
         return out
 
     rounds = tuple(tuple(Transfer(to[t.src], to[t.dst], blk(t.block)) for t in rnd) for rnd in plan.rounds)
-    return replace(plan, ranks=ranks, rounds=rounds)
+    return replace(plan, ranks=ranks, rounds=rounds, backward=backward)
 
 
 class HeadGroups:

@@ -80,33 +80,43 @@ def packed_stage_plan(hp: PackedHeadParallelPlan) -> Plan:
     head-parallel cost]): ``a`` copies of the documents, rank (``g``, ``j``) holding group ``g``'s
     spans of copy ``j``; each KV-plan transfer once per member, the members' copies of a transfer
     next to each other. Built as a transfer table from the KV plan's columns (Note [Columnar plans]
-    in :mod:`megatron_fcp.contract.table`), once per ``hp`` object."""
+    in :mod:`megatron_fcp.contract.table`), once per ``hp`` object. A KV plan whose backward walks
+    another (Note [A backward on another graph] in :mod:`megatron_fcp.contract.plan`) has that one
+    merged the same way and joined."""
     cache = memo(hp)                                      # Note [Caches live with their object]
     hit = cache.get("merged_stage_plan")
     if hit is not None:
         return hit
     a, n = hp.degree, len(hp.group_placement.doc_lengths)
-    gp, groups = hp.group_placement, hp.head_groups
-    pos = {r: (g, j) for g, group in enumerate(groups) for j, r in enumerate(group)}
+    gp = hp.group_placement
+    pos = {r: (g, j) for g, group in enumerate(hp.head_groups) for j, r in enumerate(group)}
     blocks = tuple(tuple(Span(s.doc + pos[r][1] * n, s.start, s.end) for s in gp.blocks[pos[r][0]]) for r in hp.ranks)
     placement = Placement(gp.doc_lengths * a, blocks, gp.causal, gp.window, gp.layout)
     name = _stage_name(hp)
     if hp.kv_plan is None or not hp.kv_plan.num_transfers():
         plan = Plan(hp.ranks, (), gp.causal, 1, name=name, placement=placement).verify()
     else:
-        rnd, src, dst, owner, chunk, _ = hp.kv_plan.transfer_columns()     # [T]: group indices (virtual ranks)
-        cp_of = {r: i for i, r in enumerate(hp.ranks)}
-        member = np.array([[cp_of[r] for r in group] for group in groups], dtype=np.int64)   # [G, a]: CP index
-        j = np.tile(np.arange(a, dtype=np.int64), len(rnd))                               # [T * a]
-        src, dst, owner, chunk = (np.repeat(c, a) for c in (src, dst, owner, chunk))
-        offset, _, nb = block_layout(placement.blocks_per_rank(), 1)
-        idx = small_int(max(len(hp.ranks), nb))
-        starts = np.searchsorted(rnd, np.arange(hp.kv_plan.num_rounds + 1)).astype(np.int64) * a
-        table = TransferTable(starts, member[src, j].astype(idx), member[dst, j].astype(idx),
-                              (offset[member[owner, j]] + chunk).astype(idx))
-        plan = Plan(hp.ranks, None, gp.causal, 1, name=name, placement=placement, table=table).verify()
+        plan = _merged_copies(hp, hp.kv_plan, placement, name)
+        if hp.kv_plan.backward is not None:
+            plan = plan.with_backward(_merged_copies(hp, hp.kv_plan.backward, placement, hp.kv_plan.backward.name))
     cache["merged_stage_plan"] = plan
     return plan
+
+
+def _merged_copies(hp: PackedHeadParallelPlan, kv_plan: Plan, placement: Placement, name: str) -> Plan:
+    """``kv_plan``'s transfers once per member (:func:`packed_stage_plan`'s table), verified."""
+    a = hp.degree
+    rnd, src, dst, owner, chunk, _ = kv_plan.transfer_columns()         # [T]: group indices (virtual ranks)
+    cp_of = {r: i for i, r in enumerate(hp.ranks)}
+    member = np.array([[cp_of[r] for r in group] for group in hp.head_groups], dtype=np.int64)   # [G, a]: CP index
+    j = np.tile(np.arange(a, dtype=np.int64), len(rnd))                                      # [T * a]
+    src, dst, owner, chunk = (np.repeat(c, a) for c in (src, dst, owner, chunk))
+    offset, _, nb = block_layout(placement.blocks_per_rank(), 1)
+    idx = small_int(max(len(hp.ranks), nb))
+    starts = np.searchsorted(rnd, np.arange(kv_plan.num_rounds + 1)).astype(np.int64) * a
+    table = TransferTable(starts, member[src, j].astype(idx), member[dst, j].astype(idx),
+                          (offset[member[owner, j]] + chunk).astype(idx))
+    return Plan(hp.ranks, None, placement.causal, 1, name=name, placement=placement, table=table).verify()
 
 
 def _stage_name(hp: PackedHeadParallelPlan) -> str:
@@ -118,13 +128,17 @@ def stage_copies_independent(hp: PackedHeadParallelPlan, topology: "Topology | s
     """Whether the ``a`` copies of ``hp``'s KV stage run on ``topology`` without touching each other
     (Note [One copy prices the KV stage]): over every (sender, receiver) pair of the KV plan, copy
     ``j``'s route (member ``j`` of each group) has copy 0's latency, length and resource bandwidths
-    in order, and no resource is on the routes of two copies. False without a KV stage."""
+    in order, and no resource is on the routes of two copies; the pairs of the plan its backward
+    walks too. False without a KV stage."""
     if hp.kv_plan is None or hp.degree == 1 or not hp.kv_plan.num_transfers():
         return False
     topo = load_topology(topology)
-    _, src, dst, _, _, _ = hp.kv_plan.transfer_columns()                 # [T]: group indices
     G = len(hp.head_groups)
-    pairs = np.divmod(np.unique(src.astype(np.int64) * G + dst), G)       # [2, distinct pairs], sorted
+    keys = []
+    for plan in {id(p): p for p in (hp.kv_plan, hp.kv_plan.backward_plan)}.values():   # both passes' pairs
+        _, src, dst, _, _, _ = plan.transfer_columns()                  # [T]: group indices
+        keys.append(src.astype(np.int64) * G + dst)
+    pairs = np.divmod(np.unique(np.concatenate(keys)), G)                # [2, distinct pairs], sorted
     member = np.array(hp.head_groups, dtype=np.int64)                    # [G, a]: global ranks
     table = topo.route_ids()
     rows = [table.rows(member[pairs[0], j], member[pairs[1], j]) for j in range(hp.degree)]

@@ -175,8 +175,8 @@ def compile_packed_head_parallel(
     size. ``degree`` must be >= 2 (degree 1 is the plain packed plan). ``placement_balance``:
     what the placement balances (``place_packed``'s ``balance``; Note [Layer work]). ``layout``:
     ``fcp`` or ``thd`` (TE's per-document zigzag over the groups,
-    :func:`~megatron_fcp.planner.placing.place_batch_groups`; ``graph`` is then not read: the KV
-    stage is TE's ring both ways, :func:`~megatron_fcp.planner.placing.layout_graphs`)."""
+    :func:`~megatron_fcp.planner.placing.place_batch_groups`; the KV stage's forward is then on
+    ``graph`` and its backward on TE's ring, :func:`~megatron_fcp.planner.placing.layout_graphs`)."""
     topo = load_topology(topology)
     ranks = check_cp_ranks(topo, cp_ranks)
     if degree < 2:
@@ -192,9 +192,10 @@ def compile_packed_head_parallel(
     kv = None
     if len(groups) > 1:
         stage0 = tuple(g[0] for g in groups)
-        plan = build_plan(topo, stage0, layout_graphs(layout, graph, stage=True).forward, causal=causal,
-                          placement=group_pl, heads=heads // degree, kv_heads=kv_heads * rep // degree,
-                          head_dim=head_dim, dtype_bytes=dtype_bytes)
+        forward, backward = layout_graphs(layout, graph)
+        plan = build_plan(topo, stage0, forward, causal=causal, placement=group_pl, heads=heads // degree,
+                          kv_heads=kv_heads * rep // degree, head_dim=head_dim, dtype_bytes=dtype_bytes,
+                          backward_graph=backward)
         kv = relabel_plan(plan, range(len(groups)))
     return PackedHeadParallelPlan(ranks, degree, groups, group_pl, member_pl, kv, rep).verify()
 

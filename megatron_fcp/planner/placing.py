@@ -55,16 +55,13 @@ class LayoutGraphs(NamedTuple):
     backward: str | None = None
 
 
-def layout_graphs(layout: str, graph: str, *, stage: bool = False) -> LayoutGraphs:
-    """The graphs of a packed batch's causal KV plan under ``layout``, ``graph`` the configured one.
-    ``fcp``: ``graph`` both ways. ``thd``: the forward on ``graph``, the backward on
-    :data:`THD_GRAPH` (:func:`~megatron_fcp.planner.build.build_plan`'s ``backward_graph``); a
-    head-parallel stage's KV plan (``stage``) on :data:`THD_GRAPH` both ways (its plan is renamed
-    onto virtual ranks and merged over the members for pricing, which carry one graph)."""
+def layout_graphs(layout: str, graph: str) -> LayoutGraphs:
+    """The graphs of a packed batch's causal KV plan (or a head-parallel stage's) under ``layout``,
+    ``graph`` the configured one. ``fcp``: ``graph`` both ways. ``thd``: the forward on ``graph``,
+    the backward on :data:`THD_GRAPH` (:func:`~megatron_fcp.planner.build.build_plan`'s
+    ``backward_graph``)."""
     check_layout(layout)
-    if layout == "fcp":
-        return LayoutGraphs(graph)
-    return LayoutGraphs(THD_GRAPH) if stage else LayoutGraphs(graph, THD_GRAPH)
+    return LayoutGraphs(graph) if layout == "fcp" else LayoutGraphs(graph, THD_GRAPH)
 
 
 def check_layout(layout: str) -> None:
