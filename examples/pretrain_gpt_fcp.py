@@ -455,9 +455,9 @@ def train(
                                                       heads=heads // layout.tp, kv_heads=max(1, kv_heads // layout.tp))
                     plan, placed, over = hp.kv_plan, hp.group_placement, f"{len(hp.head_groups)} head groups"
                 placed = placed or plan.placement
-                info.update(graph=plan.name, topology=runtime.topology.name, plan_ranks=list(cp_ranks),
-                            rounds=len(plan.rounds), transfers=plan.num_transfers(), packed=True,
-                            head_parallel=degree, packed_layout=packed_layout)
+                info.update(graph=plan.name, backward_graph=plan.backward_plan.name, topology=runtime.topology.name,
+                            plan_ranks=list(cp_ranks), rounds=len(plan.rounds), transfers=plan.num_transfers(),
+                            packed=True, head_parallel=degree, packed_layout=packed_layout)
                 say(f"FCP packed: first micro-batch {lengths}, head-parallel degree {degree}, {packed_layout} layout; "
                     f"placement over the "
                     f"{over}:\n{placed.summary()}\n{plan.round_table()}")

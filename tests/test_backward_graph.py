@@ -84,6 +84,7 @@ def test_join_adds_exactly_the_missing_first_round_deliveries():
         assert ring.backward_plan is ring and ring.with_backward(None) == ring
         again = pickle.loads(pickle.dumps(joined))
         assert again == joined and again.backward == ring
+        assert joined.round_table().splitlines()[-1].startswith("  backward: plan 'ring'")
 
 
 def test_build_plan_joins_only_another_graph():

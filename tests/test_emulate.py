@@ -538,8 +538,8 @@ def test_packed_fcp_hp_runs_the_runtimes_degree(mode):
 
 def test_packed_fcp_hp_runs_te_layout_where_the_runtime_would(monkeypatch):
     """Where the runtime's choice is Transformer Engine's layout (Note [TE's layout as a candidate]),
-    fcp-hp runs that: at degree 1 a plain FCP workload over TE's per-document zigzag on the ring, at
-    degree 2 the packed head-parallel engine over the chosen stage. (The emulated batches are
+    fcp-hp runs that: at degree 1 a plain FCP workload over TE's per-document zigzag, its backward on
+    the ring, at degree 2 the packed head-parallel engine over the chosen stage. (The emulated batches are
     communication-bound, so the choice is forced here.)"""
     from megatron_fcp.contract.placement import thd_placement
     from megatron_fcp.emulate import workloads as wl
@@ -554,10 +554,11 @@ def test_packed_fcp_hp_runs_te_layout_where_the_runtime_would(monkeypatch):
         w = make_workloads(["fcp-hp"], shape, topo, cm)[0]
         assert w.info["layout"] == "thd" and w.info["head_parallel"] == degree
         if degree == 1:
-            assert isinstance(w, FcpWorkload) and w.plan.name == "ring"
+            assert isinstance(w, FcpWorkload) and w.plan.backward_plan.name == "ring"   # the backward on the ring
+            assert w.info["graph"] == w.plan.name and w.info.get("backward_graph", "ring") == "ring"
             assert w.plan.placement == thd_placement(shape.doc_lengths, 4)
         else:
-            assert w.hp_plan is plan and w.hp_plan.kv_plan.name == "ring"
+            assert w.hp_plan is plan and w.hp_plan.kv_plan.backward_plan.name == "ring"
 
 
 def test_packed_lower_bound_over_degrees():

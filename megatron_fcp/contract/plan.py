@@ -486,6 +486,9 @@ class Plan:
                  f"parts/chunk={self.parts_per_chunk} rounds={len(self.rounds)} transfers={self.num_transfers()}"]
         for k, rnd in enumerate(self.rounds):
             lines.append(f"  round {k}: " + ", ".join(str(t) for t in rnd))
+        if self.backward is not None:   # Note [A backward on another graph]
+            lines.append(f"  backward: plan {self.backward.name!r}, rounds={self.backward.num_rounds} "
+                         f"transfers={self.backward.num_transfers()}")
         return "\n".join(lines)
 
 
