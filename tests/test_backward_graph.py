@@ -66,6 +66,12 @@ def test_with_backward_refuses_what_it_cannot_run():
         join_backward(full, unverified)
     with pytest.raises(PlanError, match="same arguments but the graph"):   # a copy onto other ranks
         dataclasses.replace(joined, ranks=(4, 5, 6, 7))
+    hand_made = dataclasses.replace(full, backward=ring)        # past with_backward: verify() refuses it
+    with pytest.raises(PlanError, match="first round.*join_backward"):
+        hand_made.verify()
+    with pytest.raises(PlanError, match="first round"):        # and so does the executor, before sending
+        harness_attention(*(torch.zeros(pl.total_tokens, n, 8, dtype=torch.float64) for n in (2, 1, 1)),
+                          cp=4, plan=hand_made, placement=pl)
 
 
 def test_join_adds_exactly_the_missing_first_round_deliveries():

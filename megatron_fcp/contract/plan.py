@@ -30,7 +30,7 @@ or the plan itself). Everything about the backward reads it and only it: the bac
 (:func:`~megatron_fcp.schedule.program.compile_backward`), so the executor's backward runners, the
 cost model's backward and its floors, and the emulator.
 
-Invariants, checked by :meth:`Plan.with_backward` before anything is sent: both plans are verified
+Invariants, checked by :meth:`Plan.with_backward` and :meth:`Plan.verify` before anything is sent: both plans are verified
 and over the same ranks, placement, mask and blocks; the backward plan has no backward of its own;
 and the forward delivers every block the backward plan delivers in its first round. What a backward
 keeps from the forward (Note [Backward KV modes] in :mod:`megatron_fcp.schedule.program`) is the
@@ -410,6 +410,9 @@ class Plan:
             verify_table(self, max_sends, max_recvs)  # same checks and messages, no objects
         else:
             verify_plan(self, max_sends, max_recvs)
+        if self.backward is not None:   # a plan made with Plan(..., backward=) too, not only with_backward
+            self.backward.verify()
+            self._check_first_round(self.backward)
         object.__setattr__(self, "_verified_ports", (max_sends, max_recvs))  # a fact about frozen data
         return self
 
@@ -431,14 +434,19 @@ class Plan:
             self._check_backward(backward)
             if not (self.verified and backward.verified):
                 raise PlanError("with_backward: verify both plans first (Plan.verify())")
-            missing = self.undelivered_first_round(backward)
-            if missing:
-                rank, block = missing[0]
-                raise PlanError(f"with_backward: plan {backward.name!r} delivers {len(missing)} block(s) in its first "
-                                f"round that plan {self.name!r}'s forward does not (e.g. {block} to rank {rank}), "
-                                "so its backward could not keep them; add them to the forward "
-                                "(megatron_fcp.planner.build.join_backward) or use this plan's own backward")
+            self._check_first_round(backward)
         return self._with(backward=backward)
+
+    def _check_first_round(self, backward: "Plan") -> None:
+        """PlanError unless this plan's forward makes every delivery of ``backward``'s first round
+        (Note [A backward on another graph])."""
+        missing = self.undelivered_first_round(backward)
+        if missing:
+            rank, block = missing[0]
+            raise PlanError(f"backward: plan {backward.name!r} delivers {len(missing)} block(s) in its first "
+                            f"round that plan {self.name!r}'s forward does not (e.g. {block} to rank {rank}), "
+                            "so its backward could not keep them; add them to the forward "
+                            "(megatron_fcp.planner.build.join_backward) or use this plan's own backward")
 
     def undelivered_first_round(self, backward: "Plan") -> list[tuple[int, Block]]:
         """``(rank, block)`` of each delivery of ``backward``'s first round that this plan's
@@ -453,7 +461,8 @@ class Plan:
 
     def _delivery_keys(self, dst: np.ndarray, owner: np.ndarray, chunk: np.ndarray, part: np.ndarray) -> np.ndarray:
         """int64 per delivery: (receiving CP position, block number) as one number, for set tests."""
-        return self.cp_positions(dst) * len(self.blocks()) + self.block_numbers(owner, chunk, part)
+        blocks = block_layout(self.chunks_per_rank(), self.parts_per_chunk)[2]
+        return self.cp_positions(dst) * blocks + self.block_numbers(owner, chunk, part)
 
     def _with(self, **changes) -> "Plan":
         """This plan with fields other than its transfers changed: the rounds are the same object,

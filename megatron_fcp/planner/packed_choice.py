@@ -19,11 +19,11 @@ FCP runs TE's layout on its own engine, its backward over TE's ring
 * the backward streams as chains, which is TE's ring backward (Note [Streaming chain backward] in
   :mod:`megatron_fcp.schedule.chains`), with the first sub-round kept and each rank's own blocks
   in one call;
-* at degree 1 the forward moves each block to its readers over the configured graph (``auto``:
-  the candidates' best forward), plus the ring's first-round relays that the backward keeps (Note
-  [A backward on another graph] in :mod:`megatron_fcp.contract.plan`), where that forward is
-  predicted no slower than the ring's; a head-parallel stage's KV plan stays on the ring both ways,
-  its forward one call per owner and round, which is TE's step.
+* the forward (at degree 1, or a head-parallel stage's KV plan) moves each block to its readers
+  over the configured graph (``auto``: the candidates' best forward), plus the ring's first-round
+  relays that the backward keeps (Note [A backward on another graph] in
+  :mod:`megatron_fcp.contract.plan`), where that forward is predicted no slower than the ring's;
+  else the ring's, one call per owner and round, which is TE's step.
 
 At degree 1 that is TE's ``p2p`` backward. At degree ``g``, the ranks per node, with one head group
 per node, it is TE's ``a2a+p2p``. Priced as run (:class:`~megatron_fcp.cost.head_parallel_packed.PackedAsRun`),
